@@ -1,0 +1,246 @@
+"""Typed node configuration: TOML file plus ``--set key=value`` overrides, validated once.
+
+Each component owns a frozen dataclass of its settings; :class:`AtollConfig` nests them.
+Validation is pydantic's, and every error is reported as one line naming the key, the
+value given and what was expected::
+
+    config error: sync.codec = 'avg': expected one of none, fp16, bf16, int8, int4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "AtollConfig",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "NetworkConfig",
+    "OuterConfig",
+    "RunConfig",
+    "SyncConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_overrides",
+]
+
+_STRICT = ConfigDict(extra="forbid")
+
+CodecName = Literal["none", "fp16", "bf16", "int8", "int4"]
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that does not validate."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class RunConfig:
+    """Identity of the run and where a node keeps its files."""
+
+    run_id: str = Field(default="atoll-demo", min_length=1, max_length=64)
+    seed: int = 0
+    data_dir: str = ".atoll/node"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = Field(default=0, ge=0)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class ModelConfig:
+    """The reference byte-level GPT, or any ``package.module:function`` factory."""
+
+    factory: str = ""
+    n_layer: int = Field(default=2, ge=1, le=64)
+    n_embd: int = Field(default=128, ge=8, le=8192)
+    n_head: int = Field(default=4, ge=1, le=128)
+    context: int = Field(default=128, ge=8, le=8192)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class DataConfig:
+    """Text corpus: the standard library's ``.py`` files unless ``paths`` lists files or globs."""
+
+    paths: tuple[str, ...] = ()
+    val_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+    batch_size: int = Field(default=16, ge=1, le=4096)
+    max_files: int = Field(default=0, ge=0)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class TrainConfig:
+    """The inner loop: AdamW with linear warmup and cosine decay, gradient clipping."""
+
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = Field(default=3e-3, gt=0.0)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    warmup_steps: int = Field(default=50, ge=0)
+    total_steps: int = Field(default=2000, ge=1)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    eval_batches: int = Field(default=8, ge=1)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class OuterConfig:
+    """The DiLoCo outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default)."""
+
+    optimizer: str = "nesterov"
+    lr: float = Field(default=0.7, gt=0.0)
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    kwargs: dict[str, float | int | bool] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class SyncConfig:
+    """How often and how fragments are synchronised."""
+
+    inner_steps: int = Field(default=50, ge=1)
+    fragments: int = Field(default=1, ge=1, le=1024)
+    codec: CodecName = "none"
+    block_size: int = Field(default=256, ge=1, le=2**20)
+    error_feedback: bool = True
+    stochastic_rounding: bool = False
+
+
+@dataclass(frozen=True, config=_STRICT)
+class NetworkConfig:
+    """Where the node listens and whom it joins."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    initial_peers: tuple[str, ...] = ()
+    announce_maddrs: tuple[str, ...] = ()
+    group_size: int = Field(default=4, ge=1, le=256)
+    request_timeout: float = Field(default=30.0, gt=0.0)
+    matchmaking_seconds: float = Field(default=3.0, gt=0.0)
+    round_timeout: float = Field(default=60.0, gt=0.0)
+    max_message_mb: float = Field(default=256.0, gt=0.0)
+    max_tokens_per_round: int = Field(default=10**9, ge=1)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class AtollConfig:
+    """Everything one node needs to know, one nested dataclass per component."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (TOML/JSON friendly)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: Any) -> AtollConfig:
+        """A copy with whole sections or ``section={"key": value}`` updates applied."""
+        data = self.to_dict()
+        for section, values in sections.items():
+            if isinstance(values, dict):
+                data.setdefault(section, {}).update(values)
+            else:
+                data[section] = dataclasses.asdict(values)
+        return build_config(data)
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    kind = err["type"]
+    value = err.get("input")
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        return f"config error: unknown key {key!r}"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "").replace("'", "").replace(" or ", ", ")
+        return f"config error: {key} = {value!r}: expected one of {expected}"
+    return f"config error: {key} = {value!r}: {err['msg'].lower()}"
+
+
+def build_config(data: dict[str, Any]) -> AtollConfig:
+    """Validate a nested dict into an :class:`AtollConfig`.
+
+    Raises:
+        ConfigError: naming the first offending key, the value and what was expected.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError("config error: top level must be a table")
+    for section, values in data.items():
+        if section in _SECTIONS and not isinstance(values, dict):
+            raise ConfigError(f"config error: [{section}] must be a table, got {values!r}")
+    try:
+        return AtollConfig(**data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        raise ConfigError("\n".join(_format_error(e) for e in errors)) from None
+    except TypeError as exc:
+        raise ConfigError(f"config error: {exc}") from None
+
+
+_SECTIONS = tuple(f.name for f in dataclasses.fields(AtollConfig))
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Turn ``["sync.codec=int8", "train.lr=1e-3"]`` into a nested dict.
+
+    Values are parsed as TOML values (numbers, booleans, arrays, quoted strings);
+    anything that is not valid TOML is taken as a bare string.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"config error: override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"config error: override {item!r}: expected section.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out.setdefault(parts[0], {})[parts[1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> AtollConfig:
+    """Load a TOML config (or the defaults when ``path`` is None) and apply overrides.
+
+    Raises:
+        ConfigError: unreadable file, TOML syntax error, or a value that does not validate.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"config error: cannot read {path}: {exc.strerror}") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config error: {path}: {exc}") from None
+    return build_config(_merge(data, parse_overrides(overrides)))

@@ -1,0 +1,140 @@
+"""The DiLoCo outer step, per fragment, and when each fragment syncs.
+
+Each node keeps a *global* copy of every fragment (the value the swarm agreed on at
+the last sync) beside its *local* copy (what its inner optimizer trains). At a sync
+point the fragment's pseudo-gradient ``global - local`` is averaged across peers, the
+outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 as in Douillard et al., "DiLoCo",
+2023) steps the global copy with the average as its gradient, and the local copy is
+reset to the new global value.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from node.config import OuterConfig
+from protocol.fragments import FragmentPlan
+
+__all__ = ["OuterOptimizer", "make_outer_optimizer", "sync_schedule"]
+
+
+def make_outer_optimizer(params: list[torch.Tensor], cfg: OuterConfig) -> torch.optim.Optimizer:
+    """Build the configured outer optimizer over ``params``.
+
+    ``nesterov`` and ``sgd`` are SGD with momentum (with and without Nesterov);
+    any other name is looked up in :mod:`torch.optim` (``"Adam"`` or
+    ``"torch.optim.Adam"``) and given ``lr`` plus ``outer.kwargs``.
+
+    Raises:
+        ValueError: an unknown optimizer name or arguments it does not accept.
+    """
+    name = cfg.optimizer
+    if name == "nesterov":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    attr = name.removeprefix("torch.optim.")
+    factory: Callable[..., Any] | None = getattr(torch.optim, attr, None)
+    if not (isinstance(factory, type) and issubclass(factory, torch.optim.Optimizer)):
+        raise ValueError(
+            f"config error: outer.optimizer = {name!r}: expected nesterov, sgd or a "
+            "torch.optim class name such as Adam"
+        )
+    try:
+        return factory(params, lr=cfg.lr, **cfg.kwargs)
+    except TypeError as exc:
+        raise ValueError(f"config error: outer.kwargs for {name}: {exc}") from None
+
+
+def sync_schedule(inner_steps: int, fragments: int) -> dict[int, list[int]]:
+    """Which fragments sync after which inner step of a round (1-based steps).
+
+    Fragments are staggered evenly across the round so the link carries a steady
+    stream: fragment ``f`` syncs after step ``ceil((f + 1) * H / F)``. Every fragment
+    syncs exactly once per round, the last one after step ``H``.
+    """
+    if inner_steps < 1 or fragments < 1:
+        raise ValueError("inner_steps and fragments must be >= 1")
+    out: dict[int, list[int]] = {}
+    for f in range(fragments):
+        step = -(-(f + 1) * inner_steps // fragments)
+        out.setdefault(step, []).append(f)
+    return out
+
+
+class OuterOptimizer:
+    """Global copies of every fragment and one outer optimizer per fragment.
+
+    Args:
+        model: the local model; its current values become the initial global values.
+        plan: the fragment plan of ``model``.
+        cfg: outer optimizer settings.
+    """
+
+    def __init__(self, model: nn.Module, plan: FragmentPlan, cfg: OuterConfig) -> None:
+        self.plan = plan
+        self.cfg = cfg
+        params = dict(model.named_parameters())
+        self.globals = [
+            nn.Parameter(plan.flatten(params, f), requires_grad=True) for f in range(len(plan))
+        ]
+        self.optimizers = [make_outer_optimizer([g], cfg) for g in self.globals]
+
+    def pseudo_gradient(self, model: nn.Module, fragment: int) -> torch.Tensor:
+        """``global - local`` for one fragment, as a flat float32 vector."""
+        local = self.plan.flatten(dict(model.named_parameters()), fragment)
+        return self.globals[fragment].detach() - local
+
+    def step(self, fragment: int, averaged: torch.Tensor) -> torch.Tensor:
+        """Apply the outer optimizer to a fragment's global copy; return the new value."""
+        g = self.globals[fragment]
+        if averaged.shape != g.shape:
+            raise ValueError(
+                f"fragment {fragment}: averaged pseudo-gradient has shape "
+                f"{tuple(averaged.shape)}, expected {tuple(g.shape)}"
+            )
+        if not torch.isfinite(averaged).all():
+            raise ValueError(f"fragment {fragment}: averaged pseudo-gradient is not finite")
+        g.grad = averaged.to(g.dtype).clone()
+        self.optimizers[fragment].step()
+        self.optimizers[fragment].zero_grad(set_to_none=True)
+        return g.detach()
+
+    def sync_local(self, model: nn.Module, fragment: int) -> None:
+        """Reset the local copy of a fragment to its global value."""
+        self.plan.write(dict(model.named_parameters()), fragment, self.globals[fragment].detach())
+
+    def apply(self, model: nn.Module, fragment: int, averaged: torch.Tensor) -> None:
+        """Outer step on the global copy, then local := global."""
+        self.step(fragment, averaged)
+        self.sync_local(model, fragment)
+
+    def global_vector(self, fragment: int) -> torch.Tensor:
+        return self.globals[fragment].detach().clone()
+
+    def set_global(self, fragment: int, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.globals[fragment].copy_(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "globals": [g.detach().clone() for g in self.globals],
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        globals_ = state["globals"]
+        if len(globals_) != len(self.globals):
+            raise ValueError("checkpoint has a different number of fragments")
+        for g, value in zip(self.globals, globals_):
+            if value.shape != g.shape:
+                raise ValueError("checkpoint fragment shape does not match the model")
+            with torch.no_grad():
+                g.copy_(value)
+        for opt, st in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(st)

@@ -1,0 +1,124 @@
+"""The inner loop: local optimizer steps on this node's data, and evaluation.
+
+Read top to bottom: :meth:`InnerTrainer.step` takes one batch, computes the
+next-byte cross-entropy, clips the gradient, and steps AdamW at the learning rate of
+a linear-warmup + cosine schedule. :func:`evaluate` reports bits per byte on fixed
+validation batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from node.config import TrainConfig
+from node.data import BatchStream, bits_per_byte
+
+__all__ = ["InnerTrainer", "StepResult", "evaluate", "lr_at", "make_inner_optimizer"]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate after ``step`` completed steps: linear warmup, then cosine decay."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (default), Adam or SGD; no weight decay on biases, norms and embeddings' 1-D params."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one inner step did."""
+
+    loss: float
+    tokens: int
+    lr: float
+
+
+class InnerTrainer:
+    """Local training of one model copy.
+
+    Args:
+        model: the local model (its parameters are trained in place).
+        cfg: inner-loop settings.
+        stream: this node's training batches.
+        device: where to compute.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        stream: BatchStream,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.stream = stream
+        self.device = torch.device(device)
+        self.optimizer = make_inner_optimizer(model, cfg)
+        self.steps = 0
+        self.tokens = 0
+
+    def step(self) -> StepResult:
+        """One optimizer step on the next batch."""
+        lr = lr_at(self.steps, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = self.stream.next()
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        self.model.train()
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.steps += 1
+        self.tokens += targets.numel()
+        return StepResult(loss=float(loss.detach()), tokens=targets.numel(), lr=lr)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device | str = "cpu",
+) -> float:
+    """Mean validation loss over ``batches``, in bits per byte."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for inputs, targets in batches:
+        logits = model(inputs.to(device))
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.to(device).reshape(-1), reduction="sum"
+        )
+        total += float(loss)
+        count += targets.numel()
+    model.train(was_training)
+    return bits_per_byte(total / max(1, count))

@@ -1,0 +1,351 @@
+"""The wire format: versioned, signed msgpack envelopes.
+
+Every message on the wire is::
+
+    wire        = msgpack([version, signed_bytes, signature])
+    signed_bytes = msgpack([version, kind, run_id, round, fragment, part, sender, body])
+    signature   = Ed25519(sender's key, signed_bytes)        # 64 bytes
+
+The signature covers every header field and the body, so nothing a receiver acts on
+is unsigned. The sender is a PeerID that embeds its own public key, so the receiver
+verifies with nothing but the message. msgpack only: nothing here ever unpickles.
+
+:func:`open_envelope` is the single gate for bytes from peers. It checks the size
+before parsing, parses with hard msgpack limits so hostile input cannot blow up
+memory, and reports every refusal as a :class:`~protocol.errors.ProtocolError` whose
+``reason`` is one of ``oversized``, ``malformed``, ``bad_version``, ``wrong_run``,
+``wrong_kind``, ``stale_round``, ``sender_mismatch`` or ``bad_signature``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from protocol.errors import ProtocolError
+from verification.errors import VerificationError
+from verification.identity import Identity, public_key_from_peer_id, verify
+
+__all__ = [
+    "MAX_BODY_ITEMS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_NAME_CHARS",
+    "PROTOCOL_VERSION",
+    "Envelope",
+    "Header",
+    "open_envelope",
+    "seal",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 2**20
+"""Default hard cap on one message on the wire; callers may pass a smaller one."""
+MAX_BODY_ITEMS = 2**16
+"""Cap on the total number of array elements and map entries in one body.
+
+A one-byte msgpack ``{}`` becomes a ~64-byte Python dict, so without a count a
+64 MiB message could expand to gigabytes. Tensors travel as single ``bytes`` values,
+so real bodies stay far below this.
+"""
+MAX_NAME_CHARS = 128
+"""Longest ``kind``, ``run_id`` or ``sender`` accepted in a header."""
+
+_SIGNATURE_LEN = 64
+_MAX_HEADER_INT = 2**63 - 1
+_OUTER_LEN = 3
+_SIGNED_LEN = 8
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a message is about; every field is covered by the signature.
+
+    Attributes:
+        kind: message type, e.g. ``"part"``, ``"reduced"``, ``"state_req"``,
+            ``"state_chunk"``, ``"announce"``.
+        run_id: the training run this message belongs to.
+        round: the outer round it belongs to.
+        fragment: the model fragment it carries (0 when not about a fragment).
+        part: the part index within the fragment's all-reduce (0 when unused).
+        sender: the signer's PeerID in base58.
+    """
+
+    kind: str
+    run_id: str
+    round: int
+    fragment: int
+    part: int
+    sender: str
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A received message whose signature and header have been checked.
+
+    Attributes:
+        header: the signed header.
+        body: the signed body; a dict with str keys, values as msgpack gives them
+            (lists for arrays, ``bytes`` for binary).
+        signature: the sender's 64-byte Ed25519 signature over ``raw_signed``.
+        raw_signed: the exact bytes that were signed, kept as evidence: anyone can
+            re-check them with ``verification.identity.verify(sender, raw_signed,
+            signature)``.
+    """
+
+    header: Header
+    body: dict[str, Any]
+    signature: bytes
+    raw_signed: bytes
+
+    @property
+    def digest(self) -> bytes:
+        """SHA-256 of ``raw_signed``: the payload digest for audit logs and commitments.
+
+        It covers the header and body exactly as signed, and not the signature, so it
+        names *what was said* regardless of how the signature bytes travel. Ed25519
+        signing is deterministic, so re-sealing the same content gives the same digest.
+        """
+        return hashlib.sha256(self.raw_signed).digest()
+
+
+def seal(identity: Identity, header: Header, body: dict[str, Any]) -> bytes:
+    """Sign and encode one message.
+
+    Args:
+        identity: the key to sign with; must be the one named in ``header.sender``.
+        header: the message header.
+        body: a msgpack-able dict with str keys (``bytes`` values travel as binary).
+
+    Returns:
+        The wire bytes.
+
+    Raises:
+        ValueError: if the sender is not ``identity``, a header field is out of range,
+            the body has non-str keys or too many items, or the result exceeds
+            ``MAX_MESSAGE_BYTES`` (a receiver would refuse all of these).
+        TypeError: if the body holds a value msgpack cannot encode.
+    """
+    if header.sender != identity.peer_id:
+        raise ValueError(
+            f"header.sender {header.sender!r} is not this identity ({identity.peer_id})"
+        )
+    problem = _header_problem(header) or _body_problem(body)
+    if problem:
+        raise ValueError(problem)
+    if _count_items(body) > MAX_BODY_ITEMS:
+        raise ValueError(f"body has more than {MAX_BODY_ITEMS} items")
+    signed = msgpack.packb(
+        [
+            PROTOCOL_VERSION,
+            header.kind,
+            header.run_id,
+            header.round,
+            header.fragment,
+            header.part,
+            header.sender,
+            body,
+        ],
+        use_bin_type=True,
+    )
+    wire = msgpack.packb([PROTOCOL_VERSION, signed, identity.sign(signed)], use_bin_type=True)
+    if len(wire) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message is {len(wire)} bytes, over the {MAX_MESSAGE_BYTES} byte cap")
+    return wire
+
+
+def open_envelope(
+    data: bytes,
+    *,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    expected_sender: str | None = None,
+    run_id: str | None = None,
+    kinds: Collection[str] | None = None,
+    round_window: tuple[int, int] | None = None,
+) -> Envelope:
+    """Parse, authenticate and check one message from a peer.
+
+    Checks run cheapest-first up to the signature, then the signature, then the
+    header against what the caller expects, so a ``wrong_run``/``wrong_kind``/
+    ``stale_round`` refusal is always attributable to the key that signed it.
+
+    Args:
+        data: the wire bytes.
+        max_bytes: refuse anything longer, before parsing.
+        expected_sender: the stream's authenticated PeerID (``ctx.remote_id``); the
+            signed sender must equal it, so a peer cannot relay another's message as
+            its own contribution.
+        run_id: the only run accepted.
+        kinds: the message kinds accepted.
+        round_window: inclusive ``(lo, hi)`` range of accepted rounds; anything
+            outside is a replay or from a peer too far behind or ahead.
+
+    Returns:
+        The checked envelope.
+
+    Raises:
+        ProtocolError: for any refused input (and nothing else for bad bytes).
+        ValueError: if ``round_window`` itself is inverted (a caller bug).
+    """
+    if round_window is not None and round_window[0] > round_window[1]:
+        raise ValueError(f"round_window {round_window} has lo > hi")
+    peer = expected_sender
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError("malformed", f"expected bytes, got {type(data).__name__}", peer)
+    if len(data) > max_bytes:
+        raise ProtocolError("oversized", f"{len(data)} bytes > {max_bytes}", peer)
+
+    signed, signature = _parse_outer(bytes(data), peer)
+    header, body = _parse_signed(signed, peer)
+    if expected_sender is not None and header.sender != expected_sender:
+        raise ProtocolError(
+            "sender_mismatch", f"signed sender {header.sender} is not the stream peer", peer
+        )
+    peer = header.sender
+    if len(signature) != _SIGNATURE_LEN or not verify(header.sender, signed, signature):
+        raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
+
+    if run_id is not None and header.run_id != run_id:
+        raise ProtocolError("wrong_run", f"run {header.run_id!r}, expected {run_id!r}", peer)
+    if kinds is not None and header.kind not in kinds:
+        raise ProtocolError("wrong_kind", f"kind {header.kind!r} not accepted here", peer)
+    if round_window is not None and not round_window[0] <= header.round <= round_window[1]:
+        raise ProtocolError(
+            "stale_round",
+            f"round {header.round} outside [{round_window[0]}, {round_window[1]}]",
+            peer,
+        )
+    return Envelope(header=header, body=body, signature=signature, raw_signed=signed)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    # No message uses msgpack extension types; refusing them keeps the decoded
+    # values to plain Python types.
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def _parse_outer(data: bytes, peer: str | None) -> tuple[bytes, bytes]:
+    try:
+        outer = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_reject_ext,
+            max_bin_len=len(data),
+            max_str_len=MAX_NAME_CHARS,
+            max_array_len=16,
+            max_map_len=16,
+            max_ext_len=0,
+        )
+    except Exception as e:  # hostile bytes: every msgpack failure is one reason
+        raise ProtocolError("malformed", f"outer frame: {type(e).__name__}: {e}", peer) from None
+    if not isinstance(outer, list) or not outer:
+        raise ProtocolError("malformed", "outer frame is not a non-empty array", peer)
+    # The version comes first so that a future layout is reported as a version
+    # mismatch rather than as garbage.
+    if type(outer[0]) is not int:
+        raise ProtocolError("malformed", "version is not an int", peer)
+    if outer[0] != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"version {outer[0]}, expected {PROTOCOL_VERSION}", peer)
+    if len(outer) != _OUTER_LEN:
+        raise ProtocolError("malformed", f"outer frame has {len(outer)} items, expected 3", peer)
+    _, signed, signature = outer
+    if not isinstance(signed, bytes) or not isinstance(signature, bytes):
+        raise ProtocolError("malformed", "signed payload and signature must be binary", peer)
+    return signed, signature
+
+
+def _parse_signed(signed: bytes, peer: str | None) -> tuple[Header, dict[str, Any]]:
+    budget = _ItemBudget(MAX_BODY_ITEMS + _SIGNED_LEN)
+    try:
+        fields = msgpack.unpackb(
+            signed,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_reject_ext,
+            list_hook=budget.list_hook,
+            object_hook=budget.object_hook,
+            max_bin_len=len(signed),
+            max_str_len=len(signed),
+            max_array_len=MAX_BODY_ITEMS,
+            max_map_len=MAX_BODY_ITEMS,
+            max_ext_len=0,
+        )
+    except Exception as e:  # hostile bytes: every msgpack failure is one reason
+        raise ProtocolError("malformed", f"signed payload: {type(e).__name__}: {e}", peer) from None
+    if not isinstance(fields, list) or len(fields) != _SIGNED_LEN:
+        raise ProtocolError("malformed", "signed payload is not an 8-item array", peer)
+    version, *header_fields, body = fields
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError("malformed", "signed version differs from the frame's", peer)
+    header = Header(*header_fields)
+    problem = _header_problem(header) or _body_problem(body)
+    if problem:
+        raise ProtocolError("malformed", problem, peer)
+    return header, body
+
+
+class _ItemBudget:
+    """Counts decoded array elements and map entries across a whole payload.
+
+    ``max_array_len`` bounds each container, but not how many there are; msgpack
+    calls these hooks as each container completes, so the count stops a payload of
+    many small containers before it grows much past the budget.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def _take(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_BODY_ITEMS} items")
+
+    def list_hook(self, items: list[Any]) -> list[Any]:
+        self._take(len(items))
+        return items
+
+    def object_hook(self, mapping: dict[Any, Any]) -> dict[Any, Any]:
+        # Empty maps cost a whole dict each, so they count as one item.
+        self._take(max(len(mapping), 1))
+        return mapping
+
+
+def _header_problem(header: Header) -> str | None:
+    """Why a header is unacceptable, or None."""
+    for name in ("kind", "run_id", "sender"):
+        value = getattr(header, name)
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
+            return f"header.{name} must be a str of 1..{MAX_NAME_CHARS} chars"
+    for name in ("round", "fragment", "part"):
+        value = getattr(header, name)
+        # type() rather than isinstance(): msgpack decodes true/false as bools.
+        if type(value) is not int or not 0 <= value <= _MAX_HEADER_INT:
+            return f"header.{name} must be an int in [0, 2**63)"
+    try:
+        public_key_from_peer_id(header.sender)
+    except VerificationError as e:
+        return f"header.sender is not an Ed25519 PeerID: {e.detail}"
+    return None
+
+
+def _body_problem(body: object) -> str | None:
+    if not isinstance(body, dict):
+        return f"body must be a dict, got {type(body).__name__}"
+    if not all(isinstance(key, str) for key in body):
+        return "body keys must be str"
+    return None
+
+
+def _count_items(value: object) -> int:
+    """Array elements plus map entries, counted the way :class:`_ItemBudget` does."""
+    if isinstance(value, dict):
+        return max(len(value), 1) + sum(_count_items(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return len(value) + sum(_count_items(v) for v in value)
+    return 0

@@ -1,0 +1,68 @@
+import pytest
+
+from node.config import AtollConfig, ConfigError, load_config, parse_overrides
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, AtollConfig)
+    assert cfg.outer.optimizer == "nesterov" and cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[sync]\ncodec = "int8"\ninner_steps = 10\n[model]\nn_layer = 3\n')
+    cfg = load_config(path, ["sync.inner_steps=20", "data.paths=['a', 'b']"])
+    assert cfg.sync.codec == "int8"
+    assert cfg.sync.inner_steps == 20
+    assert cfg.model.n_layer == 3
+    assert cfg.data.paths == ("a", "b")
+
+
+def test_bad_choice_names_key_and_choices():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["sync.codec=avg"])
+    assert str(info.value) == (
+        "config error: sync.codec = 'avg': expected one of none, fp16, bf16, int8, int4"
+    )
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (["sync.nope=1"], "unknown key 'sync.nope'"),
+        (["train.lr=-1"], "train.lr = -1"),
+        (["model.n_layer='x'"], "model.n_layer = 'x'"),
+        (["sync=1"], "expected section.key=value"),
+        (["noequals"], "expected key=value"),
+    ],
+)
+def test_errors_name_the_key(override, fragment):
+    with pytest.raises(ConfigError, match="config error") as info:
+        load_config(None, override)
+    assert fragment in str(info.value)
+
+
+def test_broken_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sync\ncodec=")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    section = tmp_path / "section.toml"
+    section.write_text("sync = 3\n")
+    with pytest.raises(ConfigError, match=r"\[sync\] must be a table"):
+        load_config(section)
+
+
+def test_parse_overrides_types():
+    out = parse_overrides(["a.b=1", "a.c=true", "a.d=hello", "b.e=1.5"])
+    assert out == {"a": {"b": 1, "c": True, "d": "hello"}, "b": {"e": 1.5}}
+
+
+def test_replace_revalidates():
+    cfg = load_config()
+    assert cfg.replace(sync={"fragments": 3}).sync.fragments == 3
+    with pytest.raises(ConfigError):
+        cfg.replace(sync={"fragments": 0})

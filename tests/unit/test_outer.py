@@ -1,0 +1,84 @@
+import pytest
+import torch
+from torch import nn
+
+from node.config import OuterConfig
+from node.outer import OuterOptimizer, make_outer_optimizer, sync_schedule
+from protocol.fragments import plan_fragments
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, 2.0]))
+
+
+def test_nesterov_matches_hand_computation():
+    model = Toy()
+    plan = plan_fragments(model, 1)
+    outer = OuterOptimizer(model, plan, OuterConfig())
+    with torch.no_grad():
+        model.w.copy_(torch.tensor([0.5, 2.5]))
+    pg = outer.pseudo_gradient(model, 0)
+    torch.testing.assert_close(pg, torch.tensor([0.5, -0.5]))
+    # Step 1: buf = g; update = g + 0.9 * buf = 1.9 g; w = w0 - 0.7 * update.
+    outer.apply(model, 0, pg)
+    torch.testing.assert_close(model.w.detach(), torch.tensor([0.335, 2.665]))
+    # Step 2 with g2 = [0.1, 0.2]: buf = 0.9*[0.5,-0.5] + g2 = [0.55, -0.25];
+    # update = g2 + 0.9*buf = [0.595, -0.025]; w = [0.335 - 0.4165, 2.665 + 0.0175].
+    outer.apply(model, 0, torch.tensor([0.1, 0.2]))
+    torch.testing.assert_close(model.w.detach(), torch.tensor([-0.0815, 2.6825]))
+    torch.testing.assert_close(outer.global_vector(0), model.w.detach())
+
+
+def test_lr1_plain_sgd_is_plain_averaging():
+    model = Toy()
+    outer = OuterOptimizer(
+        model, plan_fragments(model, 1), OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
+    )
+    with torch.no_grad():
+        model.w.copy_(torch.tensor([3.0, 4.0]))
+    outer.apply(model, 0, outer.pseudo_gradient(model, 0))
+    torch.testing.assert_close(model.w.detach(), torch.tensor([3.0, 4.0]))
+
+
+def test_other_optimizers_and_errors():
+    p = [nn.Parameter(torch.zeros(2))]
+    assert isinstance(
+        make_outer_optimizer(p, OuterConfig(optimizer="Adam", lr=0.1)), torch.optim.Adam
+    )
+    assert isinstance(
+        make_outer_optimizer(p, OuterConfig(optimizer="torch.optim.SGD", lr=0.1)), torch.optim.SGD
+    )
+    with pytest.raises(ValueError, match="outer.optimizer"):
+        make_outer_optimizer(p, OuterConfig(optimizer="nope"))
+    with pytest.raises(ValueError, match="outer.kwargs"):
+        make_outer_optimizer(p, OuterConfig(optimizer="Adam", kwargs={"bogus": 1}))
+    model = Toy()
+    outer = OuterOptimizer(model, plan_fragments(model, 1), OuterConfig())
+    with pytest.raises(ValueError, match="shape"):
+        outer.step(0, torch.zeros(3))
+    with pytest.raises(ValueError, match="not finite"):
+        outer.step(0, torch.tensor([float("nan"), 0.0]))
+
+
+def test_state_dict_round_trip():
+    model = Toy()
+    plan = plan_fragments(model, 1)
+    a = OuterOptimizer(model, plan, OuterConfig())
+    a.step(0, torch.tensor([0.5, -0.5]))
+    b = OuterOptimizer(Toy(), plan, OuterConfig())
+    b.load_state_dict(a.state_dict())
+    a.step(0, torch.tensor([0.1, 0.2]))
+    b.step(0, torch.tensor([0.1, 0.2]))
+    torch.testing.assert_close(a.global_vector(0), b.global_vector(0))
+
+
+def test_sync_schedule_staggers_every_fragment_once():
+    assert sync_schedule(50, 1) == {50: [0]}
+    assert sync_schedule(8, 4) == {2: [0], 4: [1], 6: [2], 8: [3]}
+    sched = sync_schedule(5, 3)
+    assert sorted(f for fs in sched.values() for f in fs) == [0, 1, 2]
+    assert max(sched) == 5
+    with pytest.raises(ValueError):
+        sync_schedule(0, 1)

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+import torch
+
+from node.cli import main
+from node.config import load_config
+from node.simulate import simulate, weighted_mean
+
+SMALL = [
+    "data.max_files=120",
+    "data.batch_size=8",
+    "model.context=64",
+    "model.n_embd=64",
+    "train.warmup_steps=5",
+    "train.total_steps=60",
+    "train.eval_batches=4",
+    "sync.inner_steps=10",
+]
+
+
+def test_weighted_mean_hand_computed():
+    out = weighted_mean([torch.tensor([1.0, 0.0]), torch.tensor([4.0, 3.0])], [1.0, 2.0])
+    torch.testing.assert_close(out, torch.tensor([3.0, 2.0]))
+    with pytest.raises(ValueError):
+        weighted_mean([torch.zeros(1)], [0.0])
+
+
+def test_simulation_lowers_bits_per_byte_and_is_deterministic():
+    cfg = load_config(None, SMALL)
+    a = simulate(cfg, replicas=2, rounds=3)
+    b = simulate(cfg, replicas=2, rounds=3)
+    assert a["val_bpb_start"] > 7.5
+    assert a["val_bpb_end"] < a["val_bpb_start"] - 2.0
+    assert a["val_bpb_end"] == b["val_bpb_end"]
+    assert [h["val_bpb"] for h in a["history"]] == [h["val_bpb"] for h in b["history"]]
+
+
+def test_compressed_simulation_tracks_uncompressed():
+    cfg = load_config(None, SMALL + ["sync.fragments=3"])
+    plain = simulate(cfg, replicas=2, rounds=2)
+    int8 = simulate(cfg.replace(sync={"codec": "int8"}), replicas=2, rounds=2)
+    assert int8["payload_bytes_per_replica"] < plain["payload_bytes_per_replica"] / 3
+    assert abs(int8["val_bpb_end"] - plain["val_bpb_end"]) < 0.1
+
+
+def test_cli_json_last_line(capsys):
+    args = ["simulate", "--replicas", "2", "--rounds", "1", "--inner-steps", "5", "--json"]
+    for item in SMALL:
+        args += ["--set", item]
+    assert main(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    for key in ("replicas", "rounds", "val_bpb_start", "val_bpb_end"):
+        assert key in summary
+    assert summary["replicas"] == 2 and summary["rounds"] == 1
+
+
+def test_cli_config_error_exit_code(capsys):
+    assert main(["simulate", "--set", "sync.codec=avg"]) == 2
+    assert "sync.codec = 'avg'" in capsys.readouterr().err
