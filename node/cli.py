@@ -63,6 +63,88 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from node.daemon import Node
+
+    overrides = list(args.overrides)
+    if args.data_dir:
+        overrides.append(f"run.data_dir={json.dumps(args.data_dir)}")
+    if args.rounds is not None:
+        overrides.append(f"run.max_rounds={args.rounds}")
+    cfg = load_config(args.config, overrides)
+    return Node(cfg, initial_peers=tuple(args.initial_peers)).run()
+
+
+def _cmd_swarm(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from node import swarm
+
+    cfg = load_config(args.config, args.overrides)  # validate once, before starting anything
+    directory = Path(args.dir or f".atoll/swarm-{time.strftime('%Y%m%d-%H%M%S')}")
+    spec = swarm.SwarmSpec(
+        nodes=args.nodes,
+        config_path=args.config,
+        overrides=list(args.overrides),
+        directory=directory,
+        rounds=args.rounds if args.rounds is not None else cfg.run.max_rounds,
+    )
+    if args.nodes < 1:
+        raise ValueError("--nodes must be >= 1")
+    out = sys.stderr if args.json else sys.stdout
+    print(f"starting {args.nodes} nodes in {directory} (Ctrl-C stops them all)", file=out)
+    if out.isatty():
+        from rich.console import Console
+        from rich.live import Live
+
+        with Live(console=Console(file=out), refresh_per_second=2) as live:
+            summary = swarm.run_swarm(
+                spec, cfg, on_tick=lambda ns: live.update(swarm.render_table(ns))
+            )
+    else:
+        seen: dict[int, int] = {}
+
+        def tick(nodes: list[swarm.SwarmProcess]) -> None:
+            for n in nodes:
+                st = n.status
+                rnd = st.get("round", 0)
+                if rnd and seen.get(n.index) != rnd:
+                    seen[n.index] = rnd
+                    bpb = st.get("val_bpb")
+                    print(
+                        f"node {n.index} round {rnd} val_bpb "
+                        f"{bpb:.3f} sent {st.get('bytes_sent', 0) / 2**20:.2f} MiB"
+                        if isinstance(bpb, float)
+                        else f"node {n.index} round {rnd}",
+                        file=out,
+                        flush=True,
+                    )
+
+        summary = swarm.run_swarm(spec, cfg, on_tick=tick)
+    print(swarm.format_summary(summary), file=out)
+    if args.json:
+        print(swarm.dump_json(summary))
+    ok = not summary["interrupted"] and all(c == 0 for c in summary["exit_codes"])
+    return 0 if ok else 1
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verification.identity import Identity
+
+    path = Path(args.out) if args.out else Path(args.data_dir) / "identity.key"
+    if path.exists() and not args.force:
+        identity = Identity.load(path)
+        print(f"{path} already exists (use --force to replace); PeerID {identity.peer_id}")
+        return 0
+    identity = Identity.generate()
+    identity.save(path)
+    print(f"wrote {path}; PeerID {identity.peer_id}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atoll", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -79,6 +161,29 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--codec", default=None, help="none, fp16, bf16, int8 or int4")
     sim.add_argument("--json", action="store_true", help="last line: one JSON summary")
     sim.set_defaults(func=_cmd_simulate)
+
+    run = sub.add_parser("run", help="run one training node")
+    _add_config_args(run)
+    run.add_argument(
+        "--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs to join through"
+    )
+    run.add_argument("--data-dir", default=None, help="run.data_dir (key, checkpoints, logs)")
+    run.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
+    run.set_defaults(func=_cmd_run)
+
+    sw = sub.add_parser("swarm", help="run N real nodes on 127.0.0.1 with a live view")
+    _add_config_args(sw)
+    sw.add_argument("--nodes", type=int, default=4)
+    sw.add_argument("--rounds", type=int, default=None, help="rounds per node (run.max_rounds)")
+    sw.add_argument("--dir", default=None, help="swarm directory (default .atoll/swarm-TIME)")
+    sw.add_argument("--json", action="store_true", help="last line: one JSON summary")
+    sw.set_defaults(func=_cmd_swarm)
+
+    keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")
+    keygen.add_argument("--data-dir", default=".atoll/node")
+    keygen.add_argument("--out", default=None, help="key file (default DATA_DIR/identity.key)")
+    keygen.add_argument("--force", action="store_true", help="replace an existing key")
+    keygen.set_defaults(func=_cmd_keygen)
     return parser
 
 

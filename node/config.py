@@ -54,6 +54,9 @@ class RunConfig:
     data_dir: str = ".atoll/node"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = Field(default=0, ge=0)
+    max_rounds: int = Field(default=0, ge=0)
+    checkpoint_every: int = Field(default=1, ge=1)
+    eval_every: int = Field(default=1, ge=1)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -113,6 +116,12 @@ class SyncConfig:
     error_feedback: bool = True
     stochastic_rounding: bool = False
 
+    def __post_init__(self) -> None:
+        if self.stochastic_rounding and self.codec not in ("int8", "int4"):
+            raise ValueError(
+                f"sync.stochastic_rounding needs codec int8 or int4, not {self.codec!r}"
+            )
+
 
 @dataclass(frozen=True, config=_STRICT)
 class NetworkConfig:
@@ -128,6 +137,9 @@ class NetworkConfig:
     round_timeout: float = Field(default=60.0, gt=0.0)
     max_message_mb: float = Field(default=256.0, gt=0.0)
     max_tokens_per_round: int = Field(default=10**9, ge=1)
+    min_peers: int = Field(default=1, ge=1)
+    min_peers_timeout: float = Field(default=60.0, gt=0.0)
+    registry_seconds: float = Field(default=2.0, gt=0.0)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -166,6 +178,8 @@ def _format_error(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "").replace("'", "").replace(" or ", ", ")
         return f"config error: {key} = {value!r}: expected one of {expected}"
+    if kind == "value_error":
+        return f"config error: {err['msg'].removeprefix('Value error, ')}"
     return f"config error: {key} = {value!r}: {err['msg'].lower()}"
 
 

@@ -1,0 +1,411 @@
+"""Butterfly all-reduce of one fragment inside one group, over signed messages.
+
+The fragment's vector is cut into one contiguous part per group member, in group
+order. Member ``i`` sends its encoded, signed part ``j`` to member ``j`` (the part's
+*owner*) in one RPC; the owner waits until every member's part is in or its
+deadline passes, reduces what it has (token-weighted mean unless a robust reducer is
+plugged in), encodes and signs the result once, and answers every caller with the
+same bytes. Each member assembles the full vector from the reduced parts; the owner
+uses the decoded bytes it sent, so every member ends with bitwise identical values.
+
+Nothing waits forever: a member that vanishes costs only its contribution; a part
+whose owner vanished (or answered with something invalid) falls back to this node's
+own value, and :class:`AllReduceResult` says exactly which peers are in which part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import codec as codecs
+from protocol.errors import ProtocolError
+from protocol.messages import Envelope, Header, open_envelope, seal
+from protocol.transport import Transport
+from verification.identity import Identity
+
+__all__ = [
+    "AllReduceResult",
+    "AllReduceService",
+    "AllReduceSettings",
+    "Contribution",
+    "part_bounds",
+    "weighted_mean_reducer",
+]
+
+logger = logging.getLogger(__name__)
+
+RPC_NAME = "atoll.part"
+_SESSION_ROUNDS_KEPT = 3
+
+
+@dataclass(frozen=True)
+class AllReduceSettings:
+    """How parts are encoded, bounded and waited for."""
+
+    run_id: str
+    codec: str = "none"
+    block_size: int = 256
+    timeout: float = 30.0
+    max_tokens: int = 10**9
+    max_message_bytes: int = 256 * 2**20
+    round_window: int = 2
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One member's decoded part, as the owner received it."""
+
+    peer: str
+    vector: torch.Tensor
+    weight: float
+    digest: bytes
+
+
+Reducer = Callable[[Sequence[Contribution]], tuple[torch.Tensor, list[str]]]
+"""Reduces contributions to one vector; returns it and the peers it actually used."""
+
+
+def weighted_mean_reducer(contributions: Sequence[Contribution]) -> tuple[torch.Tensor, list[str]]:
+    """Token-weighted mean (plain mean when every weight is zero)."""
+    weights = [max(0.0, c.weight) for c in contributions]
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1.0] * len(contributions), float(len(contributions))
+    out = torch.zeros_like(contributions[0].vector)
+    for c, w in zip(contributions, weights):
+        out.add_(c.vector, alpha=w / total)
+    return out, [c.peer for c in contributions]
+
+
+def part_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges, near-equal and aligned to ``align`` elements.
+
+    Aligning part edges to the codec's block size means a part is encoded with the
+    same blocks as the whole vector would be.
+    """
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    blocks = -(-numel // align)
+    base, extra = divmod(blocks, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = (base + (1 if p < extra else 0)) * align
+        end = min(numel, start + size)
+        out.append((start, end))
+        start = end
+    return out
+
+
+@dataclass
+class AllReduceResult:
+    """What one all-reduce produced, and exactly whose values are in it."""
+
+    vector: torch.Tensor
+    group: list[str]
+    contributors: list[list[str]]
+    fallback_parts: list[int]
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """True when every part holds every group member's contribution."""
+        return not self.fallback_parts and all(
+            sorted(c) == sorted(self.group) for c in self.contributors
+        )
+
+    @property
+    def peers_in(self) -> set[str]:
+        return {p for part in self.contributors for p in part}
+
+
+@dataclass
+class _Session:
+    """The owner's side of one ``(round, fragment)``: its part's contributions."""
+
+    created: float
+    group: list[str] | None = None
+    index: int = -1
+    numel: int = 0
+    deadline: float = 0.0
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    full: asyncio.Event = field(default_factory=asyncio.Event)
+    reduced: asyncio.Event = field(default_factory=asyncio.Event)
+    reply: bytes = b""
+
+
+class AllReduceService:
+    """This node's all-reduce endpoint and client.
+
+    Args:
+        transport: the node's transport.
+        identity: the node's key (signs every part and every reduced result).
+        settings: encoding, limits and deadlines.
+        reducer: how an owner combines contributions (weighted mean by default).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        identity: Identity,
+        settings: AllReduceSettings,
+        reducer: Reducer = weighted_mean_reducer,
+    ) -> None:
+        self.transport = transport
+        self.identity = identity
+        self.settings = settings
+        self.reducer = reducer
+        self.current_round = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.rejected: dict[str, int] = {}
+        self._sessions: dict[tuple[int, int], _Session] = {}
+
+    def register(self) -> None:
+        """Start serving part requests."""
+        self.transport.add_handler(
+            RPC_NAME,
+            self._handle,
+            max_request_bytes=self.settings.max_message_bytes,
+            timeout=self.settings.timeout * 2 + 5.0,
+        )
+
+    # ---- owner side -------------------------------------------------------------------
+
+    def _session(self, round_: int, fragment: int) -> _Session:
+        key = (round_, fragment)
+        if key not in self._sessions:
+            self._sessions[key] = _Session(created=time.monotonic())
+        for old in [k for k in self._sessions if k[0] < self.current_round - _SESSION_ROUNDS_KEPT]:
+            del self._sessions[old]
+        return self._sessions[key]
+
+    def _reject(self, reason: str, detail: str, peer: str) -> ProtocolError:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        return ProtocolError(reason, detail, peer)
+
+    async def _handle(self, peer: str, data: bytes) -> bytes:
+        self.bytes_received += len(data)
+        lo = max(0, self.current_round - 1)
+        env = open_envelope(
+            data,
+            max_bytes=self.settings.max_message_bytes,
+            expected_sender=peer,
+            run_id=self.settings.run_id,
+            kinds=("part",),
+            round_window=(lo, self.current_round + self.settings.round_window),
+        )
+        h = env.header
+        session = self._session(h.round, h.fragment)
+        try:
+            await asyncio.wait_for(session.ready.wait(), self.settings.timeout)
+        except asyncio.TimeoutError:
+            raise self._reject("not_in_round", "this node did not join that round", peer) from None
+        group = env.body.get("group")
+        if group != session.group:
+            raise self._reject("group_mismatch", "sender's group differs from the owner's", peer)
+        if peer not in session.group or h.part != session.index:
+            raise self._reject("wrong_part", f"part {h.part} is not owned here", peer)
+        if peer in session.contributions:
+            raise self._reject("duplicate", "a second part for the same round and fragment", peer)
+        contribution = self._decode_contribution(env, session.numel, peer)
+        if time.monotonic() > session.deadline or session.reduced.is_set():
+            raise self._reject("late", "part arrived after the owner's deadline", peer)
+        session.contributions[peer] = contribution
+        if len(session.contributions) == len(session.group):
+            session.full.set()
+        await asyncio.wait_for(session.reduced.wait(), self.settings.timeout + 5.0)
+        self.bytes_sent += len(session.reply)
+        return session.reply
+
+    def _decode_contribution(self, env: Envelope, numel: int, peer: str) -> Contribution:
+        try:
+            enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
+            vector = codecs.decode(enc, expected_numel=numel)
+        except ProtocolError as exc:
+            raise self._reject(exc.reason, exc.detail, peer) from None
+        if not torch.isfinite(vector).all():
+            raise self._reject("not_finite", "part holds NaN or inf", peer)
+        weight = env.body.get("weight")
+        if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+            raise self._reject("malformed", "weight must be a non-negative integer", peer)
+        return Contribution(
+            peer=peer,
+            vector=vector,
+            weight=float(min(weight, self.settings.max_tokens)),
+            digest=env.digest,
+        )
+
+    async def _reduce_own_part(self, session: _Session, h: Header) -> torch.Tensor:
+        """Wait for the group's parts (or the deadline), reduce, sign, publish."""
+        try:
+            await asyncio.wait_for(
+                session.full.wait(), max(0.0, session.deadline - time.monotonic())
+            )
+        except asyncio.TimeoutError:
+            missing = sorted(set(session.group or ()) - set(session.contributions))
+            logger.warning(
+                "round %d fragment %d part %d: deadline passed without %s",
+                h.round,
+                h.fragment,
+                h.part,
+                ", ".join(p[:16] for p in missing),
+            )
+        contributions = list(session.contributions.values())
+        reduced, used = self.reducer(contributions)
+        enc = codecs.encode(reduced, self.settings.codec, block_size=self.settings.block_size)
+        used_set = set(used)
+        body = {
+            "contributors": [c.peer for c in contributions if c.peer in used_set],
+            "weights": [c.weight for c in contributions if c.peer in used_set],
+            "digests": [c.digest for c in contributions if c.peer in used_set],
+            "data": enc.to_wire(),
+        }
+        session.reply = seal(self.identity, Header("reduced", *_fields(h)), body)
+        session.reduced.set()
+        return codecs.decode(enc, expected_numel=session.numel)
+
+    # ---- member side ------------------------------------------------------------------
+
+    async def run(
+        self,
+        round_: int,
+        fragment: int,
+        group: Sequence[str],
+        vector: torch.Tensor,
+        weight: int,
+    ) -> AllReduceResult:
+        """All-reduce ``vector`` with ``group`` for ``(round, fragment)``.
+
+        Args:
+            group: the members in group order; must contain this node.
+            vector: this node's (already quantized) flat float32 contribution.
+            weight: tokens this node processed for it (capped by the owner).
+        """
+        started = time.monotonic()
+        me = self.identity.peer_id
+        group = list(group)
+        index = group.index(me)
+        numel = vector.numel()
+        bounds = part_bounds(numel, len(group), self.settings.block_size)
+        sent_before, received_before = self.bytes_sent, self.bytes_received
+
+        session = self._session(round_, fragment)
+        start, end = bounds[index]
+        session.group, session.index, session.numel = group, index, end - start
+        session.deadline = started + self.settings.timeout
+        own_header = Header("part", self.settings.run_id, round_, fragment, index, me)
+        own_env = seal(self.identity, own_header, {})
+        session.contributions[me] = Contribution(
+            peer=me,
+            vector=vector[start:end].clone(),
+            weight=float(min(weight, self.settings.max_tokens)),
+            digest=open_envelope(own_env).digest,
+        )
+        if len(session.contributions) == len(group):
+            session.full.set()
+        session.ready.set()
+
+        async def exchange(j: int) -> tuple[int, torch.Tensor | None, list[str]]:
+            lo, hi = bounds[j]
+            if j == index:
+                own = await self._reduce_own_part(session, own_header)
+                return j, own, list(_contributors(session.reply))
+            return await self._send_part(round_, fragment, group, j, lo, hi, vector, weight)
+
+        results = await asyncio.gather(*(exchange(j) for j in range(len(group))))
+        out = vector.clone()
+        contributors: list[list[str]] = []
+        fallback: list[int] = []
+        for j, part, peers in sorted(results, key=lambda r: r[0]):
+            lo, hi = bounds[j]
+            if part is None:
+                fallback.append(j)
+                contributors.append([me])
+            else:
+                out[lo:hi] = part
+                contributors.append(peers)
+        return AllReduceResult(
+            vector=out,
+            group=group,
+            contributors=contributors,
+            fallback_parts=fallback,
+            bytes_sent=self.bytes_sent - sent_before,
+            bytes_received=self.bytes_received - received_before,
+            seconds=time.monotonic() - started,
+        )
+
+    async def _send_part(
+        self,
+        round_: int,
+        fragment: int,
+        group: list[str],
+        j: int,
+        lo: int,
+        hi: int,
+        vector: torch.Tensor,
+        weight: int,
+    ) -> tuple[int, torch.Tensor | None, list[str]]:
+        owner = group[j]
+        enc = codecs.encode(vector[lo:hi], self.settings.codec, block_size=self.settings.block_size)
+        header = Header("part", self.settings.run_id, round_, fragment, j, self.identity.peer_id)
+        request = seal(
+            self.identity, header, {"group": group, "weight": int(weight), "data": enc.to_wire()}
+        )
+        self.bytes_sent += len(request)
+        try:
+            reply = await self.transport.call(
+                owner, RPC_NAME, request, timeout=self.settings.timeout * 2 + 5.0
+            )
+            self.bytes_received += len(reply)
+            part, peers = self._check_reduced(reply, owner, round_, fragment, j, hi - lo)
+        except ProtocolError as exc:
+            logger.warning(
+                "round %d fragment %d part %d from owner %s: %s; keeping local values",
+                round_,
+                fragment,
+                j,
+                owner[:16],
+                exc,
+            )
+            return j, None, []
+        return j, part, peers
+
+    def _check_reduced(
+        self, reply: bytes, owner: str, round_: int, fragment: int, part: int, numel: int
+    ) -> tuple[torch.Tensor, list[str]]:
+        env = open_envelope(
+            reply,
+            max_bytes=self.settings.max_message_bytes,
+            expected_sender=owner,
+            run_id=self.settings.run_id,
+            kinds=("reduced",),
+            round_window=(round_, round_),
+        )
+        if env.header.fragment != fragment or env.header.part != part:
+            raise ProtocolError("wrong_part", "reduced result for another part", owner)
+        peers = env.body.get("contributors")
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            raise ProtocolError("malformed", "contributors must be a list of PeerIDs", owner)
+        enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
+        vector = codecs.decode(enc, expected_numel=numel)
+        if not torch.isfinite(vector).all():
+            raise ProtocolError("not_finite", "reduced part holds NaN or inf", owner)
+        return vector, peers
+
+
+def _fields(h: Header) -> tuple[str, int, int, int, str]:
+    return h.run_id, h.round, h.fragment, h.part, h.sender
+
+
+def _contributors(reply: bytes) -> list[str]:
+    env = open_envelope(reply)
+    return list(env.body.get("contributors", []))

@@ -1,0 +1,441 @@
+"""Tensor codecs for pseudo-gradient traffic, and the error feedback that makes lossy ones safe.
+
+A pseudo-gradient is flattened to a 1-D float32 vector and encoded with one of
+``CODECS``:
+
+* ``none``: raw little-endian float32, 4 bytes a value.
+* ``fp16`` / ``bf16``: a cast to half precision, 2 bytes a value (bf16 is its
+  raw upper 16 bits of float32).
+* ``int8`` / ``int4``: blockwise absmax quantization. Every ``block_size``
+  values share one float32 scale ``absmax / qmax`` (qmax 127 or 7) and store
+  symmetric codes in ``[-qmax, qmax]``. int4 packs two codes a byte as
+  ``code + 8``: element ``2i`` in the low nibble, element ``2i + 1`` in the
+  high nibble; an odd count leaves the last high nibble zero.
+
+The payload lays out all block scales first (float32 LE) and then the codes,
+so its length is a pure function of ``(numel, codec, block_size)``
+(:func:`encoded_size`) and can be checked before anything is parsed. Decoding
+treats the payload as untrusted peer data and raises :class:`CodecError` on
+anything a correct encoder would not produce.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from protocol.errors import ProtocolError
+
+__all__ = [
+    "CODECS",
+    "CodecError",
+    "Encoded",
+    "ErrorFeedback",
+    "decode",
+    "encode",
+    "encoded_size",
+]
+
+if sys.byteorder != "little":
+    # Payloads are produced by viewing tensor memory as bytes; a big-endian host would
+    # silently emit the wrong wire format instead of failing.
+    raise ImportError("protocol.codec requires a little-endian host")
+
+CODECS = ("none", "fp16", "bf16", "int8", "int4")
+MAX_BLOCK_SIZE = 2**20
+
+_QMAX = {"int8": 127, "int4": 7}
+_BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2}
+_HALF_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_WIRE_KEYS = frozenset({"c", "n", "b", "p"})
+
+
+class CodecError(ProtocolError):
+    """An encoded tensor from a peer that is malformed, inconsistent or out of range."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded tensor as it travels on the wire.
+
+    Construction does not validate, so that a peer's message can be held and
+    reported; :func:`decode` and :meth:`from_wire` do the checking.
+
+    Attributes:
+        codec: one of ``CODECS``.
+        numel: number of float values encoded.
+        block_size: values per scale for int8/int4; carried but unused otherwise.
+        payload: scales (float32 LE) followed by codes; see the module docstring.
+    """
+
+    codec: str
+    numel: int
+    block_size: int
+    payload: bytes
+
+    def to_wire(self) -> dict:
+        """Returns a plain msgpack-able dict ``{"c", "n", "b", "p"}``."""
+        return {"c": self.codec, "n": self.numel, "b": self.block_size, "p": self.payload}
+
+    @classmethod
+    def from_wire(cls, d: object, *, max_numel: int) -> Encoded:
+        """Parses and validates a wire dict from a peer.
+
+        Args:
+            d: the decoded msgpack object.
+            max_numel: the largest tensor the caller is willing to accept.
+
+        Returns:
+            The validated ``Encoded``; its payload length is already checked.
+
+        Raises:
+            CodecError: on a non-dict, missing or extra keys, a wrong type, an
+                unknown codec, a numel outside ``[0, max_numel]``, a block size
+                outside ``[1, 2**20]`` or a payload of the wrong length.
+        """
+        if not isinstance(d, dict):
+            raise CodecError("malformed", f"expected a dict, got {type(d).__name__}")
+        if set(d) != _WIRE_KEYS:
+            keys = _short(sorted(repr(k) for k in d))
+            raise CodecError("malformed", f"expected keys b, c, n, p; got {keys}")
+        enc = cls(codec=d["c"], numel=d["n"], block_size=d["b"], payload=d["p"])
+        _validate(enc, max_numel=max_numel)
+        return enc
+
+
+def encoded_size(numel: int, codec: str, block_size: int) -> int:
+    """Exact payload length in bytes for a tensor of ``numel`` values.
+
+    Args:
+        numel: number of values, ``>= 0``.
+        codec: one of ``CODECS``.
+        block_size: values per scale, ``1..2**20`` (checked for every codec).
+
+    Raises:
+        ValueError: on an unknown codec, a negative numel or a bad block size.
+    """
+    _check_codec(codec)
+    _check_block_size(block_size)
+    if not _is_int(numel) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    if codec in _BYTES_PER_VALUE:
+        return numel * _BYTES_PER_VALUE[codec]
+    n_blocks = -(-numel // block_size)
+    code_bytes = numel if codec == "int8" else (numel + 1) // 2
+    return 4 * n_blocks + code_bytes
+
+
+def encode(
+    x: torch.Tensor,
+    codec: str,
+    *,
+    block_size: int = 256,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> Encoded:
+    """Encodes a float tensor of any shape and device.
+
+    Args:
+        x: floating-point tensor; it is moved to CPU float32 and flattened.
+        codec: one of ``CODECS``.
+        block_size: values per scale for int8/int4, ``1..2**20``.
+        stochastic: round int8/int4 codes up with probability equal to the
+            fractional part, so that ``E[decode(encode(x))] == x``. Only
+            int8/int4 support it.
+        generator: CPU generator for the rounding noise, for reproducible bytes.
+
+    Returns:
+        The encoded tensor.
+
+    Raises:
+        TypeError: if ``x`` is not a tensor.
+        ValueError: on an unknown codec, a bad block size, stochastic rounding
+            for a codec without it, a non-float tensor, non-finite values, or
+            values beyond the fp16/bf16 range.
+    """
+    _check_codec(codec)
+    _check_block_size(block_size)
+    if stochastic and codec not in _QMAX:
+        raise ValueError(f"stochastic rounding is only implemented for int8/int4, not {codec}")
+    flat = _as_flat_f32(x)
+    if codec == "none":
+        _require_finite(flat)
+        payload = _to_bytes(flat)
+    elif codec in _HALF_DTYPE:
+        half = flat.to(_HALF_DTYPE[codec])
+        if not _all_finite(half):
+            _require_finite(flat)
+            raise ValueError(f"input has values beyond the {codec} range")
+        payload = _to_bytes(half)
+    else:
+        payload = _encode_blockwise(flat, codec, block_size, stochastic, generator)
+    return Encoded(codec=codec, numel=flat.numel(), block_size=block_size, payload=payload)
+
+
+def decode(enc: Encoded, *, expected_numel: int | None = None) -> torch.Tensor:
+    """Decodes an ``Encoded`` that may come from an untrusted peer.
+
+    Args:
+        enc: the encoded tensor.
+        expected_numel: if given, the numel the caller expects.
+
+    Returns:
+        A fresh 1-D float32 CPU tensor of ``enc.numel`` finite values.
+
+    Raises:
+        CodecError: on a bad codec, numel, block size or payload type, a payload
+            of the wrong length, a numel other than ``expected_numel``, a
+            negative or non-finite scale, an out-of-range code, non-zero int4
+            padding, or non-finite decoded values.
+    """
+    _validate(enc)
+    if expected_numel is not None and enc.numel != expected_numel:
+        raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
+    raw = _from_bytes(enc.payload)
+    if enc.codec == "none":
+        out = raw.clone().view(torch.float32)
+    elif enc.codec in _HALF_DTYPE:
+        out = raw.clone().view(_HALF_DTYPE[enc.codec]).float()
+    else:
+        return _decode_blockwise(raw, enc.codec, enc.numel, enc.block_size)
+    if not _all_finite(out):
+        raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
+    return out
+
+
+class ErrorFeedback:
+    """Carries the quantization residual into the next encode.
+
+    Error feedback (Seide et al., Interspeech 2014; Karimireddy et al., ICML 2019
+    EF-SGD): each call encodes ``x + residual`` and keeps what the codec lost, so
+    the sum of decoded tensors tracks the sum of inputs to within one residual
+    instead of drifting by one quantization error per round.
+
+    Args:
+        codec: one of ``CODECS``.
+        block_size: values per scale for int8/int4.
+        stochastic: use stochastic rounding (int8/int4 only).
+        generator: CPU generator for the rounding noise.
+
+    Attributes:
+        residual: flat float32 CPU tensor of the carried error, or ``None``
+            before the first encode and after :meth:`reset`.
+    """
+
+    def __init__(
+        self,
+        codec: str,
+        *,
+        block_size: int = 256,
+        stochastic: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        _check_codec(codec)
+        _check_block_size(block_size)
+        if stochastic and codec not in _QMAX:
+            raise ValueError(f"stochastic rounding is only implemented for int8/int4, not {codec}")
+        self.codec = codec
+        self.block_size = block_size
+        self.stochastic = stochastic
+        self.generator = generator
+        self.residual: torch.Tensor | None = None
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Encodes ``x + residual`` and stores the new residual.
+
+        Args:
+            x: floating-point tensor; it must keep the same numel between resets.
+
+        Returns:
+            The encoded tensor.
+
+        Raises:
+            ValueError: if the numel changed since the last encode, or as
+                :func:`encode` does; the residual is left unchanged then.
+        """
+        flat = _as_flat_f32(x)
+        if self.residual is None:
+            target = flat.clone()
+        elif self.residual.numel() != flat.numel():
+            raise ValueError(
+                f"tensor has {flat.numel()} values but the residual has "
+                f"{self.residual.numel()}; call reset() when the shape changes"
+            )
+        else:
+            target = flat + self.residual
+        enc = encode(
+            target,
+            self.codec,
+            block_size=self.block_size,
+            stochastic=self.stochastic,
+            generator=self.generator,
+        )
+        self.residual = target.sub_(decode(enc))
+        return enc
+
+    def reset(self) -> None:
+        """Drops the carried residual, e.g. after a shape change or a rejoin."""
+        self.residual = None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v: object) -> str:
+    # Peer-supplied values go into log lines; keep a hostile 1 MB string out of them.
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_codec(codec: object) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"codec = {codec!r}: expected one of {', '.join(CODECS)}")
+
+
+def _check_block_size(block_size: object) -> None:
+    if not _is_int(block_size) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size = {block_size!r}: expected an int in 1..{MAX_BLOCK_SIZE}")
+
+
+def _validate(enc: Encoded, *, max_numel: int | None = None) -> None:
+    """Checks the fields of a possibly hostile ``Encoded`` before any allocation."""
+    if not isinstance(enc.codec, str) or enc.codec not in CODECS:
+        raise CodecError("unknown_codec", f"codec {_short(enc.codec)}")
+    if not _is_int(enc.numel) or enc.numel < 0:
+        raise CodecError("bad_numel", f"numel {_short(enc.numel)}")
+    if max_numel is not None and enc.numel > max_numel:
+        raise CodecError("bad_numel", f"numel {enc.numel} exceeds the limit {max_numel}")
+    if not _is_int(enc.block_size) or not 1 <= enc.block_size <= MAX_BLOCK_SIZE:
+        raise CodecError("bad_block_size", f"block size {_short(enc.block_size)}")
+    if not isinstance(enc.payload, bytes):
+        raise CodecError("bad_payload", f"payload is {type(enc.payload).__name__}, not bytes")
+    want = encoded_size(enc.numel, enc.codec, enc.block_size)
+    if len(enc.payload) != want:
+        raise CodecError(
+            "size_mismatch",
+            f"{enc.codec} payload for {enc.numel} values is {len(enc.payload)} bytes, "
+            f"expected {want}",
+        )
+
+
+def _as_flat_f32(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"expected a floating-point tensor, got {x.dtype}")
+    return x.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # aminmax propagates NaN and inf in one pass; torch.isfinite(t).all() is several
+    # times slower on CPU and dominated the cost of the cheap codecs.
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
+
+
+def _require_finite(flat: torch.Tensor) -> None:
+    if not _all_finite(flat):
+        bad = int((~torch.isfinite(flat)).sum())
+        raise ValueError(f"cannot encode a tensor with {bad} non-finite value(s) (inf or NaN)")
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    # Viewing as uint8 first keeps numpy away from dtypes it lacks (bfloat16).
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(payload: bytes) -> torch.Tensor:
+    if not payload:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # bytes are read-only; every caller copies or only reads, so the warning is noise.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8)
+
+
+def _as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Views ``flat`` as ``(n_blocks, block_size)``, zero-padding a partial last block."""
+    pad = -flat.numel() % block_size
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(-1, block_size)
+
+
+def _encode_blockwise(
+    flat: torch.Tensor,
+    codec: str,
+    block_size: int,
+    stochastic: bool,
+    generator: torch.Generator | None,
+) -> bytes:
+    n = flat.numel()
+    qmax = _QMAX[codec]
+    blocks = _as_blocks(flat, block_size)
+    # aminmax avoids materializing |x|, and it propagates NaN and inf, so checking the
+    # n / block_size block maxima covers the whole input.
+    lo, hi = torch.aminmax(blocks, dim=1)
+    # abs_ turns the -0.0 of an all-zero block into the +0.0 that decode requires.
+    absmax = torch.maximum(lo.neg_(), hi).abs_()
+    if not bool(torch.isfinite(absmax).all()):
+        _require_finite(flat)
+    scale = absmax / qmax
+    # Near float32 max, qmax * scale can round up to inf; step the scale down one ulp so
+    # decode never overflows (the clamp below absorbs the tiny excess in the codes).
+    overflow = torch.isinf(scale * qmax)
+    if bool(overflow.any()):
+        scale = torch.where(overflow, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+    # An all-zero block (or one whose scale underflows) divides by 1 and yields zero codes.
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = blocks / safe.unsqueeze(1)
+    if stochastic:
+        q = torch.floor(y)
+        # y - floor(y) is exact in float32, so P(round up) equals the fractional part.
+        noise = torch.rand(y.shape, generator=generator, dtype=torch.float32)
+        q += noise < y.sub_(q)
+    else:
+        q = y.round_()
+    codes = q.clamp_(-qmax, qmax).view(-1)[:n].to(torch.int8)
+    if codec == "int4":
+        codes = _pack_int4(codes)
+    return _to_bytes(scale) + _to_bytes(codes)
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    nibbles = (codes + 8).to(torch.uint8)
+    if nibbles.numel() % 2:
+        nibbles = torch.nn.functional.pad(nibbles, (0, 1))
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def _decode_blockwise(raw: torch.Tensor, codec: str, n: int, block_size: int) -> torch.Tensor:
+    qmax = _QMAX[codec]
+    n_blocks = -(-n // block_size)
+    scale = raw[: 4 * n_blocks].clone().view(torch.float32)
+    # signbit also catches -0.0 and negative NaN: a correct encoder never emits them.
+    if bool(torch.signbit(scale).any()) or not bool(torch.isfinite(scale * qmax).all()):
+        raise CodecError("bad_scale", f"{codec} scale is negative, non-finite or too large")
+    body = raw[4 * n_blocks :]
+    if n == 0:
+        return torch.empty(0, dtype=torch.float32)
+    if codec == "int8":
+        codes = body.view(torch.int8)
+        if int(codes.min()) == -128:
+            raise CodecError("bad_code", "int8 code -128 is outside [-127, 127]")
+    else:
+        nibbles = torch.stack((body & 0x0F, body >> 4), dim=1).view(-1)
+        if n % 2 and int(nibbles[n]) != 0:
+            raise CodecError("bad_code", "int4 padding nibble is not zero")
+        nibbles = nibbles[:n]
+        if int(nibbles.min()) == 0:
+            raise CodecError("bad_code", "int4 nibble 0 (code -8) is outside [-7, 7]")
+        codes = nibbles.view(torch.int8).sub_(8)
+    # int8 times float32 promotes to float32 in the same pass as the scaling.
+    values = _as_blocks(codes, block_size) * scale.unsqueeze(1)
+    return values.view(-1)[:n].clone() if n % block_size else values.view(-1)

@@ -1,0 +1,269 @@
+"""Who averages with whom: signed DHT announcements and a deterministic grouping rule.
+
+For every ``(round, fragment)`` each node stores a signed ``announce`` envelope in the
+DHT under ``{run_id}:mm:{round}:{fragment}`` with its own PeerID as the subkey
+(hivemind's DHT protects subkeys only, and a reader checks that the subkey is the
+envelope's signer). It then reads the key until every peer it expects has announced,
+or until its matchmaking deadline. Groups follow from the announced set alone:
+peers are ordered by ``sha256(round, fragment, peer)`` and cut into
+``ceil(n / G)`` groups whose sizes differ by at most one, so every node that saw the
+same set computes the same groups without talking to anyone. Nodes whose views
+differ still finish: the all-reduce refuses parts from a peer whose group differs
+(``group_mismatch``) and each side keeps its own value for those parts.
+
+A node also keeps a registry record under ``{run_id}:nodes`` (round, multiaddrs,
+step) refreshed every few seconds; it tells a joining node whom to catch up from
+and tells everyone which peers are alive and should be waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from protocol.errors import ProtocolError
+from protocol.messages import Header, open_envelope, seal
+from protocol.transport import Transport
+from verification.identity import Identity
+
+__all__ = [
+    "Announcement",
+    "PeerRecord",
+    "announce",
+    "form_groups",
+    "gather",
+    "group_of",
+    "publish_record",
+    "read_registry",
+]
+
+logger = logging.getLogger(__name__)
+
+_MAX_RECORD_BYTES = 16 * 1024
+_POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A peer's signed wish to average ``(round, fragment)``."""
+
+    peer: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """A live peer as its registry record describes it."""
+
+    peer: str
+    round: int
+    step: int
+    maddrs: tuple[str, ...]
+    updated: float
+
+
+def _mm_key(run_id: str, round_: int, fragment: int) -> str:
+    return f"{run_id}:mm:{round_}:{fragment}"
+
+
+def _registry_key(run_id: str) -> str:
+    return f"{run_id}:nodes"
+
+
+def form_groups(
+    peers: Iterable[str], round_: int, fragment: int, group_size: int
+) -> list[list[str]]:
+    """Split ``peers`` into balanced groups of at most ``group_size``, deterministically.
+
+    The order is a hash of ``(round, fragment, peer)``, so groups change from round to
+    round and from fragment to fragment, and every node with the same view of
+    ``peers`` gets the same groups.
+    """
+    if group_size < 1:
+        raise ValueError("group_size must be >= 1")
+    unique = sorted(set(peers))
+
+    def rank(peer: str) -> bytes:
+        return hashlib.sha256(f"{round_}:{fragment}:{peer}".encode()).digest()
+
+    ordered = sorted(unique, key=rank)
+    if not ordered:
+        return []
+    count = math.ceil(len(ordered) / group_size)
+    base, extra = divmod(len(ordered), count)
+    groups, start = [], 0
+    for g in range(count):
+        size = base + (1 if g < extra else 0)
+        groups.append(ordered[start : start + size])
+        start += size
+    return groups
+
+
+def group_of(
+    me: str, peers: Iterable[str], round_: int, fragment: int, group_size: int
+) -> list[str]:
+    """The group ``me`` belongs to (``me`` is added to ``peers`` if missing)."""
+    for group in form_groups({*peers, me}, round_, fragment, group_size):
+        if me in group:
+            return group
+    raise AssertionError("unreachable: me is always in some group")
+
+
+async def announce(
+    transport: Transport,
+    identity: Identity,
+    run_id: str,
+    round_: int,
+    fragment: int,
+    tokens: int,
+    *,
+    expiration: float,
+    timeout: float,
+) -> bool:
+    """Store this node's signed announcement for ``(round, fragment)``."""
+    header = Header("announce", run_id, round_, fragment, 0, identity.peer_id)
+    value = seal(identity, header, {"tokens": int(tokens)})
+    return await transport.dht_store(
+        _mm_key(run_id, round_, fragment), identity.peer_id, value, expiration, timeout=timeout
+    )
+
+
+async def read_announcements(
+    transport: Transport, run_id: str, round_: int, fragment: int, *, timeout: float
+) -> dict[str, Announcement]:
+    """Every valid announcement for ``(round, fragment)``; forged or stale ones are dropped."""
+    found = await transport.dht_get(_mm_key(run_id, round_, fragment), timeout=timeout)
+    out: dict[str, Announcement] = {}
+    if not isinstance(found, dict):
+        return out
+    for subkey, value in found.items():
+        try:
+            env = open_envelope(
+                value,
+                max_bytes=_MAX_RECORD_BYTES,
+                expected_sender=subkey,
+                run_id=run_id,
+                kinds=("announce",),
+                round_window=(round_, round_),
+            )
+            tokens = env.body.get("tokens")
+            if env.header.fragment != fragment or not isinstance(tokens, int) or tokens < 0:
+                raise ProtocolError("malformed", "announcement for another fragment or bad tokens")
+        except ProtocolError as exc:
+            logger.info("announcement under %s rejected: %s", subkey[:16], exc)
+            continue
+        out[subkey] = Announcement(peer=subkey, tokens=tokens)
+    return out
+
+
+async def gather(
+    transport: Transport,
+    identity: Identity,
+    run_id: str,
+    round_: int,
+    fragment: int,
+    tokens: int,
+    *,
+    expected: Iterable[str],
+    deadline: float,
+    expiration: float,
+    timeout: float,
+) -> dict[str, Announcement]:
+    """Announce, then read announcements until every expected peer is there or ``deadline``.
+
+    Args:
+        expected: peers believed alive (from the registry); the wait ends as soon as all
+            of them have announced.
+        deadline: ``time.monotonic()`` value after which the current view is used.
+
+    Returns:
+        The announced peers, this node included.
+    """
+    await announce(
+        transport,
+        identity,
+        run_id,
+        round_,
+        fragment,
+        tokens,
+        expiration=expiration,
+        timeout=timeout,
+    )
+    want = set(expected) | {identity.peer_id}
+    seen: dict[str, Announcement] = {identity.peer_id: Announcement(identity.peer_id, tokens)}
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            found = await read_announcements(
+                transport, run_id, round_, fragment, timeout=max(0.5, min(timeout, remaining))
+            )
+            seen.update(found)
+        except ProtocolError as exc:
+            logger.debug("matchmaking read failed: %s", exc)
+        if want <= set(seen) or time.monotonic() >= deadline:
+            return seen
+        await asyncio.sleep(min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+async def publish_record(
+    transport: Transport,
+    identity: Identity,
+    run_id: str,
+    round_: int,
+    step: int,
+    *,
+    expiration: float,
+    timeout: float,
+) -> bool:
+    """Refresh this node's registry record (round, step, multiaddrs)."""
+    header = Header("record", run_id, round_, 0, 0, identity.peer_id)
+    body = {"step": int(step), "maddrs": list(transport.maddrs), "time": time.time()}
+    value = seal(identity, header, body)
+    return await transport.dht_store(
+        _registry_key(run_id), identity.peer_id, value, expiration, timeout=timeout
+    )
+
+
+async def read_registry(
+    transport: Transport, run_id: str, *, timeout: float
+) -> dict[str, PeerRecord]:
+    """Live peers of the run, from their signed registry records."""
+    found = await transport.dht_get(_registry_key(run_id), timeout=timeout)
+    out: dict[str, PeerRecord] = {}
+    if not isinstance(found, dict):
+        return out
+    for subkey, value in found.items():
+        try:
+            env = open_envelope(
+                value,
+                max_bytes=_MAX_RECORD_BYTES,
+                expected_sender=subkey,
+                run_id=run_id,
+                kinds=("record",),
+            )
+            body = env.body
+            maddrs = body.get("maddrs")
+            step, updated = body.get("step"), body.get("time")
+            if (
+                not isinstance(maddrs, list)
+                or not all(isinstance(m, str) for m in maddrs)
+                or not isinstance(step, int)
+                or not isinstance(updated, (int, float))
+            ):
+                raise ProtocolError("malformed", "registry record fields")
+        except ProtocolError as exc:
+            logger.info("registry record under %s rejected: %s", subkey[:16], exc)
+            continue
+        out[subkey] = PeerRecord(
+            peer=subkey,
+            round=env.header.round,
+            step=step,
+            maddrs=tuple(maddrs),
+            updated=float(updated),
+        )
+    return out

@@ -1,0 +1,471 @@
+"""The node's network side: one p2pd shared by hivemind's DHT and Atoll's own RPCs.
+
+Layout (hivemind 1.1.12 allows two; both were measured, this one was kept):
+
+* this process starts p2pd with ``hivemind.p2p.P2P.create`` on a private asyncio
+  loop in a background thread; Atoll's handlers and calls use that P2P directly;
+* hivemind's DHT runs in its forked child process and reaches the same p2pd
+  through ``DHT(p2p=...)``, which connects a replica to the daemon's socket;
+* a watchdog process (:mod:`protocol.watchdog`) holds the pids of p2pd and the DHT
+  process and ends them if this process dies without :meth:`Transport.shutdown`.
+
+The training code is synchronous: it hands coroutines to the loop with
+:meth:`Transport.run` or :meth:`Transport.submit`. Every failure of
+:meth:`Transport.call` is a :class:`~protocol.errors.ProtocolError` whose reason is
+one of ``timeout``, ``unreachable``, ``no_handler``, ``connection_lost``,
+``oversized``, ``remote_error`` or ``malformed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import functools
+import ipaddress
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.utils import get_dht_time
+
+from protocol import _framing
+from protocol.errors import ProtocolError
+from protocol.watchdog import Watchdog, set_parent_death_signal, terminate_processes
+
+__all__ = ["Handler", "Transport", "TransportConfig"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+"""An RPC handler: ``(authenticated caller PeerID, request bytes) -> response bytes``."""
+
+_PROTOCOL_PREFIX = "/atoll/rpc/"
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_WATCH_SECONDS = 5.0  # how often the set of helper pids is rechecked for the watchdog
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Settings of the network side.
+
+    Attributes:
+        host: IP address p2pd listens on.
+        port: TCP port p2pd listens on; 0 picks a free one.
+        initial_peers: multiaddrs of peers to join through (empty starts a new swarm).
+        identity_path: libp2p private-key file; None lets p2pd make a throwaway key.
+        announce_maddrs: multiaddrs other peers should dial, when they differ from the listen ones.
+        request_timeout: default deadline, in seconds, of a call, a handler and a DHT operation.
+        max_message_bytes: largest request or response this node sends or accepts.
+        dht_client_mode: join the DHT without serving it (for nodes others cannot dial).
+        startup_timeout: deadline, in seconds, for p2pd and the DHT to come up.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    initial_peers: tuple[str, ...] = ()
+    identity_path: Path | None = None
+    announce_maddrs: tuple[str, ...] = ()
+    request_timeout: float = 30.0
+    max_message_bytes: int = 256 * 2**20
+    dht_client_mode: bool = False
+    startup_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            raise ValueError(f"transport.host = {self.host!r}: expected an IP address") from None
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"transport.port = {self.port}: expected 0..65535")
+        for key in ("request_timeout", "startup_timeout", "max_message_bytes"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"transport.{key} = {getattr(self, key)}: expected > 0")
+
+    @property
+    def host_maddr(self) -> str:
+        """The multiaddr p2pd listens on."""
+        family = "ip4" if ipaddress.ip_address(self.host).version == 4 else "ip6"
+        return f"/{family}/{self.host}/tcp/{self.port}"
+
+
+class _SupervisedDHT(DHT):
+    """hivemind's DHT process, which also dies with the thread that forked it (Linux)."""
+
+    def run(self) -> None:
+        # The fork happens on the transport's loop thread, which outlives the DHT in a clean
+        # shutdown; if the whole node is killed this is a second belt next to the watchdog.
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != self._parent_pid:
+            os._exit(1)  # the node died before the signal was armed
+        super().run()
+
+
+class Transport:
+    """One node's p2pd, DHT and RPC endpoints behind a synchronous facade.
+
+    Create it with :meth:`start`; end it with :meth:`shutdown` (also on exit).
+    """
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(self._log_loop_error)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="atoll-transport")
+        self._thread.daemon = True  # shutdown() or atexit stops it; never block interpreter exit
+        self._p2p: P2P | None = None
+        self._dht: DHT | None = None
+        self._watchdog: Watchdog | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._handlers: dict[str, str] = {}
+        self._peer_id = ""
+        self._maddrs: list[str] = []
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, config: TransportConfig | None = None) -> Transport:
+        """Start p2pd, the DHT process and the watchdog, and join the swarm.
+
+        Raises:
+            RuntimeError: p2pd or the DHT did not come up within ``startup_timeout``.
+        """
+        self = cls(config or TransportConfig())
+        self._thread.start()
+        atexit.register(self.shutdown)
+        started = time.perf_counter()
+        try:
+            self._run(self._start(), self.config.startup_timeout * 2)
+        except BaseException as e:
+            self.shutdown()
+            if isinstance(e, (P2PDaemonError, TimeoutError, asyncio.TimeoutError)):
+                raise RuntimeError(f"transport failed to start: {e!r}") from e
+            raise
+        logger.info(
+            "transport up in %.2fs: peer %s at %s",
+            time.perf_counter() - started,
+            self._peer_id,
+            ", ".join(self._maddrs),
+        )
+        return self
+
+    async def _start(self) -> None:
+        cfg = self.config
+        self._watchdog = Watchdog.spawn()
+        self._p2p = await P2P.create(
+            initial_peers=list(cfg.initial_peers) or None,
+            host_maddrs=[cfg.host_maddr],
+            announce_maddrs=list(cfg.announce_maddrs) or None,
+            identity_path=str(cfg.identity_path) if cfg.identity_path is not None else None,
+            # hivemind's identity check cannot read Ed25519 keys and costs a second daemon
+            check_if_identity_free=False,
+            dht_mode="client" if cfg.dht_client_mode else "server",
+            startup_timeout=cfg.startup_timeout,
+        )
+        self._update_watchdog()
+        # Created on the loop thread, so the DHT fork comes from a thread that lives until shutdown.
+        self._dht = _SupervisedDHT(
+            initial_peers=list(cfg.initial_peers),
+            start=True,
+            p2p=self._p2p,
+            client_mode=cfg.dht_client_mode,
+            await_ready=False,
+        )
+        self._update_watchdog()
+        wait_ready = functools.partial(self._dht.wait_until_ready, cfg.startup_timeout)
+        await self._loop.run_in_executor(None, wait_ready)
+        self._peer_id = self._p2p.peer_id.to_base58()
+        maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), cfg.request_timeout)
+        self._maddrs = [str(m) for m in maddrs]
+        self._watch_task = asyncio.ensure_future(self._watch_helpers())
+
+    # ---- synchronous facade -------------------------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the transport's loop and return a future for its result."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("transport is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the transport's loop and wait for its result.
+
+        Raises:
+            TimeoutError: ``coro`` did not finish within ``timeout`` seconds (it is cancelled).
+            RuntimeError: called from the loop thread itself (use ``await``) or after shutdown.
+        """
+        if self._closed:
+            coro.close()
+            raise RuntimeError("transport is shut down")
+        return self._run(coro, timeout)
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("Transport.run() called on its own loop; await the coroutine")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise
+            future.cancel()
+            raise TimeoutError(f"transport task did not finish within {timeout}s") from None
+
+    @property
+    def peer_id(self) -> str:
+        """This node's PeerID, base58 (``12D3KooW…`` for an Ed25519 identity)."""
+        return self._peer_id
+
+    @property
+    def maddrs(self) -> list[str]:
+        """Multiaddrs, ending in ``/p2p/<peer id>``, that other nodes can join through."""
+        return list(self._maddrs)
+
+    @property
+    def helper_pids(self) -> list[int]:
+        """Pids of p2pd and the DHT process, as last reported to the watchdog."""
+        return [pid for pid, _ in self._watchdog.tracked] if self._watchdog else []
+
+    # ---- RPCs ------------------------------------------------------------------------
+
+    def add_handler(
+        self,
+        name: str,
+        handler: Handler,
+        *,
+        max_request_bytes: int,
+        timeout: float | None = None,
+    ) -> None:
+        """Serve RPC ``name``: ``handler(caller_peer_id, request) -> response``.
+
+        The caller's PeerID comes from the authenticated stream, never from the payload.
+        A handler that raises is logged and answered with an error; it never ends the node.
+
+        Args:
+            name: RPC name (letters, digits, ``_.-``; at most 64).
+            handler: coroutine function serving one request.
+            max_request_bytes: longer requests are refused before their body is read.
+            timeout: deadline for one whole exchange; defaults to ``config.request_timeout``.
+        """
+        if not 0 < max_request_bytes <= self.config.max_message_bytes:
+            raise ValueError(
+                f"max_request_bytes = {max_request_bytes}: expected 1..{self.config.max_message_bytes}"
+            )
+        protocol = self._protocol(name)
+        if name in self._handlers:
+            raise ValueError(f"a handler for {name!r} is already registered")
+        timeout = timeout or self.config.request_timeout
+
+        async def serve(*stream: Any) -> None:
+            await _framing.serve(stream, handler, max_request_bytes, name, timeout)
+
+        assert self._p2p is not None, "transport not started"
+        self.run(self._p2p.add_binary_stream_handler(protocol, serve), self.config.request_timeout)
+        self._handlers[name] = protocol
+
+    def remove_handler(self, name: str) -> None:
+        """Stop serving RPC ``name``."""
+        protocol = self._handlers.pop(name)
+        assert self._p2p is not None, "transport not started"
+        self.run(self._p2p.remove_binary_stream_handler(protocol), self.config.request_timeout)
+
+    async def call(
+        self,
+        peer_id: str,
+        name: str,
+        data: bytes,
+        *,
+        timeout: float,
+        max_response_bytes: int | None = None,
+    ) -> bytes:
+        """Send ``data`` to RPC ``name`` of ``peer_id`` and return the response.
+
+        Args:
+            peer_id: the callee's base58 PeerID.
+            name: the RPC name the callee registered with :meth:`add_handler`.
+            data: the request.
+            timeout: deadline, in seconds, for the whole exchange.
+            max_response_bytes: refuse longer responses; defaults to ``config.max_message_bytes``.
+
+        Raises:
+            ProtocolError: with ``reason`` timeout, unreachable, no_handler, connection_lost,
+                oversized, remote_error or malformed.
+        """
+        protocol = self._protocol(name)
+        if len(data) > self.config.max_message_bytes:
+            raise ProtocolError(
+                "oversized", f"request of {len(data)} bytes exceeds max_message_bytes", peer_id
+            )
+        limit = max_response_bytes or self.config.max_message_bytes
+        try:
+            assert self._p2p is not None, "transport not started"
+            exchange = _framing.exchange(self._p2p, peer_id, protocol, data, limit)
+            return await asyncio.wait_for(exchange, timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError("timeout", f"{name} took over {timeout:.1f}s", peer_id) from None
+
+    @staticmethod
+    def _protocol(name: str) -> str:
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"RPC name {name!r}: expected 1-64 of letters, digits and _.-")
+        return f"{_PROTOCOL_PREFIX}{name}/1"
+
+    # ---- DHT -------------------------------------------------------------------------
+
+    async def dht_store(
+        self,
+        key: str,
+        subkey: str | None,
+        value: bytes,
+        expiration_seconds: float,
+        *,
+        timeout: float | None = None,
+    ) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) for ``expiration_seconds``.
+
+        Returns:
+            Whether at least one DHT peer accepted the record.
+
+        Raises:
+            ProtocolError: ``timeout``.
+        """
+        assert self._dht is not None, "transport not started"
+        expiration = get_dht_time() + expiration_seconds
+        future = self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        return bool(await self._await_dht(future, f"store {key!r}", timeout))
+
+    async def dht_get(
+        self, key: str, *, latest: bool = True, timeout: float | None = None
+    ) -> dict[str, bytes] | bytes | None:
+        """Look ``key`` up in the DHT.
+
+        Args:
+            key: the key given to :meth:`dht_store`.
+            latest: search until the newest record is found, rather than take the first one.
+            timeout: deadline in seconds; defaults to ``config.request_timeout``.
+
+        Returns:
+            ``{subkey: value}`` for a key stored with subkeys, the value for a plain key, or
+            None when nothing is found. Entries whose types another peer got wrong are dropped.
+
+        Raises:
+            ProtocolError: ``timeout``.
+        """
+        assert self._dht is not None, "transport not started"
+        future = self._dht.get(key, latest=latest, return_future=True)
+        found = await self._await_dht(future, f"get {key!r}", timeout)
+        if found is None:
+            return None
+        if isinstance(found.value, bytes):
+            return found.value
+        if isinstance(found.value, dict):
+            return {
+                sub: item.value
+                for sub, item in found.value.items()
+                if isinstance(sub, str) and isinstance(getattr(item, "value", None), bytes)
+            }
+        logger.info("dht key %r holds a %s, not bytes; ignored", key, type(found.value).__name__)
+        return None
+
+    async def _await_dht(self, future: Awaitable[Any], what: str, timeout: float | None) -> Any:
+        timeout = timeout or self.config.request_timeout
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError("timeout", f"dht {what} took over {timeout:.1f}s") from None
+
+    # ---- helper processes and shutdown ---------------------------------------------------
+
+    def _update_watchdog(self) -> None:
+        child = getattr(self._p2p, "_child", None)  # hivemind keeps the p2pd process private
+        roots = [p.pid for p in (child, self._dht) if p is not None and p.pid is not None]
+        if self._watchdog is not None:
+            self._watchdog.track(roots)
+
+    async def _watch_helpers(self) -> None:
+        while True:
+            await asyncio.sleep(_WATCH_SECONDS)
+            self._update_watchdog()
+            if self._dht is not None and not self._dht.is_alive():
+                logger.error("the DHT process exited unexpectedly (code %s)", self._dht.exitcode)
+                return
+            if self._watchdog is not None and not self._watchdog.is_alive():
+                logger.error("the watchdog exited; helper processes may outlive this node")
+                return
+
+    def shutdown(self, timeout: float = 15.0) -> None:
+        """Stop handlers, the DHT process, p2pd, the watchdog and the loop thread (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.shutdown)
+        if self._thread.is_alive():
+            try:
+                self._run(self._stop_handlers(), timeout)
+                if self._dht is not None and self._dht.pid is not None:
+                    # blocking: asks the DHT process to stop, joins it, SIGTERMs it after 3 s;
+                    # called here, not in an executor, which is gone during interpreter exit
+                    self._dht.shutdown()
+                self._run(self._stop_p2p(), timeout)
+            except Exception:
+                logger.warning(
+                    "transport did not stop cleanly; ending its processes", exc_info=True
+                )
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        if self._watchdog is not None:
+            # whatever ignored a polite shutdown (a hung DHT process) ends here
+            survivors = terminate_processes(self._watchdog.tracked, grace=2.0)
+            if survivors:
+                logger.error("could not end helper processes %s", survivors)
+            self._watchdog.close()
+        if not self._thread.is_alive():
+            self._loop.close()
+        logger.info("transport %s shut down", self._peer_id or "(not started)")
+
+    async def _stop_handlers(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        if self._p2p is not None:
+            for protocol in list(self._handlers.values()):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._p2p.remove_binary_stream_handler(protocol), 2.0)
+        self._handlers.clear()
+        current = asyncio.current_task()
+        pending = [t for t in asyncio.all_tasks() if t is not current]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
+
+    async def _stop_p2p(self) -> None:
+        if self._p2p is not None:
+            try:
+                await asyncio.wait_for(self._p2p.shutdown(), 5.0)
+            except asyncio.TimeoutError:
+                logger.warning("p2pd did not exit within 5 s of SIGTERM; it gets SIGKILL")
+
+    def _log_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        logger.warning(
+            "transport loop: %s", context.get("message"), exc_info=context.get("exception")
+        )
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
