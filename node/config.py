@@ -131,6 +131,7 @@ class NetworkConfig:
     port: int = Field(default=0, ge=0, le=65535)
     initial_peers: tuple[str, ...] = ()
     announce_maddrs: tuple[str, ...] = ()
+    client_mode: bool = False
     group_size: int = Field(default=4, ge=1, le=256)
     request_timeout: float = Field(default=30.0, gt=0.0)
     matchmaking_seconds: float = Field(default=3.0, gt=0.0)

@@ -61,7 +61,7 @@ class Node:
     def __init__(self, cfg: AtollConfig, initial_peers: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
         self.initial_peers = initial_peers or cfg.network.initial_peers
-        self.data_dir = Path(cfg.run.data_dir)
+        self.data_dir = Path(cfg.run.data_dir).expanduser()
         self.stop_event = threading.Event()
         self.round = 0
         self.transport: Transport | None = None
@@ -133,6 +133,7 @@ class Node:
                 initial_peers=self.initial_peers,
                 identity_path=self.data_dir / "identity.key",
                 announce_maddrs=net.announce_maddrs,
+                dht_client_mode=net.client_mode,
                 request_timeout=net.request_timeout,
                 max_message_bytes=int(net.max_message_mb * 2**20),
             )
@@ -152,7 +153,12 @@ class Node:
         self.allreduce.register()
         self.state_server = catchup.StateServer(self.transport, self.identity, cfg.run.run_id)
         self.state_server.register()
-        self.status.update(force=True, maddrs=self.transport.maddrs, params=self.plan.numel)
+        self.status.update(
+            force=True,
+            maddrs=self.transport.maddrs,
+            params=self.plan.numel,
+            helper_pids=self.transport.helper_pids,
+        )
         self._resume()
         self.state_server.publish(
             catchup.StateSnapshot.take(self.round, self.plan.digest(), self.outer)

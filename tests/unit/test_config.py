@@ -66,3 +66,22 @@ def test_replace_revalidates():
     assert cfg.replace(sync={"fragments": 3}).sync.fragments == 3
     with pytest.raises(ConfigError):
         cfg.replace(sync={"fragments": 0})
+
+
+def test_shipped_configs_validate():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    files = sorted(root.glob("*.toml"))
+    assert {f.name for f in files} >= {"local-swarm.toml", "volunteer.toml", "neocloud.toml"}
+    for path in files:
+        cfg = load_config(path)
+        assert cfg.run.run_id
+    local = load_config(root / "local-swarm.toml")
+    assert local.train.total_steps == local.run.max_rounds * local.sync.inner_steps
+
+
+def test_stochastic_rounding_needs_integer_codec():
+    with pytest.raises(ConfigError, match="stochastic_rounding needs codec int8 or int4"):
+        load_config(None, ["sync.stochastic_rounding=true"])
+    assert load_config(None, ["sync.codec=int4", "sync.stochastic_rounding=true"]).sync.codec == "int4"

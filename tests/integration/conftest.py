@@ -1,0 +1,117 @@
+"""Real node processes on 127.0.0.1, always stopped and reaped, children included."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from node import swarm
+from node.config import load_config
+
+SMALL = [
+    "run.run_id='itest'",
+    "data.max_files=150",
+    "data.batch_size=8",
+    "model.context=64",
+    "model.n_embd=64",
+    "model.n_layer=1",
+    "train.warmup_steps=5",
+    "train.total_steps=60",
+    "train.eval_batches=4",
+    "sync.inner_steps=10",
+    "sync.fragments=2",
+    "sync.codec='int8'",
+    "network.matchmaking_seconds=6",
+    "network.round_timeout=8",
+    "network.request_timeout=8",
+]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass (bounded in time and count)."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / interval) + 1):
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Swarm:
+    """Launches nodes for one test and guarantees they and their children are gone after."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.nodes: list[swarm.SwarmProcess] = []
+        self.helper_pids: set[int] = set()
+
+    def spec(self, nodes: int, rounds: int, extra: list[str] = ()) -> swarm.SwarmSpec:
+        return swarm.SwarmSpec(
+            nodes=nodes,
+            config_path=None,
+            overrides=SMALL + list(extra),
+            directory=self.directory,
+            rounds=rounds,
+        )
+
+    def launch(self, nodes: int, rounds: int, extra: list[str] = ()) -> list[swarm.SwarmProcess]:
+        spec = self.spec(nodes, rounds, extra)
+        self.nodes += swarm.launch(spec)
+        return self.nodes
+
+    def start_one(
+        self, index: int, rounds: int, extra: list[str] = (), peers: list[str] = (), nodes: int = 1
+    ) -> swarm.SwarmProcess:
+        node = swarm.start_node(self.spec(nodes, rounds, extra), index, list(peers))
+        self.nodes.append(node)
+        return node
+
+    def record_helpers(self) -> None:
+        for n in self.nodes:
+            self.helper_pids.update(n.status.get("helper_pids", []))
+
+    def wait_all(self, timeout: float) -> bool:
+        ok = wait_until(lambda: all(n.proc.poll() is not None for n in self.nodes), timeout, 0.5)
+        self.record_helpers()
+        return ok
+
+    def summary(self) -> dict:
+        cfg = load_config(None, SMALL)
+        return swarm.summarize(self.nodes, cfg)
+
+    def leftovers(self) -> list[int]:
+        procs = [n.proc.pid for n in self.nodes if n.proc.poll() is None]
+        return procs + [p for p in self.helper_pids if alive(p)]
+
+    def close(self) -> None:
+        self.record_helpers()
+        swarm.stop_all([n for n in self.nodes if not n.log.closed], grace=20)
+        wait_until(lambda: not self.leftovers(), 20)
+        for pid in self.leftovers():  # the test fails below; never leave processes behind
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+@pytest.fixture
+def local_swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path / "swarm")
+    try:
+        yield s
+    finally:
+        s.close()
+    assert not s.leftovers(), f"processes left behind: {s.leftovers()}"
