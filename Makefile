@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/atoll simulate --replicas 4 --inner-steps 50 --rounds 6
+	$(BIN)/atoll swarm --nodes 4 --config configs/local-swarm.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
