@@ -148,6 +148,7 @@ class Node:
                 timeout=net.round_timeout,
                 max_tokens=net.max_tokens_per_round,
                 max_message_bytes=int(net.max_message_mb * 2**20),
+                fragments=len(self.plan),
             ),
         )
         self.allreduce.register()

@@ -177,6 +177,10 @@ async def serve(
         logger.info("rpc %s from %s: connection lost: %r", name, peer, e)
     except Exception:  # a stream handler must never take the node down
         logger.exception("rpc %s from %s: failed", name, peer)
+    except asyncio.CancelledError:
+        # only the transport's shutdown cancels this outermost coroutine of the stream task;
+        # letting it propagate makes asyncio's stream callback log a spurious traceback
+        logger.debug("rpc %s from %s: cancelled by shutdown", name, peer)
     finally:
         writer.close()
 

@@ -55,6 +55,11 @@ class AllReduceSettings:
     max_tokens: int = 10**9
     max_message_bytes: int = 256 * 2**20
     round_window: int = 2
+    fragments: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
+            raise ValueError("block_size, timeout and fragments must be positive")
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,8 @@ class AllReduceService:
         self.bytes_received = 0
         self.rejected: dict[str, int] = {}
         self._sessions: dict[tuple[int, int], _Session] = {}
+        # Rounds in the replay window times fragments, plus the kept history.
+        self._max_sessions = settings.fragments * (settings.round_window + _SESSION_ROUNDS_KEPT + 2)
 
     def register(self) -> None:
         """Start serving part requests."""
@@ -195,15 +202,22 @@ class AllReduceService:
     async def _handle(self, peer: str, data: bytes) -> bytes:
         self.bytes_received += len(data)
         lo = max(0, self.current_round - 1)
-        env = open_envelope(
-            data,
-            max_bytes=self.settings.max_message_bytes,
-            expected_sender=peer,
-            run_id=self.settings.run_id,
-            kinds=("part",),
-            round_window=(lo, self.current_round + self.settings.round_window),
-        )
+        try:
+            env = open_envelope(
+                data,
+                max_bytes=self.settings.max_message_bytes,
+                expected_sender=peer,
+                run_id=self.settings.run_id,
+                kinds=("part",),
+                round_window=(lo, self.current_round + self.settings.round_window),
+            )
+        except ProtocolError as exc:
+            raise self._reject(exc.reason, exc.detail, peer) from None
         h = env.header
+        if h.fragment >= self.settings.fragments:
+            raise self._reject("wrong_part", f"no fragment {h.fragment}", peer)
+        if (h.round, h.fragment) not in self._sessions and len(self._sessions) >= self._max_sessions:
+            raise self._reject("busy", "too many rounds in flight", peer)
         session = self._session(h.round, h.fragment)
         try:
             await asyncio.wait_for(session.ready.wait(), self.settings.timeout)

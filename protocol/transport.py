@@ -149,7 +149,7 @@ class Transport:
             self._run(self._start(), self.config.startup_timeout * 2)
         except BaseException as e:
             self.shutdown()
-            if isinstance(e, (P2PDaemonError, TimeoutError, asyncio.TimeoutError)):
+            if isinstance(e, (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError)):
                 raise RuntimeError(f"transport failed to start: {e!r}") from e
             raise
         logger.info(
@@ -407,7 +407,13 @@ class Transport:
                 return
 
     def shutdown(self, timeout: float = 15.0) -> None:
-        """Stop handlers, the DHT process, p2pd, the watchdog and the loop thread (idempotent)."""
+        """Stop handlers, the DHT process, p2pd, the watchdog and the loop thread (idempotent).
+
+        Raises:
+            RuntimeError: called from the transport's own loop (a handler cannot stop it).
+        """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("Transport.shutdown() called on its own loop thread")
         with self._lock:
             if self._closed:
                 return
@@ -445,12 +451,6 @@ class Transport:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._p2p.remove_binary_stream_handler(protocol), 2.0)
         self._handlers.clear()
-        current = asyncio.current_task()
-        pending = [t for t in asyncio.all_tasks() if t is not current]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=2.0)
 
     async def _stop_p2p(self) -> None:
         if self._p2p is not None:
@@ -458,6 +458,13 @@ class Transport:
                 await asyncio.wait_for(self._p2p.shutdown(), 5.0)
             except asyncio.TimeoutError:
                 logger.warning("p2pd did not exit within 5 s of SIGTERM; it gets SIGKILL")
+        # in-flight handlers and calls end here rather than being dropped with the loop
+        current = asyncio.current_task()
+        pending = [t for t in asyncio.all_tasks() if t is not current]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
 
     def _log_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         logger.warning(

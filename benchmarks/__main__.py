@@ -1,0 +1,81 @@
+"""Command line of the benchmarks: ``python -m benchmarks NAME|all [--quick] [--out DIR]``.
+
+Each benchmark is a module with ``run(quick: bool, out_dir: Path) -> dict`` that
+writes its JSON and PNG files into ``out_dir``; register it in :data:`BENCHMARKS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import sys
+import time
+
+__all__ = ["BENCHMARKS", "main"]
+
+BENCHMARKS: dict[str, str] = {
+    "codec": "benchmarks.codec",
+    "allreduce": "benchmarks.allreduce",
+}
+"""Benchmark name -> module that defines ``run(quick, out_dir)``."""
+
+_DEFAULT_OUT = pathlib.Path("benchmarks/results")
+
+
+def _summary(name: str, report: dict, seconds: float) -> str:
+    """One line: what ran, how long it took, and the headline numbers where known."""
+    line = f"{name}: done in {seconds:.0f}s"
+    results = report.get("results", {})
+    if name == "allreduce":
+        parts = []
+        for method, per_size in results.items():
+            for n, r in per_size.items():
+                value = f"{r['median_s']:.3f}s" if r.get("median_s") else "error"
+                parts.append(f"{method}@{int(n) / 1e6:g}M {value}")
+        ratios = report.get("ratios", {}).get("atoll_vs_hivemind", {})
+        parts += [f"hivemind/atoll@{int(n) / 1e6:g}M {r:.2f}x" for n, r in ratios.items() if r]
+        line += " | " + ", ".join(parts)
+    elif name == "codec":
+        best = max(results.items(), key=lambda kv: kv[1]["throughput_mb_s"], default=None)
+        if best:
+            line += f" | {len(results)} variants, fastest {best[0]} {best[1]['throughput_mb_s']:.0f} MB/s"
+    return line
+
+
+def _written(out_dir: pathlib.Path, name: str, since: float) -> list[pathlib.Path]:
+    # Modules name their files after themselves; only count what this run wrote.
+    return sorted(p for p in out_dir.glob(f"{name}.*") if p.stat().st_mtime >= since)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the named benchmark (or every one) and prints a summary and the files written."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run benchmarks; each writes NAME.json and NAME.png into --out.",
+    )
+    parser.add_argument("name", help=f"one of {', '.join(BENCHMARKS)}, or all")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    parser.add_argument("--out", type=pathlib.Path, default=_DEFAULT_OUT, help="output folder")
+    args = parser.parse_args(argv)
+    if args.name == "all":
+        names = list(BENCHMARKS)
+    elif args.name in BENCHMARKS:
+        names = [args.name]
+    else:
+        known = ", ".join([*BENCHMARKS, "all"])
+        print(f"unknown benchmark {args.name!r}: expected one of {known}", file=sys.stderr)
+        return 2
+    for name in names:
+        module = importlib.import_module(BENCHMARKS[name])
+        since = time.time() - 1.0  # file mtimes can lag the clock by a tick
+        started = time.perf_counter()
+        report = module.run(args.quick, args.out)
+        print(_summary(name, report, time.perf_counter() - started))
+        for path in _written(args.out, name, since):
+            print(f"  wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

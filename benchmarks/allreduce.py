@@ -1,0 +1,465 @@
+"""All-reduce benchmark: Atoll's butterfly all-reduce against hivemind and gloo.
+
+Four peers average N float32 values, each peer in its own spawned process on
+127.0.0.1, for three implementations run one after the other in the same call:
+
+* ``atoll``: :class:`protocol.allreduce.AllReduceService` over :class:`Transport`
+  (codec ``none``, signed parts); the group is given, so there is no matchmaking.
+* ``hivemind``: ``hivemind.averaging.DecentralizedAverager`` with NoCompression.
+  Its ``step()`` always matchmakes first; the step is split with
+  ``require_trigger`` into the matchmaking part and the all-reduce part.
+* ``gloo``: ``torch.distributed.all_reduce`` then a division, the floor reference.
+
+A parent process starts the peers and releases every repeat at one wall-clock
+instant; a repeat's time is the slowest peer's. One untimed warm-up repeat comes
+first (it opens the connections). Run it with
+``python -m benchmarks allreduce [--quick]``; it writes ``allreduce.json`` and
+``allreduce.png`` into the output folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import logging
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import psutil
+import torch
+
+__all__ = ["run"]
+
+_PEERS = 4
+_TOLERANCE = 1e-5
+_SETUP_TIMEOUT = 120.0  # starting p2pd, a DHT and the peer in a cold interpreter on a busy box
+_STEP_TIMEOUT = 300.0
+_GO_DELAY = 0.3  # seconds between the parent's release message and the common start
+_METHODS = ("gloo", "atoll", "hivemind")
+_JOINS_THROUGH_FIRST = {"atoll", "hivemind"}  # gloo's rendezvous needs every rank at once
+
+
+# ---- the peers, one per worker process ------------------------------------------------
+
+
+class _AtollPeer:
+    def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
+        from protocol.allreduce import AllReduceService, AllReduceSettings
+        from protocol.transport import Transport, TransportConfig
+        from verification.identity import Identity
+
+        self.own = own
+        identity = Identity.generate()
+        key = pathlib.Path(opts["tmp"]) / f"atoll-{index}.key"
+        identity.save(key)
+        config = TransportConfig(
+            identity_path=key,
+            initial_peers=tuple(opts.get("initial_peers", ())),
+            request_timeout=_SETUP_TIMEOUT,
+            startup_timeout=_SETUP_TIMEOUT,
+        )
+        self.transport = Transport.start(config)
+        settings = AllReduceSettings(run_id="bench", codec="none", timeout=_STEP_TIMEOUT / 3)
+        self.service = AllReduceService(self.transport, identity, settings)
+        self.service.register()
+        self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}
+
+    def step(self, repeat: int, infos: list[dict]) -> tuple[dict, torch.Tensor]:
+        group = [info["peer_id"] for info in infos]
+        round_ = repeat + 1
+        # the owner side only accepts rounds near the one it is in
+        self.service.current_round = round_
+        t0 = time.perf_counter()
+        result = self.transport.run(self.service.run(round_, 0, group, self.own, 1), _STEP_TIMEOUT)
+        seconds = time.perf_counter() - t0
+        if not result.complete:
+            raise RuntimeError(f"round {round_} incomplete: fallback parts {result.fallback_parts}")
+        return {"seconds": seconds, "bytes_sent": result.bytes_sent}, result.vector
+
+    def close(self) -> None:
+        self.transport.shutdown()
+
+
+class _HivemindPeer:
+    def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
+        import hivemind
+        from hivemind.averaging import DecentralizedAverager
+        from hivemind.compression import NoCompression
+
+        self.own = own
+        self.dht = hivemind.DHT(
+            initial_peers=list(opts.get("initial_peers", ())),
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            start=True,
+        )
+        self.averager = None
+        self.averager = DecentralizedAverager(
+            [own.clone()],
+            self.dht,
+            start=True,
+            prefix="bench",
+            target_group_size=_PEERS,
+            min_group_size=_PEERS,
+            # generous: on two busy cores a peer may declare itself late
+            min_matchmaking_time=10.0,
+            request_timeout=5.0,
+            compression=NoCompression(),
+        )
+        self.info = {"maddrs": [str(m) for m in self.dht.get_visible_maddrs()]}
+
+    def step(self, repeat: int, infos: list[dict]) -> tuple[dict, torch.Tensor]:
+        from hivemind.averaging.control import AveragingStage
+
+        # every repeat averages the original vectors, not the previous result
+        with self.averager.get_tensors() as tensors:
+            tensors[0].copy_(self.own)
+        t0 = time.perf_counter()
+        control = self.averager.step(wait=False, require_trigger=True, timeout=_STEP_TIMEOUT)
+        # the stage lives in shared memory, so polling it costs no round trip
+        while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+            if time.perf_counter() - t0 > _STEP_TIMEOUT:
+                control.cancel()
+                raise TimeoutError("hivemind matchmaking did not finish")
+            time.sleep(0.002)
+        t1 = time.perf_counter()
+        control.allow_allreduce()
+        control.result(_STEP_TIMEOUT)
+        t2 = time.perf_counter()
+        with self.averager.get_tensors() as tensors:
+            out = tensors[0].clone()
+        timing = {"seconds": t2 - t0, "matchmaking_s": t1 - t0, "allreduce_s": t2 - t1}
+        return timing, out
+
+    def close(self) -> None:
+        if self.averager is not None:
+            self.averager.shutdown()
+        self.dht.shutdown()
+
+
+class _GlooPeer:
+    def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.own = dist, own
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{opts['port']}",
+            rank=index,
+            world_size=_PEERS,
+            timeout=datetime.timedelta(seconds=_SETUP_TIMEOUT),
+        )
+        self.info = {}
+
+    def step(self, repeat: int, infos: list[dict]) -> tuple[dict, torch.Tensor]:
+        x = self.own.clone()  # all_reduce works in place
+        t0 = time.perf_counter()
+        self.dist.all_reduce(x)
+        x /= _PEERS
+        return {"seconds": time.perf_counter() - t0}, x
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+_PEER_TYPES = {"atoll": _AtollPeer, "hivemind": _HivemindPeer, "gloo": _GlooPeer}
+
+
+def _vector(n: int, index: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(index))
+
+
+def _reference_mean(n: int) -> torch.Tensor:
+    total = torch.zeros(n, dtype=torch.float64)
+    for i in range(_PEERS):
+        total += _vector(n, i)
+    return (total / _PEERS).float()
+
+
+def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
+    """Entry point of one peer's process: set up, then run a repeat per "go" message."""
+    torch.set_num_threads(1)
+    # A spawned child inherits "spawn" as its start method; hivemind's DHT and averager
+    # processes hold unpicklable state and expect Linux's default fork, as in a normal node.
+    mp.set_start_method("fork", force=True)
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    logging.basicConfig(level=logging.WARNING)
+    peer = None
+    try:
+        own = _vector(n, index)
+        reference = _reference_mean(n)
+        peer = _PEER_TYPES[method](index, own, opts)
+        conn.send(("ready", peer.info))
+        while conn.poll(_SETUP_TIMEOUT + _STEP_TIMEOUT):
+            message = conn.recv()
+            if message[0] == "stop":
+                break
+            _, repeat, start_at, infos = message
+            time.sleep(max(0.0, start_at - time.time()))
+            timing, result = peer.step(repeat, infos)
+            timing["max_abs_error"] = (result - reference).abs().max().item()
+            conn.send(("done", repeat, timing))
+    except BaseException:
+        with contextlib.suppress(OSError):  # the parent may be gone already
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if peer is not None:
+            peer.close()
+        conn.close()
+
+
+# ---- the parent: start, release, collect, clean up ------------------------------------
+
+
+def _receive(conn: Any, proc: mp.Process, timeout: float, expect: str) -> tuple:
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.name}: no {expect!r} within {timeout:.0f}s")
+        if not proc.is_alive() and not conn.poll(0.2):
+            raise RuntimeError(f"{proc.name} exited with code {proc.exitcode}")
+    message = conn.recv()
+    if message[0] == "error":
+        raise RuntimeError(f"{proc.name} failed:\n{message[1]}")
+    if message[0] != expect:
+        raise RuntimeError(f"{proc.name}: expected {expect!r}, got {message[0]!r}")
+    return message
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Swarm:
+    """The four peer processes of one (method, n) measurement and everything they start."""
+
+    def __init__(self, method: str, n: int, tmp: str) -> None:
+        self.method, self.n = method, n
+        self.opts: dict = {"tmp": tmp, "port": _free_port()}
+        self.ctx = mp.get_context("spawn")  # never fork a parent that may hold threads
+        self.procs: list[mp.Process] = []
+        self.conns: list[Any] = []
+        self.descendants: dict[int, psutil.Process] = {}
+        self.infos: list[dict] = []
+
+    def _spawn(self, index: int) -> None:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(
+            target=_worker,
+            args=(self.method, index, self.n, dict(self.opts), child),
+            name=f"{self.method}-peer-{index}",
+            daemon=False,  # a daemonic process may not start p2pd, a DHT or an averager
+        )
+        proc.start()
+        child.close()
+        self.procs.append(proc)
+        self.conns.append(parent)
+
+    def start(self) -> None:
+        if self.method in _JOINS_THROUGH_FIRST:
+            self._spawn(0)
+            first = _receive(self.conns[0], self.procs[0], _SETUP_TIMEOUT, "ready")[1]
+            self.opts["initial_peers"] = first["maddrs"]
+            self.infos.append(first)
+            for i in range(1, _PEERS):
+                self._spawn(i)
+        else:
+            for i in range(_PEERS):
+                self._spawn(i)
+        for conn, proc in list(zip(self.conns, self.procs))[len(self.infos) :]:
+            self.infos.append(_receive(conn, proc, _SETUP_TIMEOUT, "ready")[1])
+        self._note_descendants()
+
+    def repeat(self, index: int) -> list[dict]:
+        start_at = time.time() + _GO_DELAY
+        for conn in self.conns:
+            conn.send(("go", index, start_at, self.infos))
+        return [
+            _receive(c, p, _STEP_TIMEOUT + 30, "done")[2] for c, p in zip(self.conns, self.procs)
+        ]
+
+    def _note_descendants(self) -> None:
+        # p2pd, DHT and averager processes: ended here if a peer leaves them behind
+        for proc in self.procs:
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    self.descendants[child.pid] = child
+            except psutil.NoSuchProcess:
+                pass
+
+    def close(self) -> None:
+        self._note_descendants()
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # a peer that failed has closed its end
+                conn.send(("stop",))
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        left = [p for p in self.descendants.values() if p.is_running()]
+        for p in left:
+            p.terminate()
+        _, alive = psutil.wait_procs(left, timeout=5)
+        for p in alive:
+            p.kill()
+        psutil.wait_procs(alive, timeout=5)
+        for conn in self.conns:
+            conn.close()
+
+
+def _summarize(times: list[float], n: int) -> dict:
+    median = statistics.median(times)
+    return {"times": times, "median_s": median, "throughput_MBps": 4 * n / median / 1e6}
+
+
+def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
+    """Runs one warm-up and ``repeats`` timed all-reduces of ``n`` values with ``method``."""
+    record: dict[str, Any] = {"n": n}
+    swarm = _Swarm(method, n, tmp)
+    try:
+        t0 = time.perf_counter()
+        swarm.start()
+        record["setup_s"] = time.perf_counter() - t0
+        record["warmup_s"] = max(t["seconds"] for t in swarm.repeat(0))
+        rows = [swarm.repeat(r) for r in range(1, repeats + 1)]
+    except Exception as e:
+        record.update(error=str(e), times=[], median_s=None, throughput_MBps=None, correct=False)
+        return record
+    finally:
+        swarm.close()
+    record.update(_summarize([max(t["seconds"] for t in row) for row in rows], n))
+    error = max(t["max_abs_error"] for row in rows for t in row)
+    record.update(max_abs_error=error, correct=error <= _TOLERANCE)
+    if method == "hivemind":
+        for part in ("matchmaking_s", "allreduce_s"):
+            times = [max(t[part] for t in row) for row in rows]
+            record[part.replace("_s", "_times")] = times
+            record[part.replace("_s", "_median_s")] = statistics.median(times)
+    if method == "atoll":
+        record["bytes_sent_per_peer"] = max(t["bytes_sent"] for t in rows[-1])
+    return record
+
+
+# ---- report ---------------------------------------------------------------------------
+
+
+def _ratio(slow: dict, fast: dict, key: str = "median_s") -> float | None:
+    if slow.get(key) and fast.get("median_s"):
+        return slow[key] / fast["median_s"]
+    return None
+
+
+def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [
+        ("gloo", "gloo (torch.distributed)", "median_s", "tab:gray"),
+        ("atoll", "Atoll (codec none, signed)", "median_s", "tab:blue"),
+        ("hivemind", "hivemind all-reduce part", "allreduce_median_s", "tab:olive"),
+        ("hivemind", "hivemind step (with matchmaking)", "median_s", "tab:orange"),
+    ]
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for k, (method, label, key, color) in enumerate(bars):
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(sizes))]
+        ys = [results[method][str(n)].get(key) or 0.0 for n in sizes]
+        ax.bar(xs, ys, width, label=label, color=color)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.2f}s" if y else "n/a", (x, y), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(sizes)), [f"{n / 1e6:g}M float32" for n in sizes])
+    ax.set_ylabel("median seconds per all-reduce (slowest peer)")
+    ax.set_title(f"{_PEERS}-peer average on 127.0.0.1, one process per peer")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        # the box may be shared: a high load explains noisy times
+        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+        "hivemind": importlib.metadata.version("hivemind"),
+    }
+
+
+def run(quick: bool, out_dir: pathlib.Path) -> dict:
+    """Times a 4-peer float32 average with Atoll, hivemind and gloo, side by side.
+
+    Args:
+        quick: 10M values and 3 repeats instead of 10M and 50M values with 5 repeats.
+        out_dir: folder for ``allreduce.json`` and ``allreduce.png``; created if missing.
+
+    Returns:
+        The dict written to ``allreduce.json``: per method and size the repeat times
+        (slowest peer), median, throughput in MB/s of one peer's input, correctness
+        against the true mean, and the ratios of hivemind's and gloo's medians to Atoll's.
+        A method that could not run has an ``error`` instead of times.
+    """
+    sizes = [10_000_000] if quick else [10_000_000, 50_000_000]
+    repeats = 3 if quick else 5
+    results: dict[str, dict[str, dict]] = {m: {} for m in _METHODS}
+    with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
+        for n in sizes:
+            for method in _METHODS:
+                results[method][str(n)] = _measure(method, n, repeats, tmp)
+    atoll = results["atoll"]
+    report = {
+        "benchmark": "allreduce",
+        "quick": quick,
+        "peers": _PEERS,
+        "repeats": repeats,
+        "tolerance": _TOLERANCE,
+        "results": results,
+        "ratios": {
+            "atoll_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in atoll.items()},
+            "atoll_vs_hivemind_allreduce_only": {
+                k: _ratio(results["hivemind"][k], a, "allreduce_median_s") for k, a in atoll.items()
+            },
+            "atoll_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in atoll.items()},
+        },
+        "notes": {
+            "timing": "one untimed warm-up, then each repeat released to all peers at one "
+            "instant; a repeat's time is the slowest peer's; ratios are other/atoll, >1 means "
+            "Atoll is faster",
+            "atoll": "AllReduceService.run with the group given (no matchmaking), codec none, "
+            "every part and result Ed25519-signed and checked",
+            "hivemind": "times are DecentralizedAverager.step wall time, which includes "
+            "matchmaking through the DHT; matchmaking_* and allreduce_* split it at the "
+            "AWAITING_TRIGGER stage (step(require_trigger=True)); NoCompression",
+            "gloo": "torch.distributed all_reduce (sum) plus division by the peer count",
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+    }
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "allreduce.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(results, sizes, out_dir / "allreduce.png")
+    return report

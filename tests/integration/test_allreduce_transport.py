@@ -1,0 +1,505 @@
+"""All-reduce and catch-up over real transports (p2pd + DHT) on 127.0.0.1.
+
+Four transports share this pytest process; every test registers fresh services on them
+and removes their handlers afterwards, so one test's sessions never leak into the next.
+Faulty members are real services that never run, or that disagree about the group; the
+hostile client is a real transport sending crafted bytes through ``Transport.call``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import torch
+
+from node.catchup import RPC_NAME as STATE_RPC
+from node.catchup import StateServer, StateSnapshot, fetch_state
+from node.config import ModelConfig, OuterConfig
+from node.model import build_model
+from node.outer import OuterOptimizer
+from protocol import codec as codecs
+from protocol.allreduce import (
+    RPC_NAME,
+    AllReduceResult,
+    AllReduceService,
+    AllReduceSettings,
+    part_bounds,
+)
+from protocol.errors import ProtocolError
+from protocol.fragments import plan_fragments
+from protocol.messages import Header, seal
+from protocol.transport import Transport, TransportConfig
+from verification.identity import Identity
+
+pytestmark = pytest.mark.integration
+
+RUN = "it-allreduce"
+ROUND = 1  # inside the services' default round window [0, 2]
+MARGIN = 3.0  # seconds beyond the all-reduce timeout allowed for RPCs on a loaded machine
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    keys: Path = tmp_path_factory.mktemp("keys")
+    identities = [Identity.generate() for _ in range(4)]
+    for i, identity in enumerate(identities):
+        identity.save(keys / f"key{i}")
+    transports: list[Transport] = []
+    try:
+        first = Transport.start(TransportConfig(identity_path=keys / "key0", request_timeout=10.0))
+        transports.append(first)
+        for i in range(1, len(identities)):
+            config = TransportConfig(
+                identity_path=keys / f"key{i}",
+                initial_peers=tuple(first.maddrs),
+                request_timeout=10.0,
+            )
+            transports.append(Transport.start(config))
+        assert [t.peer_id for t in transports] == [i.peer_id for i in identities]
+        yield SimpleNamespace(transports=transports, identities=identities)
+    finally:
+        for transport in reversed(transports):
+            transport.shutdown()
+
+
+@pytest.fixture
+def services(swarm: SimpleNamespace) -> Iterator[Callable[..., list[AllReduceService]]]:
+    """Registers one fresh AllReduceService per transport; removes them after the test."""
+    registered: list[AllReduceService] = []
+
+    def make(settings: AllReduceSettings) -> list[AllReduceService]:
+        assert not registered, "one set of services per test"
+        for transport, identity in zip(swarm.transports, swarm.identities):
+            service = AllReduceService(transport, identity, settings)
+            service.register()
+            registered.append(service)
+        return list(registered)
+
+    yield make
+    for service in registered:
+        service.transport.remove_handler(RPC_NAME)
+
+
+def _vectors(n: int, numel: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen) for _ in range(n)]
+
+
+def _weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[int]) -> torch.Tensor:
+    total = sum(weights)
+    out = sum(v.double() * w for v, w in zip(vectors, weights)) / total
+    return out.float()
+
+
+def _all_reduce(
+    members: Sequence[AllReduceService],
+    group: list[str],
+    vectors: Sequence[torch.Tensor],
+    weights: Sequence[int],
+    *,
+    fragment: int = 0,
+    wait: float = 30.0,
+) -> tuple[list[AllReduceResult], float]:
+    """Runs every member's all-reduce at once; returns the results and the wall time."""
+    started = time.monotonic()
+    futures = [
+        m.transport.submit(m.run(ROUND, fragment, group, v, w))
+        for m, v, w in zip(members, vectors, weights)
+    ]
+    results = [f.result(wait) for f in futures]
+    return results, time.monotonic() - started
+
+
+def _assert_bitwise_equal(results: Sequence[AllReduceResult]) -> None:
+    for r in results[1:]:
+        assert torch.equal(r.vector, results[0].vector)
+
+
+# ---- honest groups --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_three_members_weighted_mean(swarm: SimpleNamespace, services: Callable) -> None:
+    members = services(AllReduceSettings(run_id=RUN, codec="none", timeout=10))[:3]
+    group = [m.identity.peer_id for m in members]
+    vectors = _vectors(3, 10_000, seed=1)  # 40 blocks of 256: parts of 14, 13 and 13 blocks
+    weights = [1, 2, 3]
+
+    results, _ = _all_reduce(members, group, vectors, weights)
+
+    expected = _weighted_mean(vectors, weights)
+    for r in results:
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+        assert r.complete
+        assert r.fallback_parts == []
+        assert r.group == group
+        assert [sorted(c) for c in r.contributors] == [sorted(group)] * 3
+        assert r.bytes_sent > 0 and r.bytes_received > 0
+    _assert_bitwise_equal(results)
+    assert all(m.rejected == {} for m in members)
+
+
+@pytest.mark.timeout(60)
+def test_vector_smaller_than_one_block_leaves_empty_parts(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    members = services(AllReduceSettings(run_id=RUN, codec="none", timeout=10))[:3]
+    group = [m.identity.peer_id for m in members]
+    vectors = _vectors(3, 100, seed=2)  # one partial block: parts 1 and 2 are empty
+    assert part_bounds(100, 3, 256)[1:] == [(100, 100), (100, 100)]
+
+    results, _ = _all_reduce(members, group, vectors, [1, 1, 1])
+
+    expected = _weighted_mean(vectors, [1, 1, 1])
+    for r in results:
+        assert r.complete
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+    _assert_bitwise_equal(results)
+
+
+@pytest.mark.timeout(60)
+def test_int8_within_codec_bound_and_bitwise_identical(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    block = 256
+    members = services(AllReduceSettings(run_id=RUN, codec="int8", block_size=block, timeout=10))
+    members = members[:3]
+    group = [m.identity.peer_id for m in members]
+    numel = 5_000
+    vectors = _vectors(3, numel, seed=3)
+    weights = [1, 2, 3]
+
+    results, _ = _all_reduce(members, group, vectors, weights)
+
+    # Parts start on block edges, so every block is quantized as one unit. A member's int8
+    # part is off by at most absmax/254 per value, the weighted mean keeps that bound, and
+    # the owner's re-encoding of the mean (whose absmax is no larger) adds as much again.
+    pad = -numel % block
+    stacked = torch.stack([torch.nn.functional.pad(v.abs(), (0, pad)) for v in vectors])
+    absmax = stacked.view(3, -1, block).amax(dim=(0, 2))
+    bound = absmax.repeat_interleave(block)[:numel] * (2 / 254) + 1e-6
+    expected = _weighted_mean(vectors, weights)
+    for r in results:
+        assert r.complete
+        error = (r.vector - expected).abs()
+        assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
+        assert float(error.max()) > 0  # the codec really was lossy on the way
+    _assert_bitwise_equal(results)
+
+
+# ---- faulty members ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_vanished_member_costs_only_its_contribution(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    timeout = 3.0
+    everyone = services(AllReduceSettings(run_id=RUN, codec="none", timeout=timeout))
+    group = [m.identity.peer_id for m in everyone]
+    present, missing = everyone[:3], everyone[3]  # the fourth is serving but never runs
+    vectors = _vectors(3, 4_000, seed=4)
+    weights = [1, 2, 3]
+
+    results, elapsed = _all_reduce(present, group, vectors, weights)
+
+    assert elapsed < timeout + MARGIN
+    bounds = part_bounds(4_000, 4, 256)
+    expected = _weighted_mean(vectors, weights)
+    here = sorted(group[:3])
+    for r, own in zip(results, vectors):
+        assert not r.complete
+        assert r.fallback_parts == [3]  # the part the missing member owns
+        assert [sorted(c) for c in r.contributors[:3]] == [here] * 3
+        assert missing.identity.peer_id not in r.peers_in
+        lo, hi = bounds[3]
+        assert torch.equal(r.vector[lo:hi], own[lo:hi])  # kept local values
+        torch.testing.assert_close(r.vector[:lo], expected[:lo], atol=1e-6, rtol=0)
+        assert r.seconds >= timeout * 0.9  # it did wait for the missing member
+    for r in results[1:]:
+        assert torch.equal(r.vector[: bounds[3][0]], results[0].vector[: bounds[3][0]])
+    # each present member asked the missing one for its part; it had not joined the round
+    assert missing.rejected == {"not_in_round": 3}
+
+
+@pytest.mark.timeout(60)
+def test_group_mismatch_falls_back_without_crashing(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    timeout = 3.0
+    members = services(AllReduceSettings(run_id=RUN, codec="none", timeout=timeout))[:3]
+    a, b, c = (m.identity.peer_id for m in members)
+    agreed, other = [a, b, c], [c, b, a]  # c saw the same peers but grouped them differently
+    vectors = _vectors(3, 3_000, seed=5)
+    weights = [1, 2, 3]
+    started = time.monotonic()
+    futures = [
+        m.transport.submit(m.run(ROUND, 0, g, v, w))
+        for m, g, v, w in zip(members, [agreed, agreed, other], vectors, weights)
+    ]
+    ra, rb, rc = (f.result(30) for f in futures)
+    assert time.monotonic() - started < timeout + MARGIN
+
+    bounds = part_bounds(3_000, 3, 256)
+    expected_ab = _weighted_mean(vectors[:2], weights[:2])
+    for r, own in ((ra, vectors[0]), (rb, vectors[1])):
+        assert not r.complete
+        assert r.fallback_parts == [2]  # owned by c, who refused the mismatched group
+        assert [sorted(p) for p in r.contributors[:2]] == [sorted([a, b])] * 2
+        lo, hi = bounds[2]
+        assert torch.equal(r.vector[lo:hi], own[lo:hi])
+        torch.testing.assert_close(r.vector[:lo], expected_ab[:lo], atol=1e-6, rtol=0)
+    assert torch.equal(ra.vector[: bounds[2][0]], rb.vector[: bounds[2][0]])
+
+    # c owns part 0 in its own view and is its only contributor; a and b refused the rest
+    assert not rc.complete
+    assert rc.fallback_parts == [1, 2]
+    assert rc.contributors[0] == [c]
+    assert torch.equal(rc.vector, vectors[2])
+
+    assert members[0].rejected == {"group_mismatch": 1}
+    assert members[1].rejected == {"group_mismatch": 1}
+    assert members[2].rejected == {"group_mismatch": 2}
+
+
+# ---- a hostile client --------------------------------------------------------------------
+
+
+def _part(
+    identity: Identity,
+    *,
+    group: list[str],
+    data: dict,
+    weight: object = 1,
+    part: int = 0,
+    round_: int = ROUND,
+    sender: Identity | None = None,
+) -> bytes:
+    """A ``part`` envelope signed by ``identity`` (claiming ``sender``, default itself)."""
+    signer = sender or identity
+    header = Header("part", RUN, round_, 0, part, signer.peer_id)
+    return seal(signer, header, {"group": group, "weight": weight, "data": data})
+
+
+def _none_wire(values: torch.Tensor) -> dict:
+    """Raw float32 wire dict, built by hand so it may hold what ``encode`` refuses."""
+    payload = values.float().contiguous().numpy().tobytes()
+    return codecs.Encoded("none", values.numel(), 256, payload).to_wire()
+
+
+def _expect_refusal(client: Transport, owner: str, data: bytes) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        client.run(client.call(owner, RPC_NAME, data, timeout=10), 15)
+    return info.value
+
+
+@pytest.mark.timeout(60)
+def test_hostile_parts_are_refused_and_the_round_still_completes(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    members = services(
+        AllReduceSettings(run_id=RUN, codec="none", timeout=15, max_message_bytes=MiB)
+    )[:3]
+    victim, honest, attacker = members
+    group = [m.identity.peer_id for m in members]
+    numel = 3_000
+    own_numel = part_bounds(numel, 3, 256)[0][1]  # the victim owns part 0: 1024 values
+    vectors = _vectors(3, numel, seed=6)
+    weights = [1, 2, 3]
+    futures = [
+        m.transport.submit(m.run(ROUND, 0, group, v, w))
+        for m, v, w in zip((victim, honest), vectors, weights)
+    ]
+
+    client, me = attacker.transport, attacker.identity
+    owner = victim.identity.peer_id
+    good = _part(me, group=group, data=_none_wire(torch.zeros(own_numel)))
+    version, signed, _ = msgpack.unpackb(good, raw=False)
+    nan = torch.zeros(own_numel)
+    nan[17] = float("nan")
+    cases = {
+        "garbage": (b"\x93\x01garbage that is not msgpack", "malformed"),
+        "forged": (  # signed with the honest member's key over the attacker's stream
+            _part(me, sender=honest.identity, group=group, data=_none_wire(torch.zeros(own_numel))),
+            "sender_mismatch",
+        ),
+        "unsigned": (msgpack.packb([version, signed, bytes(64)]), "bad_signature"),
+        "replayed": (
+            _part(me, round_=50, group=group, data=_none_wire(torch.zeros(own_numel))),
+            "stale_round",
+        ),
+        "nan": (_part(me, group=group, data=_none_wire(nan)), "non_finite"),
+        "short": (
+            _part(me, group=group, data=_none_wire(torch.zeros(own_numel - 1))),
+            "numel_mismatch",
+        ),
+        "long": (_part(me, group=group, data=_none_wire(torch.zeros(own_numel + 1))), "bad_numel"),
+        "bad weight": (
+            _part(me, group=group, weight=-1, data=_none_wire(torch.zeros(own_numel))),
+            "malformed",
+        ),
+        "not its part": (
+            _part(me, part=1, group=group, data=_none_wire(torch.zeros(own_numel))),
+            "wrong_part",
+        ),
+    }
+    for name, (data, reason) in cases.items():
+        error = _expect_refusal(client, owner, data)
+        assert error.reason == "remote_error", name
+        assert error.peer == owner
+        assert error.detail.startswith(f"{reason}:"), (name, error.detail)
+    oversized = _expect_refusal(client, owner, b"\0" * (MiB + 1))
+    assert oversized.reason == "oversized"
+
+    # the attacker now takes part honestly: nothing above used up its slot
+    assert not any(f.done() for f in futures)  # the others still wait for its part
+    own = attacker.transport.submit(attacker.run(ROUND, 0, group, vectors[2], weights[2]))
+    results = [f.result(30) for f in futures] + [own.result(30)]
+
+    expected = _weighted_mean(vectors, weights)
+    for r in results:
+        assert r.complete, r.contributors
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+    _assert_bitwise_equal(results)
+    assert victim.rejected == {
+        "non_finite": 1,
+        "numel_mismatch": 1,
+        "bad_numel": 1,
+        "malformed": 2,  # garbage bytes and a negative weight
+        "sender_mismatch": 1,
+        "bad_signature": 1,
+        "stale_round": 1,
+        "wrong_part": 1,
+    }
+
+    # a second part for the same round is refused even after the round is reduced
+    error = _expect_refusal(client, owner, good)
+    assert error.detail.startswith("duplicate:")
+    assert victim.rejected["duplicate"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_refused_envelopes_are_counted(swarm: SimpleNamespace, services: Callable) -> None:
+    members = services(AllReduceSettings(run_id=RUN, codec="none", timeout=3))
+    victim, honest, attacker = members[:3]
+    group = [m.identity.peer_id for m in members[:3]]
+    client, me, owner = attacker.transport, attacker.identity, victim.identity.peer_id
+    good = _part(me, group=group, data=_none_wire(torch.zeros(8)))
+    version, signed, _ = msgpack.unpackb(good, raw=False)
+    for data in (
+        b"not msgpack at all",
+        _part(me, sender=honest.identity, group=group, data=_none_wire(torch.zeros(8))),
+        msgpack.packb([version, signed, bytes(64)]),
+        _part(me, round_=50, group=group, data=_none_wire(torch.zeros(8))),
+    ):
+        _expect_refusal(client, owner, data)
+    assert victim.rejected == {
+        "malformed": 1,
+        "sender_mismatch": 1,
+        "bad_signature": 1,
+        "stale_round": 1,
+    }
+
+
+# ---- catch-up ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def outer() -> OuterOptimizer:
+    """An outer optimizer over a tiny model, stepped twice so it has momentum."""
+    model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8))
+    plan = plan_fragments(model, 2)
+    opt = OuterOptimizer(model, plan, OuterConfig())
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        for f in range(len(plan)):
+            opt.step(f, torch.randn(plan[f].numel, generator=gen))
+    return opt
+
+
+@pytest.fixture
+def state_server(swarm: SimpleNamespace) -> Iterator[StateServer]:
+    server = StateServer(swarm.transports[0], swarm.identities[0], RUN)
+    server.register()
+    yield server
+    swarm.transports[0].remove_handler(STATE_RPC)
+
+
+def _fetch(
+    swarm: SimpleNamespace, plan_digest: str, sizes: list[int], min_round: int
+) -> StateSnapshot:
+    client, identity = swarm.transports[1], swarm.identities[1]
+    coro = fetch_state(
+        client,
+        identity,
+        RUN,
+        swarm.transports[0].peer_id,
+        plan_digest=plan_digest,
+        sizes=sizes,
+        min_round=min_round,
+        timeout=10,
+        max_bytes=16 * MiB,
+    )
+    return client.run(coro, 15)
+
+
+@pytest.mark.timeout(60)
+def test_catch_up_is_bitwise_and_checked(
+    swarm: SimpleNamespace, state_server: StateServer, outer: OuterOptimizer
+) -> None:
+    digest = outer.plan.digest()
+    sizes = [f.numel for f in outer.plan.fragments]
+
+    with pytest.raises(ProtocolError) as info:  # nothing published yet
+        _fetch(swarm, digest, sizes, 0)
+    assert info.value.reason == "remote_error"
+    assert info.value.detail.startswith("no_state:")
+
+    snapshot = StateSnapshot.take(5, digest, outer)
+    assert all(m is not None for m in snapshot.momentum)
+    state_server.publish(snapshot)
+
+    got = _fetch(swarm, digest, sizes, 5)
+    assert got.round == 5
+    assert got.plan_digest == digest
+    assert len(got.globals) == len(got.momentum) == len(sizes)
+    for mine, theirs in zip(snapshot.globals, got.globals):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(snapshot.momentum, got.momentum):
+        assert theirs is not None and torch.equal(mine, theirs)
+
+    # loaded into a node built from other weights, the next outer step matches bitwise
+    model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8), seed=1)
+    joiner = OuterOptimizer(model, outer.plan, OuterConfig())
+    got.apply(joiner)
+    grad = torch.randn(sizes[0], generator=torch.Generator().manual_seed(8))
+    assert torch.equal(joiner.step(0, grad), outer.step(0, grad))
+
+    with pytest.raises(ProtocolError) as info:
+        _fetch(swarm, "0" * 64, sizes, 5)
+    assert info.value.reason == "wrong_model"
+    with pytest.raises(ProtocolError) as info:
+        _fetch(swarm, digest, sizes, 6)
+    assert info.value.reason == "stale_round"
+    with pytest.raises(ProtocolError) as info:
+        _fetch(swarm, digest, [sizes[0] + 1, sizes[1]], 5)
+    assert info.value.reason == "malformed"
+
+
+@pytest.mark.timeout(60)
+def test_catch_up_without_momentum(swarm: SimpleNamespace, state_server: StateServer) -> None:
+    model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8))
+    plan = plan_fragments(model, 2)
+    fresh = OuterOptimizer(model, plan, OuterConfig())  # never stepped: no momentum yet
+    snapshot = StateSnapshot.take(0, plan.digest(), fresh)
+    state_server.publish(snapshot)
+    got = _fetch(swarm, plan.digest(), [f.numel for f in plan.fragments], 0)
+    assert got.momentum == (None, None)
+    for mine, theirs in zip(snapshot.globals, got.globals):
+        assert torch.equal(mine, theirs)
