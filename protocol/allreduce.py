@@ -216,7 +216,9 @@ class AllReduceService:
         h = env.header
         if h.fragment >= self.settings.fragments:
             raise self._reject("wrong_part", f"no fragment {h.fragment}", peer)
-        if (h.round, h.fragment) not in self._sessions and len(self._sessions) >= self._max_sessions:
+        if (h.round, h.fragment) not in self._sessions and len(
+            self._sessions
+        ) >= self._max_sessions:
             raise self._reject("busy", "too many rounds in flight", peer)
         session = self._session(h.round, h.fragment)
         try:
@@ -246,8 +248,6 @@ class AllReduceService:
             vector = codecs.decode(enc, expected_numel=numel)
         except ProtocolError as exc:
             raise self._reject(exc.reason, exc.detail, peer) from None
-        if not torch.isfinite(vector).all():
-            raise self._reject("not_finite", "part holds NaN or inf", peer)
         weight = env.body.get("weight")
         if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
             raise self._reject("malformed", "weight must be a non-negative integer", peer)
@@ -410,10 +410,8 @@ class AllReduceService:
         if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
             raise ProtocolError("malformed", "contributors must be a list of PeerIDs", owner)
         enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
-        vector = codecs.decode(enc, expected_numel=numel)
-        if not torch.isfinite(vector).all():
-            raise ProtocolError("not_finite", "reduced part holds NaN or inf", owner)
-        return vector, peers
+        # decode refuses NaN, inf and out-of-range scales for every codec
+        return codecs.decode(enc, expected_numel=numel), peers
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:

@@ -84,4 +84,6 @@ def test_shipped_configs_validate():
 def test_stochastic_rounding_needs_integer_codec():
     with pytest.raises(ConfigError, match="stochastic_rounding needs codec int8 or int4"):
         load_config(None, ["sync.stochastic_rounding=true"])
-    assert load_config(None, ["sync.codec=int4", "sync.stochastic_rounding=true"]).sync.codec == "int4"
+    assert (
+        load_config(None, ["sync.codec=int4", "sync.stochastic_rounding=true"]).sync.codec == "int4"
+    )

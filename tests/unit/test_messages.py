@@ -20,6 +20,8 @@ from protocol.messages import (
     Header,
     open_envelope,
     seal,
+    signing_payload,
+    verify_signed,
 )
 from verification.identity import Identity, verify
 
@@ -44,7 +46,11 @@ def _forge(
 ) -> bytes:
     """Wire bytes around arbitrary signed fields, signed properly unless told otherwise."""
     signed = msgpack.packb(fields, use_bin_type=True)
-    sig = signer.sign(signed) if signature is None else signature
+    sig = (
+        signer.sign(signing_payload(hashlib.sha256(signed).digest()))
+        if signature is None
+        else signature
+    )
     return msgpack.packb([version, signed, sig], use_bin_type=True)
 
 
@@ -84,7 +90,10 @@ def test_round_trip() -> None:
     assert isinstance(env, Envelope)
     assert env.header == _header()
     assert env.body == BODY
-    assert verify(ALICE.peer_id, env.raw_signed, env.signature)
+    assert verify_signed(ALICE.peer_id, env.raw_signed, env.signature)
+    assert not verify(
+        ALICE.peer_id, env.raw_signed, env.signature
+    )  # the digest is signed, with a domain tag
     assert env.digest == hashlib.sha256(env.raw_signed).digest()
 
 
