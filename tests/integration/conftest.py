@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,10 +102,8 @@ class Swarm:
         swarm.stop_all([n for n in self.nodes if not n.log.closed], grace=20)
         wait_until(lambda: not self.leftovers(), 20)
         for pid in self.leftovers():  # the test fails below; never leave processes behind
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
 
 
 @pytest.fixture
