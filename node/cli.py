@@ -13,9 +13,16 @@ from node.config import ConfigError, load_config
 
 __all__ = ["main"]
 
+from node.byzantine import MODES as _BYZANTINE_MODES
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML config file (defaults when omitted)")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="TOML config file; repeat to layer files, e.g. a trust policy (defaults when omitted)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -72,7 +79,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.rounds is not None:
         overrides.append(f"run.max_rounds={args.rounds}")
     cfg = load_config(args.config, overrides)
-    return Node(cfg, initial_peers=tuple(args.initial_peers)).run()
+    return Node(cfg, initial_peers=tuple(args.initial_peers), byzantine=args.byzantine).run()
 
 
 def _cmd_swarm(args: argparse.Namespace) -> int:
@@ -85,13 +92,22 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
     directory = Path(args.dir or f".atoll/swarm-{time.strftime('%Y%m%d-%H%M%S')}")
     spec = swarm.SwarmSpec(
         nodes=args.nodes,
-        config_path=args.config,
+        config_paths=list(args.config or []),
         overrides=list(args.overrides),
         directory=directory,
         rounds=args.rounds if args.rounds is not None else cfg.run.max_rounds,
     )
     if args.nodes < 1:
         raise ValueError("--nodes must be >= 1")
+    if args.byzantine:
+        mode, _, count = args.byzantine.partition(":")
+        if mode not in _BYZANTINE_MODES:
+            raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(_BYZANTINE_MODES)}")
+        k = int(count or 1)
+        if not 0 < k < args.nodes:
+            raise ValueError("--byzantine MODE:K needs 0 < K < --nodes")
+        for i in range(args.nodes - k, args.nodes):
+            spec.extra_args[i] = ["--byzantine", mode]
     out = sys.stderr if args.json else sys.stdout
     print(f"starting {args.nodes} nodes in {directory} (Ctrl-C stops them all)", file=out)
     if out.isatty():
@@ -169,6 +185,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--data-dir", default=None, help="run.data_dir (key, checkpoints, logs)")
     run.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
+    run.add_argument(
+        "--byzantine",
+        default=None,
+        metavar="MODE",
+        help="fault injection for tests and benchmarks: " + ", ".join(_BYZANTINE_MODES),
+    )
     run.set_defaults(func=_cmd_run)
 
     sw = sub.add_parser("swarm", help="run N real nodes on 127.0.0.1 with a live view")
@@ -177,6 +199,12 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--rounds", type=int, default=None, help="rounds per node (run.max_rounds)")
     sw.add_argument("--dir", default=None, help="swarm directory (default .atoll/swarm-TIME)")
     sw.add_argument("--json", action="store_true", help="last line: one JSON summary")
+    sw.add_argument(
+        "--byzantine",
+        default=None,
+        metavar="MODE[:K]",
+        help="make the last K nodes (default 1) faulty in MODE, for tests and benchmarks",
+    )
     sw.set_defaults(func=_cmd_swarm)
 
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")

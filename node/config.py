@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
+
+from verification.policy import TrustPolicy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -154,6 +157,7 @@ class AtollConfig:
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    trust: TrustPolicy = Field(default_factory=TrustPolicy)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (TOML/JSON friendly)."""
@@ -180,7 +184,8 @@ def _format_error(err: dict[str, Any]) -> str:
         expected = err.get("ctx", {}).get("expected", "").replace("'", "").replace(" or ", ", ")
         return f"config error: {key} = {value!r}: expected one of {expected}"
     if kind == "value_error":
-        return f"config error: {err['msg'].removeprefix('Value error, ')}"
+        msg = err["msg"].removeprefix("Value error, ")
+        return f"config error: {key}: {msg}" if key else f"config error: {msg}"
     return f"config error: {key} = {value!r}: {err['msg'].lower()}"
 
 
@@ -240,22 +245,27 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | Sequence[str | Path] | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
 ) -> AtollConfig:
-    """Load a TOML config (or the defaults when ``path`` is None) and apply overrides.
+    """Load TOML configs (the defaults when ``path`` is None) and apply overrides.
+
+    Several files are merged in order, later keys winning, so a trust policy file
+    (``configs/trust/strict.toml``) can be layered over a node config.
 
     Raises:
         ConfigError: unreadable file, TOML syntax error, or a value that does not validate.
     """
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
     data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
+    for item in paths:
+        item = Path(item)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = item.read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"config error: cannot read {path}: {exc.strerror}") from None
+            raise ConfigError(f"config error: cannot read {item}: {exc.strerror}") from None
         try:
-            data = tomllib.loads(text)
+            data = _merge(data, tomllib.loads(text))
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config error: {path}: {exc}") from None
+            raise ConfigError(f"config error: {item}: {exc}") from None
     return build_config(_merge(data, parse_overrides(overrides)))

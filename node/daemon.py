@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from node import catchup
+from node.byzantine import make_behaviour
 from node.checkpoint import load_latest, save_checkpoint
 from node.config import AtollConfig
 from node.data import BatchStream, load_corpus
@@ -27,6 +28,7 @@ from node.model import build_model
 from node.outer import OuterOptimizer, sync_schedule
 from node.simulate import resolve_device
 from node.trainer import InnerTrainer, evaluate
+from node.verifier import Verifier
 from protocol import codec as codecs
 from protocol import matchmaking
 from protocol.allreduce import AllReduceService, AllReduceSettings
@@ -56,10 +58,15 @@ class Node:
     Args:
         cfg: the node's configuration.
         initial_peers: multiaddrs to join through (overrides ``network.initial_peers``).
+        byzantine: a fault-injection mode (tests and benchmarks only); None is honest.
     """
 
-    def __init__(self, cfg: AtollConfig, initial_peers: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, cfg: AtollConfig, initial_peers: tuple[str, ...] = (), byzantine: str | None = None
+    ) -> None:
         self.cfg = cfg
+        self.byzantine = byzantine
+        make_behaviour(byzantine)  # an unknown mode fails before anything starts
         self.initial_peers = initial_peers or cfg.network.initial_peers
         self.data_dir = Path(cfg.run.data_dir).expanduser()
         self.stop_event = threading.Event()
@@ -138,6 +145,9 @@ class Node:
                 max_message_bytes=int(net.max_message_mb * 2**20),
             )
         )
+        self.verifier = Verifier(
+            cfg.trust, self.data_dir / "atoll.db", self.identity.peer_id, self.events
+        )
         self.allreduce = AllReduceService(
             self.transport,
             self.identity,
@@ -150,6 +160,9 @@ class Node:
                 max_message_bytes=int(net.max_message_mb * 2**20),
                 fragments=len(self.plan),
             ),
+            reducer=self.verifier.reduce,
+            observer=self.verifier,
+            behaviour=make_behaviour(self.byzantine, seed=cfg.run.seed),
         )
         self.allreduce.register()
         self.state_server = catchup.StateServer(self.transport, self.identity, cfg.run.run_id)
@@ -257,6 +270,8 @@ class Node:
             logger.exception("final checkpoint failed")
         if self.transport is not None:
             self.transport.shutdown()
+        if hasattr(self, "verifier"):
+            self.verifier.close()
         if hasattr(self, "status"):
             self.status.update(force=True, state="stopped", round=self.round)
             self.events.write("stop", round=self.round)
@@ -303,6 +318,8 @@ class Node:
             enc = codecs.encode(pg, cfg.sync.codec, block_size=cfg.sync.block_size)
         contribution = codecs.decode(enc, expected_numel=pg.numel())
         self.allreduce.current_round = r
+        self.verifier.round = r
+        expected = self._live_peers() - self.verifier.excluded(list(self._live_peers()), r)
         announced = self.transport.run(
             matchmaking.gather(
                 self.transport,
@@ -311,14 +328,15 @@ class Node:
                 r,
                 f,
                 tokens,
-                expected=self._live_peers(),
+                expected=expected,
                 deadline=time.monotonic() + net.matchmaking_seconds,
                 expiration=net.round_timeout * 4,
                 timeout=net.request_timeout,
             ),
             net.matchmaking_seconds + net.request_timeout + 5,
         )
-        group = matchmaking.group_of(self.identity.peer_id, announced, r, f, net.group_size)
+        peers = set(announced) - self.verifier.excluded(list(announced), r)
+        group = matchmaking.group_of(self.identity.peer_id, peers, r, f, net.group_size)
         result = self.transport.run(
             self.allreduce.run(r, f, group, contribution, tokens), net.round_timeout * 3 + 10
         )

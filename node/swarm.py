@@ -33,7 +33,7 @@ class SwarmSpec:
     """What to launch."""
 
     nodes: int
-    config_path: str | None
+    config_paths: list[str]
     overrides: list[str]
     directory: Path
     rounds: int
@@ -57,8 +57,8 @@ class SwarmProcess:
 def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str]) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // spec.nodes)
     cmd = [sys.executable, "-m", "node.cli", "run", "--data-dir", str(data_dir)]
-    if spec.config_path:
-        cmd += ["--config", spec.config_path]
+    for path in spec.config_paths:
+        cmd += ["--config", path]
     for item in [
         f"run.threads={threads}",
         f"network.min_peers={spec.nodes}",

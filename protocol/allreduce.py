@@ -33,7 +33,10 @@ __all__ = [
     "AllReduceResult",
     "AllReduceService",
     "AllReduceSettings",
+    "Behaviour",
     "Contribution",
+    "Observer",
+    "Reduction",
     "part_bounds",
     "weighted_mean_reducer",
 ]
@@ -64,19 +67,35 @@ class AllReduceSettings:
 
 @dataclass(frozen=True)
 class Contribution:
-    """One member's decoded part, as the owner received it."""
+    """One member's decoded part, as the owner received it.
+
+    ``tokens`` is what the peer claimed; ``weight`` is that claim capped by
+    ``AllReduceSettings.max_tokens``.
+    """
 
     peer: str
     vector: torch.Tensor
     weight: float
     digest: bytes
+    tokens: int = 0
 
 
-Reducer = Callable[[Sequence[Contribution]], tuple[torch.Tensor, list[str]]]
-"""Reduces contributions to one vector; returns it and the peers it actually used."""
+@dataclass(frozen=True)
+class Reduction:
+    """An owner's reduced part: the vector, who is in it, and who was refused and why."""
+
+    vector: torch.Tensor
+    used: list[str]
+    rejected: dict[str, str] = field(default_factory=dict)
 
 
-def weighted_mean_reducer(contributions: Sequence[Contribution]) -> tuple[torch.Tensor, list[str]]:
+Reducer = Callable[[int, int, int, Sequence[Contribution]], Reduction]
+"""``(round, fragment, part, contributions) -> Reduction`` on the part's owner."""
+
+
+def weighted_mean_reducer(
+    round_: int, fragment: int, part: int, contributions: Sequence[Contribution]
+) -> Reduction:
     """Token-weighted mean (plain mean when every weight is zero)."""
     weights = [max(0.0, c.weight) for c in contributions]
     total = sum(weights)
@@ -85,7 +104,58 @@ def weighted_mean_reducer(contributions: Sequence[Contribution]) -> tuple[torch.
     out = torch.zeros_like(contributions[0].vector)
     for c, w in zip(contributions, weights):
         out.add_(c.vector, alpha=w / total)
-    return out, [c.peer for c in contributions]
+    return Reduction(out, [c.peer for c in contributions])
+
+
+class Observer:
+    """What the node hears from the all-reduce; the default ignores everything."""
+
+    def admit(self, peer: str, round_: int) -> str | None:
+        """Whether this node takes parts from ``peer`` at all; a reason refuses them."""
+        return None
+
+    def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
+        """A message from the authenticated ``peer`` was refused before aggregation."""
+
+    def on_owner_refused(
+        self, owner: str, round_: int, fragment: int, part: int, reason: str
+    ) -> None:
+        """This node refused ``owner``'s reduced part (it keeps its own values there)."""
+
+    def check_reduced(
+        self,
+        owner: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        reduced: torch.Tensor,
+        own: torch.Tensor,
+    ) -> str | None:
+        """Judge a reduced part against this node's own contribution; a reason refuses it."""
+        return None
+
+
+class Behaviour:
+    """How this node acts in an all-reduce; honest by default.
+
+    Fault injection (``atoll run --byzantine MODE``) overrides these hooks; nothing in
+    the honest path depends on them.
+    """
+
+    def contribution(self, round_: int, fragment: int, vector: torch.Tensor) -> torch.Tensor:
+        return vector
+
+    def request(
+        self,
+        service: AllReduceService,
+        header: Header,
+        body: dict,
+        encoded: codecs.Encoded,
+    ) -> bytes:
+        return seal(service.identity, header, dict(body, data=encoded.to_wire()))
+
+    def reduced(self, vector: torch.Tensor) -> torch.Tensor:
+        return vector
 
 
 def part_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -155,6 +225,8 @@ class AllReduceService:
         identity: the node's key (signs every part and every reduced result).
         settings: encoding, limits and deadlines.
         reducer: how an owner combines contributions (weighted mean by default).
+        observer: told about refusals and judges reduced parts (ignores all by default).
+        behaviour: how this node acts (honest by default; fault injection overrides it).
     """
 
     def __init__(
@@ -163,11 +235,15 @@ class AllReduceService:
         identity: Identity,
         settings: AllReduceSettings,
         reducer: Reducer = weighted_mean_reducer,
+        observer: Observer | None = None,
+        behaviour: Behaviour | None = None,
     ) -> None:
         self.transport = transport
         self.identity = identity
         self.settings = settings
         self.reducer = reducer
+        self.observer = observer or Observer()
+        self.behaviour = behaviour or Behaviour()
         self.current_round = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -195,8 +271,16 @@ class AllReduceService:
             del self._sessions[old]
         return self._sessions[key]
 
-    def _reject(self, reason: str, detail: str, peer: str) -> ProtocolError:
+    def _reject(
+        self,
+        reason: str,
+        detail: str,
+        peer: str,
+        round_: int | None = None,
+        fragment: int | None = None,
+    ) -> ProtocolError:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self.observer.on_refusal(peer, round_, fragment, reason)
         return ProtocolError(reason, detail, peer)
 
     async def _handle(self, peer: str, data: bytes) -> bytes:
@@ -214,27 +298,35 @@ class AllReduceService:
         except ProtocolError as exc:
             raise self._reject(exc.reason, exc.detail, peer) from None
         h = env.header
+        at = (h.round, h.fragment)
+        refusal = self.observer.admit(peer, h.round)
+        if refusal:
+            raise self._reject(refusal, "refused by this node's trust policy", peer, *at)
         if h.fragment >= self.settings.fragments:
-            raise self._reject("wrong_part", f"no fragment {h.fragment}", peer)
-        if (h.round, h.fragment) not in self._sessions and len(
-            self._sessions
-        ) >= self._max_sessions:
-            raise self._reject("busy", "too many rounds in flight", peer)
+            raise self._reject("wrong_part", f"no fragment {h.fragment}", peer, *at)
+        if at not in self._sessions and len(self._sessions) >= self._max_sessions:
+            raise self._reject("busy", "too many rounds in flight", peer, *at)
         session = self._session(h.round, h.fragment)
         try:
             await asyncio.wait_for(session.ready.wait(), self.settings.timeout)
         except asyncio.TimeoutError:
-            raise self._reject("not_in_round", "this node did not join that round", peer) from None
+            raise self._reject(
+                "not_in_round", "this node did not join that round", peer, *at
+            ) from None
         group = env.body.get("group")
         if group != session.group:
-            raise self._reject("group_mismatch", "sender's group differs from the owner's", peer)
+            raise self._reject(
+                "group_mismatch", "sender's group differs from the owner's", peer, *at
+            )
         if peer not in session.group or h.part != session.index:
-            raise self._reject("wrong_part", f"part {h.part} is not owned here", peer)
+            raise self._reject("wrong_part", f"part {h.part} is not owned here", peer, *at)
         if peer in session.contributions:
-            raise self._reject("duplicate", "a second part for the same round and fragment", peer)
+            raise self._reject(
+                "duplicate", "a second part for the same round and fragment", peer, *at
+            )
         contribution = self._decode_contribution(env, session.numel, peer)
         if time.monotonic() > session.deadline or session.reduced.is_set():
-            raise self._reject("late", "part arrived after the owner's deadline", peer)
+            raise self._reject("late", "part arrived after the owner's deadline", peer, *at)
         session.contributions[peer] = contribution
         if len(session.contributions) == len(session.group):
             session.full.set()
@@ -243,19 +335,21 @@ class AllReduceService:
         return session.reply
 
     def _decode_contribution(self, env: Envelope, numel: int, peer: str) -> Contribution:
+        at = (env.header.round, env.header.fragment)
         try:
             enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
             vector = codecs.decode(enc, expected_numel=numel)
         except ProtocolError as exc:
-            raise self._reject(exc.reason, exc.detail, peer) from None
+            raise self._reject(exc.reason, exc.detail, peer, *at) from None
         weight = env.body.get("weight")
         if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-            raise self._reject("malformed", "weight must be a non-negative integer", peer)
+            raise self._reject("malformed", "weight must be a non-negative integer", peer, *at)
         return Contribution(
             peer=peer,
             vector=vector,
             weight=float(min(weight, self.settings.max_tokens)),
             digest=env.digest,
+            tokens=weight,
         )
 
     async def _reduce_own_part(self, session: _Session, h: Header) -> torch.Tensor:
@@ -274,13 +368,15 @@ class AllReduceService:
                 ", ".join(p[:16] for p in missing),
             )
         contributions = list(session.contributions.values())
-        reduced, used = self.reducer(contributions)
+        reduction = self.reducer(h.round, h.fragment, h.part, contributions)
+        reduced = self.behaviour.reduced(reduction.vector)
         enc = codecs.encode(reduced, self.settings.codec, block_size=self.settings.block_size)
-        used_set = set(used)
+        used_set = set(reduction.used)
         body = {
             "contributors": [c.peer for c in contributions if c.peer in used_set],
             "weights": [c.weight for c in contributions if c.peer in used_set],
             "digests": [c.digest for c in contributions if c.peer in used_set],
+            "rejected": {p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
             "data": enc.to_wire(),
         }
         session.reply = seal(self.identity, Header("reduced", *_fields(h)), body)
@@ -311,6 +407,7 @@ class AllReduceService:
         numel = vector.numel()
         bounds = part_bounds(numel, len(group), self.settings.block_size)
         sent_before, received_before = self.bytes_sent, self.bytes_received
+        vector = self.behaviour.contribution(round_, fragment, vector)
 
         session = self._session(round_, fragment)
         start, end = bounds[index]
@@ -323,6 +420,7 @@ class AllReduceService:
             vector=vector[start:end].clone(),
             weight=float(min(weight, self.settings.max_tokens)),
             digest=open_envelope(own_env).digest,
+            tokens=int(weight),
         )
         if len(session.contributions) == len(group):
             session.full.set()
@@ -371,25 +469,30 @@ class AllReduceService:
         owner = group[j]
         enc = codecs.encode(vector[lo:hi], self.settings.codec, block_size=self.settings.block_size)
         header = Header("part", self.settings.run_id, round_, fragment, j, self.identity.peer_id)
-        request = seal(
-            self.identity, header, {"group": group, "weight": int(weight), "data": enc.to_wire()}
-        )
+        request = self.behaviour.request(self, header, {"group": group, "weight": int(weight)}, enc)
         self.bytes_sent += len(request)
         try:
             reply = await self.transport.call(
                 owner, RPC_NAME, request, timeout=self.settings.timeout * 2 + 5.0
             )
             self.bytes_received += len(reply)
-            part, peers = self._check_reduced(reply, owner, round_, fragment, j, hi - lo)
         except ProtocolError as exc:
             logger.warning(
-                "round %d fragment %d part %d from owner %s: %s; keeping local values",
-                round_,
-                fragment,
-                j,
-                owner[:16],
-                exc,
+                "round %d fragment %d part %d: owner %s: %s; keeping local values",
+                *(round_, fragment, j, owner[:16], exc),
             )
+            return j, None, []
+        try:
+            part, peers = self._check_reduced(reply, owner, round_, fragment, j, hi - lo)
+            reason = self.observer.check_reduced(owner, round_, fragment, j, part, vector[lo:hi])
+            if reason:
+                raise ProtocolError(reason, "reduced part refused", owner)
+        except ProtocolError as exc:
+            logger.warning(
+                "round %d fragment %d part %d: refused reduced part from owner %s: %s",
+                *(round_, fragment, j, owner[:16], exc),
+            )
+            self.observer.on_owner_refused(owner, round_, fragment, j, exc.reason)
             return j, None, []
         return j, part, peers
 
@@ -409,6 +512,12 @@ class AllReduceService:
         peers = env.body.get("contributors")
         if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
             raise ProtocolError("malformed", "contributors must be a list of PeerIDs", owner)
+        rejected = env.body.get("rejected", {})
+        me = self.identity.peer_id
+        if me not in peers and not (isinstance(rejected, dict) and me in rejected):
+            # The owner answered this node's part yet says neither that it used it nor why
+            # not: the signed reply plus this node's signed part prove it was left out.
+            raise ProtocolError("left_out", "own contribution missing from the reduced part", owner)
         enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
         # decode refuses NaN, inf and out-of-range scales for every codec
         return codecs.decode(enc, expected_numel=numel), peers

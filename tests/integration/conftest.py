@@ -62,7 +62,7 @@ class Swarm:
     def spec(self, nodes: int, rounds: int, extra: list[str] = ()) -> swarm.SwarmSpec:
         return swarm.SwarmSpec(
             nodes=nodes,
-            config_path=None,
+            config_paths=[],
             overrides=SMALL + list(extra),
             directory=self.directory,
             rounds=rounds,

@@ -80,25 +80,30 @@ def test_part_bounds_tile_the_vector_on_block_edges(numel: int, parts: int, alig
 # ---- weighted_mean_reducer ----------------------------------------------------------
 
 
+def _reduce(contributions):
+    reduction = weighted_mean_reducer(1, 0, 0, contributions)
+    return reduction.vector, reduction.used
+
+
 def _c(peer: str, values: list[float], weight: float) -> Contribution:
     return Contribution(peer, torch.tensor(values, dtype=torch.float32), weight, b"")
 
 
 def test_weighted_mean_by_hand() -> None:
-    out, used = weighted_mean_reducer([_c("a", [1.0, 2.0, -4.0], 1), _c("b", [3.0, 4.0, 0.0], 3)])
+    out, used = _reduce([_c("a", [1.0, 2.0, -4.0], 1), _c("b", [3.0, 4.0, 0.0], 3)])
     # (1*1 + 3*3) / 4, (1*2 + 3*4) / 4, (1*-4 + 3*0) / 4
     torch.testing.assert_close(out, torch.tensor([2.5, 3.5, -1.0]))
     assert used == ["a", "b"]
 
 
 def test_weighted_mean_of_three() -> None:
-    out, used = weighted_mean_reducer([_c("a", [6.0], 1), _c("b", [0.0], 2), _c("c", [12.0], 3)])
+    out, used = _reduce([_c("a", [6.0], 1), _c("b", [0.0], 2), _c("c", [12.0], 3)])
     torch.testing.assert_close(out, torch.tensor([(6.0 + 0.0 + 36.0) / 6]))
     assert used == ["a", "b", "c"]
 
 
 def test_all_zero_weights_give_the_plain_mean() -> None:
-    out, used = weighted_mean_reducer(
+    out, used = _reduce(
         [_c("a", [1.0, 10.0], 0), _c("b", [2.0, 20.0], 0), _c("c", [6.0, 0.0], 0)]
     )
     torch.testing.assert_close(out, torch.tensor([3.0, 10.0]))
@@ -106,29 +111,29 @@ def test_all_zero_weights_give_the_plain_mean() -> None:
 
 
 def test_negative_weights_count_as_zero() -> None:
-    out, _ = weighted_mean_reducer([_c("a", [100.0], -5), _c("b", [2.0], 1)])
+    out, _ = _reduce([_c("a", [100.0], -5), _c("b", [2.0], 1)])
     torch.testing.assert_close(out, torch.tensor([2.0]))
     # all non-positive: the plain mean, not a division by a negative total
-    out, _ = weighted_mean_reducer([_c("a", [1.0], -1), _c("b", [3.0], -2)])
+    out, _ = _reduce([_c("a", [1.0], -1), _c("b", [3.0], -2)])
     torch.testing.assert_close(out, torch.tensor([2.0]))
 
 
 def test_single_contribution_is_itself() -> None:
     values = torch.randn(37, generator=torch.Generator().manual_seed(0))
-    out, used = weighted_mean_reducer([Contribution("a", values, 7.0, b"")])
+    out, used = _reduce([Contribution("a", values, 7.0, b"")])
     torch.testing.assert_close(out, values)
     assert used == ["a"]
 
 
 def test_empty_parts_reduce_to_empty() -> None:
-    out, used = weighted_mean_reducer([_c("a", [], 1), _c("b", [], 2)])
+    out, used = _reduce([_c("a", [], 1), _c("b", [], 2)])
     assert out.shape == (0,)
     assert used == ["a", "b"]
 
 
 def test_reducer_does_not_modify_its_inputs() -> None:
     a, b = _c("a", [1.0, 2.0], 1), _c("b", [3.0, 4.0], 1)
-    weighted_mean_reducer([a, b])
+    _reduce([a, b])
     assert a.vector.tolist() == [1.0, 2.0]
     assert b.vector.tolist() == [3.0, 4.0]
 

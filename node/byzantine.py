@@ -1,0 +1,130 @@
+"""Fault injection for tests and benchmarks: ``atoll run --byzantine MODE``.
+
+Each mode is a :class:`~protocol.allreduce.Behaviour` that corrupts what the node sends
+in one specific way, so defences are tested against real nodes over the real wire
+rather than against mocks. Modes that need knowledge of the honest peers' updates
+(ALIE, IPM) use this node's own pseudo-gradient as the estimate of the honest mean,
+which is what a colluding-free attacker can do.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from protocol import codec as codecs
+from protocol.allreduce import AllReduceService, Behaviour
+from protocol.messages import Header, seal
+
+__all__ = ["MODES", "make_behaviour"]
+
+MODES = (
+    "sign_flip",
+    "scale",
+    "noise",
+    "nan",
+    "zero",
+    "alie",
+    "ipm",
+    "replay",
+    "wrong_shape",
+    "bad_signature",
+    "inflated_tokens",
+    "malicious_owner",
+)
+
+_SCALE = 50.0
+_NOISE = 10.0
+_ALIE_Z = 1.0  # Baruch et al. 2019 pick z from n and f; 1.0 is their order of magnitude
+_IPM_EPS = 0.5  # Xie et al. 2020: -eps * mean of honest updates
+
+
+class _VectorAttack(Behaviour):
+    def __init__(self, mode: str, seed: int) -> None:
+        self.mode = mode
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def contribution(self, round_: int, fragment: int, vector: torch.Tensor) -> torch.Tensor:
+        if self.mode == "sign_flip":
+            return -vector
+        if self.mode == "scale":
+            return vector * _SCALE
+        if self.mode == "zero":
+            return torch.zeros_like(vector)
+        if self.mode == "noise":
+            rms = vector.pow(2).mean().sqrt().clamp_min(1e-8)
+            noise = torch.randn(vector.shape, generator=self.generator)
+            return vector + _NOISE * rms * noise
+        if self.mode == "alie":
+            # "A Little Is Enough": mu - z * sigma, a shift small enough to pass screens.
+            return vector - _ALIE_Z * vector.abs()
+        if self.mode == "ipm":
+            return -_IPM_EPS * vector
+        raise AssertionError(self.mode)
+
+
+class _WireAttack(Behaviour):
+    """Corrupts the signed part message itself."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._first: dict[tuple[int, int], bytes] = {}
+
+    def request(
+        self, service: AllReduceService, header: Header, body: dict, encoded: codecs.Encoded
+    ) -> bytes:
+        honest = super().request(service, header, body, encoded)
+        if self.mode == "replay":
+            # The first message sent for this (fragment, part), resent in every later round.
+            return self._first.setdefault((header.fragment, header.part), honest)
+        if self.mode == "bad_signature":
+            wire = bytearray(honest)
+            wire[-1] ^= 0x01  # the signature is the last field of the frame
+            return bytes(wire)
+        if self.mode == "inflated_tokens":
+            return seal(service.identity, header, dict(body, weight=10**12, data=encoded.to_wire()))
+        if self.mode == "wrong_shape":
+            longer = torch.cat([codecs.decode(encoded), torch.zeros(1)])
+            enc = codecs.encode(longer, encoded.codec, block_size=encoded.block_size)
+            return seal(service.identity, header, dict(body, data=enc.to_wire()))
+        if self.mode == "nan":
+            return seal(service.identity, header, dict(body, data=_nan_wire(encoded)))
+        raise AssertionError(self.mode)
+
+
+class _MaliciousOwner(Behaviour):
+    """Reduces honestly received parts into something that would wreck the model."""
+
+    def reduced(self, vector: torch.Tensor) -> torch.Tensor:
+        return -10.0 * vector - 1.0
+
+
+def _nan_wire(encoded: codecs.Encoded) -> dict:
+    """The same part with its first value (or block scale) replaced by NaN."""
+    nan32 = struct.pack("<f", float("nan"))
+    payload = bytearray(encoded.payload)
+    if encoded.codec in ("none", "int8", "int4"):
+        payload[0:4] = nan32  # raw value, or the first block's scale
+    else:
+        payload[0:2] = b"\xff\x7f" if encoded.codec == "fp16" else b"\xc0\x7f"
+    return codecs.Encoded(
+        encoded.codec, encoded.numel, encoded.block_size, bytes(payload)
+    ).to_wire()
+
+
+def make_behaviour(mode: str | None, seed: int = 0) -> Behaviour:
+    """The behaviour for ``mode`` (None or ``"honest"`` is honest).
+
+    Raises:
+        ValueError: an unknown mode, naming the known ones.
+    """
+    if mode in (None, "", "honest"):
+        return Behaviour()
+    if mode in ("sign_flip", "scale", "noise", "zero", "alie", "ipm"):
+        return _VectorAttack(mode, seed)
+    if mode in ("replay", "bad_signature", "inflated_tokens", "wrong_shape", "nan"):
+        return _WireAttack(mode)
+    if mode == "malicious_owner":
+        return _MaliciousOwner()
+    raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(MODES)}")

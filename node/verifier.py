@@ -1,0 +1,243 @@
+"""The node's trust decisions: screening, robust aggregation, policy, reputation, audit.
+
+:class:`Verifier` plugs into the all-reduce as both the owner's reducer and the
+observer of everything refused. Every contribution a node sees as a part owner gets
+one audit row (accepted, rejected with a reason, or its own), every violation goes
+through the operator's :class:`~verification.policy.TrustPolicy` (drop, quarantine,
+ban), and peers that are quarantined, banned, denied or below the policy's minimum
+reputation are left out of this node's groups.
+
+The SQLite stores are used from the transport's loop thread (reducer, observer) and
+from the training thread (group exclusion, status), so every call takes one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from node.metrics import EventLog
+from protocol.allreduce import Contribution, Observer, Reduction
+from verification.aggregators import aggregate, max_share_weights
+from verification.audit import AuditLog
+from verification.policy import TrustPolicy
+from verification.reputation import ReputationStore
+from verification.screening import Candidate, ScreeningConfig, check_reduced, screen
+
+__all__ = ["BENIGN_REASONS", "Verifier"]
+
+logger = logging.getLogger(__name__)
+
+BENIGN_REASONS = frozenset(
+    {"group_mismatch", "not_in_round", "late", "busy", "wrong_part", "timeout"}
+)
+"""Refusals an honest peer can cause (different views, slowness); never held against it."""
+
+_POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
+
+
+class Verifier(Observer):
+    """Judges contributions and peers for one node.
+
+    Args:
+        policy: the operator's trust policy.
+        db_path: the node's SQLite file (audit log and reputations).
+        me: this node's PeerID.
+        events: the node's event log, for one line per verdict that costs a peer.
+    """
+
+    def __init__(
+        self, policy: TrustPolicy, db_path: Path, me: str, events: EventLog | None = None
+    ) -> None:
+        self.policy = policy
+        self.me = me
+        self.events = events
+        self.audit = AuditLog(db_path)
+        self.reputation = ReputationStore(db_path)
+        self.screening = ScreeningConfig(
+            enabled=policy.screening,
+            norm_kappa=policy.norm_kappa,
+            min_cosine=policy.min_cosine,
+            max_tokens=policy.max_tokens,
+        )
+        self.round = 0
+        self._lock = threading.RLock()
+
+    # ---- who is in -------------------------------------------------------------------
+
+    def refusal(self, peer: str, round_: int) -> str | None:
+        """Why this node takes nothing from ``peer`` at ``round_`` (None: it does)."""
+        if peer == self.me:
+            return None
+        ok, why = self.policy.admits(peer)
+        if not ok:
+            return why
+        with self._lock:
+            standing = self.reputation.standing(peer, round_)
+        if standing.status in ("quarantined", "banned"):
+            return standing.status
+        if standing.score < self.policy.min_reputation:
+            return "low_reputation"
+        return None
+
+    def excluded(self, peers: Sequence[str], round_: int) -> set[str]:
+        """The subset of ``peers`` this node will not group with."""
+        return {p for p in peers if self.refusal(p, round_)}
+
+    def admit(self, peer: str, round_: int) -> str | None:
+        return self.refusal(peer, round_)
+
+    # ---- the owner's reduction ---------------------------------------------------------
+
+    def reduce(
+        self, round_: int, fragment: int, part: int, contributions: Sequence[Contribution]
+    ) -> Reduction:
+        """Screen, cap weights, aggregate robustly; audit every contribution."""
+        rejected: dict[str, str] = {}
+        admitted = []
+        for c in contributions:
+            why = self.refusal(c.peer, round_)
+            if why:
+                rejected[c.peer] = why
+            else:
+                admitted.append(c)
+        numel = contributions[0].vector.numel()
+        verdicts = screen(
+            [Candidate(c.peer, c.vector, c.tokens, numel) for c in admitted], self.screening
+        )
+        good = []
+        for c, verdict in zip(admitted, verdicts):
+            if verdict.ok or c.peer == self.me:
+                good.append(c)
+            else:
+                rejected[c.peer] = verdict.reason
+                self._violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
+        weights = max_share_weights([c.weight for c in good], self.policy.max_share)
+        result = aggregate(
+            self.policy.aggregator, [c.vector for c in good], weights, self.policy.aggregator_params
+        )
+        used = [good[i].peer for i in result.used]
+        for c in good:
+            if c.peer not in used:
+                rejected[c.peer] = "not_selected"
+        rows = []
+        for c in contributions:
+            if c.peer == self.me:
+                verdict, reason = "own", "" if c.peer in used else rejected.get(c.peer, "")
+            elif c.peer in used:
+                verdict, reason = "accepted", ""
+            else:
+                verdict, reason = "rejected", rejected[c.peer]
+            rows.append(
+                dict(
+                    round=round_,
+                    fragment=fragment,
+                    part=part,
+                    sender=c.peer,
+                    digest=c.digest,
+                    tokens=int(c.tokens),
+                    verdict=verdict,
+                    reason=reason,
+                )
+            )
+        with self._lock:
+            self.audit.append_many(rows)
+            for peer in used:
+                if peer != self.me:
+                    self.reputation.record(peer, round_, ok=True)
+        return Reduction(result.vector, used, rejected)
+
+    # ---- refusals ----------------------------------------------------------------------
+
+    def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
+        r = self.round if round_ is None else round_
+        with self._lock:
+            self.audit.append(
+                round=r,
+                fragment=fragment if fragment is not None else -1,
+                part=-1,
+                sender=peer,
+                digest="",
+                tokens=0,
+                verdict="rejected",
+                reason=reason,
+            )
+        if reason not in BENIGN_REASONS and reason not in _POLICY_REASONS:
+            self._violation(peer, r, fragment, reason, "message refused")
+        elif reason in _POLICY_REASONS:
+            logger.info("refused parts from %s at round %d: %s", peer, r, reason)
+
+    def check_reduced(
+        self,
+        owner: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        reduced: torch.Tensor,
+        own: torch.Tensor,
+    ) -> str | None:
+        if not self.policy.screening or float(own.norm()) == 0.0:
+            return None  # an idle member has nothing to compare the owner's result with
+        verdict = check_reduced(
+            reduced, own, max_ratio=self.policy.norm_kappa, min_cosine=self.policy.min_cosine
+        )
+        return None if verdict.ok else verdict.reason
+
+    def on_owner_refused(
+        self, owner: str, round_: int, fragment: int, part: int, reason: str
+    ) -> None:
+        with self._lock:
+            self.audit.append(
+                round=round_,
+                fragment=fragment,
+                part=part,
+                sender=owner,
+                digest="",
+                tokens=0,
+                verdict="owner_rejected",
+                reason=reason,
+            )
+        if reason not in BENIGN_REASONS:
+            self._violation(owner, round_, fragment, reason, "reduced part refused")
+
+    def _violation(
+        self, peer: str, round_: int, fragment: int | None, reason: str, detail: str
+    ) -> None:
+        with self._lock:
+            standing = self.reputation.record(peer, round_, ok=False, reason=reason)
+            action = self.policy.action_for(standing.violations)
+            if action == "quarantine" and standing.status == "ok":
+                standing = self.reputation.quarantine(
+                    peer, round_, self.policy.quarantine_rounds, reason
+                )
+            elif action == "ban" and standing.status != "banned":
+                standing = self.reputation.ban(peer, reason)
+        logger.warning(
+            "peer %s round %d fragment %s: %s (%s); %s, score %.2f",
+            peer,
+            round_,
+            fragment,
+            reason,
+            detail,
+            standing.status,
+            standing.score,
+        )
+        if self.events is not None:
+            self.events.write(
+                "violation",
+                peer=peer,
+                round=round_,
+                fragment=fragment,
+                reason=reason,
+                status=standing.status,
+                score=standing.score,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self.audit.close()
+            self.reputation.close()

@@ -1,0 +1,233 @@
+"""Tests for verification.screening: each attack caught for the right reason, honest peers never."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verification.aggregators import coordinate_median
+from verification.screening import (
+    Candidate,
+    ScreeningConfig,
+    Verdict,
+    _leave_one_out_medians,
+    check_reduced,
+    screen,
+)
+
+D = 64
+CFG = ScreeningConfig()
+
+
+def _honest(seed: int, n: int = 4, d: int = D) -> list[torch.Tensor]:
+    """Honest peers: one common direction plus noise (base + 0.3 * randn)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(d, generator=g)
+    return [base + 0.3 * torch.randn(d, generator=g) for _ in range(n)]
+
+
+def _candidates(vectors: list[torch.Tensor], tokens: list[int] | None = None) -> list[Candidate]:
+    tokens = tokens or [1000] * len(vectors)
+    return [Candidate(f"peer{i}", v, t, D) for i, (v, t) in enumerate(zip(vectors, tokens))]
+
+
+def _reasons(verdicts: list[Verdict]) -> list[str]:
+    return [v.reason for v in verdicts]
+
+
+# --- one attacker among four honest peers --------------------------------------
+
+
+def _bad(kind: str, honest: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    victim = honest[0]
+    if kind == "sign_flip":
+        return -victim, 1000
+    if kind == "scaled":
+        return 100 * victim, 1000
+    if kind == "nan":
+        v = victim.clone()
+        v[3] = float("nan")
+        return v, 1000
+    if kind == "inf":
+        v = victim.clone()
+        v[0] = float("inf")
+        return v, 1000
+    if kind == "length":
+        return victim[:-1].clone(), 1000
+    if kind == "tokens":
+        return victim.clone(), 10**10
+    if kind == "negative_tokens":
+        return victim.clone(), -1
+    raise AssertionError(kind)
+
+
+EXPECTED = {
+    "sign_flip": "direction",
+    "scaled": "norm",
+    "nan": "not_finite",
+    "inf": "not_finite",
+    "length": "shape",
+    "tokens": "tokens",
+    "negative_tokens": "tokens",
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED))
+@pytest.mark.parametrize("seed", range(3))
+def test_one_attacker_is_rejected_for_the_right_reason(kind: str, seed: int) -> None:
+    honest = _honest(seed)
+    bad, tokens = _bad(kind, honest)
+    position = seed % 5
+    vectors = honest[:position] + [bad] + honest[position:]
+    token_list = [1000] * 5
+    token_list[position] = tokens
+    verdicts = screen(_candidates(vectors, token_list), CFG)
+    want = ["ok"] * 5
+    want[position] = EXPECTED[kind]
+    assert _reasons(verdicts) == want
+    assert [v.peer for v in verdicts] == [f"peer{i}" for i in range(5)]
+    assert not verdicts[position].ok and verdicts[position].detail
+    assert all(v.ok and v.detail == "" for i, v in enumerate(verdicts) if i != position)
+
+
+def test_every_attack_at_once_among_four_honest() -> None:
+    honest = _honest(7)
+    kinds = ["sign_flip", "scaled", "nan", "length", "tokens"]
+    bad = [_bad(k, honest) for k in kinds]
+    vectors = [b[0] for b in bad] + honest
+    tokens = [b[1] for b in bad] + [1000] * 4
+    verdicts = screen(_candidates(vectors, tokens), CFG)
+    assert _reasons(verdicts) == [EXPECTED[k] for k in kinds] + ["ok"] * 4
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+@pytest.mark.parametrize("seed", range(5))
+def test_honest_peers_are_never_rejected(n: int, seed: int) -> None:
+    verdicts = screen(_candidates(_honest(100 + seed, n)), CFG)
+    assert _reasons(verdicts) == ["ok"] * n
+
+
+def test_fewer_than_three_skips_norm_and_direction() -> None:
+    honest = _honest(1, 1)
+    # A sign-flipped and a 100x vector would be caught among more peers; two inputs
+    # give no robust reference, so both pass.
+    verdicts = screen(_candidates([-honest[0], 100 * honest[0]]), CFG)
+    assert _reasons(verdicts) == ["ok", "ok"]
+
+
+def test_statistics_count_only_candidates_that_passed_the_cheap_checks() -> None:
+    honest = _honest(2, 2)
+    nan = honest[0].clone()
+    nan[0] = float("nan")
+    # Two survivors (one of them scaled 100x): too few for a robust median.
+    vectors = [honest[0], 100 * honest[1], nan, honest[1][:-1]]
+    verdicts = screen(_candidates(vectors), CFG)
+    assert _reasons(verdicts) == ["ok", "ok", "not_finite", "shape"]
+
+
+def test_disabled_screening_keeps_only_shape_and_finiteness() -> None:
+    honest = _honest(3)
+    nan = honest[0].clone()
+    nan[1] = float("nan")
+    vectors = [*honest, -honest[0], 100 * honest[0], nan, honest[0][:5]]
+    tokens = [10**12] * len(vectors)
+    verdicts = screen(_candidates(vectors, tokens), ScreeningConfig(enabled=False))
+    assert _reasons(verdicts) == ["ok"] * 6 + ["not_finite", "shape"]
+
+
+def test_shape_check_refuses_2d_and_integer_tensors() -> None:
+    honest = _honest(4)
+    vectors = [*honest, honest[0].reshape(8, 8), torch.ones(D, dtype=torch.int64)]
+    assert _reasons(screen(_candidates(vectors), CFG)) == ["ok"] * 4 + ["shape", "shape"]
+
+
+def test_zero_vectors_pass_and_do_not_skew_the_reference() -> None:
+    honest = _honest(5, 3)
+    # Four idle peers (zero vectors, some claiming tokens) and three working ones.
+    # Counting the zeros, the median norm would be 0 and every working peer a norm
+    # outlier; without them the working peers are judged among themselves.
+    vectors = [torch.zeros(D)] * 4 + honest
+    tokens = [0, 500, 0, 500, 1000, 1000, 1000]
+    assert _reasons(screen(_candidates(vectors, tokens), CFG)) == ["ok"] * 7
+    # The working peers are still judged: a sign-flipped one among them is caught.
+    vectors = [torch.zeros(D)] * 4 + honest + [-honest[0]]
+    assert _reasons(screen(_candidates(vectors), CFG)) == ["ok"] * 7 + ["direction"]
+
+
+def test_thresholds_come_from_the_config() -> None:
+    honest = _honest(6)
+    vectors = [*honest, 2 * honest[0]]
+    assert _reasons(screen(_candidates(vectors), CFG))[-1] == "ok"
+    strict = ScreeningConfig(norm_kappa=1.5)
+    assert _reasons(screen(_candidates(vectors), strict))[-1] == "norm"
+    tokens = [1000] * 4 + [101]
+    assert _reasons(screen(_candidates(vectors, tokens), ScreeningConfig(max_tokens=100)))[-1] == (
+        "tokens"
+    )
+
+
+def test_empty_input_gives_no_verdicts() -> None:
+    assert screen([], CFG) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 9),
+    d=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_leave_one_out_median_matches_brute_force(n: int, d: int, seed: int) -> None:
+    # Small integers force ties, the case where rank bookkeeping could go wrong.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (n, d), generator=g).float()
+    want = torch.stack([coordinate_median(torch.cat([x[:i], x[i + 1 :]])) for i in range(n)])
+    assert torch.equal(_leave_one_out_medians(x), want)
+
+
+# --- check_reduced -------------------------------------------------------------
+
+
+def test_check_reduced_accepts_an_honest_average() -> None:
+    honest = _honest(8)
+    reduced = torch.stack(honest).mean(0)
+    for own in honest:
+        assert check_reduced(reduced, own) == Verdict("", True, "ok")
+
+
+def test_check_reduced_rejects_an_inflated_part() -> None:
+    own = _honest(9, 1)[0]
+    # ||10 own|| = 10 ||own|| > 3 ||own||
+    verdict = check_reduced(10 * own, own)
+    assert (verdict.ok, verdict.reason, verdict.peer) == (False, "owner_norm", "")
+    # 2.9x is within the default ratio, 4x within a looser one.
+    assert check_reduced(2.9 * own, own).ok
+    assert check_reduced(4 * own, own, max_ratio=5.0).ok
+
+
+def test_check_reduced_rejects_a_reversed_part() -> None:
+    own = _honest(10, 1)[0]
+    verdict = check_reduced(-own, own)
+    assert (verdict.ok, verdict.reason) == (False, "owner_direction")
+    # Orthogonal (cosine 0) passes the default -0.1, fails a stricter 0.5.
+    own2 = torch.tensor([1.0, 0.0])
+    assert check_reduced(torch.tensor([0.0, 1.0]), own2).ok
+    assert check_reduced(torch.tensor([0.0, 1.0]), own2, min_cosine=0.5).reason == (
+        "owner_direction"
+    )
+
+
+def test_check_reduced_rejects_non_finite_and_wrong_shape() -> None:
+    own = torch.ones(4)
+    assert check_reduced(torch.tensor([1.0, float("nan"), 1.0, 1.0]), own).reason == "not_finite"
+    assert check_reduced(torch.ones(3), own).reason == "shape"
+
+
+def test_check_reduced_zero_vectors() -> None:
+    own = torch.ones(4)
+    # A zero reduced part has no direction; its norm is within any bound.
+    assert check_reduced(torch.zeros(4), own).ok
+    assert check_reduced(torch.zeros(4), torch.zeros(4)).ok
+    # A zero own part vouches for nothing non-zero (documented).
+    assert check_reduced(own, torch.zeros(4)).reason == "owner_norm"

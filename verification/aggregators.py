@@ -1,0 +1,447 @@
+"""Robust aggregators: how the contributions that passed screening become one update.
+
+Every aggregator takes the same inputs, a sequence of 1-D float tensors of one length
+and their non-negative token weights, and returns an :class:`Aggregate`: the combined
+vector and the indices of the inputs that shaped it, so the audit log can say exactly
+whose work went into a round. Each one cites the paper it comes from.
+
+Inputs are assumed screened (finite, right length, see ``verification.screening``).
+All work is vectorised over coordinates; the only Python loops run over inputs or
+iterations, never over the entries of a vector.
+
+:func:`max_share_weights` implements the policy "no single peer may carry more than a
+given share of an aggregate", which weighted aggregators need because token counts are
+claims, not facts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "AGGREGATORS",
+    "Aggregate",
+    "aggregate",
+    "centered_clip",
+    "coordinate_median",
+    "krum",
+    "max_share_weights",
+    "mean",
+    "median",
+    "multi_krum",
+    "trimmed_mean",
+]
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The result of an aggregation.
+
+    Attributes:
+        vector: the aggregated 1-D tensor.
+        used: sorted indices of the inputs that influence ``vector``.
+    """
+
+    vector: torch.Tensor
+    used: list[int]
+
+
+# --- shared helpers ----------------------------------------------------------
+
+
+def _stack(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stacks the inputs into an ``(n, d)`` matrix after checking they line up."""
+    if len(vectors) == 0:
+        raise ValueError("aggregation needs at least one vector")
+    numel = vectors[0].numel()
+    for i, v in enumerate(vectors):
+        if v.dim() != 1:
+            raise ValueError(f"vector {i} must be 1-D, got shape {tuple(v.shape)}")
+        if v.numel() != numel:
+            raise ValueError(f"vector {i} has {v.numel()} elements, vector 0 has {numel}")
+    stacked = torch.stack(list(vectors))
+    return stacked if stacked.is_floating_point() else stacked.to(torch.float32)
+
+
+def _weights(weights: Sequence[float], n: int, like: torch.Tensor) -> torch.Tensor:
+    """Returns weights normalised to sum to one; all-zero weights count as equal."""
+    if len(weights) != n:
+        raise ValueError(f"got {len(weights)} weights for {n} vectors")
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(f"weights must be finite and non-negative, got {list(weights)}")
+    total = w.sum()
+    # An all-idle round (every weight zero) still has vectors to combine; equal weights
+    # are the only choice that favours nobody.
+    w = torch.full_like(w, 1.0 / n) if total == 0 else w / total
+    return w.to(dtype=like.dtype, device=like.device)
+
+
+def _weighted_mean(stacked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return w @ stacked
+
+
+def coordinate_median(matrix: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0; for an even row count, the mean of the two middle values.
+
+    ``torch.median`` returns the lower of the two middle values, which biases every
+    coordinate downwards for even counts; averaging the pair is the textbook median.
+
+    Args:
+        matrix: an ``(n, ...)`` tensor with ``n >= 1``.
+
+    Returns:
+        A tensor shaped like ``matrix[0]``.
+    """
+    n = matrix.shape[0]
+    if n == 0:
+        raise ValueError("median of zero rows")
+    ordered = matrix.sort(dim=0).values
+    if n % 2 == 1:
+        return ordered[n // 2]
+    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _krum_scores(stacked: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum score of each input: summed squared distances to its nearest neighbours."""
+    n = stacked.shape[0]
+    if n == 1:
+        return torch.zeros(1, dtype=stacked.dtype, device=stacked.device)
+    # The exact (non-matmul) path: the matmul trick loses precision through
+    # cancellation exactly when honest vectors are close, which is when it matters.
+    dist = torch.cdist(stacked, stacked, compute_mode="donot_use_mm_for_euclid_dist") ** 2
+    dist.fill_diagonal_(math.inf)
+    # Blanchard et al. use n - f - 2 neighbours, which needs n > f + 2; below that
+    # bound Krum gives no guarantee anyway, so score against every other input.
+    k = n - f - 2 if n - f - 2 >= 1 else n - 1
+    return dist.sort(dim=1).values[:, :k].sum(dim=1)
+
+
+def _check_f(f: int) -> None:
+    if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+        raise ValueError(f"f must be a non-negative integer, got {f!r}")
+
+
+# --- aggregators -------------------------------------------------------------
+
+
+def mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggregate:
+    """Token-weighted mean, the plain (non-robust) DiLoCo average.
+
+    McMahan et al., "Communication-Efficient Learning of Deep Networks from
+    Decentralized Data", AISTATS 2017 (FedAvg); Douillard et al., "DiLoCo: Distributed
+    Low-Communication Training of Language Models", 2023.
+
+    Args:
+        vectors: 1-D tensors of one length.
+        weights: non-negative token weights; all zero means equal weights.
+
+    Returns:
+        The weighted mean; every input is listed as used.
+    """
+    stacked = _stack(vectors)
+    w = _weights(weights, len(vectors), stacked)
+    return Aggregate(_weighted_mean(stacked, w), list(range(len(vectors))))
+
+
+def median(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggregate:
+    """Coordinate-wise median (Yin, Chen, Ramchandran, Bartlett, "Byzantine-Robust
+    Distributed Learning: Towards Optimal Statistical Rates", ICML 2018).
+
+    Unweighted: a token claim cannot move a median, which is the point. For an even
+    number of inputs each coordinate is the mean of its two middle values.
+
+    Args:
+        vectors: 1-D tensors of one length.
+        weights: accepted for a uniform signature and checked, but not used.
+
+    Returns:
+        The coordinate-wise median; every input is listed as used.
+    """
+    stacked = _stack(vectors)
+    _weights(weights, len(vectors), stacked)
+    return Aggregate(coordinate_median(stacked), list(range(len(vectors))))
+
+
+def trimmed_mean(
+    vectors: Sequence[torch.Tensor], weights: Sequence[float], *, trim: float = 0.2
+) -> Aggregate:
+    """Coordinate-wise trimmed mean (Yin, Chen, Ramchandran, Bartlett, "Byzantine-Robust
+    Distributed Learning: Towards Optimal Statistical Rates", ICML 2018).
+
+    Per coordinate, drops the ``floor(trim * n)`` largest and smallest values and
+    averages the rest, unweighted as in the paper. If nothing would remain, it falls
+    back to the coordinate-wise median.
+
+    Args:
+        vectors: 1-D tensors of one length.
+        weights: accepted for a uniform signature and checked, but not used.
+        trim: fraction trimmed from each end, in ``[0, 0.5]``.
+
+    Returns:
+        The trimmed mean; every input is listed as used (any of them may be kept in
+        some coordinate).
+    """
+    if not 0.0 <= trim <= 0.5:
+        raise ValueError(f"trim must be in [0, 0.5], got {trim}")
+    stacked = _stack(vectors)
+    _weights(weights, len(vectors), stacked)
+    n = stacked.shape[0]
+    cut = math.floor(trim * n)
+    used = list(range(n))
+    if n - 2 * cut <= 0:
+        return Aggregate(coordinate_median(stacked), used)
+    kept = stacked.sort(dim=0).values[cut : n - cut]
+    return Aggregate(kept.mean(dim=0), used)
+
+
+def centered_clip(
+    vectors: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    *,
+    tau: float = 1.0,
+    iters: int = 3,
+    center: torch.Tensor | None = None,
+) -> Aggregate:
+    """Centered clipping (Karimireddy, He, Jaggi, "Learning from History for Byzantine
+    Robust Optimization", ICML 2021).
+
+    Starting from ``center`` (the coordinate-wise median when not given), repeats
+    ``v <- v + sum_i w_i * clip(x_i - v)`` where ``clip(d) = d * min(1, r / ||d||)``.
+    The radius is relative, ``r = tau * median_i ||x_i - v0||`` around the starting
+    point ``v0``, so one setting works at any gradient scale; the paper's absolute
+    radius is recovered by passing the matching ``tau``. The radius is fixed after the
+    start so an iteration cannot widen it. Weights are normalised to sum to one.
+
+    Args:
+        vectors: 1-D tensors of one length.
+        weights: non-negative token weights; all zero means equal weights.
+        tau: clipping radius as a multiple of the median distance to the start, > 0.
+        iters: number of clipping iterations, >= 1.
+        center: starting point, e.g. the previous round's aggregate (the paper's
+            momentum); defaults to the coordinate-wise median.
+
+    Returns:
+        The clipped centre; every input is listed as used.
+    """
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
+    stacked = _stack(vectors)
+    w = _weights(weights, len(vectors), stacked)
+    if center is None:
+        v = coordinate_median(stacked)
+    else:
+        if center.shape != stacked[0].shape:
+            raise ValueError(
+                f"center has shape {tuple(center.shape)}, vectors have {tuple(stacked[0].shape)}"
+            )
+        v = center.to(dtype=stacked.dtype, device=stacked.device).clone()
+    radius = tau * coordinate_median(torch.linalg.vector_norm(stacked - v, dim=1))
+    for _ in range(iters):
+        diff = stacked - v
+        norms = torch.linalg.vector_norm(diff, dim=1)
+        # A zero difference needs no clipping (and would divide by zero).
+        scale = torch.where(norms > radius, radius / norms.clamp_min(1e-30), torch.ones_like(norms))
+        v = v + (w * scale) @ diff
+    return Aggregate(v, list(range(len(vectors))))
+
+
+def krum(vectors: Sequence[torch.Tensor], weights: Sequence[float], *, f: int) -> Aggregate:
+    """Krum (Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning with
+    Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS 2017).
+
+    Scores each input by the summed squared distances to its ``n - f - 2`` nearest
+    other inputs and returns the input with the lowest score (the first one on ties).
+    With ``n <= f + 2`` the paper's neighbour count is not positive; every other input
+    (``n - 1``) is used instead, and the guarantee of the paper does not hold.
+
+    Args:
+        vectors: 1-D tensors of one length.
+        weights: accepted for a uniform signature and checked, but not used.
+        f: number of Byzantine inputs to tolerate, >= 0.
+
+    Returns:
+        The selected input (a copy) and its index.
+    """
+    _check_f(f)
+    stacked = _stack(vectors)
+    _weights(weights, len(vectors), stacked)
+    best = int(torch.argmin(_krum_scores(stacked, f)))
+    return Aggregate(stacked[best].clone(), [best])
+
+
+def multi_krum(
+    vectors: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    *,
+    f: int,
+    m: int | None = None,
+) -> Aggregate:
+    """Multi-Krum (Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning with
+    Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS 2017; El Mhamdi,
+    Guerraoui, Rouault, "The Hidden Vulnerability of Distributed Learning in
+    Byzantium", ICML 2018).
+
+    Selects the ``m`` inputs with the lowest Krum scores (ties go to the lower index)
+    and returns their token-weighted mean. ``m`` defaults to ``n - f`` and is clipped
+    to ``[1, n]``.
+
+    Args:
+        vectors: 1-D tensors of one length.
+        weights: non-negative token weights; if all selected weights are zero the
+            selected inputs count equally.
+        f: number of Byzantine inputs to tolerate, >= 0.
+        m: number of inputs to average, >= 1; default ``n - f``.
+
+    Returns:
+        The weighted mean of the selected inputs and their indices.
+    """
+    _check_f(f)
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"m must be an integer >= 1, got {m!r}")
+    stacked = _stack(vectors)
+    n = stacked.shape[0]
+    _weights(weights, n, stacked)
+    count = min(n, max(1, n - f if m is None else m))
+    order = torch.argsort(_krum_scores(stacked, f), stable=True)
+    chosen = sorted(int(i) for i in order[:count])
+    w = _weights([weights[i] for i in chosen], count, stacked)
+    return Aggregate(_weighted_mean(stacked[chosen], w), chosen)
+
+
+# --- registry ----------------------------------------------------------------
+
+AGGREGATORS: dict[str, Callable[..., Aggregate]] = {
+    "mean": mean,
+    "median": median,
+    "trimmed_mean": trimmed_mean,
+    "centered_clip": centered_clip,
+    "krum": krum,
+    "multi_krum": multi_krum,
+}
+
+# Parameters a config may set, with their kind; ``center`` is a tensor, so only
+# direct callers of centered_clip pass it.
+_PARAMS: dict[str, dict[str, type]] = {
+    "mean": {},
+    "median": {},
+    "trimmed_mean": {"trim": float},
+    "centered_clip": {"tau": float, "iters": int},
+    "krum": {"f": int},
+    "multi_krum": {"f": int, "m": int},
+}
+_REQUIRED: dict[str, tuple[str, ...]] = {"krum": ("f",), "multi_krum": ("f",)}
+
+
+def _check_param(name: str, key: str, value: object, kind: type) -> float | int:
+    # bool is an int subclass; `f = true` in a config is a mistake, not f = 1.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}.{key} must be a number, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{name}.{key} must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def aggregate(
+    name: str,
+    vectors: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    params: Mapping[str, float | int] | None = None,
+) -> Aggregate:
+    """Runs the aggregator called ``name`` with parameters taken from a config.
+
+    Args:
+        name: one of ``AGGREGATORS``.
+        vectors: 1-D tensors of one length.
+        weights: non-negative token weights.
+        params: the aggregator's numeric parameters (e.g. ``{"trim": 0.1}``).
+
+    Returns:
+        The aggregator's result.
+
+    Raises:
+        ValueError: unknown name, unknown or missing parameter, or a bad value.
+    """
+    if name not in AGGREGATORS:
+        raise ValueError(f"unknown aggregator {name!r}: expected one of {', '.join(AGGREGATORS)}")
+    allowed = _PARAMS[name]
+    kwargs: dict[str, float | int] = {}
+    for key, value in (params or {}).items():
+        if key not in allowed:
+            accepts = ", ".join(allowed) if allowed else "no parameters"
+            raise ValueError(
+                f"unknown parameter {key!r} for aggregator {name!r} (accepts {accepts})"
+            )
+        kwargs[key] = _check_param(name, key, value, allowed[key])
+    missing = [key for key in _REQUIRED.get(name, ()) if key not in kwargs]
+    if missing:
+        raise ValueError(f"aggregator {name!r} needs parameter {', '.join(missing)}")
+    return AGGREGATORS[name](vectors, weights, **kwargs)
+
+
+# --- share cap ---------------------------------------------------------------
+
+
+def max_share_weights(weights: Sequence[float], max_share: float) -> list[float]:
+    """Caps weights so that no single input carries more than ``max_share`` of the total.
+
+    Water-filling from the top: the largest weights are lowered to a common level ``c``
+    chosen so that ``c == max_share * sum_i min(w_i, c)``; smaller weights keep their
+    value, so nobody gains weight and honest token counts stay as claimed. Example:
+    ``[1, 1, 8]`` with ``0.5`` gives ``[1, 1, 2]``.
+
+    When the cap cannot be met, the result is equal weights (``total / n`` each), the
+    weighting with the smallest largest share: this happens when ``max_share * n < 1``,
+    and also when fewer than ``1 / max_share`` inputs have a positive weight (no
+    reweighting of the working inputs alone can then meet the cap). All-zero weights
+    come back unchanged, since aggregators already treat them as equal.
+
+    Args:
+        weights: non-negative weights, e.g. token counts.
+        max_share: largest allowed share of the total, in ``(0, 1]``.
+
+    Returns:
+        The capped weights, in input order.
+    """
+    if not 0.0 < max_share <= 1.0:
+        raise ValueError(f"max_share must be in (0, 1], got {max_share}")
+    w = [float(x) for x in weights]
+    if any(not math.isfinite(x) or x < 0 for x in w):
+        raise ValueError(f"weights must be finite and non-negative, got {list(weights)}")
+    n = len(w)
+    total = math.fsum(w)
+    if n == 0 or total == 0 or max_share == 1.0:
+        return w
+    positive = sum(1 for x in w if x > 0)
+    if positive * max_share < 1.0:
+        return [total / n] * n
+    order = sorted(range(n), key=lambda i: -w[i])
+    ranked = [w[i] for i in order]
+    suffix = [math.fsum(ranked[k:]) for k in range(n)]
+    capped, level = 0, ranked[0]
+    for k in range(n):
+        # With the k largest lowered to `level`, the k-th largest must not exceed it.
+        denom = 1.0 - k * max_share
+        if denom <= 0:
+            # k * max_share >= 1: any common level keeps the capped shares <= 1/k.
+            capped, level = k, ranked[k]
+            break
+        level = max_share * suffix[k] / denom
+        # A relative tolerance keeps float rounding from capping one input too many.
+        if ranked[k] <= level * (1 + 1e-12):
+            capped = k
+            break
+    else:  # pragma: no cover - unreachable when positive * max_share >= 1
+        return [total / n] * n
+    out = list(w)
+    for i in order[:capped]:
+        out[i] = level
+    return out

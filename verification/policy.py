@@ -1,0 +1,162 @@
+"""The operator's trust policy: whom to accept, how to aggregate, what a violation costs.
+
+:class:`TrustPolicy` is a frozen pydantic dataclass, so a node config embeds it as
+its ``[trust]`` table and every bad value fails at load time with the key named
+(``configs/trust/*.toml`` hold ready policies). The policy only decides; the
+screening, aggregation and reputation code act on its answers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.dataclasses import dataclass
+
+__all__ = ["Aggregator", "TrustPolicy", "is_peer_id"]
+
+Aggregator = Literal["mean", "median", "trimmed_mean", "centered_clip", "krum", "multi_krum"]
+"""Aggregator names a policy may choose (those of :mod:`verification.aggregators`)."""
+
+# Base58 (Bitcoin alphabet: no 0, O, I, l). Ed25519 PeerIDs start "12D3KooW" (identity
+# multihash, 52 chars); RSA/legacy ones are sha2-256 multihashes starting "Qm" (46 chars).
+_PEER_ID = re.compile(r"(12D3KooW|Qm)[1-9A-HJ-NP-Za-km-z]+")
+_PEER_ID_LEN = (46, 60)
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether ``text`` looks like a base58 libp2p PeerID (shape only, no decoding).
+
+    Args:
+        text: candidate PeerID.
+
+    Returns:
+        True for a base58 string of 46 to 60 characters starting with ``12D3KooW``
+        or ``Qm``.
+    """
+    return (
+        isinstance(text, str)
+        and _PEER_ID_LEN[0] <= len(text) <= _PEER_ID_LEN[1]
+        and _PEER_ID.fullmatch(text) is not None
+    )
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class TrustPolicy:
+    """An operator's trust policy (the ``[trust]`` table of a node config).
+
+    Attributes:
+        allow: PeerIDs always accepted; with ``accept_unknown = false``, the only ones.
+        deny: PeerIDs never accepted, whatever else says.
+        accept_unknown: whether peers on neither list are accepted.
+        aggregator: robust aggregator for received contributions.
+        aggregator_params: the aggregator's parameters (``trim`` for
+            ``trimmed_mean``, ``tau``/``iters`` for ``centered_clip``, ``f``/``m`` for
+            Krum); names and kinds are checked by :func:`verification.aggregators.aggregate`.
+        screening: whether contributions are screened (norm, direction, tokens)
+            before aggregation; signature and shape checks always run.
+        norm_kappa: a contribution whose norm exceeds ``norm_kappa`` times the
+            group's median norm is rejected.
+        min_cosine: a contribution whose cosine similarity with the group's
+            robust direction is below this is rejected.
+        max_tokens: cap on the token count a peer may claim for one contribution.
+        max_share: maximum share of an aggregate that one peer's weight may carry.
+        on_violation: what a screened-out contribution costs its sender.
+        quarantine_rounds: how many rounds a quarantine lasts.
+        min_reputation: peers whose score is below this are not grouped with.
+        violations_to_ban: ban a peer once it reaches this many violations, whatever
+            ``on_violation`` says; 0 never escalates.
+    """
+
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    accept_unknown: bool = True
+    aggregator: Aggregator = "mean"
+    aggregator_params: dict[str, float | int] = Field(default_factory=dict)
+    screening: bool = True
+    norm_kappa: float = Field(default=3.0, gt=1, allow_inf_nan=False)
+    min_cosine: float = Field(default=-0.1, ge=-1, le=1)
+    max_tokens: int = Field(default=10**9, ge=1)
+    max_share: float = Field(default=1.0, gt=0, le=1)
+    on_violation: Literal["drop", "quarantine", "ban"] = "quarantine"
+    quarantine_rounds: int = Field(default=5, ge=1)
+    min_reputation: float = Field(default=0.0, ge=0, le=1)
+    violations_to_ban: int = Field(default=0, ge=0)
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _peer_ids(cls, peers: tuple[str, ...]) -> tuple[str, ...]:
+        for index, peer in enumerate(peers):
+            if not is_peer_id(peer):
+                raise ValueError(
+                    f"entry {index} ({peer!r}) is not a libp2p PeerID: expected base58, "
+                    f"{_PEER_ID_LEN[0]}-{_PEER_ID_LEN[1]} characters, starting with 12D3KooW or Qm"
+                )
+        return peers
+
+    @field_validator("aggregator_params")
+    @classmethod
+    def _finite_params(cls, params: dict[str, float | int]) -> dict[str, float | int]:
+        for name, value in params.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} = {value!r}: must be a finite number")
+        return params
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrustPolicy:
+        overlap = sorted(set(self.allow) & set(self.deny))
+        if overlap:
+            raise ValueError(f"allow and deny overlap: {', '.join(overlap)}")
+        if not self.accept_unknown and not self.allow:
+            # Such a node would refuse every peer; almost surely a forgotten allow list.
+            raise ValueError("accept_unknown = false with an empty allow list admits no peer")
+        _check_aggregator(self.aggregator, self.aggregator_params)
+        return self
+
+    def admits(self, peer: str) -> tuple[bool, str]:
+        """Whether contributions from ``peer`` are accepted at all.
+
+        Args:
+            peer: the sender's PeerID.
+
+        Returns:
+            ``(True, "")``, or ``(False, "denied")`` for a peer on the deny list, or
+            ``(False, "not_allowed")`` for an unknown peer when unknown peers are
+            not accepted.
+        """
+        if peer in self.deny:
+            return False, "denied"
+        if peer in self.allow or self.accept_unknown:
+            return True, ""
+        return False, "not_allowed"
+
+    def action_for(self, violations: int) -> str:
+        """What a violation costs a peer that has now committed ``violations`` of them.
+
+        Args:
+            violations: the peer's violation count, including this one.
+
+        Returns:
+            ``"ban"`` once ``violations_to_ban`` is set and reached, else
+            :attr:`on_violation` (``"drop"``, ``"quarantine"`` or ``"ban"``).
+        """
+        if violations < 0:
+            raise ValueError(f"violations must be >= 0, got {violations}")
+        if self.violations_to_ban and violations >= self.violations_to_ban:
+            return "ban"
+        return self.on_violation
+
+
+def _check_aggregator(name: str, params: dict[str, float | int]) -> None:
+    """Run the aggregator once on a toy input so bad parameters fail at load time."""
+    import torch
+
+    from verification.aggregators import aggregate
+
+    n = 3 + int(params.get("f", 0)) + int(params.get("m", 0) or 0)
+    try:
+        aggregate(name, [torch.zeros(2)] * n, [1.0] * n, params)
+    except ValueError as exc:
+        raise ValueError(f"aggregator_params for {name}: {exc}") from None

@@ -1,0 +1,324 @@
+"""Per-peer standing: a reputation score, quarantines and bans, persisted per node.
+
+The standing lives in the node's SQLite file (``DATA_DIR/atoll.db``), in a
+``reputation`` table next to the audit log's tables, so it survives restarts and
+can be inspected with any SQLite tool. This module only keeps the books: the
+operator's :class:`~verification.policy.TrustPolicy` decides whether a violation
+means a drop, a quarantine or a ban, and the caller applies that decision here.
+
+A score starts at ``initial`` and moves in ``[0, 1]``: a good contribution adds a
+small reward, a violation subtracts a larger penalty and counts toward escalation.
+A quarantine lasts a number of rounds and lifts itself; a ban lasts until an
+operator pardons the peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from verification.audit import open_database, transaction
+
+__all__ = ["STATUSES", "ReputationStore", "Standing"]
+
+logger = logging.getLogger(__name__)
+
+STATUSES = frozenset({"ok", "quarantined", "banned"})
+"""A peer's possible statuses."""
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS reputation (
+    peer        TEXT    PRIMARY KEY,
+    score       REAL    NOT NULL,
+    status      TEXT    NOT NULL,
+    until_round INTEGER NOT NULL,
+    violations  INTEGER NOT NULL,
+    reason      TEXT    NOT NULL,
+    updated     REAL    NOT NULL
+)"""
+
+_COLUMNS = "peer, score, status, until_round, violations, reason"
+
+
+@dataclass(frozen=True)
+class Standing:
+    """One peer's standing.
+
+    Attributes:
+        peer: the PeerID.
+        score: reputation in ``[0, 1]``.
+        status: ``"ok"``, ``"quarantined"`` or ``"banned"``.
+        until_round: first round a quarantine no longer applies; 0 when not quarantined.
+        violations: violations recorded so far (they never decay).
+        reason: reason given with the last violation, quarantine or ban.
+    """
+
+    peer: str
+    score: float
+    status: str
+    until_round: int
+    violations: int
+    reason: str
+
+
+def _round(value: Any, name: str = "round") -> int:
+    """A non-negative round number (bools refused)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {number}")
+    return number
+
+
+def _unit(value: float, name: str) -> float:
+    """A finite float in ``[0, 1]``."""
+    number = float(value)
+    if not (math.isfinite(number) and 0.0 <= number <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return number
+
+
+def _clamp(score: float) -> float:
+    return min(1.0, max(0.0, score))
+
+
+def _in_effect(standing: Standing, round: int) -> Standing:
+    """The standing as of ``round``: a quarantine whose last round has passed is lifted."""
+    if standing.status == "quarantined" and round >= standing.until_round:
+        return replace(standing, status="ok", until_round=0)
+    return standing
+
+
+class ReputationStore:
+    """Reputations in a node's SQLite file.
+
+    Thread-safe: one connection per instance, serialized by a lock; every write is
+    one ``BEGIN IMMEDIATE`` transaction, so a read-modify-write of a peer's row
+    cannot interleave with another connection's.
+
+    Args:
+        path: the database file, usually ``DATA_DIR/atoll.db``; created if missing.
+        initial: score of a peer seen for the first time.
+    """
+
+    def __init__(self, path: Path, *, initial: float = 0.5) -> None:
+        self.path = Path(path)
+        self.initial = _unit(initial, "initial")
+        self._lock = threading.Lock()
+        self._conn = open_database(self.path)
+        with self._lock, transaction(self._conn) as conn:
+            conn.execute(_SCHEMA)
+
+    def __enter__(self) -> ReputationStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _fresh(self, peer: str) -> Standing:
+        return Standing(peer, self.initial, "ok", 0, 0, "")
+
+    def _load(self, peer: str) -> Standing:
+        """The stored standing, or a fresh one; call with the lock held."""
+        if not isinstance(peer, str) or not peer:
+            raise ValueError(f"peer must be a non-empty string, got {peer!r}")
+        row = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM reputation WHERE peer = ?", (peer,)
+        ).fetchone()
+        return self._fresh(peer) if row is None else Standing(*row)
+
+    def _update(self, peer: str, change: Callable[[Standing], Standing]) -> Standing:
+        """Read, change and write one peer's row in a single write transaction."""
+        with self._lock, transaction(self._conn):
+            standing = change(self._load(peer))
+            self._conn.execute(
+                f"INSERT OR REPLACE INTO reputation ({_COLUMNS}, updated)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    standing.peer,
+                    standing.score,
+                    standing.status,
+                    standing.until_round,
+                    standing.violations,
+                    standing.reason,
+                    time.time(),
+                ),
+            )
+        return standing
+
+    # -- public API --------------------------------------------------------------
+
+    def record(
+        self,
+        peer: str,
+        round: int,
+        ok: bool,
+        reason: str = "",
+        *,
+        penalty: float = 0.2,
+        reward: float = 0.02,
+    ) -> Standing:
+        """Record one judged contribution from ``peer``.
+
+        A good one adds ``reward`` to the score; a violation subtracts ``penalty``,
+        counts one more violation and keeps ``reason``. The score stays in ``[0, 1]``.
+        The status is not changed here beyond lifting an expired quarantine: what
+        a violation leads to is the policy's call (:meth:`quarantine`, :meth:`ban`).
+
+        Args:
+            peer: the PeerID.
+            round: the round of the contribution.
+            ok: whether the contribution passed.
+            reason: why it failed (kept only for violations).
+            penalty: score lost on a violation, in ``[0, 1]``.
+            reward: score gained on a good contribution, in ``[0, 1]``.
+
+        Returns:
+            The new standing.
+        """
+        round = _round(round)
+        penalty, reward = _unit(penalty, "penalty"), _unit(reward, "reward")
+
+        def change(old: Standing) -> Standing:
+            now = _in_effect(old, round)
+            if ok:
+                return replace(now, score=_clamp(now.score + reward))
+            return replace(
+                now, score=_clamp(now.score - penalty), violations=now.violations + 1, reason=reason
+            )
+
+        standing = self._update(peer, change)
+        if not ok:
+            logger.info(
+                "peer %s violation %d at round %d (%s): score %.3f",
+                peer,
+                standing.violations,
+                round,
+                reason,
+                standing.score,
+            )
+        return standing
+
+    def quarantine(self, peer: str, round: int, rounds: int, reason: str) -> Standing:
+        """Exclude ``peer`` from rounds ``round`` to ``round + rounds - 1``.
+
+        A peer already quarantined for longer keeps the later end; a banned peer
+        stays banned (a ban is never shortened into a quarantine).
+
+        Args:
+            peer: the PeerID.
+            round: the current round.
+            rounds: how many rounds the quarantine lasts, at least 1.
+            reason: why, for the log and for :attr:`Standing.reason`.
+
+        Returns:
+            The new standing.
+        """
+        round, rounds = _round(round), _round(rounds, "rounds")
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+
+        def change(old: Standing) -> Standing:
+            if old.status == "banned":
+                return old
+            now = _in_effect(old, round)
+            until = round + rounds
+            if now.status == "quarantined":
+                until = max(until, now.until_round)
+            return replace(now, status="quarantined", until_round=until, reason=reason)
+
+        standing = self._update(peer, change)
+        if standing.status == "quarantined":
+            logger.warning(
+                "peer %s quarantined until round %d: %s", peer, standing.until_round, reason
+            )
+        return standing
+
+    def ban(self, peer: str, reason: str) -> Standing:
+        """Exclude ``peer`` for good (until :meth:`pardon`).
+
+        Args:
+            peer: the PeerID.
+            reason: why, for the log and for :attr:`Standing.reason`.
+
+        Returns:
+            The new standing.
+        """
+
+        def change(old: Standing) -> Standing:
+            return replace(old, status="banned", until_round=0, reason=reason)
+
+        standing = self._update(peer, change)
+        logger.warning("peer %s banned: %s", peer, reason)
+        return standing
+
+    def pardon(self, peer: str, reason: str = "pardoned") -> Standing:
+        """Lift a ban or quarantine by operator decision; score and violations stay.
+
+        Args:
+            peer: the PeerID.
+            reason: why, for the log and for :attr:`Standing.reason`.
+
+        Returns:
+            The new standing.
+        """
+
+        def change(old: Standing) -> Standing:
+            return replace(old, status="ok", until_round=0, reason=reason)
+
+        standing = self._update(peer, change)
+        logger.warning("peer %s pardoned: %s", peer, reason)
+        return standing
+
+    def standing(self, peer: str, round: int) -> Standing:
+        """A peer's standing as of ``round``.
+
+        Args:
+            peer: the PeerID.
+            round: the current round; a quarantine with ``until_round <= round`` has
+                expired and the peer reads as ``"ok"``.
+
+        Returns:
+            The standing; an unknown peer gets the initial score and ``"ok"``.
+        """
+        round = _round(round)
+        with self._lock:
+            return _in_effect(self._load(peer), round)
+
+    def excluded(self, round: int) -> set[str]:
+        """Peers not to group with at ``round``: banned, or quarantined past ``round``."""
+        round = _round(round)
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT peer FROM reputation WHERE status = 'banned'"
+                " OR (status = 'quarantined' AND until_round > ?)",
+                (round,),
+            ).fetchall()
+        return {peer for (peer,) in rows}
+
+    def all(self) -> list[Standing]:
+        """Every known peer's stored standing, sorted by PeerID.
+
+        With no round to compare against, a quarantine reads as stored, even when it
+        has since expired; use :meth:`standing` for the standing at a given round.
+        """
+        with self._lock:
+            rows = self._conn.execute(f"SELECT {_COLUMNS} FROM reputation ORDER BY peer").fetchall()
+        return [Standing(*row) for row in rows]
+
+    def close(self) -> None:
+        """Close the connection; safe to call twice."""
+        with self._lock:
+            self._conn.close()
