@@ -145,6 +145,60 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _open_audit(data_dir: str):
+    from pathlib import Path
+
+    from verification.audit import AuditLog
+
+    db = Path(data_dir).expanduser() / "atoll.db"
+    if not db.exists():
+        raise ValueError(f"no audit log at {db} (is --data-dir a node's data directory?)")
+    return AuditLog(db)
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    log = _open_audit(args.data_dir)
+    try:
+        if args.audit_command == "verify":
+            ok, bad, reason = log.verify()
+            count, head = log.head()
+            if ok:
+                print(f"audit log OK: {count} rows, head {head[:16]}")
+                return 0
+            where = f"row {bad}" if bad is not None else "the chain head"
+            print(f"audit log BROKEN at {where}: {reason}")
+            return 1
+        if args.audit_command == "show":
+            rows = log.rows(round=args.round, peer=args.peer, limit=args.limit)
+            if args.json:
+                for row in rows:
+                    print(json.dumps(row.__dict__))
+                return 0
+            print(
+                f"{'id':>6} {'round':>5} {'frag':>4} {'part':>4}  {'sender':<16} {'tokens':>8}  verdict"
+            )
+            for row in rows:
+                reason = f" ({row.reason})" if row.reason else ""
+                print(
+                    f"{row.id:>6} {row.round:>5} {row.fragment:>4} {row.part:>4}  "
+                    f"...{row.sender[-13:]:<13} {row.tokens:>8}  {row.verdict}{reason}"
+                )
+            return 0
+        blame = log.blame(args.round)
+        if args.json:
+            print(json.dumps(blame))
+            return 0
+        print(f"round {args.round}: contributions in the model")
+        for peer, counts in sorted(blame.items()):
+            print(
+                f"  {peer}  accepted {counts['accepted']:>3}  rejected {counts['rejected']:>3}  "
+                f"tokens {counts['tokens']}"
+            )
+        return 0
+    finally:
+        log.close()
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -207,6 +261,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     sw.set_defaults(func=_cmd_swarm)
 
+    audit = sub.add_parser("audit", help="inspect a node's hash-chained audit log")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    for name, text in (
+        ("verify", "check the hash chain; exit 1 and name the first bad row if broken"),
+        ("show", "list audit rows"),
+        ("blame", "whose contributions are in the model at a round"),
+    ):
+        a = audit_sub.add_parser(name, help=text)
+        a.add_argument("--data-dir", default=".atoll/node")
+        a.add_argument("--json", action="store_true")
+        if name == "show":
+            a.add_argument("--round", type=int, default=None)
+            a.add_argument("--peer", default=None)
+            a.add_argument("--limit", type=int, default=None)
+        if name == "blame":
+            a.add_argument("--round", type=int, required=True)
+        a.set_defaults(func=_cmd_audit)
+
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")
     keygen.add_argument("--data-dir", default=".atoll/node")
     keygen.add_argument("--out", default=None, help="key file (default DATA_DIR/identity.key)")
@@ -228,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"atoll: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into head or less, closed early
+        return 0
     except KeyboardInterrupt:
         print("atoll: interrupted", file=sys.stderr)
         return 130

@@ -350,6 +350,7 @@ class Node:
             group=group,
             contributors=result.contributors,
             fallback_parts=result.fallback_parts,
+            repaired_parts=result.repaired_parts,
             complete=result.complete,
             tokens=tokens,
             bytes_sent=result.bytes_sent,
@@ -372,6 +373,7 @@ class Node:
         fields.update(
             tokens=self.trainer.tokens, steps=self.trainer.steps, bytes_sent=self.bytes_sent
         )
+        fields["flagged"] = self.verifier.flagged(self.round)
         self.events.write("round", **fields)
         self.status.update(force=True, **fields)
         if self.round % self.cfg.run.checkpoint_every == 0:

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,10 @@ class SwarmSpec:
     directory: Path
     rounds: int
     extra_args: dict[int, list[str]] = field(default_factory=dict)
+
+    def extra_args_byzantine(self) -> set[int]:
+        """Indices of nodes started with ``--byzantine``."""
+        return {i for i, args in self.extra_args.items() if "--byzantine" in args}
 
 
 @dataclass
@@ -161,17 +165,25 @@ def run_swarm(
         stop_all(nodes)
     if on_tick:
         on_tick(nodes)
-    summary = summarize(nodes, cfg)
+    summary = summarize(nodes, cfg, sorted(spec.extra_args_byzantine()))
     summary["seconds"] = time.monotonic() - started
     summary["interrupted"] = interrupted
     summary["directory"] = str(spec.directory)
     return summary
 
 
-def summarize(nodes: list[SwarmProcess], cfg: AtollConfig) -> dict[str, Any]:
-    """What the swarm did, from each node's status and event log."""
+def summarize(
+    nodes: list[SwarmProcess], cfg: AtollConfig, byzantine: Sequence[int] = ()
+) -> dict[str, Any]:
+    """What the swarm did, from each node's status and event log.
+
+    Agreement and bits per byte are over the honest nodes only; faulty nodes
+    (``byzantine`` indices) are listed but not averaged in.
+    """
     per_node = []
     for n in nodes:
+        if n.index in byzantine:
+            continue
         events = read_events(n.data_dir / "events.jsonl")
         rounds = {e["round"]: e for e in events if e["event"] == "round"}
         status = n.status
@@ -199,8 +211,19 @@ def summarize(nodes: list[SwarmProcess], cfg: AtollConfig) -> dict[str, Any]:
         "rounds_checked": len(common),
         "rounds_disagreeing": mismatched,
         "exit_codes": [n.proc.returncode for n in nodes],
-        "peer_ids": [s.get("peer_id") for _, s, _ in per_node],
+        "peer_ids": [n.status.get("peer_id") for n in nodes],
+        "byzantine_nodes": sorted(byzantine),
+        "flagged": _flagged(per_node),
     }
+
+
+def _flagged(per_node: list[tuple[SwarmProcess, dict[str, Any], dict]]) -> dict[str, dict]:
+    """Per honest node: the peers it quarantined or banned (from its last round)."""
+    out = {}
+    for n, _, rounds in per_node:
+        last = rounds[max(rounds)] if rounds else {}
+        out[str(n.index)] = last.get("flagged", {})
+    return out
 
 
 def _mean(values: list[Any]) -> float | None:

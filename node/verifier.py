@@ -85,8 +85,26 @@ class Verifier(Observer):
         return None
 
     def excluded(self, peers: Sequence[str], round_: int) -> set[str]:
-        """The subset of ``peers`` this node will not group with."""
-        return {p for p in peers if self.refusal(p, round_)}
+        """The subset of ``peers`` this node will not group with: quarantined or banned.
+
+        Peers refused only by this node's own lists (deny, allow-only, minimum
+        reputation) stay in the group everyone computes, so groups agree across nodes;
+        their parts and their reduced results are refused instead, and the part they
+        own is repaired among the others.
+        """
+        with self._lock:
+            return {
+                p
+                for p in peers
+                if p != self.me
+                and self.reputation.standing(p, round_).status in ("quarantined", "banned")
+            }
+
+    def flagged(self, round_: int) -> dict[str, str]:
+        """Peers quarantined or banned as of ``round_``: ``{peer: status}``."""
+        with self._lock:
+            standings = [self.reputation.standing(s.peer, round_) for s in self.reputation.all()]
+        return {s.peer: s.status for s in standings if s.status != "ok"}
 
     def admit(self, peer: str, round_: int) -> str | None:
         return self.refusal(peer, round_)
@@ -158,8 +176,8 @@ class Verifier(Observer):
         with self._lock:
             self.audit.append(
                 round=r,
-                fragment=fragment if fragment is not None else -1,
-                part=-1,
+                fragment=fragment if fragment is not None else 0,
+                part=0,  # refused before its part was known
                 sender=peer,
                 digest="",
                 tokens=0,
@@ -180,6 +198,9 @@ class Verifier(Observer):
         reduced: torch.Tensor,
         own: torch.Tensor,
     ) -> str | None:
+        refusal = self.refusal(owner, round_)
+        if refusal:
+            return refusal
         if not self.policy.screening or float(own.norm()) == 0.0:
             return None  # an idle member has nothing to compare the owner's result with
         verdict = check_reduced(
@@ -201,7 +222,7 @@ class Verifier(Observer):
                 verdict="owner_rejected",
                 reason=reason,
             )
-        if reason not in BENIGN_REASONS:
+        if reason not in BENIGN_REASONS and reason not in _POLICY_REASONS:
             self._violation(owner, round_, fragment, reason, "reduced part refused")
 
     def _violation(

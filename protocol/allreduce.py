@@ -26,6 +26,7 @@ import torch
 from protocol import codec as codecs
 from protocol.errors import ProtocolError
 from protocol.messages import Envelope, Header, open_envelope, seal
+from protocol.repair import PartRepair
 from protocol.transport import Transport
 from verification.identity import Identity
 
@@ -59,6 +60,7 @@ class AllReduceSettings:
     max_message_bytes: int = 256 * 2**20
     round_window: int = 2
     fragments: int = 1024
+    repair: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
@@ -185,6 +187,7 @@ class AllReduceResult:
     group: list[str]
     contributors: list[list[str]]
     fallback_parts: list[int]
+    repaired_parts: list[int] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
@@ -192,8 +195,10 @@ class AllReduceResult:
     @property
     def complete(self) -> bool:
         """True when every part holds every group member's contribution."""
-        return not self.fallback_parts and all(
-            sorted(c) == sorted(self.group) for c in self.contributors
+        return (
+            not self.fallback_parts
+            and not self.repaired_parts
+            and all(sorted(c) == sorted(self.group) for c in self.contributors)
         )
 
     @property
@@ -211,6 +216,7 @@ class _Session:
     numel: int = 0
     deadline: float = 0.0
     contributions: dict[str, Contribution] = field(default_factory=dict)
+    expected: set[str] = field(default_factory=set)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     full: asyncio.Event = field(default_factory=asyncio.Event)
     reduced: asyncio.Event = field(default_factory=asyncio.Event)
@@ -244,6 +250,7 @@ class AllReduceService:
         self.reducer = reducer
         self.observer = observer or Observer()
         self.behaviour = behaviour or Behaviour()
+        self.repair = PartRepair(self)
         self.current_round = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -260,6 +267,7 @@ class AllReduceService:
             max_request_bytes=self.settings.max_message_bytes,
             timeout=self.settings.timeout * 2 + 5.0,
         )
+        self.repair.register()
 
     # ---- owner side -------------------------------------------------------------------
 
@@ -280,7 +288,10 @@ class AllReduceService:
         fragment: int | None = None,
     ) -> ProtocolError:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        self.observer.on_refusal(peer, round_, fragment, reason)
+        try:
+            self.observer.on_refusal(peer, round_, fragment, reason)
+        except Exception:  # bookkeeping must never change what the protocol answers
+            logger.exception("observer failed on a refusal from %s", peer)
         return ProtocolError(reason, detail, peer)
 
     async def _handle(self, peer: str, data: bytes) -> bytes:
@@ -328,7 +339,7 @@ class AllReduceService:
         if time.monotonic() > session.deadline or session.reduced.is_set():
             raise self._reject("late", "part arrived after the owner's deadline", peer, *at)
         session.contributions[peer] = contribution
-        if len(session.contributions) == len(session.group):
+        if session.expected <= set(session.contributions):
             session.full.set()
         await asyncio.wait_for(session.reduced.wait(), self.settings.timeout + 5.0)
         self.bytes_sent += len(session.reply)
@@ -422,7 +433,9 @@ class AllReduceService:
             digest=open_envelope(own_env).digest,
             tokens=int(weight),
         )
-        if len(session.contributions) == len(group):
+        # Members this node's policy refuses will not be waited for.
+        session.expected = {p for p in group if p == me or not self.observer.admit(p, round_)}
+        if session.expected <= set(session.contributions):
             session.full.set()
         session.ready.set()
 
@@ -431,8 +444,17 @@ class AllReduceService:
             if j == index:
                 own = await self._reduce_own_part(session, own_header)
                 return j, own, list(_contributors(session.reply))
-            return await self._send_part(round_, fragment, group, j, lo, hi, vector, weight)
+            result = await self._send_part(round_, fragment, group, j, lo, hi, vector, weight)
+            if result[1] is None and self.settings.repair and len(group) > 2:
+                fixed = await self.repair.run(
+                    round_, fragment, j, group, group[j], vector[lo:hi], weight
+                )
+                if fixed is not None:
+                    repaired.append(j)
+                    return j, fixed[0], fixed[1]
+            return result
 
+        repaired: list[int] = []
         results = await asyncio.gather(*(exchange(j) for j in range(len(group))))
         out = vector.clone()
         contributors: list[list[str]] = []
@@ -450,6 +472,7 @@ class AllReduceService:
             group=group,
             contributors=contributors,
             fallback_parts=fallback,
+            repaired_parts=sorted(repaired),
             bytes_sent=self.bytes_sent - sent_before,
             bytes_received=self.bytes_received - received_before,
             seconds=time.monotonic() - started,

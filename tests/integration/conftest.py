@@ -59,18 +59,31 @@ class Swarm:
         self.nodes: list[swarm.SwarmProcess] = []
         self.helper_pids: set[int] = set()
 
-    def spec(self, nodes: int, rounds: int, extra: list[str] = ()) -> swarm.SwarmSpec:
+    def spec(
+        self,
+        nodes: int,
+        rounds: int,
+        extra: list[str] = (),
+        args: dict[int, list[str]] | None = None,
+    ) -> swarm.SwarmSpec:
         return swarm.SwarmSpec(
             nodes=nodes,
             config_paths=[],
             overrides=SMALL + list(extra),
             directory=self.directory,
             rounds=rounds,
+            extra_args=dict(args or {}),
         )
 
-    def launch(self, nodes: int, rounds: int, extra: list[str] = ()) -> list[swarm.SwarmProcess]:
-        spec = self.spec(nodes, rounds, extra)
-        self.nodes += swarm.launch(spec)
+    def launch(
+        self,
+        nodes: int,
+        rounds: int,
+        extra: list[str] = (),
+        args: dict[int, list[str]] | None = None,
+    ) -> list[swarm.SwarmProcess]:
+        self.last_spec = self.spec(nodes, rounds, extra, args)
+        self.nodes += swarm.launch(self.last_spec)
         return self.nodes
 
     def start_one(
@@ -91,7 +104,9 @@ class Swarm:
 
     def summary(self) -> dict:
         cfg = load_config(None, SMALL)
-        return swarm.summarize(self.nodes, cfg)
+        spec = getattr(self, "last_spec", None)
+        byzantine = sorted(spec.extra_args_byzantine()) if spec else []
+        return swarm.summarize(self.nodes, cfg, byzantine)
 
     def leftovers(self) -> list[int]:
         procs = [n.proc.pid for n in self.nodes if n.proc.poll() is None]

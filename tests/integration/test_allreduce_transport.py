@@ -33,6 +33,7 @@ from protocol.allreduce import (
 from protocol.errors import ProtocolError
 from protocol.fragments import plan_fragments
 from protocol.messages import Header, seal
+from protocol.repair import REPAIR_RPC
 from protocol.transport import Transport, TransportConfig
 from verification.identity import Identity
 
@@ -84,6 +85,7 @@ def services(swarm: SimpleNamespace) -> Iterator[Callable[..., list[AllReduceSer
     yield make
     for service in registered:
         service.transport.remove_handler(RPC_NAME)
+        service.transport.remove_handler(REPAIR_RPC)
 
 
 def _vectors(n: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -210,20 +212,18 @@ def test_vanished_member_costs_only_its_contribution(
     results, elapsed = _all_reduce(present, group, vectors, weights)
 
     assert elapsed < timeout + MARGIN
-    bounds = part_bounds(4_000, 4, 256)
     expected = _weighted_mean(vectors, weights)
     here = sorted(group[:3])
-    for r, own in zip(results, vectors):
+    for r in results:
         assert not r.complete
-        assert r.fallback_parts == [3]  # the part the missing member owns
-        assert [sorted(c) for c in r.contributors[:3]] == [here] * 3
+        assert r.fallback_parts == []
+        assert r.repaired_parts == [3]  # the missing member's part, repaired among the rest
+        assert [sorted(c) for c in r.contributors] == [here] * 4
         assert missing.identity.peer_id not in r.peers_in
-        lo, hi = bounds[3]
-        assert torch.equal(r.vector[lo:hi], own[lo:hi])  # kept local values
-        torch.testing.assert_close(r.vector[:lo], expected[:lo], atol=1e-6, rtol=0)
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
         assert r.seconds >= timeout * 0.9  # it did wait for the missing member
     for r in results[1:]:
-        assert torch.equal(r.vector[: bounds[3][0]], results[0].vector[: bounds[3][0]])
+        assert torch.equal(r.vector, results[0].vector)  # repaired identically everywhere
     # each present member asked the missing one for its part; it had not joined the round
     assert missing.rejected == {"not_in_round": 3}
 
@@ -248,14 +248,14 @@ def test_group_mismatch_falls_back_without_crashing(
 
     bounds = part_bounds(3_000, 3, 256)
     expected_ab = _weighted_mean(vectors[:2], weights[:2])
-    for r, own in ((ra, vectors[0]), (rb, vectors[1])):
+    for r in (ra, rb):
         assert not r.complete
-        assert r.fallback_parts == [2]  # owned by c, who refused the mismatched group
-        assert [sorted(p) for p in r.contributors[:2]] == [sorted([a, b])] * 2
-        lo, hi = bounds[2]
-        assert torch.equal(r.vector[lo:hi], own[lo:hi])
-        torch.testing.assert_close(r.vector[:lo], expected_ab[:lo], atol=1e-6, rtol=0)
-    assert torch.equal(ra.vector[: bounds[2][0]], rb.vector[: bounds[2][0]])
+        # part 2 is owned by c, who refused the mismatched group: a and b repair it together
+        assert r.fallback_parts == [] and r.repaired_parts == [2]
+        assert [sorted(p) for p in r.contributors] == [sorted([a, b])] * 3
+        torch.testing.assert_close(r.vector, expected_ab, atol=1e-6, rtol=0)
+    assert torch.equal(ra.vector, rb.vector)
+    assert bounds[2][1] == 3_000
 
     # c owns part 0 in its own view and is its only contributor; a and b refused the rest
     assert not rc.complete
@@ -263,8 +263,9 @@ def test_group_mismatch_falls_back_without_crashing(
     assert rc.contributors[0] == [c]
     assert torch.equal(rc.vector, vectors[2])
 
-    assert members[0].rejected == {"group_mismatch": 1}
-    assert members[1].rejected == {"group_mismatch": 1}
+    # c's own repair attempts carry its view of the group and are refused the same way
+    assert set(members[0].rejected) == {"group_mismatch"}
+    assert set(members[1].rejected) == {"group_mismatch"}
     assert members[2].rejected == {"group_mismatch": 2}
 
 

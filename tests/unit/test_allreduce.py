@@ -103,9 +103,7 @@ def test_weighted_mean_of_three() -> None:
 
 
 def test_all_zero_weights_give_the_plain_mean() -> None:
-    out, used = _reduce(
-        [_c("a", [1.0, 10.0], 0), _c("b", [2.0, 20.0], 0), _c("c", [6.0, 0.0], 0)]
-    )
+    out, used = _reduce([_c("a", [1.0, 10.0], 0), _c("b", [2.0, 20.0], 0), _c("c", [6.0, 0.0], 0)])
     torch.testing.assert_close(out, torch.tensor([3.0, 10.0]))
     assert used == ["a", "b", "c"]
 

@@ -1,0 +1,174 @@
+"""Repairing a part whose owner vanished or answered with something refused.
+
+In butterfly all-reduce one member reduces each part. When that owner dies mid-round,
+or its signed result is refused (a Byzantine owner), the other members would each
+keep their own value for the part and drift apart. Instead they exchange their
+contributions for that part directly, all-to-all among themselves (the owner
+excluded), and each reduces the same set with the same reducer in the same order
+(sorted by PeerID), so every honest member ends with the same values again. The cost
+is ``G - 2`` extra transfers of one part per member, paid only when an owner fails.
+
+Every repair message is a signed ``repair`` envelope checked like a part; a member
+that never repairs the part answers ``not_in_repair`` and is simply left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from protocol import codec as codecs
+from protocol.errors import ProtocolError
+from protocol.messages import Header, open_envelope, seal
+
+if TYPE_CHECKING:
+    from protocol.allreduce import AllReduceService, Contribution
+
+__all__ = ["REPAIR_RPC", "PartRepair"]
+
+logger = logging.getLogger(__name__)
+
+REPAIR_RPC = "atoll.repair"
+
+
+@dataclass
+class _Repair:
+    group: list[str] | None = None
+    reply: bytes = b""
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PartRepair:
+    """The repair exchange of one :class:`~protocol.allreduce.AllReduceService`."""
+
+    def __init__(self, service: AllReduceService) -> None:
+        self.service = service
+        self._repairs: dict[tuple[int, int, int], _Repair] = {}
+
+    def register(self) -> None:
+        s = self.service.settings
+        self.service.transport.add_handler(
+            REPAIR_RPC, self._handle, max_request_bytes=s.max_message_bytes, timeout=s.timeout + 5.0
+        )
+
+    def _slot(self, key: tuple[int, int, int]) -> _Repair:
+        current = self.service.current_round
+        for old in [k for k in self._repairs if k[0] < current - 2]:
+            del self._repairs[old]
+        return self._repairs.setdefault(key, _Repair())
+
+    async def _handle(self, peer: str, data: bytes) -> bytes:
+        svc = self.service
+        try:
+            env = open_envelope(
+                data,
+                max_bytes=svc.settings.max_message_bytes,
+                expected_sender=peer,
+                run_id=svc.settings.run_id,
+                kinds=("repair",),
+                round_window=(max(0, svc.current_round - 1), svc.current_round + 1),
+            )
+        except ProtocolError as exc:
+            raise svc._reject(exc.reason, exc.detail, peer) from None
+        h = env.header
+        at = (h.round, h.fragment)
+        refusal = svc.observer.admit(peer, h.round)
+        if refusal:
+            raise svc._reject(refusal, "refused by this node's trust policy", peer, *at)
+        if (
+            h.fragment >= svc.settings.fragments
+            or len(self._repairs) > 4 * svc.settings.fragments * 8
+        ):
+            raise svc._reject("busy", "no such repair", peer, *at)
+        slot = self._slot((h.round, h.fragment, h.part))
+        try:
+            await asyncio.wait_for(slot.ready.wait(), svc.settings.timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError(
+                "not_in_repair", "this node does not repair that part", peer
+            ) from None
+        if env.body.get("group") != slot.group or peer not in (slot.group or ()):
+            raise svc._reject("group_mismatch", "repair from outside the group", peer, *at)
+        known = slot.contributions.get(peer)
+        if known is not None:
+            # Both sides call each other; the answer to this node's own call may have
+            # brought the same contribution already. Anything else is equivocation.
+            if known.digest != env.digest:
+                raise svc._reject("equivocation", "two different repair messages", peer, *at)
+            return slot.reply
+        numel = next(iter(slot.contributions.values())).vector.numel()
+        slot.contributions[peer] = svc._decode_contribution(env, numel, peer)
+        return slot.reply
+
+    async def run(
+        self,
+        round_: int,
+        fragment: int,
+        part: int,
+        group: list[str],
+        owner: str,
+        values: torch.Tensor,
+        weight: int,
+    ) -> tuple[torch.Tensor, list[str]] | None:
+        """Repair ``part``: exchange contributions with the group minus the owner, reduce.
+
+        Returns:
+            The reduced values and who is in them, or None when no other member joined.
+        """
+        svc = self.service
+        me = svc.identity.peer_id
+        enc = codecs.encode(values, svc.settings.codec, block_size=svc.settings.block_size)
+        header = Header("repair", svc.settings.run_id, round_, fragment, part, me)
+        body = {"group": group, "weight": int(weight), "data": enc.to_wire()}
+        reply = seal(svc.identity, header, body)
+        slot = self._slot((round_, fragment, part))
+        slot.group, slot.reply = group, reply
+        own = open_envelope(reply)
+        # Every member uses the decoded bytes it sent, exactly as the others will see them.
+        slot.contributions[me] = svc._decode_contribution(own, values.numel(), me)
+        slot.ready.set()
+        others = [p for p in group if p not in (me, owner)]
+        deadline = time.monotonic() + svc.settings.timeout
+        await asyncio.gather(
+            *(self._exchange(p, reply, slot, deadline, values.numel()) for p in others)
+        )
+        if len(slot.contributions) < 2:
+            return None
+        ordered = [slot.contributions[p] for p in sorted(slot.contributions)]
+        reduction = svc.reducer(round_, fragment, part, ordered)
+        logger.info(
+            "round %d fragment %d part %d repaired without owner %s from %d members",
+            *(round_, fragment, part, owner[:16], len(ordered)),
+        )
+        return reduction.vector, list(reduction.used)
+
+    async def _exchange(
+        self, peer: str, request: bytes, slot: _Repair, deadline: float, numel: int
+    ) -> None:
+        svc = self.service
+        svc.bytes_sent += len(request)
+        try:
+            reply = await svc.transport.call(
+                peer, REPAIR_RPC, request, timeout=max(0.5, deadline - time.monotonic())
+            )
+            svc.bytes_received += len(reply)
+            env = open_envelope(
+                reply,
+                max_bytes=svc.settings.max_message_bytes,
+                expected_sender=peer,
+                run_id=svc.settings.run_id,
+                kinds=("repair",),
+            )
+            known = slot.contributions.get(peer)
+            if known is None:
+                slot.contributions[peer] = svc._decode_contribution(env, numel, peer)
+            elif known.digest != env.digest:
+                svc._reject("equivocation", "two different repair messages", peer)
+        except ProtocolError as exc:
+            logger.info("repair exchange with %s: %s", peer[:16], exc)
