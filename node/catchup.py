@@ -37,9 +37,12 @@ class StateSnapshot:
     plan_digest: str
     globals: tuple[torch.Tensor, ...]
     momentum: tuple[torch.Tensor | None, ...]
+    steps: int = 0
 
     @classmethod
-    def take(cls, round_: int, plan_digest: str, outer: OuterOptimizer) -> StateSnapshot:
+    def take(
+        cls, round_: int, plan_digest: str, outer: OuterOptimizer, steps: int = 0
+    ) -> StateSnapshot:
         momentum = []
         for opt in outer.optimizers:
             buf = next(iter(opt.state.values()), {}).get("momentum_buffer")
@@ -49,6 +52,7 @@ class StateSnapshot:
             plan_digest=plan_digest,
             globals=tuple(outer.global_vector(f) for f in range(len(outer.globals))),
             momentum=tuple(momentum),
+            steps=steps,
         )
 
     def apply(self, outer: OuterOptimizer) -> None:
@@ -83,6 +87,7 @@ class StateServer:
         """Make ``snapshot`` the state served from now on."""
         body = {
             "plan": snapshot.plan_digest,
+            "steps": int(snapshot.steps),
             "globals": [_to_bytes(g) for g in snapshot.globals],
             "momentum": [None if m is None else _to_bytes(m) for m in snapshot.momentum],
         }
@@ -141,8 +146,11 @@ async def fetch_state(
     for f, size in enumerate(sizes):
         globals_.append(_tensor(raw_globals[f], size, peer))
         momentum.append(None if raw_momentum[f] is None else _tensor(raw_momentum[f], size, peer))
+    steps = body.get("steps", 0)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ProtocolError("malformed", "steps must be a non-negative integer", peer)
     logger.info("took the global state of round %d from %s", env.header.round, peer[:16])
-    return StateSnapshot(env.header.round, plan_digest, tuple(globals_), tuple(momentum))
+    return StateSnapshot(env.header.round, plan_digest, tuple(globals_), tuple(momentum), steps)
 
 
 def _tensor(raw: object, size: int, peer: str) -> torch.Tensor:

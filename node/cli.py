@@ -78,6 +78,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"run.data_dir={json.dumps(args.data_dir)}")
     if args.rounds is not None:
         overrides.append(f"run.max_rounds={args.rounds}")
+    if args.slowdown is not None:
+        overrides.append(f"run.slowdown={args.slowdown}")
     cfg = load_config(args.config, overrides)
     return Node(cfg, initial_peers=tuple(args.initial_peers), byzantine=args.byzantine).run()
 
@@ -107,7 +109,13 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
         if not 0 < k < args.nodes:
             raise ValueError("--byzantine MODE:K needs 0 < K < --nodes")
         for i in range(args.nodes - k, args.nodes):
-            spec.extra_args[i] = ["--byzantine", mode]
+            spec.extra_args.setdefault(i, []).extend(["--byzantine", mode])
+    if args.slowdowns:
+        factors = [float(x) for x in args.slowdowns.split(",")]
+        if len(factors) != args.nodes or any(x < 1 for x in factors):
+            raise ValueError("--slowdowns needs one factor >= 1 per node, e.g. 1,1,2,4")
+        for i, x in enumerate(factors):
+            spec.extra_args.setdefault(i, []).extend(["--slowdown", str(x)])
     out = sys.stderr if args.json else sys.stdout
     print(f"starting {args.nodes} nodes in {directory} (Ctrl-C stops them all)", file=out)
     if out.isatty():
@@ -240,6 +248,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--data-dir", default=None, help="run.data_dir (key, checkpoints, logs)")
     run.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
     run.add_argument(
+        "--slowdown",
+        type=float,
+        default=None,
+        metavar="X",
+        help="run X times slower than this hardware (stands in for a slower machine)",
+    )
+    run.add_argument(
         "--byzantine",
         default=None,
         metavar="MODE",
@@ -253,6 +268,12 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--rounds", type=int, default=None, help="rounds per node (run.max_rounds)")
     sw.add_argument("--dir", default=None, help="swarm directory (default .atoll/swarm-TIME)")
     sw.add_argument("--json", action="store_true", help="last line: one JSON summary")
+    sw.add_argument(
+        "--slowdowns",
+        default=None,
+        metavar="X,X,...",
+        help="per-node slowdown factors, e.g. 1,1,2,4",
+    )
     sw.add_argument(
         "--byzantine",
         default=None,

@@ -58,6 +58,7 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = Field(default=0, ge=0)
     max_rounds: int = Field(default=0, ge=0)
+    slowdown: float = Field(default=1.0, ge=1.0)
     checkpoint_every: int = Field(default=1, ge=1)
     eval_every: int = Field(default=1, ge=1)
 
@@ -112,7 +113,11 @@ class OuterConfig:
 class SyncConfig:
     """How often and how fragments are synchronised."""
 
+    trigger: Literal["seconds", "steps"] = "seconds"
     inner_steps: int = Field(default=50, ge=1)
+    round_seconds: float = Field(default=30.0, gt=0.0)
+    tau: int = Field(default=0, ge=0)
+    alpha: float = Field(default=0.0, ge=0.0, le=1.0)
     fragments: int = Field(default=1, ge=1, le=1024)
     codec: CodecName = "none"
     block_size: int = Field(default=256, ge=1, le=2**20)

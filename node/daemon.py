@@ -21,12 +21,14 @@ import torch
 from node import catchup
 from node.byzantine import make_behaviour
 from node.checkpoint import load_latest, save_checkpoint
+from node.clock import SecondsClock
 from node.config import AtollConfig
 from node.data import BatchStream, load_corpus
 from node.metrics import EventLog, StatusWriter
 from node.model import build_model
 from node.outer import OuterOptimizer, sync_schedule
 from node.simulate import resolve_device
+from node.syncer import Pending, Syncer
 from node.trainer import InnerTrainer, evaluate
 from node.verifier import Verifier
 from protocol import codec as codecs
@@ -34,6 +36,7 @@ from protocol import matchmaking
 from protocol.allreduce import AllReduceService, AllReduceSettings
 from protocol.errors import ProtocolError
 from protocol.fragments import plan_fragments
+from protocol.messages import Header, open_envelope, seal
 from protocol.transport import Transport, TransportConfig
 from verification.identity import Identity
 
@@ -75,6 +78,9 @@ class Node:
         self.live: dict[str, matchmaking.PeerRecord] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.busy = 0.0
+        self.join_round = 0
+        self.train_started = time.monotonic()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -84,6 +90,8 @@ class Node:
         try:
             self._setup()
             self._wait_for_peers()
+            if self.cfg.sync.trigger == "seconds":
+                self.clock = self._agree_clock()
             self._train()
             return 0
         finally:
@@ -175,7 +183,9 @@ class Node:
         )
         self._resume()
         self.state_server.publish(
-            catchup.StateSnapshot.take(self.round, self.plan.digest(), self.outer)
+            catchup.StateSnapshot.take(
+                self.round, self.plan.digest(), self.outer, self.trainer.steps
+            )
         )
         self._registry_task = self.transport.submit(self._registry_loop())
         self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
@@ -201,8 +211,24 @@ class Node:
         if self.initial_peers:
             self._catch_up(min_round=self.round + 1)
 
-    def _catch_up(self, min_round: int) -> bool:
-        """Take the newest global state from a live peer at ``min_round`` or later."""
+    def _resync(self, r: int) -> bool:
+        """Take the swarm's state of round ``r`` (peers may be a moment behind: retry)."""
+        deadline = time.monotonic() + max(5.0, self.cfg.network.round_timeout)
+        while not self.stop_event.is_set():
+            if self._catch_up(min_round=r, rebase=True):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return False
+
+    def _catch_up(self, min_round: int, rebase: bool = False) -> bool:
+        """Take the newest global state from a live peer at ``min_round`` or later.
+
+        With ``rebase`` this node's unsynced local work is kept: each fragment's local
+        copy moves by the same amount as its global copy, so the work is contributed at
+        the next sync instead of being thrown away.
+        """
         assert self.transport is not None
         net = self.cfg.network
         registry = self.transport.run(
@@ -239,19 +265,74 @@ class Node:
             except (ProtocolError, TimeoutError) as exc:
                 logger.warning("catch-up from %s failed: %s", record.peer[:16], exc)
                 continue
+            before = [self.outer.global_vector(f) for f in range(len(self.plan))]
             snap.apply(self.outer)
+            params = dict(self.model.named_parameters())
             for f in range(len(self.plan)):
-                self.outer.sync_local(self.model, f)
-                self.feedback[f].reset()
-            self.round = snap.round
+                if rebase:
+                    local = self.plan.flatten(params, f)
+                    self.plan.write(params, f, local + self.outer.global_vector(f) - before[f])
+                else:
+                    self.outer.sync_local(self.model, f)
+                    self.feedback[f].reset()
+            self.round = max(self.round, snap.round)
+            # Follow the swarm's place in the inner learning-rate schedule: a newcomer
+            # at its warmup peak would take steps far larger than everyone else's.
+            self.trainer.steps = max(self.trainer.steps, snap.steps)
             self.events.write("catch_up", round=self.round, source=record.peer)
             return True
         return False
 
+    def _agree_clock(self) -> SecondsClock:
+        """Read the run's round clock from the DHT, or start one if this node is first."""
+        assert self.transport is not None
+        cfg, net = self.cfg, self.cfg.network
+        key = f"{cfg.run.run_id}:manifest"
+        deadline = time.monotonic() + (10.0 if self.initial_peers else 0.0)
+        while not self.stop_event.is_set():
+            found = self.transport.run(
+                self.transport.dht_get(key, timeout=net.request_timeout), net.request_timeout + 5
+            )
+            clocks = []
+            for signer, value in (found or {}).items() if isinstance(found, dict) else []:
+                try:
+                    env = open_envelope(
+                        value,
+                        max_bytes=4096,
+                        expected_sender=signer,
+                        run_id=cfg.run.run_id,
+                        kinds=("manifest",),
+                    )
+                    t0, length = env.body.get("t0"), env.body.get("round_seconds")
+                    if isinstance(t0, float) and isinstance(length, float) and length > 0:
+                        clocks.append((t0, length, signer))
+                except ProtocolError as exc:
+                    logger.info("manifest under %s refused: %s", signer[:16], exc)
+            if clocks:
+                t0, length, signer = min(clocks)  # the earliest clock of the run wins
+                logger.info("round clock from %s: t0 %.1f, %.1fs rounds", signer[:16], t0, length)
+                return SecondsClock(t0, length, len(self.plan))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        t0 = float(
+            SecondsClock.start_time(cfg.sync.round_seconds, lead=2 * net.registry_seconds + 1)
+        )
+        body = {"t0": t0, "round_seconds": float(cfg.sync.round_seconds)}
+        header = Header("manifest", cfg.run.run_id, 0, 0, 0, self.identity.peer_id)
+        self.transport.run(
+            self.transport.dht_store(
+                key, self.identity.peer_id, seal(self.identity, header, body), 7 * 86400.0
+            ),
+            net.request_timeout + 5,
+        )
+        logger.info("started the round clock: t0 %.1f, %.1fs rounds", t0, cfg.sync.round_seconds)
+        return SecondsClock(t0, cfg.sync.round_seconds, len(self.plan))
+
     def _wait_for_peers(self) -> None:
         net = self.cfg.network
         deadline = time.monotonic() + net.min_peers_timeout
-        while len(self._live_peers()) + 1 < net.min_peers and not self.stop_event.is_set():
+        while len(self.live_peers()) + 1 < net.min_peers and not self.stop_event.is_set():
             if time.monotonic() > deadline:
                 logger.warning(
                     "only %d of %d peers after %.0fs; training anyway",
@@ -280,92 +361,136 @@ class Node:
     # ---- training -------------------------------------------------------------------------
 
     def _train(self) -> None:
+        self.status.update(force=True, state="training")
+        self.train_started = time.monotonic()
+        self.syncer = Syncer(self)
+        if self.cfg.sync.trigger == "steps":
+            self._train_steps()
+        else:
+            self._train_seconds()
+
+    def _step(self, tokens_since: list[int]) -> None:
+        """One inner step, stretched by ``run.slowdown``; counts busy time."""
+        started = time.monotonic()
+        result = self.trainer.step()
+        if self.cfg.run.slowdown > 1.0:
+            # Stand in for slower hardware: the extra time is compute time, not idle.
+            time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))
+        self.busy += time.monotonic() - started
+        for f in range(len(tokens_since)):
+            tokens_since[f] += result.tokens
+        wall = time.monotonic() - self.train_started
+        self.status.update(
+            step=self.trainer.steps,
+            loss=result.loss,
+            round=self.round,
+            tokens=self.trainer.tokens,
+            busy_seconds=self.busy,
+            idle_seconds=max(0.0, wall - self.busy),
+        )
+
+    def _train_steps(self) -> None:
+        """``steps`` mode: H inner steps per round, every node the same count."""
         cfg = self.cfg
         schedule = sync_schedule(cfg.sync.inner_steps, len(self.plan))
-        self.status.update(force=True, state="training")
+        tau = cfg.sync.tau
         while not self.stop_event.is_set():
             if cfg.run.max_rounds and self.round >= cfg.run.max_rounds:
                 break
             r = self.round + 1
             tokens_since = [0] * len(self.plan)
-            alone = False
+            pending: list[Pending] = []
+            failed = False
             for step in range(1, cfg.sync.inner_steps + 1):
                 if self.stop_event.is_set():
                     return  # the interrupted round is abandoned; the last checkpoint stands
-                result = self.trainer.step()
-                tokens_since = [t + result.tokens for t in tokens_since]
-                self.status.update(
-                    step=self.trainer.steps,
-                    loss=result.loss,
-                    round=self.round,
-                    tokens=self.trainer.tokens,
-                )
+                self._step(tokens_since)
                 for f in schedule.get(step, []):
-                    group_size = self._sync(r, f, tokens_since[f])
+                    pending.append(self.syncer.launch(r, f, tokens_since[f]))
                     tokens_since[f] = 0
-                    alone = alone or (group_size == 1 and bool(self._live_peers()))
-            self._end_round(r, alone)
+                for p in [p for p in pending if self.trainer.steps - p.step >= tau]:
+                    pending.remove(p)
+                    failed |= self._apply(p) is None
+            for p in pending:  # the round ends with every sync applied
+                failed |= self._apply(p) is None
+            self._end_round(r, resync=failed)
 
-    def _sync(self, r: int, f: int, tokens: int) -> int:
-        """Average fragment ``f`` for round ``r`` and apply the outer step; return the group size."""
-        assert self.transport is not None
-        cfg, net = self.cfg, self.cfg.network
-        started = time.monotonic()
-        pg = self.outer.pseudo_gradient(self.model, f)
-        if cfg.sync.error_feedback:
-            enc = self.feedback[f].encode(pg)
-        else:
-            enc = codecs.encode(pg, cfg.sync.codec, block_size=cfg.sync.block_size)
-        contribution = codecs.decode(enc, expected_numel=pg.numel())
-        self.allreduce.current_round = r
-        self.verifier.round = r
-        expected = self._live_peers() - self.verifier.excluded(list(self._live_peers()), r)
-        announced = self.transport.run(
-            matchmaking.gather(
-                self.transport,
-                self.identity,
-                cfg.run.run_id,
-                r,
-                f,
-                tokens,
-                expected=expected,
-                deadline=time.monotonic() + net.matchmaking_seconds,
-                expiration=net.round_timeout * 4,
-                timeout=net.request_timeout,
-            ),
-            net.matchmaking_seconds + net.request_timeout + 5,
+    def _train_seconds(self) -> None:
+        """``seconds`` mode: syncs on the swarm's wall clock; no node waits for another."""
+        cfg, clock = self.cfg, self.clock
+        fragments = len(self.plan)
+        in_progress = clock.round_at(time.time())
+        tokens_since = [0] * fragments
+        pending: dict[int, Pending] = {}
+        done: dict[int, set[int]] = {}
+        failed: set[int] = set()
+        on_time = (
+            self.round == in_progress - 1
+            and time.time() < clock.sync_time(in_progress, 0) - self.cfg.network.matchmaking_seconds
         )
-        peers = set(announced) - self.verifier.excluded(list(announced), r)
-        group = matchmaking.group_of(self.identity.peer_id, peers, r, f, net.group_size)
-        result = self.transport.run(
-            self.allreduce.run(r, f, group, contribution, tokens), net.round_timeout * 3 + 10
-        )
-        self.outer.apply(self.model, f, result.vector.to(self.device))
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
-        self.events.write(
-            "sync",
-            round=r,
-            fragment=f,
-            group=group,
-            contributors=result.contributors,
-            fallback_parts=result.fallback_parts,
-            repaired_parts=result.repaired_parts,
-            complete=result.complete,
-            tokens=tokens,
-            bytes_sent=result.bytes_sent,
-            seconds=time.monotonic() - started,
-        )
-        self.status.update(
-            peers=len(group), bytes_sent=self.bytes_sent, bytes_received=self.bytes_received
-        )
-        return len(group)
+        if self.round < in_progress and not on_time:
+            # Behind the swarm (joining, or back from a restart): sit out the round in
+            # progress, training all the same, and re-sync from a peer when it ends; the
+            # work done meanwhile is rebased onto the swarm's state and contributed next.
+            self.join_round = in_progress + 1
+            self.round = in_progress - 1
+        last = (self.round, fragments - 1)
+        while not self.stop_event.is_set():
+            if cfg.run.max_rounds and self.round >= cfg.run.max_rounds:
+                break
+            self._step(tokens_since)
+            for r, f in clock.due(time.time(), last):
+                last = (r, f)
+                if r < self.join_round:
+                    self.syncer.missed[f] += 1
+                    done.setdefault(r, set()).add(f)
+                    failed.add(r)
+                    continue
+                if f in pending:
+                    # The previous sync of f is still in flight: skip this one; the work
+                    # stays in the local copy and is folded into the next sync.
+                    self.syncer.missed[f] += 1
+                    done.setdefault(r, set()).add(f)
+                    failed.add(r)
+                    continue
+                pending[f] = self.syncer.launch(r, f, tokens_since[f])
+                tokens_since[f] = 0
+            for f, p in list(pending.items()):
+                if p.future.done() and self.trainer.steps - p.step >= cfg.sync.tau:
+                    del pending[f]
+                    if self._apply(p) is None:
+                        failed.add(p.round)
+                    done.setdefault(p.round, set()).add(f)
+            while done.get(self.round + 1, set()) >= set(range(fragments)):
+                r = self.round + 1
+                done.pop(r)
+                self._end_round(r, resync=r in failed or r < self.join_round)
+        for p in pending.values():
+            p.future.cancel()
 
-    def _end_round(self, r: int, alone: bool) -> None:
+    def _apply(self, pending: Pending) -> dict[str, Any] | None:
+        """Apply a finished sync; None when it failed or averaged alone while peers live."""
+        net = self.cfg.network
+        record = self.syncer.apply(pending, net.matchmaking_seconds + net.round_timeout * 3 + 10)
+        if record is None:
+            return None
+        self.bytes_sent += record["bytes_sent"]
+        self.status.update(peers=len(record["group"]), bytes_sent=self.bytes_sent)
+        if len(record["group"]) == 1 and self.live_peers():
+            logger.warning("round %d fragment %d: averaged alone", pending.round, pending.fragment)
+            return None
+        return record
+
+    def _end_round(self, r: int, resync: bool) -> None:
         self.round = r
-        if alone and self._catch_up(min_round=r):
-            logger.warning("round %d: averaged alone while peers were live; re-synced", r)
-        snapshot = catchup.StateSnapshot.take(self.round, self.plan.digest(), self.outer)
+        if resync and self.live_peers():
+            if self._resync(r):
+                logger.warning("round %d: this node's global copy lagged; re-synced from a peer", r)
+            else:
+                logger.warning("round %d: could not re-sync from any peer", r)
+        snapshot = catchup.StateSnapshot.take(
+            self.round, self.plan.digest(), self.outer, self.trainer.steps
+        )
         self.state_server.publish(snapshot)
         fields: dict[str, Any] = {"round": self.round, "global_digest": global_digest(self.outer)}
         if self.round % self.cfg.run.eval_every == 0:
@@ -374,10 +499,10 @@ class Node:
             tokens=self.trainer.tokens, steps=self.trainer.steps, bytes_sent=self.bytes_sent
         )
         fields["flagged"] = self.verifier.flagged(self.round)
+        if self.round % self.cfg.run.checkpoint_every == 0:
+            self._checkpoint()  # before the status says the round is done
         self.events.write("round", **fields)
         self.status.update(force=True, **fields)
-        if self.round % self.cfg.run.checkpoint_every == 0:
-            self._checkpoint()
         logger.info(
             "round %d done: val_bpb %s, %d bytes sent",
             self.round,
@@ -410,7 +535,8 @@ class Node:
 
     # ---- peers ----------------------------------------------------------------------------
 
-    def _live_peers(self) -> set[str]:
+    def live_peers(self) -> set[str]:
+        """Peers whose registry record is fresh (this node excluded)."""
         now = time.time()
         return {
             p

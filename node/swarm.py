@@ -213,6 +213,8 @@ def summarize(
         "exit_codes": [n.proc.returncode for n in nodes],
         "peer_ids": [n.status.get("peer_id") for n in nodes],
         "byzantine_nodes": sorted(byzantine),
+        "busy_seconds": [round(n.status.get("busy_seconds", 0.0), 2) for n in nodes],
+        "idle_seconds": [round(n.status.get("idle_seconds", 0.0), 2) for n in nodes],
         "flagged": _flagged(per_node),
     }
 

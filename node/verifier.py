@@ -197,6 +197,7 @@ class Verifier(Observer):
         part: int,
         reduced: torch.Tensor,
         own: torch.Tensor,
+        spread: float = 1.0,
     ) -> str | None:
         refusal = self.refusal(owner, round_)
         if refusal:
@@ -204,7 +205,10 @@ class Verifier(Observer):
         if not self.policy.screening or float(own.norm()) == 0.0:
             return None  # an idle member has nothing to compare the owner's result with
         verdict = check_reduced(
-            reduced, own, max_ratio=self.policy.norm_kappa, min_cosine=self.policy.min_cosine
+            reduced,
+            own,
+            max_ratio=self.policy.norm_kappa * spread,
+            min_cosine=self.policy.min_cosine,
         )
         return None if verdict.ok else verdict.reason
 

@@ -132,8 +132,13 @@ class Observer:
         part: int,
         reduced: torch.Tensor,
         own: torch.Tensor,
+        spread: float = 1.0,
     ) -> str | None:
-        """Judge a reduced part against this node's own contribution; a reason refuses it."""
+        """Judge a reduced part against this node's own contribution; a reason refuses it.
+
+        ``spread`` is the largest contributor weight over this node's own (at least 1):
+        a node that trained less than its peers sees a larger average than its own.
+        """
         return None
 
 
@@ -506,8 +511,11 @@ class AllReduceService:
             )
             return j, None, []
         try:
-            part, peers = self._check_reduced(reply, owner, round_, fragment, j, hi - lo)
-            reason = self.observer.check_reduced(owner, round_, fragment, j, part, vector[lo:hi])
+            part, peers, weights = self._check_reduced(reply, owner, round_, fragment, j, hi - lo)
+            spread = min(1000.0, max([1.0, *weights]) / max(1.0, float(weight)))
+            reason = self.observer.check_reduced(
+                owner, round_, fragment, j, part, vector[lo:hi], max(1.0, spread)
+            )
             if reason:
                 raise ProtocolError(reason, "reduced part refused", owner)
         except ProtocolError as exc:
@@ -521,7 +529,7 @@ class AllReduceService:
 
     def _check_reduced(
         self, reply: bytes, owner: str, round_: int, fragment: int, part: int, numel: int
-    ) -> tuple[torch.Tensor, list[str]]:
+    ) -> tuple[torch.Tensor, list[str], list[float]]:
         env = open_envelope(
             reply,
             max_bytes=self.settings.max_message_bytes,
@@ -541,9 +549,14 @@ class AllReduceService:
             # The owner answered this node's part yet says neither that it used it nor why
             # not: the signed reply plus this node's signed part prove it was left out.
             raise ProtocolError("left_out", "own contribution missing from the reduced part", owner)
+        weights = env.body.get("weights", [])
+        if not isinstance(weights, list) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights
+        ):
+            raise ProtocolError("malformed", "weights must be non-negative numbers", owner)
         enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
         # decode refuses NaN, inf and out-of-range scales for every codec
-        return codecs.decode(enc, expected_numel=numel), peers
+        return codecs.decode(enc, expected_numel=numel), peers, [float(w) for w in weights]
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:

@@ -23,6 +23,7 @@ SMALL = [
     "train.warmup_steps=5",
     "train.total_steps=60",
     "train.eval_batches=4",
+    "sync.trigger='steps'",
     "sync.inner_steps=10",
     "sync.fragments=2",
     "sync.codec='int8'",

@@ -1,0 +1,143 @@
+"""One fragment sync, split in two so the exchange overlaps with training.
+
+:meth:`Syncer.launch` runs on the training thread: it takes the fragment's
+pseudo-gradient (global - local), encodes it with error feedback and hands the
+matchmaking and all-reduce to the transport's loop, returning at once.
+:meth:`Syncer.apply` runs later on the training thread: it applies the outer step to
+the fragment's global copy and merges the new global value into the local copy as in
+Streaming DiLoCo (Douillard et al., 2025): ``local = alpha * local + (1 - alpha) *
+global`` (``alpha = 0`` is plain DiLoCo: local := global).
+
+A sync that fails (no group, deadline, transport error) applies nothing; the node's
+global copy of that fragment then lags the swarm's, so the round is marked for a
+re-sync from a peer, and the work already done stays in the local copy and is
+contributed at the next sync (see :func:`staleness_weight`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from protocol import codec as codecs
+from protocol import matchmaking
+from protocol.allreduce import AllReduceResult
+
+if TYPE_CHECKING:
+    from node.daemon import Node
+
+__all__ = ["Pending", "Syncer", "staleness_weight"]
+
+logger = logging.getLogger(__name__)
+
+
+def staleness_weight(tokens: int, missed: int) -> int:
+    """Token weight of work that spans ``missed`` skipped syncs: ``tokens / (1 + missed)``.
+
+    Work folded in from earlier rounds was done against an older global value; it
+    still counts, but less than fresh work, so one node that fell behind cannot
+    dominate the round it catches up in.
+    """
+    return int(tokens / (1 + max(0, missed)))
+
+
+@dataclass
+class Pending:
+    """A sync in flight."""
+
+    round: int
+    fragment: int
+    tokens: int
+    step: int
+    started: float
+    future: concurrent.futures.Future
+
+
+class Syncer:
+    """Launches and applies fragment syncs for one node."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.missed = [0] * len(node.plan)
+
+    def launch(self, r: int, f: int, tokens: int) -> Pending:
+        """Start syncing fragment ``f`` for round ``r`` in the background."""
+        node, cfg = self.node, self.node.cfg
+        assert node.transport is not None
+        pg = node.outer.pseudo_gradient(node.model, f)
+        if cfg.sync.error_feedback:
+            enc = node.feedback[f].encode(pg)
+        else:
+            enc = codecs.encode(pg, cfg.sync.codec, block_size=cfg.sync.block_size)
+        contribution = codecs.decode(enc, expected_numel=pg.numel())
+        weight = staleness_weight(tokens, self.missed[f])
+        node.allreduce.current_round = max(node.allreduce.current_round, r)
+        node.verifier.round = max(node.verifier.round, r)
+        live = node.live_peers()
+        expected = live - node.verifier.excluded(list(live), r)
+        future = node.transport.submit(self._exchange(r, f, weight, contribution, expected))
+        return Pending(r, f, weight, node.trainer.steps, time.monotonic(), future)
+
+    async def _exchange(
+        self, r: int, f: int, weight: int, contribution: torch.Tensor, expected: set[str]
+    ) -> tuple[list[str], AllReduceResult]:
+        node, net = self.node, self.node.cfg.network
+        assert node.transport is not None
+        announced = await matchmaking.gather(
+            node.transport,
+            node.identity,
+            node.cfg.run.run_id,
+            r,
+            f,
+            weight,
+            expected=expected,
+            deadline=time.monotonic() + net.matchmaking_seconds,
+            expiration=net.round_timeout * 4,
+            timeout=net.request_timeout,
+        )
+        peers = set(announced) - node.verifier.excluded(list(announced), r)
+        group = matchmaking.group_of(node.identity.peer_id, peers, r, f, net.group_size)
+        result = await node.allreduce.run(r, f, group, contribution, weight)
+        return group, result
+
+    def apply(self, pending: Pending, timeout: float) -> dict[str, Any] | None:
+        """Wait for ``pending`` (up to ``timeout``), apply it; None when the sync failed."""
+        node, f = self.node, pending.fragment
+        try:
+            group, result = pending.future.result(timeout)
+        except Exception as exc:  # any failure of the exchange: nothing to apply
+            pending.future.cancel()
+            self.missed[f] += 1
+            logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
+            node.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
+            return None
+        node.outer.step(f, result.vector.to(node.device))
+        alpha = node.cfg.sync.alpha
+        if alpha == 0.0:
+            node.outer.sync_local(node.model, f)
+        else:
+            params = dict(node.model.named_parameters())
+            local = node.plan.flatten(params, f)
+            merged = alpha * local + (1.0 - alpha) * node.outer.global_vector(f)
+            node.plan.write(params, f, merged)
+        self.missed[f] = 0
+        record = {
+            "round": pending.round,
+            "fragment": f,
+            "group": group,
+            "contributors": result.contributors,
+            "fallback_parts": result.fallback_parts,
+            "repaired_parts": result.repaired_parts,
+            "complete": result.complete,
+            "tokens": pending.tokens,
+            "bytes_sent": result.bytes_sent,
+            "seconds": time.monotonic() - pending.started,
+            "overlap_steps": node.trainer.steps - pending.step,
+        }
+        node.events.write("sync", **record)
+        return record

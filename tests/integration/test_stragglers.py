@@ -1,0 +1,124 @@
+"""Mismatched speeds, late joiners and restarts, with real nodes on the wall clock."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from node.metrics import read_events
+from node.swarm import wait_for_maddrs
+from tests.integration.conftest import wait_until
+from verification.audit import AuditLog
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+SECONDS = [
+    "sync.trigger='seconds'",
+    "sync.round_seconds=6",
+    "network.matchmaking_seconds=1.5",
+    "network.round_timeout=4",
+    "run.eval_every=1000",
+]
+SLOWDOWNS = [1, 1, 2, 4]
+# Long enough that a node restarting on a loaded 2-core machine misses few rounds.
+SLOW_ROUNDS = [*SECONDS, "sync.round_seconds=10"]
+
+
+def _with_slowdowns(n: int) -> dict[int, list[str]]:
+    return {i: ["--slowdown", str(x)] for i, x in enumerate(SLOWDOWNS[:n])}
+
+
+def _idle_share(node) -> float:
+    st = node.status
+    return st["idle_seconds"] / (st["idle_seconds"] + st["busy_seconds"])
+
+
+def test_seconds_mode_fast_nodes_never_wait_and_globals_agree(local_swarm):
+    local_swarm.launch(4, rounds=3, extra=SECONDS, args=_with_slowdowns(4))
+    assert local_swarm.wait_all(200)
+    summary = local_swarm.summary()
+    assert summary["exit_codes"] == [0] * 4
+    assert summary["rounds_checked"] == 3 and summary["params_agree"], summary
+    for node in local_swarm.nodes[:2]:
+        assert _idle_share(node) < 0.05, node.status
+    tokens = [n.status["tokens"] for n in local_swarm.nodes]
+    assert tokens[0] > 2.5 * tokens[3]  # the slow node did less and still took part
+    for node in local_swarm.nodes:
+        syncs = read_events(node.data_dir / "events.jsonl", "sync")
+        assert all(len(s["group"]) == 4 and s["complete"] for s in syncs), syncs
+
+
+def test_steps_mode_makes_fast_nodes_wait(local_swarm):
+    local_swarm.launch(
+        4, rounds=2, extra=["network.matchmaking_seconds=30"], args=_with_slowdowns(4)
+    )
+    assert local_swarm.wait_all(240)
+    summary = local_swarm.summary()
+    assert summary["params_agree"]
+    for node in local_swarm.nodes[:2]:
+        assert _idle_share(node) > 0.3, node.status  # waiting for the 4x slower node
+
+
+def test_late_joiner_takes_the_global_state_and_contributes(local_swarm):
+    nodes = local_swarm.launch(3, rounds=7, extra=SLOW_ROUNDS)
+    assert wait_until(lambda: all(n.status.get("round", 0) >= 2 for n in nodes), 120)
+    peers = wait_for_maddrs(nodes[0])
+    late = local_swarm.start_one(3, rounds=7, extra=SLOW_ROUNDS, peers=peers, nodes=3)
+    assert local_swarm.wait_all(240)
+    assert late.proc.returncode == 0
+    events = read_events(late.data_dir / "events.jsonl")
+    caught_up = [e["round"] for e in events if e["event"] == "catch_up"]
+    assert caught_up, "the late node never took the swarm's state"
+    first_sync = min(e["round"] for e in events if e["event"] == "sync")
+    # it came up during round caught_up[0] + 1 at the latest; it contributes within 2 rounds
+    assert first_sync <= caught_up[0] + 2, (caught_up, first_sync)
+    mine = {e["round"]: e["global_digest"] for e in events if e["event"] == "round"}
+    theirs = {
+        e["round"]: e["global_digest"]
+        for e in read_events(nodes[0].data_dir / "events.jsonl", "round")
+    }
+    after = [r for r in mine if r >= first_sync]
+    assert after and all(mine[r] == theirs[r] for r in after), (mine, theirs)
+    contributed = [
+        e
+        for e in read_events(nodes[0].data_dir / "events.jsonl", "sync")
+        if late.status["peer_id"] in e["group"]
+    ]
+    assert contributed
+    assert read_events(nodes[0].data_dir / "events.jsonl", "violation") == []
+
+
+def test_sigkilled_node_restarts_from_checkpoint_without_audit_gaps(local_swarm):
+    nodes = local_swarm.launch(3, rounds=7, extra=SLOW_ROUNDS)
+    victim = nodes[2]
+    assert wait_until(lambda: victim.status.get("round", 0) >= 2, 120, 0.05)
+    killed_after = victim.status["round"]
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+    peers = wait_for_maddrs(nodes[0])
+    again = local_swarm.start_one(2, rounds=7, extra=SLOW_ROUNDS, peers=peers, nodes=3)
+    assert local_swarm.wait_all(240)
+    assert again.proc.returncode == 0
+    events = read_events(again.data_dir / "events.jsonl")
+    resumed = [e for e in events if e["event"] == "resume"]
+    assert resumed and resumed[-1]["round"] == killed_after
+    log = AuditLog(again.data_dir / "atoll.db")
+    try:
+        assert log.verify()[0]
+        rounds = {row.round for row in log.rows()}
+    finally:
+        log.close()
+    final = again.status["round"]
+    back = min(e["round"] for e in events if e["event"] == "sync" and e["round"] > killed_after)
+    assert back <= killed_after + 4, back  # back in the swarm within a few rounds
+    # every round before the kill and every round since its return is in the log: the
+    # only gap is the interrupted round and the rounds spent restarting
+    assert set(range(1, killed_after + 1)) | set(range(back, final + 1)) <= rounds
+    last = {e["round"]: e["global_digest"] for e in events if e["event"] == "round"}
+    theirs = {
+        e["round"]: e["global_digest"]
+        for e in read_events(nodes[0].data_dir / "events.jsonl", "round")
+    }
+    assert last[final] == theirs[final]
