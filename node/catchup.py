@@ -1,15 +1,19 @@
 """Catching up: serve this node's last completed global state, and take a peer's.
 
 At the end of every round a node snapshots its global copy of every fragment and
-the outer optimizer's momentum. A node that joins (or falls behind) asks a peer of
-the newest round for that snapshot over the ``atoll.state`` RPC; the reply is a
-signed envelope whose round, fragment plan and sizes are checked before anything is
-loaded. Momentum travels as raw float32 bytes, never pickled; optimizers without a
+the outer optimizer's momentum, and signs the snapshot's digest into the DHT under
+``{run_id}:digest:{round}``. A node that joins (or falls behind) downloads the
+newest snapshot over the ``atoll.state`` RPC one fragment per request, spreading the
+fragments over the peers of that round; every chunk is a signed envelope whose round,
+fragment plan, sizes and digest are checked, the assembled state must hash to the
+digest, and at least k peers (``trust.state_signers``, capped by how many peers are
+live) must have signed that digest before anything is loaded. Momentum travels as raw float32 bytes, never pickled; optimizers without a
 ``momentum_buffer`` start their state afresh on the joining node.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -22,7 +26,7 @@ from protocol.messages import Header, open_envelope, seal
 from protocol.transport import Transport
 from verification.identity import Identity
 
-__all__ = ["StateServer", "StateSnapshot", "fetch_state"]
+__all__ = ["StateServer", "StateSnapshot", "attested", "fetch_state", "state_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,88 +73,173 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return t.detach().float().contiguous().cpu().numpy().tobytes()
 
 
+def state_digest(globals_: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> str:
+    """Hex sha256 over every fragment's global values, in fragment order."""
+    h = hashlib.sha256()
+    for g in globals_:
+        h.update(g.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _digest_key(run_id: str, round_: int) -> str:
+    return f"{run_id}:digest:{round_}"
+
+
 class StateServer:
-    """Serves the newest snapshot to peers that ask."""
+    """Serves the newest snapshot, one fragment per request, to peers that ask."""
 
     def __init__(self, transport: Transport, identity: Identity, run_id: str) -> None:
         self.transport = transport
         self.identity = identity
         self.run_id = run_id
         self._lock = threading.Lock()
-        self._reply: bytes | None = None
+        self._replies: list[bytes] = []
         self._round = -1
 
     def register(self) -> None:
         self.transport.add_handler(RPC_NAME, self._handle, max_request_bytes=4096)
 
-    def publish(self, snapshot: StateSnapshot) -> None:
-        """Make ``snapshot`` the state served from now on."""
-        body = {
-            "plan": snapshot.plan_digest,
-            "steps": int(snapshot.steps),
-            "globals": [_to_bytes(g) for g in snapshot.globals],
-            "momentum": [None if m is None else _to_bytes(m) for m in snapshot.momentum],
-        }
-        header = Header("state", self.run_id, snapshot.round, 0, 0, self.identity.peer_id)
-        reply = seal(self.identity, header, body)
+    def publish(self, snapshot: StateSnapshot) -> str:
+        """Serve ``snapshot`` from now on; return its digest."""
+        digest = state_digest(snapshot.globals)
+        replies = []
+        for f, value in enumerate(snapshot.globals):
+            m = snapshot.momentum[f]
+            body = {
+                "plan": snapshot.plan_digest,
+                "steps": int(snapshot.steps),
+                "digest": digest,
+                "global": _to_bytes(value),
+                "momentum": None if m is None else _to_bytes(m),
+            }
+            header = Header("state", self.run_id, snapshot.round, f, 0, self.identity.peer_id)
+            replies.append(seal(self.identity, header, body))
         with self._lock:
-            self._reply, self._round = reply, snapshot.round
+            self._replies, self._round = replies, snapshot.round
+        return digest
+
+    async def attest(self, round_: int, digest: str, *, timeout: float) -> bool:
+        """Sign ``digest`` as this node's global state after ``round_``, in the DHT."""
+        header = Header("digest", self.run_id, round_, 0, 0, self.identity.peer_id)
+        value = seal(self.identity, header, {"digest": digest})
+        return await self.transport.dht_store(
+            _digest_key(self.run_id, round_), self.identity.peer_id, value, 3600.0, timeout=timeout
+        )
 
     async def _handle(self, peer: str, data: bytes) -> bytes:
-        open_envelope(
+        env = open_envelope(
             data, max_bytes=4096, expected_sender=peer, run_id=self.run_id, kinds=("state_req",)
         )
         with self._lock:
-            reply = self._reply
-        if reply is None:
+            replies = self._replies
+        if not replies:
             raise ProtocolError("no_state", "this node has no completed round yet", peer)
-        return reply
+        f = env.header.fragment
+        if not 0 <= f < len(replies):
+            raise ProtocolError("wrong_part", f"no fragment {f}", peer)
+        return replies[f]
+
+
+async def attested(
+    transport: Transport, run_id: str, round_: int, *, timeout: float
+) -> dict[str, set[str]]:
+    """``{digest: signers}`` of the signed state digests peers stored for ``round_``."""
+    found = await transport.dht_get(_digest_key(run_id, round_), timeout=timeout)
+    out: dict[str, set[str]] = {}
+    for signer, value in (found or {}).items() if isinstance(found, dict) else []:
+        try:
+            env = open_envelope(
+                value,
+                max_bytes=4096,
+                expected_sender=signer,
+                run_id=run_id,
+                kinds=("digest",),
+                round_window=(round_, round_),
+            )
+        except ProtocolError as exc:
+            logger.info("state digest under %s refused: %s", signer[:16], exc)
+            continue
+        digest = env.body.get("digest")
+        if isinstance(digest, str):
+            out.setdefault(digest, set()).add(signer)
+    return out
 
 
 async def fetch_state(
     transport: Transport,
     identity: Identity,
     run_id: str,
-    peer: str,
+    peers: list[str],
     *,
     plan_digest: str,
     sizes: list[int],
     min_round: int,
+    signers: int,
     timeout: float,
     max_bytes: int,
 ) -> StateSnapshot:
-    """Ask ``peer`` for its snapshot and check it against this node's model.
+    """Download a snapshot fragment by fragment, spread over ``peers``, and check it.
+
+    All fragments must come from the same round and carry the same state digest, the
+    assembled globals must hash to that digest, and at least ``signers`` peers must
+    have signed that digest for that round in the DHT.
 
     Raises:
-        ProtocolError: unreachable peer, bad signature, another run or model, wrong
-            sizes, non-finite values, or a round older than ``min_round``.
+        ProtocolError: unreachable peers, bad signatures, another run or model, wrong
+            sizes, non-finite values, mixed rounds, a digest that does not match, too
+            few signers, or a round older than ``min_round``.
     """
-    request = seal(identity, Header("state_req", run_id, 0, 0, 0, identity.peer_id), {})
-    reply = await transport.call(
-        peer, RPC_NAME, request, timeout=timeout, max_response_bytes=max_bytes
+    if not peers:
+        raise ProtocolError("no_peer", "no peer to take the state from")
+    chunks = []
+    for f in range(len(sizes)):
+        peer = peers[f % len(peers)]
+        header = Header("state_req", run_id, 0, f, 0, identity.peer_id)
+        reply = await transport.call(
+            peer,
+            RPC_NAME,
+            seal(identity, header, {}),
+            timeout=timeout,
+            max_response_bytes=max_bytes,
+        )
+        env = open_envelope(
+            reply, max_bytes=max_bytes, expected_sender=peer, run_id=run_id, kinds=("state",)
+        )
+        if env.header.fragment != f:
+            raise ProtocolError("wrong_part", f"asked for fragment {f}", peer)
+        chunks.append((peer, env))
+    rounds = {env.header.round for _, env in chunks}
+    digests = {env.body.get("digest") for _, env in chunks}
+    if len(rounds) != 1 or len(digests) != 1:
+        raise ProtocolError("mixed_state", "peers served different rounds or states")
+    round_, digest = rounds.pop(), digests.pop()
+    if round_ < min_round:
+        raise ProtocolError("stale_round", f"state of round {round_} < {min_round}")
+    globals_, momentum, steps = [], [], 0
+    for (peer, env), size in zip(chunks, sizes):
+        body = env.body
+        if body.get("plan") != plan_digest:
+            raise ProtocolError("wrong_model", "the peer's fragment plan differs from ours", peer)
+        globals_.append(_tensor(body.get("global"), size, peer))
+        raw_m = body.get("momentum")
+        momentum.append(None if raw_m is None else _tensor(raw_m, size, peer))
+        s = body.get("steps", 0)
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ProtocolError("malformed", "steps must be a non-negative integer", peer)
+        steps = max(steps, s)
+    if state_digest(globals_) != digest:
+        raise ProtocolError("bad_digest", "the assembled state does not match its digest")
+    attestations = await attested(transport, run_id, round_, timeout=timeout)
+    have = len(attestations.get(digest, set()))
+    if have < signers:
+        raise ProtocolError(
+            "unattested", f"{have} of {signers} required peers signed the state of round {round_}"
+        )
+    logger.info(
+        "took the global state of round %d from %d peer(s), digest signed by %d",
+        *(round_, len({p for p, _ in chunks}), have),
     )
-    env = open_envelope(
-        reply, max_bytes=max_bytes, expected_sender=peer, run_id=run_id, kinds=("state",)
-    )
-    if env.header.round < min_round:
-        raise ProtocolError("stale_round", f"state of round {env.header.round} < {min_round}", peer)
-    body = env.body
-    if body.get("plan") != plan_digest:
-        raise ProtocolError("wrong_model", "the peer's fragment plan differs from ours", peer)
-    raw_globals, raw_momentum = body.get("globals"), body.get("momentum")
-    if not (isinstance(raw_globals, list) and isinstance(raw_momentum, list)):
-        raise ProtocolError("malformed", "globals and momentum must be lists", peer)
-    if len(raw_globals) != len(sizes) or len(raw_momentum) != len(sizes):
-        raise ProtocolError("malformed", "wrong number of fragments", peer)
-    globals_, momentum = [], []
-    for f, size in enumerate(sizes):
-        globals_.append(_tensor(raw_globals[f], size, peer))
-        momentum.append(None if raw_momentum[f] is None else _tensor(raw_momentum[f], size, peer))
-    steps = body.get("steps", 0)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise ProtocolError("malformed", "steps must be a non-negative integer", peer)
-    logger.info("took the global state of round %d from %s", env.header.round, peer[:16])
-    return StateSnapshot(env.header.round, plan_digest, tuple(globals_), tuple(momentum), steps)
+    return StateSnapshot(round_, plan_digest, tuple(globals_), tuple(momentum), steps)
 
 
 def _tensor(raw: object, size: int, peer: str) -> torch.Tensor:

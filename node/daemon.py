@@ -7,7 +7,6 @@ a slow or vanished peer costs at most that deadline.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
@@ -40,19 +39,11 @@ from protocol.messages import Header, open_envelope, seal
 from protocol.transport import Transport, TransportConfig
 from verification.identity import Identity
 
-__all__ = ["Node", "global_digest"]
+__all__ = ["Node"]
 
 logger = logging.getLogger(__name__)
 
 _LIVE_SECONDS = 10.0  # a registry record older than this is a peer presumed gone
-
-
-def global_digest(outer: OuterOptimizer) -> str:
-    """Hex sha256 over every fragment's global values (bitwise agreement check)."""
-    h = hashlib.sha256()
-    for f in range(len(outer.globals)):
-        h.update(outer.global_vector(f).numpy().tobytes())
-    return h.hexdigest()
 
 
 class Node:
@@ -246,24 +237,33 @@ class Node:
             key=lambda r: (-r.round, r.peer),
         )
         sizes = [f.numel for f in self.plan.fragments]
-        for record in candidates[:3]:
+        if not candidates:
+            return False
+        newest = candidates[0].round
+        spread = [r.peer for r in candidates if r.round == newest][: len(sizes)]
+        signers = max(1, min(self.cfg.trust.state_signers, len(registry) - 1))
+        # First spread the download over every peer of the newest round; then one peer at
+        # a time, in case one of them serves something else.
+        attempts = [spread] + [[r.peer] for r in candidates[:3]]
+        for peers in attempts:
             try:
                 snap = self.transport.run(
                     catchup.fetch_state(
                         self.transport,
                         self.identity,
                         self.cfg.run.run_id,
-                        record.peer,
+                        peers,
                         plan_digest=self.plan.digest(),
                         sizes=sizes,
                         min_round=min_round,
+                        signers=signers,
                         timeout=net.request_timeout,
                         max_bytes=int(net.max_message_mb * 2**20),
                     ),
-                    net.request_timeout + 5,
+                    net.request_timeout * (len(sizes) + 1) + 5,
                 )
             except (ProtocolError, TimeoutError) as exc:
-                logger.warning("catch-up from %s failed: %s", record.peer[:16], exc)
+                logger.warning("catch-up from %s failed: %s", ", ".join(p[:12] for p in peers), exc)
                 continue
             before = [self.outer.global_vector(f) for f in range(len(self.plan))]
             snap.apply(self.outer)
@@ -279,7 +279,7 @@ class Node:
             # Follow the swarm's place in the inner learning-rate schedule: a newcomer
             # at its warmup peak would take steps far larger than everyone else's.
             self.trainer.steps = max(self.trainer.steps, snap.steps)
-            self.events.write("catch_up", round=self.round, source=record.peer)
+            self.events.write("catch_up", round=self.round, sources=peers)
             return True
         return False
 
@@ -491,8 +491,11 @@ class Node:
         snapshot = catchup.StateSnapshot.take(
             self.round, self.plan.digest(), self.outer, self.trainer.steps
         )
-        self.state_server.publish(snapshot)
-        fields: dict[str, Any] = {"round": self.round, "global_digest": global_digest(self.outer)}
+        digest = self.state_server.publish(snapshot)
+        self.transport.submit(
+            self.state_server.attest(self.round, digest, timeout=self.cfg.network.request_timeout)
+        )
+        fields: dict[str, Any] = {"round": self.round, "global_digest": digest}
         if self.round % self.cfg.run.eval_every == 0:
             fields["val_bpb"] = self._evaluate_global()
         fields.update(

@@ -66,6 +66,8 @@ class TrustPolicy:
         on_violation: what a screened-out contribution costs its sender.
         quarantine_rounds: how many rounds a quarantine lasts.
         min_reputation: peers whose score is below this are not grouped with.
+        state_signers: a downloaded global state is loaded only when at least this
+            many peers (capped by how many are live) signed its digest for its round.
         violations_to_ban: ban a peer once it reaches this many violations, whatever
             ``on_violation`` says; 0 never escalates.
     """
@@ -83,6 +85,7 @@ class TrustPolicy:
     on_violation: Literal["drop", "quarantine", "ban"] = "quarantine"
     quarantine_rounds: int = Field(default=5, ge=1)
     min_reputation: float = Field(default=0.0, ge=0, le=1)
+    state_signers: int = Field(default=2, ge=1)
     violations_to_ban: int = Field(default=0, ge=0)
 
     @field_validator("allow", "deny")

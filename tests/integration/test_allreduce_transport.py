@@ -433,21 +433,33 @@ def state_server(swarm: SimpleNamespace) -> Iterator[StateServer]:
 
 
 def _fetch(
-    swarm: SimpleNamespace, plan_digest: str, sizes: list[int], min_round: int
+    swarm: SimpleNamespace,
+    plan_digest: str,
+    sizes: list[int],
+    min_round: int,
+    signers: int = 1,
+    peers: list[str] | None = None,
 ) -> StateSnapshot:
     client, identity = swarm.transports[1], swarm.identities[1]
     coro = fetch_state(
         client,
         identity,
         RUN,
-        swarm.transports[0].peer_id,
+        peers or [swarm.transports[0].peer_id],
         plan_digest=plan_digest,
         sizes=sizes,
         min_round=min_round,
+        signers=signers,
         timeout=10,
         max_bytes=16 * MiB,
     )
     return client.run(coro, 15)
+
+
+def _publish(swarm: SimpleNamespace, server: StateServer, snapshot: StateSnapshot) -> str:
+    digest = server.publish(snapshot)
+    assert server.transport.run(server.attest(snapshot.round, digest, timeout=10), 15)
+    return digest
 
 
 @pytest.mark.timeout(60)
@@ -465,6 +477,13 @@ def test_catch_up_is_bitwise_and_checked(
     snapshot = StateSnapshot.take(5, digest, outer)
     assert all(m is not None for m in snapshot.momentum)
     state_server.publish(snapshot)
+    with pytest.raises(ProtocolError) as info:  # served, but no peer signed its digest yet
+        _fetch(swarm, digest, sizes, 5)
+    assert info.value.reason == "unattested"
+    _publish(swarm, state_server, snapshot)
+    with pytest.raises(ProtocolError) as info:  # one signer is not two
+        _fetch(swarm, digest, sizes, 5, signers=2)
+    assert info.value.reason == "unattested"
 
     got = _fetch(swarm, digest, sizes, 5)
     assert got.round == 5
@@ -499,8 +518,35 @@ def test_catch_up_without_momentum(swarm: SimpleNamespace, state_server: StateSe
     plan = plan_fragments(model, 2)
     fresh = OuterOptimizer(model, plan, OuterConfig())  # never stepped: no momentum yet
     snapshot = StateSnapshot.take(0, plan.digest(), fresh)
-    state_server.publish(snapshot)
+    _publish(swarm, state_server, snapshot)
     got = _fetch(swarm, plan.digest(), [f.numel for f in plan.fragments], 0)
     assert got.momentum == (None, None)
     for mine, theirs in zip(snapshot.globals, got.globals):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.timeout(60)
+def test_catch_up_spreads_fragments_and_refuses_mixed_states(
+    swarm: SimpleNamespace, state_server: StateServer, outer: OuterOptimizer
+) -> None:
+    digest = outer.plan.digest()
+    sizes = [f.numel for f in outer.plan.fragments]
+    other = StateServer(swarm.transports[2], swarm.identities[2], RUN)
+    other.register()
+    try:
+        snapshot = StateSnapshot.take(7, digest, outer)
+        _publish(swarm, state_server, snapshot)
+        _publish(swarm, other, snapshot)
+        both = [swarm.transports[0].peer_id, swarm.transports[2].peer_id]
+        got = _fetch(swarm, digest, sizes, 7, signers=2, peers=both)  # one fragment from each
+        assert all(torch.equal(a, b) for a, b in zip(snapshot.globals, got.globals))
+        # the second peer now serves a different state for the same round
+        changed = StateSnapshot(
+            7, digest, tuple(g + 1 for g in snapshot.globals), snapshot.momentum
+        )
+        other.publish(changed)
+        with pytest.raises(ProtocolError) as info:
+            _fetch(swarm, digest, sizes, 7, peers=both)
+        assert info.value.reason == "mixed_state"
+    finally:
+        swarm.transports[2].remove_handler(STATE_RPC)
