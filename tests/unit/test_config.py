@@ -78,7 +78,9 @@ def test_shipped_configs_validate():
         cfg = load_config(path)
         assert cfg.run.run_id
     local = load_config(root / "local-swarm.toml")
-    assert local.train.total_steps == local.run.max_rounds * local.sync.inner_steps
+    assert local.sync.trigger == "seconds" and local.sync.codec == "int8"
+    # every round's syncs (and their deadlines) fit inside the round
+    assert local.network.matchmaking_seconds + local.network.round_timeout < local.sync.round_seconds
 
 
 def test_stochastic_rounding_needs_integer_codec():
