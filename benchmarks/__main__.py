@@ -17,6 +17,10 @@ __all__ = ["BENCHMARKS", "main"]
 BENCHMARKS: dict[str, str] = {
     "codec": "benchmarks.codec",
     "allreduce": "benchmarks.allreduce",
+    "robustness": "benchmarks.robustness",
+    "verification": "benchmarks.verification",
+    "stragglers": "benchmarks.stragglers",
+    "convergence": "benchmarks.convergence",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""
 

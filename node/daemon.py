@@ -479,6 +479,9 @@ class Node:
         if len(record["group"]) == 1 and self.live_peers():
             logger.warning("round %d fragment %d: averaged alone", pending.round, pending.fragment)
             return None
+        if record["fallback_parts"] and self.live_peers():
+            # Parts kept at local values drift from the swarm: take its state at round end.
+            return None
         return record
 
     def _end_round(self, r: int, resync: bool) -> None:

@@ -32,10 +32,11 @@ __all__ = ["BENIGN_REASONS", "Verifier"]
 
 logger = logging.getLogger(__name__)
 
-BENIGN_REASONS = frozenset(
-    {"group_mismatch", "not_in_round", "late", "busy", "wrong_part", "timeout"}
-)
-"""Refusals an honest peer can cause (different views, slowness); never held against it."""
+BENIGN_REASONS = frozenset({"group_mismatch", "not_in_round", "late", "busy", "timeout"})
+"""Refusals an honest peer can cause (different views, slowness); never held against it.
+
+``wrong_part`` is not among them: the group is checked first, so a part addressed to
+the wrong owner of the very same group is a replayed or misdirected message."""
 
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
 

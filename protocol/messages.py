@@ -113,8 +113,9 @@ class Envelope:
         body: the signed body; a dict with str keys, values as msgpack gives them
             (lists for arrays, ``bytes`` for binary).
         signature: the sender's 64-byte Ed25519 signature over the digest.
-        raw_signed: the exact bytes that were signed, kept as evidence: anyone can
-            re-check them with :func:`verify_signed`.
+        raw_signed: the exact bytes that were signed (a view into the received
+            message, not a copy), kept as evidence: anyone can re-check them with
+            :func:`verify_signed`.
         digest: SHA-256 of ``raw_signed``: the payload digest for audit logs and
             commitments. It covers the header and body exactly as signed, not the
             signature, so it names *what was said*; Ed25519 signing is deterministic,
@@ -124,7 +125,7 @@ class Envelope:
     header: Header
     body: dict[str, Any]
     signature: bytes
-    raw_signed: bytes
+    raw_signed: bytes | memoryview
     digest: bytes
 
 
@@ -168,7 +169,9 @@ def seal(identity: Identity, header: Header, body: dict[str, Any]) -> bytes:
         use_bin_type=True,
     )
     signature = identity.sign(signing_payload(hashlib.sha256(signed).digest()))
-    wire = msgpack.packb([PROTOCOL_VERSION, signed, signature], use_bin_type=True)
+    # The same bytes msgpack.packb([version, signed, signature]) writes, assembled with
+    # one copy of the (possibly many-megabyte) signed payload instead of two.
+    wire = b"".join((_OUTER_HEAD, _bin_header(len(signed)), signed, _SIGNATURE_HEAD, signature))
     if len(wire) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message is {len(wire)} bytes, over the {MAX_MESSAGE_BYTES} byte cap")
     return wire
@@ -215,7 +218,9 @@ def open_envelope(
     if len(data) > max_bytes:
         raise ProtocolError("oversized", f"{len(data)} bytes > {max_bytes}", peer)
 
-    signed, signature = _parse_outer(data if isinstance(data, bytes) else bytes(data), peer)
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    fast = _split_outer(view)
+    signed, signature = fast if fast is not None else _parse_outer(bytes(data), peer)
     header, body = _parse_signed(signed, peer)
     if expected_sender is not None and header.sender != expected_sender:
         raise ProtocolError(
@@ -245,6 +250,34 @@ def _reject_ext(code: int, data: bytes) -> Any:
     # No message uses msgpack extension types; refusing them keeps the decoded
     # values to plain Python types.
     raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+_OUTER_HEAD = bytes((0x93, PROTOCOL_VERSION))  # fixarray of 3, then the version
+_SIGNATURE_HEAD = bytes((0xC4, _SIGNATURE_LEN))  # bin8 of 64 bytes
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 2**8:
+        return bytes((0xC4, n))
+    if n < 2**16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _split_outer(view: memoryview) -> tuple[memoryview, bytes] | None:
+    """Zero-copy split of a well-formed outer frame; None sends it to the strict parser."""
+    if len(view) < 5 or bytes(view[:2]) != _OUTER_HEAD:
+        return None
+    kind = view[2]
+    size = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(kind)
+    if size is None or len(view) < 3 + size:
+        return None
+    n = int.from_bytes(view[3 : 3 + size], "big")
+    start = 3 + size
+    end = start + n
+    if len(view) != end + 2 + _SIGNATURE_LEN or bytes(view[end : end + 2]) != _SIGNATURE_HEAD:
+        return None
+    return view[start:end], bytes(view[end + 2 :])
 
 
 def _parse_outer(data: bytes, peer: str | None) -> tuple[bytes, bytes]:

@@ -16,6 +16,7 @@ logs it, audits it and tells the trust policy.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ __all__ = ["Candidate", "ScreeningConfig", "Verdict", "check_reduced", "screen"]
 
 # Norms at or below this count as zero: such a vector has no direction to judge.
 _TINY = 1e-12
+
+DIRECTION_SAMPLE = 1 << 16
+"""Coordinates the direction check samples from parts larger than this."""
 
 # Fewer inputs than this and a median is no longer robust: one outlier of two moves it.
 _MIN_FOR_STATISTICS = 3
@@ -128,6 +132,23 @@ def _leave_one_out_medians(stacked: torch.Tensor) -> torch.Tensor:
     return (at_lo + at_hi) / 2
 
 
+def _direction_sample(stacked: torch.Tensor) -> torch.Tensor:
+    """The columns the direction check looks at: all of them, or a random subset.
+
+    The leave-one-out median needs a sort per coordinate, which dominates screening
+    on multi-million-value parts. A cosine over ``DIRECTION_SAMPLE`` coordinates drawn
+    uniformly at random estimates the full cosine to about ``1/sqrt(sample)`` for
+    high-dimensional vectors, and drawing them afresh from the OS's randomness on
+    every call means a peer cannot know which coordinates will be looked at.
+    """
+    d = stacked.shape[1]
+    if d <= DIRECTION_SAMPLE:
+        return stacked
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+    cols = torch.randint(0, d, (DIRECTION_SAMPLE,), generator=generator)
+    return stacked[:, cols.to(stacked.device)]
+
+
 def _statistical_verdicts(
     peers: list[str], stacked: torch.Tensor, cfg: ScreeningConfig
 ) -> list[Verdict]:
@@ -142,9 +163,11 @@ def _statistical_verdicts(
         return verdicts
     active_norms = norms[active]
     limit = cfg.norm_kappa * float(coordinate_median(active_norms))
-    centers = _leave_one_out_medians(stacked[active])
+    sample = _direction_sample(stacked[active])
+    centers = _leave_one_out_medians(sample)
     center_norms = torch.linalg.vector_norm(centers, dim=1, dtype=torch.float64)
-    dots = (stacked[active] * centers).sum(dim=1, dtype=torch.float64)
+    sample_norms = torch.linalg.vector_norm(sample, dim=1, dtype=torch.float64)
+    dots = (sample * centers).sum(dim=1, dtype=torch.float64)
     for row, i in enumerate(active):
         norm = float(active_norms[row])
         if norm > limit:
@@ -155,7 +178,9 @@ def _statistical_verdicts(
         # A zero leave-one-out median has no direction; the check cannot judge.
         if float(center_norms[row]) <= _TINY:
             continue
-        cosine = float(dots[row]) / (norm * float(center_norms[row]))
+        if float(sample_norms[row]) <= _TINY:
+            continue
+        cosine = float(dots[row]) / (float(sample_norms[row]) * float(center_norms[row]))
         if cosine < cfg.min_cosine:
             verdicts[i] = Verdict(
                 peers[i],

@@ -80,7 +80,9 @@ def test_shipped_configs_validate():
     local = load_config(root / "local-swarm.toml")
     assert local.sync.trigger == "seconds" and local.sync.codec == "int8"
     # every round's syncs (and their deadlines) fit inside the round
-    assert local.network.matchmaking_seconds + local.network.round_timeout < local.sync.round_seconds
+    assert (
+        local.network.matchmaking_seconds + local.network.round_timeout < local.sync.round_seconds
+    )
 
 
 def test_stochastic_rounding_needs_integer_codec():

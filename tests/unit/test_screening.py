@@ -231,3 +231,18 @@ def test_check_reduced_zero_vectors() -> None:
     assert check_reduced(torch.zeros(4), torch.zeros(4)).ok
     # A zero own part vouches for nothing non-zero (documented).
     assert check_reduced(own, torch.zeros(4)).reason == "owner_norm"
+
+
+def test_direction_check_samples_large_parts_and_still_catches_a_flip() -> None:
+    from verification.screening import DIRECTION_SAMPLE
+
+    d = DIRECTION_SAMPLE * 5
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(d, generator=g)
+    honest = [base + 0.5 * torch.randn(d, generator=g) for _ in range(4)]
+    for trial in range(3):
+        cands = [Candidate(f"h{i}", v, 100, d) for i, v in enumerate(honest)]
+        cands.append(Candidate("bad", -honest[trial], 100, d))
+        verdicts = screen(cands, ScreeningConfig())
+        assert [v.ok for v in verdicts] == [True, True, True, True, False]
+        assert verdicts[-1].reason == "direction"

@@ -1,0 +1,410 @@
+"""Robustness benchmark: what a Byzantine node does to the honest nodes' validation loss.
+
+Every cell is a real swarm of node processes on 127.0.0.1 (``node.swarm``), with the
+small, fast model of the integration tests, 3 outer rounds, one group holding every
+node, and the last node(s) started with ``--byzantine MODE``. Each fault mode is run
+under plain mean without screening (the undefended baseline) and under each robust
+aggregator with screening on; a clean run per aggregator gives the reference, so a
+cell's headline is ``val_bpb_end / clean val_bpb_end`` of the same aggregator (1.0:
+the attack cost nothing). Clean runs also count honest peers flagged by honest ones,
+which should be zero: a defence that quarantines honest peers is not a defence.
+
+Swarms run one after another, each in a fresh directory, and are always stopped.
+Quick mode (about 10 minutes on two idle cores) runs three modes against three aggregators
+for 1 Byzantine node of 5; full mode runs every mode against every aggregator, for 1
+of 5 and for 2 of 8. Run it with ``python -m benchmarks robustness [--quick]``; it
+writes ``robustness.json`` and ``robustness.png`` into the output folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from node import swarm
+from node.byzantine import MODES
+from node.config import load_config
+
+__all__ = ["run"]
+
+_ROUNDS = 3
+# The integration tests' small config (tests/integration/conftest.py: SMALL), copied
+# because the benchmarks must not depend on the test suite or pytest.
+_SMALL = [
+    "run.run_id='bench-robustness'",
+    "data.max_files=150",
+    "data.batch_size=8",
+    "model.context=64",
+    "model.n_embd=64",
+    "model.n_layer=1",
+    "train.warmup_steps=5",
+    "train.total_steps=60",
+    "train.eval_batches=4",
+    "sync.inner_steps=10",
+    "sync.fragments=2",
+    "sync.codec='int8'",
+    "network.matchmaking_seconds=6",
+    "network.round_timeout=8",
+    "network.request_timeout=8",
+]
+# A swarm with a quarantined node waits out deadlines; twice the slowest seen is ample.
+_SWARM_TIMEOUT = {5: 300.0, 8: 600.0}
+_FLAGS = ("quarantined", "banned")
+_COLOR_CAP = 2.0
+
+
+@dataclass(frozen=True)
+class _Aggregator:
+    """One column of the grid: a trust policy's aggregator and whether it screens."""
+
+    label: str
+    name: str
+    screening: bool
+    needs_f: bool = False  # Krum's f is set to the number of Byzantine nodes
+
+    def params(self, byzantine: int) -> dict[str, int]:
+        return {"f": byzantine} if self.needs_f else {}
+
+    def overrides(self, byzantine: int) -> list[str]:
+        params = ", ".join(f"{k} = {v}" for k, v in self.params(byzantine).items())
+        return [
+            f"trust.aggregator='{self.name}'",
+            f"trust.aggregator_params={{{params}}}",
+            f"trust.screening={'true' if self.screening else 'false'}",
+        ]
+
+
+_AGGREGATORS = (
+    _Aggregator("mean-unscreened", "mean", screening=False),
+    _Aggregator("median", "median", screening=True),
+    _Aggregator("trimmed_mean", "trimmed_mean", screening=True),
+    _Aggregator("centered_clip", "centered_clip", screening=True),
+    _Aggregator("krum", "krum", screening=True, needs_f=True),
+    _Aggregator("multi_krum", "multi_krum", screening=True, needs_f=True),
+)
+# Quick mode: a magnitude attack, one screens cannot see, and an owner-side one, against
+# the undefended mean and two robust aggregators (9 attacked swarms + 3 clean; an
+# attacked swarm of 5 takes about a minute on two idle cores, a clean one half that).
+_QUICK_MODES = ("scale", "alie", "malicious_owner")
+_QUICK_AGGREGATORS = ("mean-unscreened", "trimmed_mean", "centered_clip")
+
+
+@dataclass
+class _Setting:
+    """How many nodes, and how many of them are Byzantine."""
+
+    nodes: int
+    byzantine: int
+    clean: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.byzantine}_of_{self.nodes}"
+
+    @property
+    def byzantine_indices(self) -> list[int]:
+        return list(range(self.nodes - self.byzantine, self.nodes))
+
+
+# ---- one swarm ------------------------------------------------------------------------
+
+
+def _launch_and_wait(spec: swarm.SwarmSpec, timeout: float) -> tuple[list, bool]:
+    """Runs the swarm to its end (or ``timeout``); always stops nodes and their helpers."""
+    nodes: list[swarm.SwarmProcess] = []
+    helpers: set[int] = set()
+    finished = False
+    try:
+        nodes = swarm.launch(spec)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n in nodes:
+                helpers.update(n.status.get("helper_pids", []))
+            if all(n.proc.poll() is not None for n in nodes):
+                finished = True
+                break
+            time.sleep(0.5)
+    finally:
+        swarm.stop_all(nodes, grace=20)
+        _reap(helpers)
+    return nodes, finished
+
+
+def _reap(pids: set[int]) -> None:
+    # A node's watchdog ends its p2pd and DHT process; this covers a watchdog that died too.
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _run_swarm(
+    setting: _Setting, agg: _Aggregator, mode: str | None, base: pathlib.Path, index: int
+) -> dict[str, Any]:
+    """One swarm: ``mode`` on the Byzantine nodes (None: a clean run)."""
+    overrides = [*_SMALL, f"network.group_size={setting.nodes}", *agg.overrides(setting.byzantine)]
+    byzantine = setting.byzantine_indices if mode else []
+    directory = base / f"swarm{index:03d}"
+    spec = swarm.SwarmSpec(
+        nodes=setting.nodes,
+        config_paths=[],
+        overrides=overrides,
+        directory=directory,
+        rounds=_ROUNDS,
+        extra_args={i: ["--byzantine", mode] for i in byzantine},
+    )
+    record: dict[str, Any] = {
+        "mode": mode or "clean",
+        "aggregator": agg.label,
+        "aggregator_params": agg.params(setting.byzantine),
+        "screening": agg.screening,
+        "nodes": setting.nodes,
+        "byzantine": len(byzantine),
+    }
+    started = time.monotonic()
+    try:
+        nodes, finished = _launch_and_wait(spec, _SWARM_TIMEOUT.get(setting.nodes, 600.0))
+        summary = swarm.summarize(nodes, load_config(None, overrides), byzantine)
+        record.update(_judge(summary, byzantine))
+        # the directory goes before the next swarm, so keep why a node failed
+        failed = {str(n.index): _log_tail(n.data_dir) for n in nodes if n.proc.returncode != 0}
+        if failed:
+            record["failed_nodes"] = failed
+        if not finished:
+            record["error"] = "timed out; stopped before every node finished"
+    except Exception as e:  # one broken cell must not cost the whole grid
+        record.update(error=f"{type(e).__name__}: {e}", val_bpb_end=None, params_agree=False)
+    finally:
+        record["seconds"] = round(time.monotonic() - started, 1)
+        shutil.rmtree(directory, ignore_errors=True)
+    return record
+
+
+def _log_tail(data_dir: pathlib.Path, lines: int = 6) -> list[str]:
+    try:
+        text = (data_dir / "node.log").read_text(errors="replace")
+    except OSError:
+        return []
+    return text.strip().splitlines()[-lines:]
+
+
+def _judge(summary: dict[str, Any], byzantine: list[int]) -> dict[str, Any]:
+    """Loss, agreement, and who flagged whom, from the swarm's summary."""
+    ids = summary["peer_ids"]
+    attackers = {ids[i] for i in byzantine if ids[i]}
+    honest = {p for i, p in enumerate(ids) if i not in byzantine and p}
+    flagged = summary["flagged"]  # honest node index -> {peer: status}
+    return {
+        "val_bpb_start": _finite(summary["val_bpb_start"]),
+        "val_bpb_end": _finite(summary["val_bpb_end"]),
+        "params_agree": summary["params_agree"],
+        "rounds": summary["rounds"],
+        # an honest node counts once however many attackers it caught
+        "attacker_flagged_by": sum(
+            1 for f in flagged.values() if any(f.get(a) in _FLAGS for a in attackers)
+        ),
+        "honest_nodes": len(flagged),
+        "honest_flagged": len({p for f in flagged.values() for p, s in f.items() if p in honest}),
+        "exit_codes": summary["exit_codes"],
+    }
+
+
+def _finite(value: float | None) -> float | None:
+    # A diverged model reports NaN or inf, which strict JSON cannot hold.
+    return value if value is not None and math.isfinite(value) else None
+
+
+# ---- the grid -------------------------------------------------------------------------
+
+
+def _grid(quick: bool) -> tuple[list[_Setting], tuple[str, ...], list[_Aggregator]]:
+    if quick:
+        aggs = [a for a in _AGGREGATORS if a.label in _QUICK_AGGREGATORS]
+        return [_Setting(5, 1)], _QUICK_MODES, aggs
+    return [_Setting(5, 1), _Setting(8, 2)], MODES, list(_AGGREGATORS)
+
+
+def _progress(done: int, total: int, record: dict[str, Any]) -> None:
+    # A full run takes hours: say where it is on stderr, the JSON stays the record.
+    bpb = record.get("val_bpb_end")
+    print(
+        f"robustness {done}/{total}: {record['byzantine']} of {record['nodes']} "
+        f"{record['mode']:>15} {record['aggregator']:>15}  "
+        f"val_bpb_end {f'{bpb:.3f}' if bpb is not None else 'n/a'}  "
+        f"flagged_by {record.get('attacker_flagged_by', '-')}  {record['seconds']:.0f}s"
+        + (f"  ERROR {record['error']}" if record.get("error") else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _ratio(cell: dict[str, Any], clean: dict[str, Any] | None) -> float | None:
+    if cell.get("val_bpb_end") is None or not clean or not clean.get("val_bpb_end"):
+        return None
+    return cell["val_bpb_end"] / clean["val_bpb_end"]
+
+
+# ---- report ---------------------------------------------------------------------------
+
+
+def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = report["settings"]
+    modes, labels = report["modes"], report["aggregators"]
+    width = max(7.0, 2.5 + 1.3 * len(labels)) * len(settings)
+    fig, axes = plt.subplots(
+        1, len(settings), figsize=(width, max(3.8, 2.2 + 0.5 * len(modes))), squeeze=False
+    )
+    for ax, key in zip(axes[0], settings):
+        cells = [c for c in report["cells"] if c["setting"] == key]
+        _heat_map(fig, ax, cells, modes, labels)
+        byzantine, nodes = key.split("_of_")
+        ax.set_title(f"{byzantine} Byzantine of {nodes} nodes, {_ROUNDS} rounds", fontsize=10)
+    fig.suptitle(
+        "Final honest validation bits/byte under attack / clean run of the same aggregator",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _heat_map(fig: Any, ax: Any, cells: list[dict], modes: list[str], labels: list[str]) -> None:
+    """Modes x aggregators, coloured by the ratio to clean, annotated with it and the flags."""
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    grid = np.full((len(modes), len(labels)), np.nan)
+    for c in cells:
+        if c.get("ratio_to_clean") is not None:
+            grid[modes.index(c["mode"]), labels.index(c["aggregator"])] = c["ratio_to_clean"]
+    finite = grid[np.isfinite(grid)]
+    # Centred on 1.0 (the attack cost nothing). A wrecked model reaches ratios of 100 and
+    # more; colours saturate at _COLOR_CAP so a 5 % effect still shows, and the text
+    # carries the value.
+    top = min(_COLOR_CAP, max(1.1, float(finite.max()) if finite.size else 1.1))
+    bottom = min(1.0 / top, float(finite.min()) if finite.size else 1.0, 0.95)
+    norm = TwoSlopeNorm(vmin=bottom, vcenter=1.0, vmax=top)
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdBu_r", norm=norm, aspect="auto")
+    ax.set_facecolor("lightgray")  # cells without a result
+    for c in cells:
+        row, col = modes.index(c["mode"]), labels.index(c["aggregator"])
+        value = c.get("ratio_to_clean")
+        text = "n/a" if value is None else f"{value:.3g}"
+        if c.get("honest_nodes"):
+            text += f"\nflagged by {c.get('attacker_flagged_by', 0)}/{c['honest_nodes']}"
+        shade = float(norm(value)) if value is not None else 0.5
+        color = "white" if abs(shade - 0.5) > 0.35 else "black"  # legible on dark cells
+        ax.text(col, row, text, ha="center", va="center", fontsize=7, color=color)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_yticks(range(len(modes)), modes, fontsize=8)
+    fig.colorbar(image, ax=ax, label="val bpb / clean", extend="max")
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        # the box may be shared: a high load explains slow or timed-out swarms
+        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def run(quick: bool, out_dir: pathlib.Path) -> dict:
+    """Runs the attack grid with real node swarms and writes the report and heat map.
+
+    Args:
+        quick: 1 of 5 nodes Byzantine, modes scale, alie and malicious_owner,
+            aggregators mean-unscreened, trimmed_mean and centered_clip (about 10
+            minutes on two idle cores); otherwise every mode and aggregator, for 1 of 5
+            and 2 of 8 Byzantine nodes (hours).
+        out_dir: folder for ``robustness.json`` and ``robustness.png``; created if missing.
+
+    Returns:
+        The dict written to ``robustness.json``: ``cells`` (one per attacked swarm:
+        mode, aggregator, screening, val_bpb_end, ratio_to_clean, params_agree,
+        attacker_flagged_by, honest_flagged, ...), ``clean`` (per setting and
+        aggregator, the clean run), ``clean_honest_flagged`` (honest peers flagged in
+        all clean runs together; should be 0), ``quick``, ``date`` and ``machine``.
+    """
+    settings, modes, aggs = _grid(quick)
+    total = sum(len(aggs) * (len(modes) + 1) for _ in settings)
+    cells: list[dict[str, Any]] = []
+    done = 0
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="atoll-robustness-") as tmp:
+        base = pathlib.Path(tmp)
+        for setting in settings:
+            for agg in aggs:
+                record = _run_swarm(setting, agg, None, base, done)
+                setting.clean[agg.label] = record
+                done += 1
+                _progress(done, total, record)
+                for mode in modes:
+                    cell = _run_swarm(setting, agg, mode, base, done)
+                    cell["setting"] = setting.key
+                    cell["ratio_to_clean"] = _ratio(cell, record)
+                    cells.append(cell)
+                    done += 1
+                    _progress(done, total, cell)
+    report = {
+        "benchmark": "robustness",
+        "quick": quick,
+        "rounds": _ROUNDS,
+        "settings": [s.key for s in settings],
+        "modes": list(modes),
+        "aggregators": [a.label for a in aggs],
+        "cells": cells,
+        "clean": {s.key: s.clean for s in settings},
+        "clean_honest_flagged": sum(
+            c.get("honest_flagged", 0) for s in settings for c in s.clean.values()
+        ),
+        "seconds": round(time.monotonic() - started, 1),
+        "notes": {
+            "workload": "the integration tests' small config: 1-layer byte-level GPT, "
+            "64-dim, context 64, 10 inner steps per round, 2 fragments, int8 codec, "
+            f"{_ROUNDS} rounds; one group holds every node (network.group_size = nodes)",
+            "val_bpb_end": "mean over honest nodes of the validation bits per byte at "
+            "the last round every honest node reached",
+            "ratio_to_clean": "val_bpb_end / val_bpb_end of the clean run with the same "
+            "aggregator; 1.0 means the attack cost nothing, above 1 it hurt",
+            "attacker_flagged_by": "honest nodes whose trust store had a Byzantine node "
+            "quarantined or banned at their last round",
+            "honest_flagged": "distinct honest peers quarantined or banned by any honest "
+            "node (target 0)",
+            "mean-unscreened": "trust.aggregator = mean, trust.screening = false: the "
+            "undefended baseline; signature, shape and finiteness checks still run",
+            "krum": "Krum and Multi-Krum use f = the number of Byzantine nodes",
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+    }
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "robustness.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out_dir / "robustness.png")
+    return report

@@ -1,0 +1,465 @@
+"""Stragglers benchmark: how much of the compute that is there each method uses.
+
+Four workers run at slowdowns 1, 1, 2 and 4 (speeds 1, 1, 0.5 and 0.25), emulated the
+way ``atoll run --slowdown X`` does it: after a step's compute the worker sleeps
+``(X - 1)`` times that compute, and the sleep counts as busy, because slower hardware
+would be computing then. Three methods run one after another on the same small model
+and data (the integration tests' config):
+
+- ``atoll_seconds``: real nodes (``node.swarm``) with ``sync.trigger = seconds``: each
+  node syncs on the swarm's wall clock with whatever it finished, so no node waits.
+- ``atoll_steps``: the same swarm with ``sync.trigger = steps`` (10 inner steps per
+  round) and a long matchmaking window, so the fast nodes wait for the slow one.
+- ``ddp``: PyTorch ``DistributedDataParallel`` over gloo on 127.0.0.1, four processes,
+  a gradient all-reduce every step, for as long as the ``atoll_seconds`` swarm trains.
+  The slowdown sleep goes between forward and backward, so it delays the all-reduce
+  inside backward exactly as slower hardware would; backward compute is timed up to
+  its last gradient accumulation, so the wait for the all-reduce is not counted as busy.
+
+Per worker, ``busy`` is compute plus the slowdown sleep and ``idle`` is the rest of its
+training wall time (waiting for peers). Two figures come out of that:
+
+- ``utilization = sum(busy) / sum(busy + idle)``: the share of worker-seconds spent
+  computing. A synchronous method steps at the slowest worker's pace (4 time units per
+  step) while worker i is busy ``X_i`` units of it: ``(1 + 1 + 2 + 4) / (4 * 4) = 50 %``.
+- ``compute_utilization``: the same with each worker's seconds weighted by its speed
+  ``1 / X_i``, i.e. useful compute over available compute. Each worker does one step
+  per 4 units where it could do ``4 / X_i``: ``4 / (4 + 4 + 2 + 1) = 36.4 %``, the
+  figure in the design notes. Atoll's seconds mode should reach nearly 100 % on both;
+  its target is that the two fast workers are idle less than 5 % of the time.
+
+Run it with ``python -m benchmarks stragglers [--quick]`` (quick: 3 rounds of 6 s,
+about 3 minutes on two idle cores; full: 10 rounds); it writes ``stragglers.json`` and
+``stragglers.png`` into the output folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import queue
+import socket
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+from node import swarm
+from node.config import load_config
+from node.metrics import read_events
+
+__all__ = ["run"]
+
+_SLOWDOWNS = (1, 1, 2, 4)
+_ROUND_SECONDS = 6
+# The integration tests' small config (tests/integration/conftest.py: SMALL), copied
+# because the benchmarks must not depend on the test suite or pytest.
+_SMALL = [
+    "run.run_id='bench-stragglers'",
+    "data.max_files=150",
+    "data.batch_size=8",
+    "model.context=64",
+    "model.n_embd=64",
+    "model.n_layer=1",
+    "train.warmup_steps=5",
+    "train.total_steps=60",
+    "train.eval_batches=4",
+    "sync.fragments=2",
+    "sync.codec='int8'",
+    "network.request_timeout=8",
+    "run.eval_every=1000",  # evaluation is neither useful compute nor waiting: leave it out
+]
+_SECONDS = [
+    "sync.trigger='seconds'",
+    f"sync.round_seconds={_ROUND_SECONDS}",
+    "network.matchmaking_seconds=1.5",
+    "network.round_timeout=4",
+]
+# A matchmaking window longer than the slow node's round makes every node wait for it.
+_STEPS = [
+    "sync.trigger='steps'",
+    "sync.inner_steps=10",
+    "network.matchmaking_seconds=30",
+    "network.round_timeout=8",
+]
+_DDP_WARMUP_STEPS = 3
+
+
+# ---- Atoll swarms ---------------------------------------------------------------------
+
+
+def _run_atoll(
+    overrides: list[str], rounds: int, directory: pathlib.Path, timeout: float
+) -> dict[str, Any]:
+    """One swarm to its end (or ``timeout``); per-worker busy and idle, and agreement."""
+    spec = swarm.SwarmSpec(
+        nodes=len(_SLOWDOWNS),
+        config_paths=[],
+        overrides=overrides,
+        directory=directory,
+        rounds=rounds,
+        extra_args={i: ["--slowdown", str(x)] for i, x in enumerate(_SLOWDOWNS)},
+    )
+    nodes: list[swarm.SwarmProcess] = []
+    helpers: set[int] = set()
+    finished = False
+    try:
+        nodes = swarm.launch(spec)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n in nodes:
+                helpers.update(n.status.get("helper_pids", []))
+            if all(n.proc.poll() is not None for n in nodes):
+                finished = True
+                break
+            time.sleep(0.5)
+    finally:
+        swarm.stop_all(nodes, grace=20)
+        _reap(helpers)
+    summary = swarm.summarize(nodes, load_config(None, overrides))
+    busy = summary["busy_seconds"]
+    idle = [i + _closing_wait(n.data_dir) for i, n in zip(summary["idle_seconds"], nodes)]
+    record = _method(busy, idle, [n.status.get("steps", 0) for n in nodes])
+    record.update(
+        params_agree=summary["params_agree"],
+        rounds=summary["rounds"],
+        exit_codes=summary["exit_codes"],
+    )
+    if not finished:
+        record["error"] = "timed out; stopped before every node finished"
+    return record
+
+
+def _closing_wait(data_dir: pathlib.Path) -> float:
+    """Seconds from a node's last step to the end of its last round.
+
+    A node reports idle time with each step, so a wait after its last step (in steps
+    mode: the last round's sync, waiting for the slow node) is not in its status. A
+    sync that saw no step between its launch and its result was all waiting.
+    """
+    events = read_events(data_dir / "events.jsonl")
+    rounds = [e for e in events if e["event"] == "round"]
+    if not rounds:
+        return 0.0
+    last = rounds[-1]
+    syncs = [e for e in events if e["event"] == "sync" and e["round"] == last["round"]]
+    waits = [last["t"] - (s["t"] - s["seconds"]) for s in syncs if s["overlap_steps"] == 0]
+    return max(0.0, max(waits, default=0.0))
+
+
+def _reap(pids: set[int]) -> None:
+    # A node's watchdog ends its p2pd and DHT process; this covers a watchdog that died too.
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+# ---- DDP baseline ---------------------------------------------------------------------
+
+
+def _ddp_worker(rank: int, port: int, seconds: float, results: Any) -> None:
+    """One DDP rank: train for ``seconds`` after a common start, report busy and idle."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from node.data import BatchStream, load_corpus
+    from node.model import build_model
+    from node.trainer import lr_at, make_inner_optimizer
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, _SMALL)
+    slowdown = float(_SLOWDOWNS[rank])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=len(_SLOWDOWNS),
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        model = build_model(cfg.model, seed=cfg.run.seed)
+        ddp = DistributedDataParallel(model)
+        optimizer = make_inner_optimizer(model, cfg.train)
+        corpus = load_corpus(cfg.data, cfg.model.context)
+        stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("ddp", rank))
+        # Backward's wall time includes the wait for the all-reduce; its compute ends
+        # when the last gradient is accumulated.
+        last_grad = [0.0]
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _: last_grad.__setitem__(0, time.monotonic())
+            )
+        stop, pending = torch.zeros(1), None
+        tail = 0.0  # backward + optimizer compute of the previous step
+        busy = 0.0
+        steps = 0
+        started = deadline = float("inf")
+        while True:
+            if steps == _DDP_WARMUP_STEPS:
+                # Warm-up steps (caches, the first tail) are not counted; start together.
+                dist.barrier()
+                started, busy = time.monotonic(), 0.0
+                deadline = started + seconds
+            t0 = time.monotonic()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(steps, cfg.train)
+            inputs, targets = stream.next()
+            logits = ddp(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            t1 = time.monotonic()
+            if slowdown > 1.0:
+                # Before backward, so the all-reduce in backward waits for it.
+                time.sleep((t1 - t0 + tail) * (slowdown - 1.0))
+            t2 = last_grad[0] = time.monotonic()
+            loss.backward()
+            t3 = time.monotonic()
+            if cfg.train.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            t4 = time.monotonic()
+            tail = (last_grad[0] - t2) + (t4 - t3)
+            busy += (t2 - t0) + tail
+            steps += 1
+            # Every rank must stop after the same step, or the others hang in backward.
+            # The vote runs in the background during the next step, so it adds no
+            # synchronisation point of its own; ranks stop one step after the deadline.
+            if pending is not None:
+                pending.wait()
+                if stop.item():
+                    break
+            stop = torch.tensor([float(time.monotonic() >= deadline)])
+            pending = dist.all_reduce(stop, op=dist.ReduceOp.MAX, async_op=True)
+        wall = time.monotonic() - started
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+        digests: list[Any] = [None] * len(_SLOWDOWNS)
+        dist.all_gather_object(digests, digest.hexdigest())
+        results.put(
+            {
+                "rank": rank,
+                "busy": busy,
+                "idle": max(0.0, wall - busy),
+                "steps": steps - _DDP_WARMUP_STEPS,
+                "params_agree": len(set(digests)) == 1,
+            }
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ddp(seconds: float) -> dict[str, Any]:
+    """Four DDP ranks as spawned processes; always joined, terminated or killed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(rank, port, seconds, results), daemon=True)
+        for rank in range(len(_SLOWDOWNS))
+    ]
+    reports: dict[int, dict] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + seconds + 180  # spawning and imports are slow under load
+        while len(reports) < len(procs) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                r = results.get(timeout=1.0)
+                reports[r["rank"]] = r
+            if len(reports) < len(procs) and any(p.exitcode not in (None, 0) for p in procs):
+                break  # a rank died: the others would wait for it until their timeout
+    finally:
+        for p in procs:
+            p.join(timeout=15)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if len(reports) < len(procs):
+        return {
+            "error": f"ranks {sorted(set(range(len(procs))) - set(reports))} reported "
+            f"nothing; exit codes {[p.exitcode for p in procs]}",
+            "per_worker": [],
+        }
+    ordered = [reports[i] for i in range(len(procs))]
+    record = _method(
+        [r["busy"] for r in ordered], [r["idle"] for r in ordered], [r["steps"] for r in ordered]
+    )
+    record["params_agree"] = all(r["params_agree"] for r in ordered)
+    record["exit_codes"] = [p.exitcode for p in procs]
+    return record
+
+
+# ---- figures ---------------------------------------------------------------------------
+
+
+def _expected(synchronous: bool) -> tuple[float, float]:
+    """Ideal (utilization, compute_utilization) at the benchmark's slowdowns."""
+    if not synchronous:
+        return 1.0, 1.0
+    slowest = max(_SLOWDOWNS)
+    time_share = sum(_SLOWDOWNS) / (len(_SLOWDOWNS) * slowest)
+    return time_share, len(_SLOWDOWNS) / sum(slowest / x for x in _SLOWDOWNS)
+
+
+def _method(busy: list[float], idle: list[float], steps: list[int]) -> dict[str, Any]:
+    """Utilizations, per-worker records and the fast workers' idle shares."""
+    per_worker = [
+        {
+            "slowdown": x,
+            "busy": round(b, 3),
+            "idle": round(i, 3),
+            "idle_share": round(i / (b + i), 4) if b + i > 0 else None,
+            "steps": s,
+        }
+        for x, b, i, s in zip(_SLOWDOWNS, busy, idle, steps)
+    ]
+    total = sum(busy) + sum(idle)
+    # Weighting a worker's seconds by its speed 1/X turns time into compute.
+    useful = sum(b / x for b, x in zip(busy, _SLOWDOWNS))
+    walls = [b + i for b, i in zip(busy, idle)]
+    available = sum(w / x for w, x in zip(walls, _SLOWDOWNS))
+    return {
+        "utilization": round(sum(busy) / total, 4) if total else None,
+        "compute_utilization": round(useful / available, 4) if available else None,
+        "fast_idle_share": [w["idle_share"] for w in per_worker if w["slowdown"] == 1],
+        # Inner steps of all workers together per second of training: the work done.
+        "steps_per_second": round(sum(steps) * len(walls) / sum(walls), 2) if total else None,
+        "per_worker": per_worker,
+    }
+
+
+def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = report["methods"]
+    # Own y scales: the steps-mode swarm trains for far less time than the others.
+    fig, axes = plt.subplots(1, len(methods), figsize=(4.2 * len(methods), 3.8))
+    for ax, (name, m) in zip(axes, methods.items()):
+        workers = m.get("per_worker", [])
+        xs = range(len(workers))
+        ax.bar([x - 0.2 for x in xs], [w["busy"] for w in workers], 0.4, label="busy")
+        ax.bar([x + 0.2 for x in xs], [w["idle"] for w in workers], 0.4, label="idle")
+        ax.set_xticks(list(xs), [f"slowdown {w['slowdown']}" for w in workers], fontsize=8)
+        if m.get("utilization") is None:
+            ax.set_title(f"{name}: no result", fontsize=9)
+            continue
+        ax.set_title(
+            f"{name}\nutilization {m['utilization']:.0%} (ideal {m['expected_utilization']:.0%})"
+            f"\ncompute {m['compute_utilization']:.0%} "
+            f"(ideal {m['expected_compute_utilization']:.0%})",
+            fontsize=9,
+        )
+    axes[0].set_ylabel("seconds per worker")
+    axes[0].legend(fontsize=8, loc="center right")
+    fig.suptitle(f"4 workers at slowdowns {', '.join(map(str, _SLOWDOWNS))}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        # the box may be shared: a high load stretches compute and shifts the shares
+        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def run(quick: bool, out_dir: pathlib.Path) -> dict:
+    """Measures utilization under stragglers for Atoll (seconds, steps) and DDP.
+
+    Args:
+        quick: 3 rounds per swarm and 18 s of DDP (about 3 minutes); otherwise 10
+            rounds and 60 s.
+        out_dir: folder for ``stragglers.json`` and ``stragglers.png``; created if missing.
+
+    Returns:
+        The dict written to ``stragglers.json``: ``slowdowns``, ``methods`` (per method:
+        ``utilization``, ``compute_utilization``, their ideal values, ``fast_idle_share``,
+        ``per_worker`` busy/idle/idle_share/steps and ``params_agree``), ``quick``,
+        ``date`` and ``machine``.
+    """
+    rounds = 3 if quick else 10
+    seconds = rounds * _ROUND_SECONDS  # the seconds-mode swarm's training time
+    methods: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="atoll-stragglers-") as tmp:
+        base = pathlib.Path(tmp)
+        plans = {  # name -> (synchronous, swarm overrides and timeout; None: DDP)
+            "atoll_seconds": (False, [*_SMALL, *_SECONDS], 150.0 + 2 * seconds),
+            "atoll_steps": (True, [*_SMALL, *_STEPS], 150.0 + 40.0 * rounds),
+            "ddp": (True, None, 0.0),
+        }
+        for name, (synchronous, overrides, timeout) in plans.items():
+            started = time.monotonic()
+            try:
+                if overrides is None:
+                    record = _run_ddp(seconds)
+                else:
+                    record = _run_atoll(overrides, rounds, base / name, timeout)
+            except Exception as e:  # one broken method must not cost the others
+                record = {"error": f"{type(e).__name__}: {e}", "per_worker": []}
+            record["seconds"] = round(time.monotonic() - started, 1)
+            record["expected_utilization"], record["expected_compute_utilization"] = (
+                round(v, 4) for v in _expected(synchronous)
+            )
+            methods[name] = record
+    report = {
+        "benchmark": "stragglers",
+        "slowdowns": list(_SLOWDOWNS),
+        "methods": methods,
+        "quick": quick,
+        "rounds": rounds,
+        "ddp_seconds": seconds,
+        "notes": {
+            "utilization": "sum(busy) / sum(busy + idle) over workers; busy = compute "
+            "plus the slowdown sleep, idle = waiting for peers",
+            "compute_utilization": "useful compute / available compute: each worker's "
+            "seconds weighted by its speed 1/slowdown (the design notes' 36 % for DDP)",
+            "expected": "ideal values: 1.0 for a method that never waits; for a "
+            "synchronous one, every step takes the slowest worker's time",
+            "fast_idle_share": "idle / (busy + idle) of the slowdown-1 workers; Atoll "
+            "seconds-mode target < 0.05",
+            "steps_per_second": "inner steps of all workers together per second of "
+            "training (mean wall time per worker)",
+            "atoll_idle": "from each node's status (idle = training wall - busy at its last "
+            "step) plus the wait from its last step to the end of its last round",
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+    }
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stragglers.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out_dir / "stragglers.png")
+    return report
