@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.metadata
 import json
 import logging
 import multiprocessing as mp
 import os
 import pathlib
-import platform
 import socket
 import statistics
 import tempfile
@@ -37,6 +35,8 @@ from typing import Any
 
 import psutil
 import torch
+
+from benchmarks._common import machine_info
 
 __all__ = ["run"]
 
@@ -394,21 +394,6 @@ def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        # the box may be shared: a high load explains noisy times
-        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
-        "torch": torch.__version__,
-        "hivemind": importlib.metadata.version("hivemind"),
-    }
-
-
 def run(quick: bool, out_dir: pathlib.Path) -> dict:
     """Times a 4-peer float32 average with Atoll, hivemind and gloo, side by side.
 
@@ -456,7 +441,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "gloo": "torch.distributed all_reduce (sum) plus division by the peer count",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine_info(),
     }
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

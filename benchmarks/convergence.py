@@ -32,9 +32,7 @@ import datetime
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import pathlib
-import platform
 import queue
 import socket
 import sys
@@ -43,6 +41,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._common import machine_info
 from node.config import load_config
 
 __all__ = ["run"]
@@ -337,17 +336,6 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        # the box may be shared: a high load explains slow runs
-        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
 def run(quick: bool, out_dir: pathlib.Path) -> dict:
     """Trains DDP and every Atoll variant, then writes the report and the plot.
 
@@ -427,7 +415,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[quick]}",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine_info(),
     }
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,13 +18,10 @@ writes ``robustness.json`` and ``robustness.png`` into the output folder.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import math
-import os
 import pathlib
-import platform
 import shutil
 import sys
 import tempfile
@@ -32,28 +29,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
+from benchmarks._common import machine_info
 from node import swarm
 from node.byzantine import MODES
 from node.config import load_config
+from node.swarm import QUICK_WORKLOAD
 
 __all__ = ["run"]
 
 _ROUNDS = 3
-# The integration tests' small config (tests/integration/conftest.py: SMALL), copied
-# because the benchmarks must not depend on the test suite or pytest.
+# The tiny workload the integration tests use too.
 _SMALL = [
     "run.run_id='bench-robustness'",
-    "data.max_files=150",
-    "data.batch_size=8",
-    "model.context=64",
-    "model.n_embd=64",
-    "model.n_layer=1",
-    "train.warmup_steps=5",
-    "train.total_steps=60",
-    "train.eval_batches=4",
-    "sync.inner_steps=10",
+    *QUICK_WORKLOAD,
     "sync.fragments=2",
     "sync.codec='int8'",
     "network.matchmaking_seconds=6",
@@ -124,36 +112,7 @@ class _Setting:
 
 def _launch_and_wait(spec: swarm.SwarmSpec, timeout: float) -> tuple[list, bool]:
     """Runs the swarm to its end (or ``timeout``); always stops nodes and their helpers."""
-    nodes: list[swarm.SwarmProcess] = []
-    helpers: set[int] = set()
-    finished = False
-    try:
-        nodes = swarm.launch(spec)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for n in nodes:
-                helpers.update(n.status.get("helper_pids", []))
-            if all(n.proc.poll() is not None for n in nodes):
-                finished = True
-                break
-            time.sleep(0.5)
-    finally:
-        swarm.stop_all(nodes, grace=20)
-        _reap(helpers)
-    return nodes, finished
-
-
-def _reap(pids: set[int]) -> None:
-    # A node's watchdog ends its p2pd and DHT process; this covers a watchdog that died too.
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            procs.append(psutil.Process(pid))
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=5)
+    return swarm.run_to_end(spec, timeout)
 
 
 def _run_swarm(
@@ -323,17 +282,6 @@ def _heat_map(fig: Any, ax: Any, cells: list[dict], modes: list[str], labels: li
     fig.colorbar(image, ax=ax, label="val bpb / clean", extend="max")
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        # the box may be shared: a high load explains slow or timed-out swarms
-        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
 def run(quick: bool, out_dir: pathlib.Path) -> dict:
     """Runs the attack grid with real node swarms and writes the report and heat map.
 
@@ -385,9 +333,10 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         ),
         "seconds": round(time.monotonic() - started, 1),
         "notes": {
-            "workload": "the integration tests' small config: 1-layer byte-level GPT, "
-            "64-dim, context 64, 10 inner steps per round, 2 fragments, int8 codec, "
-            f"{_ROUNDS} rounds; one group holds every node (network.group_size = nodes)",
+            "workload": "the integration tests' small model and data: 1-layer byte-level "
+            "GPT, 64-dim, context 64, 2 fragments, int8 codec, "
+            f"{_ROUNDS} wall-clock rounds of 30 s (sync.trigger = seconds, the default); "
+            "one group holds every node (network.group_size = nodes)",
             "val_bpb_end": "mean over honest nodes of the validation bits per byte at "
             "the last round every honest node reached",
             "ratio_to_clean": "val_bpb_end / val_bpb_end of the clean run with the same "
@@ -401,7 +350,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "krum": "Krum and Multi-Krum use f = the number of Byzantine nodes",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine_info(),
     }
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -40,37 +40,27 @@ import datetime
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import pathlib
-import platform
 import queue
 import socket
 import tempfile
 import time
 from typing import Any
 
-import psutil
-
+from benchmarks._common import machine_info
 from node import swarm
 from node.config import load_config
 from node.metrics import read_events
+from node.swarm import QUICK_WORKLOAD
 
 __all__ = ["run"]
 
 _SLOWDOWNS = (1, 1, 2, 4)
 _ROUND_SECONDS = 6
-# The integration tests' small config (tests/integration/conftest.py: SMALL), copied
-# because the benchmarks must not depend on the test suite or pytest.
+# The tiny workload the integration tests use too.
 _SMALL = [
     "run.run_id='bench-stragglers'",
-    "data.max_files=150",
-    "data.batch_size=8",
-    "model.context=64",
-    "model.n_embd=64",
-    "model.n_layer=1",
-    "train.warmup_steps=5",
-    "train.total_steps=60",
-    "train.eval_batches=4",
+    *QUICK_WORKLOAD,
     "sync.fragments=2",
     "sync.codec='int8'",
     "network.request_timeout=8",
@@ -107,22 +97,7 @@ def _run_atoll(
         rounds=rounds,
         extra_args={i: ["--slowdown", str(x)] for i, x in enumerate(_SLOWDOWNS)},
     )
-    nodes: list[swarm.SwarmProcess] = []
-    helpers: set[int] = set()
-    finished = False
-    try:
-        nodes = swarm.launch(spec)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for n in nodes:
-                helpers.update(n.status.get("helper_pids", []))
-            if all(n.proc.poll() is not None for n in nodes):
-                finished = True
-                break
-            time.sleep(0.5)
-    finally:
-        swarm.stop_all(nodes, grace=20)
-        _reap(helpers)
+    nodes, finished = swarm.run_to_end(spec, timeout)
     summary = swarm.summarize(nodes, load_config(None, overrides))
     busy = summary["busy_seconds"]
     idle = [i + _closing_wait(n.data_dir) for i, n in zip(summary["idle_seconds"], nodes)]
@@ -152,22 +127,6 @@ def _closing_wait(data_dir: pathlib.Path) -> float:
     syncs = [e for e in events if e["event"] == "sync" and e["round"] == last["round"]]
     waits = [last["t"] - (s["t"] - s["seconds"]) for s in syncs if s["overlap_steps"] == 0]
     return max(0.0, max(waits, default=0.0))
-
-
-def _reap(pids: set[int]) -> None:
-    # A node's watchdog ends its p2pd and DHT process; this covers a watchdog that died too.
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            procs.append(psutil.Process(pid))
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=5)
-
-
-# ---- DDP baseline ---------------------------------------------------------------------
 
 
 def _ddp_worker(rank: int, port: int, seconds: float, results: Any) -> None:
@@ -385,17 +344,6 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        # the box may be shared: a high load stretches compute and shifts the shares
-        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
 def run(quick: bool, out_dir: pathlib.Path) -> dict:
     """Measures utilization under stragglers for Atoll (seconds, steps) and DDP.
 
@@ -456,7 +404,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "step) plus the wait from its last step to the end of its last round",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine_info(),
     }
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import pathlib
-import platform
 import statistics
 import tempfile
 import threading
@@ -37,9 +35,9 @@ from typing import Any
 from unittest import mock
 
 import msgpack
-import psutil
 import torch
 
+from benchmarks._common import machine_info
 from node import verifier as verifier_module
 from node.verifier import Verifier
 from protocol import codec as codecs
@@ -370,18 +368,6 @@ def _label(key: str) -> str:
     return f"{int(n) / 1e6:g}M, {codec}"
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        # the box may be shared: a high load explains noisy times
-        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()],
-        "torch": torch.__version__,
-    }
-
-
 def _measure_all(sizes: list[int], rounds: Iterator[int], results: dict[str, dict]) -> None:
     """Fills ``results`` with on/off timings and the signature cost per size and codec."""
     with tempfile.TemporaryDirectory(prefix="atoll-verification-") as tmp_name:
@@ -462,7 +448,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "process and two cores, so CPU work of one member delays the others",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine_info(),
     }
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

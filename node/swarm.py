@@ -9,6 +9,7 @@ SIGKILLs whatever is left (each node's watchdog then ends its p2pd and DHT).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,10 +21,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from node.config import AtollConfig
 from node.metrics import read_events, read_status
 
-__all__ = ["SwarmProcess", "SwarmSpec", "run_swarm", "summarize"]
+__all__ = [
+    "QUICK_WORKLOAD",
+    "SwarmProcess",
+    "SwarmSpec",
+    "run_swarm",
+    "run_to_end",
+    "summarize",
+]
+
+QUICK_WORKLOAD = (
+    "data.max_files=150",
+    "data.batch_size=8",
+    "model.context=64",
+    "model.n_embd=64",
+    "model.n_layer=1",
+    "train.warmup_steps=5",
+    "train.total_steps=60",
+    "train.eval_batches=4",
+)
+"""Overrides for a tiny model on a slice of the corpus that trains visibly in seconds:
+the workload of the integration tests and of the benchmarks' quick modes."""
 
 _START_TIMEOUT = 90.0
 
@@ -136,6 +159,44 @@ def launch(spec: SwarmSpec) -> list[SwarmProcess]:
         stop_all(nodes)
         raise
     return nodes
+
+
+def run_to_end(spec: SwarmSpec, timeout: float) -> tuple[list[SwarmProcess], bool]:
+    """Launch, wait until every node exits or ``timeout``; always stop nodes and helpers.
+
+    Returns:
+        The nodes and whether all of them finished on their own.
+    """
+    nodes: list[SwarmProcess] = []
+    helpers: set[int] = set()
+    finished = False
+    try:
+        nodes = launch(spec)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n in nodes:
+                helpers.update(n.status.get("helper_pids", []))
+            if all(n.proc.poll() is not None for n in nodes):
+                finished = True
+                break
+            time.sleep(0.5)
+    finally:
+        stop_all(nodes, grace=20)
+        _reap(helpers)
+    return nodes, finished
+
+
+def _reap(pids: set[int]) -> None:
+    # A node's watchdog ends its p2pd and DHT process; this covers a watchdog that died too.
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def run_swarm(

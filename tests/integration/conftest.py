@@ -12,17 +12,11 @@ import pytest
 
 from node import swarm
 from node.config import load_config
+from node.swarm import QUICK_WORKLOAD
 
 SMALL = [
     "run.run_id='itest'",
-    "data.max_files=150",
-    "data.batch_size=8",
-    "model.context=64",
-    "model.n_embd=64",
-    "model.n_layer=1",
-    "train.warmup_steps=5",
-    "train.total_steps=60",
-    "train.eval_batches=4",
+    *QUICK_WORKLOAD,
     "sync.trigger='steps'",
     "sync.inner_steps=10",
     "sync.fragments=2",
