@@ -67,6 +67,7 @@ class Verifier(Observer):
         )
         self.round = 0
         self._lock = threading.RLock()
+        self._flagged_at: dict[str, int] = {}
 
     # ---- who is in -------------------------------------------------------------------
 
@@ -99,6 +100,10 @@ class Verifier(Observer):
                 for p in peers
                 if p != self.me
                 and self.reputation.standing(p, round_).status in ("quarantined", "banned")
+                # Flagged during this very round: other honest nodes may not have seen
+                # the evidence yet, so the groups of this round stay as everyone formed
+                # them (its parts are refused all the same); it is left out from the next.
+                and self._flagged_at.get(p, -1) < round_
             }
 
     def flagged(self, round_: int) -> dict[str, str]:
@@ -242,6 +247,8 @@ class Verifier(Observer):
                 )
             elif action == "ban" and standing.status != "banned":
                 standing = self.reputation.ban(peer, reason)
+            if standing.status != "ok":
+                self._flagged_at.setdefault(peer, max(round_, self.round))
         logger.warning(
             "peer %s round %d fragment %s: %s (%s); %s, score %.2f",
             peer,
