@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-all test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ demo: $(STAMP)
 	$(BIN)/atoll swarm --nodes 4 --config configs/local-swarm.toml
 
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
