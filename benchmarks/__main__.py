@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "verification": "benchmarks.verification",
     "stragglers": "benchmarks.stragglers",
     "convergence": "benchmarks.convergence",
+    "wan": "benchmarks.wan",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""
 
@@ -44,6 +45,13 @@ def _summary(name: str, report: dict, seconds: float) -> str:
         best = max(results.items(), key=lambda kv: kv[1]["throughput_mb_s"], default=None)
         if best:
             line += f" | {len(results)} variants, fastest {best[0]} {best[1]['throughput_mb_s']:.0f} MB/s"
+    elif name == "wan":
+        parts = []
+        for r in report.get("links", []):
+            atoll, ddp = r["atoll"].get("utilization"), r["ddp"].get("utilization")
+            if atoll is not None and ddp is not None:
+                parts.append(f"{r['link']}: utilization Atoll {atoll:.0%}, DDP {ddp:.0%}")
+        line += " | " + "; ".join(parts)
     return line
 
 

@@ -1,16 +1,27 @@
-"""What every benchmark records about the machine it ran on."""
+"""What the benchmarks share: the machine they ran on, and a timed DDP baseline."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hashlib
 import importlib.metadata
+import multiprocessing as mp
 import os
 import platform
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import torch
 
-__all__ = ["machine_info"]
+from protocol.shaper import LinkShape
+
+__all__ = ["TimedDdp", "machine_info", "ring_allreduce_seconds", "run_timed_ddp"]
 
 
 def machine_info() -> dict[str, Any]:
@@ -29,3 +40,245 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "hivemind": importlib.metadata.version("hivemind"),
     }
+
+
+# ---- a timed DDP baseline --------------------------------------------------------------
+
+_DDP_WARMUP_STEPS = 3
+
+
+@dataclass(frozen=True)
+class TimedDdp:
+    """One DDP run: ``len(slowdowns)`` ranks training for ``seconds`` after a common start.
+
+    Attributes:
+        overrides: config overrides for the model, data and inner optimizer.
+        slowdowns: one per rank; rank i sleeps ``(X - 1)`` times its compute per step.
+        seconds: training time after the warm-up steps.
+        link: an emulated link for the gradient all-reduce (see :func:`ring_allreduce_seconds`),
+            or None for plain gloo on loopback.
+        evaluate: whether rank 0 reports the final validation bits per byte.
+    """
+
+    overrides: tuple[str, ...]
+    slowdowns: tuple[float, ...]
+    seconds: float
+    link: LinkShape | None = None
+    evaluate: bool = False
+
+
+def ring_allreduce_seconds(nbytes: int, world: int, link: LinkShape) -> float:
+    """Time a ring all-reduce of ``nbytes`` per rank takes on ``link``.
+
+    Each rank sends ``2 (n - 1) / n`` of the vector in ``2 (n - 1)`` steps, and every
+    step waits one one-way delay: ``2(n-1)/n * bytes * 8 / bandwidth + 2(n-1) * delay``.
+    """
+    if world < 2:
+        return 0.0
+    steps = 2 * (world - 1)
+    return link.transfer_seconds(int(nbytes * steps / world)) + steps * link.delay_s
+
+
+class _LinkHookState:
+    """The emulated link of one DDP rank: buckets queue on it one after another."""
+
+    def __init__(self, link: LinkShape, world: int) -> None:
+        self.link = link
+        self.world = world
+        self.free_at = 0.0
+        self.lock = threading.Lock()
+
+
+# DDP checks a hook's annotations against the real classes, and this module's annotations
+# are strings (``from __future__ import annotations``): ``bucket`` and the return stay bare.
+def _link_allreduce_hook(state: _LinkHookState, bucket):
+    """DDP comm hook: gloo's all-reduce, finished no earlier than the emulated link allows.
+
+    gloo's traffic cannot be shaped from here, so the bucket's future completes at
+    ``max(gloo done, link free + ring time)``; the wait runs on a timer thread, so
+    backward keeps computing the next buckets meanwhile, as it would on a real link.
+    """
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    buffer = bucket.buffer()
+    cost = ring_allreduce_seconds(buffer.numel() * buffer.element_size(), state.world, state.link)
+    with state.lock:
+        state.free_at = max(time.monotonic(), state.free_at) + cost
+        done_at = state.free_at
+    result: torch.futures.Future = torch.futures.Future()
+
+    def complete(reduced: torch.futures.Future) -> None:
+        try:
+            result.set_result(reduced.value())
+        except Exception as e:  # hand gloo's failure to DDP instead of losing it in a thread
+            result.set_exception(e)
+
+    def finish(reduced: torch.futures.Future) -> None:
+        remaining = done_at - time.monotonic()
+        if remaining > 0:
+            threading.Timer(remaining, complete, args=(reduced,)).start()
+        else:
+            complete(reduced)
+
+    default_hooks.allreduce_hook(None, bucket).add_done_callback(finish)
+    return result
+
+
+def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
+    """One DDP rank: train for ``plan.seconds`` after a common start, report busy and idle.
+
+    The slowdown sleep goes between forward and backward, so it delays the all-reduce
+    inside backward exactly as slower hardware would; backward compute is timed up to
+    its last gradient accumulation, so the wait for the all-reduce is not counted as busy.
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from node.config import load_config
+    from node.data import BatchStream, load_corpus
+    from node.model import build_model
+    from node.trainer import evaluate, lr_at, make_inner_optimizer
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, list(plan.overrides))
+    world = len(plan.slowdowns)
+    slowdown = float(plan.slowdowns[rank])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        model = build_model(cfg.model, seed=cfg.run.seed)
+        ddp = DistributedDataParallel(model)
+        if plan.link is not None:
+            ddp.register_comm_hook(_LinkHookState(plan.link, world), _link_allreduce_hook)
+        optimizer = make_inner_optimizer(model, cfg.train)
+        corpus = load_corpus(cfg.data, cfg.model.context)
+        stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("ddp", rank))
+        # Backward's wall time includes the wait for the all-reduce; its compute ends
+        # when the last gradient is accumulated.
+        last_grad = [0.0]
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _: last_grad.__setitem__(0, time.monotonic())
+            )
+        stop, pending = torch.zeros(1), None
+        tail = 0.0  # backward + optimizer compute of the previous step
+        busy = 0.0
+        steps = 0
+        started = deadline = float("inf")
+        while True:
+            if steps == _DDP_WARMUP_STEPS:
+                # Warm-up steps (caches, the first tail) are not counted; start together.
+                dist.barrier()
+                started, busy = time.monotonic(), 0.0
+                deadline = started + plan.seconds
+            t0 = time.monotonic()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(steps, cfg.train)
+            inputs, targets = stream.next()
+            logits = ddp(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            t1 = time.monotonic()
+            if slowdown > 1.0:
+                # Before backward, so the all-reduce in backward waits for it.
+                time.sleep((t1 - t0 + tail) * (slowdown - 1.0))
+            t2 = last_grad[0] = time.monotonic()
+            loss.backward()
+            t3 = time.monotonic()
+            if cfg.train.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            t4 = time.monotonic()
+            tail = (last_grad[0] - t2) + (t4 - t3)
+            busy += (t2 - t0) + tail
+            steps += 1
+            # Every rank must stop after the same step, or the others hang in backward.
+            # The vote runs in the background during the next step, so it adds no
+            # synchronisation point of its own; ranks stop one step after the deadline.
+            if pending is not None:
+                pending.wait()
+                if stop.item():
+                    break
+            stop = torch.tensor([float(time.monotonic() >= deadline)])
+            pending = dist.all_reduce(stop, op=dist.ReduceOp.MAX, async_op=True)
+        wall = time.monotonic() - started
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+        digests: list[Any] = [None] * world
+        dist.all_gather_object(digests, digest.hexdigest())
+        val_bpb = None
+        if plan.evaluate and rank == 0:
+            val = BatchStream(
+                corpus.val, cfg.data.batch_size, cfg.model.context, "validation"
+            ).fixed_batches(cfg.train.eval_batches)
+            val_bpb = evaluate(model, val)
+        results.put(
+            {
+                "rank": rank,
+                "busy": busy,
+                "idle": max(0.0, wall - busy),
+                "steps": steps - _DDP_WARMUP_STEPS,
+                "params": sum(p.numel() for p in model.parameters()),
+                "params_agree": len(set(digests)) == 1,
+                "val_bpb": val_bpb,
+            }
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_timed_ddp(plan: TimedDdp, startup_seconds: float = 180.0) -> dict[str, Any]:
+    """Runs ``plan`` as spawned gloo ranks on 127.0.0.1; always joined, terminated or killed.
+
+    Returns:
+        ``{"ranks": [per-rank report], "exit_codes": [...]}``, each report with ``busy``,
+        ``idle`` (seconds), ``steps``, ``params``, ``params_agree`` and ``val_bpb`` (rank 0
+        with ``plan.evaluate``); or ``{"error": ...}`` when a rank reported nothing.
+    """
+    ctx = mp.get_context("spawn")  # never fork a parent whose torch may hold threads
+    results = ctx.Queue()
+    port = _free_port()
+    world = len(plan.slowdowns)
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(rank, port, plan, results), daemon=True)
+        for rank in range(world)
+    ]
+    reports: dict[int, dict] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + plan.seconds + startup_seconds  # spawns are slow under load
+        while len(reports) < world and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                r = results.get(timeout=1.0)
+                reports[r["rank"]] = r
+            if len(reports) < world and any(p.exitcode not in (None, 0) for p in procs):
+                break  # a rank died: the others would wait for it until their timeout
+    finally:
+        for p in procs:
+            p.join(timeout=15)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    exit_codes = [p.exitcode for p in procs]
+    if len(reports) < world:
+        missing = sorted(set(range(world)) - set(reports))
+        return {"error": f"ranks {missing} reported nothing; exit codes {exit_codes}"}
+    return {"ranks": [reports[i] for i in range(world)], "exit_codes": exit_codes}

@@ -35,19 +35,14 @@ about 3 minutes on two idle cores; full: 10 rounds); it writes ``stragglers.json
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import hashlib
 import json
-import multiprocessing as mp
 import pathlib
-import queue
-import socket
 import tempfile
 import time
 from typing import Any
 
-from benchmarks._common import machine_info
+from benchmarks._common import TimedDdp, machine_info, run_timed_ddp
 from node import swarm
 from node.config import load_config
 from node.metrics import read_events
@@ -79,7 +74,6 @@ _STEPS = [
     "network.matchmaking_seconds=30",
     "network.round_timeout=8",
 ]
-_DDP_WARMUP_STEPS = 3
 
 
 # ---- Atoll swarms ---------------------------------------------------------------------
@@ -129,147 +123,17 @@ def _closing_wait(data_dir: pathlib.Path) -> float:
     return max(0.0, max(waits, default=0.0))
 
 
-def _ddp_worker(rank: int, port: int, seconds: float, results: Any) -> None:
-    """One DDP rank: train for ``seconds`` after a common start, report busy and idle."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    from node.data import BatchStream, load_corpus
-    from node.model import build_model
-    from node.trainer import lr_at, make_inner_optimizer
-
-    torch.set_num_threads(1)
-    cfg = load_config(None, _SMALL)
-    slowdown = float(_SLOWDOWNS[rank])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=len(_SLOWDOWNS),
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        model = build_model(cfg.model, seed=cfg.run.seed)
-        ddp = DistributedDataParallel(model)
-        optimizer = make_inner_optimizer(model, cfg.train)
-        corpus = load_corpus(cfg.data, cfg.model.context)
-        stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("ddp", rank))
-        # Backward's wall time includes the wait for the all-reduce; its compute ends
-        # when the last gradient is accumulated.
-        last_grad = [0.0]
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda _: last_grad.__setitem__(0, time.monotonic())
-            )
-        stop, pending = torch.zeros(1), None
-        tail = 0.0  # backward + optimizer compute of the previous step
-        busy = 0.0
-        steps = 0
-        started = deadline = float("inf")
-        while True:
-            if steps == _DDP_WARMUP_STEPS:
-                # Warm-up steps (caches, the first tail) are not counted; start together.
-                dist.barrier()
-                started, busy = time.monotonic(), 0.0
-                deadline = started + seconds
-            t0 = time.monotonic()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(steps, cfg.train)
-            inputs, targets = stream.next()
-            logits = ddp(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            t1 = time.monotonic()
-            if slowdown > 1.0:
-                # Before backward, so the all-reduce in backward waits for it.
-                time.sleep((t1 - t0 + tail) * (slowdown - 1.0))
-            t2 = last_grad[0] = time.monotonic()
-            loss.backward()
-            t3 = time.monotonic()
-            if cfg.train.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            optimizer.step()
-            t4 = time.monotonic()
-            tail = (last_grad[0] - t2) + (t4 - t3)
-            busy += (t2 - t0) + tail
-            steps += 1
-            # Every rank must stop after the same step, or the others hang in backward.
-            # The vote runs in the background during the next step, so it adds no
-            # synchronisation point of its own; ranks stop one step after the deadline.
-            if pending is not None:
-                pending.wait()
-                if stop.item():
-                    break
-            stop = torch.tensor([float(time.monotonic() >= deadline)])
-            pending = dist.all_reduce(stop, op=dist.ReduceOp.MAX, async_op=True)
-        wall = time.monotonic() - started
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-        digests: list[Any] = [None] * len(_SLOWDOWNS)
-        dist.all_gather_object(digests, digest.hexdigest())
-        results.put(
-            {
-                "rank": rank,
-                "busy": busy,
-                "idle": max(0.0, wall - busy),
-                "steps": steps - _DDP_WARMUP_STEPS,
-                "params_agree": len(set(digests)) == 1,
-            }
-        )
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ddp(seconds: float) -> dict[str, Any]:
-    """Four DDP ranks as spawned processes; always joined, terminated or killed."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_ddp_worker, args=(rank, port, seconds, results), daemon=True)
-        for rank in range(len(_SLOWDOWNS))
-    ]
-    reports: dict[int, dict] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + seconds + 180  # spawning and imports are slow under load
-        while len(reports) < len(procs) and time.monotonic() < deadline:
-            with contextlib.suppress(queue.Empty):
-                r = results.get(timeout=1.0)
-                reports[r["rank"]] = r
-            if len(reports) < len(procs) and any(p.exitcode not in (None, 0) for p in procs):
-                break  # a rank died: the others would wait for it until their timeout
-    finally:
-        for p in procs:
-            p.join(timeout=15)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if len(reports) < len(procs):
-        return {
-            "error": f"ranks {sorted(set(range(len(procs))) - set(reports))} reported "
-            f"nothing; exit codes {[p.exitcode for p in procs]}",
-            "per_worker": [],
-        }
-    ordered = [reports[i] for i in range(len(procs))]
+    """Four DDP ranks (``benchmarks._common.run_timed_ddp``) at the benchmark's slowdowns."""
+    result = run_timed_ddp(TimedDdp(tuple(_SMALL), _SLOWDOWNS, seconds))
+    if "error" in result:
+        return {"error": result["error"], "per_worker": []}
+    ordered = result["ranks"]
     record = _method(
         [r["busy"] for r in ordered], [r["idle"] for r in ordered], [r["steps"] for r in ordered]
     )
     record["params_agree"] = all(r["params_agree"] for r in ordered)
-    record["exit_codes"] = [p.exitcode for p in procs]
+    record["exit_codes"] = result["exit_codes"]
     return record
 
 

@@ -61,6 +61,8 @@ class SwarmSpec:
     directory: Path
     rounds: int
     extra_args: dict[int, list[str]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every node process (e.g. ``ATOLL_LINK_SHAPE``)."""
 
     def extra_args_byzantine(self) -> set[int]:
         """Indices of nodes started with ``--byzantine``."""
@@ -104,7 +106,7 @@ def start_node(spec: SwarmSpec, index: int, peers: list[str]) -> SwarmProcess:
     data_dir = spec.directory / f"node{index}"
     data_dir.mkdir(parents=True, exist_ok=True)
     log = open(data_dir / "node.log", "ab")  # noqa: SIM115 - closed in stop_all
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
     proc = subprocess.Popen(
         _node_command(spec, index, data_dir, peers),
         stdout=log,

@@ -5,6 +5,11 @@ A request is ``u64 length | body``; a response is ``u8 status | u64 length | bod
 where an error body is a msgpack map ``{"reason": str, "detail": str}``. Bodies
 are written in chunks with a drain after each one, so a 256 MiB payload never
 sits in the socket buffer twice, and read into one preallocated buffer.
+
+Tests and benchmarks can emulate a long link on loopback by setting
+``ATOLL_LINK_SHAPE`` (see :mod:`protocol.shaper`): each message then waits the one-way
+delay before its header and its bytes are paced at the line rate. The wire format is
+the same; unset, writes take exactly the unshaped path.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from protocol.errors import ProtocolError
+from protocol.shaper import Shaper
 
 __all__ = [
     "CHUNK_BYTES",
@@ -47,13 +53,36 @@ _LINGER_SECONDS = 5.0
 _REQUEST_HEADER = struct.Struct(">Q")
 _RESPONSE_HEADER = struct.Struct(">BQ")
 
+# Read once at import: the emulated link of this process, or None (the normal case).
+_SHAPER: Shaper | None = Shaper.from_env()
+
 
 async def _write_body(writer: asyncio.StreamWriter, header: bytes, data: bytes) -> None:
+    if _SHAPER is not None:
+        await _write_shaped(writer, header, data, _SHAPER)
+        return
     writer.write(header)
     view = memoryview(data)
     for offset in range(0, len(view), CHUNK_BYTES):
         writer.write(view[offset : offset + CHUNK_BYTES])
         await writer.drain()  # backpressure: never queue more than one chunk ahead of the socket
+    await writer.drain()
+
+
+async def _write_shaped(
+    writer: asyncio.StreamWriter, header: bytes, data: bytes, shaper: Shaper
+) -> None:
+    """Like :func:`_write_body` on an emulated link: delay once, then pace each slice."""
+    await shaper.delay()
+    await shaper.send(len(header))
+    writer.write(header)
+    view = memoryview(data)
+    step = min(CHUNK_BYTES, shaper.slice_bytes)
+    for offset in range(0, len(view), step):
+        piece = view[offset : offset + step]
+        await shaper.send(len(piece))
+        writer.write(piece)
+        await writer.drain()
     await writer.drain()
 
 

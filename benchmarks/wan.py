@@ -1,0 +1,284 @@
+"""WAN benchmark: round time and utilization of Atoll and DDP on emulated long links.
+
+Each link is a one-way delay (0, 10 or 70 ms) and a bandwidth cap (1 Gbit/s or
+100 Mbit/s) emulated on 127.0.0.1; four workers train the integration tests' tiny
+model (``node.swarm.QUICK_WORKLOAD``) for the same wall time with each method:
+
+- ``atoll``: four real nodes (``node.swarm``) in ``seconds`` mode (a sync of one of
+  two int8 fragments every 3 s), each node process started with
+  ``ATOLL_LINK_SHAPE`` set, so every Atoll RPC it sends waits the delay and is paced at
+  the line rate by its own shaper (``protocol.shaper``: one uplink per node). DHT
+  traffic (matchmaking announcements among it) is not shaped.
+- ``ddp``: PyTorch ``DistributedDataParallel`` over gloo, four processes, a gradient
+  all-reduce every step. gloo's sockets cannot be shaped from Python, so a DDP
+  communication hook (``benchmarks._common``) lets each bucket's all-reduce finish no
+  earlier than a ring all-reduce would on the link:
+  ``2(n-1)/n * bytes * 8 / bandwidth + 2(n-1) * delay`` after the bucket was ready.
+  This is an emulation of the link's cost, not a measurement through a shaped socket.
+
+Per method and link it records the round time (Atoll: mean wall time between round
+ends and mean fragment sync time from launch to applied, from the nodes' event logs;
+DDP: wall time per step), utilization (``sum(busy) / sum(busy + idle)``: the share of
+worker-seconds spent computing), bytes sent per worker (Atoll: what its all-reduce
+sent, from the nodes' status; DDP: ``steps * params * 4 * 2(n-1)/n``) and the final
+validation bits per byte (Atoll: of the global parameters; DDP: rank 0's model).
+
+Run it with ``python -m benchmarks wan [--quick]`` (quick: 3 links, 3 rounds of 6 s;
+full: all 6 links, 5 rounds); it writes ``wan.json`` and ``wan.png`` into the output
+folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
+from node import swarm
+from node.config import load_config
+from node.metrics import read_events
+from node.swarm import QUICK_WORKLOAD
+from protocol.shaper import ENV_VAR, LinkShape
+
+__all__ = ["run"]
+
+_WORKERS = 4
+_ROUND_SECONDS = 6
+_RING_SHARE = 2 * (_WORKERS - 1) / _WORKERS
+_FP32_BYTES = 4
+_MBIT, _GBIT = 100e6, 1e9
+_FULL_LINKS = tuple(LinkShape(d, bw) for bw in (_GBIT, _MBIT) for d in (0.0, 0.010, 0.070))
+_QUICK_LINKS = (LinkShape(0.0, _MBIT), LinkShape(0.070, _MBIT), LinkShape(0.010, _GBIT))
+_WORKLOAD = [
+    "run.run_id='bench-wan'",
+    *QUICK_WORKLOAD,
+    "sync.fragments=2",
+    "sync.codec='int8'",
+    "sync.trigger='seconds'",
+    f"sync.round_seconds={_ROUND_SECONDS}",
+    "network.matchmaking_seconds=1.5",
+    "network.round_timeout=4",
+    "network.request_timeout=8",
+]
+
+
+# ---- Atoll ------------------------------------------------------------------------------
+
+
+def _run_atoll(
+    link: LinkShape, rounds: int, directory: pathlib.Path, timeout: float
+) -> dict[str, Any]:
+    """Four shaped nodes to their end (or ``timeout``); times, utilization, bytes, bpb."""
+    # Evaluate only at the last round: evaluation is neither compute nor waiting.
+    overrides = [*_WORKLOAD, f"run.eval_every={rounds}"]
+    spec = swarm.SwarmSpec(
+        nodes=_WORKERS,
+        config_paths=[],
+        overrides=overrides,
+        directory=directory,
+        rounds=rounds,
+        env={ENV_VAR: link.to_env()},
+    )
+    nodes, finished = swarm.run_to_end(spec, timeout)
+    summary = swarm.summarize(nodes, load_config(None, overrides))
+    busy, idle = summary["busy_seconds"], summary["idle_seconds"]
+    intervals, syncs, failed = [], [], 0
+    for n in nodes:
+        events = read_events(n.data_dir / "events.jsonl")
+        ends = sorted(e["t"] for e in events if e["event"] == "round")
+        intervals += [b - a for a, b in zip(ends, ends[1:])]
+        syncs += [e["seconds"] for e in events if e["event"] == "sync"]
+        failed += sum(e["event"] == "sync_failed" for e in events)
+    total = sum(busy) + sum(idle)
+    sent = summary["bytes_sent_per_node"]
+    steps = [n.status.get("steps", 0) for n in nodes]
+    record: dict[str, Any] = {
+        "round_seconds": _mean(intervals),
+        "sync_seconds": _mean(syncs),
+        "sync_seconds_max": round(max(syncs), 3) if syncs else None,
+        "syncs": len(syncs),
+        "syncs_failed": failed,
+        "utilization": round(sum(busy) / total, 4) if total else None,
+        "bytes_sent_per_worker": int(statistics.mean(sent)) if sent else None,
+        "val_bpb_end": summary["val_bpb_end"],
+        "steps_per_worker": statistics.mean(steps) if steps else None,
+        "rounds": summary["rounds"],
+        "params_agree": summary["params_agree"],
+        "exit_codes": summary["exit_codes"],
+        "busy_seconds": busy,
+        "idle_seconds": idle,
+    }
+    if not finished:
+        record["error"] = "timed out; stopped before every node finished"
+    return record
+
+
+# ---- DDP --------------------------------------------------------------------------------
+
+
+def _run_ddp(link: LinkShape, seconds: float) -> dict[str, Any]:
+    """Four DDP ranks with the link-emulating comm hook, for ``seconds`` of training."""
+    plan = TimedDdp(tuple(_WORKLOAD), (1.0,) * _WORKERS, seconds, link=link, evaluate=True)
+    result = run_timed_ddp(plan)
+    if "error" in result:
+        return {"error": result["error"]}
+    ranks = result["ranks"]
+    busy = [r["busy"] for r in ranks]
+    walls = [r["busy"] + r["idle"] for r in ranks]
+    steps = [r["steps"] for r in ranks]
+    params = ranks[0]["params"]
+    return {
+        "step_seconds": round(statistics.mean(w / s for w, s in zip(walls, steps) if s), 4),
+        # The model fits DDP's first 25 MiB bucket: one emulated all-reduce per step.
+        "emulated_allreduce_seconds": round(
+            ring_allreduce_seconds(params * _FP32_BYTES, _WORKERS, link), 4
+        ),
+        "utilization": round(sum(busy) / sum(walls), 4) if sum(walls) else None,
+        "bytes_sent_per_worker": int(statistics.mean(steps) * params * _FP32_BYTES * _RING_SHARE),
+        "val_bpb_end": ranks[0]["val_bpb"],
+        "steps_per_worker": statistics.mean(steps),
+        "params": params,
+        "params_agree": all(r["params_agree"] for r in ranks),
+        "exit_codes": result["exit_codes"],
+        "busy_seconds": [round(b, 2) for b in busy],
+        "idle_seconds": [round(r["idle"], 2) for r in ranks],
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(statistics.mean(values), 3) if values else None
+
+
+# ---- figure -----------------------------------------------------------------------------
+
+
+def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = report["links"]
+    labels = [r["link"].replace(", ", "\n") for r in links]
+    xs = list(range(len(links)))
+    fig, (util, times) = plt.subplots(1, 2, figsize=(max(10.0, 2.6 * len(links)), 5.0))
+
+    def values(method: str, key: str) -> list[float]:
+        return [r[method].get(key) or 0.0 for r in links]
+
+    for offset, method, color in ((-0.2, "atoll", "tab:blue"), (0.2, "ddp", "tab:orange")):
+        shares = values(method, "utilization")
+        bars = util.bar([x + offset for x in xs], [100 * v for v in shares], 0.4, color=color)
+        bars.set_label("Atoll (seconds mode)" if method == "atoll" else "DDP (emulated link)")
+        for x, v in zip(xs, shares):
+            util.annotate(f"{v:.0%}", (x + offset, 100 * v), ha="center", va="bottom", fontsize=8)
+    util.set_ylim(0, 110)
+    util.set_ylabel("utilization (% of wall time computing)")
+    util.set_title("utilization", fontsize=10)
+
+    series = (
+        (-0.27, "atoll", "round_seconds", "Atoll round (wall between round ends)", "tab:blue"),
+        (0.0, "atoll", "sync_seconds", "Atoll fragment sync (launch to applied)", "tab:cyan"),
+        (0.27, "ddp", "step_seconds", "DDP step", "tab:orange"),
+    )
+    for offset, method, key, label, color in series:
+        seconds = values(method, key)
+        times.bar([x + offset for x in xs], seconds, 0.27, label=label, color=color)
+        for x, v in zip(xs, seconds):
+            times.annotate(f"{v:.2g}", (x + offset, v), ha="center", va="bottom", fontsize=7)
+    times.set_yscale("log")
+    times.set_ylabel("seconds (log)")
+    times.set_title("time per round / sync / step", fontsize=10)
+    for ax in (util, times):
+        ax.set_xticks(xs, labels, fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        # below the axes: the bars fill the panels from top to bottom
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.suptitle(
+        f"{_WORKERS} workers on emulated links (one-way delay, bandwidth per uplink), "
+        f"{report['seconds_per_method']:g} s of training per method",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- entry point ------------------------------------------------------------------------
+
+
+def run(quick: bool, out_dir: pathlib.Path) -> dict:
+    """Measures Atoll and DDP on each emulated link.
+
+    Args:
+        quick: 3 links (0 and 70 ms at 100 Mbit/s, 10 ms at 1 Gbit/s) and 3 rounds of
+            6 s; otherwise all 6 links and 5 rounds.
+        out_dir: folder for ``wan.json`` and ``wan.png``; created if missing.
+
+    Returns:
+        The dict written to ``wan.json``: ``links`` (per link: ``link``, ``env`` and, for
+        ``atoll`` and ``ddp``, round or step time, utilization, bytes sent per worker,
+        val_bpb_end), ``quick``, ``notes``, ``date`` and ``machine``.
+    """
+    rounds = 3 if quick else 5
+    seconds = rounds * _ROUND_SECONDS
+    started = time.monotonic()
+    records = []
+    with tempfile.TemporaryDirectory(prefix="atoll-wan-") as tmp:
+        for i, link in enumerate(_QUICK_LINKS if quick else _FULL_LINKS):
+            record: dict[str, Any] = {"link": link.label, "env": f"{ENV_VAR}={link.to_env()}"}
+            for method in ("atoll", "ddp"):
+                t0 = time.monotonic()
+                try:
+                    if method == "atoll":
+                        directory = pathlib.Path(tmp) / f"link{i}"
+                        result = _run_atoll(link, rounds, directory, 150.0 + 2 * seconds)
+                    else:
+                        result = _run_ddp(link, seconds)
+                except Exception as e:  # one broken run must not cost the others
+                    result = {"error": f"{type(e).__name__}: {e}"}
+                result["seconds"] = round(time.monotonic() - t0, 1)
+                record[method] = result
+            records.append(record)
+    report = {
+        "benchmark": "wan",
+        "quick": quick,
+        "workers": _WORKERS,
+        "rounds": rounds,
+        "seconds_per_method": seconds,
+        "workload": _WORKLOAD,
+        "links": records,
+        "seconds": round(time.monotonic() - started, 1),
+        "notes": {
+            "link": "one-way delay added once per message and a bandwidth cap on each "
+            "worker's egress (a token bucket 2 ms deep), emulated on 127.0.0.1",
+            "atoll_shaping": f"{ENV_VAR} in each node's environment: protocol.shaper paces "
+            "every Atoll RPC the node sends (all-reduce, repair, catch-up); hivemind's "
+            "DHT traffic, matchmaking announcements included, is not shaped",
+            "ddp_emulation": "DDP comm hook: each bucket's all-reduce completes no earlier "
+            "than 2(n-1)/n * bytes * 8 / bandwidth + 2(n-1) * delay after the bucket was "
+            "ready (a ring all-reduce on the link); the real gloo all-reduce runs unshaped "
+            "on loopback underneath",
+            "round_seconds": "Atoll: mean wall time between consecutive round ends per "
+            "node (the round clock is 6 s); sync_seconds: a fragment sync from launch to "
+            "applied, overlapped with training",
+            "step_seconds": "DDP: training wall time / steps per rank",
+            "utilization": "sum(busy) / sum(busy + idle) over workers, busy = compute",
+            "bytes_sent_per_worker": "Atoll: all-reduce bytes from the nodes' status; "
+            "DDP: steps * params * 4 * 2(n-1)/n (fp32 ring all-reduce)",
+            "val_bpb_end": "Atoll: global parameters at the last round; DDP: rank 0 at the "
+            "end; same wall time of training, not the same steps",
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+    }
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out_dir / "wan.png")
+    return report
