@@ -14,7 +14,9 @@ from the training thread (group exclusion, status), so every call takes one lock
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from verification.aggregators import aggregate, max_share_weights
 from verification.audit import AuditLog
 from verification.policy import TrustPolicy
 from verification.reputation import ReputationStore
-from verification.screening import Candidate, ScreeningConfig, check_reduced, screen
+from verification.screening import Candidate, ScreeningConfig, Verdict, check_reduced, screen
 
 __all__ = ["BENIGN_REASONS", "Verifier"]
 
@@ -37,6 +39,10 @@ BENIGN_REASONS = frozenset({"group_mismatch", "not_in_round", "late", "busy", "t
 
 ``wrong_part`` is not among them: the group is checked first, so a part addressed to
 the wrong owner of the very same group is a replayed or misdirected message."""
+
+_MIN_FOR_STATISTICS = 3  # fewer inputs than this: screen pairwise (see _pair_verdicts)
+_NORM_HISTORY = 32  # accepted norms remembered per fragment
+_MAX_PAIR_SPREAD = 4.0  # a partner's token claim widens its norm bound at most this much
 
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
 
@@ -68,6 +74,7 @@ class Verifier(Observer):
         self.round = 0
         self._lock = threading.RLock()
         self._flagged_at: dict[str, int] = {}
+        self._norms: dict[int, deque[float]] = {}
 
     # ---- who is in -------------------------------------------------------------------
 
@@ -80,6 +87,13 @@ class Verifier(Observer):
             return why
         with self._lock:
             standing = self.reputation.standing(peer, round_)
+            # Flagged during this very round: other honest members may not have seen the
+            # evidence yet and still take its parts and its reduced results, so this node
+            # does too (each part is still screened on its own) and refuses it from the
+            # next round on, exactly when it also leaves it out of its groups.
+            flagged_now = self._flagged_at.get(peer, -1) >= round_
+        if flagged_now:
+            return None
         if standing.status in ("quarantined", "banned"):
             return standing.status
         if standing.score < self.policy.min_reputation:
@@ -133,6 +147,8 @@ class Verifier(Observer):
         verdicts = screen(
             [Candidate(c.peer, c.vector, c.tokens, numel) for c in admitted], self.screening
         )
+        if self.policy.screening and len(admitted) < _MIN_FOR_STATISTICS:
+            verdicts = self._pair_verdicts(fragment, admitted, verdicts)
         good = []
         for c, verdict in zip(admitted, verdicts):
             if verdict.ok or c.peer == self.me:
@@ -174,6 +190,44 @@ class Verifier(Observer):
                 if peer != self.me:
                     self.reputation.record(peer, round_, ok=True)
         return Reduction(result.vector, used, rejected)
+
+    def _pair_verdicts(
+        self, fragment: int, admitted: Sequence[Contribution], verdicts: list[Verdict]
+    ) -> list[Verdict]:
+        """Screen a pair (gossip, or a butterfly group of two) against this node's own part.
+
+        With two inputs there is no robust centre: a median of two is their mean, so one
+        partner decides what "normal" is. The owner compares the partner's part with its
+        own (norm ratio and cosine, as a member checks an owner's result) and with the
+        norms it accepted for this fragment before, so a partner whose update is far
+        longer than anything seen, or points against this node's own, is refused.
+        """
+        own = next((c for c in admitted if c.peer == self.me), None)
+        history = self._norms.setdefault(fragment, deque(maxlen=_NORM_HISTORY))
+        own_norm = float(own.vector.norm()) if own is not None else 0.0
+        out = list(verdicts)
+        for i, c in enumerate(admitted):
+            if c.peer == self.me or not out[i].ok:
+                continue
+            norm = float(c.vector.norm())
+            # Own norm now, or what was normal before when this node has little to compare.
+            reference = max(own_norm, statistics.median(history) if history else 0.0)
+            spread = 1.0
+            if own is not None and own.tokens > 0:
+                spread = min(_MAX_PAIR_SPREAD, max(1.0, c.tokens / own.tokens))
+            bound = self.policy.norm_kappa * spread * reference
+            if reference > 0 and norm > bound:
+                out[i] = Verdict(c.peer, False, "norm", f"norm {norm:.3g} > {bound:.3g}")
+            elif own_norm > 0 and norm > 0:
+                cosine = float(torch.dot(c.vector, own.vector)) / (norm * own_norm)
+                if cosine < self.policy.min_cosine:
+                    out[i] = Verdict(
+                        c.peer, False, "direction", f"cosine {cosine:.3f} with own part"
+                    )
+        for c, verdict in zip(admitted, out):
+            if verdict.ok and (c.peer != self.me or own_norm > 0):
+                history.append(float(c.vector.norm()))
+        return out
 
     # ---- refusals ----------------------------------------------------------------------
 

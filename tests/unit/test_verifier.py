@@ -1,0 +1,111 @@
+"""The node's verifier: when a flagged peer stops being taken, and its audit trail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.verifier import Verifier
+from verification.identity import Identity
+from verification.policy import TrustPolicy
+
+ME = Identity.from_seed(b"\x01" * 32).peer_id
+PEER = Identity.from_seed(b"\x02" * 32).peer_id
+
+
+@pytest.fixture
+def verifier(tmp_path: Path):
+    v = Verifier(TrustPolicy(), tmp_path / "atoll.db", ME)
+    yield v
+    v.close()
+
+
+def test_a_peer_flagged_mid_round_is_refused_from_the_next_round(verifier: Verifier) -> None:
+    verifier.round = 4
+    # evidence about an older round arrives while this node is in round 4
+    verifier.on_refusal(PEER, 3, 0, "non_finite")
+    assert verifier.flagged(4) == {PEER: "quarantined"}
+    # other honest members may not have seen it yet: round 4 goes on as they formed it
+    assert verifier.refusal(PEER, 4) is None
+    assert verifier.check_reduced(PEER, 4, 0, 0, _t([1.0, 2.0]), _t([1.0, 2.0])) is None
+    assert verifier.excluded([PEER], 4) == set()
+    # from round 5 on, refused and left out everywhere at once
+    assert verifier.refusal(PEER, 5) == "quarantined"
+    assert verifier.excluded([PEER], 5) == {PEER}
+    assert verifier.check_reduced(PEER, 5, 0, 0, _t([1.0, 2.0]), _t([1.0, 2.0])) == "quarantined"
+
+
+def test_benign_refusals_flag_no_one(verifier: Verifier) -> None:
+    verifier.round = 2
+    for reason in ("late", "group_mismatch", "not_in_round", "busy", "timeout"):
+        verifier.on_refusal(PEER, 2, 0, reason)
+    assert verifier.flagged(3) == {}
+    assert verifier.refusal(PEER, 3) is None
+    rows = verifier.audit.rows(peer=PEER)
+    assert [r.verdict for r in rows] == ["rejected"] * 5
+
+
+def test_a_peer_quarantined_in_an_earlier_life_is_refused_at_once(tmp_path: Path) -> None:
+    first = Verifier(TrustPolicy(), tmp_path / "atoll.db", ME)
+    first.round = 1
+    first.on_refusal(PEER, 1, 0, "bad_signature")
+    first.close()
+    # a restarted node has no in-memory record of when it saw the evidence
+    again = Verifier(TrustPolicy(), tmp_path / "atoll.db", ME)
+    try:
+        assert again.refusal(PEER, 2) == "quarantined"
+        assert again.excluded([PEER], 2) == {PEER}
+    finally:
+        again.close()
+
+
+def _t(values: list[float]):
+    import torch
+
+    return torch.tensor(values)
+
+
+def _contribution(peer: str, values: list[float], tokens: int = 100):
+    from protocol.allreduce import Contribution
+
+    return Contribution(peer=peer, vector=_t(values), weight=float(tokens), digest="", tokens=tokens)
+
+
+@pytest.mark.parametrize(
+    ("partner", "reason"),
+    [([50.0, 50.0, 0.0], "norm"), ([-1.0, -1.0, 0.0], "direction")],
+)
+def test_a_pair_screens_the_partner_against_its_own_part(
+    verifier: Verifier, partner: list[float], reason: str
+) -> None:
+    own = _contribution(ME, [1.0, 1.0, 0.0])
+    result = verifier.reduce(1, 0, 0, [own, _contribution(PEER, partner)])
+    assert result.used == [ME]
+    assert result.rejected[PEER] == reason
+    torch_close(result.vector, [1.0, 1.0, 0.0])
+    assert verifier.flagged(2) == {PEER: "quarantined"}
+
+
+def test_an_honest_partner_is_averaged_in(verifier: Verifier) -> None:
+    own = _contribution(ME, [1.0, 1.0, 0.0])
+    result = verifier.reduce(1, 0, 0, [own, _contribution(PEER, [2.0, 1.0, 1.0])])
+    assert sorted(result.used) == sorted([ME, PEER])
+    torch_close(result.vector, [1.5, 1.0, 0.5])
+    assert verifier.flagged(2) == {}
+
+
+def test_an_idle_owner_judges_its_partner_by_the_norms_it_accepted_before(
+    verifier: Verifier,
+) -> None:
+    for r in range(3):  # normal rounds: both around norm 1.4
+        verifier.reduce(r, 0, 0, [_contribution(ME, [1.0, 1.0]), _contribution(PEER, [1.0, 1.2])])
+    idle = _contribution(ME, [0.0, 0.0])
+    result = verifier.reduce(3, 0, 0, [idle, _contribution(PEER, [40.0, 40.0])])
+    assert result.rejected[PEER] == "norm"
+
+
+def torch_close(actual, expected: list[float]) -> None:
+    import torch
+
+    torch.testing.assert_close(actual, torch.tensor(expected))
