@@ -123,6 +123,10 @@ class SyncConfig:
     block_size: int = Field(default=256, ge=1, le=2**20)
     error_feedback: bool = True
     stochastic_rounding: bool = False
+    averaging: Literal["allreduce", "gossip"] = "allreduce"
+    layout: Literal["butterfly", "random"] = "butterfly"
+    gossip_gamma: float = Field(default=0.5, gt=0.0, le=1.0)
+    mix_codec: CodecName = "fp16"
 
     def __post_init__(self) -> None:
         if self.stochastic_rounding and self.codec not in ("int8", "int4"):

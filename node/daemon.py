@@ -157,7 +157,10 @@ class Node:
                 timeout=net.round_timeout,
                 max_tokens=net.max_tokens_per_round,
                 max_message_bytes=int(net.max_message_mb * 2**20),
-                fragments=len(self.plan),
+                # fragment ids F..2F-1 carry global copies when groups mix weights
+                fragments=2 * len(self.plan),
+                fragment_codecs=(cfg.sync.codec,) * len(self.plan)
+                + (cfg.sync.mix_codec,) * len(self.plan),
             ),
             reducer=self.verifier.reduce,
             observer=self.verifier,
@@ -486,7 +489,11 @@ class Node:
 
     def _end_round(self, r: int, resync: bool) -> None:
         self.round = r
-        if resync and self.live_peers():
+        if resync and self.syncer.mixes(len(self.live_peers()) + 1):
+            # Global copies differ across the swarm by design: there is no one state to
+            # take; the next rounds' mixing pulls this node's copy back in.
+            logger.info("round %d: no re-sync while groups mix weights", r)
+        elif resync and self.live_peers():
             if self._resync(r):
                 logger.warning("round %d: this node's global copy lagged; re-synced from a peer", r)
             else:

@@ -12,10 +12,27 @@ A sync that fails (no group, deadline, transport error) applies nothing; the nod
 global copy of that fragment then lags the swarm's, so the round is marked for a
 re-sync from a peer, and the work already done stays in the local copy and is
 contributed at the next sync (see :func:`staleness_weight`).
+
+When a round's group does not span the whole swarm (more peers than
+``network.group_size``, or ``sync.averaging = "gossip"``), nodes' global copies
+differ, and averaging pseudo-gradients alone would let them drift apart for good. The
+group then also averages its members' global copies (a second all-reduce of the same
+fragment, through the same screening, signatures and codec code, under fragment id
+``F + f`` and ``sync.mix_codec``):
+
+* ``allreduce`` mode (butterfly mixing across groups, Moshpit SGD): the group adopts
+  its mean global copy, then steps it with its mean pseudo-gradient; with the
+  butterfly layout the swarm holds the exact global mean after ``rounds_to_mix``
+  rounds (:mod:`protocol.grouping`).
+* ``gossip`` mode (NoLoCo, Kolehmainen et al., 2025): pairs, and a modified Nesterov
+  outer step whose gradient is the pair's mean pseudo-gradient plus
+  ``gamma / lr * (own - mean)`` of the global copies, so the pull towards the partner
+  runs through the outer momentum instead of replacing the weights.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
@@ -25,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from protocol import codec as codecs
-from protocol import matchmaking
+from protocol import grouping, matchmaking
 from protocol.allreduce import AllReduceResult
 
 if TYPE_CHECKING:
@@ -56,6 +73,8 @@ class Pending:
     step: int
     started: float
     future: concurrent.futures.Future
+    weights: torch.Tensor
+    """The fragment's global copy as sent if the group mixes weights (mix codec applied)."""
 
 
 class Syncer:
@@ -79,13 +98,49 @@ class Syncer:
         node.allreduce.current_round = max(node.allreduce.current_round, r)
         node.verifier.round = max(node.verifier.round, r)
         live = node.live_peers()
-        expected = live - node.verifier.excluded(list(live), r)
-        future = node.transport.submit(self._exchange(r, f, weight, contribution, expected))
-        return Pending(r, f, weight, node.trainer.steps, time.monotonic(), future)
+        expected = live - self._excluded(live, r, len(live) + 1)
+        # Whether the group mixes weights is decided from the announced peers; the copy
+        # is taken now, on the training thread, in case it does.
+        enc = codecs.encode(
+            node.outer.global_vector(f), cfg.sync.mix_codec, block_size=cfg.sync.block_size
+        )
+        weights = codecs.decode(enc, expected_numel=pg.numel())
+        future = node.transport.submit(
+            self._exchange(r, f, weight, contribution, expected, weights)
+        )
+        return Pending(r, f, weight, node.trainer.steps, time.monotonic(), future, weights)
+
+    def _excluded(self, peers: set[str], r: int, swarm_size: int) -> set[str]:
+        """Flagged peers this node leaves out of its groups.
+
+        With one group for everyone, every honest owner sees a bad peer's parts and flags
+        it in the same round, so all leave it out together. When groups mix, only the
+        bad peer's own group saw the evidence; leaving it out there alone would give
+        honest nodes different groups. It stays in everyone's groups instead, and the
+        nodes that flagged it refuse its parts and results (they keep their own values).
+        """
+        if self.mixes(swarm_size):
+            return set()
+        return self.node.verifier.excluded(list(peers), r)
+
+    def group_size(self) -> int:
+        """Largest group of a round: pairs in gossip mode, else ``network.group_size``."""
+        cfg = self.node.cfg
+        return 2 if cfg.sync.averaging == "gossip" else cfg.network.group_size
+
+    def mixes(self, swarm_size: int) -> bool:
+        """Whether a swarm of ``swarm_size`` nodes averages weights as well (see above)."""
+        return self.node.cfg.sync.averaging == "gossip" or swarm_size > self.group_size()
 
     async def _exchange(
-        self, r: int, f: int, weight: int, contribution: torch.Tensor, expected: set[str]
-    ) -> tuple[list[str], AllReduceResult]:
+        self,
+        r: int,
+        f: int,
+        weight: int,
+        contribution: torch.Tensor,
+        expected: set[str],
+        weights: torch.Tensor,
+    ) -> tuple[list[str], AllReduceResult, AllReduceResult | None]:
         node, net = self.node, self.node.cfg.network
         assert node.transport is not None
         announced = await matchmaking.gather(
@@ -100,23 +155,35 @@ class Syncer:
             expiration=net.round_timeout * 4,
             timeout=net.request_timeout,
         )
-        peers = set(announced) - node.verifier.excluded(list(announced), r)
-        group = matchmaking.group_of(node.identity.peer_id, peers, r, f, net.group_size)
-        result = await node.allreduce.run(r, f, group, contribution, weight)
-        return group, result
+        me = node.identity.peer_id
+        peers = set(announced) - self._excluded(set(announced), r, len(announced) + 1)
+        size, layout = self.group_size(), node.cfg.sync.layout
+        group = grouping.group_of(me, peers, r, f, size, layout)
+        if not self.mixes(len(peers | {me})):
+            return group, await node.allreduce.run(r, f, group, contribution, weight), None
+        # Every member's global copy counts the same, whatever its token count.
+        result, mixed = await asyncio.gather(
+            node.allreduce.run(r, f, group, contribution, weight),
+            node.allreduce.run(r, len(node.plan) + f, group, weights, 1),
+        )
+        return group, result, mixed
 
     def apply(self, pending: Pending, timeout: float) -> dict[str, Any] | None:
         """Wait for ``pending`` (up to ``timeout``), apply it; None when the sync failed."""
         node, f = self.node, pending.fragment
         try:
-            group, result = pending.future.result(timeout)
+            group, result, mixed = pending.future.result(timeout)
         except Exception as exc:  # any failure of the exchange: nothing to apply
             pending.future.cancel()
             self.missed[f] += 1
             logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
             node.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
             return None
-        node.outer.step(f, result.vector.to(node.device))
+        averaged = result.vector.to(node.device)
+        if mixed is None:
+            node.outer.step(f, averaged)
+        else:
+            self._mix(f, averaged, pending.weights, mixed.vector.to(node.device))
         alpha = node.cfg.sync.alpha
         if alpha == 0.0:
             node.outer.sync_local(node.model, f)
@@ -135,9 +202,21 @@ class Syncer:
             "repaired_parts": result.repaired_parts,
             "complete": result.complete,
             "tokens": pending.tokens,
-            "bytes_sent": result.bytes_sent,
+            "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
+            "mixed": mixed is not None,
             "seconds": time.monotonic() - pending.started,
             "overlap_steps": node.trainer.steps - pending.step,
         }
         node.events.write("sync", **record)
         return record
+
+    def _mix(self, f: int, averaged: torch.Tensor, own: torch.Tensor, mean: torch.Tensor) -> None:
+        """Outer step of a group that does not span the swarm (see the module docstring)."""
+        node, cfg = self.node, self.node.cfg
+        own = own.to(mean.device)
+        if cfg.sync.averaging == "gossip":
+            pull = (cfg.sync.gossip_gamma / cfg.outer.lr) * (own - mean)
+            node.outer.step(f, averaged + pull)
+        else:
+            node.outer.set_global(f, mean)
+            node.outer.step(f, averaged)

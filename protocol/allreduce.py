@@ -61,10 +61,19 @@ class AllReduceSettings:
     round_window: int = 2
     fragments: int = 1024
     repair: bool = True
+    fragment_codecs: tuple[str, ...] = ()
+    """Per-fragment codecs (e.g. pseudo-gradients in int8, mixed weights in fp16);
+    fragments past the end of this tuple use ``codec``."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
             raise ValueError("block_size, timeout and fragments must be positive")
+
+    def codec_for(self, fragment: int) -> str:
+        """The codec this node encodes ``fragment``'s parts and results with."""
+        if 0 <= fragment < len(self.fragment_codecs):
+            return self.fragment_codecs[fragment]
+        return self.codec
 
 
 @dataclass(frozen=True)
@@ -386,7 +395,9 @@ class AllReduceService:
         contributions = list(session.contributions.values())
         reduction = self.reducer(h.round, h.fragment, h.part, contributions)
         reduced = self.behaviour.reduced(reduction.vector)
-        enc = codecs.encode(reduced, self.settings.codec, block_size=self.settings.block_size)
+        enc = codecs.encode(
+            reduced, self.settings.codec_for(h.fragment), block_size=self.settings.block_size
+        )
         used_set = set(reduction.used)
         body = {
             "contributors": [c.peer for c in contributions if c.peer in used_set],
@@ -495,7 +506,9 @@ class AllReduceService:
         weight: int,
     ) -> tuple[int, torch.Tensor | None, list[str]]:
         owner = group[j]
-        enc = codecs.encode(vector[lo:hi], self.settings.codec, block_size=self.settings.block_size)
+        enc = codecs.encode(
+            vector[lo:hi], self.settings.codec_for(fragment), block_size=self.settings.block_size
+        )
         header = Header("part", self.settings.run_id, round_, fragment, j, self.identity.peer_id)
         request = self.behaviour.request(self, header, {"group": group, "weight": int(weight)}, enc)
         self.bytes_sent += len(request)

@@ -4,10 +4,9 @@ For every ``(round, fragment)`` each node stores a signed ``announce`` envelope 
 DHT under ``{run_id}:mm:{round}:{fragment}`` with its own PeerID as the subkey
 (hivemind's DHT protects subkeys only, and a reader checks that the subkey is the
 envelope's signer). It then reads the key until every peer it expects has announced,
-or until its matchmaking deadline. Groups follow from the announced set alone:
-peers are ordered by ``sha256(round, fragment, peer)`` and cut into
-``ceil(n / G)`` groups whose sizes differ by at most one, so every node that saw the
-same set computes the same groups without talking to anyone. Nodes whose views
+or until its matchmaking deadline. Groups follow from the announced set alone
+(:mod:`protocol.grouping`), so every node that saw the same set computes the same
+groups without talking to anyone. Nodes whose views
 differ still finish: the all-reduce refuses parts from a peer whose group differs
 (``group_mismatch``) and each side keeps its own value for those parts.
 
@@ -19,14 +18,13 @@ and tells everyone which peers are alive and should be waited for.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from protocol.errors import ProtocolError
+from protocol.grouping import form_groups, group_of
 from protocol.messages import Header, open_envelope, seal
 from protocol.transport import Transport
 from verification.identity import Identity
@@ -73,45 +71,6 @@ def _mm_key(run_id: str, round_: int, fragment: int) -> str:
 
 def _registry_key(run_id: str) -> str:
     return f"{run_id}:nodes"
-
-
-def form_groups(
-    peers: Iterable[str], round_: int, fragment: int, group_size: int
-) -> list[list[str]]:
-    """Split ``peers`` into balanced groups of at most ``group_size``, deterministically.
-
-    The order is a hash of ``(round, fragment, peer)``, so groups change from round to
-    round and from fragment to fragment, and every node with the same view of
-    ``peers`` gets the same groups.
-    """
-    if group_size < 1:
-        raise ValueError("group_size must be >= 1")
-    unique = sorted(set(peers))
-
-    def rank(peer: str) -> bytes:
-        return hashlib.sha256(f"{round_}:{fragment}:{peer}".encode()).digest()
-
-    ordered = sorted(unique, key=rank)
-    if not ordered:
-        return []
-    count = math.ceil(len(ordered) / group_size)
-    base, extra = divmod(len(ordered), count)
-    groups, start = [], 0
-    for g in range(count):
-        size = base + (1 if g < extra else 0)
-        groups.append(ordered[start : start + size])
-        start += size
-    return groups
-
-
-def group_of(
-    me: str, peers: Iterable[str], round_: int, fragment: int, group_size: int
-) -> list[str]:
-    """The group ``me`` belongs to (``me`` is added to ``peers`` if missing)."""
-    for group in form_groups({*peers, me}, round_, fragment, group_size):
-        if me in group:
-            return group
-    raise AssertionError("unreachable: me is always in some group")
 
 
 async def announce(

@@ -123,7 +123,9 @@ class PartRepair:
         """
         svc = self.service
         me = svc.identity.peer_id
-        enc = codecs.encode(values, svc.settings.codec, block_size=svc.settings.block_size)
+        enc = codecs.encode(
+            values, svc.settings.codec_for(fragment), block_size=svc.settings.block_size
+        )
         header = Header("repair", svc.settings.run_id, round_, fragment, part, me)
         body = {"group": group, "weight": int(weight), "data": enc.to_wire()}
         reply = seal(svc.identity, header, body)
