@@ -14,8 +14,10 @@ Signatures are part of Atoll's wire format in both cases, so their cost is measu
 apart: a micro-benchmark seals and opens one part-sized envelope against plain
 ``msgpack.packb``/``unpackb`` of the same fields, and the difference, times the
 messages one member seals and opens per all-reduce, is reported as a share of the
-round. Each timed round is one untimed warm-up then 5 repeats with increasing round
-numbers; a round's time is the wall time until all four members are done. Run it with
+round. The same four services run both modes, switching reducer and observer between
+rounds: one untimed warm-up of each, then 5 repeats of each, off and on in turn (off-on,
+then on-off), so that both see the same load on a shared machine. A round's time is
+the wall time until all four members are done. Run it with
 ``python -m benchmarks verification [--quick]``; it writes ``verification.json`` and
 ``verification.png`` into the output folder.
 """
@@ -30,6 +32,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
@@ -47,6 +50,7 @@ from protocol.allreduce import (
     AllReduceService,
     AllReduceSettings,
     Contribution,
+    Observer,
     Reduction,
     part_bounds,
     weighted_mean_reducer,
@@ -164,75 +168,75 @@ def _measure(
     identities: list[Identity],
     n: int,
     codec: str,
-    verify: bool,
     rounds: Iterator[int],
     tmp: pathlib.Path,
-) -> dict[str, Any]:
-    """One warm-up and ``_REPEATS`` timed all-reduces of ``n`` values by all members."""
+) -> dict[str, dict[str, Any]]:
+    """A warm-up and ``_REPEATS`` timed all-reduces of ``n`` values, off and on in turn.
+
+    The same services run both modes: before each round every service gets the
+    mode's reducer and observer. Alternating (off-on, then on-off) exposes both modes
+    to the same load on the machine, which drifts over seconds on a shared host.
+    """
     settings = AllReduceSettings(run_id=_RUN_ID, codec=codec, timeout=_TIMEOUT)
-    clock = _Clock()
+    clocks = {"off": _Clock(), "on": _Clock()}
     verifiers: list[_TimedVerifier] = []
     services: list[AllReduceService] = []
     hooks = contextlib.ExitStack()
     try:
-        if verify:
-            # split the verifier's reduce into screening and robust aggregation
-            for name in ("screen", "aggregate"):
-                timed = clock.wrap(f"{name}_s", getattr(verifier_module, name))
-                hooks.enter_context(mock.patch.object(verifier_module, name, timed))
+        # split the verifier's reduce into screening and robust aggregation
+        for name in ("screen", "aggregate"):
+            timed = clocks["on"].wrap(f"{name}_s", getattr(verifier_module, name))
+            hooks.enter_context(mock.patch.object(verifier_module, name, timed))
+        plain = clocks["off"].wrap("reduce_s", weighted_mean_reducer)
         for i, (transport, identity) in enumerate(zip(transports, identities)):
-            if verify:
-                policy = TrustPolicy(aggregator="trimmed_mean", screening=True)
-                db = tmp / f"verify-{n}-{codec}-{i}.db"  # fresh: no history from other runs
-                verifiers.append(_TimedVerifier(policy, db, identity.peer_id, clock))
-                service = AllReduceService(
-                    transport,
-                    identity,
-                    settings,
-                    reducer=verifiers[-1].reduce,
-                    observer=verifiers[-1],
-                )
-            else:
-                reducer = clock.wrap("reduce_s", weighted_mean_reducer)
-                service = AllReduceService(transport, identity, settings, reducer=reducer)
+            policy = TrustPolicy(aggregator="trimmed_mean", screening=True)
+            db = tmp / f"verify-{n}-{codec}-{i}.db"  # fresh: no history from other runs
+            verifiers.append(_TimedVerifier(policy, db, identity.peer_id, clocks["on"]))
+            service = AllReduceService(transport, identity, settings)
             service.register()
             services.append(service)
+        modes = {
+            "off": [(plain, Observer()) for _ in services],
+            "on": [(v.reduce, v) for v in verifiers],
+        }
         group = [identity.peer_id for identity in identities]
         vectors = _vectors(n)
-        times: list[float] = []
-        incomplete: list[dict[str, Any]] = []
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        incomplete: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        rejected: dict[str, Counter[str]] = {"off": Counter(), "on": Counter()}
+        bytes_sent: dict[str, int] = {}
         for repeat in range(_REPEATS + 1):
             if repeat == 1:
-                clock.seconds.clear()  # the warm-up opened connections and tables
-            round_ = next(rounds)
-            for service in services:
-                service.current_round = round_  # owners accept only rounds near this one
-            t0 = time.perf_counter()
-            futures = [
-                s.transport.submit(s.run(round_, 0, group, v, 1000))
-                for s, v in zip(services, vectors)
-            ]
-            results = [f.result(_TIMEOUT * 3) for f in futures]
-            seconds = time.perf_counter() - t0
-            # kept in the times: a round that lost a part is part of what verification cost
-            incomplete += [
-                _incomplete(round_, i, r) for i, r in enumerate(results) if not r.complete
-            ]
-            if repeat:
-                times.append(seconds)
-        rejected: dict[str, int] = {}
-        for service in services:
-            for reason, count in service.rejected.items():
-                rejected[reason] = rejected.get(reason, 0) + count
-        per_member_round = {k: v / (_REPEATS * _MEMBERS) for k, v in sorted(clock.seconds.items())}
-        return {
-            "times": times,
-            "median_s": statistics.median(times),
-            "per_member_per_round_s": per_member_round,
-            "rejected": rejected,
-            "incomplete": incomplete,
-            "bytes_sent_per_member": results[0].bytes_sent,
-        }
+                for clock in clocks.values():
+                    clock.seconds.clear()  # the warm-up opened connections and tables
+            for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
+                for service, (reducer, observer) in zip(services, modes[mode]):
+                    service.reducer, service.observer = reducer, observer
+                round_ = next(rounds)
+                before = _rejected(services)
+                seconds, results = _round(services, group, vectors, round_)
+                rejected[mode] += _rejected(services) - before
+                # kept in the times: a round that lost a part is part of what it cost
+                incomplete[mode] += [
+                    _incomplete(round_, i, r) for i, r in enumerate(results) if not r.complete
+                ]
+                bytes_sent[mode] = results[0].bytes_sent
+                if repeat:
+                    times[mode].append(seconds)
+        out = {}
+        for mode in ("off", "on"):
+            seconds = clocks[mode].seconds
+            out[mode] = {
+                "times": times[mode],
+                "median_s": statistics.median(times[mode]),
+                "per_member_per_round_s": {
+                    k: v / (_REPEATS * _MEMBERS) for k, v in sorted(seconds.items())
+                },
+                "rejected": dict(rejected[mode]),
+                "incomplete": incomplete[mode],
+                "bytes_sent_per_member": bytes_sent[mode],
+            }
+        return out
     finally:
         hooks.close()
         for service in services:
@@ -240,6 +244,27 @@ def _measure(
             service.transport.remove_handler(REPAIR_RPC)
         for verifier in verifiers:
             verifier.close()
+
+
+def _round(
+    services: list[AllReduceService],
+    group: list[str],
+    vectors: list[torch.Tensor],
+    round_: int,
+) -> tuple[float, list[AllReduceResult]]:
+    """One all-reduce by every member: its wall time until all are done, and the results."""
+    for service in services:
+        service.current_round = round_  # owners accept only rounds near this one
+    t0 = time.perf_counter()
+    futures = [
+        s.transport.submit(s.run(round_, 0, group, v, 1000)) for s, v in zip(services, vectors)
+    ]
+    results = [f.result(_TIMEOUT * 3) for f in futures]
+    return time.perf_counter() - t0, results
+
+
+def _rejected(services: list[AllReduceService]) -> Counter[str]:
+    return sum((Counter(s.rejected) for s in services), Counter())
 
 
 def _incomplete(round_: int, member: int, result: AllReduceResult) -> dict[str, Any]:
@@ -376,13 +401,11 @@ def _measure_all(sizes: list[int], rounds: Iterator[int], results: dict[str, dic
             for n in sizes:
                 for codec in _CODECS:
                     entry: dict[str, Any] = {"n": n, "codec": codec}
-                    for mode in ("off", "on"):
-                        try:
-                            entry[mode] = _measure(
-                                transports, identities, n, codec, mode == "on", rounds, tmp
-                            )
-                        except Exception as e:  # report it; the other cells still run
-                            entry[mode] = {"error": f"{type(e).__name__}: {e}", "median_s": None}
+                    try:
+                        entry.update(_measure(transports, identities, n, codec, rounds, tmp))
+                    except Exception as e:  # report it; the other cells still run
+                        error = {"error": f"{type(e).__name__}: {e}", "median_s": None}
+                        entry.update(off=error, on=dict(error))
                     results[f"{n}/{codec}"] = entry
         for entry in results.values():
             on, off = entry["on"].get("median_s"), entry["off"].get("median_s")
@@ -432,7 +455,8 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         "target": "ratio on/off below 1.10",
         "results": results,
         "notes": {
-            "timing": "one untimed warm-up, then each repeat: all four members start "
+            "timing": "one untimed warm-up per mode, then repeats alternating off and on "
+            "(off-on, on-off, ...) on the same services; each: all four members start "
             "AllReduceService.run at once; the time is until all four are done",
             "on": "reducer and observer = node.verifier.Verifier (screening, trimmed "
             "mean, audit rows and reputations in a fresh SQLite file per member)",

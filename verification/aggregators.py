@@ -16,6 +16,7 @@ claims, not facts.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,8 +54,12 @@ class Aggregate:
 # --- shared helpers ----------------------------------------------------------
 
 
-def _stack(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Stacks the inputs into an ``(n, d)`` matrix after checking they line up."""
+def _rows(vectors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs in one floating dtype, after checking they line up.
+
+    The dtype is the one :func:`torch.stack` would give them (float32 for integers),
+    so aggregators that work row by row agree with those that stack.
+    """
     if len(vectors) == 0:
         raise ValueError("aggregation needs at least one vector")
     numel = vectors[0].numel()
@@ -63,8 +68,23 @@ def _stack(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
             raise ValueError(f"vector {i} must be 1-D, got shape {tuple(v.shape)}")
         if v.numel() != numel:
             raise ValueError(f"vector {i} has {v.numel()} elements, vector 0 has {numel}")
-    stacked = torch.stack(list(vectors))
-    return stacked if stacked.is_floating_point() else stacked.to(torch.float32)
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in vectors])
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    return [v.to(dtype) for v in vectors]
+
+
+def _stack(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stacks the inputs into an ``(n, d)`` matrix after checking they line up."""
+    return torch.stack(_rows(vectors))
+
+
+def _mean_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The plain mean of equal-length rows, summed in place instead of stacked first."""
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total.add_(row)
+    return total.div_(len(rows))
 
 
 def _weights(weights: Sequence[float], n: int, like: torch.Tensor) -> torch.Tensor:
@@ -85,6 +105,81 @@ def _weighted_mean(stacked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return w @ stacked
 
 
+# torch.sort along dim 0 sorts every column on its own and costs 7-30x what a sorting
+# network of elementwise minimum/maximum costs for up to 32 rows (measured with one
+# thread, 16k-2.5M columns); past that the comparator count grows as n log^2 n.
+_NETWORK_MAX_ROWS = 32
+
+
+@functools.cache
+def _merge_exchange(n: int) -> tuple[tuple[int, int], ...]:
+    """Comparators ``(i, j)``, ``i < j``, of a sorting network for ``n`` inputs.
+
+    Batcher's merge exchange (Knuth, The Art of Computer Programming vol. 3, 5.2.2,
+    Algorithm M), which works for any ``n``: 5 comparators for 4 inputs, 19 for 8.
+    """
+    pairs: list[tuple[int, int]] = []
+    if n < 2:
+        return ()
+    t = (n - 1).bit_length()
+    p = 1 << (t - 1)
+    while p > 0:
+        q, r, d = 1 << (t - 1), 0, p
+        while True:
+            pairs += [(i, i + d) for i in range(n - d) if i & p == r]
+            if q == p:
+                break
+            d, q, r = q - p, q >> 1, p
+        p >>= 1
+    return tuple(pairs)
+
+
+def sorted_rows(matrix: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The rows of ``matrix.sort(dim=0).values``, fresh tensors, by a sorting network.
+
+    Minimum and maximum select values without arithmetic, so the rows are exactly
+    the sorted values, infinities included. NaN is the exception: sort places it last
+    and min/max spread it, so a matrix holding one goes through ``torch.sort``. A sum
+    catches a NaN in one pass (it is NaN or infinite then); only a matrix whose sum is
+    not finite is scanned for one.
+
+    Args:
+        matrix: an ``(n, ...)`` tensor with ``n >= 1``, or its rows (one shape and
+            dtype), which saves stacking them.
+
+    Returns:
+        ``n`` tensors shaped like a row, in ascending order per coordinate.
+    """
+    rows = list(matrix)  # a tensor iterates over its rows
+    n = len(rows)
+    if n == 1:
+        return [rows[0].clone()]
+    if n > _NETWORK_MAX_ROWS or (rows[0].is_floating_point() and _has_nan(matrix)):
+        return list(torch.stack(rows).sort(dim=0).values)
+    for i, j in _merge_exchange(n):
+        rows[i], rows[j] = torch.minimum(rows[i], rows[j]), torch.maximum(rows[i], rows[j])
+    return rows
+
+
+def _has_nan(matrix: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    # one pass in the common case: the sum of finite values is finite
+    if isinstance(matrix, torch.Tensor):
+        total = float(matrix.sum())
+    else:
+        total = sum(float(row.sum()) for row in matrix)
+    if math.isfinite(total):
+        return False
+    return any(bool(row.isnan().any()) for row in matrix)
+
+
+def _middle(ordered: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The median of sorted rows: the middle one, or the mean of the two middle ones."""
+    n = len(ordered)
+    if n % 2 == 1:
+        return ordered[n // 2]
+    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
 def coordinate_median(matrix: torch.Tensor) -> torch.Tensor:
     """Median over dim 0; for an even row count, the mean of the two middle values.
 
@@ -97,13 +192,9 @@ def coordinate_median(matrix: torch.Tensor) -> torch.Tensor:
     Returns:
         A tensor shaped like ``matrix[0]``.
     """
-    n = matrix.shape[0]
-    if n == 0:
+    if matrix.shape[0] == 0:
         raise ValueError("median of zero rows")
-    ordered = matrix.sort(dim=0).values
-    if n % 2 == 1:
-        return ordered[n // 2]
-    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return _middle(sorted_rows(matrix))
 
 
 def _krum_scores(stacked: torch.Tensor, f: int) -> torch.Tensor:
@@ -162,9 +253,9 @@ def median(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggrega
     Returns:
         The coordinate-wise median; every input is listed as used.
     """
-    stacked = _stack(vectors)
-    _weights(weights, len(vectors), stacked)
-    return Aggregate(coordinate_median(stacked), list(range(len(vectors))))
+    rows = _rows(vectors)
+    _weights(weights, len(rows), rows[0])
+    return Aggregate(_middle(sorted_rows(rows)), list(range(len(rows))))
 
 
 def trimmed_mean(
@@ -175,7 +266,8 @@ def trimmed_mean(
 
     Per coordinate, drops the ``floor(trim * n)`` largest and smallest values and
     averages the rest, unweighted as in the paper. If nothing would remain, it falls
-    back to the coordinate-wise median.
+    back to the coordinate-wise median; if nothing is dropped (``trim * n < 1``, e.g.
+    the default 0.2 with four inputs) it is the plain unweighted mean.
 
     Args:
         vectors: 1-D tensors of one length.
@@ -188,15 +280,17 @@ def trimmed_mean(
     """
     if not 0.0 <= trim <= 0.5:
         raise ValueError(f"trim must be in [0, 0.5], got {trim}")
-    stacked = _stack(vectors)
-    _weights(weights, len(vectors), stacked)
-    n = stacked.shape[0]
+    rows = _rows(vectors)
+    _weights(weights, len(rows), rows[0])
+    n = len(rows)
     cut = math.floor(trim * n)
     used = list(range(n))
+    if cut == 0:  # nothing to drop, so no need to sort
+        return Aggregate(_mean_rows(rows), used)
+    ordered = sorted_rows(rows)
     if n - 2 * cut <= 0:
-        return Aggregate(coordinate_median(stacked), used)
-    kept = stacked.sort(dim=0).values[cut : n - cut]
-    return Aggregate(kept.mean(dim=0), used)
+        return Aggregate(_middle(ordered), used)
+    return Aggregate(_mean_rows(ordered[cut : n - cut]), used)
 
 
 def centered_clip(

@@ -21,6 +21,7 @@ from verification.aggregators import (
     mean,
     median,
     multi_krum,
+    sorted_rows,
     trimmed_mean,
 )
 
@@ -122,6 +123,115 @@ def test_trimmed_mean_falls_back_to_median_when_nothing_remains() -> None:
 def test_trimmed_mean_rejects_bad_trim(trim: float) -> None:
     with pytest.raises(ValueError, match="trim"):
         trimmed_mean(_t([1], [2]), [1, 1], trim=trim)
+
+
+# --- sorting network against torch.sort ----------------------------------------------
+
+
+def _sort_median(x: torch.Tensor) -> torch.Tensor:
+    """Reference: coordinate-wise median by torch.sort, as before the sorting network."""
+    n = x.shape[0]
+    ordered = x.sort(dim=0).values
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _sort_trimmed_mean(x: torch.Tensor, trim: float) -> torch.Tensor:
+    """Reference: trimmed mean by torch.sort, as before the sorting network."""
+    n = x.shape[0]
+    cut = math.floor(trim * n)
+    if n - 2 * cut <= 0:
+        return _sort_median(x)
+    return x.sort(dim=0).values[cut : n - cut].mean(dim=0)
+
+
+def _matrix(n: int, d: int, seed: int, kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":  # few distinct values: most columns hold ties
+        return torch.randint(-2, 3, (n, d), generator=g).float()
+    if kind == "signed_zeros":  # ties between 0.0 and -0.0
+        return torch.randint(-1, 2, (n, d), generator=g).float() * 0.0
+    x = torch.randn(n, d, generator=g)
+    if kind == "large":  # finite, but their squares and sums overflow float32
+        return x * 3e38 / 4
+    if kind == "inf":
+        x[torch.rand(n, d, generator=g) < 0.2] = math.inf
+        x[torch.rand(n, d, generator=g) < 0.2] = -math.inf
+    if kind == "nan":
+        x[torch.rand(n, d, generator=g) < 0.2] = math.nan
+    return x
+
+
+KINDS = ["randn", "ties", "signed_zeros", "large", "inf", "nan"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 40),  # past 32 rows the network gives way to torch.sort
+    d=st.integers(0, 9),
+    seed=st.integers(0, 2**16),
+    kind=st.sampled_from(KINDS),
+)
+def test_sorted_rows_are_exactly_torch_sort(n: int, d: int, seed: int, kind: str) -> None:
+    x = _matrix(n, d, seed, kind)
+    want = x.sort(dim=0).values
+    got = sorted_rows(x)
+    assert len(got) == n
+    assert_close(torch.stack(got), want, rtol=0, atol=0, equal_nan=True)
+    assert_close(torch.stack(sorted_rows(list(x))), want, rtol=0, atol=0, equal_nan=True)
+    # fresh tensors: writing to the result leaves the input alone
+    before = x.clone()
+    for row in got:
+        row.zero_()
+    assert_close(x, before, rtol=0, atol=0, equal_nan=True)
+
+
+def test_sorted_rows_on_wide_matrices_match_torch_sort() -> None:
+    for n in (3, 4, 5, 8, 13, 32):
+        x = torch.randn(n, 10_000, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(torch.stack(sorted_rows(x)), x.sort(dim=0).values), n
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    d=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    kind=st.sampled_from(["randn", "ties", "signed_zeros"]),
+    trim=st.sampled_from([0.0, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5]),
+)
+def test_median_and_trimmed_mean_match_the_sort_reference(
+    n: int, d: int, seed: int, kind: str, trim: float
+) -> None:
+    x = _matrix(n, d, seed, kind)
+    assert_close(coordinate_median(x), _sort_median(x), rtol=0, atol=0)
+    assert_close(median(list(x), [1] * n).vector, _sort_median(x), rtol=0, atol=0)
+    # Summed in a different order than the reference's mean: equal up to rounding.
+    assert_close(trimmed_mean(list(x), [1] * n, trim=trim).vector, _sort_trimmed_mean(x, trim))
+
+
+@pytest.mark.parametrize("n", [5, 7, 10])
+def test_trimmed_mean_drops_huge_values_like_the_reference(n: int) -> None:
+    # One or two attackers per coordinate send values near float32's largest; the trim
+    # must drop exactly them, or a sum of the rest would overflow or cancel.
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 1000, generator=g)
+    cut = math.floor(0.2 * n)
+    for column in range(x.shape[1]):
+        rows = torch.randperm(n, generator=g)[:cut]
+        x[rows, column] = 3e38 * torch.sign(torch.randn(cut, generator=g))
+    want = _sort_trimmed_mean(x, 0.2)
+    got = trimmed_mean(list(x), [1] * n, trim=0.2).vector
+    assert bool(torch.isfinite(got).all())
+    assert_close(got, want)
+
+
+def test_aggregators_keep_the_dtype_that_stacking_gives() -> None:
+    ints = [torch.tensor([1, 2]), torch.tensor([3, 5]), torch.tensor([2, 9])]
+    assert trimmed_mean(ints, [1] * 3).vector.dtype == torch.float32
+    assert median(ints, [1] * 3).vector.dtype == torch.float32
+    mixed = [torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([3.0, 5.0])]
+    assert trimmed_mean(mixed, [1, 1]).vector.dtype == torch.float64
+    assert_close(median(mixed, [1, 1]).vector, torch.tensor([2.0, 3.5], dtype=torch.float64))
 
 
 # --- centered clipping -------------------------------------------------------

@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from verification.audit import GENESIS_HASH, AuditLog, AuditRow
+from verification.audit import GENESIS_HASH, AuditLog, AuditRow, open_database
 
 PEER_A = "12D3KooWHgyZUJG4T1EYya9zZQ6VAoBD4Ws4Adut9bUpVmLMRXg2"
 PEER_B = "12D3KooWKp4wDcx1te8zPS5J8UFKjE3wLHTYrmZQeDxFkkLkhJKQ"
@@ -249,3 +251,27 @@ def test_two_connections_share_one_linear_chain(db: Path) -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_commits_skip_fsync_but_survive_a_killed_process(db: Path) -> None:
+    conn = open_database(db)
+    try:
+        # WAL with synchronous = NORMAL (1): no fsync per commit, see open_database
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 1
+    finally:
+        conn.close()
+    # A process that dies without closing its log loses none of its commits.
+    script = (
+        "import os, sys\n"
+        "from verification.audit import AuditLog\n"
+        "log = AuditLog(sys.argv[1])\n"
+        "for round in range(30):\n"
+        f"    log.append(round=round, fragment=0, part=0, sender={PEER_A!r},"
+        " digest=b'd' * 32, tokens=1, verdict='accepted')\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(db)], check=True, timeout=60)
+    with AuditLog(db) as log:
+        assert log.verify() == (True, None, "")
+        assert log.head()[0] == 30

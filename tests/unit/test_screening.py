@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verification.aggregators import coordinate_median
 from verification.screening import (
+    DIRECTION_SAMPLE,
     Candidate,
     ScreeningConfig,
     Verdict,
+    _direction_columns,
     _leave_one_out_medians,
+    _norm,
     check_reduced,
     screen,
 )
@@ -172,18 +176,87 @@ def test_empty_input_gives_no_verdicts() -> None:
     assert screen([], CFG) == []
 
 
-@settings(max_examples=60, deadline=None)
+def _sort_leave_one_out_medians(stacked: torch.Tensor) -> torch.Tensor:
+    """Reference: one torch.sort, ranks by scatter, as before the sorting network."""
+    n = stacked.shape[0]
+    ordered, index = stacked.sort(dim=0)
+    rank = torch.empty_like(index)
+    positions = torch.arange(n).unsqueeze(1).expand_as(index)
+    rank.scatter_(0, index, positions)
+    lo, hi = (n - 2) // 2, (n - 1) // 2
+    at_lo = torch.where(rank > lo, ordered[lo], ordered[lo + 1])
+    at_hi = torch.where(rank > hi, ordered[hi], ordered[hi + 1])
+    return (at_lo + at_hi) / 2
+
+
+def _brute_force(x: torch.Tensor) -> torch.Tensor:
+    """Reference: the sort-based median of the other rows, one row at a time."""
+    rows = []
+    for i in range(x.shape[0]):
+        others = torch.cat([x[:i], x[i + 1 :]]).sort(dim=0).values
+        m = others.shape[0]
+        rows.append(others[m // 2] if m % 2 else (others[m // 2 - 1] + others[m // 2]) / 2)
+    return torch.stack(rows)
+
+
+@settings(max_examples=100, deadline=None)
 @given(
-    n=st.integers(2, 9),
+    n=st.integers(2, 12),
     d=st.integers(1, 6),
     seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1.0, 1e30]),
 )
-def test_leave_one_out_median_matches_brute_force(n: int, d: int, seed: int) -> None:
+def test_leave_one_out_median_matches_brute_force(n: int, d: int, seed: int, scale: float) -> None:
     # Small integers force ties, the case where rank bookkeeping could go wrong.
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(-3, 4, (n, d), generator=g).float()
-    want = torch.stack([coordinate_median(torch.cat([x[:i], x[i + 1 :]])) for i in range(n)])
-    assert torch.equal(_leave_one_out_medians(x), want)
+    x = torch.randint(-3, 4, (n, d), generator=g).float() * scale
+    got = _leave_one_out_medians(x)
+    assert torch.equal(got, _brute_force(x))
+    assert torch.equal(got, _sort_leave_one_out_medians(x))
+
+
+def test_leave_one_out_median_on_a_wide_sample_matches_the_sort_reference() -> None:
+    for n in (3, 4, 5, 8):
+        x = torch.randn(n, 20_000, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(_leave_one_out_medians(x), _sort_leave_one_out_medians(x)), n
+
+
+# --- finiteness and norms in one pass -------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [[0], [D - 1], [5, 9, 40]])
+def test_every_non_finite_value_is_counted(bad: float, where: list[int]) -> None:
+    honest = _honest(12)
+    v = honest[0].clone()
+    v[where] = bad
+    verdicts = screen(_candidates([*honest, v]), CFG)
+    assert _reasons(verdicts) == ["ok"] * 4 + ["not_finite"]
+    assert verdicts[-1].detail == f"{len(where)} of {D} values not finite"
+    assert check_reduced(v, honest[0]).detail == f"{len(where)} of {D} values not finite"
+
+
+def test_huge_finite_values_are_judged_by_norm_not_finiteness() -> None:
+    # Squares of 1e30 overflow float32 and 1e200 overflows float64: the vectors are
+    # finite all the same, so they fail the norm check, not the finiteness check.
+    honest = _honest(13)
+    huge32 = honest[0] / honest[0].abs().max() * 1e30
+    verdicts = screen(_candidates([*honest, huge32]), CFG)
+    assert _reasons(verdicts) == ["ok"] * 4 + ["norm"]
+    want = float(torch.linalg.vector_norm(huge32, dtype=torch.float64))
+    assert verdicts[-1].detail.startswith(f"norm {want:.4g} >")  # finite, from float64
+    assert check_reduced(huge32, honest[0]).reason == "owner_norm"
+    honest64 = [v.double() for v in honest]
+    huge64 = honest64[0] / honest64[0].abs().max() * 1e200
+    verdicts = screen(_candidates([*honest64, huge64]), CFG)
+    assert _reasons(verdicts) == ["ok"] * 4 + ["norm"]
+
+
+def test_norms_agree_with_float64() -> None:
+    g = torch.Generator().manual_seed(14)
+    for v in (torch.randn(250_000, generator=g), torch.randn(7, generator=g) * 1e25):
+        want = float(torch.linalg.vector_norm(v, dtype=torch.float64))
+        assert _norm(v) == (pytest.approx(want, rel=1e-5), 0)
 
 
 # --- check_reduced -------------------------------------------------------------
@@ -234,8 +307,6 @@ def test_check_reduced_zero_vectors() -> None:
 
 
 def test_direction_check_samples_large_parts_and_still_catches_a_flip() -> None:
-    from verification.screening import DIRECTION_SAMPLE
-
     d = DIRECTION_SAMPLE * 5
     g = torch.Generator().manual_seed(11)
     base = torch.randn(d, generator=g)
@@ -246,3 +317,43 @@ def test_direction_check_samples_large_parts_and_still_catches_a_flip() -> None:
         verdicts = screen(cands, ScreeningConfig())
         assert [v.ok for v in verdicts] == [True, True, True, True, False]
         assert verdicts[-1].reason == "direction"
+
+
+@pytest.mark.parametrize("d", [DIRECTION_SAMPLE + 1, 250_000, 2_500_000, 10**9])
+def test_direction_columns_take_one_fresh_column_per_stratum(d: int) -> None:
+    cols = _direction_columns(d)
+    k = torch.arange(DIRECTION_SAMPLE, dtype=torch.int64)
+    # stratum k holds the columns c with k * d <= c * DIRECTION_SAMPLE < (k + 1) * d
+    assert cols.shape == (DIRECTION_SAMPLE,)
+    assert bool((cols * DIRECTION_SAMPLE > k * d - DIRECTION_SAMPLE).all())
+    assert bool((cols * DIRECTION_SAMPLE < (k + 1) * d).all())
+    assert bool((cols[1:] >= cols[:-1]).all()) and int(cols[0]) >= 0 and int(cols[-1]) < d
+    assert not torch.equal(cols, _direction_columns(d))  # drawn afresh on every call
+
+
+def test_every_column_is_sampled_about_equally_often() -> None:
+    d, draws = 3 * DIRECTION_SAMPLE + 12_345, 400
+    counts = torch.zeros(d, dtype=torch.int64)
+    for _ in range(draws):
+        counts += torch.bincount(_direction_columns(d), minlength=d)
+    rate = counts / draws
+    p = DIRECTION_SAMPLE / d
+    assert abs(float(rate.mean()) - p) < 1e-6
+    # binomial spread: 400 draws at p ~ 0.31 give a standard deviation of about 0.023
+    assert float(rate.min()) > p - 0.15 and float(rate.max()) < p + 0.15
+    # no stretch of the vector is favoured: the first and last tenths match the rest
+    tenth = d // 10
+    for part in (rate[:tenth], rate[-tenth:]):
+        assert abs(float(part.mean()) - p) < 0.01
+
+
+def test_direction_check_survives_float32_overflow_in_the_sample() -> None:
+    # Squares of 1e25 overflow float32: the cosines are computed again in float64
+    # instead of coming out as NaN, which would let the flip through.
+    d = DIRECTION_SAMPLE * 2
+    g = torch.Generator().manual_seed(15)
+    base = torch.randn(d, generator=g)
+    honest = [(base + 0.5 * torch.randn(d, generator=g)) * 1e25 for _ in range(4)]
+    cands = [Candidate(f"h{i}", v, 100, d) for i, v in enumerate(honest)]
+    cands.append(Candidate("bad", -honest[0], 100, d))
+    assert _reasons(screen(cands, ScreeningConfig())) == ["ok"] * 4 + ["direction"]
