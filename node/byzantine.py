@@ -9,15 +9,18 @@ which is what a colluding-free attacker can do.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import struct
+from collections.abc import Sequence
 
 import torch
 
 from protocol import codec as codecs
-from protocol.allreduce import AllReduceService, Behaviour
+from protocol.allreduce import AllReduceService, Behaviour, Commitments
 from protocol.messages import Header, seal
 
-__all__ = ["MODES", "make_behaviour"]
+__all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "make_behaviour"]
 
 MODES = (
     "sign_flip",
@@ -34,6 +37,12 @@ MODES = (
     "malicious_owner",
 )
 
+COMMIT_MODES = ("equivocate", "skip_commit", "late_commit")
+"""Attacks on the commit phase (they need ``control.commit = true`` to mean anything)."""
+
+ALL_MODES = MODES + COMMIT_MODES
+
+_LATE_COMMIT_SECONDS = 4.0  # past the tests' commit phase (2 s), within their deadline (8 s)
 _SCALE = 50.0
 _NOISE = 10.0
 _ALIE_Z = 1.0  # Baruch et al. 2019 pick z from n and f; 1.0 is their order of magnitude
@@ -93,6 +102,33 @@ class _WireAttack(Behaviour):
         raise AssertionError(self.mode)
 
 
+class _CommitAttack(Behaviour):
+    """Cheats in the commit phase; the parts it sends are honest."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    async def commit(
+        self,
+        commitments: Commitments,
+        round_: int,
+        fragment: int,
+        group: Sequence[str],
+        digests: dict[int, bytes],
+    ) -> None:
+        if self.mode == "skip_commit":
+            return
+        if self.mode == "late_commit":
+            # Commit only once every owner's commit phase has closed, then send the parts.
+            await asyncio.sleep(_LATE_COMMIT_SECONDS)
+            await commitments.commit(round_, fragment, (), digests)
+            return
+        # equivocate: commit to other parts first, then to the real ones
+        other = {j: hashlib.sha256(b"other" + d).digest() for j, d in digests.items()}
+        await commitments.commit(round_, fragment, (), other)
+        await commitments.commit(round_, fragment, group, digests)
+
+
 class _MaliciousOwner(Behaviour):
     """Reduces honestly received parts into something that would wreck the model."""
 
@@ -127,4 +163,6 @@ def make_behaviour(mode: str | None, seed: int = 0) -> Behaviour:
         return _WireAttack(mode)
     if mode == "malicious_owner":
         return _MaliciousOwner()
-    raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(MODES)}")
+    if mode in COMMIT_MODES:
+        return _CommitAttack(mode)
+    raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(ALL_MODES)}")

@@ -13,7 +13,7 @@ from node.config import ConfigError, load_config
 
 __all__ = ["main"]
 
-from node.byzantine import MODES as _BYZANTINE_MODES
+from node.byzantine import ALL_MODES as _BYZANTINE_MODES
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -207,6 +207,52 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         log.close()
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    path = Path(args.data_dir).expanduser() / "status.json"
+    if not path.exists():
+        raise ValueError(f"no status at {path} (is --data-dir a node's data directory?)")
+    status = json.loads(path.read_text())
+    swarm = status.get("swarm")
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(
+        f"node {status.get('peer_id', '?')}  state {status.get('state', '?')}  "
+        f"round {status.get('round', '-')}  pid {status.get('pid', '-')}"
+    )
+    if swarm is None:
+        print("no control channel (control.enabled = false, or the node has not started it yet)")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    reputations = status.get("reputations", {})
+    table = Table(title=f"peers seen in heartbeats ({len(swarm['peers'])})")
+    for column in ("peer", "version", "round", "step", "tokens/s", "last seen", "reputation"):
+        table.add_column(column)
+    for peer, info in sorted(swarm["peers"].items()):
+        rep = reputations.get(peer, {"score": 1.0, "status": "ok"})
+        table.add_row(
+            f"...{peer[-12:]}",
+            str(info.get("version")),
+            str(info.get("round")),
+            str(info.get("step")),
+            f"{info.get('throughput') or 0:.0f}",
+            f"{info.get('last_seen_s', 0):.1f} s ago",
+            f"{rep['score']:.2f} {rep['status']}",
+        )
+    Console().print(table)
+    dropped = swarm.get("dropped") or {}
+    print(
+        f"sidecar pid {swarm.get('sidecar_pid')}, restarts {swarm.get('sidecar_restarts', 0)}; "
+        f"verdicts {swarm.get('verdicts', 0)} (ignored: {swarm.get('forged_verdicts', 0)}); "
+        f"dropped {sum(dropped.values())} {dict(dropped) if dropped else ''}"
+    )
+    return 0
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -299,6 +345,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "blame":
             a.add_argument("--round", type=int, required=True)
         a.set_defaults(func=_cmd_audit)
+
+    status = sub.add_parser("status", help="the swarm as a node sees it from heartbeats")
+    status.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
+    status.add_argument("--json", action="store_true", help="the node's whole status as JSON")
+    status.set_defaults(func=_cmd_status)
 
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")
     keygen.add_argument("--data-dir", default=".atoll/node")

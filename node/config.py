@@ -28,6 +28,7 @@ else:  # pragma: no cover
 __all__ = [
     "AtollConfig",
     "ConfigError",
+    "ControlConfig",
     "DataConfig",
     "ModelConfig",
     "NetworkConfig",
@@ -156,6 +157,25 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class ControlConfig:
+    """The control channel: a py-libp2p GossipSub sidecar per node.
+
+    ``commit`` must be the same on every node of a run: with it on, a node refuses
+    parts their sender did not commit to before the exchange.
+    """
+
+    enabled: bool = True
+    heartbeat_seconds: float = Field(default=1.0, gt=0.0, le=60.0)
+    commit: bool = True
+    commit_seconds: float = Field(default=2.0, gt=0.0, le=60.0)
+    max_message_kb: float = Field(default=256.0, gt=0.0, le=960.0)
+
+    def __post_init__(self) -> None:
+        if self.commit and not self.enabled:
+            raise ValueError("control.commit needs control.enabled = true")
+
+
+@dataclass(frozen=True, config=_STRICT)
 class AtollConfig:
     """Everything one node needs to know, one nested dataclass per component."""
 
@@ -166,6 +186,7 @@ class AtollConfig:
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
     trust: TrustPolicy = Field(default_factory=TrustPolicy)
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ a slow or vanished peer costs at most that deadline.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from node.byzantine import make_behaviour
 from node.checkpoint import load_latest, save_checkpoint
 from node.clock import SecondsClock
 from node.config import AtollConfig
+from node.controlplane import ControlPlane
 from node.data import BatchStream, load_corpus
 from node.metrics import EventLog, StatusWriter
 from node.model import build_model
@@ -42,6 +44,11 @@ from verification.identity import Identity
 __all__ = ["Node"]
 
 logger = logging.getLogger(__name__)
+
+try:
+    __version__ = importlib.metadata.version("atoll")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0+unknown"
 
 _LIVE_SECONDS = 10.0  # a registry record older than this is a peer presumed gone
 
@@ -66,6 +73,7 @@ class Node:
         self.stop_event = threading.Event()
         self.round = 0
         self.transport: Transport | None = None
+        self.control: ControlPlane | None = None
         self.live: dict[str, matchmaking.PeerRecord] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -147,6 +155,19 @@ class Node:
         self.verifier = Verifier(
             cfg.trust, self.data_dir / "atoll.db", self.identity.peer_id, self.events
         )
+        if cfg.control.enabled:
+            self.control = ControlPlane(
+                cfg.control,
+                cfg.run.run_id,
+                self.identity,
+                self.data_dir / "identity.key",
+                self.data_dir,
+                self.verifier,
+                self.events,
+                self._vitals,
+                __version__,
+            )
+            self.control.start()
         self.allreduce = AllReduceService(
             self.transport,
             self.identity,
@@ -165,6 +186,7 @@ class Node:
             reducer=self.verifier.reduce,
             observer=self.verifier,
             behaviour=make_behaviour(self.byzantine, seed=cfg.run.seed),
+            commitments=self.control if cfg.control.commit else None,
         )
         self.allreduce.register()
         self.state_server = catchup.StateServer(self.transport, self.identity, cfg.run.run_id)
@@ -173,7 +195,7 @@ class Node:
             force=True,
             maddrs=self.transport.maddrs,
             params=self.plan.numel,
-            helper_pids=self.transport.helper_pids,
+            helper_pids=self._helper_pids(),
         )
         self._resume()
         self.state_server.publish(
@@ -352,6 +374,8 @@ class Node:
                 self._checkpoint()
         except Exception:
             logger.exception("final checkpoint failed")
+        if self.control is not None:
+            self.control.close()
         if self.transport is not None:
             self.transport.shutdown()
         if hasattr(self, "verifier"):
@@ -548,6 +572,24 @@ class Node:
 
     # ---- peers ----------------------------------------------------------------------------
 
+    def _helper_pids(self) -> list[int]:
+        """Processes this node started besides itself (p2pd, DHT, control sidecar)."""
+        pids = list(self.transport.helper_pids) if self.transport else []
+        if self.control is not None and self.control.sidecar_pid:
+            pids.append(self.control.sidecar_pid)
+        return pids
+
+    def _vitals(self) -> dict[str, Any]:
+        """What this node's heartbeats say about it."""
+        trainer = getattr(self, "trainer", None)
+        tokens = trainer.tokens if trainer else 0
+        return {
+            "round": self.round,
+            "step": trainer.steps if trainer else 0,
+            "throughput": round(tokens / self.busy, 1) if self.busy > 0 else 0.0,
+            "device": str(getattr(self, "device", "")),
+        }
+
     def live_peers(self) -> set[str]:
         """Peers whose registry record is fresh (this node excluded)."""
         now = time.time()
@@ -573,10 +615,21 @@ class Node:
                     self.trainer.steps,
                     expiration=_LIVE_SECONDS,
                     timeout=net.request_timeout,
+                    control=self.control.addrs if self.control else (),
                 )
                 self.live = await matchmaking.read_registry(
                     self.transport, self.cfg.run.run_id, timeout=net.request_timeout
                 )
             except ProtocolError as exc:
                 logger.debug("registry refresh failed: %s", exc)
+            if self.control is not None:
+                for rec in self.live.values():
+                    if rec.peer != self.identity.peer_id:
+                        self.control.connect(rec.control)
+                self.status.update(
+                    control_addrs=self.control.addrs,
+                    swarm=self.control.swarm(),
+                    reputations=self.verifier.reputations(),
+                    helper_pids=self._helper_pids(),
+                )
             await asyncio.sleep(net.registry_seconds)

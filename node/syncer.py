@@ -156,7 +156,7 @@ class Syncer:
             timeout=net.request_timeout,
         )
         me = node.identity.peer_id
-        peers = set(announced) - self._excluded(set(announced), r, len(announced) + 1)
+        peers = set(announced) - self._excluded(set(announced), r, len(set(announced) | {me}))
         size, layout = self.group_size(), node.cfg.sync.layout
         group = grouping.group_of(me, peers, r, f, size, layout)
         if not self.mixes(len(peers | {me})):

@@ -34,7 +34,9 @@ __all__ = ["BENIGN_REASONS", "Verifier"]
 
 logger = logging.getLogger(__name__)
 
-BENIGN_REASONS = frozenset({"group_mismatch", "not_in_round", "late", "busy", "timeout"})
+BENIGN_REASONS = frozenset(
+    {"group_mismatch", "not_in_round", "late", "busy", "timeout", "uncommitted", "late_commit"}
+)
 """Refusals an honest peer can cause (different views, slowness); never held against it.
 
 ``wrong_part`` is not among them: the group is checked first, so a part addressed to
@@ -125,6 +127,15 @@ class Verifier(Observer):
         with self._lock:
             standings = [self.reputation.standing(s.peer, round_) for s in self.reputation.all()]
         return {s.peer: s.status for s in standings if s.status != "ok"}
+
+    def reputations(self) -> dict[str, dict[str, object]]:
+        """Every known peer's stored score, status and violation count."""
+        with self._lock:
+            rows = self.reputation.all()
+        return {
+            s.peer: {"score": round(s.score, 3), "status": s.status, "violations": s.violations}
+            for s in rows
+        }
 
     def admit(self, peer: str, round_: int) -> str | None:
         return self.refusal(peer, round_)
@@ -288,6 +299,18 @@ class Verifier(Observer):
             )
         if reason not in BENIGN_REASONS and reason not in _POLICY_REASONS:
             self._violation(owner, round_, fragment, reason, "reduced part refused")
+
+    def convict(self, peer: str, round_: int, fragment: int, reason: str) -> None:
+        """Act on checked proof of misbehaviour (e.g. equivocation): the policy's
+        ``on_proof`` action at once, whatever the peer's record so far."""
+        self._violation(peer, round_, fragment, reason, "proven by signed evidence")
+        with self._lock:
+            standing = self.reputation.standing(peer, round_)
+            if self.policy.on_proof == "ban" and standing.status != "banned":
+                self.reputation.ban(peer, reason)
+            elif standing.status == "ok":
+                self.reputation.quarantine(peer, round_, self.policy.quarantine_rounds, reason)
+            self._flagged_at.setdefault(peer, max(round_, self.round))
 
     def _violation(
         self, peer: str, round_: int, fragment: int | None, reason: str, detail: str

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from protocol.errors import ProtocolError
@@ -63,6 +63,8 @@ class PeerRecord:
     step: int
     maddrs: tuple[str, ...]
     updated: float
+    control: tuple[str, ...] = ()
+    """Multiaddrs of the peer's control sidecar (GossipSub), if it runs one."""
 
 
 def _mm_key(run_id: str, round_: int, fragment: int) -> str:
@@ -178,10 +180,16 @@ async def publish_record(
     *,
     expiration: float,
     timeout: float,
+    control: Sequence[str] = (),
 ) -> bool:
-    """Refresh this node's registry record (round, step, multiaddrs)."""
+    """Refresh this node's registry record (round, step, multiaddrs, control sidecar)."""
     header = Header("record", run_id, round_, 0, 0, identity.peer_id)
-    body = {"step": int(step), "maddrs": list(transport.maddrs), "time": time.time()}
+    body = {
+        "step": int(step),
+        "maddrs": list(transport.maddrs),
+        "time": time.time(),
+        "control": list(control),
+    }
     value = seal(identity, header, body)
     return await transport.dht_store(
         _registry_key(run_id), identity.peer_id, value, expiration, timeout=timeout
@@ -206,11 +214,13 @@ async def read_registry(
                 kinds=("record",),
             )
             body = env.body
-            maddrs = body.get("maddrs")
+            maddrs, control = body.get("maddrs"), body.get("control", [])
             step, updated = body.get("step"), body.get("time")
             if (
                 not isinstance(maddrs, list)
                 or not all(isinstance(m, str) for m in maddrs)
+                or not isinstance(control, list)
+                or not all(isinstance(m, str) for m in control)
                 or not isinstance(step, int)
                 or not isinstance(updated, (int, float))
             ):
@@ -224,5 +234,6 @@ async def read_registry(
             step=step,
             maddrs=tuple(maddrs),
             updated=float(updated),
+            control=tuple(control),
         )
     return out

@@ -43,6 +43,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Envelope",
     "Header",
+    "envelope_digest",
     "open_envelope",
     "seal",
     "signing_payload",
@@ -175,6 +176,19 @@ def seal(identity: Identity, header: Header, body: dict[str, Any]) -> bytes:
     if len(wire) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message is {len(wire)} bytes, over the {MAX_MESSAGE_BYTES} byte cap")
     return wire
+
+
+def envelope_digest(data: bytes) -> bytes:
+    """The digest a sealed message's signature covers, without checking the signature.
+
+    This is the value a sender commits to before an exchange and the value the
+    receiver's :class:`Envelope` carries after :func:`open_envelope`.
+
+    Raises:
+        ProtocolError: ``malformed`` bytes.
+    """
+    signed, _ = _parse_outer(bytes(data), None)
+    return hashlib.sha256(signed).digest()
 
 
 def open_envelope(

@@ -70,6 +70,8 @@ class TrustPolicy:
             many peers (capped by how many are live) signed its digest for its round.
         violations_to_ban: ban a peer once it reaches this many violations, whatever
             ``on_violation`` says; 0 never escalates.
+        on_proof: what checked proof of misbehaviour costs (equivocation: two signed
+            commitments that differ), whether this node saw it or a verdict carried it.
     """
 
     allow: tuple[str, ...] = ()
@@ -87,6 +89,7 @@ class TrustPolicy:
     min_reputation: float = Field(default=0.0, ge=0, le=1)
     state_signers: int = Field(default=2, ge=1)
     violations_to_ban: int = Field(default=0, ge=0)
+    on_proof: Literal["quarantine", "ban"] = "ban"
 
     @field_validator("allow", "deny")
     @classmethod

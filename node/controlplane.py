@@ -1,0 +1,390 @@
+"""The node's control plane: heartbeats, round commitments and verdicts over GossipSub.
+
+Three topics on the node's :class:`~protocol.control.ControlChannel` (a py-libp2p
+sidecar), every message signed by the node key and checked on receipt:
+
+* ``heartbeat``: alive, version, capabilities, measured throughput, current round
+  and step; what ``atoll status`` shows.
+* ``commit``: before an exchange a member publishes the digests of its signed parts
+  for ``(round, fragment)`` (:class:`~protocol.allreduce.Commitments`); an owner takes
+  a part only if its sender committed to exactly that digest before the owner's own
+  commit phase closed. Two different signed commitments from one peer for the same
+  ``(round, fragment)`` are proof of equivocation.
+* ``verdict``: an accusation with its evidence (both signed commitments). Every
+  receiver checks the evidence itself and acts through its own trust policy; an
+  accusation whose evidence does not check out is counted and costs the accused
+  nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from protocol.allreduce import Commitments
+from protocol.control import ControlChannel
+from protocol.control_wire import CONTROL_VERSION, ControlMessage, open_control
+from protocol.errors import ProtocolError
+from verification.identity import Identity
+
+if TYPE_CHECKING:
+    from node.config import ControlConfig
+    from node.metrics import EventLog
+    from node.verifier import Verifier
+
+__all__ = ["TOPICS", "ControlPlane", "check_equivocation", "topic_name"]
+
+logger = logging.getLogger(__name__)
+
+TOPICS = ("heartbeat", "commit", "verdict")
+CAPABILITIES = ("allreduce", "butterfly", "gossip", "commit", "repair", "catch_up")
+_ROUNDS_KEPT = 4  # commitments older than this many rounds are forgotten
+_MAX_COMMITS = 65536
+_POLL_SECONDS = 0.02
+_OVERTAKE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class _Commit:
+    digests: dict[int, bytes]
+    received: float  # this node's time.monotonic() when it arrived
+    wire: bytes  # the signed message itself: evidence if the sender equivocates
+
+
+def _wire(msg: ControlMessage) -> bytes:
+    return msgpack.packb([CONTROL_VERSION, msg.raw_signed, msg.signature], use_bin_type=True)
+
+
+def _commit_fields(body: Any) -> tuple[int, int, dict[int, bytes]]:
+    """``(round, fragment, {part: digest})`` of a commitment body, or ProtocolError."""
+    if not isinstance(body, dict):
+        raise ProtocolError("malformed", "commitment body is not a map")
+    r, f, pairs = body.get("round"), body.get("fragment"), body.get("digests")
+    if not (isinstance(r, int) and isinstance(f, int) and r >= 0 and f >= 0):
+        raise ProtocolError("malformed", "commitment round and fragment must be integers")
+    if not isinstance(pairs, list):
+        raise ProtocolError("malformed", "commitment digests must be a list")
+    digests: dict[int, bytes] = {}
+    for pair in pairs:
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and isinstance(pair[0], int)
+            and isinstance(pair[1], bytes)
+            and len(pair[1]) == 32
+        ):
+            raise ProtocolError("malformed", "a commitment digest is not [part, 32 bytes]")
+        digests[pair[0]] = pair[1]
+    return r, f, digests
+
+
+def topic_name(run: str, topic: str) -> str:
+    """The GossipSub topic of ``topic`` in ``run`` (runs never share a topic)."""
+    return f"atoll/{run}/{topic}"
+
+
+def check_equivocation(evidence: Any, accused: str, run: str) -> tuple[int, int]:
+    """Check equivocation evidence: two commitments by ``accused``, same round, differing.
+
+    Returns:
+        The ``(round, fragment)`` the accused equivocated on.
+
+    Raises:
+        ProtocolError: the evidence does not prove it (reason ``bad_evidence``).
+    """
+    if not (isinstance(evidence, list) and len(evidence) == 2):
+        raise ProtocolError("bad_evidence", "equivocation needs exactly two commitments")
+    opened = []
+    for item in evidence:
+        if not isinstance(item, bytes):
+            raise ProtocolError("bad_evidence", "evidence items must be signed messages")
+        try:
+            msg = open_control(item, run, topic_name(run, "commit"))
+            opened.append((msg, _commit_fields(msg.body)))
+        except ProtocolError as exc:
+            raise ProtocolError("bad_evidence", f"{exc.reason}: {exc.detail}") from None
+    (a, (ra, fa, da)), (b, (rb, fb, db)) = opened
+    if a.sender != accused or b.sender != accused:
+        raise ProtocolError("bad_evidence", "a commitment is not signed by the accused")
+    if (ra, fa) != (rb, fb):
+        raise ProtocolError("bad_evidence", "the commitments are for different rounds")
+    if da == db:
+        raise ProtocolError("bad_evidence", "the commitments agree")
+    return ra, fa
+
+
+class ControlPlane(Commitments):
+    """Heartbeats, commitments and verdicts for one node.
+
+    Args:
+        cfg: the ``[control]`` settings.
+        run_id: the run; messages of other runs are refused.
+        identity: the node key (signs every message).
+        key_file: the node's private-key file (the sidecar loads the same key).
+        data_dir: where the sidecar's log goes.
+        verifier: acts on proven misbehaviour through the trust policy.
+        events: the node's event log.
+        vitals: returns this node's ``round``, ``step`` and ``throughput`` for heartbeats.
+        version: this node's software version, sent in heartbeats.
+    """
+
+    def __init__(
+        self,
+        cfg: ControlConfig,
+        run_id: str,
+        identity: Identity,
+        key_file: Path,
+        data_dir: Path,
+        verifier: Verifier,
+        events: EventLog | None,
+        vitals: Callable[[], dict[str, Any]],
+        version: str,
+    ) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.identity = identity
+        self.me = identity.peer_id
+        self.verifier = verifier
+        self.events = events
+        self.vitals = vitals
+        self.version = version
+        self._key_file = key_file
+        self._log_path = data_dir / "sidecar.log"
+        self._lock = threading.Lock()
+        self._commits: dict[tuple[str, int, int], _Commit] = {}
+        self._peers: dict[str, dict[str, Any]] = {}
+        self._convicted: set[str] = set()
+        self._newest = 0
+        self._connected: set[str] = set()
+        self.counters = {"forged_verdicts": 0, "verdicts": 0, "malformed": 0}
+        self._stop = threading.Event()
+        self.channel: ControlChannel | None = None
+        self._beat: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the sidecar and the heartbeat thread.
+
+        Raises:
+            ControlChannelError: the sidecar did not come up.
+        """
+        self.channel = ControlChannel.start(
+            self._key_file,
+            self.run_id,
+            [topic_name(self.run_id, t) for t in TOPICS],
+            self._on_message,
+            identity=self.identity,
+            max_bytes=int(self.cfg.max_message_kb * 1024),
+            log_path=self._log_path,
+        )
+        self._beat = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
+        self._beat.start()
+
+    def close(self) -> None:
+        """Stop heartbeats and the sidecar (reaped)."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(self.cfg.heartbeat_seconds + 2)
+        if self.channel is not None:
+            self.channel.close()
+
+    @property
+    def addrs(self) -> list[str]:
+        return self.channel.addrs if self.channel else []
+
+    @property
+    def sidecar_pid(self) -> int | None:
+        return self.channel.sidecar_pid if self.channel else None
+
+    def connect(self, addrs: Sequence[str]) -> None:
+        """Dial peers' sidecars not dialled yet (addresses from the DHT registry)."""
+        if self.channel is None:
+            return
+        new = [a for a in addrs if a not in self._connected and "/p2p/" in a]
+        if new:
+            self._connected.update(new)
+            try:
+                self.channel.connect(new)
+            except ValueError as exc:  # a peer published a bad address; skip it
+                logger.warning("control: not dialling %s: %s", new, exc)
+
+    # ---- heartbeats and the swarm view ---------------------------------------------------
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_seconds):
+            body = {"version": self.version, "capabilities": list(CAPABILITIES), **self.vitals()}
+            try:
+                self._publish("heartbeat", body)
+            except Exception:  # a heartbeat must never take the node down
+                logger.exception("control: heartbeat failed")
+
+    def swarm(self) -> dict[str, Any]:
+        """Peers as this node sees them from heartbeats, with the channel's counters."""
+        now = time.time()
+        with self._lock:
+            peers = {
+                p: {**info, "last_seen_s": round(now - info["seen"], 1)}
+                for p, info in self._peers.items()
+            }
+        stats = self.channel.stats() if self.channel else {}
+        return {
+            "peers": peers,
+            "sidecar_pid": self.sidecar_pid,
+            "sidecar_restarts": stats.get("restarts", 0),
+            "dropped": {**stats.get("dropped", {}), **stats.get("client_dropped", {})},
+            **self.counters,
+        }
+
+    # ---- commitments ------------------------------------------------------------------
+
+    async def commit(
+        self, round_: int, fragment: int, group: Sequence[str], digests: dict[int, bytes]
+    ) -> None:
+        await self.publish_commit(round_, fragment, digests)
+        others = [p for p in group if p != self.me and not self.verifier.refusal(p, round_)]
+        deadline = time.monotonic() + self.cfg.commit_seconds
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all((p, round_, fragment) in self._commits for p in others):
+                    return
+            await asyncio.sleep(_POLL_SECONDS)
+        logger.info(
+            "round %d fragment %d: commit phase closed without %s",
+            round_,
+            fragment,
+            [p[:12] for p in others if (p, round_, fragment) not in self._commits],
+        )
+
+    async def publish_commit(self, round_: int, fragment: int, digests: dict[int, bytes]) -> None:
+        """Publish (and record) this node's commitment for ``(round, fragment)``."""
+        body = {
+            "round": round_,
+            "fragment": fragment,
+            "digests": [[j, d] for j, d in sorted(digests.items())],
+        }
+        with self._lock:
+            self._commits[(self.me, round_, fragment)] = _Commit(
+                dict(digests), time.monotonic(), b""
+            )
+        self._publish("commit", body)
+
+    async def check(
+        self, peer: str, round_: int, fragment: int, part: int, digest: bytes, closed_at: float
+    ) -> str | None:
+        key = (peer, round_, fragment)
+        # A commitment travels by gossip and its part by a direct stream, so a part sent
+        # right after a (late) commitment can overtake it: wait a moment to tell a late
+        # commitment from none at all. Either way the part is refused.
+        deadline = time.monotonic() + _OVERTAKE_SECONDS
+        while True:
+            with self._lock:
+                rec = self._commits.get(key)
+            if rec is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(_POLL_SECONDS)
+        if rec is None:
+            return "uncommitted"
+        if rec.received > closed_at:
+            return "late_commit"
+        if rec.digests.get(part) != digest:
+            return "commit_mismatch"
+        return None
+
+    # ---- incoming ---------------------------------------------------------------------
+
+    def _publish(self, topic: str, body: Any) -> None:
+        if self.channel is not None and not self.channel.publish(
+            topic_name(self.run_id, topic), body
+        ):
+            logger.debug("control: sidecar down, %s not sent", topic)
+
+    def _on_message(self, full_topic: str, msg: ControlMessage) -> None:
+        if msg.sender == self.me:
+            return
+        topic = full_topic.rsplit("/", 1)[-1]
+        try:
+            if topic == "heartbeat":
+                self._on_heartbeat(msg)
+            elif topic == "commit":
+                self._on_commit(msg)
+            elif topic == "verdict":
+                self._on_verdict(msg)
+        except ProtocolError as exc:
+            self.counters["malformed"] += 1
+            logger.warning("control: %s from %s refused: %s", topic, msg.sender[:16], exc)
+
+    def _on_heartbeat(self, msg: ControlMessage) -> None:
+        body = msg.body if isinstance(msg.body, dict) else {}
+        info = {
+            k: body.get(k)
+            for k in ("version", "capabilities", "round", "step", "throughput", "device")
+        }
+        info["seen"] = time.time()
+        with self._lock:
+            self._peers[msg.sender] = info
+
+    def _on_commit(self, msg: ControlMessage) -> None:
+        r, f, digests = _commit_fields(msg.body)
+        key = (msg.sender, r, f)
+        new = _Commit(digests, time.monotonic(), _wire(msg))
+        with self._lock:
+            old = self._commits.get(key)
+            if old is None:
+                self._commits[key] = new
+                self._forget_old(r)
+                return
+        if old.digests != digests and old.wire:
+            evidence = [old.wire, new.wire]
+            self._convict(msg.sender, r, f, "equivocation", evidence, publish=True)
+
+    def _forget_old(self, r: int) -> None:
+        """Drop commitments from rounds long past (called with the lock held)."""
+        if r <= self._newest and len(self._commits) < _MAX_COMMITS:
+            return
+        self._newest = max(self._newest, r)
+        for key in [k for k in self._commits if k[1] < self._newest - _ROUNDS_KEPT]:
+            del self._commits[key]
+
+    def _on_verdict(self, msg: ControlMessage) -> None:
+        body = msg.body if isinstance(msg.body, dict) else {}
+        accused, kind = body.get("accused"), body.get("kind")
+        self.counters["verdicts"] += 1
+        try:
+            if kind != "equivocation" or not isinstance(accused, str):
+                raise ProtocolError("bad_evidence", f"unknown accusation {kind!r}")
+            r, f = check_equivocation(body.get("evidence"), accused, self.run_id)
+        except ProtocolError as exc:
+            # The accused loses nothing; the accuser signed a claim that does not hold.
+            self.counters["forged_verdicts"] += 1
+            logger.warning(
+                "control: verdict from %s against %s ignored: %s",
+                msg.sender[:16],
+                str(accused)[:16],
+                exc.detail,
+            )
+            if self.events is not None:
+                self.events.write(
+                    "verdict_ignored", accuser=msg.sender, accused=str(accused), reason=exc.detail
+                )
+            return
+        self._convict(accused, r, f, kind, body["evidence"], publish=False)
+
+    def _convict(
+        self, peer: str, r: int, f: int, kind: str, evidence: list[bytes], publish: bool
+    ) -> None:
+        with self._lock:
+            if peer in self._convicted or peer == self.me:
+                return
+            self._convicted.add(peer)
+        self.verifier.convict(peer, r, f, kind)
+        if publish:
+            self._publish("verdict", {"accused": peer, "kind": kind, "evidence": evidence})

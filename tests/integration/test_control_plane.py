@@ -1,0 +1,150 @@
+"""The GossipSub control channel on real nodes: heartbeats, commitments, verdicts, sidecars."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+
+from node.controlplane import topic_name
+from node.metrics import read_events
+from protocol.control import ControlChannel
+from protocol.control_wire import CONTROL_VERSION, sign_control
+from tests.integration.conftest import alive, wait_until
+from verification.audit import AuditLog
+from verification.identity import Identity
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RUN = "itest"  # the run id of the integration workload (conftest.SMALL)
+
+
+def _peers_seen(node) -> set[str]:
+    return set((node.status.get("swarm") or {}).get("peers", {}))
+
+
+def test_every_node_sees_every_heartbeat_within_seconds(local_swarm):
+    nodes = local_swarm.launch(4, rounds=3)
+    assert wait_until(
+        lambda: all(n.status.get("state") in ("ready", "training") for n in nodes), 120
+    )
+    ready = time.monotonic()
+    ids = lambda: {n.status["peer_id"] for n in nodes}  # noqa: E731
+    assert wait_until(
+        lambda: all(_peers_seen(n) == ids() - {n.status["peer_id"]} for n in nodes), 30, 0.2
+    ), [_peers_seen(n) for n in nodes]
+    seen_after = time.monotonic() - ready
+    assert seen_after < 15, seen_after  # registry refresh (2 s) + dial + one heartbeat
+    assert local_swarm.wait_all(200)
+    assert local_swarm.summary()["params_agree"]
+    for n in nodes:  # commitments on, honest nodes: no part was refused for them
+        rejected = [e for e in read_events(n.data_dir / "events.jsonl", "violation")]
+        assert rejected == []
+        swarm = n.status["swarm"]
+        assert swarm["dropped"] == {} and swarm["forged_verdicts"] == 0
+
+
+def test_an_equivocating_node_is_proven_and_banned_by_every_honest_node(local_swarm):
+    local_swarm.launch(4, rounds=3, args={3: ["--byzantine", "equivocate"]})
+    assert local_swarm.wait_all(240)
+    summary = local_swarm.summary()
+    cheat = local_swarm.nodes[3].status["peer_id"]
+    for node in local_swarm.nodes[:3]:
+        assert node.proc.returncode == 0
+        proofs = [
+            e
+            for e in read_events(node.data_dir / "events.jsonl", "violation")
+            if e["peer"] == cheat and e["reason"] == "equivocation"
+        ]
+        assert proofs and proofs[0]["round"] <= 2, proofs
+        assert summary["flagged"][str(node.index)] == {cheat: "banned"}
+    assert summary["params_agree"], summary["rounds_disagreeing"]
+
+
+def test_forged_verdicts_are_ignored_and_cost_the_accused_nothing(local_swarm, tmp_path):
+    nodes = local_swarm.launch(3, rounds=15)  # long enough to outlive the forgeries
+    assert wait_until(lambda: all(n.status.get("control_addrs") for n in nodes), 120)
+    accused = nodes[0].status["peer_id"]
+    forger = Identity.generate()
+    forger.save(tmp_path / "forger.key")
+    topic = topic_name(RUN, "verdict")
+    commit = topic_name(RUN, "commit")
+    with ControlChannel.start(
+        tmp_path / "forger.key", RUN, [topic], lambda *_: None, identity=forger
+    ) as channel:
+        channel.connect([a for n in nodes for a in n.status["control_addrs"]])
+        assert wait_until(lambda: len(channel.stats(refresh=True).get("peers", [])) == 3, 30)
+        time.sleep(2)  # let the mesh form (heartbeat 1 s)
+        # evidence the forger signed itself, claimed to be the accused's
+        fake = [
+            sign_control(forger, RUN, commit, 1, {"round": 1, "fragment": 0, "digests": []}),
+            sign_control(
+                forger, RUN, commit, 2, {"round": 1, "fragment": 0, "digests": [[0, b"x" * 32]]}
+            ),
+        ]
+        assert channel.publish(
+            topic, {"accused": accused, "kind": "equivocation", "evidence": fake}
+        )
+        # a verdict whose own signature is broken never reaches a node's logic
+        signed = msgpack.unpackb(sign_control(forger, RUN, topic, 3, {"accused": accused}))
+        signed[2] = bytes(64)
+        channel._send({"op": "publish", "topic": topic, "data": msgpack.packb(signed)})
+        others = nodes[1:]
+        assert wait_until(
+            lambda: all(n.status["swarm"]["forged_verdicts"] >= 1 for n in others), 30
+        ), [n.status["swarm"] for n in others]
+        assert wait_until(
+            lambda: all(n.status["swarm"]["dropped"].get("bad_signature") for n in others), 30
+        ), [n.status["swarm"]["dropped"] for n in others]
+    assert local_swarm.wait_all(200)
+    for node in nodes[1:]:
+        assert node.status["flagged"] == {}
+        assert node.status["reputations"].get(accused, {}).get("violations", 0) == 0
+        assert read_events(node.data_dir / "events.jsonl", "violation") == []
+    assert CONTROL_VERSION == 1
+
+
+def test_uncommitted_and_late_committed_parts_are_rejected(local_swarm):
+    args = {2: ["--byzantine", "skip_commit"], 3: ["--byzantine", "late_commit"]}
+    local_swarm.launch(4, rounds=2, args=args)
+    assert local_swarm.wait_all(240)
+    skipper, late = (local_swarm.nodes[i].status["peer_id"] for i in (2, 3))
+    for node in local_swarm.nodes[:2]:
+        assert node.proc.returncode == 0
+        log = AuditLog(node.data_dir / "atoll.db")
+        try:
+            reasons = {
+                peer: {r.reason for r in log.rows(peer=peer) if r.verdict == "rejected"}
+                for peer in (skipper, late)
+            }
+        finally:
+            log.close()
+        assert "uncommitted" in reasons[skipper], reasons
+        assert "late_commit" in reasons[late], reasons
+
+
+def test_a_killed_sidecar_comes_back_and_training_goes_on(local_swarm):
+    nodes = local_swarm.launch(3, rounds=6)
+    node = nodes[0]
+    assert wait_until(lambda: (node.status.get("swarm") or {}).get("sidecar_pid"), 120)
+    assert wait_until(lambda: node.status.get("round", 0) >= 1, 120, 0.1)
+    first = node.status["swarm"]["sidecar_pid"]
+    os.kill(first, signal.SIGKILL)
+    killed_at = node.status["round"]
+    assert wait_until(
+        lambda: (
+            node.status["swarm"].get("sidecar_pid") not in (None, first)
+            and node.status["swarm"]["sidecar_restarts"] >= 1
+        ),
+        60,
+    ), node.status["swarm"]
+    assert not alive(first)
+    assert local_swarm.wait_all(240)
+    assert [n.proc.returncode for n in nodes] == [0, 0, 0]
+    assert node.status["round"] == 6 > killed_at
+    # after it came back, the others hear its heartbeats again
+    for other in nodes[1:]:
+        assert node.status["peer_id"] in _peers_seen(other)

@@ -1,0 +1,162 @@
+"""The node's control plane without a network: commitments, equivocation, verdicts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from node.config import ControlConfig
+from node.controlplane import ControlPlane, check_equivocation, topic_name
+from node.verifier import Verifier
+from protocol.control_wire import open_control, sign_control
+from protocol.errors import ProtocolError
+from verification.identity import Identity
+from verification.policy import TrustPolicy
+
+RUN = "unit"
+ME = Identity.from_seed(b"m" * 32)
+CHEAT = Identity.from_seed(b"c" * 32)
+OTHER = Identity.from_seed(b"o" * 32)
+D1, D2 = b"\x01" * 32, b"\x02" * 32
+
+
+def _signed(identity: Identity, topic: str, body: object, seq: int = 1) -> bytes:
+    return sign_control(identity, RUN, topic_name(RUN, topic), seq, body)
+
+
+def _commit(identity: Identity, digests: dict[int, bytes], round_: int = 3, seq: int = 1) -> bytes:
+    body = {"round": round_, "fragment": 0, "digests": [[j, d] for j, d in digests.items()]}
+    return _signed(identity, "commit", body, seq)
+
+
+@pytest.fixture
+def plane(tmp_path: Path):
+    verifier = Verifier(TrustPolicy(), tmp_path / "atoll.db", ME.peer_id)
+    cp = ControlPlane(
+        ControlConfig(commit_seconds=0.2),
+        RUN,
+        ME,
+        tmp_path / "identity.key",
+        tmp_path,
+        verifier,
+        None,
+        lambda: {"round": 0},
+        "test",
+    )
+    yield cp
+    verifier.close()
+
+
+def _check(cp: ControlPlane, *args) -> str | None:
+    return asyncio.run(cp.check(*args))
+
+
+def _deliver(cp: ControlPlane, topic: str, wire: bytes) -> None:
+    full = topic_name(RUN, topic)
+    cp._on_message(full, open_control(wire, RUN, full))
+
+
+def test_equivocation_evidence_checks_out() -> None:
+    assert check_equivocation(
+        [_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D2}, seq=2)], CHEAT.peer_id, RUN
+    ) == (3, 0)
+
+
+@pytest.mark.parametrize(
+    ("evidence", "why"),
+    [
+        ([_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D1}, seq=2)], "agree"),
+        ([_commit(CHEAT, {0: D1}), _commit(OTHER, {0: D2})], "not signed by the accused"),
+        ([_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D2}, round_=4)], "different rounds"),
+        ([_commit(CHEAT, {0: D1})], "exactly two"),
+        ([_commit(CHEAT, {0: D1}), b"\x93garbage"], "malformed"),
+        ([_commit(CHEAT, {0: D1}), _signed(CHEAT, "heartbeat", {})], "wrong_topic"),
+        ("not a list", "exactly two"),
+    ],
+)
+def test_evidence_that_does_not_prove_equivocation_is_refused(evidence, why: str) -> None:
+    with pytest.raises(ProtocolError, match=why) as info:
+        check_equivocation(evidence, CHEAT.peer_id, RUN)
+    assert info.value.reason == "bad_evidence"
+
+
+def test_two_commitments_from_one_peer_ban_it(plane: ControlPlane) -> None:
+    _deliver(plane, "commit", _commit(CHEAT, {0: D1}))
+    assert plane.verifier.flagged(4) == {}
+    _deliver(plane, "commit", _commit(CHEAT, {0: D2}, seq=2))
+    assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}
+
+
+def test_a_valid_verdict_bans_the_accused_and_a_forged_one_costs_nothing(
+    plane: ControlPlane,
+) -> None:
+    forged = {
+        "accused": OTHER.peer_id,
+        "kind": "equivocation",
+        "evidence": [_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D2}, seq=2)],
+    }
+    _deliver(plane, "verdict", _signed(CHEAT, "verdict", forged))
+    assert plane.counters["forged_verdicts"] == 1
+    assert plane.verifier.reputations() == {}  # the accused lost nothing
+    real = dict(forged, accused=CHEAT.peer_id)
+    _deliver(plane, "verdict", _signed(OTHER, "verdict", real, seq=5))
+    assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}
+    assert plane.counters["forged_verdicts"] == 1
+
+
+def test_an_owner_takes_only_parts_committed_in_time(plane: ControlPlane) -> None:
+    before = time.monotonic()
+    _deliver(plane, "commit", _commit(OTHER, {0: D1, 1: D2}))
+    closed = time.monotonic()
+    assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, closed) is None
+    assert _check(plane, OTHER.peer_id, 3, 0, 1, D1, closed) == "commit_mismatch"
+    assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, before) == "late_commit"
+    assert _check(plane, CHEAT.peer_id, 3, 0, 0, D1, closed) == "uncommitted"
+    assert _check(plane, OTHER.peer_id, 4, 0, 0, D1, closed) == "uncommitted"
+
+
+def test_the_commit_phase_waits_for_the_group_but_not_forever(plane: ControlPlane) -> None:
+    group = [ME.peer_id, OTHER.peer_id]
+    started = time.monotonic()
+    asyncio.run(plane.commit(3, 0, group, {1: D1}))  # OTHER never commits: bounded wait
+    assert 0.2 <= time.monotonic() - started < 2.0
+    _deliver(plane, "commit", _commit(OTHER, {0: D2}, round_=5))
+    started = time.monotonic()
+    asyncio.run(plane.commit(5, 0, group, {1: D1}))
+    assert time.monotonic() - started < 0.2  # everyone committed: no wait
+    assert _check(plane, ME.peer_id, 5, 0, 1, D1, time.monotonic()) is None
+
+
+def test_heartbeats_build_the_swarm_view(plane: ControlPlane) -> None:
+    _deliver(plane, "heartbeat", _signed(OTHER, "heartbeat", {"version": "9", "round": 2}))
+    _deliver(plane, "heartbeat", _signed(OTHER, "heartbeat", "not a map", seq=2))
+    view = plane.swarm()
+    assert set(view["peers"]) == {OTHER.peer_id}
+    assert view["peers"][OTHER.peer_id]["round"] is None  # the latest beat said nothing
+
+
+def test_malformed_commitments_are_counted_not_stored(plane: ControlPlane) -> None:
+    _deliver(
+        plane,
+        "commit",
+        _signed(OTHER, "commit", {"round": 1, "fragment": 0, "digests": [[0, b"x"]]}),
+    )
+    assert plane.counters["malformed"] == 1
+    assert _check(plane, OTHER.peer_id, 1, 0, 0, b"x", time.monotonic()) == "uncommitted"
+
+
+def test_a_part_that_overtakes_its_late_commitment_is_refused_as_late(
+    plane: ControlPlane,
+) -> None:
+    import threading
+
+    closed = time.monotonic()
+    later = threading.Timer(0.2, _deliver, (plane, "commit", _commit(OTHER, {0: D1})))
+    later.start()
+    try:
+        assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, closed) == "late_commit"
+    finally:
+        later.join()
