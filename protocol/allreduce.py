@@ -16,6 +16,7 @@ own value, and :class:`AllReduceResult` says exactly which peers are in which pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ import torch
 
 from protocol import codec as codecs
 from protocol.errors import ProtocolError
-from protocol.messages import Envelope, Header, open_envelope, seal
+from protocol.messages import Envelope, Header, envelope_digest, open_envelope, seal
 from protocol.repair import PartRepair
 from protocol.transport import Transport
 from verification.identity import Identity
@@ -35,6 +36,7 @@ __all__ = [
     "AllReduceService",
     "AllReduceSettings",
     "Behaviour",
+    "Commitments",
     "Contribution",
     "Observer",
     "Reduction",
@@ -151,6 +153,30 @@ class Observer:
         return None
 
 
+class Commitments:
+    """The commit phase of an exchange; a service without one skips it.
+
+    Before sending any part, a member publishes the digests of its signed parts for
+    ``(round, fragment)`` and waits (bounded) for its group's commitments. An owner
+    takes a part only if its sender committed to exactly that digest before the
+    owner's own commit phase closed, so no member can shape its part after seeing
+    the others'.
+    """
+
+    async def commit(
+        self, round_: int, fragment: int, group: Sequence[str], digests: dict[int, bytes]
+    ) -> None:
+        """Publish this node's commitment and wait for the group's (bounded)."""
+
+    async def check(
+        self, peer: str, round_: int, fragment: int, part: int, digest: bytes, closed_at: float
+    ) -> str | None:
+        """Why ``peer``'s part is refused: ``uncommitted``, ``late_commit`` or
+        ``commit_mismatch`` (None: committed in time). ``closed_at`` is this owner's
+        ``time.monotonic()`` when its commit phase closed."""
+        return None
+
+
 class Behaviour:
     """How this node acts in an all-reduce; honest by default.
 
@@ -169,6 +195,16 @@ class Behaviour:
         encoded: codecs.Encoded,
     ) -> bytes:
         return seal(service.identity, header, dict(body, data=encoded.to_wire()))
+
+    async def commit(
+        self,
+        commitments: Commitments,
+        round_: int,
+        fragment: int,
+        group: Sequence[str],
+        digests: dict[int, bytes],
+    ) -> None:
+        await commitments.commit(round_, fragment, group, digests)
 
     def reduced(self, vector: torch.Tensor) -> torch.Tensor:
         return vector
@@ -234,6 +270,8 @@ class _Session:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     full: asyncio.Event = field(default_factory=asyncio.Event)
     reduced: asyncio.Event = field(default_factory=asyncio.Event)
+    committed: asyncio.Event = field(default_factory=asyncio.Event)
+    closed_at: float = 0.0
     reply: bytes = b""
 
 
@@ -247,6 +285,7 @@ class AllReduceService:
         reducer: how an owner combines contributions (weighted mean by default).
         observer: told about refusals and judges reduced parts (ignores all by default).
         behaviour: how this node acts (honest by default; fault injection overrides it).
+        commitments: the commit phase (none by default: parts are sent at once).
     """
 
     def __init__(
@@ -257,6 +296,7 @@ class AllReduceService:
         reducer: Reducer = weighted_mean_reducer,
         observer: Observer | None = None,
         behaviour: Behaviour | None = None,
+        commitments: Commitments | None = None,
     ) -> None:
         self.transport = transport
         self.identity = identity
@@ -264,12 +304,16 @@ class AllReduceService:
         self.reducer = reducer
         self.observer = observer or Observer()
         self.behaviour = behaviour or Behaviour()
+        self.commitments = commitments
         self.repair = PartRepair(self)
         self.current_round = 0
         self.bytes_sent = 0
         self.bytes_received = 0
         self.rejected: dict[str, int] = {}
         self._sessions: dict[tuple[int, int], _Session] = {}
+        # Bytes per (round, fragment): two exchanges in flight at once (a fragment and
+        # its weight mix) must not count each other's traffic.
+        self._ledger: dict[tuple[int, int], list[int]] = {}
         # Rounds in the replay window times fragments, plus the kept history.
         self._max_sessions = settings.fragments * (settings.round_window + _SESSION_ROUNDS_KEPT + 2)
 
@@ -291,7 +335,15 @@ class AllReduceService:
             self._sessions[key] = _Session(created=time.monotonic())
         for old in [k for k in self._sessions if k[0] < self.current_round - _SESSION_ROUNDS_KEPT]:
             del self._sessions[old]
+        for old in [k for k in self._ledger if k[0] < self.current_round - _SESSION_ROUNDS_KEPT]:
+            del self._ledger[old]
         return self._sessions[key]
+
+    def tally(self, at: tuple[int, int], sent: int = 0, received: int = 0) -> None:
+        """Charge bytes to the exchange of ``(round, fragment)``."""
+        entry = self._ledger.setdefault(at, [0, 0])
+        entry[0] += sent
+        entry[1] += received
 
     def _reject(
         self,
@@ -332,6 +384,7 @@ class AllReduceService:
         if at not in self._sessions and len(self._sessions) >= self._max_sessions:
             raise self._reject("busy", "too many rounds in flight", peer, *at)
         session = self._session(h.round, h.fragment)
+        self.tally(at, received=len(data))
         try:
             await asyncio.wait_for(session.ready.wait(), self.settings.timeout)
         except asyncio.TimeoutError:
@@ -350,6 +403,16 @@ class AllReduceService:
                 "duplicate", "a second part for the same round and fragment", peer, *at
             )
         contribution = self._decode_contribution(env, session.numel, peer)
+        if self.commitments is not None:
+            try:
+                await asyncio.wait_for(session.committed.wait(), self.settings.timeout)
+            except asyncio.TimeoutError:
+                raise self._reject("not_in_round", "commit phase never closed", peer, *at) from None
+            refusal = await self.commitments.check(
+                peer, h.round, h.fragment, h.part, env.digest, session.closed_at
+            )
+            if refusal:
+                raise self._reject(refusal, "part does not match a timely commitment", peer, *at)
         if time.monotonic() > session.deadline or session.reduced.is_set():
             raise self._reject("late", "part arrived after the owner's deadline", peer, *at)
         session.contributions[peer] = contribution
@@ -407,6 +470,8 @@ class AllReduceService:
             "data": enc.to_wire(),
         }
         session.reply = seal(self.identity, Header("reduced", *_fields(h)), body)
+        # every other contributor is waiting for this one reply
+        self.tally((h.round, h.fragment), sent=len(session.reply) * (len(contributions) - 1))
         session.reduced.set()
         return codecs.decode(enc, expected_numel=session.numel)
 
@@ -433,7 +498,6 @@ class AllReduceService:
         index = group.index(me)
         numel = vector.numel()
         bounds = part_bounds(numel, len(group), self.settings.block_size)
-        sent_before, received_before = self.bytes_sent, self.bytes_received
         vector = self.behaviour.contribution(round_, fragment, vector)
 
         session = self._session(round_, fragment)
@@ -454,13 +518,21 @@ class AllReduceService:
         if session.expected <= set(session.contributions):
             session.full.set()
         session.ready.set()
+        requests = {
+            j: self._request(round_, fragment, group, j, vector[lo:hi], weight)
+            for j, (lo, hi) in enumerate(bounds)
+            if j != index
+        }
+        await self._commit_phase(session, round_, fragment, group, requests)
 
         async def exchange(j: int) -> tuple[int, torch.Tensor | None, list[str]]:
             lo, hi = bounds[j]
             if j == index:
                 own = await self._reduce_own_part(session, own_header)
                 return j, own, list(_contributors(session.reply))
-            result = await self._send_part(round_, fragment, group, j, lo, hi, vector, weight)
+            result = await self._send_part(
+                round_, fragment, group, j, lo, hi, vector, weight, requests[j]
+            )
             if result[1] is None and self.settings.repair and len(group) > 2:
                 fixed = await self.repair.run(
                     round_, fragment, j, group, group[j], vector[lo:hi], weight
@@ -489,10 +561,46 @@ class AllReduceService:
             contributors=contributors,
             fallback_parts=fallback,
             repaired_parts=sorted(repaired),
-            bytes_sent=self.bytes_sent - sent_before,
-            bytes_received=self.bytes_received - received_before,
+            bytes_sent=self._ledger.get((round_, fragment), [0, 0])[0],
+            bytes_received=self._ledger.get((round_, fragment), [0, 0])[1],
             seconds=time.monotonic() - started,
         )
+
+    def _request(
+        self,
+        round_: int,
+        fragment: int,
+        group: list[str],
+        j: int,
+        values: torch.Tensor,
+        weight: int,
+    ) -> bytes:
+        """The signed part message for owner ``j`` (built before anything is sent)."""
+        enc = codecs.encode(
+            values, self.settings.codec_for(fragment), block_size=self.settings.block_size
+        )
+        header = Header("part", self.settings.run_id, round_, fragment, j, self.identity.peer_id)
+        return self.behaviour.request(self, header, {"group": group, "weight": int(weight)}, enc)
+
+    async def _commit_phase(
+        self,
+        session: _Session,
+        round_: int,
+        fragment: int,
+        group: list[str],
+        requests: dict[int, bytes],
+    ) -> None:
+        """Commit to every part's digest and wait for the group's, when commitments are on."""
+        try:
+            if self.commitments is not None:
+                digests = {}
+                for j, request in requests.items():
+                    with contextlib.suppress(ProtocolError):  # a mangled part commits to nothing
+                        digests[j] = envelope_digest(request)
+                await self.behaviour.commit(self.commitments, round_, fragment, group, digests)
+        finally:
+            session.closed_at = time.monotonic()
+            session.committed.set()
 
     async def _send_part(
         self,
@@ -504,19 +612,17 @@ class AllReduceService:
         hi: int,
         vector: torch.Tensor,
         weight: int,
+        request: bytes,
     ) -> tuple[int, torch.Tensor | None, list[str]]:
         owner = group[j]
-        enc = codecs.encode(
-            vector[lo:hi], self.settings.codec_for(fragment), block_size=self.settings.block_size
-        )
-        header = Header("part", self.settings.run_id, round_, fragment, j, self.identity.peer_id)
-        request = self.behaviour.request(self, header, {"group": group, "weight": int(weight)}, enc)
         self.bytes_sent += len(request)
+        self.tally((round_, fragment), sent=len(request))
         try:
             reply = await self.transport.call(
                 owner, RPC_NAME, request, timeout=self.settings.timeout * 2 + 5.0
             )
             self.bytes_received += len(reply)
+            self.tally((round_, fragment), received=len(reply))
         except ProtocolError as exc:
             logger.warning(
                 "round %d fragment %d part %d: owner %s: %s; keeping local values",

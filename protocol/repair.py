@@ -101,9 +101,12 @@ class PartRepair:
             # brought the same contribution already. Anything else is equivocation.
             if known.digest != env.digest:
                 raise svc._reject("equivocation", "two different repair messages", peer, *at)
-            return slot.reply
-        numel = next(iter(slot.contributions.values())).vector.numel()
-        slot.contributions[peer] = svc._decode_contribution(env, numel, peer)
+        else:
+            numel = next(iter(slot.contributions.values())).vector.numel()
+            slot.contributions[peer] = svc._decode_contribution(env, numel, peer)
+        svc.bytes_received += len(data)
+        svc.bytes_sent += len(slot.reply)
+        svc.tally(at, sent=len(slot.reply), received=len(data))
         return slot.reply
 
     async def run(
@@ -138,7 +141,10 @@ class PartRepair:
         others = [p for p in group if p not in (me, owner)]
         deadline = time.monotonic() + svc.settings.timeout
         await asyncio.gather(
-            *(self._exchange(p, reply, slot, deadline, values.numel()) for p in others)
+            *(
+                self._exchange(p, reply, slot, deadline, values.numel(), (round_, fragment))
+                for p in others
+            )
         )
         if len(slot.contributions) < 2:
             return None
@@ -151,15 +157,23 @@ class PartRepair:
         return reduction.vector, list(reduction.used)
 
     async def _exchange(
-        self, peer: str, request: bytes, slot: _Repair, deadline: float, numel: int
+        self,
+        peer: str,
+        request: bytes,
+        slot: _Repair,
+        deadline: float,
+        numel: int,
+        at: tuple[int, int],
     ) -> None:
         svc = self.service
         svc.bytes_sent += len(request)
+        svc.tally(at, sent=len(request))
         try:
             reply = await svc.transport.call(
                 peer, REPAIR_RPC, request, timeout=max(0.5, deadline - time.monotonic())
             )
             svc.bytes_received += len(reply)
+            svc.tally(at, received=len(reply))
             env = open_envelope(
                 reply,
                 max_bytes=svc.settings.max_message_bytes,
