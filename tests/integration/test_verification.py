@@ -51,9 +51,6 @@ def test_clean_run_flags_no_one_and_agrees(clean):
         assert read_events(d / "events.jsonl", "violation") == []
 
 
-# Timing-sensitive on a 2-core machine (five nodes, races in when honest owners see the
-# evidence): run with `make test-all`.
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_one_byzantine_node_is_contained(mode, clean, local_swarm):
     summary = _run(local_swarm, mode=mode)
