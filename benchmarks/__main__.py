@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "stragglers": "benchmarks.stragglers",
     "convergence": "benchmarks.convergence",
     "wan": "benchmarks.wan",
+    "mixing": "benchmarks.mixing",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""
 
@@ -51,6 +52,20 @@ def _summary(name: str, report: dict, seconds: float) -> str:
             atoll, ddp = r["atoll"].get("utilization"), r["ddp"].get("utilization")
             if atoll is not None and ddp is not None:
                 parts.append(f"{r['link']}: utilization Atoll {atoll:.0%}, DDP {ddp:.0%}")
+        line += " | " + "; ".join(parts)
+    elif name == "mixing":
+        parts = []
+        for n, r in results.items():
+            d = r.get("derived") or {}
+            if d.get("butterfly_full_mix_bytes") and d.get("allreduce_full_mix_bytes"):
+                parts.append(
+                    f"n={n}: full mix butterfly {d['butterfly_full_mix_bytes'] / 1e3:.0f} kB "
+                    f"({d['rounds_to_mix_butterfly']} rounds), all-to-all "
+                    f"{d['all_to_all_full_mix_bytes'] / 1e3:.0f} kB, all-reduce "
+                    f"{d['allreduce_full_mix_bytes'] / 1e3:.0f} kB"
+                )
+            else:
+                parts.append(f"n={n}: no result")
         line += " | " + "; ".join(parts)
     return line
 

@@ -21,7 +21,7 @@ import torch
 
 from protocol.shaper import LinkShape
 
-__all__ = ["TimedDdp", "machine_info", "ring_allreduce_seconds", "run_timed_ddp"]
+__all__ = ["TimedDdp", "end_processes", "machine_info", "ring_allreduce_seconds", "run_timed_ddp"]
 
 
 def machine_info() -> dict[str, Any]:
@@ -268,17 +268,22 @@ def run_timed_ddp(plan: TimedDdp, startup_seconds: float = 180.0) -> dict[str, A
             if len(reports) < world and any(p.exitcode not in (None, 0) for p in procs):
                 break  # a rank died: the others would wait for it until their timeout
     finally:
-        for p in procs:
-            p.join(timeout=15)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        end_processes(procs, grace=15)
     exit_codes = [p.exitcode for p in procs]
     if len(reports) < world:
         missing = sorted(set(range(world)) - set(reports))
         return {"error": f"ranks {missing} reported nothing; exit codes {exit_codes}"}
     return {"ranks": [reports[i] for i in range(world)], "exit_codes": exit_codes}
+
+
+def end_processes(procs: list, grace: float) -> None:
+    """Join ``multiprocessing`` children for ``grace`` seconds, then terminate, then kill."""
+    for p in procs:
+        p.join(timeout=grace)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)

@@ -45,8 +45,12 @@ _TOLERANCE = 1e-5
 _SETUP_TIMEOUT = 120.0  # starting p2pd, a DHT and the peer in a cold interpreter on a busy box
 _STEP_TIMEOUT = 300.0
 _GO_DELAY = 0.3  # seconds between the parent's release message and the common start
-_METHODS = ("gloo", "atoll", "hivemind")
-_JOINS_THROUGH_FIRST = {"atoll", "hivemind"}  # gloo's rendezvous needs every rank at once
+_METHODS = ("gloo", "atoll", "atoll_verified", "hivemind")
+_JOINS_THROUGH_FIRST = {
+    "atoll",
+    "atoll_verified",
+    "hivemind",
+}  # gloo's rendezvous needs every rank at once
 
 
 # ---- the peers, one per worker process ------------------------------------------------
@@ -70,7 +74,28 @@ class _AtollPeer:
         )
         self.transport = Transport.start(config)
         settings = AllReduceSettings(run_id="bench", codec="none", timeout=_STEP_TIMEOUT / 3)
-        self.service = AllReduceService(self.transport, identity, settings)
+        self.verifier = None
+        if opts.get("verified"):
+            # a node's whole verification layer: screening, trimmed mean (with 4 members it
+            # trims nothing, so the result is still the exact mean), reputation, audit log
+            from node.verifier import Verifier
+            from verification.policy import TrustPolicy
+
+            self.verifier = Verifier(
+                TrustPolicy(aggregator="trimmed_mean"),
+                pathlib.Path(opts["tmp"]) / f"atoll-{index}.db",
+                identity.peer_id,
+            )
+        self.service = AllReduceService(
+            self.transport,
+            identity,
+            settings,
+            **(
+                {"reducer": self.verifier.reduce, "observer": self.verifier}
+                if self.verifier
+                else {}
+            ),
+        )
         self.service.register()
         self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}
 
@@ -88,6 +113,12 @@ class _AtollPeer:
 
     def close(self) -> None:
         self.transport.shutdown()
+        if self.verifier is not None:
+            self.verifier.close()
+
+
+def _atoll_verified(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
+    return _AtollPeer(index, own, dict(opts, verified=True))
 
 
 class _HivemindPeer:
@@ -171,7 +202,12 @@ class _GlooPeer:
         self.dist.destroy_process_group()
 
 
-_PEER_TYPES = {"atoll": _AtollPeer, "hivemind": _HivemindPeer, "gloo": _GlooPeer}
+_PEER_TYPES = {
+    "atoll": _AtollPeer,
+    "atoll_verified": _atoll_verified,
+    "hivemind": _HivemindPeer,
+    "gloo": _GlooPeer,
+}
 
 
 def _vector(n: int, index: int) -> torch.Tensor:
@@ -350,7 +386,7 @@ def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
             times = [max(t[part] for t in row) for row in rows]
             record[part.replace("_s", "_times")] = times
             record[part.replace("_s", "_median_s")] = statistics.median(times)
-    if method == "atoll":
+    if method.startswith("atoll"):
         record["bytes_sent_per_peer"] = max(t["bytes_sent"] for t in rows[-1])
     return record
 
@@ -373,6 +409,7 @@ def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
     bars = [
         ("gloo", "gloo (torch.distributed)", "median_s", "tab:gray"),
         ("atoll", "Atoll (codec none, signed)", "median_s", "tab:blue"),
+        ("atoll_verified", "Atoll + screening, trimmed mean, audit", "median_s", "tab:purple"),
         ("hivemind", "hivemind all-reduce part", "allreduce_median_s", "tab:olive"),
         ("hivemind", "hivemind step (with matchmaking)", "median_s", "tab:orange"),
     ]
@@ -428,6 +465,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
                 k: _ratio(results["hivemind"][k], a, "allreduce_median_s") for k, a in atoll.items()
             },
             "atoll_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in atoll.items()},
+            "verified_vs_atoll": {
+                k: _ratio(results["atoll_verified"][k], a) for k, a in atoll.items()
+            },
         },
         "notes": {
             "timing": "one untimed warm-up, then each repeat released to all peers at one "
@@ -435,6 +475,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "Atoll is faster",
             "atoll": "AllReduceService.run with the group given (no matchmaking), codec none, "
             "every part and result Ed25519-signed and checked",
+            "atoll_verified": "the same with a node's verification layer as reducer and "
+            "observer: screening, trimmed mean, reputation and a SQLite audit log per peer; "
+            "verified_vs_atoll > 1 is its overhead",
             "hivemind": "times are DecentralizedAverager.step wall time, which includes "
             "matchmaking through the DHT; matchmaking_* and allreduce_* split it at the "
             "AWAITING_TRIGGER stage (step(require_trigger=True)); NoCompression",

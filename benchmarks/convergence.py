@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import machine_info
+from benchmarks._common import end_processes, machine_info
 from node.config import load_config
 
 __all__ = ["run"]
@@ -199,15 +199,7 @@ def _run_ddp(overrides: list[str], steps: int, timeout: float) -> dict[str, Any]
             if report is None and any(p.exitcode not in (None, 0) for p in procs):
                 break  # a rank died: the others would wait for it until gloo's timeout
     finally:
-        for p in started:
-            p.join(timeout=30)
-        for p in started:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        end_processes(started, grace=30)
         results.close()
     if report is None:
         return {"error": f"rank 0 reported nothing; exit codes {[p.exitcode for p in procs]}"}

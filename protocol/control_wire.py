@@ -39,6 +39,7 @@ from typing import IO, Any
 
 import msgpack
 
+from protocol._limits import ItemBudget, count_items
 from protocol.errors import ProtocolError
 from verification.errors import VerificationError
 from verification.identity import Identity, public_key_from_peer_id, verify
@@ -150,7 +151,7 @@ def sign_control(
     problem = _field_problem(signed_map)
     if problem:
         raise ValueError(problem)
-    if _count_items(body) > MAX_BODY_ITEMS:
+    if count_items(body) > MAX_BODY_ITEMS:
         raise ValueError(f"body has more than {MAX_BODY_ITEMS} items")
     signed = msgpack.packb(signed_map, use_bin_type=True)
     signature = identity.sign(_DOMAIN + hashlib.sha256(signed).digest())
@@ -363,7 +364,7 @@ def _parse_outer(data: bytes) -> tuple[bytes, bytes]:
 
 
 def _parse_signed(signed: bytes) -> dict[str, Any]:
-    budget = _ItemBudget(MAX_BODY_ITEMS + len(_FIELDS))
+    budget = ItemBudget(MAX_BODY_ITEMS + len(_FIELDS))
     try:
         fields = msgpack.unpackb(
             signed,
@@ -411,36 +412,3 @@ def _field_problem(fields: dict[str, Any]) -> str | None:
     except VerificationError as e:
         return f"sender is not an Ed25519 PeerID: {e.detail}"
     return None
-
-
-class _ItemBudget:
-    """Counts decoded array elements and map entries across a whole payload.
-
-    ``max_array_len`` bounds each container but not how many there are; a
-    one-byte ``{}`` becomes a whole Python dict, so the total is capped too.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.left = limit
-
-    def _take(self, n: int) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise ValueError(f"more than {MAX_BODY_ITEMS} items")
-
-    def list_hook(self, items: list[Any]) -> list[Any]:
-        self._take(len(items))
-        return items
-
-    def object_hook(self, mapping: dict[Any, Any]) -> dict[Any, Any]:
-        self._take(max(len(mapping), 1))
-        return mapping
-
-
-def _count_items(value: object) -> int:
-    """Array elements plus map entries, counted the way :class:`_ItemBudget` does."""
-    if isinstance(value, dict):
-        return max(len(value), 1) + sum(_count_items(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return len(value) + sum(_count_items(v) for v in value)
-    return 0

@@ -32,6 +32,7 @@ from typing import Any
 
 import msgpack
 
+from protocol._limits import ItemBudget, count_items
 from protocol.errors import ProtocolError
 from verification.errors import VerificationError
 from verification.identity import Identity, public_key_from_peer_id, verify
@@ -154,7 +155,7 @@ def seal(identity: Identity, header: Header, body: dict[str, Any]) -> bytes:
     problem = _header_problem(header) or _body_problem(body)
     if problem:
         raise ValueError(problem)
-    if _count_items(body) > MAX_BODY_ITEMS:
+    if count_items(body) > MAX_BODY_ITEMS:
         raise ValueError(f"body has more than {MAX_BODY_ITEMS} items")
     signed = msgpack.packb(
         [
@@ -327,7 +328,7 @@ def _parse_outer(data: bytes, peer: str | None) -> tuple[bytes, bytes]:
 
 
 def _parse_signed(signed: bytes, peer: str | None) -> tuple[Header, dict[str, Any]]:
-    budget = _ItemBudget(MAX_BODY_ITEMS + _SIGNED_LEN)
+    budget = ItemBudget(MAX_BODY_ITEMS + _SIGNED_LEN)
     try:
         fields = msgpack.unpackb(
             signed,
@@ -357,32 +358,6 @@ def _parse_signed(signed: bytes, peer: str | None) -> tuple[Header, dict[str, An
     return header, body
 
 
-class _ItemBudget:
-    """Counts decoded array elements and map entries across a whole payload.
-
-    ``max_array_len`` bounds each container, but not how many there are; msgpack
-    calls these hooks as each container completes, so the count stops a payload of
-    many small containers before it grows much past the budget.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.left = limit
-
-    def _take(self, n: int) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise ValueError(f"more than {MAX_BODY_ITEMS} items")
-
-    def list_hook(self, items: list[Any]) -> list[Any]:
-        self._take(len(items))
-        return items
-
-    def object_hook(self, mapping: dict[Any, Any]) -> dict[Any, Any]:
-        # Empty maps cost a whole dict each, so they count as one item.
-        self._take(max(len(mapping), 1))
-        return mapping
-
-
 def _header_problem(header: Header) -> str | None:
     """Why a header is unacceptable, or None."""
     for name in ("kind", "run_id", "sender"):
@@ -407,12 +382,3 @@ def _body_problem(body: object) -> str | None:
     if not all(isinstance(key, str) for key in body):
         return "body keys must be str"
     return None
-
-
-def _count_items(value: object) -> int:
-    """Array elements plus map entries, counted the way :class:`_ItemBudget` does."""
-    if isinstance(value, dict):
-        return max(len(value), 1) + sum(_count_items(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return len(value) + sum(_count_items(v) for v in value)
-    return 0
