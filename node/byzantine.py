@@ -37,8 +37,9 @@ MODES = (
     "malicious_owner",
 )
 
-COMMIT_MODES = ("equivocate", "skip_commit", "late_commit")
-"""Attacks on the commit phase (they need ``control.commit = true`` to mean anything)."""
+COMMIT_MODES = ("equivocate", "skip_commit", "late_commit", "bad_owner")
+"""Attacks on the commit phase (they need ``control.commit = true`` to mean anything);
+``bad_owner`` names, in its signed results, inputs other than the ones committed."""
 
 ALL_MODES = MODES + COMMIT_MODES
 
@@ -129,6 +130,14 @@ class _CommitAttack(Behaviour):
         await commitments.commit(round_, fragment, group, digests)
 
 
+class _BadOwner(Behaviour):
+    """Claims, in every signed result it returns, inputs nobody committed to."""
+
+    def reduced_body(self, body: dict) -> dict:
+        forged = [hashlib.sha256(b"forged" + d).digest() for d in body["digests"]]
+        return dict(body, digests=forged)
+
+
 class _MaliciousOwner(Behaviour):
     """Reduces honestly received parts into something that would wreck the model."""
 
@@ -163,6 +172,8 @@ def make_behaviour(mode: str | None, seed: int = 0) -> Behaviour:
         return _WireAttack(mode)
     if mode == "malicious_owner":
         return _MaliciousOwner()
+    if mode == "bad_owner":
+        return _BadOwner()
     if mode in COMMIT_MODES:
         return _CommitAttack(mode)
     raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(ALL_MODES)}")

@@ -10,10 +10,12 @@ sidecar), every message signed by the node key and checked on receipt:
   a part only if its sender committed to exactly that digest before the owner's own
   commit phase closed. Two different signed commitments from one peer for the same
   ``(round, fragment)`` are proof of equivocation.
-* ``verdict``: an accusation with its evidence (both signed commitments). Every
-  receiver checks the evidence itself and acts through its own trust policy; an
-  accusation whose evidence does not check out is counted and costs the accused
-  nothing.
+* ``verdict``: an accusation with its evidence: for equivocation both signed
+  commitments; for a bad owner its signed result and the signed commitment of a
+  contributor whose digest the result misstates (sent only when it fits in a control
+  message). Every receiver checks the evidence itself and acts through its own trust
+  policy; an accusation whose evidence does not check out is counted and costs the
+  accused nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from protocol.allreduce import Commitments
 from protocol.control import ControlChannel
 from protocol.control_wire import CONTROL_VERSION, ControlMessage, open_control
 from protocol.errors import ProtocolError
+from protocol.messages import open_envelope
 from verification.identity import Identity
 
 if TYPE_CHECKING:
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
     from node.metrics import EventLog
     from node.verifier import Verifier
 
-__all__ = ["TOPICS", "ControlPlane", "check_equivocation", "topic_name"]
+__all__ = ["TOPICS", "ControlPlane", "check_bad_owner", "check_equivocation", "topic_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +122,45 @@ def check_equivocation(evidence: Any, accused: str, run: str) -> tuple[int, int]
     if da == db:
         raise ProtocolError("bad_evidence", "the commitments agree")
     return ra, fa
+
+
+def check_bad_owner(evidence: Any, accused: str, run: str) -> tuple[int, int]:
+    """Check bad-owner evidence: the accused's signed result names, for a contributor,
+    a digest other than the one that contributor's signed commitment gives.
+
+    Returns:
+        The ``(round, fragment)`` of the result.
+
+    Raises:
+        ProtocolError: the evidence does not prove it (reason ``bad_evidence``).
+    """
+    if not isinstance(evidence, dict):
+        raise ProtocolError("bad_evidence", "bad-owner evidence is a map")
+    reduced, commit = evidence.get("reduced"), evidence.get("commit")
+    if not isinstance(reduced, bytes) or not isinstance(commit, bytes):
+        raise ProtocolError("bad_evidence", "bad-owner evidence needs a result and a commitment")
+    try:
+        env = open_envelope(reduced, expected_sender=accused, run_id=run, kinds=("reduced",))
+        msg = open_control(commit, run, topic_name(run, "commit"))
+        r, f, committed = _commit_fields(msg.body)
+    except ProtocolError as exc:
+        raise ProtocolError("bad_evidence", f"{exc.reason}: {exc.detail}") from None
+    h = env.header
+    peers, digests = env.body.get("contributors"), env.body.get("digests")
+    if (h.round, h.fragment) != (r, f) or h.part not in committed:
+        raise ProtocolError("bad_evidence", "the commitment is for another round or part")
+    if not (isinstance(peers, list) and isinstance(digests, list) and msg.sender in peers):
+        raise ProtocolError("bad_evidence", "the result does not name the committer")
+    named = digests[peers.index(msg.sender)] if len(digests) == len(peers) else None
+    if msg.sender == accused or named == committed[h.part]:
+        raise ProtocolError("bad_evidence", "the result matches the commitment")
+    return r, f
+
+
+_CHECKS: dict[str, Callable[[Any, str, str], tuple[int, int]]] = {
+    "equivocation": check_equivocation,
+    "bad_owner": check_bad_owner,
+}
 
 
 class ControlPlane(Commitments):
@@ -271,11 +313,16 @@ class ControlPlane(Commitments):
             "fragment": fragment,
             "digests": [[j, d] for j, d in sorted(digests.items())],
         }
+        wire = b""
+        if self.channel is not None:
+            topic = topic_name(self.run_id, "commit")
+            wire = self.channel.sign(topic, body)
+            if not self.channel.publish_signed(topic, wire):
+                logger.debug("control: sidecar down, commitment not sent")
         with self._lock:
             self._commits[(self.me, round_, fragment)] = _Commit(
-                dict(digests), time.monotonic(), b""
+                dict(digests), time.monotonic(), wire
             )
-        self._publish("commit", body)
 
     async def check(
         self, peer: str, round_: int, fragment: int, part: int, digest: bytes, closed_at: float
@@ -298,6 +345,31 @@ class ControlPlane(Commitments):
         if rec.digests.get(part) != digest:
             return "commit_mismatch"
         return None
+
+    def check_result(
+        self,
+        owner: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        reply: bytes,
+        contributors: Sequence[str],
+        digests: Sequence[bytes],
+    ) -> str | None:
+        # Only this node's own entry is judged: it knows exactly what it committed to and
+        # never commits twice, whereas another contributor's commitment could be one of
+        # two it sent (an equivocator framing an honest owner).
+        if self.me not in contributors:
+            return None
+        named = digests[list(contributors).index(self.me)]
+        with self._lock:
+            rec = self._commits.get((self.me, round_, fragment))
+        if rec is None or part not in rec.digests or rec.digests[part] == named:
+            return None
+        if rec.wire:
+            evidence = {"reduced": reply, "commit": rec.wire}
+            self._convict(owner, round_, fragment, "bad_owner", evidence, publish=True)
+        return "bad_owner"
 
     # ---- incoming ---------------------------------------------------------------------
 
@@ -359,9 +431,9 @@ class ControlPlane(Commitments):
         accused, kind = body.get("accused"), body.get("kind")
         self.counters["verdicts"] += 1
         try:
-            if kind != "equivocation" or not isinstance(accused, str):
+            if not isinstance(accused, str) or kind not in _CHECKS:
                 raise ProtocolError("bad_evidence", f"unknown accusation {kind!r}")
-            r, f = check_equivocation(body.get("evidence"), accused, self.run_id)
+            r, f = _CHECKS[kind](body.get("evidence"), accused, self.run_id)
         except ProtocolError as exc:
             # The accused loses nothing; the accuser signed a claim that does not hold.
             self.counters["forged_verdicts"] += 1
@@ -376,15 +448,37 @@ class ControlPlane(Commitments):
                     "verdict_ignored", accuser=msg.sender, accused=str(accused), reason=exc.detail
                 )
             return
+        if kind == "bad_owner" and self._framed(body["evidence"]):
+            return
         self._convict(accused, r, f, kind, body["evidence"], publish=False)
 
-    def _convict(
-        self, peer: str, r: int, f: int, kind: str, evidence: list[bytes], publish: bool
-    ) -> None:
+    def _framed(self, evidence: dict[str, bytes]) -> bool:
+        """Whether bad-owner evidence rests on a commitment its sender contradicted.
+
+        If this node holds another commitment from the same sender for the same round
+        and fragment, the sender equivocated: the owner may have used the other one, so
+        it is the sender, not the owner, that is proven to have cheated.
+        """
+        msg = open_control(evidence["commit"], self.run_id, topic_name(self.run_id, "commit"))
+        r, f, digests = _commit_fields(msg.body)
+        with self._lock:
+            held = self._commits.get((msg.sender, r, f))
+        if held is None or not held.wire or held.digests == digests:
+            return False
+        self._convict(msg.sender, r, f, "equivocation", [held.wire, evidence["commit"]], True)
+        return True
+
+    def _convict(self, peer: str, r: int, f: int, kind: str, evidence: Any, publish: bool) -> None:
         with self._lock:
             if peer in self._convicted or peer == self.me:
                 return
             self._convicted.add(peer)
         self.verifier.convict(peer, r, f, kind)
         if publish:
-            self._publish("verdict", {"accused": peer, "kind": kind, "evidence": evidence})
+            verdict = {"accused": peer, "kind": kind, "evidence": evidence}
+            try:
+                self._publish("verdict", verdict)
+            except ValueError:
+                # Larger than a control message (a bad owner's result for a big part):
+                # this node acts on its own proof; others rely on their own checks.
+                logger.warning("control: %s verdict against %s too large to broadcast", kind, peer)

@@ -97,8 +97,10 @@ class Syncer:
         weight = staleness_weight(tokens, self.missed[f])
         node.allreduce.current_round = max(node.allreduce.current_round, r)
         node.verifier.round = max(node.verifier.round, r)
-        live = node.live_peers()
-        expected = live - self._excluded(live, r, len(live) + 1)
+        # Wait for every live peer, suspects included: they count in everyone's view of
+        # the round, and whether they are left out is decided by vote (voted_out).
+        expected = node.live_peers()
+        excludes = node.verifier.excluded(list(expected), r)
         # Whether the group mixes weights is decided from the announced peers; the copy
         # is taken now, on the training thread, in case it does.
         enc = codecs.encode(
@@ -106,22 +108,9 @@ class Syncer:
         )
         weights = codecs.decode(enc, expected_numel=pg.numel())
         future = node.transport.submit(
-            self._exchange(r, f, weight, contribution, expected, weights)
+            self._exchange(r, f, weight, contribution, expected, excludes, weights)
         )
         return Pending(r, f, weight, node.trainer.steps, time.monotonic(), future, weights)
-
-    def _excluded(self, peers: set[str], r: int, swarm_size: int) -> set[str]:
-        """Flagged peers this node leaves out of its groups.
-
-        With one group for everyone, every honest owner sees a bad peer's parts and flags
-        it in the same round, so all leave it out together. When groups mix, only the
-        bad peer's own group saw the evidence; leaving it out there alone would give
-        honest nodes different groups. It stays in everyone's groups instead, and the
-        nodes that flagged it refuse its parts and results (they keep their own values).
-        """
-        if self.mixes(swarm_size):
-            return set()
-        return self.node.verifier.excluded(list(peers), r)
 
     def group_size(self) -> int:
         """Largest group of a round: pairs in gossip mode, else ``network.group_size``."""
@@ -139,6 +128,7 @@ class Syncer:
         weight: int,
         contribution: torch.Tensor,
         expected: set[str],
+        excludes: set[str],
         weights: torch.Tensor,
     ) -> tuple[list[str], AllReduceResult, AllReduceResult | None]:
         node, net = self.node, self.node.cfg.network
@@ -154,9 +144,10 @@ class Syncer:
             deadline=time.monotonic() + net.matchmaking_seconds,
             expiration=net.round_timeout * 4,
             timeout=net.request_timeout,
+            excludes=excludes,
         )
         me = node.identity.peer_id
-        peers = set(announced) - self._excluded(set(announced), r, len(set(announced) | {me}))
+        peers = set(announced) - matchmaking.voted_out(announced)
         size, layout = self.group_size(), node.cfg.sync.layout
         group = grouping.group_of(me, peers, r, f, size, layout)
         if not self.mixes(len(peers | {me})):

@@ -4,8 +4,9 @@
 observer of everything refused. Every contribution a node sees as a part owner gets
 one audit row (accepted, rejected with a reason, or its own), every violation goes
 through the operator's :class:`~verification.policy.TrustPolicy` (drop, quarantine,
-ban), and peers that are quarantined, banned, denied or below the policy's minimum
-reputation are left out of this node's groups.
+ban); peers that are quarantined, banned, denied or below the policy's minimum
+reputation are refused, and this node votes to leave quarantined and banned ones out
+of the round's groups.
 
 The SQLite stores are used from the transport's loop thread (reducer, observer) and
 from the training thread (group exclusion, status), so every call takes one lock.
@@ -103,12 +104,15 @@ class Verifier(Observer):
         return None
 
     def excluded(self, peers: Sequence[str], round_: int) -> set[str]:
-        """The subset of ``peers`` this node will not group with: quarantined or banned.
+        """The subset of ``peers`` this node votes to leave out of ``round_``: quarantined
+        or banned. A peer is left out of a round's groups once more than half of the
+        round's announcers vote so (:func:`protocol.matchmaking.voted_out`), so honest
+        nodes that saw the evidence at different moments still form the same groups.
 
         Peers refused only by this node's own lists (deny, allow-only, minimum
-        reputation) stay in the group everyone computes, so groups agree across nodes;
-        their parts and their reduced results are refused instead, and the part they
-        own is repaired among the others.
+        reputation) get no vote: they stay in the groups everyone computes; their parts
+        and their reduced results are refused instead, and the part they own is
+        repaired among the others.
         """
         with self._lock:
             return {
@@ -116,9 +120,8 @@ class Verifier(Observer):
                 for p in peers
                 if p != self.me
                 and self.reputation.standing(p, round_).status in ("quarantined", "banned")
-                # Flagged during this very round: other honest nodes may not have seen
-                # the evidence yet, so the groups of this round stay as everyone formed
-                # them (its parts are refused all the same); it is left out from the next.
+                # Flagged during this very round: the round's groups are already formed;
+                # the vote counts from the next round, when refusals start too.
                 and self._flagged_at.get(p, -1) < round_
             }
 

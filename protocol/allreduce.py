@@ -176,6 +176,20 @@ class Commitments:
         ``time.monotonic()`` when its commit phase closed."""
         return None
 
+    def check_result(
+        self,
+        owner: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        reply: bytes,
+        contributors: Sequence[str],
+        digests: Sequence[bytes],
+    ) -> str | None:
+        """Why an owner's signed result is refused: ``bad_owner`` when it names, for a
+        contributor, a digest other than the one that contributor committed to."""
+        return None
+
 
 class Behaviour:
     """How this node acts in an all-reduce; honest by default.
@@ -205,6 +219,9 @@ class Behaviour:
         digests: dict[int, bytes],
     ) -> None:
         await commitments.commit(round_, fragment, group, digests)
+
+    def reduced_body(self, body: dict) -> dict:
+        return body
 
     def reduced(self, vector: torch.Tensor) -> torch.Tensor:
         return vector
@@ -469,6 +486,7 @@ class AllReduceService:
             "rejected": {p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
             "data": enc.to_wire(),
         }
+        body = self.behaviour.reduced_body(body)
         session.reply = seal(self.identity, Header("reduced", *_fields(h)), body)
         # every other contributor is waiting for this one reply
         self.tally((h.round, h.fragment), sent=len(session.reply) * (len(contributions) - 1))
@@ -630,7 +648,15 @@ class AllReduceService:
             )
             return j, None, []
         try:
-            part, peers, weights = self._check_reduced(reply, owner, round_, fragment, j, hi - lo)
+            part, peers, weights, digests = self._check_reduced(
+                reply, owner, round_, fragment, j, hi - lo
+            )
+            if self.commitments is not None:
+                reason = self.commitments.check_result(
+                    owner, round_, fragment, j, reply, peers, digests
+                )
+                if reason:
+                    raise ProtocolError(reason, "result names inputs nobody committed", owner)
             spread = min(1000.0, max([1.0, *weights]) / max(1.0, float(weight)))
             reason = self.observer.check_reduced(
                 owner, round_, fragment, j, part, vector[lo:hi], max(1.0, spread)
@@ -648,7 +674,7 @@ class AllReduceService:
 
     def _check_reduced(
         self, reply: bytes, owner: str, round_: int, fragment: int, part: int, numel: int
-    ) -> tuple[torch.Tensor, list[str], list[float]]:
+    ) -> tuple[torch.Tensor, list[str], list[float], list[bytes]]:
         env = open_envelope(
             reply,
             max_bytes=self.settings.max_message_bytes,
@@ -673,9 +699,17 @@ class AllReduceService:
             isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights
         ):
             raise ProtocolError("malformed", "weights must be non-negative numbers", owner)
+        digests = env.body.get("digests", [])
+        if not (
+            isinstance(digests, list)
+            and len(digests) == len(peers)
+            and all(isinstance(d, bytes) for d in digests)
+        ):
+            raise ProtocolError("malformed", "digests must name one input per contributor", owner)
         enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
         # decode refuses NaN, inf and out-of-range scales for every codec
-        return codecs.decode(enc, expected_numel=numel), peers, [float(w) for w in weights]
+        vector = codecs.decode(enc, expected_numel=numel)
+        return vector, peers, [float(w) for w in weights], digests
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:

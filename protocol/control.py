@@ -249,6 +249,14 @@ class ControlChannel:
             TypeError: if ``body`` holds a value msgpack cannot encode.
             ControlChannelError: if the channel is closed.
         """
+        return self.publish_signed(topic, self.sign(topic, body))
+
+    def sign(self, topic: str, body: Any) -> bytes:
+        """Sign ``body`` for ``topic`` with the next sequence number, without sending it.
+
+        The caller keeps the signed bytes (as evidence of what it said) and sends them
+        with :meth:`publish_signed`. Raises as :meth:`publish` does.
+        """
         if topic not in self._topics:
             raise ValueError(f"topic {topic!r} was not joined; joined: {list(self._topics)}")
         with self._lock:
@@ -256,7 +264,10 @@ class ControlChannel:
                 raise ControlChannelError("the control channel is closed")
             seq = self._seq
             self._seq += 1
-        data = sign_control(self._identity, self._run, topic, seq, body, max_bytes=self._max_bytes)
+        return sign_control(self._identity, self._run, topic, seq, body, max_bytes=self._max_bytes)
+
+    def publish_signed(self, topic: str, data: bytes) -> bool:
+        """Broadcast a message made by :meth:`sign`; returns as :meth:`publish` does."""
         return self._send({"op": "publish", "topic": topic, "data": data})
 
     def connect(self, addrs: Iterable[str]) -> None:

@@ -38,20 +38,38 @@ __all__ = [
     "group_of",
     "publish_record",
     "read_registry",
+    "voted_out",
 ]
 
 logger = logging.getLogger(__name__)
 
 _MAX_RECORD_BYTES = 16 * 1024
+_MAX_EXCLUDES = 128  # votes one announcement carries (keeps it well under the record cap)
 _POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
 class Announcement:
-    """A peer's signed wish to average ``(round, fragment)``."""
+    """A peer's signed wish to average ``(round, fragment)``, and whom it votes out."""
 
     peer: str
     tokens: int
+    excludes: frozenset[str] = frozenset()
+
+
+def voted_out(announcements: dict[str, Announcement]) -> set[str]:
+    """Peers that more than half of the announcers vote to leave out of this round.
+
+    Every node that read the same announcements gets the same set, so honest nodes
+    that saw a peer misbehave at different moments still form the same groups: the
+    peer is left out once a majority has seen it, and one node's vote (an attacker's
+    included) leaves no one out.
+    """
+    votes: dict[str, int] = {}
+    for a in announcements.values():
+        for peer in a.excludes - {a.peer}:
+            votes[peer] = votes.get(peer, 0) + 1
+    return {p for p, v in votes.items() if 2 * v > len(announcements)}
 
 
 @dataclass(frozen=True)
@@ -85,10 +103,12 @@ async def announce(
     *,
     expiration: float,
     timeout: float,
+    excludes: Iterable[str] = (),
 ) -> bool:
     """Store this node's signed announcement for ``(round, fragment)``."""
     header = Header("announce", run_id, round_, fragment, 0, identity.peer_id)
-    value = seal(identity, header, {"tokens": int(tokens)})
+    body = {"tokens": int(tokens), "excludes": sorted(excludes)[:_MAX_EXCLUDES]}
+    value = seal(identity, header, body)
     return await transport.dht_store(
         _mm_key(run_id, round_, fragment), identity.peer_id, value, expiration, timeout=timeout
     )
@@ -112,13 +132,15 @@ async def read_announcements(
                 kinds=("announce",),
                 round_window=(round_, round_),
             )
-            tokens = env.body.get("tokens")
+            tokens, excludes = env.body.get("tokens"), env.body.get("excludes", [])
             if env.header.fragment != fragment or not isinstance(tokens, int) or tokens < 0:
                 raise ProtocolError("malformed", "announcement for another fragment or bad tokens")
+            if not isinstance(excludes, list) or not all(isinstance(p, str) for p in excludes):
+                raise ProtocolError("malformed", "excludes must be a list of PeerIDs")
         except ProtocolError as exc:
             logger.info("announcement under %s rejected: %s", subkey[:16], exc)
             continue
-        out[subkey] = Announcement(peer=subkey, tokens=tokens)
+        out[subkey] = Announcement(peer=subkey, tokens=tokens, excludes=frozenset(excludes))
     return out
 
 
@@ -134,12 +156,14 @@ async def gather(
     deadline: float,
     expiration: float,
     timeout: float,
+    excludes: Iterable[str] = (),
 ) -> dict[str, Announcement]:
     """Announce, then read announcements until every expected peer is there or ``deadline``.
 
     Args:
         expected: peers believed alive (from the registry); the wait ends as soon as all
             of them have announced.
+        excludes: peers this node votes to leave out of the round (see :func:`voted_out`).
         deadline: ``time.monotonic()`` value after which the current view is used.
 
     Returns:
@@ -154,9 +178,11 @@ async def gather(
         tokens,
         expiration=expiration,
         timeout=timeout,
+        excludes=excludes,
     )
     want = set(expected) | {identity.peer_id}
-    seen: dict[str, Announcement] = {identity.peer_id: Announcement(identity.peer_id, tokens)}
+    me = Announcement(identity.peer_id, tokens, frozenset(excludes))
+    seen: dict[str, Announcement] = {identity.peer_id: me}
     while True:
         remaining = deadline - time.monotonic()
         try:

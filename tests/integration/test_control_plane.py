@@ -64,6 +64,24 @@ def test_an_equivocating_node_is_proven_and_banned_by_every_honest_node(local_sw
     assert summary["params_agree"], summary["rounds_disagreeing"]
 
 
+def test_an_owner_that_misstates_inputs_is_proven_bad_and_banned(local_swarm):
+    local_swarm.launch(4, rounds=3, args={3: ["--byzantine", "bad_owner"]})
+    assert local_swarm.wait_all(240)
+    summary = local_swarm.summary()
+    owner = local_swarm.nodes[3].status["peer_id"]
+    for node in local_swarm.nodes[:3]:
+        assert node.proc.returncode == 0
+        proofs = [
+            e
+            for e in read_events(node.data_dir / "events.jsonl", "violation")
+            if e["peer"] == owner and e["reason"] == "bad_owner"
+        ]
+        assert proofs and proofs[0]["round"] <= 2, proofs
+        assert summary["flagged"][str(node.index)] == {owner: "banned"}
+    # every honest member refused the lying results and repaired those parts alike
+    assert summary["params_agree"], summary["rounds_disagreeing"]
+
+
 def test_forged_verdicts_are_ignored_and_cost_the_accused_nothing(local_swarm, tmp_path):
     nodes = local_swarm.launch(3, rounds=15)  # long enough to outlive the forgeries
     assert wait_until(lambda: all(n.status.get("control_addrs") for n in nodes), 120)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from node.config import ControlConfig
-from node.controlplane import ControlPlane, check_equivocation, topic_name
+from node.controlplane import ControlPlane, check_bad_owner, check_equivocation, topic_name
 from node.verifier import Verifier
 from protocol.control_wire import open_control, sign_control
 from protocol.errors import ProtocolError
@@ -160,3 +160,89 @@ def test_a_part_that_overtakes_its_late_commitment_is_refused_as_late(
         assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, closed) == "late_commit"
     finally:
         later.join()
+
+
+def _result(owner: Identity, contributors: list[str], digests: list[bytes], part: int = 1) -> bytes:
+    from protocol.messages import Header, seal
+
+    body = {"contributors": contributors, "digests": digests, "weights": [1.0] * len(digests)}
+    return seal(owner, Header("reduced", RUN, 3, 0, part, owner.peer_id), body)
+
+
+def _own_commit(plane: ControlPlane, digests: dict[int, bytes]) -> bytes:
+    """This node's commitment, signed and recorded as publish_commit would."""
+    from node.controlplane import _Commit
+
+    wire = _commit(ME, digests)
+    plane._commits[(ME.peer_id, 3, 0)] = _Commit(dict(digests), time.monotonic(), wire)
+    return wire
+
+
+def test_an_owner_that_misstates_this_nodes_input_is_proven_bad(plane: ControlPlane) -> None:
+    wire = _own_commit(plane, {1: D1})
+    honest = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D1])
+    assert (
+        plane.check_result(CHEAT.peer_id, 3, 0, 1, honest, [CHEAT.peer_id, ME.peer_id], [D2, D1])
+        is None
+    )
+    lying = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2])
+    assert (
+        plane.check_result(CHEAT.peer_id, 3, 0, 1, lying, [CHEAT.peer_id, ME.peer_id], [D2, D2])
+        == "bad_owner"
+    )
+    assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}
+    # and the evidence convinces anyone
+    assert check_bad_owner({"reduced": lying, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (
+            lambda w: {
+                "reduced": _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D1]),
+                "commit": w,
+            },
+            "matches",
+        ),
+        (
+            lambda w: {
+                "reduced": _result(OTHER, [OTHER.peer_id, ME.peer_id], [D2, D2]),
+                "commit": w,
+            },
+            "sender_mismatch",
+        ),
+        (
+            lambda w: {"reduced": _result(CHEAT, [CHEAT.peer_id], [D2]), "commit": w},
+            "does not name",
+        ),
+        (
+            lambda w: {
+                "reduced": _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2], part=2),
+                "commit": w,
+            },
+            "another round or part",
+        ),
+        (lambda w: {"reduced": b"junk", "commit": w}, "malformed"),
+        (lambda w: [w], "is a map"),
+    ],
+)
+def test_bad_owner_evidence_that_does_not_check_out_is_refused(plane, make, why: str) -> None:
+    wire = _own_commit(plane, {1: D1})
+    with pytest.raises(ProtocolError, match=why) as info:
+        check_bad_owner(make(wire), CHEAT.peer_id, RUN)
+    assert info.value.reason == "bad_evidence"
+
+
+def test_an_equivocator_cannot_frame_an_honest_owner(plane: ControlPlane) -> None:
+    # the cheat committed D2 (what the owner saw and used) and D1 (shown as "evidence")
+    _deliver(plane, "commit", _commit(CHEAT, {1: D2}))
+    owner = OTHER
+    result = _result(owner, [owner.peer_id, CHEAT.peer_id], [D1, D2])
+    framing = {
+        "accused": owner.peer_id,
+        "kind": "bad_owner",
+        "evidence": {"reduced": result, "commit": _commit(CHEAT, {1: D1}, seq=2)},
+    }
+    _deliver(plane, "verdict", _signed(CHEAT, "verdict", framing, seq=3))
+    assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}  # the framer, not the owner

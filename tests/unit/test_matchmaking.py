@@ -141,3 +141,25 @@ def test_pairs_get_new_partners_over_rounds() -> None:
             partners[a].add(b)
             partners[b].add(a)
     assert all(len(met) >= 3 for met in partners.values())
+
+
+def test_a_peer_is_voted_out_by_a_strict_majority_of_announcers() -> None:
+    from protocol.matchmaking import Announcement, voted_out
+
+    def ann(peer: str, *excludes: str) -> Announcement:
+        return Announcement(peer, 10, frozenset(excludes))
+
+    bad = "peer-04"
+    # three of five saw the evidence in time, one did not yet, the accused votes too
+    seen = {p: ann(p, bad) for p in _names(3)} | {"peer-03": ann("peer-03"), bad: ann(bad)}
+    assert voted_out(seen) == {bad}
+    # two of five are not a majority: everyone keeps the peer in the round
+    seen["peer-02"] = ann("peer-02")
+    assert voted_out(seen) == set()
+    # one node (an attacker) cannot vote honest peers out, nor can a peer vote for itself
+    lone = {p: ann(p) for p in _names(4)} | {bad: ann(bad, *_names(4), bad)}
+    assert voted_out(lone) == set()
+    # half is not more than half
+    assert (
+        voted_out({"a": ann("a", "c"), "b": ann("b"), "c": ann("c"), "d": ann("d", "c")}) == set()
+    )
