@@ -395,6 +395,26 @@ class Node:
             self._train_steps()
         else:
             self._train_seconds()
+        self._linger()
+
+    def _linger(self) -> None:
+        """After the last round, stay reachable while a live peer is still behind
+        (bounded by ``network.round_timeout``): a peer whose last sync failed re-syncs
+        from the swarm's state, and it can only take it from nodes still running."""
+        if self.stop_event.is_set() or not self.cfg.run.max_rounds:
+            return
+        me, deadline = self.identity.peer_id, time.monotonic() + self.cfg.network.round_timeout
+        self.status.update(force=True, state="lingering", round=self.round)
+        while time.monotonic() < deadline and not self.stop_event.is_set():
+            now = time.time()
+            behind = [
+                p
+                for p, rec in self.live.items()
+                if p != me and now - rec.updated < _LIVE_SECONDS and rec.round < self.round
+            ]
+            if not behind:
+                return
+            time.sleep(0.5)
 
     def _step(self, tokens_since: list[int]) -> None:
         """One inner step, stretched by ``run.slowdown``; counts busy time."""

@@ -289,6 +289,7 @@ class _Session:
     reduced: asyncio.Event = field(default_factory=asyncio.Event)
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     closed_at: float = 0.0
+    mismatches: int = 0
     reply: bytes = b""
 
 
@@ -620,6 +621,17 @@ class AllReduceService:
             session.closed_at = time.monotonic()
             session.committed.set()
 
+    def _note_mismatch(self, round_: int, fragment: int, group_size: int) -> None:
+        """An owner said this node's group is not its own. When every other owner says
+        so, no one shares this node's view of the round and no part will come for the
+        part it owns: stop waiting for them now rather than at the deadline."""
+        session = self._sessions.get((round_, fragment))
+        if session is None:
+            return
+        session.mismatches += 1
+        if session.mismatches >= group_size - 1:
+            session.full.set()
+
     async def _send_part(
         self,
         round_: int,
@@ -646,6 +658,8 @@ class AllReduceService:
                 "round %d fragment %d part %d: owner %s: %s; keeping local values",
                 *(round_, fragment, j, owner[:16], exc),
             )
+            if exc.detail.startswith("group_mismatch"):
+                self._note_mismatch(round_, fragment, len(group))
             return j, None, []
         try:
             part, peers, weights, digests = self._check_reduced(
