@@ -399,11 +399,14 @@ class Node:
 
     def _linger(self) -> None:
         """After the last round, stay reachable while a live peer is still behind
-        (bounded by ``network.round_timeout``): a peer whose last sync failed re-syncs
-        from the swarm's state, and it can only take it from nodes still running."""
+        (bounded by how long its last sync may take): a peer whose last sync failed
+        re-syncs from the swarm's state, and it can only take it from running nodes."""
         if self.stop_event.is_set() or not self.cfg.run.max_rounds:
             return
-        me, deadline = self.identity.peer_id, time.monotonic() + self.cfg.network.round_timeout
+        net = self.cfg.network
+        # as long as a lagging peer's last sync can take (see _apply), and no longer
+        bound = net.matchmaking_seconds + 3 * net.round_timeout
+        me, deadline = self.identity.peer_id, time.monotonic() + bound
         self.status.update(force=True, state="lingering", round=self.round)
         while time.monotonic() < deadline and not self.stop_event.is_set():
             now = time.time()

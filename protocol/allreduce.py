@@ -416,7 +416,13 @@ class AllReduceService:
             )
         if peer not in session.group or h.part != session.index:
             raise self._reject("wrong_part", f"part {h.part} is not owned here", peer, *at)
-        if peer in session.contributions:
+        known = session.contributions.get(peer)
+        if known is not None and known.digest == env.digest:
+            # The same signed part again: the sender lost the answer and retried.
+            await asyncio.wait_for(session.reduced.wait(), self.settings.timeout + 5.0)
+            self.bytes_sent += len(session.reply)
+            return session.reply
+        if known is not None:
             raise self._reject(
                 "duplicate", "a second part for the same round and fragment", peer, *at
             )
@@ -648,9 +654,27 @@ class AllReduceService:
         self.bytes_sent += len(request)
         self.tally((round_, fragment), sent=len(request))
         try:
-            reply = await self.transport.call(
-                owner, RPC_NAME, request, timeout=self.settings.timeout * 2 + 5.0
-            )
+            try:
+                reply = await self.transport.call(
+                    owner, RPC_NAME, request, timeout=self.settings.timeout * 2 + 5.0
+                )
+            except ProtocolError as exc:
+                if exc.reason != "connection_lost":
+                    raise
+                # A stream cut before the answer came: the owner keeps the part, and the
+                # same signed part again is answered with the same result.
+                logger.info(
+                    "round %d fragment %d part %d: retrying owner %s",
+                    round_,
+                    fragment,
+                    j,
+                    owner[:16],
+                )
+                self.bytes_sent += len(request)
+                self.tally((round_, fragment), sent=len(request))
+                reply = await self.transport.call(
+                    owner, RPC_NAME, request, timeout=self.settings.timeout * 2 + 5.0
+                )
             self.bytes_received += len(reply)
             self.tally((round_, fragment), received=len(reply))
         except ProtocolError as exc:

@@ -389,6 +389,28 @@ def test_hostile_parts_are_refused_and_the_round_still_completes(
 
 
 @pytest.mark.timeout(60)
+def test_the_same_part_sent_again_gets_the_same_answer(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    owner, sender = services(AllReduceSettings(run_id=RUN, codec="none", timeout=3))[:2]
+    group = [owner.identity.peer_id, sender.identity.peer_id]
+    numel = 1_000
+    own_numel = part_bounds(numel, 2, 256)[0][1]
+    future = owner.transport.submit(owner.run(ROUND, 0, group, torch.ones(numel), 1))
+    part = _part(sender.identity, group=group, data=_none_wire(torch.zeros(own_numel)))
+    client = sender.transport
+    first = client.run(client.call(owner.identity.peer_id, RPC_NAME, part, timeout=10), 15)
+    # a retry after a lost answer: the very same signed bytes
+    again = client.run(client.call(owner.identity.peer_id, RPC_NAME, part, timeout=10), 15)
+    assert again == first
+    assert "duplicate" not in owner.rejected
+    # a different part from the same sender is still a duplicate
+    other = _part(sender.identity, group=group, data=_none_wire(torch.ones(own_numel)))
+    assert _expect_refusal(client, owner.identity.peer_id, other).detail.startswith("duplicate:")
+    future.result(30)
+
+
+@pytest.mark.timeout(60)
 def test_refused_envelopes_are_counted(swarm: SimpleNamespace, services: Callable) -> None:
     members = services(AllReduceSettings(run_id=RUN, codec="none", timeout=3))
     victim, honest, attacker = members[:3]
