@@ -51,6 +51,10 @@ def test_clean_run_flags_no_one_and_agrees(clean):
         assert read_events(d / "events.jsonl", "violation") == []
 
 
+# 12 swarms of 5 nodes (about 9 minutes here): run by `make test-all`. Each passed in two
+# standalone runs of the whole file on this 2-core machine; in full-suite runs a transient
+# stream loss under load has failed one mode in some runs.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_one_byzantine_node_is_contained(mode, clean, local_swarm):
     summary = _run(local_swarm, mode=mode)
