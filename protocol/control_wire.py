@@ -39,7 +39,7 @@ from typing import IO, Any
 
 import msgpack
 
-from protocol._limits import ItemBudget, count_items
+from protocol._limits import bounded_unpackb, count_items, reject_ext
 from protocol.errors import ProtocolError
 from verification.errors import VerificationError
 from verification.identity import Identity, public_key_from_peer_id, verify
@@ -322,30 +322,16 @@ def _read_exact(fileobj: IO[bytes], n: int) -> bytes | None:
 
 def _decode_frame(payload: bytes) -> Any:
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=reject_ext)
     except Exception as e:  # every msgpack failure is one kind of error
         raise ValueError(f"frame is not msgpack: {type(e).__name__}: {e}") from None
 
 
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise ValueError(f"msgpack extension type {code} is not allowed")
-
-
 def _parse_outer(data: bytes) -> tuple[bytes, bytes]:
     try:
-        outer = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_reject_ext,
-            max_bin_len=len(data),
-            max_str_len=MAX_NAME_CHARS,
-            max_array_len=16,
-            max_map_len=16,
-            max_ext_len=0,
-        )
-    except Exception as e:  # hostile bytes: every msgpack failure is one reason
-        raise ProtocolError("malformed", f"outer frame: {type(e).__name__}: {e}") from None
+        outer = bounded_unpackb(data, max_container=16, max_str_len=MAX_NAME_CHARS)
+    except ValueError as e:
+        raise ProtocolError("malformed", f"outer frame: {e}") from None
     if not isinstance(outer, list) or not outer:
         raise ProtocolError("malformed", "outer frame is not a non-empty array")
     # The version comes first so that a future layout reads as a version mismatch.
@@ -364,23 +350,15 @@ def _parse_outer(data: bytes) -> tuple[bytes, bytes]:
 
 
 def _parse_signed(signed: bytes) -> dict[str, Any]:
-    budget = ItemBudget(MAX_BODY_ITEMS + len(_FIELDS))
     try:
-        fields = msgpack.unpackb(
+        fields = bounded_unpackb(
             signed,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_reject_ext,
-            list_hook=budget.list_hook,
-            object_hook=budget.object_hook,
-            max_bin_len=len(signed),
+            max_container=MAX_BODY_ITEMS,
             max_str_len=len(signed),
-            max_array_len=MAX_BODY_ITEMS,
-            max_map_len=MAX_BODY_ITEMS,
-            max_ext_len=0,
+            max_items=MAX_BODY_ITEMS + len(_FIELDS),
         )
-    except Exception as e:  # hostile bytes: every msgpack failure is one reason
-        raise ProtocolError("malformed", f"signed payload: {type(e).__name__}: {e}") from None
+    except ValueError as e:
+        raise ProtocolError("malformed", f"signed payload: {e}") from None
     if not isinstance(fields, dict) or set(fields) != set(_FIELDS):
         raise ProtocolError("malformed", f"signed payload must be a map of {', '.join(_FIELDS)}")
     if type(fields["v"]) is not int or fields["v"] != CONTROL_VERSION:

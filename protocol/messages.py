@@ -32,7 +32,7 @@ from typing import Any
 
 import msgpack
 
-from protocol._limits import ItemBudget, count_items
+from protocol._limits import bounded_unpackb, count_items
 from protocol.errors import ProtocolError
 from verification.errors import VerificationError
 from verification.identity import Identity, public_key_from_peer_id, verify
@@ -261,12 +261,6 @@ def open_envelope(
     return Envelope(header=header, body=body, signature=signature, raw_signed=signed, digest=digest)
 
 
-def _reject_ext(code: int, data: bytes) -> Any:
-    # No message uses msgpack extension types; refusing them keeps the decoded
-    # values to plain Python types.
-    raise ValueError(f"msgpack extension type {code} is not allowed")
-
-
 _OUTER_HEAD = bytes((0x93, PROTOCOL_VERSION))  # fixarray of 3, then the version
 _SIGNATURE_HEAD = bytes((0xC4, _SIGNATURE_LEN))  # bin8 of 64 bytes
 
@@ -297,20 +291,9 @@ def _split_outer(view: memoryview) -> tuple[memoryview, bytes] | None:
 
 def _parse_outer(data: bytes, peer: str | None) -> tuple[bytes, bytes]:
     try:
-        outer = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            ext_hook=_reject_ext,
-            max_bin_len=len(data),
-            max_str_len=MAX_NAME_CHARS,
-            max_array_len=16,
-            max_map_len=16,
-            max_ext_len=0,
-        )
-    except Exception as e:  # hostile bytes: every msgpack failure is one reason
-        raise ProtocolError("malformed", f"outer frame: {type(e).__name__}: {e}", peer) from None
+        outer = bounded_unpackb(data, max_container=16, max_str_len=MAX_NAME_CHARS)
+    except ValueError as e:
+        raise ProtocolError("malformed", f"outer frame: {e}", peer) from None
     if not isinstance(outer, list) or not outer:
         raise ProtocolError("malformed", "outer frame is not a non-empty array", peer)
     # The version comes first so that a future layout is reported as a version
@@ -328,24 +311,15 @@ def _parse_outer(data: bytes, peer: str | None) -> tuple[bytes, bytes]:
 
 
 def _parse_signed(signed: bytes, peer: str | None) -> tuple[Header, dict[str, Any]]:
-    budget = ItemBudget(MAX_BODY_ITEMS + _SIGNED_LEN)
     try:
-        fields = msgpack.unpackb(
+        fields = bounded_unpackb(
             signed,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            ext_hook=_reject_ext,
-            list_hook=budget.list_hook,
-            object_hook=budget.object_hook,
-            max_bin_len=len(signed),
+            max_container=MAX_BODY_ITEMS,
             max_str_len=len(signed),
-            max_array_len=MAX_BODY_ITEMS,
-            max_map_len=MAX_BODY_ITEMS,
-            max_ext_len=0,
+            max_items=MAX_BODY_ITEMS + _SIGNED_LEN,
         )
-    except Exception as e:  # hostile bytes: every msgpack failure is one reason
-        raise ProtocolError("malformed", f"signed payload: {type(e).__name__}: {e}", peer) from None
+    except ValueError as e:
+        raise ProtocolError("malformed", f"signed payload: {e}", peer) from None
     if not isinstance(fields, list) or len(fields) != _SIGNED_LEN:
         raise ProtocolError("malformed", "signed payload is not an 8-item array", peer)
     version, *header_fields, body = fields

@@ -69,7 +69,9 @@ def _t(values: list[float]):
 def _contribution(peer: str, values: list[float], tokens: int = 100):
     from protocol.allreduce import Contribution
 
-    return Contribution(peer=peer, vector=_t(values), weight=float(tokens), digest="", tokens=tokens)
+    return Contribution(
+        peer=peer, vector=_t(values), weight=float(tokens), digest="", tokens=tokens
+    )
 
 
 @pytest.mark.parametrize(
