@@ -1,4 +1,5 @@
-"""What the benchmarks share: the machine they ran on, and a timed DDP baseline."""
+"""What the benchmarks share: the machine they ran on, gloo ranks in spawned processes,
+and a timed DDP baseline."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,17 @@ import torch
 
 from protocol.shaper import LinkShape
 
-__all__ = ["TimedDdp", "end_processes", "machine_info", "ring_allreduce_seconds", "run_timed_ddp"]
+__all__ = [
+    "TimedDdp",
+    "end_processes",
+    "free_port",
+    "gloo_group",
+    "machine_info",
+    "params_digest",
+    "ring_allreduce_seconds",
+    "run_ranks",
+    "run_timed_ddp",
+]
 
 
 def machine_info() -> dict[str, Any]:
@@ -132,7 +144,6 @@ def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
     inside backward exactly as slower hardware would; backward compute is timed up to
     its last gradient accumulation, so the wait for the all-reduce is not counted as busy.
     """
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
@@ -146,14 +157,7 @@ def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
     cfg = load_config(None, list(plan.overrides))
     world = len(plan.slowdowns)
     slowdown = float(plan.slowdowns[rank])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with gloo_group(port, rank, world, timeout_s=60) as dist:
         model = build_model(cfg.model, seed=cfg.run.seed)
         ddp = DistributedDataParallel(model)
         if plan.link is not None:
@@ -210,9 +214,8 @@ def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
             stop = torch.tensor([float(time.monotonic() >= deadline)])
             pending = dist.all_reduce(stop, op=dist.ReduceOp.MAX, async_op=True)
         wall = time.monotonic() - started
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
         digests: list[Any] = [None] * world
-        dist.all_gather_object(digests, digest.hexdigest())
+        dist.all_gather_object(digests, params_digest(model))
         val_bpb = None
         if plan.evaluate and rank == 0:
             val = BatchStream(
@@ -230,14 +233,79 @@ def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
                 "val_bpb": val_bpb,
             }
         )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_group(port: int, rank: int, world: int, timeout_s: float) -> Iterator[Any]:
+    """``torch.distributed`` with a gloo group on 127.0.0.1:``port``; always destroyed."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        yield dist
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def params_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's parameters, to check that ranks ended bitwise equal."""
+    return hashlib.sha256(
+        b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+    ).hexdigest()
+
+
+def run_ranks(
+    target: Callable[..., None],
+    args: Sequence[tuple],
+    expected: int,
+    timeout: float,
+    grace: float,
+) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """Spawns ``target(rank, *args[rank], results)`` for every rank and collects reports.
+
+    Each rank may put report dicts on ``results``; this returns once ``expected`` have
+    arrived, ``timeout`` seconds have passed, or a rank has died (the others would wait
+    for it until their gloo timeout). Every process is joined, terminated or killed.
+
+    Returns:
+        The reports in arrival order (fewer than ``expected`` on failure) and the ranks'
+        exit codes.
+    """
+    ctx = mp.get_context("spawn")  # never fork a parent whose torch may hold threads
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=target, args=(rank, *rank_args, results), daemon=True)
+        for rank, rank_args in enumerate(args)
+    ]
+    started: list[Any] = []
+    reports: list[dict[str, Any]] = []
+    try:
+        for p in procs:
+            p.start()
+            started.append(p)
+        deadline = time.monotonic() + timeout
+        while len(reports) < expected and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                reports.append(results.get(timeout=1.0))
+            if len(reports) < expected and any(p.exitcode not in (None, 0) for p in procs):
+                break
+    finally:
+        end_processes(started, grace=grace)
+        results.close()
+    return reports, [p.exitcode for p in procs]
 
 
 def run_timed_ddp(plan: TimedDdp, startup_seconds: float = 180.0) -> dict[str, Any]:
@@ -248,32 +316,20 @@ def run_timed_ddp(plan: TimedDdp, startup_seconds: float = 180.0) -> dict[str, A
         ``idle`` (seconds), ``steps``, ``params``, ``params_agree`` and ``val_bpb`` (rank 0
         with ``plan.evaluate``); or ``{"error": ...}`` when a rank reported nothing.
     """
-    ctx = mp.get_context("spawn")  # never fork a parent whose torch may hold threads
-    results = ctx.Queue()
-    port = _free_port()
     world = len(plan.slowdowns)
-    procs = [
-        ctx.Process(target=_ddp_worker, args=(rank, port, plan, results), daemon=True)
-        for rank in range(world)
-    ]
-    reports: dict[int, dict] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + plan.seconds + startup_seconds  # spawns are slow under load
-        while len(reports) < world and time.monotonic() < deadline:
-            with contextlib.suppress(queue.Empty):
-                r = results.get(timeout=1.0)
-                reports[r["rank"]] = r
-            if len(reports) < world and any(p.exitcode not in (None, 0) for p in procs):
-                break  # a rank died: the others would wait for it until their timeout
-    finally:
-        end_processes(procs, grace=15)
-    exit_codes = [p.exitcode for p in procs]
-    if len(reports) < world:
-        missing = sorted(set(range(world)) - set(reports))
+    port = free_port()
+    reports, exit_codes = run_ranks(
+        _ddp_worker,
+        [(port, plan)] * world,
+        expected=world,
+        timeout=plan.seconds + startup_seconds,  # spawns are slow under load
+        grace=15,
+    )
+    by_rank = {r["rank"]: r for r in reports}
+    if len(by_rank) < world:
+        missing = sorted(set(range(world)) - set(by_rank))
         return {"error": f"ranks {missing} reported nothing; exit codes {exit_codes}"}
-    return {"ranks": [reports[i] for i in range(world)], "exit_codes": exit_codes}
+    return {"ranks": [by_rank[i] for i in range(world)], "exit_codes": exit_codes}
 
 
 def end_processes(procs: list, grace: float) -> None:

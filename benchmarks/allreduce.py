@@ -26,7 +26,6 @@ import logging
 import multiprocessing as mp
 import os
 import pathlib
-import socket
 import statistics
 import tempfile
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import psutil
 import torch
 
-from benchmarks._common import machine_info
+from benchmarks._common import free_port, machine_info
 
 __all__ = ["run"]
 
@@ -271,18 +270,12 @@ def _receive(conn: Any, proc: mp.Process, timeout: float, expect: str) -> tuple:
     return message
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Swarm:
     """The four peer processes of one (method, n) measurement and everything they start."""
 
     def __init__(self, method: str, n: int, tmp: str) -> None:
         self.method, self.n = method, n
-        self.opts: dict = {"tmp": tmp, "port": _free_port()}
+        self.opts: dict = {"tmp": tmp, "port": free_port()}
         self.ctx = mp.get_context("spawn")  # never fork a parent that may hold threads
         self.procs: list[mp.Process] = []
         self.conns: list[Any] = []

@@ -27,21 +27,16 @@ two cores). Run it with ``python -m benchmarks convergence [--quick]``; it write
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import hashlib
 import json
-import multiprocessing as mp
 import pathlib
-import queue
-import socket
 import sys
 import time
 from typing import Any
 
 import torch
 
-from benchmarks._common import end_processes, machine_info
+from benchmarks._common import free_port, gloo_group, machine_info, params_digest, run_ranks
 from node.config import load_config
 
 __all__ = ["run"]
@@ -90,7 +85,6 @@ def _ddp_worker(
     rank: int, port: int, overrides: list[str], steps: int, eval_every: int, results: Any
 ) -> None:
     """One DDP rank: ``steps`` steps on its own stream; rank 0 evaluates and reports."""
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
@@ -101,14 +95,7 @@ def _ddp_worker(
 
     torch.set_num_threads(1)
     cfg = load_config(None, overrides)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=_WORKERS,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    try:
+    with gloo_group(port, rank, _WORKERS, timeout_s=300) as dist:
         corpus = load_corpus(cfg.data, cfg.model.context)
         model = build_model(cfg.model, seed=cfg.run.seed)
         ddp = DistributedDataParallel(model)
@@ -151,9 +138,8 @@ def _ddp_worker(
             optimizer.step()
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 record(step + 1)
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
         digests: list[Any] = [None] * _WORKERS
-        dist.all_gather_object(digests, digest.hexdigest())
+        dist.all_gather_object(digests, params_digest(model))
         if rank == 0:
             results.put(
                 {
@@ -163,46 +149,21 @@ def _ddp_worker(
                     "seconds": time.monotonic() - started,
                 }
             )
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_ddp(overrides: list[str], steps: int, timeout: float) -> dict[str, Any]:
     """Four DDP ranks as spawned processes; always joined, terminated or killed."""
-    ctx = mp.get_context("spawn")  # never fork a parent whose torch may hold threads
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_ddp_worker,
-            args=(rank, port, overrides, steps, _EVAL_EVERY, results),
-            daemon=True,
-        )
-        for rank in range(_WORKERS)
-    ]
-    started: list[mp.process.BaseProcess] = []
-    report: dict[str, Any] | None = None
-    try:
-        for p in procs:
-            p.start()
-            started.append(p)
-        deadline = time.monotonic() + timeout
-        while report is None and time.monotonic() < deadline:
-            with contextlib.suppress(queue.Empty):
-                report = results.get(timeout=1.0)
-            if report is None and any(p.exitcode not in (None, 0) for p in procs):
-                break  # a rank died: the others would wait for it until gloo's timeout
-    finally:
-        end_processes(started, grace=30)
-        results.close()
+    port = free_port()
+    reports, exit_codes = run_ranks(
+        _ddp_worker,
+        [(port, overrides, steps, _EVAL_EVERY)] * _WORKERS,
+        expected=1,  # rank 0 reports for all
+        timeout=timeout,
+        grace=30,
+    )
+    report = reports[0] if reports else None
     if report is None:
-        return {"error": f"rank 0 reported nothing; exit codes {[p.exitcode for p in procs]}"}
+        return {"error": f"rank 0 reported nothing; exit codes {exit_codes}"}
     report["val_bpb_end"] = report["history"][-1]["val_bpb"]
     report["bytes_sent_per_worker"] = report["history"][-1]["bytes_sent"]
     return report
