@@ -109,6 +109,13 @@ class OuterConfig:
     momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
     kwargs: dict[str, float | int | bool] = Field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.optimizer == "nesterov" and self.momentum == 0.0:
+            raise ValueError(
+                "outer.momentum = 0 with outer.optimizer = 'nesterov': Nesterov needs "
+                "momentum > 0; for outer steps without momentum use optimizer = 'sgd'"
+            )
+
 
 @dataclass(frozen=True, config=_STRICT)
 class SyncConfig:

@@ -91,3 +91,10 @@ def test_stochastic_rounding_needs_integer_codec():
     assert (
         load_config(None, ["sync.codec=int4", "sync.stochastic_rounding=true"]).sync.codec == "int4"
     )
+
+
+def test_nesterov_without_momentum_is_a_config_error_and_sgd_is_not():
+    with pytest.raises(ConfigError, match="Nesterov needs momentum > 0"):
+        load_config(None, ["outer.momentum=0"])
+    cfg = load_config(None, ["outer.optimizer='sgd'", "outer.momentum=0", "outer.lr=1.0"])
+    assert (cfg.outer.optimizer, cfg.outer.momentum, cfg.outer.lr) == ("sgd", 0.0, 1.0)
