@@ -2,6 +2,8 @@
 
 Each benchmark is a module with ``run(quick: bool, out_dir: Path) -> dict`` that
 writes its JSON and PNG files into ``out_dir``; register it in :data:`BENCHMARKS`.
+``--steps N`` is passed on as ``run(..., steps=N)`` to the benchmarks in
+:data:`TAKES_STEPS` only, which also define ``steps_problem(steps) -> str | None``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pathlib
 import sys
 import time
 
-__all__ = ["BENCHMARKS", "main"]
+__all__ = ["BENCHMARKS", "TAKES_STEPS", "main"]
 
 BENCHMARKS: dict[str, str] = {
     "codec": "benchmarks.codec",
@@ -25,6 +27,9 @@ BENCHMARKS: dict[str, str] = {
     "mixing": "benchmarks.mixing",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""
+
+TAKES_STEPS = frozenset({"convergence"})
+"""Benchmarks whose ``run`` takes ``steps`` (training steps per worker)."""
 
 _DEFAULT_OUT = pathlib.Path("benchmarks/results")
 
@@ -84,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", help=f"one of {', '.join(BENCHMARKS)}, or all")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--out", type=pathlib.Path, default=_DEFAULT_OUT, help="output folder")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps per worker, for {', '.join(sorted(TAKES_STEPS))} only",
+    )
     args = parser.parse_args(argv)
     if args.name == "all":
         names = list(BENCHMARKS)
@@ -93,11 +104,24 @@ def main(argv: list[str] | None = None) -> int:
         known = ", ".join([*BENCHMARKS, "all"])
         print(f"unknown benchmark {args.name!r}: expected one of {known}", file=sys.stderr)
         return 2
+    if args.steps is not None and not set(names) <= TAKES_STEPS:
+        print(
+            f"--steps applies to {', '.join(sorted(TAKES_STEPS))} only, not {args.name}",
+            file=sys.stderr,
+        )
+        return 2
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
         since = time.time() - 1.0  # file mtimes can lag the clock by a tick
         started = time.perf_counter()
-        report = module.run(args.quick, args.out)
+        extra = {}
+        if args.steps is not None:
+            problem = module.steps_problem(args.steps)
+            if problem:
+                print(f"{name}: {problem}", file=sys.stderr)
+                return 2
+            extra["steps"] = args.steps
+        report = module.run(args.quick, args.out, **extra)
         print(_summary(name, report, time.perf_counter() - started))
         for path in _written(args.out, name, since):
             print(f"  wrote {path}")

@@ -19,9 +19,12 @@ the batch stream ``(seed, i)`` in both methods, so they see the very same batche
 
 Everything runs on the CPU. The target is a final validation bits per byte within 1 %
 of DDP's with at least 1000x fewer bytes sent per worker; each run says whether it
-meets it. Quick mode (5 to 10 minutes on two shared cores) uses a 1-layer, 64-wide model and
-500 steps per worker; full mode the default reference model and 3000 steps (hours on
-two cores). Run it with ``python -m benchmarks convergence [--quick]``; it writes
+meets it. Each H is also run at int8 with other outer-optimizer settings
+(:data:`_OUTER_VARIANTS`), since DiLoCo's defaults are tuned for far more outer steps
+than a short run has. Quick mode (2 to 10 minutes on two cores) uses a 1-layer, 64-wide
+model and 500 steps per worker; full mode the default reference model and 3000 steps
+(hours on two cores); ``--steps N`` changes the length of either. Run it with
+``python -m benchmarks convergence [--quick] [--steps N]``; it writes
 ``convergence.json`` and ``convergence.png`` into the output folder.
 """
 
@@ -39,7 +42,7 @@ import torch
 from benchmarks._common import free_port, gloo_group, machine_info, params_digest, run_ranks
 from node.config import load_config
 
-__all__ = ["run"]
+__all__ = ["run", "steps_problem"]
 
 _WORKERS = 4
 _RING_SHARE = (
@@ -50,6 +53,14 @@ _TARGET_GAP_PERCENT = 1.0
 _TARGET_BYTES_RATIO = 1000.0
 _INNER_STEPS = (50, 100, 250)
 _CODECS = ("none", "int8", "int4")
+# Outer-optimizer settings tried besides the config's (DiLoCo's Nesterov, lr 0.7,
+# momentum 0.9, tuned for runs of hundreds of outer steps), each at every H with int8:
+# a short run has only 2-10 outer steps, where momentum 0.9 overshoots.
+_OUTER_VARIANTS: dict[str, tuple[str, ...]] = {
+    "nesterov lr 0.7 momentum 0.5": ("outer.momentum=0.5",),
+    "plain averaging (sgd lr 1)": ("outer.optimizer='sgd'", "outer.lr=1.0", "outer.momentum=0.0"),
+}
+_VARIANT_CODEC = "int8"
 _EVAL_EVERY = min(_INNER_STEPS)  # DDP is evaluated as often as the most frequent Atoll round
 # The integration tests' small model (tests/integration/conftest.py), copied because the
 # benchmarks must not depend on the test suite.
@@ -173,9 +184,17 @@ def _run_ddp(overrides: list[str], steps: int, timeout: float) -> dict[str, Any]
 
 
 def _run_atoll(
-    overrides: list[str], steps: int, inner_steps: int, codec: str, threads: int
+    overrides: list[str],
+    steps: int,
+    inner_steps: int,
+    codec: str,
+    threads: int,
+    outer: str | None = None,
 ) -> dict[str, Any]:
-    """One simulated DiLoCo run of ``steps / inner_steps`` rounds with 4 replicas."""
+    """One simulated DiLoCo run of ``steps / inner_steps`` rounds with 4 replicas.
+
+    ``outer`` names an entry of :data:`_OUTER_VARIANTS`; None keeps the config's.
+    """
     from node.simulate import simulate
 
     rounds = steps // inner_steps
@@ -187,9 +206,10 @@ def _run_atoll(
             "sync.trigger='steps'",
             f"sync.inner_steps={inner_steps}",
             f"sync.codec='{codec}'",
+            *(_OUTER_VARIANTS[outer] if outer else ()),
         ],
     )
-    label = f"H={inner_steps} {codec}"
+    label = f"H={inner_steps} {codec}" + (f", {outer}" if outer else "")
 
     def progress(entry: dict[str, Any]) -> None:
         # A run takes about a minute even in quick mode: show that it moves.
@@ -219,6 +239,7 @@ def _run_atoll(
         "label": label,
         "inner_steps": inner_steps,
         "codec": codec,
+        "outer": cfg.to_dict()["outer"],
         "rounds": rounds,
         "fragments": result["fragments"],
         "params": result["params"],
@@ -252,7 +273,10 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    fig = plt.figure(figsize=(18, 5))
+    by_tokens = fig.add_subplot(1, 3, 1)
+    by_bytes = fig.add_subplot(1, 3, 2, sharey=by_tokens)
+    by_outer = fig.add_subplot(1, 3, 3)
     colors = {h: c for h, c in zip(_INNER_STEPS, ("tab:blue", "tab:orange", "tab:green"))}
     styles = {"none": "-", "int8": "--", "int4": ":"}
     lines = []
@@ -279,6 +303,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     ends = [history[-1]["val_bpb"] for _, history, _, _ in lines if history]
     if ends:
         by_tokens.set_ylim(min(ends) - 0.1, max(ends) + 1.0)
+    _plot_outer(report, by_outer)
     fig.suptitle(
         f"{_WORKERS} workers, {report['total_steps']} steps each "
         f"({report['params']:,} parameters, {'quick' if report['quick'] else 'full'} mode)",
@@ -289,22 +314,64 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def _plot_outer(report: dict[str, Any], ax: Any) -> None:
+    """Grouped bars: final gap to DDP per H for each outer-optimizer setting (int8)."""
+    runs = [r for r in report["atoll"] if r["codec"] == _VARIANT_CODEC]
+    runs += report.get("outer_variants", [])
+    settings = ["config default (nesterov lr 0.7 momentum 0.9)", *_OUTER_VARIANTS]
+    width = 0.8 / len(settings)
+    for i, setting in enumerate(settings):
+        xs, gaps = [], []
+        for j, h in enumerate(_INNER_STEPS):
+            for r in runs:
+                name = r.get("outer_variant") or settings[0]
+                if r["inner_steps"] == h and name == setting and "gap_to_ddp_percent" in r:
+                    xs.append(j + (i - (len(settings) - 1) / 2) * width)
+                    gaps.append(r["gap_to_ddp_percent"])
+        ax.bar(xs, gaps, width, label=setting)
+    ax.axhline(_TARGET_GAP_PERCENT, color="black", linewidth=1, linestyle="--", label="target")
+    ax.set_xticks(range(len(_INNER_STEPS)), [f"H={h}" for h in _INNER_STEPS])
+    ax.set_ylabel(f"final bits/byte above DDP (%), {_VARIANT_CODEC}")
+    ax.set_title("outer optimizer", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def steps_problem(steps: int) -> str | None:
+    """Why ``steps`` cannot be a run's length (every H must run whole rounds), or None."""
+    if steps < 1 or any(steps % h for h in _INNER_STEPS):
+        return (
+            f"steps = {steps}: expected a positive multiple of "
+            f"{', '.join(map(str, _INNER_STEPS))} (every H runs whole rounds)"
+        )
+    return None
+
+
+def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
     """Trains DDP and every Atoll variant, then writes the report and the plot.
 
     Args:
         quick: a 1-layer, 64-wide model and 500 steps per worker (5 to 10 minutes on
             two shared cores); otherwise the default reference model and 3000 steps (hours).
         out_dir: folder for ``convergence.json`` and ``convergence.png``; created if missing.
+        steps: steps per worker instead of the mode's default; a multiple of every H.
 
     Returns:
         The dict written to ``convergence.json``: ``ddp`` (val_bpb_end,
         bytes_sent_per_worker, history), ``atoll`` (one entry per ``H`` and codec with
         val_bpb_end, bytes_sent_per_worker, bytes_ratio_ddp_over_atoll,
-        gap_to_ddp_percent, meets_target and history), ``target``, ``notes``, ``quick``,
+        gap_to_ddp_percent, meets_target and history), ``outer_variants`` (the same at
+        int8 for each other outer-optimizer setting), ``target``, ``notes``, ``quick``,
         ``date`` and ``machine``.
+
+    Raises:
+        ValueError: ``steps`` is not a positive multiple of every H.
     """
-    steps = _QUICK_STEPS if quick else _FULL_STEPS
+    if steps is None:
+        steps = _QUICK_STEPS if quick else _FULL_STEPS
+    problem = steps_problem(steps)
+    if problem:
+        raise ValueError(problem)
     overrides = _overrides(quick, steps)
     cfg = load_config(None, overrides)
     started = time.monotonic()
@@ -327,6 +394,15 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
                 result = _run_atoll(overrides, steps, inner_steps, codec, _SIM_THREADS[quick])
                 _judge(result, ddp)
                 atoll.append(result)
+        variants = []
+        for inner_steps in _INNER_STEPS:
+            for outer in _OUTER_VARIANTS:
+                result = _run_atoll(
+                    overrides, steps, inner_steps, _VARIANT_CODEC, _SIM_THREADS[quick], outer
+                )
+                result["outer_variant"] = outer
+                _judge(result, ddp)
+                variants.append(result)
     finally:
         torch.set_num_threads(threads_before)
     report = {
@@ -349,8 +425,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         },
         "ddp": ddp,
         "atoll": atoll,
+        "outer_variants": variants,
         "skipped": [f"H={h} {c}" for h, c in skipped],
-        "runs_meeting_target": [r["label"] for r in atoll if r.get("meets_target")],
+        "runs_meeting_target": [r["label"] for r in atoll + variants if r.get("meets_target")],
         "seconds": round(time.monotonic() - started, 1),
         "notes": {
             "ddp_bytes": f"steps * params * 4 * 2*({_WORKERS}-1)/{_WORKERS}: fp32 gradients, "
@@ -366,6 +443,8 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "data": "worker i reads BatchStream(train, batch, context, (seed, i)) in both "
             "methods; validation is the same fixed batches for every method",
             "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[quick]}",
+            "outer_variants": "the same runs at int8 with other outer-optimizer settings "
+            "(overrides in each entry's outer); the main grid uses the config's",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

@@ -88,3 +88,25 @@ def test_every_registered_benchmark_imports_and_has_run():
     for name, module_name in bench_cli.BENCHMARKS.items():
         module = importlib.import_module(module_name)
         assert callable(module.run), name
+
+
+def test_cli_steps_applies_only_where_a_benchmark_takes_it(capsys, tmp_path):
+    assert bench_cli.main(["codec", "--steps", "500", "--out", str(tmp_path)]) == 2
+    assert "--steps applies to convergence only" in capsys.readouterr().err
+    assert bench_cli.main(["convergence", "--steps", "120", "--out", str(tmp_path)]) == 2
+    assert "expected a positive multiple of 50, 100, 250" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran or was written
+
+
+def test_convergence_judges_gap_and_bytes_against_the_targets():
+    from benchmarks.convergence import _judge
+
+    ddp = {"val_bpb_end": 3.0, "bytes_sent_per_worker": 2_000_000.0}
+    close = {"val_bpb_end": 3.02, "bytes_sent_per_worker": 1_000.0}
+    _judge(close, ddp)
+    assert close["gap_to_ddp_percent"] == pytest.approx(2 / 3)
+    assert close["bytes_ratio_ddp_over_atoll"] == pytest.approx(2000.0)
+    assert close["meets_target"]
+    far = {"val_bpb_end": 3.06, "bytes_sent_per_worker": 1_000.0}
+    _judge(far, ddp)
+    assert far["meets_bytes_target"] and not far["meets_bpb_target"] and not far["meets_target"]
