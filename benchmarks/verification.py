@@ -15,7 +15,7 @@ apart: a micro-benchmark seals and opens one part-sized envelope against plain
 ``msgpack.packb``/``unpackb`` of the same fields, and the difference, times the
 messages one member seals and opens per all-reduce, is reported as a share of the
 round. The same four services run both modes, switching reducer and observer between
-rounds: one untimed warm-up of each, then 5 repeats of each, off and on in turn (off-on,
+rounds: one untimed warm-up of each, then 40 repeats of each, off and on in turn (off-on,
 then on-off), so that both see the same load on a shared machine. A round's time is
 the wall time until all four members are done. Run it with
 ``python -m benchmarks verification [--quick]``; it writes ``verification.json`` and
@@ -64,7 +64,7 @@ from verification.policy import TrustPolicy
 __all__ = ["run"]
 
 _MEMBERS = 4
-_REPEATS = 5
+_REPEATS = 40  # single rounds vary by tens of % on a shared host; medians of 40 do not
 _CODECS = ("int8", "none")
 _RUN_ID = "bench-verification"
 # An all-reduce of 10M values by four members sharing two busy cores takes seconds; a
