@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import torch
 
-from benchmarks._common import free_port, machine_info
+from benchmarks._common import free_port, gloo_group, machine_info
 
 __all__ = ["run"]
 
@@ -178,15 +178,10 @@ class _HivemindPeer:
 
 class _GlooPeer:
     def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
-        import torch.distributed as dist
-
-        self.dist, self.own = dist, own
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{opts['port']}",
-            rank=index,
-            world_size=_PEERS,
-            timeout=datetime.timedelta(seconds=_SETUP_TIMEOUT),
+        self.own = own
+        self._group = contextlib.ExitStack()
+        self.dist = self._group.enter_context(
+            gloo_group(opts["port"], index, _PEERS, timeout_s=_SETUP_TIMEOUT)
         )
         self.info = {}
 
@@ -198,7 +193,7 @@ class _GlooPeer:
         return {"seconds": time.perf_counter() - t0}, x
 
     def close(self) -> None:
-        self.dist.destroy_process_group()
+        self._group.close()
 
 
 _PEER_TYPES = {
