@@ -61,8 +61,9 @@ def test_steps_mode_makes_fast_nodes_wait(local_swarm):
         assert _idle_share(node) > 0.3, node.status  # waiting for the 4x slower node
 
 
-# Failed once in a full-suite run under load (the joiner's first catch-up met peers
-# serving different rounds and it contributed a round later): run by `make test-all`.
+# Fails today, under load and on a quiet machine: the joiner takes the state but first
+# contributes more than two rounds after its catch-up (an open defect, in the README):
+# run by `make test-all`.
 @pytest.mark.slow
 def test_late_joiner_takes_the_global_state_and_contributes(local_swarm):
     nodes = local_swarm.launch(3, rounds=7, extra=SLOW_ROUNDS)
