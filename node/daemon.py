@@ -483,6 +483,9 @@ class Node:
             # progress, training all the same, and re-sync from a peer when it ends; the
             # work done meanwhile is rebased onto the swarm's state and contributed next.
             self.join_round = in_progress + 1
+            self.events.write(
+                "join", round=in_progress, state_round=self.round, contributes_from=self.join_round
+            )
             self.round = in_progress - 1
         last = (self.round, fragments - 1)
         while not self.stop_event.is_set():
