@@ -351,7 +351,7 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
     """Trains DDP and every Atoll variant, then writes the report and the plot.
 
     Args:
-        quick: a 1-layer, 64-wide model and 500 steps per worker (5 to 10 minutes on
+        quick: a 1-layer, 64-wide model and 500 steps per worker (2 to 10 minutes on
             two shared cores); otherwise the default reference model and 3000 steps (hours).
         out_dir: folder for ``convergence.json`` and ``convergence.png``; created if missing.
         steps: steps per worker instead of the mode's default; a multiple of every H.
