@@ -89,11 +89,7 @@ class _AtollPeer:
             self.transport,
             identity,
             settings,
-            **(
-                {"reducer": self.verifier.reduce, "observer": self.verifier}
-                if self.verifier
-                else {}
-            ),
+            **({"reducer": self.verifier.reduce, "judge": self.verifier} if self.verifier else {}),
         )
         self.service.register()
         self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}
@@ -464,7 +460,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "atoll": "AllReduceService.run with the group given (no matchmaking), codec none, "
             "every part and result Ed25519-signed and checked",
             "atoll_verified": "the same with a node's verification layer as reducer and "
-            "observer: screening, trimmed mean, reputation and a SQLite audit log per peer; "
+            "judge: screening, trimmed mean, reputation and a SQLite audit log per peer; "
             "verified_vs_atoll > 1 is its overhead",
             "hivemind": "times are DecentralizedAverager.step wall time, which includes "
             "matchmaking through the DHT; matchmaking_* and allreduce_* split it at the "

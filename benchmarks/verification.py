@@ -4,17 +4,17 @@ Four real :class:`~protocol.transport.Transport` instances (each with its own p2
 DHT) run in this one process on 127.0.0.1 and all-reduce a float32 vector together,
 the group given, for codecs ``int8`` and ``none``:
 
-* **verification on**: every service's reducer and observer is a
+* **verification on**: every service's reducer and judge is a
   :class:`node.verifier.Verifier` with ``TrustPolicy(aggregator="trimmed_mean",
   screening=True)`` writing its audit rows and reputations to a SQLite file, exactly
   as a node does;
-* **verification off**: the default token-weighted mean, no observer.
+* **verification off**: the default token-weighted mean, a judge that accepts everything.
 
 Signatures are part of Atoll's wire format in both cases, so their cost is measured
 apart: a micro-benchmark seals and opens one part-sized envelope against plain
 ``msgpack.packb``/``unpackb`` of the same fields, and the difference, times the
 messages one member seals and opens per all-reduce, is reported as a share of the
-round. The same four services run both modes, switching reducer and observer between
+round. The same four services run both modes, switching reducer and judge between
 rounds: one untimed warm-up of each, then 40 repeats of each, off and on in turn (off-on,
 then on-off), so that both see the same load on a shared machine. A round's time is
 the wall time until all four members are done. Run it with
@@ -44,18 +44,17 @@ from benchmarks._common import machine_info
 from node import verifier as verifier_module
 from node.verifier import Verifier
 from protocol import codec as codecs
-from protocol.allreduce import (
-    RPC_NAME,
+from protocol.allreduce import RPC_NAME, AllReduceService
+from protocol.messages import PROTOCOL_VERSION, Header, open_envelope, seal
+from protocol.parts import (
     AllReduceResult,
-    AllReduceService,
     AllReduceSettings,
     Contribution,
-    Observer,
+    Judge,
     Reduction,
     part_bounds,
     weighted_mean_reducer,
 )
-from protocol.messages import PROTOCOL_VERSION, Header, open_envelope, seal
 from protocol.repair import REPAIR_RPC
 from protocol.transport import Transport, TransportConfig
 from verification.identity import Identity
@@ -174,7 +173,7 @@ def _measure(
     """A warm-up and ``_REPEATS`` timed all-reduces of ``n`` values, off and on in turn.
 
     The same services run both modes: before each round every service gets the
-    mode's reducer and observer. Alternating (off-on, then on-off) exposes both modes
+    mode's reducer and judge. Alternating (off-on, then on-off) exposes both modes
     to the same load on the machine, which drifts over seconds on a shared host.
     """
     settings = AllReduceSettings(run_id=_RUN_ID, codec=codec, timeout=_TIMEOUT)
@@ -196,7 +195,7 @@ def _measure(
             service.register()
             services.append(service)
         modes = {
-            "off": [(plain, Observer()) for _ in services],
+            "off": [(plain, Judge()) for _ in services],
             "on": [(v.reduce, v) for v in verifiers],
         }
         group = [identity.peer_id for identity in identities]
@@ -210,8 +209,8 @@ def _measure(
                 for clock in clocks.values():
                     clock.seconds.clear()  # the warm-up opened connections and tables
             for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
-                for service, (reducer, observer) in zip(services, modes[mode]):
-                    service.reducer, service.observer = reducer, observer
+                for service, (reducer, judge) in zip(services, modes[mode]):
+                    service.wire.reducer, service.wire.judge = reducer, judge
                 round_ = next(rounds)
                 before = _rejected(services)
                 seconds, results = _round(services, group, vectors, round_)
@@ -458,9 +457,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "timing": "one untimed warm-up per mode, then repeats alternating off and on "
             "(off-on, on-off, ...) on the same services; each: all four members start "
             "AllReduceService.run at once; the time is until all four are done",
-            "on": "reducer and observer = node.verifier.Verifier (screening, trimmed "
+            "on": "reducer and judge = node.verifier.Verifier (screening, trimmed "
             "mean, audit rows and reputations in a fresh SQLite file per member)",
-            "off": "default token-weighted mean reducer, no observer",
+            "off": "default token-weighted mean reducer, a judge that accepts everything",
             "signatures": "always on; seal/open versus plain msgpack of the same fields, "
             "best of 7; per_member_per_round_s = G sealed + (2G-1) opened part-sized "
             "messages; share_of_round_* divide by the median 'off' round",

@@ -1,6 +1,6 @@
 """Fault injection for tests and benchmarks: ``atoll run --byzantine MODE``.
 
-Each mode is a :class:`~protocol.allreduce.Behaviour` that corrupts what the node sends
+Each mode is a :class:`~protocol.parts.FaultInjection` that corrupts what the node sends
 in one specific way, so defences are tested against real nodes over the real wire
 rather than against mocks. Modes that need knowledge of the honest peers' updates
 (ALIE, IPM) use this node's own pseudo-gradient as the estimate of the honest mean,
@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from protocol import codec as codecs
-from protocol.allreduce import AllReduceService, Behaviour, Commitments
 from protocol.messages import Header, seal
+from protocol.parts import Commitments, FaultInjection
+from verification.identity import Identity
 
 __all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "make_behaviour"]
 
@@ -50,7 +51,7 @@ _ALIE_Z = 1.0  # Baruch et al. 2019 pick z from n and f; 1.0 is their order of m
 _IPM_EPS = 0.5  # Xie et al. 2020: -eps * mean of honest updates
 
 
-class _VectorAttack(Behaviour):
+class _VectorAttack(FaultInjection):
     def __init__(self, mode: str, seed: int) -> None:
         self.mode = mode
         self.generator = torch.Generator().manual_seed(seed)
@@ -74,7 +75,7 @@ class _VectorAttack(Behaviour):
         raise AssertionError(self.mode)
 
 
-class _WireAttack(Behaviour):
+class _WireAttack(FaultInjection):
     """Corrupts the signed part message itself."""
 
     def __init__(self, mode: str) -> None:
@@ -82,9 +83,9 @@ class _WireAttack(Behaviour):
         self._first: dict[tuple[int, int], bytes] = {}
 
     def request(
-        self, service: AllReduceService, header: Header, body: dict, encoded: codecs.Encoded
+        self, identity: Identity, header: Header, body: dict, encoded: codecs.Encoded
     ) -> bytes:
-        honest = super().request(service, header, body, encoded)
+        honest = super().request(identity, header, body, encoded)
         if self.mode == "replay":
             # The first message sent for this (fragment, part), resent in every later round.
             return self._first.setdefault((header.fragment, header.part), honest)
@@ -93,17 +94,17 @@ class _WireAttack(Behaviour):
             wire[-1] ^= 0x01  # the signature is the last field of the frame
             return bytes(wire)
         if self.mode == "inflated_tokens":
-            return seal(service.identity, header, dict(body, weight=10**12, data=encoded.to_wire()))
+            return seal(identity, header, dict(body, weight=10**12, data=encoded.to_wire()))
         if self.mode == "wrong_shape":
             longer = torch.cat([codecs.decode(encoded), torch.zeros(1)])
             enc = codecs.encode(longer, encoded.codec, block_size=encoded.block_size)
-            return seal(service.identity, header, dict(body, data=enc.to_wire()))
+            return seal(identity, header, dict(body, data=enc.to_wire()))
         if self.mode == "nan":
-            return seal(service.identity, header, dict(body, data=_nan_wire(encoded)))
+            return seal(identity, header, dict(body, data=_nan_wire(encoded)))
         raise AssertionError(self.mode)
 
 
-class _CommitAttack(Behaviour):
+class _CommitAttack(FaultInjection):
     """Cheats in the commit phase; the parts it sends are honest."""
 
     def __init__(self, mode: str) -> None:
@@ -130,7 +131,7 @@ class _CommitAttack(Behaviour):
         await commitments.commit(round_, fragment, group, digests)
 
 
-class _BadOwner(Behaviour):
+class _BadOwner(FaultInjection):
     """Claims, in every signed result it returns, inputs nobody committed to."""
 
     def reduced_body(self, body: dict) -> dict:
@@ -138,7 +139,7 @@ class _BadOwner(Behaviour):
         return dict(body, digests=forged)
 
 
-class _MaliciousOwner(Behaviour):
+class _MaliciousOwner(FaultInjection):
     """Reduces honestly received parts into something that would wreck the model."""
 
     def reduced(self, vector: torch.Tensor) -> torch.Tensor:
@@ -158,14 +159,14 @@ def _nan_wire(encoded: codecs.Encoded) -> dict:
     ).to_wire()
 
 
-def make_behaviour(mode: str | None, seed: int = 0) -> Behaviour:
+def make_behaviour(mode: str | None, seed: int = 0) -> FaultInjection:
     """The behaviour for ``mode`` (None or ``"honest"`` is honest).
 
     Raises:
         ValueError: an unknown mode, naming the known ones.
     """
     if mode in (None, "", "honest"):
-        return Behaviour()
+        return FaultInjection()
     if mode in ("sign_flip", "scale", "noise", "zero", "alie", "ipm"):
         return _VectorAttack(mode, seed)
     if mode in ("replay", "bad_signature", "inflated_tokens", "wrong_shape", "nan"):

@@ -184,8 +184,8 @@ class Node:
                 + (cfg.sync.mix_codec,) * len(self.plan),
             ),
             reducer=self.verifier.reduce,
-            observer=self.verifier,
-            behaviour=make_behaviour(self.byzantine, seed=cfg.run.seed),
+            judge=self.verifier,
+            faults=make_behaviour(self.byzantine, seed=cfg.run.seed),
             commitments=self.control if cfg.control.commit else None,
         )
         self.allreduce.register()

@@ -43,7 +43,7 @@ import torch
 
 from protocol import codec as codecs
 from protocol import grouping, matchmaking
-from protocol.allreduce import AllReduceResult
+from protocol.parts import AllReduceResult
 
 if TYPE_CHECKING:
     from node.daemon import Node

@@ -1,14 +1,14 @@
 """The node's trust decisions: screening, robust aggregation, policy, reputation, audit.
 
-:class:`Verifier` plugs into the all-reduce as both the owner's reducer and the
-observer of everything refused. Every contribution a node sees as a part owner gets
+:class:`Verifier` plugs into the all-reduce as both the owner's reducer and its
+:class:`~protocol.parts.Judge`. Every contribution a node sees as a part owner gets
 one audit row (accepted, rejected with a reason, or its own), every violation goes
 through the operator's :class:`~verification.policy.TrustPolicy` (drop, quarantine,
 ban); peers that are quarantined, banned, denied or below the policy's minimum
 reputation are refused, and this node votes to leave quarantined and banned ones out
 of the round's groups.
 
-The SQLite stores are used from the transport's loop thread (reducer, observer) and
+The SQLite stores are used from the transport's loop thread (reducer, judge) and
 from the training thread (group exclusion, status), so every call takes one lock.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from node.metrics import EventLog
-from protocol.allreduce import Contribution, Observer, Reduction
+from protocol.parts import Contribution, Judge, Reduction
 from verification.aggregators import aggregate, max_share_weights
 from verification.audit import AuditLog
 from verification.policy import TrustPolicy
@@ -50,7 +50,7 @@ _MAX_PAIR_SPREAD = 4.0  # a partner's token claim widens its norm bound at most 
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
 
 
-class Verifier(Observer):
+class Verifier(Judge):
     """Judges contributions and peers for one node.
 
     Args:
@@ -139,9 +139,6 @@ class Verifier(Observer):
             s.peer: {"score": round(s.score, 3), "status": s.status, "violations": s.violations}
             for s in rows
         }
-
-    def admit(self, peer: str, round_: int) -> str | None:
-        return self.refusal(peer, round_)
 
     # ---- the owner's reduction ---------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,7 @@ from protocol.shaper import Shaper
 
 __all__ = [
     "CHUNK_BYTES",
+    "REMOTE_ADDR",
     "STATUS_ERROR",
     "STATUS_OK",
     "decode_error",
@@ -49,6 +51,11 @@ STATUS_OK = 0
 STATUS_ERROR = 1
 _MAX_ERROR_BYTES = 64 * 1024  # an error report is a short text; a longer one is malformed
 _LINGER_SECONDS = 5.0
+
+REMOTE_ADDR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "atoll_remote_addr", default=None
+)
+"""Inside a handler: the multiaddr the current request's connection comes from."""
 
 _REQUEST_HEADER = struct.Struct(">Q")
 _RESPONSE_HEADER = struct.Struct(">BQ")
@@ -196,6 +203,7 @@ async def serve(
     """
     info, reader, writer = stream
     peer = info.peer_id.to_base58()
+    REMOTE_ADDR.set(str(info.addr) if info.addr is not None else None)
     try:
         await asyncio.wait_for(
             _answer(reader, writer, handler, max_request_bytes, name, peer), timeout

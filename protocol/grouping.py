@@ -18,16 +18,22 @@ talking to anyone. Two layouts:
 
 A group never leaves one peer alone when there are two or more peers: with ``G = 2``
 and an odd count, one group has three members.
+
+*Clients* (peers that announced they cannot be dialled, e.g. behind NAT) take part in
+groups like everyone else but own no part (:func:`owners`): members send them nothing
+they did not ask for. A group made only of clients could not exchange at all, so its
+clients move to groups that have an owner, each to one chosen by
+``sha256(client:round:fragment:peer)``; everyone computes the same move.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Literal
 
-__all__ = ["Layout", "butterfly_radices", "form_groups", "group_of", "rounds_to_mix"]
+__all__ = ["Layout", "butterfly_radices", "form_groups", "group_of", "owners", "rounds_to_mix"]
 
 Layout = Literal["random", "butterfly"]
 
@@ -69,15 +75,39 @@ def form_groups(
     fragment: int,
     group_size: int,
     layout: Layout = "random",
+    clients: Collection[str] = frozenset(),
 ) -> list[list[str]]:
     """Split ``peers`` into groups of at most ``group_size``, deterministically.
 
     Within a group, members are ordered by ``sha256(round:fragment:peer)``, so which
-    member reduces which part moves from round to round.
+    member reduces which part moves from round to round. Every group has at least one
+    peer outside ``clients`` when ``peers`` has one (see the module docstring); a group
+    that takes clients from elsewhere may then exceed ``group_size``.
 
     Raises:
         ValueError: ``group_size < 1`` or an unknown layout.
     """
+    groups = _form_groups(peers, round_, fragment, group_size, layout)
+    if not clients:
+        return groups
+    served = [g for g in groups if any(p not in clients for p in g)]
+    orphans = [p for g in groups if g not in served for p in g]
+    if not served or not orphans:
+        return groups
+    for peer in orphans:
+        pick = int.from_bytes(_rank("client", round_, fragment, peer)[:8], "big") % len(served)
+        served[pick].append(peer)
+    return [sorted(g, key=lambda p: _rank(round_, fragment, p)) for g in served]
+
+
+def owners(group: Iterable[str], clients: Collection[str]) -> list[str]:
+    """The members of ``group`` that own a part: every one that is not a client, in order."""
+    return [p for p in group if p not in clients]
+
+
+def _form_groups(
+    peers: Iterable[str], round_: int, fragment: int, group_size: int, layout: Layout
+) -> list[list[str]]:
     if group_size < 1:
         raise ValueError("group_size must be >= 1")
     if layout not in ("random", "butterfly"):
@@ -124,9 +154,10 @@ def group_of(
     fragment: int,
     group_size: int,
     layout: Layout = "random",
+    clients: Collection[str] = frozenset(),
 ) -> list[str]:
     """The group ``me`` belongs to (``me`` is added to ``peers`` if missing)."""
-    for group in form_groups({*peers, me}, round_, fragment, group_size, layout):
+    for group in form_groups({*peers, me}, round_, fragment, group_size, layout, clients):
         if me in group:
             return group
     raise AssertionError("unreachable: me is always in some group")

@@ -18,16 +18,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from protocol import codec as codecs
 from protocol.errors import ProtocolError
 from protocol.messages import Header, open_envelope, seal
-
-if TYPE_CHECKING:
-    from protocol.allreduce import AllReduceService, Contribution
+from protocol.parts import Contribution, PartExchange
 
 __all__ = ["REPAIR_RPC", "PartRepair"]
 
@@ -45,26 +41,27 @@ class _Repair:
 
 
 class PartRepair:
-    """The repair exchange of one :class:`~protocol.allreduce.AllReduceService`."""
+    """The repair exchange of one node; shares its :class:`~protocol.parts.PartExchange`
+    (transport, key, counters, refusals) with the node's all-reduce."""
 
-    def __init__(self, service: AllReduceService) -> None:
-        self.service = service
+    def __init__(self, wire: PartExchange) -> None:
+        self.wire = wire
         self._repairs: dict[tuple[int, int, int], _Repair] = {}
 
     def register(self) -> None:
-        s = self.service.settings
-        self.service.transport.add_handler(
+        s = self.wire.settings
+        self.wire.transport.add_handler(
             REPAIR_RPC, self._handle, max_request_bytes=s.max_message_bytes, timeout=s.timeout + 5.0
         )
 
     def _slot(self, key: tuple[int, int, int]) -> _Repair:
-        current = self.service.current_round
+        current = self.wire.current_round
         for old in [k for k in self._repairs if k[0] < current - 2]:
             del self._repairs[old]
         return self._repairs.setdefault(key, _Repair())
 
     async def _handle(self, peer: str, data: bytes) -> bytes:
-        svc = self.service
+        svc = self.wire
         try:
             env = open_envelope(
                 data,
@@ -75,17 +72,17 @@ class PartRepair:
                 round_window=(max(0, svc.current_round - 1), svc.current_round + 1),
             )
         except ProtocolError as exc:
-            raise svc._reject(exc.reason, exc.detail, peer) from None
+            raise svc.reject(exc.reason, exc.detail, peer) from None
         h = env.header
         at = (h.round, h.fragment)
-        refusal = svc.observer.admit(peer, h.round)
+        refusal = svc.judge.refusal(peer, h.round)
         if refusal:
-            raise svc._reject(refusal, "refused by this node's trust policy", peer, *at)
+            raise svc.reject(refusal, "refused by this node's trust policy", peer, *at)
         if (
             h.fragment >= svc.settings.fragments
             or len(self._repairs) > 4 * svc.settings.fragments * 8
         ):
-            raise svc._reject("busy", "no such repair", peer, *at)
+            raise svc.reject("busy", "no such repair", peer, *at)
         slot = self._slot((h.round, h.fragment, h.part))
         try:
             await asyncio.wait_for(slot.ready.wait(), svc.settings.timeout)
@@ -94,18 +91,16 @@ class PartRepair:
                 "not_in_repair", "this node does not repair that part", peer
             ) from None
         if env.body.get("group") != slot.group or peer not in (slot.group or ()):
-            raise svc._reject("group_mismatch", "repair from outside the group", peer, *at)
+            raise svc.reject("group_mismatch", "repair from outside the group", peer, *at)
         known = slot.contributions.get(peer)
         if known is not None:
             # Both sides call each other; the answer to this node's own call may have
             # brought the same contribution already. Anything else is equivocation.
             if known.digest != env.digest:
-                raise svc._reject("equivocation", "two different repair messages", peer, *at)
+                raise svc.reject("equivocation", "two different repair messages", peer, *at)
         else:
             numel = next(iter(slot.contributions.values())).vector.numel()
-            slot.contributions[peer] = svc._decode_contribution(env, numel, peer)
-        svc.bytes_received += len(data)
-        svc.bytes_sent += len(slot.reply)
+            slot.contributions[peer] = svc.decode(env, numel, peer)
         svc.tally(at, sent=len(slot.reply), received=len(data))
         return slot.reply
 
@@ -124,11 +119,9 @@ class PartRepair:
         Returns:
             The reduced values and who is in them, or None when no other member joined.
         """
-        svc = self.service
+        svc = self.wire
         me = svc.identity.peer_id
-        enc = codecs.encode(
-            values, svc.settings.codec_for(fragment), block_size=svc.settings.block_size
-        )
+        enc = svc.encode(values, fragment)
         header = Header("repair", svc.settings.run_id, round_, fragment, part, me)
         body = {"group": group, "weight": int(weight), "data": enc.to_wire()}
         reply = seal(svc.identity, header, body)
@@ -136,7 +129,7 @@ class PartRepair:
         slot.group, slot.reply = group, reply
         own = open_envelope(reply)
         # Every member uses the decoded bytes it sent, exactly as the others will see them.
-        slot.contributions[me] = svc._decode_contribution(own, values.numel(), me)
+        slot.contributions[me] = svc.decode(own, values.numel(), me)
         slot.ready.set()
         others = [p for p in group if p not in (me, owner)]
         deadline = time.monotonic() + svc.settings.timeout
@@ -165,14 +158,12 @@ class PartRepair:
         numel: int,
         at: tuple[int, int],
     ) -> None:
-        svc = self.service
-        svc.bytes_sent += len(request)
+        svc = self.wire
         svc.tally(at, sent=len(request))
         try:
             reply = await svc.transport.call(
                 peer, REPAIR_RPC, request, timeout=max(0.5, deadline - time.monotonic())
             )
-            svc.bytes_received += len(reply)
             svc.tally(at, received=len(reply))
             env = open_envelope(
                 reply,
@@ -183,8 +174,8 @@ class PartRepair:
             )
             known = slot.contributions.get(peer)
             if known is None:
-                slot.contributions[peer] = svc._decode_contribution(env, numel, peer)
+                slot.contributions[peer] = svc.decode(env, numel, peer)
             elif known.digest != env.digest:
-                svc._reject("equivocation", "two different repair messages", peer)
+                svc.reject("equivocation", "two different repair messages", peer)
         except ProtocolError as exc:
             logger.info("repair exchange with %s: %s", peer[:16], exc)

@@ -33,14 +33,16 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
-from protocol import _framing
+from protocol import _framing, addrs, reachability
 from protocol.errors import ProtocolError
+from protocol.reachability import Reachability
 from protocol.watchdog import Watchdog, set_parent_death_signal, terminate_processes
 
 __all__ = ["Handler", "Transport", "TransportConfig"]
@@ -69,7 +71,17 @@ class TransportConfig:
         request_timeout: default deadline, in seconds, of a call, a handler and a DHT operation.
         max_message_bytes: largest request or response this node sends or accepts.
         dht_client_mode: join the DHT without serving it (for nodes others cannot dial).
+            A node that finds itself unreachable at start joins as a client anyway.
         startup_timeout: deadline, in seconds, for p2pd and the DHT to come up.
+        reachability: ``auto`` asks the initial peers to dial this node back at start
+            (:mod:`protocol.reachability`); ``public`` or ``private`` skips the check and
+            is also passed to p2pd's AutoNAT as its forced reachability.
+        relay: let p2pd use circuit relays (reach peers behind NAT through others).
+        auto_relay: behind NAT, reserve a slot on a relay and announce the relayed
+            address, so this node becomes dialable through it.
+        trusted_relays: relays ``auto_relay`` uses (p2pd's default: the initial peers).
+        nat_port_map: ask the home router for a port mapping (UPnP / NAT-PMP).
+        auto_nat: run p2pd's AutoNAT service (tells peers whether they are reachable).
     """
 
     host: str = "127.0.0.1"
@@ -81,8 +93,18 @@ class TransportConfig:
     max_message_bytes: int = 256 * 2**20
     dht_client_mode: bool = False
     startup_timeout: float = 30.0
+    reachability: Literal["auto", "public", "private"] = "auto"
+    relay: bool = True
+    auto_relay: bool = False
+    trusted_relays: tuple[str, ...] = ()
+    nat_port_map: bool = False
+    auto_nat: bool = True
 
     def __post_init__(self) -> None:
+        if self.reachability not in ("auto", "public", "private"):
+            raise ValueError(
+                f"transport.reachability = {self.reachability!r}: expected auto, public or private"
+            )
         try:
             ipaddress.ip_address(self.host)
         except ValueError:
@@ -131,6 +153,8 @@ class Transport:
         self._handlers: dict[str, str] = {}
         self._peer_id = ""
         self._maddrs: list[str] = []
+        self._listen_maddrs: list[str] = []
+        self._reachability = Reachability("unknown")
         self._closed = False
         self._lock = threading.Lock()
 
@@ -172,23 +196,54 @@ class Transport:
             check_if_identity_free=False,
             dht_mode="client" if cfg.dht_client_mode else "server",
             startup_timeout=cfg.startup_timeout,
+            force_reachability=None if cfg.reachability == "auto" else cfg.reachability,
+            use_relay=cfg.relay,
+            use_auto_relay=cfg.auto_relay,
+            trusted_relays=list(cfg.trusted_relays) or None,
+            nat_port_map=cfg.nat_port_map,
+            auto_nat=cfg.auto_nat,
         )
         self._update_watchdog()
+        self._peer_id = self._p2p.peer_id.to_base58()
+        await self._add_handler(
+            reachability.RPC_NAME,
+            reachability.DialbackServer(_framing.REMOTE_ADDR.get).handle,
+            reachability.MAX_REQUEST_BYTES,
+            cfg.request_timeout,
+        )
+        maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), cfg.request_timeout)
+        self._listen_maddrs = [str(m) for m in maddrs]
+        self._maddrs = addrs.publishable(self._listen_maddrs, cfg.host)
+        # Before the DHT starts: a node nobody can dial must join it as a client, or
+        # every peer that adds it to its routing table would time out storing to it.
+        if cfg.reachability != "auto":
+            self._reachability = Reachability.forced_to(cfg.reachability)
+        else:
+            self._reachability = await self._probe(_peer_ids(cfg.initial_peers))
+        if self._reachability.status != "unknown":
+            logger.info("%s", self._reachability.summary())
         # Created on the loop thread, so the DHT fork comes from a thread that lives until shutdown.
+        client_mode = cfg.dht_client_mode or not self._reachability.reachable
         self._dht = _SupervisedDHT(
             initial_peers=list(cfg.initial_peers),
             start=True,
             p2p=self._p2p,
-            client_mode=cfg.dht_client_mode,
+            client_mode=client_mode,
             await_ready=False,
         )
         self._update_watchdog()
         wait_ready = functools.partial(self._dht.wait_until_ready, cfg.startup_timeout)
         await self._loop.run_in_executor(None, wait_ready)
-        self._peer_id = self._p2p.peer_id.to_base58()
-        maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), cfg.request_timeout)
-        self._maddrs = [str(m) for m in maddrs]
         self._watch_task = asyncio.ensure_future(self._watch_helpers())
+
+    async def _probe(self, peers: list[str], extra_ports: tuple[int, ...] = ()) -> Reachability:
+        ports = [addrs.tcp_port(m) for m in (self.config.announce_maddrs or self._listen_maddrs)]
+        wanted = [p for p in dict.fromkeys(ports) if p] + list(extra_ports)
+
+        async def call(peer: str, request: bytes, timeout: float) -> bytes:
+            return await self.call(peer, reachability.RPC_NAME, request, timeout=timeout)
+
+        return await reachability.probe(call, peers, wanted, self.config.request_timeout)
 
     # ---- synchronous facade -------------------------------------------------------------
 
@@ -231,8 +286,62 @@ class Transport:
 
     @property
     def maddrs(self) -> list[str]:
-        """Multiaddrs, ending in ``/p2p/<peer id>``, that other nodes can join through."""
+        """Multiaddrs, ending in ``/p2p/<peer id>``, that other nodes can join through.
+
+        Loopback addresses are left out unless the node listens on loopback itself
+        (:func:`protocol.addrs.publishable`)."""
         return list(self._maddrs)
+
+    @property
+    def listen_maddrs(self) -> list[str]:
+        """Every address p2pd listens on, loopback included (for local use only)."""
+        return list(self._listen_maddrs)
+
+    @property
+    def reachability(self) -> Reachability:
+        """Whether peers on other hosts can dial this node (see :mod:`protocol.reachability`)."""
+        return self._reachability
+
+    async def check_reachability(
+        self, peers: list[str], extra_ports: tuple[int, ...] = ()
+    ) -> Reachability:
+        """Ask ``peers`` to dial this node back (p2pd's port and ``extra_ports``).
+
+        A forced reachability is kept as it is; an answer from nobody keeps what was
+        known before.
+        """
+        if self._reachability.forced:
+            return self._reachability
+        found = await self._probe(peers, extra_ports)
+        if found.status != "unknown":
+            self._reachability = found
+        return self._reachability
+
+    async def connected_peers(self) -> list[str]:
+        """PeerIDs this node's p2pd holds a connection to now."""
+        assert self._p2p is not None, "transport not started"
+        return [p.peer_id.to_base58() for p in await self._p2p.list_peers()]
+
+    async def rejoin(self, maddrs: list[str], timeout: float) -> int:
+        """Dial ``maddrs`` again and re-enter the DHT through them (after losing every
+        peer); returns how many answered."""
+        assert self._p2p is not None and self._dht is not None, "transport not started"
+        joined = 0
+        for maddr in maddrs:
+            try:
+                where, peer = maddr.rsplit("/p2p/", 1)
+                connect = self._p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(where)])
+                await asyncio.wait_for(connect, timeout)
+                joined += 1
+            except Exception as exc:  # unreachable, bad address, daemon error: try the next
+                logger.info("re-dial of %s failed: %r", maddr, exc)
+        if joined:
+            ping = functools.partial(_dht_ping, peers=_peer_ids(maddrs))
+            with contextlib.suppress(Exception):
+                await self._await_dht(
+                    self._dht.run_coroutine(ping, return_future=True), "rejoin", timeout
+                )
+        return joined
 
     @property
     def helper_pids(self) -> list[int]:
@@ -264,16 +373,22 @@ class Transport:
             raise ValueError(
                 f"max_request_bytes = {max_request_bytes}: expected 1..{self.config.max_message_bytes}"
             )
-        protocol = self._protocol(name)
+        self._protocol(name)
         if name in self._handlers:
             raise ValueError(f"a handler for {name!r} is already registered")
         timeout = timeout or self.config.request_timeout
+        self.run(self._add_handler(name, handler, max_request_bytes, timeout), timeout)
+
+    async def _add_handler(
+        self, name: str, handler: Handler, max_request_bytes: int, timeout: float
+    ) -> None:
+        protocol = self._protocol(name)
 
         async def serve(*stream: Any) -> None:
             await _framing.serve(stream, handler, max_request_bytes, name, timeout)
 
         assert self._p2p is not None, "transport not started"
-        self.run(self._p2p.add_binary_stream_handler(protocol, serve), self.config.request_timeout)
+        await self._p2p.add_binary_stream_handler(protocol, serve)
         self._handlers[name] = protocol
 
     def remove_handler(self, name: str) -> None:
@@ -476,3 +591,16 @@ class Transport:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _peer_ids(maddrs: tuple[str, ...] | list[str]) -> list[str]:
+    """The PeerIDs named by ``/p2p/<id>`` multiaddrs (others are skipped)."""
+    return list(dict.fromkeys(m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m))
+
+
+async def _dht_ping(_dht: DHT, node: Any, peers: list[str]) -> None:
+    """Runs in the DHT process: ping ``peers`` into the routing table, look up neighbours."""
+    for peer in peers:
+        with contextlib.suppress(Exception):
+            await node.protocol.call_ping(PeerID.from_base58(peer), validate=False, strict=False)
+    await node.find_nearest_nodes([node.node_id])

@@ -23,16 +23,11 @@ from node.config import ModelConfig, OuterConfig
 from node.model import build_model
 from node.outer import OuterOptimizer
 from protocol import codec as codecs
-from protocol.allreduce import (
-    RPC_NAME,
-    AllReduceResult,
-    AllReduceService,
-    AllReduceSettings,
-    part_bounds,
-)
+from protocol.allreduce import RPC_NAME, AllReduceService
 from protocol.errors import ProtocolError
 from protocol.fragments import plan_fragments
 from protocol.messages import Header, seal
+from protocol.parts import AllReduceResult, AllReduceSettings, part_bounds
 from protocol.repair import REPAIR_RPC
 from protocol.transport import Transport, TransportConfig
 from verification.identity import Identity
@@ -196,6 +191,39 @@ def test_int8_within_codec_bound_and_bitwise_identical(
         assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
         assert float(error.max()) > 0  # the codec really was lossy on the way
     _assert_bitwise_equal(results)
+
+
+@pytest.mark.timeout(60)
+def test_client_member_contributes_to_every_part_and_owns_none(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    members = services(AllReduceSettings(run_id=RUN, codec="none", timeout=10))
+    group = [m.identity.peer_id for m in members]
+    client = group[2]
+    owners = [p for p in group if p != client]
+    vectors = _vectors(4, 9_000, seed=11)
+    weights = [1, 2, 3, 4]
+
+    started = time.monotonic()
+    futures = [
+        m.transport.submit(m.run(ROUND, 0, group, v, w, owners=owners))
+        for m, v, w in zip(members, vectors, weights)
+    ]
+    results = [f.result(30) for f in futures]
+
+    expected = _weighted_mean(vectors, weights)
+    for r in results:
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+        assert r.complete and r.owners == owners
+        assert len(r.contributors) == 3  # one part per owner, every member in each
+        assert all(sorted(c) == sorted(group) for c in r.contributors)
+    _assert_bitwise_equal(results)
+    assert time.monotonic() - started < 10  # nobody waited for a part the client would own
+    # Nobody called the client (a part sent to it would be refused as wrong_part): it
+    # received only the three owners' replies, while each owner also took parts in.
+    assert all(m.rejected == {} for m in members)
+    client_in = results[2].bytes_received
+    assert all(client_in < r.bytes_received for i, r in enumerate(results) if i != 2)
 
 
 # ---- faulty members ----------------------------------------------------------------------

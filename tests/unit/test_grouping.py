@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.grouping import butterfly_radices, form_groups, group_of, rounds_to_mix
+from protocol.grouping import butterfly_radices, form_groups, group_of, owners, rounds_to_mix
 
 
 def _names(n: int) -> list[str]:
@@ -97,3 +97,37 @@ def test_butterfly_falls_back_to_random_regrouping() -> None:
 def test_unknown_layout_is_refused() -> None:
     with pytest.raises(ValueError, match="layout"):
         form_groups(_names(4), 0, 0, 2, "ring")  # type: ignore[arg-type]
+
+
+# ---- clients (peers nobody can dial) ---------------------------------------------------
+
+
+def test_clients_join_groups_but_own_no_part() -> None:
+    peers = _names(4)
+    clients = {peers[3]}
+    groups = form_groups(peers, 2, 0, 4, "butterfly", clients=clients)
+    assert groups == form_groups(peers, 2, 0, 4, "butterfly")  # one group: nothing moves
+    assert owners(groups[0], clients) == [p for p in groups[0] if p != peers[3]]
+
+
+@pytest.mark.parametrize("layout", ["random", "butterfly"])
+def test_a_group_of_only_clients_is_spread_over_groups_with_owners(layout: str) -> None:
+    peers = _names(8)
+    for r in range(6):
+        plain = form_groups(peers, r, 3, 2, layout)
+        # make one whole group clients: it cannot exchange on its own
+        clients = set(plain[0])
+        groups = form_groups(peers, r, 3, 2, layout, clients=clients)
+        assert sorted(p for g in groups for p in g) == sorted(peers)  # nobody lost or doubled
+        assert all(owners(g, clients) for g in groups)  # every group has an owner
+        assert len(groups) == len(plain) - 1  # the clients' group dissolved into the others
+        for group in groups:  # every member computes the same group
+            for me in group:
+                assert group_of(me, peers, r, 3, 2, layout, clients=clients) == group
+
+
+def test_only_clients_keeps_the_groups_as_they_are() -> None:
+    peers = _names(4)
+    groups = form_groups(peers, 0, 0, 2, "random", clients=set(peers))
+    assert groups == form_groups(peers, 0, 0, 2, "random")
+    assert all(owners(g, set(peers)) == [] for g in groups)

@@ -67,7 +67,7 @@ def _t(values: list[float]):
 
 
 def _contribution(peer: str, values: list[float], tokens: int = 100):
-    from protocol.allreduce import Contribution
+    from protocol.parts import Contribution
 
     return Contribution(
         peer=peer, vector=_t(values), weight=float(tokens), digest="", tokens=tokens

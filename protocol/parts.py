@@ -1,0 +1,410 @@
+"""What an all-reduce exchanges, and the hooks the node plugs into it.
+
+Shared by the butterfly exchange (:mod:`protocol.allreduce`) and the repair of a
+part whose owner failed (:mod:`protocol.repair`):
+
+* settings and plain records: :class:`AllReduceSettings`, :class:`Contribution`,
+  :class:`Reduction`, :class:`AllReduceResult`;
+* how a fragment is cut: :func:`part_bounds` and :class:`PartPlan` (which members
+  own which part; clients own none);
+* the three hooks a node plugs in: :class:`Judge` (trust decisions),
+  :class:`Commitments` (the commit phase) and :class:`FaultInjection` (tests only);
+* :class:`PartExchange`, the state both sides of an exchange share: the transport,
+  the key, the counters and the one place a part is decoded or refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import codec as codecs
+from protocol.errors import ProtocolError
+from protocol.messages import Envelope, Header, seal
+from protocol.transport import Transport
+from verification.identity import Identity
+
+__all__ = [
+    "AllReduceResult",
+    "AllReduceSettings",
+    "Commitments",
+    "Contribution",
+    "FaultInjection",
+    "Judge",
+    "PartExchange",
+    "PartPlan",
+    "Reducer",
+    "Reduction",
+    "part_bounds",
+    "weighted_mean_reducer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AllReduceSettings:
+    """How parts are encoded, bounded and waited for."""
+
+    run_id: str
+    codec: str = "none"
+    block_size: int = 256
+    timeout: float = 30.0
+    max_tokens: int = 10**9
+    max_message_bytes: int = 256 * 2**20
+    round_window: int = 2
+    fragments: int = 1024
+    repair: bool = True
+    fragment_codecs: tuple[str, ...] = ()
+    """Per-fragment codecs (e.g. pseudo-gradients in int8, mixed weights in fp16);
+    fragments past the end of this tuple use ``codec``."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
+            raise ValueError("block_size, timeout and fragments must be positive")
+
+    def codec_for(self, fragment: int) -> str:
+        """The codec this node encodes ``fragment``'s parts and results with."""
+        if 0 <= fragment < len(self.fragment_codecs):
+            return self.fragment_codecs[fragment]
+        return self.codec
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One member's decoded part, as the owner received it.
+
+    ``tokens`` is what the peer claimed; ``weight`` is that claim capped by
+    ``AllReduceSettings.max_tokens``.
+    """
+
+    peer: str
+    vector: torch.Tensor
+    weight: float
+    digest: bytes
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """An owner's reduced part: the vector, who is in it, and who was refused and why."""
+
+    vector: torch.Tensor
+    used: list[str]
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+Reducer = Callable[[int, int, int, Sequence[Contribution]], Reduction]
+"""``(round, fragment, part, contributions) -> Reduction`` on the part's owner."""
+
+
+def weighted_mean_reducer(
+    round_: int, fragment: int, part: int, contributions: Sequence[Contribution]
+) -> Reduction:
+    """Token-weighted mean (plain mean when every weight is zero)."""
+    weights = [max(0.0, c.weight) for c in contributions]
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1.0] * len(contributions), float(len(contributions))
+    out = torch.zeros_like(contributions[0].vector)
+    for c, w in zip(contributions, weights):
+        out.add_(c.vector, alpha=w / total)
+    return Reduction(out, [c.peer for c in contributions])
+
+
+class Judge:
+    """The trust decisions an all-reduce asks for; the default accepts everything.
+
+    The node's :class:`~node.verifier.Verifier` implements it: who is refused, what a
+    refusal costs the peer, and whether an owner's result is plausible.
+    """
+
+    def refusal(self, peer: str, round_: int) -> str | None:
+        """Why this node takes nothing from ``peer`` at ``round_``; None admits it."""
+        return None
+
+    def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
+        """A message from the authenticated ``peer`` was refused before aggregation."""
+
+    def on_owner_refused(
+        self, owner: str, round_: int, fragment: int, part: int, reason: str
+    ) -> None:
+        """This node refused ``owner``'s reduced part (it keeps its own values there)."""
+
+    def check_reduced(
+        self,
+        owner: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        reduced: torch.Tensor,
+        own: torch.Tensor,
+        spread: float = 1.0,
+    ) -> str | None:
+        """Judge a reduced part against this node's own contribution; a reason refuses it.
+
+        ``spread`` is the largest contributor weight over this node's own (at least 1):
+        a node that trained less than its peers sees a larger average than its own.
+        """
+        return None
+
+
+class Commitments:
+    """The commit phase of an exchange; a service without one skips it.
+
+    Before sending any part, a member publishes the digests of its signed parts for
+    ``(round, fragment)`` and waits (bounded) for its group's commitments. An owner
+    takes a part only if its sender committed to exactly that digest before the
+    owner's own commit phase closed, so no member can shape its part after seeing
+    the others'.
+    """
+
+    async def commit(
+        self, round_: int, fragment: int, group: Sequence[str], digests: dict[int, bytes]
+    ) -> None:
+        """Publish this node's commitment and wait for the group's (bounded)."""
+
+    async def check(
+        self, peer: str, round_: int, fragment: int, part: int, digest: bytes, closed_at: float
+    ) -> str | None:
+        """Why ``peer``'s part is refused: ``uncommitted``, ``late_commit`` or
+        ``commit_mismatch`` (None: committed in time). ``closed_at`` is this owner's
+        ``time.monotonic()`` when its commit phase closed."""
+        return None
+
+    def check_result(
+        self,
+        owner: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        reply: bytes,
+        contributors: Sequence[str],
+        digests: Sequence[bytes],
+    ) -> str | None:
+        """Why an owner's signed result is refused: ``bad_owner`` when it names, for a
+        contributor, a digest other than the one that contributor committed to."""
+        return None
+
+
+class FaultInjection:
+    """How this node acts in an all-reduce: honestly, unless a fault is injected.
+
+    ``atoll run --byzantine MODE`` (tests and benchmarks) overrides these hooks;
+    nothing in the honest path depends on them.
+    """
+
+    def contribution(self, round_: int, fragment: int, vector: torch.Tensor) -> torch.Tensor:
+        return vector
+
+    def request(
+        self, identity: Identity, header: Header, body: dict, encoded: codecs.Encoded
+    ) -> bytes:
+        return seal(identity, header, dict(body, data=encoded.to_wire()))
+
+    async def commit(
+        self,
+        commitments: Commitments,
+        round_: int,
+        fragment: int,
+        group: Sequence[str],
+        digests: dict[int, bytes],
+    ) -> None:
+        await commitments.commit(round_, fragment, group, digests)
+
+    def reduced_body(self, body: dict) -> dict:
+        return body
+
+    def reduced(self, vector: torch.Tensor) -> torch.Tensor:
+        return vector
+
+
+def part_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges, near-equal and aligned to ``align`` elements.
+
+    Aligning part edges to the codec's block size means a part is encoded with the
+    same blocks as the whole vector would be.
+    """
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    blocks = -(-numel // align)
+    base, extra = divmod(blocks, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = (base + (1 if p < extra else 0)) * align
+        end = min(numel, start + size)
+        out.append((start, end))
+        start = end
+    return out
+
+
+@dataclass
+class AllReduceResult:
+    """What one all-reduce produced, and exactly whose values are in it."""
+
+    vector: torch.Tensor
+    group: list[str]
+    contributors: list[list[str]]
+    fallback_parts: list[int]
+    repaired_parts: list[int] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    owners: list[str] = field(default_factory=list)
+    """Members that owned a part (the group, less its clients)."""
+
+    @property
+    def complete(self) -> bool:
+        """True when every part holds every group member's contribution."""
+        return (
+            not self.fallback_parts
+            and not self.repaired_parts
+            and all(sorted(c) == sorted(self.group) for c in self.contributors)
+        )
+
+    @property
+    def peers_in(self) -> set[str]:
+        return {p for part in self.contributors for p in part}
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """Who owns which part of one exchange, as every member computes it.
+
+    Attributes:
+        group: every member, in group order.
+        owners: the members that own a part, in group order (clients own none).
+        index: this node's part, or -1 when it is a client.
+        bounds: ``[start, end)`` of each owner's part.
+    """
+
+    group: list[str]
+    owners: list[str]
+    index: int
+    bounds: list[tuple[int, int]]
+
+    @classmethod
+    def of(
+        cls, me: str, group: Sequence[str], owners: Sequence[str] | None, numel: int, align: int
+    ) -> PartPlan:
+        """The plan for ``me`` in ``group``; ``owners`` defaults to the whole group.
+
+        Raises:
+            ValueError: ``me`` is not in ``group``, an owner is not, or no one owns a part.
+        """
+        group = list(group)
+        owners = list(group if owners is None else owners)
+        if me not in group:
+            raise ValueError("this node is not in the group")
+        if not owners or not set(owners) <= set(group):
+            raise ValueError("owners must be a non-empty subset of the group")
+        index = owners.index(me) if me in owners else -1
+        return cls(group, owners, index, part_bounds(numel, len(owners), align))
+
+    @property
+    def is_owner(self) -> bool:
+        return self.index >= 0
+
+
+class PartExchange:
+    """What the owner side, the member side and repair share for one node.
+
+    Args:
+        transport: the node's transport.
+        identity: the node's key (signs every message).
+        settings: encoding, limits and deadlines.
+        reducer: how an owner combines contributions.
+        judge: trust decisions (refusals and their cost, plausibility of results).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        identity: Identity,
+        settings: AllReduceSettings,
+        reducer: Reducer,
+        judge: Judge,
+    ) -> None:
+        self.transport = transport
+        self.identity = identity
+        self.settings = settings
+        self.reducer = reducer
+        self.judge = judge
+        self.current_round = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.rejected: dict[str, int] = {}
+        # Bytes per (round, fragment): two exchanges in flight at once (a fragment and
+        # its weight mix) must not count each other's traffic.
+        self._ledger: dict[tuple[int, int], list[int]] = {}
+
+    def tally(
+        self, at: tuple[int, int] | None, sent: int = 0, received: int = 0, totals: bool = True
+    ) -> None:
+        """Count bytes: in this node's totals, and (``at`` given) against the exchange of
+        ``(round, fragment)``; ``totals=False`` charges the exchange only."""
+        if totals:
+            self.bytes_sent += sent
+            self.bytes_received += received
+        if at is None:
+            return
+        entry = self._ledger.setdefault(at, [0, 0])
+        entry[0] += sent
+        entry[1] += received
+
+    def traffic(self, at: tuple[int, int]) -> tuple[int, int]:
+        """Bytes sent and received for ``(round, fragment)`` so far."""
+        sent, received = self._ledger.get(at, (0, 0))
+        return sent, received
+
+    def forget_before(self, round_: int) -> None:
+        """Drop the byte counts of rounds before ``round_``."""
+        for old in [k for k in self._ledger if k[0] < round_]:
+            del self._ledger[old]
+
+    def reject(
+        self,
+        reason: str,
+        detail: str,
+        peer: str,
+        round_: int | None = None,
+        fragment: int | None = None,
+    ) -> ProtocolError:
+        """Count and report a refusal of ``peer``'s message; returns the error to raise."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        try:
+            self.judge.on_refusal(peer, round_, fragment, reason)
+        except Exception:  # bookkeeping must never change what the protocol answers
+            logger.exception("judge failed on a refusal from %s", peer)
+        return ProtocolError(reason, detail, peer)
+
+    def decode(self, env: Envelope, numel: int, peer: str) -> Contribution:
+        """A member's signed part (or repair message) as a :class:`Contribution`.
+
+        Raises:
+            ProtocolError: bad data (refused and reported) or a bad weight.
+        """
+        at = (env.header.round, env.header.fragment)
+        try:
+            enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
+            vector = codecs.decode(enc, expected_numel=numel)
+        except ProtocolError as exc:
+            raise self.reject(exc.reason, exc.detail, peer, *at) from None
+        weight = env.body.get("weight")
+        if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+            raise self.reject("malformed", "weight must be a non-negative integer", peer, *at)
+        return Contribution(
+            peer=peer,
+            vector=vector,
+            weight=float(min(weight, self.settings.max_tokens)),
+            digest=env.digest,
+            tokens=weight,
+        )
+
+    def encode(self, values: torch.Tensor, fragment: int) -> codecs.Encoded:
+        """``values`` in the codec of ``fragment``."""
+        s = self.settings
+        return codecs.encode(values, s.codec_for(fragment), block_size=s.block_size)
