@@ -71,8 +71,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from node.daemon import Node
-
     overrides = list(args.overrides)
     if args.data_dir:
         overrides.append(f"run.data_dir={json.dumps(args.data_dir)}")
@@ -80,8 +78,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"run.max_rounds={args.rounds}")
     if args.slowdown is not None:
         overrides.append(f"run.slowdown={args.slowdown}")
-    cfg = load_config(args.config, overrides)
-    return Node(cfg, initial_peers=tuple(args.initial_peers), byzantine=args.byzantine).run()
+    spec = None
+    if args.spec:
+        from node.config import load_config_data
+        from node.spec import apply_spec, read_spec
+
+        # The spec and the local config are checked before anything starts.
+        spec = read_spec(args.spec)
+        cfg = apply_spec(spec, load_config_data(args.config, overrides))
+    else:
+        cfg = load_config(args.config, overrides)
+    from node.daemon import Node
+
+    node = Node(cfg, initial_peers=tuple(args.initial_peers), byzantine=args.byzantine, spec=spec)
+    return node.run()
 
 
 def _cmd_swarm(args: argparse.Namespace) -> int:
@@ -269,6 +279,76 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_spec_create(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from node.spec import create_spec, write_spec
+    from verification.errors import VerificationError
+    from verification.identity import Identity
+
+    cfg = load_config(args.config, args.overrides)
+    key = Path(args.key) if args.key else Path(args.data_dir).expanduser() / "identity.key"
+    created = not key.exists()
+    try:
+        key.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        identity = Identity.load_or_create(key)
+    except (OSError, VerificationError) as exc:
+        raise ValueError(f"identity key {key}: {exc}") from None
+    if created:
+        print(f"created identity key {key}; PeerID {identity.peer_id}")
+    spec = create_spec(cfg, identity, bootstrap=args.bootstrap, t0=args.t0)
+    write_spec(spec, args.out, force=args.force)
+    print(f"wrote {args.out}: run {spec.run_id}, spec {spec.short}, creator {spec.creator}")
+    if spec.t0 is not None:
+        print(f"round 1 starts at {_utc(spec.t0)} (t0 {spec.t0})")
+    if not spec.bootstrap:
+        print("no --bootstrap given: volunteers must pass --initial-peers to find the run")
+    print(f"volunteers join with: atoll run --spec {args.out}")
+    return 0
+
+
+def _utc(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _cmd_spec_show(args: argparse.Namespace) -> int:
+    import base64
+
+    from node.spec import read_spec
+
+    spec = read_spec(args.file)  # verifies the signature
+    if args.json:
+        fields = {
+            "run_id": spec.run_id,
+            "digest": spec.digest,
+            "protocol": spec.protocol,
+            "creator": spec.creator,
+            "created": spec.created,
+            "t0": spec.t0,
+            "bootstrap": list(spec.bootstrap),
+            "shared": spec.shared,
+            "signature": base64.b64encode(spec.signature).decode("ascii"),
+        }
+        print(json.dumps(fields))
+        return 0
+    print(f"run spec {args.file}: signature OK")
+    print(f"  run id     {spec.run_id}")
+    print(f"  digest     {spec.digest}")
+    print(f"  creator    {spec.creator}")
+    print(f"  created    {spec.created}")
+    print(f"  protocol   {spec.protocol}")
+    t0 = f"{spec.t0} ({_utc(spec.t0)})" if spec.t0 is not None else "none (steps trigger)"
+    print(f"  t0         {t0}")
+    print(f"  bootstrap  {' '.join(spec.bootstrap) or 'none'}")
+    print("shared settings")
+    for section, values in spec.shared.items():
+        for key, value in values.items():
+            print(f"  {section}.{key} = {json.dumps(value)}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atoll", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -305,6 +385,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MODE",
         help="fault injection for tests and benchmarks: " + ", ".join(_BYZANTINE_MODES),
+    )
+    run.add_argument(
+        "--spec",
+        default=None,
+        metavar="FILE",
+        help="join the run this signed spec describes (atoll spec create makes one)",
     )
     run.set_defaults(func=_cmd_run)
 
@@ -356,6 +442,38 @@ def _parser() -> argparse.ArgumentParser:
     keygen.add_argument("--out", default=None, help="key file (default DATA_DIR/identity.key)")
     keygen.add_argument("--force", action="store_true", help="replace an existing key")
     keygen.set_defaults(func=_cmd_keygen)
+
+    spec = sub.add_parser("spec", help="create or inspect a signed run spec")
+    spec_sub = spec.add_subparsers(dest="spec_command", required=True)
+    create = spec_sub.add_parser(
+        "create", help="sign a config's shared settings into a run spec for volunteers to join"
+    )
+    _add_config_args(create)
+    create.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="MADDR",
+        help="multiaddr ending in /p2p/<peer id> that joining nodes dial (repeatable)",
+    )
+    create.add_argument(
+        "--key", default=None, help="signing key (default DATA_DIR/identity.key, made if missing)"
+    )
+    create.add_argument("--data-dir", default=".atoll/node", help="where the default key lives")
+    create.add_argument(
+        "--t0",
+        type=float,
+        default=None,
+        metavar="UNIX_TIME",
+        help="round 1's start for sync.trigger = seconds (default: a round boundary >= 60 s ahead)",
+    )
+    create.add_argument("--out", required=True, help="spec file to write, e.g. run.toml")
+    create.add_argument("--force", action="store_true", help="replace an existing file")
+    create.set_defaults(func=_cmd_spec_create)
+    show = spec_sub.add_parser("show", help="verify a run spec and print it")
+    show.add_argument("file", help="the spec file")
+    show.add_argument("--json", action="store_true", help="the spec as one JSON object")
+    show.set_defaults(func=_cmd_spec_show)
     return parser
 
 
