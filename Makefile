@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-fast lint bench clean
+.PHONY: setup sysdeps demo test test-all test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -16,13 +16,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Tools for the multi-host test lab (tests/netlab.py), installed when root and missing.
+# Never fails: without them the lab's tests skip and say why.
+sysdeps:
+	@if [ "$$(id -u)" = 0 ] && { ! command -v nft || ! command -v ip || ! command -v tc; } >/dev/null 2>&1; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq nftables iproute2 >/dev/null 2>&1 \
+		|| { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nftables iproute2 >/dev/null 2>&1; } \
+		|| echo "sysdeps: could not install nftables/iproute2; the netlab tests will skip"; \
+	fi
+
 demo: $(STAMP)
 	$(BIN)/atoll swarm --nodes 4 --config configs/local-swarm.toml
 
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q -m "not slow"
 
-test-all: $(STAMP)
+test-all: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

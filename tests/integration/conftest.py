@@ -127,3 +127,35 @@ def local_swarm(tmp_path: Path) -> Iterator[Swarm]:
     finally:
         s.close()
     assert not s.leftovers(), f"processes left behind: {s.leftovers()}"
+
+
+# The multi-host lab (network namespaces); imported here so the fixtures below can name it.
+from tests.netlab import NetLab, cleanup_stale, netlab_available  # noqa: E402
+
+
+def _open_lab() -> NetLab:
+    ok, reason = netlab_available()
+    if not ok:
+        pytest.skip(f"netlab unavailable: {reason}")
+    cleanup_stale()  # namespaces a crashed earlier run left behind
+    return NetLab()
+
+
+@pytest.fixture
+def netlab() -> Iterator[NetLab]:
+    """A fresh multi-host lab for one test, always torn down (processes, namespaces)."""
+    lab = _open_lab()
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+@pytest.fixture(scope="module")
+def netlab_module() -> Iterator[NetLab]:
+    """One lab shared by a module's tests; give each test its own host names."""
+    lab = _open_lab()
+    try:
+        yield lab
+    finally:
+        lab.close()
