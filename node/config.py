@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
 from verification.policy import TrustPolicy
@@ -37,6 +37,7 @@ __all__ = [
     "SyncConfig",
     "TrainConfig",
     "load_config",
+    "load_config_data",
     "parse_overrides",
 ]
 
@@ -161,6 +162,26 @@ class NetworkConfig:
     min_peers: int = Field(default=1, ge=1)
     min_peers_timeout: float = Field(default=60.0, gt=0.0)
     registry_seconds: float = Field(default=2.0, gt=0.0)
+    # Reaching and being reached across NAT (passed to p2pd; see README, "Across networks").
+    reachability: Literal["auto", "public", "private"] = "auto"
+    relay: bool = True
+    auto_relay: bool = False
+    trusted_relays: tuple[str, ...] = ()
+    nat_port_map: bool = False
+    auto_nat: bool = True
+
+    @field_validator("initial_peers", "announce_maddrs", "trusted_relays")
+    @classmethod
+    def _multiaddrs(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        for maddr in value:
+            if not maddr.startswith("/"):
+                raise ValueError(
+                    f"{maddr!r} is not a multiaddr "
+                    "(expected e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...)"
+                )
+            if info.field_name != "announce_maddrs" and "/p2p/" not in maddr:
+                raise ValueError(f"{maddr!r} needs its peer id: end it with /p2p/<PeerID>")
+        return value
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -176,6 +197,10 @@ class ControlConfig:
     commit: bool = True
     commit_seconds: float = Field(default=2.0, gt=0.0, le=60.0)
     max_message_kb: float = Field(default=256.0, gt=0.0, le=960.0)
+    port: int = Field(default=0, ge=0, le=65535)
+    """TCP port of the control sidecar (on ``network.host``); 0 picks a free one."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Where peers should dial the sidecar, when that differs from where it listens."""
 
     def __post_init__(self) -> None:
         if self.commit and not self.enabled:
@@ -293,6 +318,21 @@ def load_config(
     Raises:
         ConfigError: unreadable file, TOML syntax error, or a value that does not validate.
     """
+    return build_config(load_config_data(path, overrides))
+
+
+def load_config_data(
+    path: str | Path | Sequence[str | Path] | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The raw nested dict :func:`load_config` validates: files merged, overrides applied.
+
+    Only the keys the files and overrides set are present (no defaults), so a caller
+    can tell what a node chose from what it left alone (:func:`node.spec.apply_spec`).
+
+    Raises:
+        ConfigError: unreadable file, TOML syntax error, or a malformed override.
+    """
     paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
     data: dict[str, Any] = {}
     for item in paths:
@@ -305,4 +345,4 @@ def load_config(
             data = _merge(data, tomllib.loads(text))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config error: {item}: {exc}") from None
-    return build_config(_merge(data, parse_overrides(overrides)))
+    return _merge(data, parse_overrides(overrides))

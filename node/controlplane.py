@@ -176,6 +176,7 @@ class ControlPlane(Commitments):
         events: the node's event log.
         vitals: returns this node's ``round``, ``step`` and ``throughput`` for heartbeats.
         version: this node's software version, sent in heartbeats.
+        listen_host: the IP address the sidecar listens on (``network.host``).
     """
 
     def __init__(
@@ -189,8 +190,10 @@ class ControlPlane(Commitments):
         events: EventLog | None,
         vitals: Callable[[], dict[str, Any]],
         version: str,
+        listen_host: str = "127.0.0.1",
     ) -> None:
         self.cfg = cfg
+        self.listen_host = listen_host
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id
@@ -227,6 +230,9 @@ class ControlPlane(Commitments):
             identity=self.identity,
             max_bytes=int(self.cfg.max_message_kb * 1024),
             log_path=self._log_path,
+            listen_host=self.listen_host,
+            port=self.cfg.port,
+            announce_maddrs=self.cfg.announce_maddrs,
         )
         self._beat = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
         self._beat.start()

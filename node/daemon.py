@@ -1,12 +1,19 @@
 """One node's life: start, join, catch up, train with fragment syncs, checkpoint, leave.
 
-:meth:`Node.run` reads top to bottom. The training loop is synchronous; every
-network exchange is a coroutine handed to the transport's loop with a deadline, so
-a slow or vanished peer costs at most that deadline.
+:meth:`Node.run` reads top to bottom. The daemon wires the parts together and runs
+the lifecycle; the parts do the work: :class:`~node.trainer.InnerTrainer` (inner
+steps), :class:`~node.syncer.Syncer` (a fragment's sync),
+:class:`~protocol.exchange.FragmentExchange` (matchmaking, groups, all-reduce),
+:class:`~node.peers.PeerView` (who else is in the run), :class:`~node.verifier.Verifier`
+(trust) and :class:`~node.controlplane.ControlPlane` (heartbeats, commitments,
+verdicts). The training loop is synchronous; every network exchange is a coroutine
+handed to the transport's loop with a deadline, so a slow or vanished peer costs at
+most that deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import os
@@ -28,16 +35,19 @@ from node.data import BatchStream, load_corpus
 from node.metrics import EventLog, StatusWriter
 from node.model import build_model
 from node.outer import OuterOptimizer, sync_schedule
+from node.peers import DuplicateIdentityError, PeerView
 from node.simulate import resolve_device
+from node.spec import RunSpec, settings_digest
 from node.syncer import Pending, Syncer
 from node.trainer import InnerTrainer, evaluate
 from node.verifier import Verifier
 from protocol import codec as codecs
-from protocol import matchmaking
-from protocol.allreduce import AllReduceService, AllReduceSettings
+from protocol.allreduce import AllReduceService
 from protocol.errors import ProtocolError
+from protocol.exchange import ExchangeSettings, FragmentExchange
 from protocol.fragments import plan_fragments
 from protocol.messages import Header, open_envelope, seal
+from protocol.parts import AllReduceSettings
 from protocol.transport import Transport, TransportConfig
 from verification.identity import Identity
 
@@ -50,41 +60,53 @@ try:
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
-_LIVE_SECONDS = 10.0  # a registry record older than this is a peer presumed gone
+_CONTROL_GRACE_SECONDS = 20.0  # a control channel with no peers this long is reported
 
 
 class Node:
     """A training node. Construct with a validated config, then call :meth:`run`.
 
     Args:
-        cfg: the node's configuration.
+        cfg: the node's configuration (with a run spec's shared settings applied).
         initial_peers: multiaddrs to join through (overrides ``network.initial_peers``).
         byzantine: a fault-injection mode (tests and benchmarks only); None is honest.
+        spec: the signed run spec this node joins (:mod:`node.spec`), if any: its
+            digest is announced, and its clock is the run's clock.
     """
 
     def __init__(
-        self, cfg: AtollConfig, initial_peers: tuple[str, ...] = (), byzantine: str | None = None
+        self,
+        cfg: AtollConfig,
+        initial_peers: tuple[str, ...] = (),
+        byzantine: str | None = None,
+        spec: RunSpec | None = None,
     ) -> None:
         self.cfg = cfg
         self.byzantine = byzantine
         make_behaviour(byzantine)  # an unknown mode fails before anything starts
+        self.spec = spec
+        self.spec_digest = spec.digest if spec is not None else settings_digest(cfg)
         self.initial_peers = initial_peers or cfg.network.initial_peers
         self.data_dir = Path(cfg.run.data_dir).expanduser()
         self.stop_event = threading.Event()
         self.round = 0
         self.transport: Transport | None = None
         self.control: ControlPlane | None = None
-        self.live: dict[str, matchmaking.PeerRecord] = {}
+        self.peers: PeerView | None = None
         self.bytes_sent = 0
-        self.bytes_received = 0
         self.busy = 0.0
         self.join_round = 0
         self.train_started = time.monotonic()
+        self._control_quiet_since: float | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Run until ``run.max_rounds`` rounds are done or SIGINT/SIGTERM; return an exit code."""
+        """Run until ``run.max_rounds`` rounds are done or SIGINT/SIGTERM; return an exit code.
+
+        Raises:
+            DuplicateIdentityError: another running node uses this node's key.
+        """
         self._install_signals()
         try:
             self._setup()
@@ -92,6 +114,8 @@ class Node:
             if self.cfg.sync.trigger == "seconds":
                 self.clock = self._agree_clock()
             self._train()
+            if self.peers is not None and self.peers.conflict:
+                raise DuplicateIdentityError(self.peers.conflict)
             return 0
         finally:
             self._teardown()
@@ -108,19 +132,40 @@ class Node:
         signal.signal(signal.SIGINT, handler)
 
     def _setup(self) -> None:
-        cfg = self.cfg
+        self._open_data_dir()
+        self._build_training()
+        self._start_network()
+        self._resume()
+        self.state_server.publish(self._snapshot())
+        self._registry_task = self.transport.submit(self._registry_loop())
+        self.val_bpb_start = self._evaluate_global()
+        self.status.update(
+            force=True, state="ready", round=self.round, val_bpb_start=self.val_bpb_start
+        )
+
+    def _open_data_dir(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
+        if self.cfg.run.threads:
+            torch.set_num_threads(self.cfg.run.threads)
         self.status = StatusWriter(self.data_dir / "status.json")
         self.events = EventLog(self.data_dir / "events.jsonl")
         self.identity = Identity.load_or_create(self.data_dir / "identity.key")
         self.status.update(
-            force=True, state="starting", pid=os.getpid(), peer_id=self.identity.peer_id
+            force=True,
+            state="starting",
+            pid=os.getpid(),
+            peer_id=self.identity.peer_id,
+            run_id=self.cfg.run.run_id,
+            spec=self.spec_digest,
+            spec_file=self.spec is not None,
         )
+
+    def _build_training(self) -> None:
+        cfg = self.cfg
         self.device = resolve_device(cfg.run.device)
         corpus = load_corpus(cfg.data, cfg.model.context)
         self.model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
+        self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
         self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
         stream = BatchStream(
@@ -139,19 +184,40 @@ class Node:
             )
             for f in range(len(self.plan))
         ]
-        net = cfg.network
+
+    def _start_network(self) -> None:
+        cfg, net = self.cfg, self.cfg.network
+        key_file = self.data_dir / "identity.key"
         self.transport = Transport.start(
             TransportConfig(
                 host=net.host,
                 port=net.port,
                 initial_peers=self.initial_peers,
-                identity_path=self.data_dir / "identity.key",
+                identity_path=key_file,
                 announce_maddrs=net.announce_maddrs,
                 dht_client_mode=net.client_mode,
                 request_timeout=net.request_timeout,
                 max_message_bytes=int(net.max_message_mb * 2**20),
+                reachability=net.reachability,
+                relay=net.relay,
+                auto_relay=net.auto_relay,
+                trusted_relays=net.trusted_relays,
+                nat_port_map=net.nat_port_map,
+                auto_nat=net.auto_nat,
             )
         )
+        self.peers = PeerView(
+            self.transport,
+            self.identity,
+            key_file,
+            cfg.run.run_id,
+            self.spec_digest,
+            self.initial_peers,
+            net.request_timeout,
+            net.registry_seconds,
+        )
+        self.transport.run(self.peers.ensure_identity_free(), 4 * net.request_timeout + 10)
+        self.status.update(force=True, reachability=self.transport.reachability.to_dict())
         self.verifier = Verifier(
             cfg.trust, self.data_dir / "atoll.db", self.identity.peer_id, self.events
         )
@@ -160,12 +226,13 @@ class Node:
                 cfg.control,
                 cfg.run.run_id,
                 self.identity,
-                self.data_dir / "identity.key",
+                key_file,
                 self.data_dir,
                 self.verifier,
                 self.events,
                 self._vitals,
                 __version__,
+                listen_host=net.host,
             )
             self.control.start()
         self.allreduce = AllReduceService(
@@ -189,6 +256,33 @@ class Node:
             commitments=self.control if cfg.control.commit else None,
         )
         self.allreduce.register()
+        self.exchange = FragmentExchange(
+            self.transport,
+            self.identity,
+            self.allreduce,
+            ExchangeSettings(
+                run_id=cfg.run.run_id,
+                spec=self.spec_digest,
+                fragments=len(self.plan),
+                group_size=net.group_size,
+                layout=cfg.sync.layout,
+                gossip=cfg.sync.averaging == "gossip",
+                matchmaking_seconds=net.matchmaking_seconds,
+                announce_expiration=net.round_timeout * 4,
+                request_timeout=net.request_timeout,
+            ),
+            reachable=lambda: self.transport.reachability.reachable,
+        )
+        self.syncer = Syncer(
+            cfg,
+            self.model,
+            self.outer,
+            self.feedback,
+            self.exchange,
+            self.transport.submit,
+            self.events,
+            self.device,
+        )
         self.state_server = catchup.StateServer(self.transport, self.identity, cfg.run.run_id)
         self.state_server.register()
         self.status.update(
@@ -196,18 +290,6 @@ class Node:
             maddrs=self.transport.maddrs,
             params=self.plan.numel,
             helper_pids=self._helper_pids(),
-        )
-        self._resume()
-        self.state_server.publish(
-            catchup.StateSnapshot.take(
-                self.round, self.plan.digest(), self.outer, self.trainer.steps
-            )
-        )
-        self._registry_task = self.transport.submit(self._registry_loop())
-        self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
-        self.val_bpb_start = self._evaluate_global()
-        self.status.update(
-            force=True, state="ready", round=self.round, val_bpb_start=self.val_bpb_start
         )
 
     def _resume(self) -> None:
@@ -245,28 +327,16 @@ class Node:
         copy moves by the same amount as its global copy, so the work is contributed at
         the next sync instead of being thrown away.
         """
-        assert self.transport is not None
+        assert self.transport is not None and self.peers is not None
         net = self.cfg.network
-        registry = self.transport.run(
-            matchmaking.read_registry(
-                self.transport, self.cfg.run.run_id, timeout=net.request_timeout
-            ),
-            net.request_timeout + 5,
-        )
-        candidates = sorted(
-            (
-                r
-                for r in registry.values()
-                if r.peer != self.identity.peer_id and r.round >= min_round
-            ),
-            key=lambda r: (-r.round, r.peer),
-        )
+        self.transport.run(self.peers.refresh(self._record()), net.request_timeout * 2 + 5)
+        candidates = self.peers.sources(min_round)
         sizes = [f.numel for f in self.plan.fragments]
         if not candidates:
             return False
         newest = candidates[0].round
         spread = [r.peer for r in candidates if r.round == newest][: len(sizes)]
-        signers = max(1, min(self.cfg.trust.state_signers, len(registry) - 1))
+        signers = max(1, min(self.cfg.trust.state_signers, len(self.peers.live())))
         # First spread the download over every peer of the newest round; then one peer at
         # a time, in case one of them serves something else.
         attempts = [spread] + [[r.peer] for r in candidates[:3]]
@@ -292,11 +362,9 @@ class Node:
                 continue
             before = [self.outer.global_vector(f) for f in range(len(self.plan))]
             snap.apply(self.outer)
-            params = dict(self.model.named_parameters())
             for f in range(len(self.plan)):
                 if rebase:
-                    local = self.plan.flatten(params, f)
-                    self.plan.write(params, f, local + self.outer.global_vector(f) - before[f])
+                    self.outer.rebase_local(self.model, f, before[f])
                 else:
                     self.outer.sync_local(self.model, f)
                     self.feedback[f].reset()
@@ -309,14 +377,29 @@ class Node:
         return False
 
     def _agree_clock(self) -> SecondsClock:
-        """Read the run's round clock from the DHT, or start one if this node is first."""
+        """The run's round clock: the spec's; else the DHT manifest of this run and
+        spec (the earliest wins), or a new one if this node is first."""
+        cfg = self.cfg
+        fragments = len(self.plan)
+        if self.spec is not None and self.spec.t0 is not None:
+            logger.info("round clock from the run spec: t0 %.1f", self.spec.t0)
+            return SecondsClock(self.spec.t0, cfg.sync.round_seconds, fragments)
+        found = self._read_manifests(
+            deadline=time.monotonic() + (10.0 if self.initial_peers else 0)
+        )
+        if found is not None:
+            t0, length, signer = found
+            logger.info("round clock from %s: t0 %.1f, %.1fs rounds", signer[:16], t0, length)
+            return SecondsClock(t0, length, fragments)
+        return self._start_clock()
+
+    def _read_manifests(self, deadline: float) -> tuple[float, float, str] | None:
         assert self.transport is not None
-        cfg, net = self.cfg, self.cfg.network
-        key = f"{cfg.run.run_id}:manifest"
-        deadline = time.monotonic() + (10.0 if self.initial_peers else 0.0)
+        net, run_id = self.cfg.network, self.cfg.run.run_id
         while not self.stop_event.is_set():
             found = self.transport.run(
-                self.transport.dht_get(key, timeout=net.request_timeout), net.request_timeout + 5
+                self.transport.dht_get(f"{run_id}:manifest", timeout=net.request_timeout),
+                net.request_timeout + 5,
             )
             clocks = []
             for signer, value in (found or {}).items() if isinstance(found, dict) else []:
@@ -325,29 +408,37 @@ class Node:
                         value,
                         max_bytes=4096,
                         expected_sender=signer,
-                        run_id=cfg.run.run_id,
+                        run_id=run_id,
                         kinds=("manifest",),
                     )
                     t0, length = env.body.get("t0"), env.body.get("round_seconds")
+                    if env.body.get("spec", "") != self.spec_digest:
+                        raise ProtocolError("spec_mismatch", "manifest of another spec")
                     if isinstance(t0, float) and isinstance(length, float) and length > 0:
                         clocks.append((t0, length, signer))
                 except ProtocolError as exc:
                     logger.info("manifest under %s refused: %s", signer[:16], exc)
             if clocks:
-                t0, length, signer = min(clocks)  # the earliest clock of the run wins
-                logger.info("round clock from %s: t0 %.1f, %.1fs rounds", signer[:16], t0, length)
-                return SecondsClock(t0, length, len(self.plan))
+                return min(clocks)  # the earliest clock of the run wins
             if time.monotonic() >= deadline:
-                break
+                return None
             time.sleep(0.5)
+        return None
+
+    def _start_clock(self) -> SecondsClock:
+        assert self.transport is not None
+        cfg, net = self.cfg, self.cfg.network
         t0 = float(
             SecondsClock.start_time(cfg.sync.round_seconds, lead=2 * net.registry_seconds + 1)
         )
-        body = {"t0": t0, "round_seconds": float(cfg.sync.round_seconds)}
+        body = {"t0": t0, "round_seconds": float(cfg.sync.round_seconds), "spec": self.spec_digest}
         header = Header("manifest", cfg.run.run_id, 0, 0, 0, self.identity.peer_id)
         self.transport.run(
             self.transport.dht_store(
-                key, self.identity.peer_id, seal(self.identity, header, body), 7 * 86400.0
+                f"{cfg.run.run_id}:manifest",
+                self.identity.peer_id,
+                seal(self.identity, header, body),
+                7 * 86400.0,
             ),
             net.request_timeout + 5,
         )
@@ -361,7 +452,7 @@ class Node:
             if time.monotonic() > deadline:
                 logger.warning(
                     "only %d of %d peers after %.0fs; training anyway",
-                    len(self.live) + 1,
+                    len(self.live_peers()) + 1,
                     net.min_peers,
                     net.min_peers_timeout,
                 )
@@ -390,7 +481,6 @@ class Node:
     def _train(self) -> None:
         self.status.update(force=True, state="training")
         self.train_started = time.monotonic()
-        self.syncer = Syncer(self)
         if self.cfg.sync.trigger == "steps":
             self._train_steps()
         else:
@@ -405,17 +495,10 @@ class Node:
             return
         net = self.cfg.network
         # as long as a lagging peer's last sync can take (see _apply), and no longer
-        bound = net.matchmaking_seconds + 3 * net.round_timeout
-        me, deadline = self.identity.peer_id, time.monotonic() + bound
+        deadline = time.monotonic() + net.matchmaking_seconds + 3 * net.round_timeout
         self.status.update(force=True, state="lingering", round=self.round)
         while time.monotonic() < deadline and not self.stop_event.is_set():
-            now = time.time()
-            behind = [
-                p
-                for p, rec in self.live.items()
-                if p != me and now - rec.updated < _LIVE_SECONDS and rec.round < self.round
-            ]
-            if not behind:
+            if self.peers is None or not self.peers.behind(self.round):
                 return
             time.sleep(0.5)
 
@@ -439,6 +522,15 @@ class Node:
             idle_seconds=max(0.0, wall - self.busy),
         )
 
+    def _launch(self, r: int, f: int, tokens: int) -> Pending:
+        """Start the sync of fragment ``f`` for round ``r`` with the tokens trained for it."""
+        self.verifier.round = max(self.verifier.round, r)
+        # Wait for every live peer, suspects included: they count in everyone's view of
+        # the round, and whether they are left out is decided by vote (voted_out).
+        expected = self.live_peers()
+        excludes = self.verifier.excluded(list(expected), r)
+        return self.syncer.launch(r, f, tokens, self.trainer.steps, expected, excludes)
+
     def _train_steps(self) -> None:
         """``steps`` mode: H inner steps per round, every node the same count."""
         cfg = self.cfg
@@ -456,7 +548,7 @@ class Node:
                     return  # the interrupted round is abandoned; the last checkpoint stands
                 self._step(tokens_since)
                 for f in schedule.get(step, []):
-                    pending.append(self.syncer.launch(r, f, tokens_since[f]))
+                    pending.append(self._launch(r, f, tokens_since[f]))
                     tokens_since[f] = 0
                 for p in [p for p in pending if self.trainer.steps - p.step >= tau]:
                     pending.remove(p)
@@ -494,19 +586,14 @@ class Node:
             self._step(tokens_since)
             for r, f in clock.due(time.time(), last):
                 last = (r, f)
-                if r < self.join_round:
+                if r < self.join_round or f in pending:
+                    # Joining, or the previous sync of f is still in flight: skip this one;
+                    # the work stays in the local copy and is folded into the next sync.
                     self.syncer.missed[f] += 1
                     done.setdefault(r, set()).add(f)
                     failed.add(r)
                     continue
-                if f in pending:
-                    # The previous sync of f is still in flight: skip this one; the work
-                    # stays in the local copy and is folded into the next sync.
-                    self.syncer.missed[f] += 1
-                    done.setdefault(r, set()).add(f)
-                    failed.add(r)
-                    continue
-                pending[f] = self.syncer.launch(r, f, tokens_since[f])
+                pending[f] = self._launch(r, f, tokens_since[f])
                 tokens_since[f] = 0
             for f, p in list(pending.items()):
                 if p.future.done() and self.trainer.steps - p.step >= cfg.sync.tau:
@@ -524,7 +611,8 @@ class Node:
     def _apply(self, pending: Pending) -> dict[str, Any] | None:
         """Apply a finished sync; None when it failed or averaged alone while peers live."""
         net = self.cfg.network
-        record = self.syncer.apply(pending, net.matchmaking_seconds + net.round_timeout * 3 + 10)
+        timeout = net.matchmaking_seconds + net.round_timeout * 3 + 10
+        record = self.syncer.apply(pending, timeout, self.trainer.steps)
         if record is None:
             return None
         self.bytes_sent += record["bytes_sent"]
@@ -539,7 +627,7 @@ class Node:
 
     def _end_round(self, r: int, resync: bool) -> None:
         self.round = r
-        if resync and self.syncer.mixes(len(self.live_peers()) + 1):
+        if resync and self.exchange.settings.mixes(len(self.live_peers()) + 1):
             # Global copies differ across the swarm by design: there is no one state to
             # take; the next rounds' mixing pulls this node's copy back in.
             logger.info("round %d: no re-sync while groups mix weights", r)
@@ -548,10 +636,7 @@ class Node:
                 logger.warning("round %d: this node's global copy lagged; re-synced from a peer", r)
             else:
                 logger.warning("round %d: could not re-sync from any peer", r)
-        snapshot = catchup.StateSnapshot.take(
-            self.round, self.plan.digest(), self.outer, self.trainer.steps
-        )
-        digest = self.state_server.publish(snapshot)
+        digest = self.state_server.publish(self._snapshot())
         self.transport.submit(
             self.state_server.attest(self.round, digest, timeout=self.cfg.network.request_timeout)
         )
@@ -573,11 +658,14 @@ class Node:
             self.bytes_sent,
         )
 
+    def _snapshot(self) -> catchup.StateSnapshot:
+        return catchup.StateSnapshot.take(
+            self.round, self.plan.digest(), self.outer, self.trainer.steps
+        )
+
     def _evaluate_global(self) -> float:
         """Validation bits per byte of the global parameters (what the swarm agreed on)."""
-        params = dict(self.eval_model.named_parameters())
-        for f in range(len(self.plan)):
-            self.plan.write(params, f, self.outer.global_vector(f))
+        self.outer.write_globals(self.eval_model)
         return evaluate(self.eval_model, self.val_batches, self.device)
 
     def _checkpoint(self) -> None:
@@ -598,6 +686,10 @@ class Node:
 
     # ---- peers ----------------------------------------------------------------------------
 
+    def live_peers(self) -> set[str]:
+        """Peers of this run and spec whose registry record is fresh (this node excluded)."""
+        return self.peers.live() if self.peers is not None else set()
+
     def _helper_pids(self) -> list[int]:
         """Processes this node started besides itself (p2pd, DHT, control sidecar)."""
         pids = list(self.transport.helper_pids) if self.transport else []
@@ -609,53 +701,86 @@ class Node:
         """What this node's heartbeats say about it."""
         trainer = getattr(self, "trainer", None)
         tokens = trainer.tokens if trainer else 0
+        reachability = self.transport.reachability if self.transport else None
         return {
             "round": self.round,
             "step": trainer.steps if trainer else 0,
             "throughput": round(tokens / self.busy, 1) if self.busy > 0 else 0.0,
             "device": str(getattr(self, "device", "")),
+            "reachable": reachability.reachable if reachability else True,
+            "spec": self.spec_digest,
         }
 
-    def live_peers(self) -> set[str]:
-        """Peers whose registry record is fresh (this node excluded)."""
-        now = time.time()
-        return {
-            p
-            for p, rec in self.live.items()
-            if p != self.identity.peer_id and now - rec.updated < _LIVE_SECONDS
-        }
+    def _record(self) -> Any:
+        assert self.peers is not None
+        trainer = getattr(self, "trainer", None)
+        control = self.control.addrs if self.control else ()
+        return self.peers.record(self.round, trainer.steps if trainer else 0, control)
 
     async def _registry_loop(self) -> None:
-        """Refresh this node's registry record and the view of live peers, forever."""
-        import asyncio
-
-        assert self.transport is not None
+        """Refresh this node's registry record and its view of the swarm, forever."""
+        assert self.transport is not None and self.peers is not None
         net = self.cfg.network
+        checked = False
         while not self.stop_event.is_set():
-            try:
-                await matchmaking.publish_record(
-                    self.transport,
-                    self.identity,
-                    self.cfg.run.run_id,
-                    self.round,
-                    self.trainer.steps,
-                    expiration=_LIVE_SECONDS,
-                    timeout=net.request_timeout,
-                    control=self.control.addrs if self.control else (),
-                )
-                self.live = await matchmaking.read_registry(
-                    self.transport, self.cfg.run.run_id, timeout=net.request_timeout
-                )
-            except ProtocolError as exc:
-                logger.debug("registry refresh failed: %s", exc)
+            await self.peers.refresh(self._record())
+            if self.peers.conflict is not None:
+                self.stop_event.set()  # another process runs with this key: stop
+                return
+            live = self.peers.live()
+            if not checked and live and self.transport.reachability.status == "unknown":
+                # The first node of a swarm had nobody to ask at start.
+                checked = True
+                found = await self.transport.check_reachability(sorted(live)[:3])
+                logger.info("%s", found.summary())
             if self.control is not None:
-                for rec in self.live.values():
-                    if rec.peer != self.identity.peer_id:
+                for peer in live:
+                    rec = self.peers.records[peer]
+                    if rec.reachable:  # a peer nobody can dial dials us instead
                         self.control.connect(rec.control)
-                self.status.update(
-                    control_addrs=self.control.addrs,
-                    swarm=self.control.swarm(),
-                    reputations=self.verifier.reputations(),
-                    helper_pids=self._helper_pids(),
-                )
+            self._report(live)
             await asyncio.sleep(net.registry_seconds)
+
+    def _report(self, live: set[str]) -> None:
+        """Peers, reachability and warnings into the status file."""
+        assert self.transport is not None and self.peers is not None
+        refused = {**self.peers.refused(), **self.syncer.refused}
+        fields: dict[str, Any] = {
+            "live_peers": len(live),
+            "refused_peers": refused,
+            "reachability": self.transport.reachability.to_dict(),
+            "reputations": self.verifier.reputations(),
+            "helper_pids": self._helper_pids(),
+        }
+        if self.control is not None:
+            swarm = self.control.swarm()
+            fields.update(control_addrs=self.control.addrs, swarm=swarm)
+            fields["control_warning"] = self._control_warning(live, swarm)
+        self.status.update(**fields)
+
+    def _control_warning(self, live: set[str], swarm: dict[str, Any]) -> str | None:
+        """A warning when commitments cannot reach live peers (no control peers)."""
+        heard = {
+            p
+            for p, info in swarm["peers"].items()
+            if info.get("last_seen_s", 1e9) < 5 * self.cfg.control.heartbeat_seconds + 5
+        }
+        if not live or heard & live:
+            self._control_quiet_since = None
+            return None
+        now = time.monotonic()
+        if self._control_quiet_since is None:
+            self._control_quiet_since = now
+        quiet = now - self._control_quiet_since
+        if quiet < _CONTROL_GRACE_SECONDS:
+            return None
+        text = (
+            f"the control channel hears none of the {len(live)} live peers (for {quiet:.0f} s): "
+            "commitments and verdicts cannot reach them"
+        )
+        if self.cfg.control.commit:
+            text += ", so the owners refuse this node's parts (uncommitted) and it refuses theirs"
+        text += "; check that control.port is open (TCP) and that control.announce_maddrs is right"
+        if int(quiet) % 60 < self.cfg.network.registry_seconds:
+            logger.error("%s", text)
+        return text

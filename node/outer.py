@@ -105,9 +105,59 @@ class OuterOptimizer:
         self.optimizers[fragment].zero_grad(set_to_none=True)
         return g.detach()
 
+    def step_mixed(
+        self,
+        fragment: int,
+        averaged: torch.Tensor,
+        own: torch.Tensor,
+        mean: torch.Tensor,
+        gossip_pull: float | None = None,
+    ) -> torch.Tensor:
+        """Outer step of a group that does not span the swarm (see :mod:`node.syncer`).
+
+        Args:
+            averaged: the group's mean pseudo-gradient.
+            own: this node's global copy as it sent it to the group.
+            mean: the group's mean global copy.
+            gossip_pull: ``gamma / lr`` for NoLoCo's gossip step, which adds
+                ``gossip_pull * (own - mean)`` to the gradient so the pull towards the
+                partner runs through the outer momentum; None adopts the group's mean
+                copy and then steps it (Moshpit SGD's group averaging).
+        """
+        own = own.to(mean.device)
+        if gossip_pull is not None:
+            return self.step(fragment, averaged + gossip_pull * (own - mean))
+        self.set_global(fragment, mean)
+        return self.step(fragment, averaged)
+
     def sync_local(self, model: nn.Module, fragment: int) -> None:
         """Reset the local copy of a fragment to its global value."""
         self.plan.write(dict(model.named_parameters()), fragment, self.globals[fragment].detach())
+
+    def merge_local(self, model: nn.Module, fragment: int, alpha: float) -> None:
+        """Merge the global value into the local copy as in Streaming DiLoCo (Douillard
+        et al., 2025): ``local = alpha * local + (1 - alpha) * global``; ``alpha = 0``
+        is plain DiLoCo (local := global)."""
+        if alpha == 0.0:
+            self.sync_local(model, fragment)
+            return
+        params = dict(model.named_parameters())
+        local = self.plan.flatten(params, fragment)
+        merged = alpha * local + (1.0 - alpha) * self.globals[fragment].detach()
+        self.plan.write(params, fragment, merged)
+
+    def rebase_local(self, model: nn.Module, fragment: int, before: torch.Tensor) -> None:
+        """Move the local copy by as much as the global copy moved since ``before``,
+        keeping the local work not yet contributed (a re-sync from the swarm)."""
+        params = dict(model.named_parameters())
+        local = self.plan.flatten(params, fragment)
+        self.plan.write(params, fragment, local + self.globals[fragment].detach() - before)
+
+    def write_globals(self, model: nn.Module) -> None:
+        """Load every fragment's global value into ``model`` (e.g. to evaluate it)."""
+        params = dict(model.named_parameters())
+        for f, g in enumerate(self.globals):
+            self.plan.write(params, f, g.detach())
 
     def apply(self, model: nn.Module, fragment: int, averaged: torch.Tensor) -> None:
         """Outer step on the global copy, then local := global."""

@@ -2,23 +2,18 @@
 
 :meth:`Syncer.launch` runs on the training thread: it takes the fragment's
 pseudo-gradient (global - local), encodes it with error feedback and hands the
-matchmaking and all-reduce to the transport's loop, returning at once.
-:meth:`Syncer.apply` runs later on the training thread: it applies the outer step to
-the fragment's global copy and merges the new global value into the local copy as in
-Streaming DiLoCo (Douillard et al., 2025): ``local = alpha * local + (1 - alpha) *
-global`` (``alpha = 0`` is plain DiLoCo: local := global).
+exchange (:class:`~protocol.exchange.FragmentExchange`: matchmaking, groups,
+all-reduce) to the transport's loop, returning at once. :meth:`Syncer.apply` runs
+later on the training thread: the outer optimizer steps the fragment's global copy
+and merges it into the local copy (:meth:`~node.outer.OuterOptimizer.merge_local`).
 
 A sync that fails (no group, deadline, transport error) applies nothing; the node's
 global copy of that fragment then lags the swarm's, so the round is marked for a
 re-sync from a peer, and the work already done stays in the local copy and is
 contributed at the next sync (see :func:`staleness_weight`).
 
-When a round's group does not span the whole swarm (more peers than
-``network.group_size``, or ``sync.averaging = "gossip"``), nodes' global copies
-differ, and averaging pseudo-gradients alone would let them drift apart for good. The
-group then also averages its members' global copies (a second all-reduce of the same
-fragment, through the same screening, signatures and codec code, under fragment id
-``F + f`` and ``sync.mix_codec``):
+When a round's group does not span the whole swarm, the group also averages its
+members' global copies (:mod:`protocol.exchange`):
 
 * ``allreduce`` mode (butterfly mixing across groups, Moshpit SGD): the group adopts
   its mean global copy, then steps it with its mean pseudo-gradient; with the
@@ -26,31 +21,32 @@ fragment, through the same screening, signatures and codec code, under fragment 
   rounds (:mod:`protocol.grouping`).
 * ``gossip`` mode (NoLoCo, Kolehmainen et al., 2025): pairs, and a modified Nesterov
   outer step whose gradient is the pair's mean pseudo-gradient plus
-  ``gamma / lr * (own - mean)`` of the global copies, so the pull towards the partner
-  runs through the outer momentum instead of replacing the weights.
+  ``gamma / lr * (own - mean)`` of the global copies.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from node.config import AtollConfig
+from node.metrics import EventLog
+from node.outer import OuterOptimizer
 from protocol import codec as codecs
-from protocol import grouping, matchmaking
-from protocol.parts import AllReduceResult
-
-if TYPE_CHECKING:
-    from node.daemon import Node
+from protocol.exchange import Exchanged, FragmentExchange
 
 __all__ = ["Pending", "Syncer", "staleness_weight"]
 
 logger = logging.getLogger(__name__)
+
+Submit = Callable[[Coroutine[Any, Any, Exchanged]], concurrent.futures.Future]
+"""Runs a coroutine on the transport's loop (:meth:`protocol.transport.Transport.submit`)."""
 
 
 def staleness_weight(tokens: int, missed: int) -> int:
@@ -78,116 +74,102 @@ class Pending:
 
 
 class Syncer:
-    """Launches and applies fragment syncs for one node."""
+    """Launches and applies fragment syncs for one node.
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.missed = [0] * len(node.plan)
+    Args:
+        cfg: the node's configuration (``sync`` and ``outer`` settings).
+        model: the local model.
+        outer: global copies and the outer optimizer.
+        feedback: one error-feedback codec per fragment.
+        exchange: runs an exchange on the network.
+        submit: hands a coroutine to the transport's loop.
+        events: the node's event log (one ``sync`` or ``sync_failed`` line per sync).
+        device: where the model lives.
+    """
 
-    def launch(self, r: int, f: int, tokens: int) -> Pending:
-        """Start syncing fragment ``f`` for round ``r`` in the background."""
-        node, cfg = self.node, self.node.cfg
-        assert node.transport is not None
-        pg = node.outer.pseudo_gradient(node.model, f)
-        if cfg.sync.error_feedback:
-            enc = node.feedback[f].encode(pg)
+    def __init__(
+        self,
+        cfg: AtollConfig,
+        model: torch.nn.Module,
+        outer: OuterOptimizer,
+        feedback: list[codecs.ErrorFeedback],
+        exchange: FragmentExchange,
+        submit: Submit,
+        events: EventLog,
+        device: torch.device,
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.outer = outer
+        self.feedback = feedback
+        self.exchange = exchange
+        self.submit = submit
+        self.events = events
+        self.device = device
+        self.missed = [0] * len(feedback)
+        self.refused: dict[str, str] = {}
+        """Peers the latest exchanges left out for running another spec, with why."""
+
+    def launch(
+        self, r: int, f: int, tokens: int, step: int, expected: set[str], excludes: set[str]
+    ) -> Pending:
+        """Start syncing fragment ``f`` for round ``r`` in the background.
+
+        Args:
+            tokens: tokens trained since the fragment's last sync.
+            step: the inner step count now (when the result may be applied: ``sync.tau``).
+            expected: peers believed alive, waited for in matchmaking (suspects
+                included: whether they are left out is decided by vote).
+            excludes: peers this node votes to leave out of the round.
+        """
+        sync = self.cfg.sync
+        pg = self.outer.pseudo_gradient(self.model, f)
+        if sync.error_feedback:
+            enc = self.feedback[f].encode(pg)
         else:
-            enc = codecs.encode(pg, cfg.sync.codec, block_size=cfg.sync.block_size)
+            enc = codecs.encode(pg, sync.codec, block_size=sync.block_size)
         contribution = codecs.decode(enc, expected_numel=pg.numel())
         weight = staleness_weight(tokens, self.missed[f])
-        node.allreduce.current_round = max(node.allreduce.current_round, r)
-        node.verifier.round = max(node.verifier.round, r)
-        # Wait for every live peer, suspects included: they count in everyone's view of
-        # the round, and whether they are left out is decided by vote (voted_out).
-        expected = node.live_peers()
-        excludes = node.verifier.excluded(list(expected), r)
         # Whether the group mixes weights is decided from the announced peers; the copy
         # is taken now, on the training thread, in case it does.
-        enc = codecs.encode(
-            node.outer.global_vector(f), cfg.sync.mix_codec, block_size=cfg.sync.block_size
+        mix = codecs.encode(self.outer.global_vector(f), sync.mix_codec, block_size=sync.block_size)
+        weights = codecs.decode(mix, expected_numel=pg.numel())
+        future = self.submit(
+            self.exchange.run(r, f, weight, contribution, weights, expected, excludes)
         )
-        weights = codecs.decode(enc, expected_numel=pg.numel())
-        future = node.transport.submit(
-            self._exchange(r, f, weight, contribution, expected, excludes, weights)
-        )
-        return Pending(r, f, weight, node.trainer.steps, time.monotonic(), future, weights)
+        return Pending(r, f, weight, step, time.monotonic(), future, weights)
 
-    def group_size(self) -> int:
-        """Largest group of a round: pairs in gossip mode, else ``network.group_size``."""
-        cfg = self.node.cfg
-        return 2 if cfg.sync.averaging == "gossip" else cfg.network.group_size
+    def apply(self, pending: Pending, timeout: float, step: int) -> dict[str, Any] | None:
+        """Wait for ``pending`` (up to ``timeout``), apply it; None when the sync failed.
 
-    def mixes(self, swarm_size: int) -> bool:
-        """Whether a swarm of ``swarm_size`` nodes averages weights as well (see above)."""
-        return self.node.cfg.sync.averaging == "gossip" or swarm_size > self.group_size()
-
-    async def _exchange(
-        self,
-        r: int,
-        f: int,
-        weight: int,
-        contribution: torch.Tensor,
-        expected: set[str],
-        excludes: set[str],
-        weights: torch.Tensor,
-    ) -> tuple[list[str], AllReduceResult, AllReduceResult | None]:
-        node, net = self.node, self.node.cfg.network
-        assert node.transport is not None
-        announced = await matchmaking.gather(
-            node.transport,
-            node.identity,
-            node.cfg.run.run_id,
-            r,
-            f,
-            weight,
-            expected=expected,
-            deadline=time.monotonic() + net.matchmaking_seconds,
-            expiration=net.round_timeout * 4,
-            timeout=net.request_timeout,
-            excludes=excludes,
-        )
-        me = node.identity.peer_id
-        peers = set(announced) - matchmaking.voted_out(announced)
-        size, layout = self.group_size(), node.cfg.sync.layout
-        group = grouping.group_of(me, peers, r, f, size, layout)
-        if not self.mixes(len(peers | {me})):
-            return group, await node.allreduce.run(r, f, group, contribution, weight), None
-        # Every member's global copy counts the same, whatever its token count.
-        result, mixed = await asyncio.gather(
-            node.allreduce.run(r, f, group, contribution, weight),
-            node.allreduce.run(r, len(node.plan) + f, group, weights, 1),
-        )
-        return group, result, mixed
-
-    def apply(self, pending: Pending, timeout: float) -> dict[str, Any] | None:
-        """Wait for ``pending`` (up to ``timeout``), apply it; None when the sync failed."""
-        node, f = self.node, pending.fragment
+        Args:
+            step: the inner step count now (for the record's overlap).
+        """
+        f = pending.fragment
         try:
-            group, result, mixed = pending.future.result(timeout)
+            done: Exchanged = pending.future.result(timeout)
         except Exception as exc:  # any failure of the exchange: nothing to apply
             pending.future.cancel()
             self.missed[f] += 1
             logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
-            node.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
+            self.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
             return None
-        averaged = result.vector.to(node.device)
+        self._note_refused(done.refused)
+        result, mixed = done.result, done.mixed
+        averaged = result.vector.to(self.device)
         if mixed is None:
-            node.outer.step(f, averaged)
+            self.outer.step(f, averaged)
         else:
-            self._mix(f, averaged, pending.weights, mixed.vector.to(node.device))
-        alpha = node.cfg.sync.alpha
-        if alpha == 0.0:
-            node.outer.sync_local(node.model, f)
-        else:
-            params = dict(node.model.named_parameters())
-            local = node.plan.flatten(params, f)
-            merged = alpha * local + (1.0 - alpha) * node.outer.global_vector(f)
-            node.plan.write(params, f, merged)
+            sync = self.cfg.sync
+            pull = sync.gossip_gamma / self.cfg.outer.lr if sync.averaging == "gossip" else None
+            self.outer.step_mixed(f, averaged, pending.weights, mixed.vector.to(self.device), pull)
+        self.outer.merge_local(self.model, f, self.cfg.sync.alpha)
         self.missed[f] = 0
         record = {
             "round": pending.round,
             "fragment": f,
-            "group": group,
+            "group": done.group,
+            "owners": result.owners,
             "contributors": result.contributors,
             "fallback_parts": result.fallback_parts,
             "repaired_parts": result.repaired_parts,
@@ -196,18 +178,14 @@ class Syncer:
             "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
             "mixed": mixed is not None,
             "seconds": time.monotonic() - pending.started,
-            "overlap_steps": node.trainer.steps - pending.step,
+            "overlap_steps": step - pending.step,
         }
-        node.events.write("sync", **record)
+        self.events.write("sync", **record)
         return record
 
-    def _mix(self, f: int, averaged: torch.Tensor, own: torch.Tensor, mean: torch.Tensor) -> None:
-        """Outer step of a group that does not span the swarm (see the module docstring)."""
-        node, cfg = self.node, self.node.cfg
-        own = own.to(mean.device)
-        if cfg.sync.averaging == "gossip":
-            pull = (cfg.sync.gossip_gamma / cfg.outer.lr) * (own - mean)
-            node.outer.step(f, averaged + pull)
-        else:
-            node.outer.set_global(f, mean)
-            node.outer.step(f, averaged)
+    def _note_refused(self, refused: dict[str, str]) -> None:
+        for peer, reason in refused.items():
+            if peer not in self.refused:
+                logger.warning("peer %s refused: %s", peer, reason)
+                self.events.write("peer_refused", peer=peer, reason=reason)
+        self.refused.update(refused)

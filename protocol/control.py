@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from protocol.addrs import expand_wildcard, publishable, with_peer_id
 from protocol.control_wire import (
     DEFAULT_MAX_CONTROL_BYTES,
     MAX_CONTROL_BYTES,
@@ -87,6 +88,7 @@ class ControlChannel:
         restart: bool,
         listen_host: str,
         port: int,
+        announce_maddrs: Sequence[str],
         ready_timeout: float,
         max_age_s: float | None,
         log_path: Path | None,
@@ -100,6 +102,7 @@ class ControlChannel:
         self._restart = restart
         self._listen_host = listen_host
         self._port = port
+        self._announce = [with_peer_id(a, identity.peer_id) for a in announce_maddrs]
         self._ready_timeout = ready_timeout
         self._max_age_s = max_age_s
         self._log_file: IO[bytes] | None = open(log_path, "ab") if log_path else None  # noqa: SIM115
@@ -138,6 +141,7 @@ class ControlChannel:
         restart: bool = True,
         listen_host: str = "127.0.0.1",
         port: int = 0,
+        announce_maddrs: Sequence[str] = (),
         ready_timeout: float = 30.0,
         max_age_s: float | None = None,
         log_path: Path | None = None,
@@ -156,9 +160,11 @@ class ControlChannel:
                 omitted; it signs what :meth:`publish` sends.
             max_bytes: the cap on one control message, sent or received.
             restart: whether to restart the sidecar when it dies.
-            listen_host: the IP address to listen on.
+            listen_host: the IP address to listen on (``0.0.0.0``: every interface).
             port: the TCP port to listen on; 0 picks a free one (and a restarted
                 sidecar reuses the port picked first, where it can).
+            announce_maddrs: where peers should dial the sidecar, when that differs
+                from where it listens (a forwarded port on a public address).
             ready_timeout: seconds to wait for the sidecar to be ready.
             max_age_s: when set, refuse messages whose timestamp is further than
                 this from the local clock.
@@ -194,6 +200,7 @@ class ControlChannel:
             restart=restart,
             listen_host=listen_host,
             port=port,
+            announce_maddrs=announce_maddrs,
             ready_timeout=ready_timeout,
             max_age_s=max_age_s,
             log_path=log_path,
@@ -220,9 +227,13 @@ class ControlChannel:
 
     @property
     def addrs(self) -> list[str]:
-        """The sidecar's listen multiaddrs, each ending in ``/p2p/<peer id>``."""
+        """Where peers can dial the sidecar, each ending in ``/p2p/<peer id>``: the
+        announced addresses if any, else the listen addresses (a wildcard expanded to
+        this host's interfaces; loopback only when listening on loopback)."""
+        if self._announce:
+            return list(self._announce)
         with self._lock:
-            return list(self._addrs)
+            return publishable(expand_wildcard(self._addrs), self._listen_host)
 
     @property
     def restarts(self) -> int:

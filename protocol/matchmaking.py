@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from protocol.errors import ProtocolError
@@ -50,11 +50,22 @@ _POLL_SECONDS = 0.2
 
 @dataclass(frozen=True)
 class Announcement:
-    """A peer's signed wish to average ``(round, fragment)``, and whom it votes out."""
+    """A peer's signed wish to average ``(round, fragment)``, and whom it votes out.
+
+    Attributes:
+        peer: the announcer.
+        tokens: its token count for this exchange (capped by owners).
+        excludes: peers it votes to leave out of the round.
+        reachable: whether others can dial it; a peer that cannot owns no part.
+        spec: digest of the run spec (or shared settings) it runs; peers on another
+            spec are refused.
+    """
 
     peer: str
     tokens: int
     excludes: frozenset[str] = frozenset()
+    reachable: bool = True
+    spec: str = ""
 
 
 def voted_out(announcements: dict[str, Announcement]) -> set[str]:
@@ -74,7 +85,21 @@ def voted_out(announcements: dict[str, Announcement]) -> set[str]:
 
 @dataclass(frozen=True)
 class PeerRecord:
-    """A live peer as its registry record describes it."""
+    """A node as its signed registry record describes it.
+
+    Attributes:
+        peer: its PeerID.
+        round: the last round it finished.
+        step: its inner step count.
+        maddrs: where its p2pd listens (as it publishes them).
+        updated: its wall-clock time when it wrote the record.
+        control: multiaddrs of its control sidecar (GossipSub), if it runs one.
+        reachable: whether others can dial it (see :mod:`protocol.reachability`).
+        spec: digest of the run spec (or shared settings) it runs.
+        instance: a random id of the running process: two processes with one key
+            write different ones.
+        started: wall-clock time its process started.
+    """
 
     peer: str
     round: int
@@ -82,7 +107,10 @@ class PeerRecord:
     maddrs: tuple[str, ...]
     updated: float
     control: tuple[str, ...] = ()
-    """Multiaddrs of the peer's control sidecar (GossipSub), if it runs one."""
+    reachable: bool = True
+    spec: str = ""
+    instance: str = ""
+    started: float = 0.0
 
 
 def _mm_key(run_id: str, round_: int, fragment: int) -> str:
@@ -104,10 +132,17 @@ async def announce(
     expiration: float,
     timeout: float,
     excludes: Iterable[str] = (),
+    reachable: bool = True,
+    spec: str = "",
 ) -> bool:
     """Store this node's signed announcement for ``(round, fragment)``."""
     header = Header("announce", run_id, round_, fragment, 0, identity.peer_id)
-    body = {"tokens": int(tokens), "excludes": sorted(excludes)[:_MAX_EXCLUDES]}
+    body = {
+        "tokens": int(tokens),
+        "excludes": sorted(excludes)[:_MAX_EXCLUDES],
+        "reachable": bool(reachable),
+        "spec": spec,
+    }
     value = seal(identity, header, body)
     return await transport.dht_store(
         _mm_key(run_id, round_, fragment), identity.peer_id, value, expiration, timeout=timeout
@@ -133,14 +168,17 @@ async def read_announcements(
                 round_window=(round_, round_),
             )
             tokens, excludes = env.body.get("tokens"), env.body.get("excludes", [])
+            reachable, spec = env.body.get("reachable", True), env.body.get("spec", "")
             if env.header.fragment != fragment or not isinstance(tokens, int) or tokens < 0:
                 raise ProtocolError("malformed", "announcement for another fragment or bad tokens")
             if not isinstance(excludes, list) or not all(isinstance(p, str) for p in excludes):
                 raise ProtocolError("malformed", "excludes must be a list of PeerIDs")
+            if not isinstance(reachable, bool) or not isinstance(spec, str):
+                raise ProtocolError("malformed", "reachable must be a bool and spec a str")
         except ProtocolError as exc:
             logger.info("announcement under %s rejected: %s", subkey[:16], exc)
             continue
-        out[subkey] = Announcement(peer=subkey, tokens=tokens, excludes=frozenset(excludes))
+        out[subkey] = Announcement(subkey, tokens, frozenset(excludes), reachable, spec)
     return out
 
 
@@ -157,6 +195,8 @@ async def gather(
     expiration: float,
     timeout: float,
     excludes: Iterable[str] = (),
+    reachable: bool = True,
+    spec: str = "",
 ) -> dict[str, Announcement]:
     """Announce, then read announcements until every expected peer is there or ``deadline``.
 
@@ -164,10 +204,12 @@ async def gather(
         expected: peers believed alive (from the registry); the wait ends as soon as all
             of them have announced.
         excludes: peers this node votes to leave out of the round (see :func:`voted_out`).
+        reachable: whether others can dial this node (it owns no part otherwise).
+        spec: digest of the run spec this node runs.
         deadline: ``time.monotonic()`` value after which the current view is used.
 
     Returns:
-        The announced peers, this node included.
+        The announced peers, this node included (filtering them is the caller's).
     """
     await announce(
         transport,
@@ -179,9 +221,11 @@ async def gather(
         expiration=expiration,
         timeout=timeout,
         excludes=excludes,
+        reachable=reachable,
+        spec=spec,
     )
     want = set(expected) | {identity.peer_id}
-    me = Announcement(identity.peer_id, tokens, frozenset(excludes))
+    me = Announcement(identity.peer_id, tokens, frozenset(excludes), reachable, spec)
     seen: dict[str, Announcement] = {identity.peer_id: me}
     while True:
         remaining = deadline - time.monotonic()
@@ -201,20 +245,24 @@ async def publish_record(
     transport: Transport,
     identity: Identity,
     run_id: str,
-    round_: int,
-    step: int,
+    record: PeerRecord,
     *,
     expiration: float,
     timeout: float,
-    control: Sequence[str] = (),
 ) -> bool:
-    """Refresh this node's registry record (round, step, multiaddrs, control sidecar)."""
-    header = Header("record", run_id, round_, 0, 0, identity.peer_id)
+    """Store this node's signed registry record (``record.peer`` must be this node)."""
+    if record.peer != identity.peer_id:
+        raise ValueError("a node publishes only its own registry record")
+    header = Header("record", run_id, record.round, 0, 0, identity.peer_id)
     body = {
-        "step": int(step),
-        "maddrs": list(transport.maddrs),
-        "time": time.time(),
-        "control": list(control),
+        "step": int(record.step),
+        "maddrs": list(record.maddrs),
+        "time": record.updated,
+        "control": list(record.control),
+        "reachable": bool(record.reachable),
+        "spec": record.spec,
+        "instance": record.instance,
+        "started": float(record.started),
     }
     value = seal(identity, header, body)
     return await transport.dht_store(
@@ -222,44 +270,60 @@ async def publish_record(
     )
 
 
+def _str_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(m, str) for m in value)
+
+
+def _record(subkey: str, value: bytes, run_id: str) -> PeerRecord:
+    """A registry entry, checked; ProtocolError when anything is off."""
+    env = open_envelope(
+        value,
+        max_bytes=_MAX_RECORD_BYTES,
+        expected_sender=subkey,
+        run_id=run_id,
+        kinds=("record",),
+    )
+    body = env.body
+    maddrs, control = body.get("maddrs"), body.get("control", [])
+    step, updated = body.get("step"), body.get("time")
+    reachable, spec = body.get("reachable", True), body.get("spec", "")
+    instance, started = body.get("instance", ""), body.get("started", 0.0)
+    if not (
+        _str_list(maddrs)
+        and _str_list(control)
+        and isinstance(step, int)
+        and isinstance(updated, (int, float))
+        and isinstance(reachable, bool)
+        and isinstance(spec, str)
+        and isinstance(instance, str)
+        and isinstance(started, (int, float))
+    ):
+        raise ProtocolError("malformed", "registry record fields")
+    return PeerRecord(
+        peer=subkey,
+        round=env.header.round,
+        step=step,
+        maddrs=tuple(maddrs),
+        updated=float(updated),
+        control=tuple(control),
+        reachable=reachable,
+        spec=spec,
+        instance=instance,
+        started=float(started),
+    )
+
+
 async def read_registry(
     transport: Transport, run_id: str, *, timeout: float
 ) -> dict[str, PeerRecord]:
-    """Live peers of the run, from their signed registry records."""
+    """Every node of the run, from their signed registry records (stale ones included)."""
     found = await transport.dht_get(_registry_key(run_id), timeout=timeout)
     out: dict[str, PeerRecord] = {}
     if not isinstance(found, dict):
         return out
     for subkey, value in found.items():
         try:
-            env = open_envelope(
-                value,
-                max_bytes=_MAX_RECORD_BYTES,
-                expected_sender=subkey,
-                run_id=run_id,
-                kinds=("record",),
-            )
-            body = env.body
-            maddrs, control = body.get("maddrs"), body.get("control", [])
-            step, updated = body.get("step"), body.get("time")
-            if (
-                not isinstance(maddrs, list)
-                or not all(isinstance(m, str) for m in maddrs)
-                or not isinstance(control, list)
-                or not all(isinstance(m, str) for m in control)
-                or not isinstance(step, int)
-                or not isinstance(updated, (int, float))
-            ):
-                raise ProtocolError("malformed", "registry record fields")
+            out[subkey] = _record(subkey, value, run_id)
         except ProtocolError as exc:
             logger.info("registry record under %s rejected: %s", subkey[:16], exc)
-            continue
-        out[subkey] = PeerRecord(
-            peer=subkey,
-            round=env.header.round,
-            step=step,
-            maddrs=tuple(maddrs),
-            updated=float(updated),
-            control=tuple(control),
-        )
     return out

@@ -1,0 +1,251 @@
+"""Who else is in the run: this node's registry record and its view of the others.
+
+Every few seconds a node rewrites its signed registry record in the DHT (round, step,
+addresses, control addresses, whether it can be dialled, the digest of the run spec
+it runs, and a random id of its process) and reads everyone else's. From that:
+
+* **live peers**: fresh records of the same spec; they are waited for in matchmaking
+  and asked for state;
+* **refused peers**: fresh records of another spec, with the reason (shown in
+  ``atoll status``);
+* **one key, two processes**: a fresh record under this node's own PeerID written by
+  another process means a copied data directory. At start the node waits a moment to
+  see whether that record is still being refreshed (a node restarting after a crash
+  leaves one behind that is not) and refuses to start if it is; while running, the
+  process that started later stops.
+* **isolation**: a node that has no live peer and no connection re-dials its initial
+  peers, with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from protocol import matchmaking
+from protocol.errors import ProtocolError
+from protocol.matchmaking import PeerRecord
+from protocol.transport import Transport
+from verification.identity import Identity
+
+__all__ = ["LIVE_SECONDS", "DuplicateIdentityError", "PeerView"]
+
+logger = logging.getLogger(__name__)
+
+LIVE_SECONDS = 10.0
+"""A registry record older than this is a peer presumed gone."""
+
+_REDIAL_SECONDS = (2.0, 60.0)  # first and longest wait between re-dials of initial peers
+
+
+class DuplicateIdentityError(ValueError):
+    """Another running node uses this node's identity key."""
+
+
+@dataclass
+class _Redial:
+    attempts: int = 0
+    next_at: float = 0.0
+
+
+class PeerView:
+    """This node's record in the registry and what it knows of the others.
+
+    Args:
+        transport: the node's transport.
+        identity: the node's key.
+        key_file: where the key lives (named in the duplicate-identity error).
+        run_id: the run.
+        spec: digest of the run spec (or shared settings) this node runs.
+        initial_peers: multiaddrs re-dialled when every peer is lost.
+        request_timeout: deadline of one DHT operation.
+        registry_seconds: how often the record is refreshed.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        identity: Identity,
+        key_file: Path,
+        run_id: str,
+        spec: str,
+        initial_peers: Sequence[str],
+        request_timeout: float,
+        registry_seconds: float,
+    ) -> None:
+        self.transport = transport
+        self.identity = identity
+        self.me = identity.peer_id
+        self.key_file = key_file
+        self.run_id = run_id
+        self.spec = spec
+        self.initial_peers = list(initial_peers)
+        self.request_timeout = request_timeout
+        self.registry_seconds = registry_seconds
+        self.instance = secrets.token_hex(8)
+        self.started = time.time()
+        self.records: dict[str, PeerRecord] = {}
+        self.conflict: str | None = None
+        """Set when another process runs with this key (this one must stop)."""
+        self._redial = _Redial()
+
+    # ---- this node's record -------------------------------------------------------------
+
+    def record(self, round_: int, step: int, control: Sequence[str] = ()) -> PeerRecord:
+        """This node's registry record as of now."""
+        return PeerRecord(
+            peer=self.me,
+            round=round_,
+            step=step,
+            maddrs=tuple(self.transport.maddrs),
+            updated=time.time(),
+            control=tuple(control),
+            reachable=self.transport.reachability.reachable,
+            spec=self.spec,
+            instance=self.instance,
+            started=self.started,
+        )
+
+    async def refresh(self, record: PeerRecord) -> None:
+        """Publish ``record``, read the registry, and act on what it says."""
+        try:
+            await matchmaking.publish_record(
+                self.transport,
+                self.identity,
+                self.run_id,
+                record,
+                expiration=LIVE_SECONDS,
+                timeout=self.request_timeout,
+            )
+            self.records = await matchmaking.read_registry(
+                self.transport, self.run_id, timeout=self.request_timeout
+            )
+        except ProtocolError as exc:
+            logger.debug("registry refresh failed: %s", exc)
+        self._check_twin(self.records.get(self.me))
+        await self._redial_if_isolated()
+
+    # ---- views ------------------------------------------------------------------------
+
+    def fresh(self, now: float | None = None) -> dict[str, PeerRecord]:
+        """Records of other nodes written within :data:`LIVE_SECONDS`."""
+        now = time.time() if now is None else now
+        return {
+            p: r for p, r in self.records.items() if p != self.me and now - r.updated < LIVE_SECONDS
+        }
+
+    def live(self) -> set[str]:
+        """Peers of this run and spec whose record is fresh (this node excluded)."""
+        return {p for p, r in self.fresh().items() if r.spec == self.spec}
+
+    def refused(self) -> dict[str, str]:
+        """Fresh peers of another spec, with why they are refused."""
+        return {
+            p: f"spec_mismatch: runs spec {r.spec[:12] or '(none)'}, this node runs {self.spec[:12]}"
+            for p, r in self.fresh().items()
+            if r.spec != self.spec
+        }
+
+    def reachable(self, peer: str) -> bool:
+        """Whether ``peer`` said it can be dialled (unknown peers count as reachable)."""
+        rec = self.records.get(peer)
+        return rec is None or rec.reachable
+
+    def behind(self, round_: int) -> list[str]:
+        """Live peers whose last finished round is before ``round_``."""
+        fresh = self.fresh()
+        return [p for p in self.live() if fresh[p].round < round_]
+
+    def sources(self, min_round: int) -> list[PeerRecord]:
+        """Live, dialable peers at ``min_round`` or later, newest round first."""
+        fresh = self.fresh()
+        return sorted(
+            (fresh[p] for p in self.live() if fresh[p].reachable and fresh[p].round >= min_round),
+            key=lambda r: (-r.round, r.peer),
+        )
+
+    # ---- one key, two processes -------------------------------------------------------
+
+    async def ensure_identity_free(self, clock: Callable[[], float] = time.time) -> None:
+        """Refuse to start if another running process uses this node's key.
+
+        A fresh record under this node's PeerID from another process may be left by
+        a previous run of this very node (crashed or restarted within seconds), so
+        it counts only if it is refreshed again while this node waits.
+
+        Raises:
+            DuplicateIdentityError: naming the key file and where the other runs.
+        """
+        first = await self._own_record()
+        if first is None or first.instance == self.instance:
+            return
+        if clock() - first.updated >= LIVE_SECONDS:
+            return
+        await asyncio.sleep(2 * self.registry_seconds + 1.0)
+        second = await self._own_record()
+        if (
+            second is not None
+            and second.instance != self.instance
+            and second.updated > first.updated
+        ):
+            raise DuplicateIdentityError(self._twin_message(second))
+
+    async def _own_record(self) -> PeerRecord | None:
+        try:
+            records = await matchmaking.read_registry(
+                self.transport, self.run_id, timeout=self.request_timeout
+            )
+        except ProtocolError:
+            return None
+        return records.get(self.me)
+
+    def _check_twin(self, rec: PeerRecord | None) -> None:
+        if rec is None or rec.instance == self.instance or self.conflict is not None:
+            return
+        if time.time() - rec.updated >= LIVE_SECONDS or rec.updated < self.started:
+            return
+        # Both processes see each other's record; the one that started later stops.
+        if (rec.started, rec.instance) < (self.started, self.instance):
+            self.conflict = self._twin_message(rec)
+            logger.error("%s", self.conflict)
+
+    def _twin_message(self, rec: PeerRecord) -> str:
+        where = ", ".join(rec.maddrs[:2]) or "an unknown address"
+        return (
+            f"another node is running with the identity key {self.key_file} "
+            f"(PeerID {self.me}, at {where}): every node needs its own key; give this one "
+            "its own data directory, or run `atoll keygen --force` in it"
+        )
+
+    # ---- isolation --------------------------------------------------------------------
+
+    async def _redial_if_isolated(self) -> None:
+        if not self.initial_peers or self.live():
+            self._redial = _Redial()
+            return
+        try:
+            connected = await self.transport.connected_peers()
+        except Exception:  # a daemon hiccup: try again at the next refresh
+            return
+        if connected:
+            return
+        now = time.monotonic()
+        if now < self._redial.next_at:
+            return
+        self._redial.attempts += 1
+        wait = min(_REDIAL_SECONDS[1], _REDIAL_SECONDS[0] * 2 ** (self._redial.attempts - 1))
+        self._redial.next_at = now + wait
+        logger.warning(
+            "no peers left; re-dialling the initial peers (attempt %d, next in %.0f s)",
+            self._redial.attempts,
+            wait,
+        )
+        joined = await self.transport.rejoin(self.initial_peers, self.request_timeout)
+        if joined:
+            logger.info("re-joined the swarm through %d initial peer(s)", joined)
+            self._redial = replace(self._redial, next_at=now + _REDIAL_SECONDS[0])

@@ -1,0 +1,179 @@
+"""One fragment's exchange in a round: announce, agree on the groups, all-reduce.
+
+Every node announces ``(round, fragment)`` in the DHT with its token count, its votes,
+whether peers can dial it and the digest of the run spec it runs
+(:mod:`protocol.matchmaking`). From the announcements every node computes the same
+groups (:mod:`protocol.grouping`): peers on another spec and peers voted out by a
+majority are left out, and peers that cannot be dialled own no part. The group then
+all-reduces the fragment's pseudo-gradient (:mod:`protocol.allreduce`).
+
+When a round's group does not span the swarm (more peers than the largest group, or
+gossip pairs), members' global copies differ, so the group also all-reduces its
+members' global copies, under fragment id ``F + f`` (``F`` fragments in the model)
+with every member weighted alike. What to do with the two results is the outer
+optimizer's business (:mod:`node.outer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import grouping, matchmaking
+from protocol.allreduce import AllReduceService
+from protocol.errors import ProtocolError
+from protocol.grouping import Layout
+from protocol.parts import AllReduceResult
+from protocol.transport import Transport
+from verification.identity import Identity
+
+__all__ = ["ExchangeSettings", "Exchanged", "FragmentExchange"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExchangeSettings:
+    """What every node of a run must agree on to form the same groups, and deadlines.
+
+    Attributes:
+        run_id: the run.
+        spec: digest of the run spec (or of the shared settings) this node runs.
+        fragments: fragments in the model (``F``); mixed global copies use ``F + f``.
+        group_size: the largest group (``network.group_size``).
+        layout: how groups are laid out when one group cannot hold the swarm.
+        gossip: pairs that always mix global copies (``sync.averaging = "gossip"``).
+        matchmaking_seconds: how long to wait for expected peers' announcements.
+        announce_expiration: seconds an announcement stays in the DHT.
+        request_timeout: deadline of one DHT operation.
+    """
+
+    run_id: str
+    spec: str
+    fragments: int
+    group_size: int
+    layout: Layout = "butterfly"
+    gossip: bool = False
+    matchmaking_seconds: float = 3.0
+    announce_expiration: float = 60.0
+    request_timeout: float = 10.0
+
+    @property
+    def largest_group(self) -> int:
+        return 2 if self.gossip else self.group_size
+
+    def mixes(self, swarm_size: int) -> bool:
+        """Whether a swarm of ``swarm_size`` nodes also averages global copies."""
+        return self.gossip or swarm_size > self.largest_group
+
+
+@dataclass
+class Exchanged:
+    """What one exchange produced.
+
+    Attributes:
+        group: the members, in group order.
+        result: the averaged pseudo-gradient and who is in which part.
+        mixed: the group's mean global copy, when the group mixes (else None).
+        refused: announcers left out for running another spec: ``{peer: reason}``.
+    """
+
+    group: list[str]
+    result: AllReduceResult
+    mixed: AllReduceResult | None = None
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+class FragmentExchange:
+    """Runs the exchanges of one node.
+
+    Args:
+        transport: the node's transport (DHT for announcements).
+        identity: the node's key (signs announcements).
+        allreduce: the node's all-reduce service.
+        settings: see :class:`ExchangeSettings`.
+        reachable: whether peers can dial this node now (read at each exchange).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        identity: Identity,
+        allreduce: AllReduceService,
+        settings: ExchangeSettings,
+        reachable: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.transport = transport
+        self.identity = identity
+        self.allreduce = allreduce
+        self.settings = settings
+        self.reachable = reachable
+
+    async def run(
+        self,
+        round_: int,
+        fragment: int,
+        weight: int,
+        contribution: torch.Tensor,
+        weights: torch.Tensor,
+        expected: set[str],
+        excludes: set[str],
+    ) -> Exchanged:
+        """Exchange ``fragment`` for ``round_``.
+
+        Args:
+            weight: this node's token weight for the pseudo-gradient.
+            contribution: the encoded-and-decoded pseudo-gradient.
+            weights: this node's global copy as it would send it, if the group mixes.
+            expected: peers believed alive; matchmaking waits for their announcements.
+            excludes: peers this node votes to leave out.
+
+        Raises:
+            ProtocolError: ``no_owner``: nobody in this node's group can be dialled.
+        """
+        s, me = self.settings, self.identity.peer_id
+        self.allreduce.current_round = max(self.allreduce.current_round, round_)
+        announced = await matchmaking.gather(
+            self.transport,
+            self.identity,
+            s.run_id,
+            round_,
+            fragment,
+            weight,
+            expected=expected,
+            deadline=time.monotonic() + s.matchmaking_seconds,
+            expiration=s.announce_expiration,
+            timeout=s.request_timeout,
+            excludes=excludes,
+            reachable=self.reachable(),
+            spec=s.spec,
+        )
+        refused = {
+            p: f"spec_mismatch: announces spec {a.spec[:12] or '(none)'}, this node runs {s.spec[:12]}"
+            for p, a in announced.items()
+            if a.spec != s.spec
+        }
+        same = {p: a for p, a in announced.items() if p not in refused}
+        peers = set(same) - matchmaking.voted_out(same)
+        clients = {p for p in peers if not same[p].reachable}
+        group = grouping.group_of(
+            me, peers, round_, fragment, s.largest_group, s.layout, clients=clients
+        )
+        owners = grouping.owners(group, clients)
+        if not owners:
+            raise ProtocolError("no_owner", "nobody in this node's group can be dialled")
+        run = self.allreduce.run
+        if not s.mixes(len(peers | {me})):
+            result = await run(round_, fragment, group, contribution, weight, owners)
+            return Exchanged(group, result, None, refused)
+        # Every member's global copy counts the same, whatever its token count.
+        result, mixed = await asyncio.gather(
+            run(round_, fragment, group, contribution, weight, owners),
+            run(round_, s.fragments + fragment, group, weights, 1, owners),
+        )
+        return Exchanged(group, result, mixed, refused)
