@@ -232,6 +232,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         f"node {status.get('peer_id', '?')}  state {status.get('state', '?')}  "
         f"round {status.get('round', '-')}  pid {status.get('pid', '-')}"
     )
+    _print_network(status)
     if swarm is None:
         print("no control channel (control.enabled = false, or the node has not started it yet)")
         return 0
@@ -240,7 +241,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     reputations = status.get("reputations", {})
     table = Table(title=f"peers seen in heartbeats ({len(swarm['peers'])})")
-    for column in ("peer", "version", "round", "step", "tokens/s", "last seen", "reputation"):
+    columns = ("peer", "version", "round", "step", "tokens/s", "reachable", "last seen")
+    for column in (*columns, "reputation"):
         table.add_column(column)
     for peer, info in sorted(swarm["peers"].items()):
         rep = reputations.get(peer, {"score": 1.0, "status": "ok"})
@@ -250,6 +252,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             str(info.get("round")),
             str(info.get("step")),
             f"{info.get('throughput') or 0:.0f}",
+            {True: "yes", False: "no (client)"}.get(info.get("reachable"), "?"),
             f"{info.get('last_seen_s', 0):.1f} s ago",
             f"{rep['score']:.2f} {rep['status']}",
         )
@@ -261,6 +264,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
         f"dropped {sum(dropped.values())} {dict(dropped) if dropped else ''}"
     )
     return 0
+
+
+def _print_network(status: dict[str, Any]) -> None:
+    """Reachability, the run spec, refused peers and warnings from a node's status."""
+    reach = status.get("reachability")
+    if isinstance(reach, dict) and reach.get("summary"):
+        print(f"reachability: {reach['summary']}")
+    spec = status.get("spec")
+    if spec:
+        source = "run spec" if status.get("spec_file") else "shared settings"
+        print(f"{source} {str(spec)[:12]}; live peers {status.get('live_peers', '-')}")
+    for peer, reason in sorted((status.get("refused_peers") or {}).items()):
+        print(f"refused peer {peer}: {reason}")
+    warning = status.get("control_warning")
+    if warning:
+        print(f"WARNING: {warning}")
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -283,6 +302,7 @@ def _cmd_spec_create(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from node.spec import create_spec, write_spec
+    from protocol.addrs import with_peer_id
     from verification.errors import VerificationError
     from verification.identity import Identity
 
@@ -296,7 +316,9 @@ def _cmd_spec_create(args: argparse.Namespace) -> int:
         raise ValueError(f"identity key {key}: {exc}") from None
     if created:
         print(f"created identity key {key}; PeerID {identity.peer_id}")
-    spec = create_spec(cfg, identity, bootstrap=args.bootstrap, t0=args.t0)
+    # The creator usually runs the bootstrap node: an address without /p2p/ is its own.
+    bootstrap = [with_peer_id(m, identity.peer_id) for m in args.bootstrap]
+    spec = create_spec(cfg, identity, bootstrap=bootstrap, t0=args.t0)
     write_spec(spec, args.out, force=args.force)
     print(f"wrote {args.out}: run {spec.run_id}, spec {spec.short}, creator {spec.creator}")
     if spec.t0 is not None:

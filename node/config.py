@@ -162,6 +162,8 @@ class NetworkConfig:
     min_peers: int = Field(default=1, ge=1)
     min_peers_timeout: float = Field(default=60.0, gt=0.0)
     registry_seconds: float = Field(default=2.0, gt=0.0)
+    join_timeout: float = Field(default=120.0, ge=0.0)
+    """How long to keep trying initial peers that do not answer at start."""
     # Reaching and being reached across NAT (passed to p2pd; see README, "Across networks").
     reachability: Literal["auto", "public", "private"] = "auto"
     relay: bool = True

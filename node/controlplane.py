@@ -53,6 +53,8 @@ _ROUNDS_KEPT = 4  # commitments older than this many rounds are forgotten
 _MAX_COMMITS = 65536
 _POLL_SECONDS = 0.02
 _OVERTAKE_SECONDS = 1.0
+SILENCE_GRACE_SECONDS = 20.0
+"""How long the channel may hear none of the live peers before :meth:`ControlPlane.silence` warns."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ class ControlPlane(Commitments):
         self._convicted: set[str] = set()
         self._newest = 0
         self._connected: set[str] = set()
+        self._quiet_since: float | None = None
         self.counters = {"forged_verdicts": 0, "verdicts": 0, "malformed": 0}
         self._stop = threading.Event()
         self.channel: ControlChannel | None = None
@@ -291,6 +294,37 @@ class ControlPlane(Commitments):
             "dropped": {**stats.get("dropped", {}), **stats.get("client_dropped", {})},
             **self.counters,
         }
+
+    def silence(self, live: set[str], now: float | None = None) -> str | None:
+        """A warning when this node hears none of the ``live`` peers on the channel.
+
+        Commitments and verdicts travel here: with ``control.commit`` on, owners refuse
+        the parts of a node whose commitments never reach them (``uncommitted``, at no
+        cost to its reputation), so a deaf channel must be loud. Peers count as heard
+        when their heartbeat arrived within five heartbeats; the warning starts after
+        :data:`SILENCE_GRACE_SECONDS` of hearing none of them.
+        """
+        now = time.monotonic() if now is None else now
+        window = 5 * self.cfg.heartbeat_seconds + 5
+        with self._lock:
+            heard = {p for p, info in self._peers.items() if time.time() - info["seen"] < window}
+        if not live or heard & live:
+            self._quiet_since = None
+            return None
+        if self._quiet_since is None:
+            self._quiet_since = now
+        quiet = now - self._quiet_since
+        if quiet < SILENCE_GRACE_SECONDS:
+            return None
+        text = (
+            f"the control channel hears none of the {len(live)} live peers (for {quiet:.0f} s): "
+            "commitments and verdicts cannot reach them"
+        )
+        if self.cfg.commit:
+            text += ", so owners refuse this node's parts (uncommitted) and it refuses theirs"
+        return text + (
+            "; check that control.port is open (TCP) and control.announce_maddrs is right"
+        )
 
     # ---- commitments ------------------------------------------------------------------
 
@@ -404,7 +438,16 @@ class ControlPlane(Commitments):
         body = msg.body if isinstance(msg.body, dict) else {}
         info = {
             k: body.get(k)
-            for k in ("version", "capabilities", "round", "step", "throughput", "device")
+            for k in (
+                "version",
+                "capabilities",
+                "round",
+                "step",
+                "throughput",
+                "device",
+                "reachable",
+                "spec",
+            )
         }
         info["seen"] = time.time()
         with self._lock:

@@ -48,7 +48,7 @@ from protocol.exchange import ExchangeSettings, FragmentExchange
 from protocol.fragments import plan_fragments
 from protocol.messages import Header, open_envelope, seal
 from protocol.parts import AllReduceSettings
-from protocol.transport import Transport, TransportConfig
+from protocol.transport import BootstrapUnreachable, Transport, TransportConfig
 from verification.identity import Identity
 
 __all__ = ["Node"]
@@ -59,8 +59,6 @@ try:
     __version__ = importlib.metadata.version("atoll")
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
-
-_CONTROL_GRACE_SECONDS = 20.0  # a control channel with no peers this long is reported
 
 
 class Node:
@@ -97,7 +95,8 @@ class Node:
         self.busy = 0.0
         self.join_round = 0
         self.train_started = time.monotonic()
-        self._control_quiet_since: float | None = None
+        self._warned_at = -1e9
+        self._refused: dict[str, str] = {}  # peers refused during this run, and why
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -185,27 +184,51 @@ class Node:
             for f in range(len(self.plan))
         ]
 
+    def _start_transport(self, key_file: Path) -> Transport:
+        """Start the transport; keep trying initial peers that do not answer yet (the
+        bootstrap node may come up after this one) for ``network.join_timeout``."""
+        net = self.cfg.network
+        # A bootstrap node joining its own run spec finds itself among the initial peers.
+        self.initial_peers = tuple(
+            m for m in self.initial_peers if not m.endswith(f"/p2p/{self.identity.peer_id}")
+        )
+        deadline = time.monotonic() + net.join_timeout
+        while True:
+            try:
+                return Transport.start(self._transport_config(key_file))
+            except BootstrapUnreachable as exc:
+                if time.monotonic() >= deadline or self.stop_event.is_set():
+                    raise BootstrapUnreachable(
+                        f"{exc} (for {net.join_timeout:.0f} s): check the addresses and that "
+                        "those nodes run; the port they listen on must be open to this host"
+                    ) from None
+                logger.warning("%s; trying again in 5 s", exc)
+                self.status.update(force=True, state="joining", join_error=str(exc))
+                self.stop_event.wait(5.0)
+
+    def _transport_config(self, key_file: Path) -> TransportConfig:
+        net = self.cfg.network
+        return TransportConfig(
+            host=net.host,
+            port=net.port,
+            initial_peers=self.initial_peers,
+            identity_path=key_file,
+            announce_maddrs=net.announce_maddrs,
+            dht_client_mode=net.client_mode,
+            request_timeout=net.request_timeout,
+            max_message_bytes=int(net.max_message_mb * 2**20),
+            reachability=net.reachability,
+            relay=net.relay,
+            auto_relay=net.auto_relay,
+            trusted_relays=net.trusted_relays,
+            nat_port_map=net.nat_port_map,
+            auto_nat=net.auto_nat,
+        )
+
     def _start_network(self) -> None:
         cfg, net = self.cfg, self.cfg.network
         key_file = self.data_dir / "identity.key"
-        self.transport = Transport.start(
-            TransportConfig(
-                host=net.host,
-                port=net.port,
-                initial_peers=self.initial_peers,
-                identity_path=key_file,
-                announce_maddrs=net.announce_maddrs,
-                dht_client_mode=net.client_mode,
-                request_timeout=net.request_timeout,
-                max_message_bytes=int(net.max_message_mb * 2**20),
-                reachability=net.reachability,
-                relay=net.relay,
-                auto_relay=net.auto_relay,
-                trusted_relays=net.trusted_relays,
-                nat_port_map=net.nat_port_map,
-                auto_nat=net.auto_nat,
-            )
-        )
+        self.transport = self._start_transport(key_file)
         self.peers = PeerView(
             self.transport,
             self.identity,
@@ -566,11 +589,8 @@ class Node:
         pending: dict[int, Pending] = {}
         done: dict[int, set[int]] = {}
         failed: set[int] = set()
-        on_time = (
-            self.round == in_progress - 1
-            and time.time() < clock.sync_time(in_progress, 0) - self.cfg.network.matchmaking_seconds
-        )
-        if self.round < in_progress and not on_time:
+        last = (self.round, fragments - 1)
+        if self.round < in_progress - 1:
             # Behind the swarm (joining, or back from a restart): sit out the round in
             # progress, training all the same, and re-sync from a peer when it ends; the
             # work done meanwhile is rebased onto the swarm's state and contributed next.
@@ -579,7 +599,24 @@ class Node:
                 "join", round=in_progress, state_round=self.round, contributes_from=self.join_round
             )
             self.round = in_progress - 1
-        last = (self.round, fragments - 1)
+            last = (self.round, fragments - 1)
+        elif self.round == in_progress - 1:
+            # Current, but the round has begun: contribute from the first fragment whose
+            # matchmaking is still ahead; the ones already under way are skipped (their
+            # work goes into the next sync) and the round is re-synced when it ends.
+            lead = self.cfg.network.matchmaking_seconds
+            now = time.time()
+            ahead = [f for f in range(fragments) if clock.sync_time(in_progress, f) - lead > now]
+            first = ahead[0] if ahead else fragments
+            if first > 0:
+                for f in range(first):
+                    self.syncer.missed[f] += 1
+                done[in_progress] = set(range(first))
+                failed.add(in_progress)
+                last = (in_progress, first - 1)
+                self.events.write(
+                    "join", round=in_progress, state_round=self.round, from_fragment=first
+                )
         while not self.stop_event.is_set():
             if cfg.run.max_rounds and self.round >= cfg.run.max_rounds:
                 break
@@ -744,10 +781,14 @@ class Node:
     def _report(self, live: set[str]) -> None:
         """Peers, reachability and warnings into the status file."""
         assert self.transport is not None and self.peers is not None
-        refused = {**self.peers.refused(), **self.syncer.refused}
+        for peer, reason in {**self.peers.refused(), **self.syncer.refused}.items():
+            if peer not in self._refused:
+                logger.warning("peer %s refused: %s", peer, reason)
+                self.events.write("peer_refused", peer=peer, reason=reason)
+            self._refused[peer] = reason
         fields: dict[str, Any] = {
             "live_peers": len(live),
-            "refused_peers": refused,
+            "refused_peers": dict(self._refused),
             "reachability": self.transport.reachability.to_dict(),
             "reputations": self.verifier.reputations(),
             "helper_pids": self._helper_pids(),
@@ -755,32 +796,9 @@ class Node:
         if self.control is not None:
             swarm = self.control.swarm()
             fields.update(control_addrs=self.control.addrs, swarm=swarm)
-            fields["control_warning"] = self._control_warning(live, swarm)
+            warning = self.control.silence(live)
+            if warning and self._warned_at + 60 < time.monotonic():
+                self._warned_at = time.monotonic()
+                logger.error("%s", warning)
+            fields["control_warning"] = warning
         self.status.update(**fields)
-
-    def _control_warning(self, live: set[str], swarm: dict[str, Any]) -> str | None:
-        """A warning when commitments cannot reach live peers (no control peers)."""
-        heard = {
-            p
-            for p, info in swarm["peers"].items()
-            if info.get("last_seen_s", 1e9) < 5 * self.cfg.control.heartbeat_seconds + 5
-        }
-        if not live or heard & live:
-            self._control_quiet_since = None
-            return None
-        now = time.monotonic()
-        if self._control_quiet_since is None:
-            self._control_quiet_since = now
-        quiet = now - self._control_quiet_since
-        if quiet < _CONTROL_GRACE_SECONDS:
-            return None
-        text = (
-            f"the control channel hears none of the {len(live)} live peers (for {quiet:.0f} s): "
-            "commitments and verdicts cannot reach them"
-        )
-        if self.cfg.control.commit:
-            text += ", so the owners refuse this node's parts (uncommitted) and it refuses theirs"
-        text += "; check that control.port is open (TCP) and that control.announce_maddrs is right"
-        if int(quiet) % 60 < self.cfg.network.registry_seconds:
-            logger.error("%s", text)
-        return text

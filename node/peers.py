@@ -112,7 +112,7 @@ class PeerView:
         )
 
     async def refresh(self, record: PeerRecord) -> None:
-        """Publish ``record``, read the registry, and act on what it says."""
+        """Publish ``record``, then :meth:`read`."""
         try:
             await matchmaking.publish_record(
                 self.transport,
@@ -122,11 +122,18 @@ class PeerView:
                 expiration=LIVE_SECONDS,
                 timeout=self.request_timeout,
             )
+        except ProtocolError as exc:
+            logger.debug("registry write failed: %s", exc)
+        await self.read()
+
+    async def read(self) -> None:
+        """Read the registry and act on what it says (a twin, isolation)."""
+        try:
             self.records = await matchmaking.read_registry(
                 self.transport, self.run_id, timeout=self.request_timeout
             )
         except ProtocolError as exc:
-            logger.debug("registry refresh failed: %s", exc)
+            logger.debug("registry read failed: %s", exc)
         self._check_twin(self.records.get(self.me))
         await self._redial_if_isolated()
 

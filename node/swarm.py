@@ -101,13 +101,23 @@ def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str])
     return cmd + spec.extra_args.get(index, [])
 
 
-def start_node(spec: SwarmSpec, index: int, peers: list[str]) -> SwarmProcess:
-    """Start node ``index`` as a separate process (its own session, log in its data dir)."""
+def start_node(
+    spec: SwarmSpec,
+    index: int,
+    peers: list[str],
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> SwarmProcess:
+    """Start node ``index`` as a separate process (its own session, log in its data dir).
+
+    Args:
+        popen: starts the process (``subprocess.Popen``; tests pass one that starts it
+            on another host of a network lab).
+    """
     data_dir = spec.directory / f"node{index}"
     data_dir.mkdir(parents=True, exist_ok=True)
     log = open(data_dir / "node.log", "ab")  # noqa: SIM115 - closed in stop_all
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
-    proc = subprocess.Popen(
+    proc = popen(
         _node_command(spec, index, data_dir, peers),
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -154,7 +154,7 @@ class Syncer:
             logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
             self.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
             return None
-        self._note_refused(done.refused)
+        self.refused.update(done.refused)
         result, mixed = done.result, done.mixed
         averaged = result.vector.to(self.device)
         if mixed is None:
@@ -182,10 +182,3 @@ class Syncer:
         }
         self.events.write("sync", **record)
         return record
-
-    def _note_refused(self, refused: dict[str, str]) -> None:
-        for peer, reason in refused.items():
-            if peer not in self.refused:
-                logger.warning("peer %s refused: %s", peer, reason)
-                self.events.write("peer_refused", peer=peer, reason=reason)
-        self.refused.update(refused)

@@ -45,7 +45,7 @@ from protocol.errors import ProtocolError
 from protocol.reachability import Reachability
 from protocol.watchdog import Watchdog, set_parent_death_signal, terminate_processes
 
-__all__ = ["Handler", "Transport", "TransportConfig"]
+__all__ = ["BootstrapUnreachable", "Handler", "Transport", "TransportConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,10 @@ class TransportConfig:
         return f"/{family}/{self.host}/tcp/{self.port}"
 
 
+class BootstrapUnreachable(RuntimeError):
+    """None of the initial peers could be reached (p2pd refuses to start then)."""
+
+
 class _SupervisedDHT(DHT):
     """hivemind's DHT process, which also dies with the thread that forked it (Linux)."""
 
@@ -163,6 +167,7 @@ class Transport:
         """Start p2pd, the DHT process and the watchdog, and join the swarm.
 
         Raises:
+            BootstrapUnreachable: none of ``initial_peers`` answered.
             RuntimeError: p2pd or the DHT did not come up within ``startup_timeout``.
         """
         self = cls(config or TransportConfig())
@@ -173,6 +178,9 @@ class Transport:
             self._run(self._start(), self.config.startup_timeout * 2)
         except BaseException as e:
             self.shutdown()
+            if isinstance(e, P2PDaemonError) and "bootstrap peers" in str(e):
+                peers = ", ".join(self.config.initial_peers)
+                raise BootstrapUnreachable(f"none of the initial peers answered: {peers}") from e
             if isinstance(e, (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError)):
                 raise RuntimeError(f"transport failed to start: {e!r}") from e
             raise

@@ -13,6 +13,7 @@ import pytest
 from node import swarm
 from node.config import load_config
 from node.swarm import QUICK_WORKLOAD
+from tests.netlab import NetLab, cleanup_stale, netlab_available
 
 SMALL = [
     "run.run_id='itest'",
@@ -127,10 +128,6 @@ def local_swarm(tmp_path: Path) -> Iterator[Swarm]:
     finally:
         s.close()
     assert not s.leftovers(), f"processes left behind: {s.leftovers()}"
-
-
-# The multi-host lab (network namespaces); imported here so the fixtures below can name it.
-from tests.netlab import NetLab, cleanup_stale, netlab_available  # noqa: E402
 
 
 def _open_lab() -> NetLab:

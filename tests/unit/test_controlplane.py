@@ -246,3 +246,25 @@ def test_an_equivocator_cannot_frame_an_honest_owner(plane: ControlPlane) -> Non
     }
     _deliver(plane, "verdict", _signed(CHEAT, "verdict", framing, seq=3))
     assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}  # the framer, not the owner
+
+
+def test_silence_warns_only_after_the_grace_period_and_stops_when_heard(plane) -> None:
+    from node.controlplane import SILENCE_GRACE_SECONDS
+
+    live = {OTHER.peer_id}
+    assert plane.silence(set(), now=0.0) is None  # nobody to hear
+    assert plane.silence(live, now=100.0) is None  # quiet, but only just
+    text = plane.silence(live, now=100.0 + SILENCE_GRACE_SECONDS + 1)
+    assert text is not None and "hears none of the 1 live peers" in text
+    assert "uncommitted" in text and "control.port" in text
+    _deliver(plane, "heartbeat", _signed(OTHER, "heartbeat", {"round": 1, "step": 2}))
+    assert plane.silence(live, now=200.0) is None  # heard: no warning, and the clock resets
+    assert plane.silence({CHEAT.peer_id}, now=201.0) is None  # a new silence starts again
+    assert plane.silence({CHEAT.peer_id}, now=201.0 + SILENCE_GRACE_SECONDS + 1) is not None
+
+
+def test_heartbeats_carry_reachability_and_spec(plane) -> None:
+    body = {"round": 1, "step": 2, "reachable": False, "spec": "ab" * 32}
+    _deliver(plane, "heartbeat", _signed(OTHER, "heartbeat", body))
+    seen = plane.swarm()["peers"][OTHER.peer_id]
+    assert seen["reachable"] is False and seen["spec"] == "ab" * 32

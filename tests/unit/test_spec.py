@@ -344,3 +344,12 @@ def test_cli_bad_spec_file_is_one_line(tmp_path: Path, capsys, content: str | No
     err = _one_line(capsys.readouterr().err)
     assert err.startswith(f"atoll: run spec {path}: ")
     assert ("not TOML" if content else "no such file") in err
+
+
+def test_cli_bootstrap_without_peer_id_is_the_creators_own_address(tmp_path: Path, capsys) -> None:
+    args = _create(tmp_path)
+    args[args.index(BOOT)] = "/ip4/203.0.113.5/tcp/31337"
+    assert main(args) == 0
+    peer = Identity.load(tmp_path / "node" / "identity.key").peer_id
+    spec = read_spec(tmp_path / "run.toml")
+    assert spec.bootstrap == (f"/ip4/203.0.113.5/tcp/31337/p2p/{peer}",)

@@ -59,3 +59,33 @@ def test_status_of_a_directory_without_a_node_is_a_clear_error(tmp_path: Path, c
     code = main(["status", "--data-dir", str(tmp_path / "nothing")])
     assert code != 0
     assert "no status at" in capsys.readouterr().err
+
+
+def test_status_shows_reachability_spec_refused_peers_and_warnings(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    status = {
+        "peer_id": "12D3KooWme",
+        "state": "training",
+        "round": 3,
+        "reachability": {"status": "private", "summary": "NOT reachable: peers see this node"},
+        "spec": "ab" * 32,
+        "spec_file": True,
+        "live_peers": 3,
+        "refused_peers": {"12D3KooWother": "spec_mismatch: runs spec 0123, this node runs abab"},
+        "control_warning": "the control channel hears none of the 3 live peers",
+        "swarm": {
+            "peers": {
+                "12D3KooWpeer": {"round": 3, "step": 9, "reachable": False, "last_seen_s": 1.0}
+            }
+        },
+    }
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert main(["status", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reachability: NOT reachable" in out
+    assert f"run spec {'ab' * 6}; live peers 3" in out
+    assert "refused peer 12D3KooWother: spec_mismatch" in out
+    assert "WARNING: the control channel hears none" in out
+    assert "no (client)" in out

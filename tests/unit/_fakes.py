@@ -1,0 +1,52 @@
+"""In-memory stand-ins for the transport's DHT and connections, for unit tests of the
+code above it (registry, matchmaking, exchange). Records go through the real signing
+and checking code; only the network is replaced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.reachability import Reachability
+
+
+class FakeDHT:
+    """One shared key-value store with subkeys, as hivemind's DHT presents it."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, bytes]] = {}
+
+
+class FakeTransport:
+    """What node.peers, protocol.matchmaking and protocol.exchange use of a Transport."""
+
+    def __init__(
+        self,
+        dht: FakeDHT,
+        peer_id: str,
+        maddrs: tuple[str, ...] = (),
+        reachability: Reachability | None = None,
+    ) -> None:
+        self.dht = dht
+        self.peer_id = peer_id
+        self.maddrs = list(maddrs) or [f"/ip4/10.0.0.1/tcp/1/p2p/{peer_id}"]
+        self.reachability = reachability or Reachability("public")
+        self.connected: list[str] = []
+        self.rejoins: list[list[str]] = []
+        self.rejoin_answers = 1
+
+    async def dht_store(
+        self, key: str, subkey: str | None, value: bytes, expiration: float, **_: Any
+    ) -> bool:
+        self.dht.data.setdefault(key, {})[subkey or ""] = value
+        return True
+
+    async def dht_get(self, key: str, **_: Any) -> dict[str, bytes] | None:
+        found = self.dht.data.get(key)
+        return dict(found) if found else None
+
+    async def connected_peers(self) -> list[str]:
+        return list(self.connected)
+
+    async def rejoin(self, maddrs: list[str], timeout: float) -> int:
+        self.rejoins.append(list(maddrs))
+        return self.rejoin_answers

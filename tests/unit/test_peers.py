@@ -1,0 +1,165 @@
+"""The registry view: live and refused peers, one key in two processes, re-dialling."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+
+from node.peers import LIVE_SECONDS, DuplicateIdentityError, PeerView
+from protocol import matchmaking
+from protocol.reachability import Reachability
+from tests.unit._fakes import FakeDHT, FakeTransport
+from verification.identity import Identity
+
+RUN = "run"
+SPEC = "s" * 64
+
+
+def _view(dht: FakeDHT, identity: Identity, spec: str = SPEC, **kw) -> PeerView:
+    transport = kw.pop("transport", None) or FakeTransport(dht, identity.peer_id)
+    return PeerView(
+        transport,
+        identity,
+        Path("/data/identity.key"),
+        RUN,
+        spec,
+        kw.pop("initial_peers", ()),
+        request_timeout=1.0,
+        registry_seconds=kw.pop("registry_seconds", 0.01),
+    )
+
+
+async def _store(dht: FakeDHT, identity: Identity, **fields) -> matchmaking.PeerRecord:
+    record = matchmaking.PeerRecord(
+        peer=identity.peer_id,
+        round=fields.pop("round", 1),
+        step=fields.pop("step", 10),
+        maddrs=(f"/ip4/10.0.0.9/tcp/1/p2p/{identity.peer_id}",),
+        updated=fields.pop("updated", time.time()),
+        **{"spec": SPEC, **fields},
+    )
+    transport = FakeTransport(dht, identity.peer_id)
+    await matchmaking.publish_record(transport, identity, RUN, record, expiration=10, timeout=1)
+    return record
+
+
+def _publish(dht: FakeDHT, identity: Identity, **fields) -> matchmaking.PeerRecord:
+    return asyncio.run(_store(dht, identity, **fields))
+
+
+def test_record_says_where_whether_reachable_and_which_spec() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    transport = FakeTransport(dht, me.peer_id, reachability=Reachability("private"))
+    view = _view(dht, me, transport=transport)
+    rec = view.record(3, 42, ["/ip4/10.0.0.1/tcp/2/p2p/x"])
+    assert (rec.round, rec.step, rec.control) == (3, 42, ("/ip4/10.0.0.1/tcp/2/p2p/x",))
+    assert rec.reachable is False and rec.spec == SPEC and rec.instance == view.instance
+    asyncio.run(view.refresh(rec))
+    assert view.records[me.peer_id] == dataclasses.replace(rec)  # round trip through the DHT
+
+
+def test_live_refused_sources_and_behind() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    same, client, other, stale = (Identity.generate() for _ in range(4))
+    _publish(dht, same, round=4)
+    _publish(dht, client, round=5, reachable=False)
+    _publish(dht, other, round=5, spec="o" * 64)
+    _publish(dht, stale, round=9, updated=time.time() - LIVE_SECONDS - 1)
+    view = _view(dht, me)
+    asyncio.run(view.refresh(view.record(4, 0)))
+    assert view.live() == {same.peer_id, client.peer_id}
+    assert list(view.refused()) == [other.peer_id]
+    assert view.refused()[other.peer_id].startswith("spec_mismatch: runs spec oooooooooooo")
+    assert [r.peer for r in view.sources(4)] == [same.peer_id]  # a client serves no state
+    assert view.sources(5) == []
+    assert view.behind(5) == [same.peer_id]
+    assert not view.reachable(client.peer_id) and view.reachable(same.peer_id)
+    assert view.reachable("12D3KooWunknown")
+
+
+def test_a_second_process_with_this_key_that_started_earlier_stops_this_one() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    view = _view(dht, me)
+    # the other process started before this one and keeps writing its record
+    _publish(dht, me, instance="other", started=view.started - 5)
+    asyncio.run(view.read())
+    assert view.conflict is not None
+    assert "another node is running with the identity key /data/identity.key" in view.conflict
+
+
+def test_a_second_process_that_started_later_is_the_one_to_stop() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    view = _view(dht, me)
+    _publish(dht, me, instance="other", started=view.started + 5)
+    asyncio.run(view.read())
+    assert view.conflict is None
+
+
+def test_start_refuses_a_key_whose_other_process_keeps_refreshing() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    view = _view(dht, me, registry_seconds=0.05)
+    _publish(dht, me, instance="other", started=view.started - 60)
+
+    async def both() -> None:
+        async def keep_writing() -> None:
+            for _ in range(20):
+                await asyncio.sleep(0.02)
+                await _store(dht, me, instance="other", started=view.started - 60)
+
+        writer = asyncio.ensure_future(keep_writing())
+        try:
+            await view.ensure_identity_free()
+        finally:
+            writer.cancel()
+
+    with pytest.raises(DuplicateIdentityError, match="identity key /data/identity.key"):
+        asyncio.run(both())
+
+
+def test_start_accepts_a_record_left_by_its_own_previous_run() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    _publish(dht, me, instance="crashed", started=time.time() - 100)  # fresh, but not refreshed
+    view = _view(dht, me, registry_seconds=0.05)
+    asyncio.run(view.ensure_identity_free())  # waits a moment, then starts
+    stale = FakeDHT()
+    _publish(stale, me, instance="old", updated=time.time() - LIVE_SECONDS - 1)
+    started = time.monotonic()
+    asyncio.run(_view(stale, me, registry_seconds=5.0).ensure_identity_free())
+    assert time.monotonic() - started < 1.0  # a stale record is not even waited on
+
+
+def test_isolated_node_redials_initial_peers_with_backoff() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    transport = FakeTransport(dht, me.peer_id)
+    view = _view(dht, me, transport=transport, initial_peers=["/ip4/10.0.0.2/tcp/1/p2p/boot"])
+
+    async def refreshes(n: int) -> None:
+        for _ in range(n):
+            await view.refresh(view.record(1, 0))
+
+    asyncio.run(refreshes(3))
+    assert transport.rejoins == [["/ip4/10.0.0.2/tcp/1/p2p/boot"]]  # once, then it waits
+    view._redial.next_at = 0.0  # the backoff has passed
+    transport.rejoin_answers = 0
+    asyncio.run(refreshes(1))
+    assert len(transport.rejoins) == 2 and view._redial.attempts == 2
+    transport.connected = ["somebody"]  # connected again: nothing to do
+    view._redial.next_at = 0.0
+    asyncio.run(refreshes(1))
+    assert len(transport.rejoins) == 2
+
+
+def test_a_node_with_live_peers_or_no_initial_peers_never_redials() -> None:
+    dht, me, peer = FakeDHT(), Identity.generate(), Identity.generate()
+    lonely = FakeTransport(dht, me.peer_id)
+    asyncio.run(_view(dht, me, transport=lonely).refresh(_view(dht, me).record(1, 0)))
+    assert lonely.rejoins == []  # nobody to re-dial
+    _publish(dht, peer)
+    busy = FakeTransport(dht, me.peer_id)
+    view = _view(dht, me, transport=busy, initial_peers=["/ip4/10.0.0.2/tcp/1/p2p/boot"])
+    asyncio.run(view.refresh(view.record(1, 0)))
+    assert busy.rejoins == []
