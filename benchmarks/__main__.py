@@ -3,7 +3,9 @@
 Each benchmark is a module with ``run(quick: bool, out_dir: Path) -> dict`` that
 writes its JSON and PNG files into ``out_dir``; register it in :data:`BENCHMARKS`.
 ``--steps N`` is passed on as ``run(..., steps=N)`` to the benchmarks in
-:data:`TAKES_STEPS` only, which also define ``steps_problem(steps) -> str | None``.
+:data:`TAKES_STEPS` only, which also define ``steps_problem(steps) -> str | None``;
+``--netns`` as ``run(..., netns=True)`` to those in :data:`TAKES_NETNS` only. A run may
+return ``{"skipped": reason}`` instead of its report, having written nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pathlib
 import sys
 import time
 
-__all__ = ["BENCHMARKS", "TAKES_STEPS", "main"]
+__all__ = ["BENCHMARKS", "TAKES_NETNS", "TAKES_STEPS", "main"]
 
 BENCHMARKS: dict[str, str] = {
     "codec": "benchmarks.codec",
@@ -30,6 +32,9 @@ BENCHMARKS: dict[str, str] = {
 
 TAKES_STEPS = frozenset({"convergence"})
 """Benchmarks whose ``run`` takes ``steps`` (training steps per worker)."""
+
+TAKES_NETNS = frozenset({"wan"})
+"""Benchmarks whose ``run`` takes ``netns`` (workers on network namespaces, tbf links)."""
 
 _DEFAULT_OUT = pathlib.Path("benchmarks/results")
 
@@ -95,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"training steps per worker, for {', '.join(sorted(TAKES_STEPS))} only",
     )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="each worker in its own network namespace, links capped by tbf (needs root), "
+        f"for {', '.join(sorted(TAKES_NETNS))} only",
+    )
     args = parser.parse_args(argv)
     if args.name == "all":
         names = list(BENCHMARKS)
@@ -110,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.netns and not set(names) <= TAKES_NETNS:
+        print(
+            f"--netns applies to {', '.join(sorted(TAKES_NETNS))} only, not {args.name}",
+            file=sys.stderr,
+        )
+        return 2
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
         since = time.time() - 1.0  # file mtimes can lag the clock by a tick
@@ -121,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {problem}", file=sys.stderr)
                 return 2
             extra["steps"] = args.steps
+        if args.netns:
+            extra["netns"] = True
         report = module.run(args.quick, args.out, **extra)
+        if report.get("skipped"):
+            print(f"{name}: skipped: {report['skipped']}", file=sys.stderr)
+            continue
         print(_summary(name, report, time.perf_counter() - started))
         for path in _written(args.out, name, since):
             print(f"  wrote {path}")

@@ -70,6 +70,10 @@ class TimedDdp:
         link: an emulated link for the gradient all-reduce (see :func:`ring_allreduce_seconds`),
             or None for plain gloo on loopback.
         evaluate: whether rank 0 reports the final validation bits per byte.
+        delay_s: a one-way delay for a link whose bandwidth is real (gloo's traffic crosses
+            a kernel-shaped link): each all-reduce completes ``2(n-1) * delay_s`` after
+            gloo's (see :func:`_delay_allreduce_hook`). 0: no hook. Not with ``link``.
+        master_addr: the address of rank 0's rendezvous.
     """
 
     overrides: tuple[str, ...]
@@ -77,6 +81,8 @@ class TimedDdp:
     seconds: float
     link: LinkShape | None = None
     evaluate: bool = False
+    delay_s: float = 0.0
+    master_addr: str = "127.0.0.1"
 
 
 def ring_allreduce_seconds(nbytes: int, world: int, link: LinkShape) -> float:
@@ -100,6 +106,20 @@ class _LinkHookState:
         self.free_at = 0.0
         self.lock = threading.Lock()
 
+    def book(self, now: float, seconds: float) -> float:
+        """Occupy the link for ``seconds`` from ``now`` or after earlier bookings; the end."""
+        with self.lock:
+            self.free_at = max(now, self.free_at) + seconds
+            return self.free_at
+
+
+def _hand_over(reduced, result) -> None:
+    """Complete DDP's future ``result`` with gloo's all-reduce ``reduced``, or its failure."""
+    try:
+        result.set_result(reduced.value())
+    except Exception as e:  # hand gloo's failure to DDP instead of losing it in a thread
+        result.set_exception(e)
+
 
 # DDP checks a hook's annotations against the real classes, and this module's annotations
 # are strings (``from __future__ import annotations``): ``bucket`` and the return stay bare.
@@ -115,23 +135,37 @@ def _link_allreduce_hook(state: _LinkHookState, bucket):
 
     buffer = bucket.buffer()
     cost = ring_allreduce_seconds(buffer.numel() * buffer.element_size(), state.world, state.link)
-    with state.lock:
-        state.free_at = max(time.monotonic(), state.free_at) + cost
-        done_at = state.free_at
+    done_at = state.book(time.monotonic(), cost)
     result: torch.futures.Future = torch.futures.Future()
-
-    def complete(reduced: torch.futures.Future) -> None:
-        try:
-            result.set_result(reduced.value())
-        except Exception as e:  # hand gloo's failure to DDP instead of losing it in a thread
-            result.set_exception(e)
 
     def finish(reduced: torch.futures.Future) -> None:
         remaining = done_at - time.monotonic()
         if remaining > 0:
-            threading.Timer(remaining, complete, args=(reduced,)).start()
+            threading.Timer(remaining, _hand_over, args=(reduced, result)).start()
         else:
-            complete(reduced)
+            _hand_over(reduced, result)
+
+    default_hooks.allreduce_hook(None, bucket).add_done_callback(finish)
+    return result
+
+
+def _delay_allreduce_hook(state: _LinkHookState, bucket):
+    """DDP comm hook: gloo's all-reduce, then the ring's ``2(n-1)`` one-way delays.
+
+    For a link whose bandwidth gloo's sockets really cross (tbf in a network namespace),
+    so the bandwidth term is measured and only the delay is modelled (the kernels these
+    run on lack netem): the bucket's future completes ``2(n-1) * delay`` after gloo's,
+    and after the delays of earlier buckets, as successive ring all-reduces' steps would.
+    """
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    latency = ring_allreduce_seconds(0, state.world, state.link)  # 2(n-1) * delay
+    result: torch.futures.Future = torch.futures.Future()
+
+    def finish(reduced: torch.futures.Future) -> None:
+        remaining = state.book(time.monotonic(), latency) - time.monotonic()
+        threading.Timer(max(0.0, remaining), _hand_over, args=(reduced, result)).start()
 
     default_hooks.allreduce_hook(None, bucket).add_done_callback(finish)
     return result
@@ -157,11 +191,14 @@ def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
     cfg = load_config(None, list(plan.overrides))
     world = len(plan.slowdowns)
     slowdown = float(plan.slowdowns[rank])
-    with gloo_group(port, rank, world, timeout_s=60) as dist:
+    with gloo_group(port, rank, world, timeout_s=60, addr=plan.master_addr) as dist:
         model = build_model(cfg.model, seed=cfg.run.seed)
         ddp = DistributedDataParallel(model)
         if plan.link is not None:
             ddp.register_comm_hook(_LinkHookState(plan.link, world), _link_allreduce_hook)
+        elif plan.delay_s > 0:
+            delay = _LinkHookState(LinkShape(plan.delay_s), world)
+            ddp.register_comm_hook(delay, _delay_allreduce_hook)
         optimizer = make_inner_optimizer(model, cfg.train)
         corpus = load_corpus(cfg.data, cfg.model.context)
         stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("ddp", rank))
@@ -243,13 +280,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def gloo_group(port: int, rank: int, world: int, timeout_s: float) -> Iterator[Any]:
-    """``torch.distributed`` with a gloo group on 127.0.0.1:``port``; always destroyed."""
+def gloo_group(
+    port: int, rank: int, world: int, timeout_s: float, addr: str = "127.0.0.1"
+) -> Iterator[Any]:
+    """``torch.distributed`` with a gloo group on ``addr``:``port``; always destroyed.
+
+    On a host with several interfaces gloo binds to the one ``GLOO_SOCKET_IFNAME`` names.
+    """
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{addr}:{port}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),

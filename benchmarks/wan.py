@@ -23,9 +23,17 @@ worker-seconds spent computing), bytes sent per worker (Atoll: what its all-redu
 sent, from the nodes' status; DDP: ``steps * params * 4 * 2(n-1)/n``) and the final
 validation bits per byte (Atoll: of the global parameters; DDP: rank 0's model).
 
-Run it with ``python -m benchmarks wan [--quick]`` (quick: 3 links, 3 rounds of 6 s;
-full: all 6 links, 5 rounds); it writes ``wan.json`` and ``wan.png`` into the output
-folder.
+With ``--netns`` the bandwidth of both methods is measured instead: each worker runs
+on its own host of a network lab (``benchmarks._wan_netns``: namespaces on a bridge,
+each host's link capped both ways by tbf), Atoll's nodes shape only the delay, and gloo's
+real all-reduce crosses the capped links, with a comm hook adding only the ring's
+``2(n-1) * delay``. Each method's record then says where its figures come from
+(``sources``) and adds the bytes each host put on the wire (``eth0`` counters). It needs
+root, iproute2 and nftables, and is skipped with the reason otherwise.
+
+Run it with ``python -m benchmarks wan [--quick] [--netns]`` (quick: 3 links, 3 rounds
+of 6 s; full: all 6 links, 5 rounds); it writes ``wan.json`` and ``wan.png`` into the
+output folder.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import pathlib
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
 from node import swarm
@@ -44,6 +52,9 @@ from node.config import load_config
 from node.metrics import read_events
 from node.swarm import QUICK_WORKLOAD
 from protocol.shaper import ENV_VAR, LinkShape
+
+if TYPE_CHECKING:
+    from tests.netlab import NetLab
 
 __all__ = ["run"]
 
@@ -71,9 +82,16 @@ _WORKLOAD = [
 
 
 def _run_atoll(
-    link: LinkShape, rounds: int, directory: pathlib.Path, timeout: float
+    link: LinkShape,
+    rounds: int,
+    directory: pathlib.Path,
+    timeout: float,
+    lab: NetLab | None = None,
 ) -> dict[str, Any]:
-    """Four shaped nodes to their end (or ``timeout``); times, utilization, bytes, bpb."""
+    """Four shaped nodes to their end (or ``timeout``); times, utilization, bytes, bpb.
+
+    On 127.0.0.1, or one per host of ``lab`` (tbf the bandwidth, the shaper the delay).
+    """
     # Evaluate only at the last round: evaluation is neither compute nor waiting.
     overrides = [*_WORKLOAD, f"run.eval_every={rounds}"]
     spec = swarm.SwarmSpec(
@@ -84,7 +102,13 @@ def _run_atoll(
         rounds=rounds,
         env={ENV_VAR: link.to_env()},
     )
-    nodes, finished = swarm.run_to_end(spec, timeout)
+    if lab is None:
+        nodes, finished = swarm.run_to_end(spec, timeout)
+    else:
+        from benchmarks import _wan_netns
+
+        spec.env = _wan_netns.atoll_env(link)
+        nodes, finished = _wan_netns.run_nodes(lab, spec, timeout)
     summary = swarm.summarize(nodes, load_config(None, overrides))
     busy, idle = summary["busy_seconds"], summary["idle_seconds"]
     intervals, syncs, failed = [], [], 0
@@ -121,10 +145,34 @@ def _run_atoll(
 # ---- DDP --------------------------------------------------------------------------------
 
 
-def _run_ddp(link: LinkShape, seconds: float) -> dict[str, Any]:
-    """Four DDP ranks with the link-emulating comm hook, for ``seconds`` of training."""
-    plan = TimedDdp(tuple(_WORKLOAD), (1.0,) * _WORKERS, seconds, link=link, evaluate=True)
-    result = run_timed_ddp(plan)
+def _run_ddp(
+    link: LinkShape,
+    seconds: float,
+    lab: NetLab | None = None,
+    directory: pathlib.Path | None = None,
+) -> dict[str, Any]:
+    """Four DDP ranks with the link-emulating comm hook, for ``seconds`` of training.
+
+    With ``lab``: one rank per host (logs in ``directory``), gloo's traffic through the
+    tbf-capped links, and a comm hook for the delay only.
+    """
+    if lab is None:
+        plan = TimedDdp(tuple(_WORKLOAD), (1.0,) * _WORKERS, seconds, link=link, evaluate=True)
+        result = run_timed_ddp(plan)
+    else:
+        from benchmarks import _wan_netns
+
+        first = next(iter(lab.hosts.values()))
+        plan = TimedDdp(
+            tuple(_WORKLOAD),
+            (1.0,) * _WORKERS,
+            seconds,
+            evaluate=True,
+            delay_s=link.delay_s,
+            master_addr=first.ip,
+        )
+        assert directory is not None
+        result = _wan_netns.run_ddp(lab, plan, directory, timeout=seconds + 180.0)
     if "error" in result:
         return {"error": result["error"]}
     ranks = result["ranks"]
@@ -135,7 +183,7 @@ def _run_ddp(link: LinkShape, seconds: float) -> dict[str, Any]:
     return {
         "step_seconds": round(statistics.mean(w / s for w, s in zip(walls, steps) if s), 4),
         # The model fits DDP's first 25 MiB bucket: one emulated all-reduce per step.
-        "emulated_allreduce_seconds": round(
+        ("emulated" if lab is None else "ring_model") + "_allreduce_seconds": round(
             ring_allreduce_seconds(params * _FP32_BYTES, _WORKERS, link), 4
         ),
         "utilization": round(sum(busy) / sum(walls), 4) if sum(walls) else None,
@@ -154,6 +202,28 @@ def _mean(values: list[float]) -> float | None:
     return round(statistics.mean(values), 3) if values else None
 
 
+def _run_in_lab(
+    method: str, link: LinkShape, rounds: int, seconds: float, directory: pathlib.Path
+) -> dict[str, Any]:
+    """One method on the four hosts of a fresh lab; every process and namespace ends."""
+    from benchmarks import _wan_netns
+
+    with _wan_netns.open_lab(link, _WORKERS) as lab:
+        if method == "atoll":
+            result = _run_atoll(link, rounds, directory, _atoll_timeout(seconds), lab)
+        else:
+            result = _run_ddp(link, seconds, lab, directory)
+        wire = _wan_netns.wire_bytes(lab)
+    result["wire_bytes_sent_per_worker"] = int(statistics.mean(wire))
+    result["wire_bytes_sent"] = wire
+    result["sources"] = _wan_netns.sources(method, link)
+    return result
+
+
+def _atoll_timeout(seconds: float) -> float:
+    return 150.0 + 2 * seconds
+
+
 # ---- figure -----------------------------------------------------------------------------
 
 
@@ -164,17 +234,28 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     links = report["links"]
+    netns = report.get("mode") == "netns"
     labels = [r["link"].replace(", ", "\n") for r in links]
     xs = list(range(len(links)))
-    fig, (util, times) = plt.subplots(1, 2, figsize=(max(10.0, 2.6 * len(links)), 5.0))
+    width = max(10.0, 2.6 * len(links))
+    if netns:  # a third panel: the bytes each worker sent, counted and on the wire
+        fig, (util, times, sent) = plt.subplots(1, 3, figsize=(1.5 * width, 5.0))
+    else:
+        fig, (util, times) = plt.subplots(1, 2, figsize=(width, 5.0))
+    hatch = "//" if netns else None  # marks figures measured through tbf-capped links
+    names = {
+        "atoll": "Atoll (seconds mode)" + (", tbf link" if netns else ""),
+        "ddp": "DDP (gloo through tbf, delay hook)" if netns else "DDP (emulated link)",
+    }
 
     def values(method: str, key: str) -> list[float]:
         return [r[method].get(key) or 0.0 for r in links]
 
     for offset, method, color in ((-0.2, "atoll", "tab:blue"), (0.2, "ddp", "tab:orange")):
         shares = values(method, "utilization")
-        bars = util.bar([x + offset for x in xs], [100 * v for v in shares], 0.4, color=color)
-        bars.set_label("Atoll (seconds mode)" if method == "atoll" else "DDP (emulated link)")
+        xy = ([x + offset for x in xs], [100 * v for v in shares])
+        bars = util.bar(*xy, 0.4, color=color, hatch=hatch)
+        bars.set_label(names[method])
         for x, v in zip(xs, shares):
             util.annotate(f"{v:.0%}", (x + offset, 100 * v), ha="center", va="bottom", fontsize=8)
     util.set_ylim(0, 110)
@@ -188,20 +269,30 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     )
     for offset, method, key, label, color in series:
         seconds = values(method, key)
-        times.bar([x + offset for x in xs], seconds, 0.27, label=label, color=color)
+        times.bar([x + offset for x in xs], seconds, 0.27, label=label, color=color, hatch=hatch)
         for x, v in zip(xs, seconds):
             times.annotate(f"{v:.2g}", (x + offset, v), ha="center", va="bottom", fontsize=7)
     times.set_yscale("log")
     times.set_ylabel("seconds (log)")
     times.set_title("time per round / sync / step", fontsize=10)
-    for ax in (util, times):
+    axes = [util, times]
+    if netns:
+        from benchmarks import _wan_netns
+
+        _wan_netns.plot_bytes(sent, links, xs)
+        axes.append(sent)
+    for ax in axes:
         ax.set_xticks(xs, labels, fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
         # below the axes: the bars fill the panels from top to bottom
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    where = (
+        "one network namespace each, bandwidth by tbf per host link, delay in-process"
+        if netns
+        else "emulated links (one-way delay, bandwidth per uplink)"
+    )
     fig.suptitle(
-        f"{_WORKERS} workers on emulated links (one-way delay, bandwidth per uplink), "
-        f"{report['seconds_per_method']:g} s of training per method",
+        f"{_WORKERS} workers on {where}, {report['seconds_per_method']:g} s of training per method",
         fontsize=10,
     )
     fig.tight_layout()
@@ -212,19 +303,29 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 # ---- entry point ------------------------------------------------------------------------
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, netns: bool = False) -> dict:
     """Measures Atoll and DDP on each emulated link.
 
     Args:
         quick: 3 links (0 and 70 ms at 100 Mbit/s, 10 ms at 1 Gbit/s) and 3 rounds of
             6 s; otherwise all 6 links and 5 rounds.
         out_dir: folder for ``wan.json`` and ``wan.png``; created if missing.
+        netns: each worker on its own network namespace, the bandwidth by tbf (see the
+            module docstring); without a lab here nothing runs or is written.
 
     Returns:
         The dict written to ``wan.json``: ``links`` (per link: ``link``, ``env`` and, for
         ``atoll`` and ``ddp``, round or step time, utilization, bytes sent per worker,
-        val_bpb_end), ``quick``, ``notes``, ``date`` and ``machine``.
+        val_bpb_end; with ``netns`` also ``sources`` and ``wire_bytes_sent_per_worker``),
+        ``quick``, ``notes``, ``date`` and ``machine``; or, with ``netns`` where no lab
+        can be built, ``{"benchmark": "wan", "skipped": reason}``.
     """
+    if netns:
+        from benchmarks import _wan_netns
+
+        ok, why = _wan_netns.available()
+        if not ok:
+            return {"benchmark": "wan", "skipped": f"--netns needs a network lab: {why}"}
     rounds = 3 if quick else 5
     seconds = rounds * _ROUND_SECONDS
     started = time.monotonic()
@@ -232,12 +333,19 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="atoll-wan-") as tmp:
         for i, link in enumerate(_QUICK_LINKS if quick else _FULL_LINKS):
             record: dict[str, Any] = {"link": link.label, "env": f"{ENV_VAR}={link.to_env()}"}
+            if netns:
+                shaped = _wan_netns.atoll_env(link).get(ENV_VAR)
+                record["env"] = f"{ENV_VAR}={shaped}" if shaped else f"{ENV_VAR} unset"
+                record["tbf_mbit"] = link.bandwidth_bps / 1e6 if link.bandwidth_bps else None
             for method in ("atoll", "ddp"):
                 t0 = time.monotonic()
                 try:
-                    if method == "atoll":
+                    if netns:
+                        directory = pathlib.Path(tmp) / f"link{i}-{method}"
+                        result = _run_in_lab(method, link, rounds, seconds, directory)
+                    elif method == "atoll":
                         directory = pathlib.Path(tmp) / f"link{i}"
-                        result = _run_atoll(link, rounds, directory, 150.0 + 2 * seconds)
+                        result = _run_atoll(link, rounds, directory, _atoll_timeout(seconds))
                     else:
                         result = _run_ddp(link, seconds)
                 except Exception as e:  # one broken run must not cost the others
@@ -245,7 +353,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
                 result["seconds"] = round(time.monotonic() - t0, 1)
                 record[method] = result
             records.append(record)
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "wan",
         "quick": quick,
         "workers": _WORKERS,
@@ -277,6 +385,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
+    if netns:
+        report["mode"] = "netns"
+        report["notes"].update(_wan_netns.NOTES)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
