@@ -22,11 +22,13 @@ import torch
 
 from node.outer import OuterOptimizer
 from protocol.errors import ProtocolError
+from protocol.fragments import FragmentPlan
+from protocol.matchmaking import PeerRecord
 from protocol.messages import Header, open_envelope, seal
 from protocol.transport import Transport
 from verification.identity import Identity
 
-__all__ = ["StateServer", "StateSnapshot", "attested", "fetch_state", "state_digest"]
+__all__ = ["StateServer", "StateSnapshot", "attested", "download", "fetch_state", "state_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,3 +251,49 @@ def _tensor(raw: object, size: int, peer: str) -> torch.Tensor:
     if not torch.isfinite(t).all():
         raise ProtocolError("not_finite", "state holds NaN or inf", peer)
     return t
+
+
+def download(
+    transport: Transport,
+    identity: Identity,
+    run_id: str,
+    sources: list[PeerRecord],
+    plan: FragmentPlan,
+    *,
+    min_round: int,
+    signers: int,
+    timeout: float,
+    max_bytes: int,
+) -> tuple[StateSnapshot, list[str]] | None:
+    """Take the newest state ``sources`` (newest round first) offer, on this thread.
+
+    First the fragments are spread over every peer of the newest round; then each of
+    the first three sources alone, in case one of them serves something else. Every
+    failure is logged.
+
+    Returns:
+        The checked snapshot and the peers it came from, or None.
+    """
+    if not sources:
+        return None
+    sizes = [f.numel for f in plan.fragments]
+    newest = sources[0].round
+    spread = [r.peer for r in sources if r.round == newest][: len(sizes)]
+    for peers in [spread] + [[r.peer] for r in sources[:3]]:
+        fetching = fetch_state(
+            transport,
+            identity,
+            run_id,
+            peers,
+            plan_digest=plan.digest(),
+            sizes=sizes,
+            min_round=min_round,
+            signers=signers,
+            timeout=timeout,
+            max_bytes=max_bytes,
+        )
+        try:
+            return transport.run(fetching, timeout * (len(sizes) + 1) + 5), peers
+        except (ProtocolError, TimeoutError) as exc:
+            logger.warning("catch-up from %s failed: %s", ", ".join(p[:12] for p in peers), exc)
+    return None

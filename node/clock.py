@@ -7,9 +7,11 @@ evenly across the round and the link carries a steady stream. Every node syncs a
 same wall time with whatever it trained since its last sync, weighted by tokens; no
 node waits for another.
 
-How the clock is agreed: the first node of a run stores a signed manifest
-``{t0, round_seconds}`` in the DHT under ``{run_id}:manifest``; every later node reads
-it and uses the same numbers (an existing manifest always wins over local config).
+How the clock is agreed (:func:`agree`): a run spec carries ``t0`` and its clock is the
+run's. Without one, the first node of a run stores a signed manifest
+``{t0, round_seconds, spec}`` in the DHT under ``{run_id}:manifest``; every later node
+with the same shared settings reads it and uses the same numbers (the earliest
+manifest of those settings wins over local config; other settings' are ignored).
 Clocks are assumed synchronised to NTP level (tens of milliseconds): skew shifts
 when a node announces a sync by that much, and the matchmaking window
 (``network.matchmaking_seconds``) absorbs it.
@@ -17,11 +19,24 @@ when a node announces a sync by that much, and the matchmaking window
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
 
-__all__ = ["SecondsClock"]
+from protocol.errors import ProtocolError
+from protocol.messages import Header, open_envelope, seal
+from protocol.transport import Transport
+from verification.identity import Identity
+
+__all__ = ["SecondsClock", "agree"]
+
+logger = logging.getLogger(__name__)
+
+_MANIFEST_BYTES = 4096
+_MANIFEST_SECONDS = 7 * 86400.0
+_POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -67,3 +82,83 @@ class SecondsClock:
     def start_time(round_seconds: float, lead: float = 2.0) -> float:
         """A ``t0`` a little in the future, on a whole second, for a new swarm."""
         return math.ceil(time.time() + lead)
+
+
+def _key(run_id: str) -> str:
+    return f"{run_id}:manifest"
+
+
+async def _read(
+    transport: Transport, run_id: str, spec: str, timeout: float
+) -> tuple[float, float, str] | None:
+    """The earliest valid manifest of ``run_id`` and ``spec``: ``(t0, length, signer)``."""
+    found = await transport.dht_get(_key(run_id), timeout=timeout)
+    clocks = []
+    for signer, value in found.items() if isinstance(found, dict) else []:
+        try:
+            env = open_envelope(
+                value,
+                max_bytes=_MANIFEST_BYTES,
+                expected_sender=signer,
+                run_id=run_id,
+                kinds=("manifest",),
+            )
+            t0, length = env.body.get("t0"), env.body.get("round_seconds")
+            if env.body.get("spec", "") != spec:
+                raise ProtocolError("spec_mismatch", "a manifest of other shared settings")
+            if isinstance(t0, float) and isinstance(length, float) and length > 0:
+                clocks.append((t0, length, signer))
+        except ProtocolError as exc:
+            logger.info("manifest under %s refused: %s", signer[:16], exc)
+    return min(clocks) if clocks else None
+
+
+async def agree(
+    transport: Transport,
+    identity: Identity,
+    run_id: str,
+    spec: str,
+    round_seconds: float,
+    fragments: int,
+    *,
+    spec_t0: float | None = None,
+    wait: float = 0.0,
+    lead: float = 2.0,
+    timeout: float = 10.0,
+) -> SecondsClock:
+    """The run's round clock.
+
+    Args:
+        spec: digest of the run spec (or shared settings) this node runs.
+        spec_t0: the run spec's ``t0``: when given, it is the clock, and the DHT is
+            not consulted.
+        wait: how long to look for another node's manifest before starting a clock
+            (0 for the first node of a swarm).
+        lead: how far ahead of now a new clock starts.
+        timeout: deadline of one DHT operation.
+    """
+    if spec_t0 is not None:
+        logger.info("round clock from the run spec: t0 %.1f", spec_t0)
+        return SecondsClock(spec_t0, round_seconds, fragments)
+    deadline = time.monotonic() + wait
+    while True:
+        found = await _read(transport, run_id, spec, timeout)
+        if found is not None:
+            t0, length, signer = found
+            logger.info("round clock from %s: t0 %.1f, %.1fs rounds", signer[:16], t0, length)
+            return SecondsClock(t0, length, fragments)
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(_POLL_SECONDS)
+    t0 = float(SecondsClock.start_time(round_seconds, lead=lead))
+    body = {"t0": t0, "round_seconds": float(round_seconds), "spec": spec}
+    header = Header("manifest", run_id, 0, 0, 0, identity.peer_id)
+    await transport.dht_store(
+        _key(run_id),
+        identity.peer_id,
+        seal(identity, header, body),
+        _MANIFEST_SECONDS,
+        timeout=timeout,
+    )
+    logger.info("started the round clock: t0 %.1f, %.1fs rounds", t0, round_seconds)
+    return SecondsClock(t0, round_seconds, fragments)

@@ -13,12 +13,17 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
 from verification.policy import TrustPolicy
+
+if TYPE_CHECKING:  # imported where used: protocol.transport loads hivemind
+    from protocol.exchange import ExchangeSettings
+    from protocol.parts import AllReduceSettings
+    from protocol.transport import TransportConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,9 +41,12 @@ __all__ = [
     "RunConfig",
     "SyncConfig",
     "TrainConfig",
+    "allreduce_settings",
+    "exchange_settings",
     "load_config",
     "load_config_data",
     "parse_overrides",
+    "transport_config",
 ]
 
 _STRICT = ConfigDict(extra="forbid")
@@ -348,3 +356,70 @@ def load_config_data(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config error: {item}: {exc}") from None
     return _merge(data, parse_overrides(overrides))
+
+
+# ---- the protocol components' settings, built from a node's config ---------------------
+
+
+def transport_config(
+    cfg: AtollConfig, identity_path: Path, initial_peers: tuple[str, ...]
+) -> TransportConfig:
+    """The transport's settings: where p2pd listens, whom it joins, NAT options."""
+    from protocol.transport import TransportConfig
+
+    net = cfg.network
+    return TransportConfig(
+        host=net.host,
+        port=net.port,
+        initial_peers=initial_peers,
+        identity_path=identity_path,
+        announce_maddrs=net.announce_maddrs,
+        dht_client_mode=net.client_mode,
+        request_timeout=net.request_timeout,
+        max_message_bytes=int(net.max_message_mb * 2**20),
+        reachability=net.reachability,
+        relay=net.relay,
+        auto_relay=net.auto_relay,
+        trusted_relays=net.trusted_relays,
+        nat_port_map=net.nat_port_map,
+        auto_nat=net.auto_nat,
+    )
+
+
+def allreduce_settings(cfg: AtollConfig, fragments: int) -> AllReduceSettings:
+    """The all-reduce's settings for a model of ``fragments`` fragments.
+
+    Fragment ids ``F..2F-1`` carry the global copies that groups mix, in
+    ``sync.mix_codec``; ``0..F-1`` the pseudo-gradients, in ``sync.codec``.
+    """
+    from protocol.parts import AllReduceSettings
+
+    net, sync = cfg.network, cfg.sync
+    return AllReduceSettings(
+        run_id=cfg.run.run_id,
+        codec=sync.codec,
+        block_size=sync.block_size,
+        timeout=net.round_timeout,
+        max_tokens=net.max_tokens_per_round,
+        max_message_bytes=int(net.max_message_mb * 2**20),
+        fragments=2 * fragments,
+        fragment_codecs=(sync.codec,) * fragments + (sync.mix_codec,) * fragments,
+    )
+
+
+def exchange_settings(cfg: AtollConfig, spec: str, fragments: int) -> ExchangeSettings:
+    """How a fragment's exchange forms groups and waits for announcements."""
+    from protocol.exchange import ExchangeSettings
+
+    net = cfg.network
+    return ExchangeSettings(
+        run_id=cfg.run.run_id,
+        spec=spec,
+        fragments=fragments,
+        group_size=net.group_size,
+        layout=cfg.sync.layout,
+        gossip=cfg.sync.averaging == "gossip",
+        matchmaking_seconds=net.matchmaking_seconds,
+        announce_expiration=net.round_timeout * 4,
+        request_timeout=net.request_timeout,
+    )

@@ -29,7 +29,8 @@ from node import catchup
 from node.byzantine import make_behaviour
 from node.checkpoint import load_latest, save_checkpoint
 from node.clock import SecondsClock
-from node.config import AtollConfig
+from node.clock import agree as agree_clock
+from node.config import AtollConfig, allreduce_settings, exchange_settings, transport_config
 from node.controlplane import ControlPlane
 from node.data import BatchStream, load_corpus
 from node.metrics import EventLog, StatusWriter
@@ -43,12 +44,9 @@ from node.trainer import InnerTrainer, evaluate
 from node.verifier import Verifier
 from protocol import codec as codecs
 from protocol.allreduce import AllReduceService
-from protocol.errors import ProtocolError
-from protocol.exchange import ExchangeSettings, FragmentExchange
+from protocol.exchange import FragmentExchange
 from protocol.fragments import plan_fragments
-from protocol.messages import Header, open_envelope, seal
-from protocol.parts import AllReduceSettings
-from protocol.transport import BootstrapUnreachable, Transport, TransportConfig
+from protocol.transport import BootstrapUnreachable, Transport
 from verification.identity import Identity
 
 __all__ = ["Node"]
@@ -195,7 +193,7 @@ class Node:
         deadline = time.monotonic() + net.join_timeout
         while True:
             try:
-                return Transport.start(self._transport_config(key_file))
+                return Transport.start(transport_config(self.cfg, key_file, self.initial_peers))
             except BootstrapUnreachable as exc:
                 if time.monotonic() >= deadline or self.stop_event.is_set():
                     raise BootstrapUnreachable(
@@ -205,25 +203,6 @@ class Node:
                 logger.warning("%s; trying again in 5 s", exc)
                 self.status.update(force=True, state="joining", join_error=str(exc))
                 self.stop_event.wait(5.0)
-
-    def _transport_config(self, key_file: Path) -> TransportConfig:
-        net = self.cfg.network
-        return TransportConfig(
-            host=net.host,
-            port=net.port,
-            initial_peers=self.initial_peers,
-            identity_path=key_file,
-            announce_maddrs=net.announce_maddrs,
-            dht_client_mode=net.client_mode,
-            request_timeout=net.request_timeout,
-            max_message_bytes=int(net.max_message_mb * 2**20),
-            reachability=net.reachability,
-            relay=net.relay,
-            auto_relay=net.auto_relay,
-            trusted_relays=net.trusted_relays,
-            nat_port_map=net.nat_port_map,
-            auto_nat=net.auto_nat,
-        )
 
     def _start_network(self) -> None:
         cfg, net = self.cfg, self.cfg.network
@@ -261,18 +240,7 @@ class Node:
         self.allreduce = AllReduceService(
             self.transport,
             self.identity,
-            AllReduceSettings(
-                run_id=cfg.run.run_id,
-                codec=cfg.sync.codec,
-                block_size=cfg.sync.block_size,
-                timeout=net.round_timeout,
-                max_tokens=net.max_tokens_per_round,
-                max_message_bytes=int(net.max_message_mb * 2**20),
-                # fragment ids F..2F-1 carry global copies when groups mix weights
-                fragments=2 * len(self.plan),
-                fragment_codecs=(cfg.sync.codec,) * len(self.plan)
-                + (cfg.sync.mix_codec,) * len(self.plan),
-            ),
+            allreduce_settings(cfg, len(self.plan)),
             reducer=self.verifier.reduce,
             judge=self.verifier,
             faults=make_behaviour(self.byzantine, seed=cfg.run.seed),
@@ -283,17 +251,7 @@ class Node:
             self.transport,
             self.identity,
             self.allreduce,
-            ExchangeSettings(
-                run_id=cfg.run.run_id,
-                spec=self.spec_digest,
-                fragments=len(self.plan),
-                group_size=net.group_size,
-                layout=cfg.sync.layout,
-                gossip=cfg.sync.averaging == "gossip",
-                matchmaking_seconds=net.matchmaking_seconds,
-                announce_expiration=net.round_timeout * 4,
-                request_timeout=net.request_timeout,
-            ),
+            exchange_settings(cfg, self.spec_digest, len(self.plan)),
             reachable=lambda: self.transport.reachability.reachable,
         )
         self.syncer = Syncer(
@@ -353,120 +311,53 @@ class Node:
         assert self.transport is not None and self.peers is not None
         net = self.cfg.network
         self.transport.run(self.peers.refresh(self._record()), net.request_timeout * 2 + 5)
-        candidates = self.peers.sources(min_round)
-        sizes = [f.numel for f in self.plan.fragments]
-        if not candidates:
+        found = catchup.download(
+            self.transport,
+            self.identity,
+            self.cfg.run.run_id,
+            self.peers.sources(min_round),
+            self.plan,
+            min_round=min_round,
+            signers=max(1, min(self.cfg.trust.state_signers, len(self.peers.live()))),
+            timeout=net.request_timeout,
+            max_bytes=int(net.max_message_mb * 2**20),
+        )
+        if found is None:
             return False
-        newest = candidates[0].round
-        spread = [r.peer for r in candidates if r.round == newest][: len(sizes)]
-        signers = max(1, min(self.cfg.trust.state_signers, len(self.peers.live())))
-        # First spread the download over every peer of the newest round; then one peer at
-        # a time, in case one of them serves something else.
-        attempts = [spread] + [[r.peer] for r in candidates[:3]]
-        for peers in attempts:
-            try:
-                snap = self.transport.run(
-                    catchup.fetch_state(
-                        self.transport,
-                        self.identity,
-                        self.cfg.run.run_id,
-                        peers,
-                        plan_digest=self.plan.digest(),
-                        sizes=sizes,
-                        min_round=min_round,
-                        signers=signers,
-                        timeout=net.request_timeout,
-                        max_bytes=int(net.max_message_mb * 2**20),
-                    ),
-                    net.request_timeout * (len(sizes) + 1) + 5,
-                )
-            except (ProtocolError, TimeoutError) as exc:
-                logger.warning("catch-up from %s failed: %s", ", ".join(p[:12] for p in peers), exc)
-                continue
-            before = [self.outer.global_vector(f) for f in range(len(self.plan))]
-            snap.apply(self.outer)
-            for f in range(len(self.plan)):
-                if rebase:
-                    self.outer.rebase_local(self.model, f, before[f])
-                else:
-                    self.outer.sync_local(self.model, f)
-                    self.feedback[f].reset()
-            self.round = max(self.round, snap.round)
-            # Follow the swarm's place in the inner learning-rate schedule: a newcomer
-            # at its warmup peak would take steps far larger than everyone else's.
-            self.trainer.steps = max(self.trainer.steps, snap.steps)
-            self.events.write("catch_up", round=self.round, sources=peers)
-            return True
-        return False
+        snap, sources = found
+        before = [self.outer.global_vector(f) for f in range(len(self.plan))]
+        snap.apply(self.outer)
+        for f in range(len(self.plan)):
+            if rebase:
+                self.outer.rebase_local(self.model, f, before[f])
+            else:
+                self.outer.sync_local(self.model, f)
+                self.feedback[f].reset()
+        self.round = max(self.round, snap.round)
+        # Follow the swarm's place in the inner learning-rate schedule: a newcomer at
+        # its warmup peak would take steps far larger than everyone else's.
+        self.trainer.steps = max(self.trainer.steps, snap.steps)
+        self.events.write("catch_up", round=self.round, sources=sources)
+        return True
 
     def _agree_clock(self) -> SecondsClock:
-        """The run's round clock: the spec's; else the DHT manifest of this run and
-        spec (the earliest wins), or a new one if this node is first."""
-        cfg = self.cfg
-        fragments = len(self.plan)
-        if self.spec is not None and self.spec.t0 is not None:
-            logger.info("round clock from the run spec: t0 %.1f", self.spec.t0)
-            return SecondsClock(self.spec.t0, cfg.sync.round_seconds, fragments)
-        found = self._read_manifests(
-            deadline=time.monotonic() + (10.0 if self.initial_peers else 0)
-        )
-        if found is not None:
-            t0, length, signer = found
-            logger.info("round clock from %s: t0 %.1f, %.1fs rounds", signer[:16], t0, length)
-            return SecondsClock(t0, length, fragments)
-        return self._start_clock()
-
-    def _read_manifests(self, deadline: float) -> tuple[float, float, str] | None:
-        assert self.transport is not None
-        net, run_id = self.cfg.network, self.cfg.run.run_id
-        while not self.stop_event.is_set():
-            found = self.transport.run(
-                self.transport.dht_get(f"{run_id}:manifest", timeout=net.request_timeout),
-                net.request_timeout + 5,
-            )
-            clocks = []
-            for signer, value in (found or {}).items() if isinstance(found, dict) else []:
-                try:
-                    env = open_envelope(
-                        value,
-                        max_bytes=4096,
-                        expected_sender=signer,
-                        run_id=run_id,
-                        kinds=("manifest",),
-                    )
-                    t0, length = env.body.get("t0"), env.body.get("round_seconds")
-                    if env.body.get("spec", "") != self.spec_digest:
-                        raise ProtocolError("spec_mismatch", "manifest of another spec")
-                    if isinstance(t0, float) and isinstance(length, float) and length > 0:
-                        clocks.append((t0, length, signer))
-                except ProtocolError as exc:
-                    logger.info("manifest under %s refused: %s", signer[:16], exc)
-            if clocks:
-                return min(clocks)  # the earliest clock of the run wins
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.5)
-        return None
-
-    def _start_clock(self) -> SecondsClock:
+        """The run's round clock (:func:`node.clock.agree`)."""
         assert self.transport is not None
         cfg, net = self.cfg, self.cfg.network
-        t0 = float(
-            SecondsClock.start_time(cfg.sync.round_seconds, lead=2 * net.registry_seconds + 1)
+        wait = 10.0 if self.initial_peers else 0.0
+        agreeing = agree_clock(
+            self.transport,
+            self.identity,
+            cfg.run.run_id,
+            self.spec_digest,
+            cfg.sync.round_seconds,
+            len(self.plan),
+            spec_t0=self.spec.t0 if self.spec is not None else None,
+            wait=wait,
+            lead=2 * net.registry_seconds + 1,
+            timeout=net.request_timeout,
         )
-        body = {"t0": t0, "round_seconds": float(cfg.sync.round_seconds), "spec": self.spec_digest}
-        header = Header("manifest", cfg.run.run_id, 0, 0, 0, self.identity.peer_id)
-        self.transport.run(
-            self.transport.dht_store(
-                f"{cfg.run.run_id}:manifest",
-                self.identity.peer_id,
-                seal(self.identity, header, body),
-                7 * 86400.0,
-            ),
-            net.request_timeout + 5,
-        )
-        logger.info("started the round clock: t0 %.1f, %.1fs rounds", t0, cfg.sync.round_seconds)
-        return SecondsClock(t0, cfg.sync.round_seconds, len(self.plan))
+        return self.transport.run(agreeing, wait + 3 * net.request_timeout + 10)
 
     def _wait_for_peers(self) -> None:
         net = self.cfg.network
