@@ -93,9 +93,9 @@ class Reachability:
         return (
             f"NOT reachable: peers see this node{seen} and cannot dial tcp {closed}. "
             f"To serve parts, open or forward tcp {closed} to this machine (and set "
-            "network.announce_maddrs to the public address if it differs), or set "
-            "network.auto_relay = true to be reachable through a relay. Until then it runs "
-            "as a client: it contributes every round but owns no part."
+            "network.announce_maddrs to the public address if it differs), or let the "
+            "router map it (network.nat_port_map = true, UPnP / NAT-PMP). Until then it "
+            "runs as a client: it contributes every round but owns no part."
         )
 
     def to_dict(self) -> dict[str, Any]:
