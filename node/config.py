@@ -180,6 +180,13 @@ class NetworkConfig:
     nat_port_map: bool = False
     auto_nat: bool = True
 
+    def __post_init__(self) -> None:
+        if self.client_mode and self.reachability == "public":
+            raise ValueError(
+                "network.client_mode = true says peers cannot dial this node, but "
+                "network.reachability = 'public' says they can: set one of them"
+            )
+
     @field_validator("initial_peers", "announce_maddrs", "trusted_relays")
     @classmethod
     def _multiaddrs(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
@@ -377,7 +384,8 @@ def transport_config(
         dht_client_mode=net.client_mode,
         request_timeout=net.request_timeout,
         max_message_bytes=int(net.max_message_mb * 2**20),
-        reachability=net.reachability,
+        # a node that says peers cannot dial it is a client for parts as well as the DHT
+        reachability="private" if net.client_mode else net.reachability,
         relay=net.relay,
         auto_relay=net.auto_relay,
         trusted_relays=net.trusted_relays,

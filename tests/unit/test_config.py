@@ -98,3 +98,28 @@ def test_nesterov_without_momentum_is_a_config_error_and_sgd_is_not():
         load_config(None, ["outer.momentum=0"])
     cfg = load_config(None, ["outer.optimizer='sgd'", "outer.momentum=0", "outer.lr=1.0"])
     assert (cfg.outer.optimizer, cfg.outer.momentum, cfg.outer.lr) == ("sgd", 0.0, 1.0)
+
+
+def test_client_mode_makes_a_node_a_client_for_parts_too(tmp_path):
+    from node.config import transport_config
+
+    cfg = load_config(None, ["network.client_mode=true"])
+    assert transport_config(cfg, tmp_path / "k", ()).reachability == "private"
+    assert transport_config(load_config(None, []), tmp_path / "k", ()).reachability == "auto"
+    with pytest.raises(ConfigError, match="client_mode = true says peers cannot dial"):
+        load_config(None, ["network.client_mode=true", "network.reachability='public'"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("initial_peers", '["10.0.0.1:31337"]', "is not a multiaddr"),
+        ("initial_peers", '["/ip4/10.0.0.1/tcp/31337"]', "needs its peer id"),
+        ("trusted_relays", '["/ip4/10.0.0.1/tcp/1"]', "needs its peer id"),
+        ("announce_maddrs", '["203.0.113.5"]', "is not a multiaddr"),
+    ],
+)
+def test_bad_multiaddrs_name_the_key(key, value, message):
+    with pytest.raises(ConfigError, match=f"network.{key}: .*{message}"):
+        load_config(None, [f"network.{key}={value}"])
+    load_config(None, ['network.announce_maddrs=["/ip4/203.0.113.5/tcp/31337"]'])
