@@ -238,6 +238,21 @@ class AtollConfig:
     control: ControlConfig = Field(default_factory=ControlConfig)
     trust: TrustPolicy = Field(default_factory=TrustPolicy)
 
+    def __post_init__(self) -> None:
+        # On the wall clock an exchange must end before its fragment syncs again.
+        if self.sync.trigger == "seconds":
+            waits = self.network.matchmaking_seconds
+            named = f"network.matchmaking_seconds ({waits:g})"
+            if self.control.commit:
+                waits += self.control.commit_seconds
+                named += f" + control.commit_seconds ({self.control.commit_seconds:g})"
+            if waits >= 0.8 * self.sync.round_seconds:
+                raise ValueError(
+                    f"{named} leave no time for the all-reduce in a round of "
+                    f"sync.round_seconds = {self.sync.round_seconds:g}: lengthen the round "
+                    "or shorten the waits (they may take at most 80 % of it)"
+                )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (TOML/JSON friendly)."""
         return dataclasses.asdict(self)

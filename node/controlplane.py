@@ -386,6 +386,10 @@ class ControlPlane(Commitments):
             return "commit_mismatch"
         return None
 
+    def committed(self, peer: str, round_: int, fragment: int) -> bool:
+        with self._lock:
+            return (peer, round_, fragment) in self._commits
+
     def check_result(
         self,
         owner: str,

@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,29 @@ try:
     __version__ = importlib.metadata.version("atoll")
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
+
+
+_BEHIND_ROUNDS = 2
+"""More rounds than this between the clock and this node's last round: it fell behind
+(normally the gap is one round, two while the last fragment's exchange finishes)."""
+
+
+@dataclass
+class _WallRun:
+    """The bookkeeping of the ``seconds`` training loop."""
+
+    tokens_since: list[int]
+    pending: dict[int, Pending] = field(default_factory=dict)
+    done: dict[int, set[int]] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
+    last: tuple[int, int] = (0, 0)
+
+    def skip(self, r: int, f: int, syncer: Syncer) -> None:
+        """Fragment ``f`` of round ``r`` is not exchanged: its work goes into the next
+        sync, and the round is re-synced from the swarm when it ends."""
+        syncer.missed[f] += 1
+        self.done.setdefault(r, set()).add(f)
+        self.failed.add(r)
 
 
 class Node:
@@ -443,7 +467,21 @@ class Node:
         # the round, and whether they are left out is decided by vote (voted_out).
         expected = self.live_peers()
         excludes = self.verifier.excluded(list(expected), r)
-        return self.syncer.launch(r, f, tokens, self.trainer.steps, expected, excludes)
+        budget = self._exchange_budget()
+        return self.syncer.launch(r, f, tokens, self.trainer.steps, expected, excludes, budget)
+
+    def _exchange_budget(self) -> float:
+        """Seconds one exchange may take: matchmaking, the commit phase and the all-reduce
+        (``network.round_timeout``); on the wall clock, never past the fragment's next
+        sync, so a silent or vanished peer cannot make an exchange outlast its round."""
+        cfg = self.cfg
+        budget = cfg.network.matchmaking_seconds + cfg.network.round_timeout
+        if cfg.control.commit:
+            budget += cfg.control.commit_seconds
+        if cfg.sync.trigger == "seconds":
+            length = cfg.sync.round_seconds
+            budget = min(budget, length - max(0.5, 0.05 * length))
+        return budget
 
     def _train_steps(self) -> None:
         """``steps`` mode: H inner steps per round, every node the same count."""
@@ -475,22 +513,52 @@ class Node:
         """``seconds`` mode: syncs on the swarm's wall clock; no node waits for another."""
         cfg, clock = self.cfg, self.clock
         fragments = len(self.plan)
+        run = _WallRun(tokens_since=[0] * fragments)
+        self._place(run)
+        while not self.stop_event.is_set():
+            if cfg.run.max_rounds and self.round >= cfg.run.max_rounds:
+                break
+            self._step(run.tokens_since)
+            if clock.round_at(time.time()) - self.round > _BEHIND_ROUNDS:
+                self._fell_behind(run)  # frozen, suspended or cut off for a while
+            for r, f in clock.due(time.time(), run.last):
+                run.last = (r, f)
+                if r < self.join_round or f in run.pending:
+                    # Joining, or the previous sync of f is still in flight: skip this one;
+                    # the work stays in the local copy and is folded into the next sync.
+                    run.skip(r, f, self.syncer)
+                    continue
+                run.pending[f] = self._launch(r, f, run.tokens_since[f])
+                run.tokens_since[f] = 0
+            for f, p in list(run.pending.items()):
+                if p.future.done() and self.trainer.steps - p.step >= cfg.sync.tau:
+                    del run.pending[f]
+                    if self._apply(p) is None:
+                        run.failed.add(p.round)
+                    run.done.setdefault(p.round, set()).add(f)
+            while run.done.get(self.round + 1, set()) >= set(range(fragments)):
+                r = self.round + 1
+                run.done.pop(r)
+                self._end_round(r, resync=r in run.failed or r < self.join_round)
+        for p in run.pending.values():
+            p.future.cancel()
+
+    def _place(self, run: _WallRun) -> None:
+        """Where this node comes in on the wall clock, from the state round it holds."""
+        clock, fragments = self.clock, len(self.plan)
         in_progress = clock.round_at(time.time())
-        tokens_since = [0] * fragments
-        pending: dict[int, Pending] = {}
-        done: dict[int, set[int]] = {}
-        failed: set[int] = set()
-        last = (self.round, fragments - 1)
+        run.last = (self.round, fragments - 1)
         if self.round < in_progress - 1:
-            # Behind the swarm (joining, or back from a restart): sit out the round in
-            # progress, training all the same, and re-sync from a peer when it ends; the
-            # work done meanwhile is rebased onto the swarm's state and contributed next.
+            # Behind the swarm (joining, back from a restart or a freeze): sit out the
+            # round in progress, training all the same, and re-sync from a peer when it
+            # ends; the work done meanwhile is rebased onto the swarm's state and
+            # contributed from the next round.
             self.join_round = in_progress + 1
             self.events.write(
                 "join", round=in_progress, state_round=self.round, contributes_from=self.join_round
             )
             self.round = in_progress - 1
-            last = (self.round, fragments - 1)
+            run.last = (self.round, fragments - 1)
         elif self.round == in_progress - 1:
             # Current, but the round has begun: contribute from the first fragment whose
             # matchmaking is still ahead; the ones already under way are skipped (their
@@ -501,46 +569,31 @@ class Node:
             first = ahead[0] if ahead else fragments
             if first > 0:
                 for f in range(first):
-                    self.syncer.missed[f] += 1
-                done[in_progress] = set(range(first))
-                failed.add(in_progress)
-                last = (in_progress, first - 1)
+                    run.skip(in_progress, f, self.syncer)
+                run.last = (in_progress, first - 1)
                 self.events.write(
                     "join", round=in_progress, state_round=self.round, from_fragment=first
                 )
-        while not self.stop_event.is_set():
-            if cfg.run.max_rounds and self.round >= cfg.run.max_rounds:
-                break
-            self._step(tokens_since)
-            for r, f in clock.due(time.time(), last):
-                last = (r, f)
-                if r < self.join_round or f in pending:
-                    # Joining, or the previous sync of f is still in flight: skip this one;
-                    # the work stays in the local copy and is folded into the next sync.
-                    self.syncer.missed[f] += 1
-                    done.setdefault(r, set()).add(f)
-                    failed.add(r)
-                    continue
-                pending[f] = self._launch(r, f, tokens_since[f])
-                tokens_since[f] = 0
-            for f, p in list(pending.items()):
-                if p.future.done() and self.trainer.steps - p.step >= cfg.sync.tau:
-                    del pending[f]
-                    if self._apply(p) is None:
-                        failed.add(p.round)
-                    done.setdefault(p.round, set()).add(f)
-            while done.get(self.round + 1, set()) >= set(range(fragments)):
-                r = self.round + 1
-                done.pop(r)
-                self._end_round(r, resync=r in failed or r < self.join_round)
-        for p in pending.values():
+
+    def _fell_behind(self, run: _WallRun) -> None:
+        """Rounds went by without this node (it was frozen, suspended or cut off): drop
+        what is in flight, take the swarm's newest state, keeping the local work, and
+        come in again as a joining node does. Parts it sent late were refused by their
+        owners at no cost to it."""
+        behind = self.clock.round_at(time.time()) - self.round
+        logger.warning("%d rounds behind the swarm's clock: re-joining", behind)
+        self.events.write("behind", round=self.round, rounds=behind)
+        for p in run.pending.values():
             p.future.cancel()
+        run.pending.clear()
+        run.done.clear()
+        run.failed.clear()
+        self._catch_up(min_round=self.round + 1, rebase=True)
+        self._place(run)
 
     def _apply(self, pending: Pending) -> dict[str, Any] | None:
         """Apply a finished sync; None when it failed or averaged alone while peers live."""
-        net = self.cfg.network
-        timeout = net.matchmaking_seconds + net.round_timeout * 3 + 10
-        record = self.syncer.apply(pending, timeout, self.trainer.steps)
+        record = self.syncer.apply(pending, self.trainer.steps)
         if record is None:
             return None
         self.bytes_sent += record["bytes_sent"]

@@ -45,6 +45,8 @@ __all__ = ["Pending", "Syncer", "staleness_weight"]
 
 logger = logging.getLogger(__name__)
 
+_DEADLINE_SLACK_SECONDS = 5.0  # an exchange past its deadline is wound up within this
+
 Submit = Callable[[Coroutine[Any, Any, Exchanged]], concurrent.futures.Future]
 """Runs a coroutine on the transport's loop (:meth:`protocol.transport.Transport.submit`)."""
 
@@ -71,6 +73,8 @@ class Pending:
     future: concurrent.futures.Future
     weights: torch.Tensor
     """The fragment's global copy as sent if the group mixes weights (mix codec applied)."""
+    deadline: float = 0.0
+    """``time.monotonic()`` by which the exchange is over, whatever its peers do."""
 
 
 class Syncer:
@@ -111,12 +115,21 @@ class Syncer:
         """Peers the latest exchanges left out for running another spec, with why."""
 
     def launch(
-        self, r: int, f: int, tokens: int, step: int, expected: set[str], excludes: set[str]
+        self,
+        r: int,
+        f: int,
+        tokens: int,
+        step: int,
+        expected: set[str],
+        excludes: set[str],
+        budget: float,
     ) -> Pending:
         """Start syncing fragment ``f`` for round ``r`` in the background.
 
         Args:
             tokens: tokens trained since the fragment's last sync.
+            budget: seconds the whole exchange may take (it ends then, whatever its
+                peers do).
             step: the inner step count now (when the result may be applied: ``sync.tau``).
             expected: peers believed alive, waited for in matchmaking (suspects
                 included: whether they are left out is decided by vote).
@@ -134,20 +147,23 @@ class Syncer:
         # is taken now, on the training thread, in case it does.
         mix = codecs.encode(self.outer.global_vector(f), sync.mix_codec, block_size=sync.block_size)
         weights = codecs.decode(mix, expected_numel=pg.numel())
+        started = time.monotonic()
+        deadline = started + budget
         future = self.submit(
-            self.exchange.run(r, f, weight, contribution, weights, expected, excludes)
+            self.exchange.run(r, f, weight, contribution, weights, expected, excludes, deadline)
         )
-        return Pending(r, f, weight, step, time.monotonic(), future, weights)
+        return Pending(r, f, weight, step, started, future, weights, deadline)
 
-    def apply(self, pending: Pending, timeout: float, step: int) -> dict[str, Any] | None:
-        """Wait for ``pending`` (up to ``timeout``), apply it; None when the sync failed.
+    def apply(self, pending: Pending, step: int) -> dict[str, Any] | None:
+        """Wait for ``pending`` (until its deadline), apply it; None when the sync failed.
 
         Args:
             step: the inner step count now (for the record's overlap).
         """
         f = pending.fragment
         try:
-            done: Exchanged = pending.future.result(timeout)
+            wait = max(0.0, pending.deadline - time.monotonic()) + _DEADLINE_SLACK_SECONDS
+            done: Exchanged = pending.future.result(wait)
         except Exception as exc:  # any failure of the exchange: nothing to apply
             pending.future.cancel()
             self.missed[f] += 1

@@ -36,9 +36,20 @@ __all__ = ["BENIGN_REASONS", "Verifier"]
 logger = logging.getLogger(__name__)
 
 BENIGN_REASONS = frozenset(
-    {"group_mismatch", "not_in_round", "late", "busy", "timeout", "uncommitted", "late_commit"}
+    {
+        "group_mismatch",
+        "not_in_round",
+        "late",
+        "stale_round",
+        "busy",
+        "timeout",
+        "too_slow",
+        "uncommitted",
+        "late_commit",
+    }
 )
-"""Refusals an honest peer can cause (different views, slowness); never held against it.
+"""Refusals an honest peer can cause (different views, slowness, a node that was frozen
+or cut off and sends what belongs to a round that is over); never held against it.
 
 ``wrong_part`` is not among them: the group is checked first, so a part addressed to
 the wrong owner of the very same group is a replayed or misdirected message."""
@@ -78,6 +89,7 @@ class Verifier(Judge):
         self._lock = threading.RLock()
         self._flagged_at: dict[str, int] = {}
         self._norms: dict[int, deque[float]] = {}
+        self._missed: dict[str, deque[int]] = {}  # rounds with a committed, undelivered part
 
     # ---- who is in -------------------------------------------------------------------
 
@@ -282,6 +294,33 @@ class Verifier(Judge):
             min_cosine=self.policy.min_cosine,
         )
         return None if verdict.ok else verdict.reason
+
+    def on_missing(self, peer: str, round_: int, fragment: int, part: int, committed: bool) -> None:
+        """Record a part that never came; a peer that keeps committing and not
+        delivering (``policy.max_missed`` in ``policy.missed_window`` rounds) has
+        broken promises it signed: one violation."""
+        with self._lock:
+            self.audit.append(
+                round=round_,
+                fragment=fragment,
+                part=part,
+                sender=peer,
+                digest="",
+                tokens=0,
+                verdict="missing",
+                reason="no_delivery" if committed else "absent",
+            )
+            if not committed:
+                return
+            misses = self._missed.setdefault(peer, deque())
+            misses.append(round_)
+            while misses and misses[0] <= round_ - self.policy.missed_window:
+                misses.popleft()
+            repeated = len(misses) >= self.policy.max_missed
+            if repeated:
+                misses.clear()
+        if repeated:
+            self._violation(peer, round_, fragment, "no_delivery", "committed, delivered nothing")
 
     def on_owner_refused(
         self, owner: str, round_: int, fragment: int, part: int, reason: str

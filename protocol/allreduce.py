@@ -10,10 +10,14 @@ full vector from the reduced parts; an owner uses the decoded bytes it sent, so 
 member ends with bitwise identical values. A client only ever calls out: it sends its
 parts and receives the results on the streams it opened.
 
-Nothing waits forever: a member that vanishes costs only its contribution; a part
-whose owner vanished (or answered with something refused) is repaired among the other
-owners (:mod:`protocol.repair`) or falls back to this node's own value, and
-:class:`~protocol.parts.AllReduceResult` says exactly which peers are in which part.
+Nothing outlasts the exchange's deadline (the caller derives it from the round): once
+the commit phase is over, owners wait for parts during the first half of the time
+left, members wait for owners' answers until three quarters of it, and repair gets
+the rest. A member that vanishes, or announces and then sends nothing, costs only its
+contribution; a part whose owner vanished or went silent (or answered with something
+refused) is repaired among the other owners (:mod:`protocol.repair`) or falls back to
+this node's own value, and :class:`~protocol.parts.AllReduceResult` says exactly which
+peers are in which part.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 RPC_NAME = "atoll.part"
 _SESSION_ROUNDS_KEPT = 3
+_PARTS_SHARE = 0.5  # of the time left after the commit phase: owners take parts
+_REPLIES_SHARE = 0.75  # members wait for owners' results; repair gets the rest
+_MIN_CALL_SECONDS = 0.5
 
 _PartResult = tuple[int, torch.Tensor | None, list[str]]
 """``(part index, reduced values or None, who is in them)``."""
@@ -66,6 +73,11 @@ class _Session:
     plan: PartPlan | None = None
     numel: int = 0
     deadline: float = 0.0
+    """Owner side: parts arriving after this (``time.monotonic()``) are late."""
+    replies_by: float = 0.0
+    """Member side: owners' answers are awaited until this."""
+    done_by: float = 0.0
+    """The whole exchange, repair included, ends by this."""
     contributions: dict[str, Contribution] = field(default_factory=dict)
     expected: set[str] = field(default_factory=set)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -164,6 +176,9 @@ class AllReduceService:
     async def _handle(self, peer: str, data: bytes) -> bytes:
         wire = self.wire
         wire.tally(None, received=len(data))
+        if self.faults.silent:
+            await asyncio.sleep(self.settings.timeout * 2)  # never answers in time
+            raise ProtocolError("timeout", "silent", peer)
         lo = max(0, self.current_round - 1)
         try:
             env = open_envelope(
@@ -205,7 +220,7 @@ class AllReduceService:
         known = session.contributions.get(peer)
         if known is not None and known.digest == env.digest:
             # The same signed part again: the sender lost the answer and retried.
-            await asyncio.wait_for(session.reduced.wait(), self.settings.timeout + 5.0)
+            await self._await_reduced(session)
             return session.reply
         if known is not None:
             raise wire.reject(
@@ -227,8 +242,13 @@ class AllReduceService:
         session.contributions[peer] = contribution
         if session.expected <= set(session.contributions):
             session.full.set()
-        await asyncio.wait_for(session.reduced.wait(), self.settings.timeout + 5.0)
+        await self._await_reduced(session)
         return session.reply
+
+    async def _await_reduced(self, session: _Session) -> None:
+        """Wait for this owner's result, no longer than its exchange lasts."""
+        left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
+        await asyncio.wait_for(session.reduced.wait(), left)
 
     async def _reduce_own_part(self, session: _Session, h: Header) -> torch.Tensor:
         """Wait for the group's parts (or the deadline), reduce, sign, publish."""
@@ -242,6 +262,11 @@ class AllReduceService:
                 "round %d fragment %d part %d: deadline passed without %s",
                 *(h.round, h.fragment, h.part, ", ".join(p[:16] for p in missing)),
             )
+            for peer in missing:
+                committed = self.commitments is not None and self.commitments.committed(
+                    peer, h.round, h.fragment
+                )
+                self.wire.judge.on_missing(peer, h.round, h.fragment, h.part, committed)
         contributions = list(session.contributions.values())
         reduction = self.wire.reducer(h.round, h.fragment, h.part, contributions)
         enc = self.wire.encode(self.faults.reduced(reduction.vector), h.fragment)
@@ -271,6 +296,7 @@ class AllReduceService:
         vector: torch.Tensor,
         weight: int,
         owners: Sequence[str] | None = None,
+        deadline: float | None = None,
     ) -> AllReduceResult:
         """All-reduce ``vector`` with ``group`` for ``(round, fragment)``.
 
@@ -280,18 +306,22 @@ class AllReduceService:
             weight: tokens this node processed for it (capped by the owner).
             owners: the members that own a part (default: all of them); a node not
                 among them is a client: it sends every part and owns none.
+            deadline: ``time.monotonic()`` by which the exchange, repair included, is
+                over (default: ``settings.timeout`` from now).
         """
         started = time.monotonic()
+        done_by = deadline if deadline is not None else started + self.settings.timeout
         me = self.identity.peer_id
         plan = PartPlan.of(me, group, owners, vector.numel(), self.settings.block_size)
         vector = self.faults.contribution(round_, fragment, vector)
-        session = self._open(round_, fragment, plan, vector, weight, started)
+        session = self._open(round_, fragment, plan, vector, weight, done_by)
         requests = {
             j: self._request(round_, fragment, plan, j, vector[lo:hi], weight)
             for j, (lo, hi) in enumerate(plan.bounds)
             if j != plan.index
         }
         await self._commit_phase(session, round_, fragment, plan.group, requests)
+        self._schedule(session)
 
         async def part(j: int) -> _PartResult:
             if j == plan.index:
@@ -299,10 +329,15 @@ class AllReduceService:
                 own = await self._reduce_own_part(session, header)
                 return j, own, list(_contributors(session.reply))
             lo, hi = plan.bounds[j]
-            result = await self._send_part(round_, fragment, plan, j, vector, weight, requests[j])
+            if self.faults.silent:
+                return j, None, []
+            result = await self._send_part(
+                round_, fragment, plan, j, vector, weight, requests[j], session.replies_by
+            )
             if result[1] is None and self._repairable(plan):
+                owner = plan.owners[j]
                 fixed = await self.repair.run(
-                    round_, fragment, j, plan.owners, plan.owners[j], vector[lo:hi], weight
+                    round_, fragment, j, plan.owners, owner, vector[lo:hi], weight, session.done_by
                 )
                 if fixed is not None:
                     repaired.append(j)
@@ -326,13 +361,16 @@ class AllReduceService:
         plan: PartPlan,
         vector: torch.Tensor,
         weight: int,
-        started: float,
+        done_by: float,
     ) -> _Session:
-        """This node's session for the exchange, ready for the owners' parts."""
+        """This node's session for the exchange, ready for the owners' parts.
+
+        Until the commit phase closes, the owner side accepts parts until ``done_by``;
+        :meth:`_schedule` then sets the real deadlines."""
         me = self.identity.peer_id
         session = self._session(round_, fragment)
         session.plan = plan
-        session.deadline = started + self.settings.timeout
+        session.deadline = session.replies_by = session.done_by = done_by
         if plan.is_owner:
             start, end = plan.bounds[plan.index]
             session.numel = end - start
@@ -356,6 +394,14 @@ class AllReduceService:
             session.full.set()
         session.ready.set()
         return session
+
+    @staticmethod
+    def _schedule(session: _Session) -> None:
+        """Split the time left after the commit phase: parts, answers, repair."""
+        now = time.monotonic()
+        left = max(0.0, session.done_by - now)
+        session.deadline = now + _PARTS_SHARE * left
+        session.replies_by = now + _REPLIES_SHARE * left
 
     def _assemble(
         self,
@@ -430,20 +476,24 @@ class AllReduceService:
         if session.mismatches >= len(plan.owners) - (1 if plan.is_owner else 0):
             session.full.set()
 
-    async def _call_owner(self, owner: str, request: bytes, at: tuple[int, int], j: int) -> bytes:
-        """Send a part to its owner; retry once with the same bytes if the stream is cut."""
-        timeout = self.settings.timeout * 2 + 5.0
+    async def _call_owner(
+        self, owner: str, request: bytes, at: tuple[int, int], j: int, by: float
+    ) -> bytes:
+        """Send a part to its owner and wait for its answer until ``by``; retry once with
+        the same bytes if the stream is cut and time is left."""
         transport = self.wire.transport
         self.wire.tally(at, sent=len(request))
+        timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
         try:
             return await transport.call(owner, RPC_NAME, request, timeout=timeout)
         except ProtocolError as exc:
-            if exc.reason != "connection_lost":
+            if exc.reason != "connection_lost" or by - time.monotonic() < _MIN_CALL_SECONDS:
                 raise
         # A stream cut before the answer came: the owner keeps the part, and the same
         # signed part again is answered with the same result.
         logger.info("round %d fragment %d part %d: retrying owner %s", *at, j, owner[:16])
         self.wire.tally(at, sent=len(request))
+        timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
         return await transport.call(owner, RPC_NAME, request, timeout=timeout)
 
     async def _send_part(
@@ -455,11 +505,12 @@ class AllReduceService:
         vector: torch.Tensor,
         weight: int,
         request: bytes,
+        by: float,
     ) -> _PartResult:
         owner, (lo, hi) = plan.owners[j], plan.bounds[j]
         at = (round_, fragment)
         try:
-            reply = await self._call_owner(owner, request, at, j)
+            reply = await self._call_owner(owner, request, at, j, by)
             self.wire.tally(at, received=len(reply))
         except ProtocolError as exc:
             logger.warning(

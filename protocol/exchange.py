@@ -17,6 +17,7 @@ optimizer's business (:mod:`node.outer`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -123,8 +124,9 @@ class FragmentExchange:
         weights: torch.Tensor,
         expected: set[str],
         excludes: set[str],
+        deadline: float | None = None,
     ) -> Exchanged:
-        """Exchange ``fragment`` for ``round_``.
+        """Exchange ``fragment`` for ``round_``, all of it over by ``deadline``.
 
         Args:
             weight: this node's token weight for the pseudo-gradient.
@@ -132,6 +134,8 @@ class FragmentExchange:
             weights: this node's global copy as it would send it, if the group mixes.
             expected: peers believed alive; matchmaking waits for their announcements.
             excludes: peers this node votes to leave out.
+            deadline: ``time.monotonic()`` by which the exchange is over, whatever its
+                peers do (default: matchmaking plus the all-reduce's own timeout).
 
         Raises:
             ProtocolError: ``no_owner``: nobody in this node's group can be dialled.
@@ -167,13 +171,13 @@ class FragmentExchange:
         owners = grouping.owners(group, clients)
         if not owners:
             raise ProtocolError("no_owner", "nobody in this node's group can be dialled")
-        run = self.allreduce.run
+        run = functools.partial(self.allreduce.run, owners=owners, deadline=deadline)
         if not s.mixes(len(peers | {me})):
-            result = await run(round_, fragment, group, contribution, weight, owners)
+            result = await run(round_, fragment, group, contribution, weight)
             return Exchanged(group, result, None, refused)
         # Every member's global copy counts the same, whatever its token count.
         result, mixed = await asyncio.gather(
-            run(round_, fragment, group, contribution, weight, owners),
-            run(round_, s.fragments + fragment, group, weights, 1, owners),
+            run(round_, fragment, group, contribution, weight),
+            run(round_, s.fragments + fragment, group, weights, 1),
         )
         return Exchanged(group, result, mixed, refused)

@@ -129,6 +129,10 @@ class Judge:
     def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
         """A message from the authenticated ``peer`` was refused before aggregation."""
 
+    def on_missing(self, peer: str, round_: int, fragment: int, part: int, committed: bool) -> None:
+        """``peer``'s part never reached this owner by its deadline (``committed``: after
+        the peer signed a commitment to send it)."""
+
     def on_owner_refused(
         self, owner: str, round_: int, fragment: int, part: int, reason: str
     ) -> None:
@@ -175,6 +179,11 @@ class Commitments:
         ``time.monotonic()`` when its commit phase closed."""
         return None
 
+    def committed(self, peer: str, round_: int, fragment: int) -> bool:
+        """Whether ``peer`` signed a commitment for ``(round, fragment)``: a member that
+        committed and then delivered nothing broke a promise it signed."""
+        return False
+
     def check_result(
         self,
         owner: str,
@@ -220,6 +229,9 @@ class FaultInjection:
 
     def reduced(self, vector: torch.Tensor) -> torch.Tensor:
         return vector
+
+    silent: bool = False
+    """Announce and commit, then send no part and answer no one (a silent member)."""
 
 
 def part_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:

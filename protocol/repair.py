@@ -113,8 +113,10 @@ class PartRepair:
         owner: str,
         values: torch.Tensor,
         weight: int,
+        deadline: float | None = None,
     ) -> tuple[torch.Tensor, list[str]] | None:
-        """Repair ``part``: exchange contributions with the group minus the owner, reduce.
+        """Repair ``part``: exchange contributions with the group minus the owner, reduce,
+        by ``deadline`` (``time.monotonic()``; default: the settings' timeout from now).
 
         Returns:
             The reduced values and who is in them, or None when no other member joined.
@@ -132,7 +134,8 @@ class PartRepair:
         slot.contributions[me] = svc.decode(own, values.numel(), me)
         slot.ready.set()
         others = [p for p in group if p not in (me, owner)]
-        deadline = time.monotonic() + svc.settings.timeout
+        if deadline is None:
+            deadline = time.monotonic() + svc.settings.timeout
         await asyncio.gather(
             *(
                 self._exchange(p, reply, slot, deadline, values.numel(), (round_, fragment))

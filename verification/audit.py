@@ -44,10 +44,11 @@ logger = logging.getLogger(__name__)
 GENESIS_HASH = "0" * 64
 """The ``prev_hash`` of the first row."""
 
-VERDICTS = frozenset({"accepted", "rejected", "owner_rejected", "own"})
+VERDICTS = frozenset({"accepted", "rejected", "owner_rejected", "own", "missing"})
 """``accepted``: the contribution is in the aggregate; ``rejected``: it was refused;
 ``owner_rejected``: a reduced part this node refused from the part's owner;
-``own``: this node's own contribution."""
+``own``: this node's own contribution; ``missing``: a member's part never arrived
+(reason ``no_delivery`` when the member had signed a commitment to send it)."""
 
 # Verdicts whose contribution ends up in the model, for blame(): this node's own
 # contribution is in the aggregate just as an accepted peer's is.

@@ -72,6 +72,11 @@ class TrustPolicy:
             ``on_violation`` says; 0 never escalates.
         on_proof: what checked proof of misbehaviour costs (equivocation: two signed
             commitments that differ), whether this node saw it or a verdict carried it.
+        max_missed: parts a peer may commit to and not deliver within
+            ``missed_window`` rounds before that counts as one violation
+            (``no_delivery``); fewer cost nothing, since an honest node can be slow
+            or cut off once.
+        missed_window: see ``max_missed``.
     """
 
     allow: tuple[str, ...] = ()
@@ -90,6 +95,8 @@ class TrustPolicy:
     state_signers: int = Field(default=2, ge=1)
     violations_to_ban: int = Field(default=0, ge=0)
     on_proof: Literal["quarantine", "ban"] = "ban"
+    max_missed: int = Field(default=3, ge=1)
+    missed_window: int = Field(default=10, ge=1)
 
     @field_validator("allow", "deny")
     @classmethod

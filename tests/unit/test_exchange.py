@@ -25,7 +25,9 @@ class FakeAllReduce:
         self.current_round = 0
         self.calls: list[dict] = []
 
-    async def run(self, round_, fragment, group, vector, weight, owners=None) -> AllReduceResult:
+    async def run(
+        self, round_, fragment, group, vector, weight, owners=None, deadline=None
+    ) -> AllReduceResult:
         self.calls.append(
             dict(round=round_, fragment=fragment, group=list(group), weight=weight, owners=owners)
         )

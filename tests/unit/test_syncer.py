@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,12 @@ class FakeExchange:
         self.fail: Exception | None = None
         self.refused: dict[str, str] = {}
 
-    async def run(self, r, f, weight, contribution, weights, expected, excludes) -> Exchanged:
-        self.calls.append((r, f, weight, contribution.clone(), weights.clone(), expected, excludes))
+    async def run(
+        self, r, f, weight, contribution, weights, expected, excludes, deadline
+    ) -> Exchanged:
+        self.calls.append(
+            (r, f, weight, contribution.clone(), weights.clone(), expected, excludes, deadline)
+        )
         if self.fail is not None:
             raise self.fail
         group = ["me", "peer"]
@@ -80,11 +85,12 @@ def test_launch_sends_the_pseudo_gradient_and_apply_steps_and_merges(tmp_path: P
     exchange = FakeExchange(averaged=torch.tensor([0.5, 0.5, 0.5, 0.5]))
     syncer, model, outer = _syncer(tmp_path, exchange)
     _train(model, [-1.0, 0.0, 1.0, 0.0])
-    pending = syncer.launch(1, 0, tokens=300, step=7, expected={"peer"}, excludes=set())
-    r, f, weight, contribution, _, expected, _ = exchange.calls[0]
+    pending = syncer.launch(1, 0, tokens=300, step=7, expected={"peer"}, excludes=set(), budget=5.0)
+    r, f, weight, contribution, _, expected, _, deadline = exchange.calls[0]
     assert (r, f, weight, expected) == (1, 0, 300, {"peer"})
+    assert deadline == pending.deadline and 4.0 < deadline - time.monotonic() <= 5.0
     torch.testing.assert_close(contribution, torch.tensor([1.0, 0.0, -1.0, 0.0]))  # global - local
-    record = syncer.apply(pending, timeout=1.0, step=9)
+    record = syncer.apply(pending, step=9)
     # plain averaging (sgd, lr 1): global := global - averaged, and local := global
     expected_global = torch.tensor([0.5, 1.5, 2.5, 3.5])
     torch.testing.assert_close(outer.global_vector(0), expected_global)
@@ -101,13 +107,13 @@ def test_a_failed_sync_applies_nothing_and_discounts_the_next_one(tmp_path: Path
     syncer, model, outer = _syncer(tmp_path, exchange)
     _train(model, [1.0, 1.0, 1.0, 1.0])
     before = outer.global_vector(0)
-    assert syncer.apply(syncer.launch(1, 0, 100, 0, set(), set()), 1.0, 0) is None
+    assert syncer.apply(syncer.launch(1, 0, 100, 0, set(), set(), 5.0), 0) is None
     torch.testing.assert_close(outer.global_vector(0), before)
     torch.testing.assert_close(model.w.detach(), before + 1.0)  # the work stays local
     assert syncer.missed == [1]
     assert read_events(tmp_path / "events.jsonl", "sync_failed")[0]["fragment"] == 0
     exchange.fail = None
-    syncer.launch(2, 0, 100, 0, set(), set())
+    syncer.launch(2, 0, 100, 0, set(), set(), 5.0)
     assert exchange.calls[-1][2] == staleness_weight(100, 1) == 50
 
 
@@ -115,9 +121,9 @@ def test_mixing_groups_adopt_the_mean_copy_then_step(tmp_path: Path) -> None:
     mean_copy = torch.tensor([10.0, 10.0, 10.0, 10.0])
     exchange = FakeExchange(averaged=torch.tensor([1.0, 1.0, 1.0, 1.0]), mixed=mean_copy)
     syncer, model, outer = _syncer(tmp_path, exchange)
-    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set()), 1.0, 0)
+    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set(), 5.0), 0)
     torch.testing.assert_close(outer.global_vector(0), mean_copy - 1.0)
-    _, _, _, _, weights, _, _ = exchange.calls[0]
+    _, _, _, _, weights, _, _, _ = exchange.calls[0]
     torch.testing.assert_close(weights, torch.tensor([1.0, 2.0, 3.0, 4.0]))  # own copy as sent
 
 
@@ -125,7 +131,7 @@ def test_gossip_pulls_towards_the_partner_through_the_gradient(tmp_path: Path) -
     mean_copy = torch.tensor([3.0, 4.0, 5.0, 6.0])  # own copy is 2 below the pair's mean
     exchange = FakeExchange(averaged=torch.zeros(4), mixed=mean_copy)
     syncer, _, outer = _syncer(tmp_path, exchange, averaging="gossip", gossip_gamma=0.5)
-    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set()), 1.0, 0)
+    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set(), 5.0), 0)
     # gradient = averaged + gamma / lr * (own - mean) = 0.5 * -2; sgd lr 1: w - (-1) = w + 1
     torch.testing.assert_close(outer.global_vector(0), torch.tensor([2.0, 3.0, 4.0, 5.0]))
 
@@ -135,7 +141,7 @@ def test_streaming_merge_keeps_alpha_of_the_local_copy(tmp_path: Path, alpha: fl
     exchange = FakeExchange(averaged=torch.zeros(4))
     syncer, model, outer = _syncer(tmp_path, exchange, alpha=alpha)
     _train(model, [4.0, 4.0, 4.0, 4.0])
-    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set()), 1.0, 0)
+    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set(), 5.0), 0)
     g = outer.global_vector(0)
     torch.testing.assert_close(model.w.detach(), alpha * (g + 4.0) + (1 - alpha) * g)
 
@@ -144,5 +150,5 @@ def test_peers_refused_by_an_exchange_are_remembered(tmp_path: Path) -> None:
     exchange = FakeExchange(averaged=torch.zeros(4))
     exchange.refused = {"stranger": "spec_mismatch: ..."}
     syncer, _, _ = _syncer(tmp_path, exchange)
-    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set()), 1.0, 0)
+    syncer.apply(syncer.launch(1, 0, 10, 0, set(), set(), 5.0), 0)
     assert syncer.refused == {"stranger": "spec_mismatch: ..."}

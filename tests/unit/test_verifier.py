@@ -111,3 +111,33 @@ def torch_close(actual, expected: list[float]) -> None:
     import torch
 
     torch.testing.assert_close(actual, torch.tensor(expected))
+
+
+def test_late_parts_of_a_past_round_cost_nothing(verifier: Verifier) -> None:
+    verifier.round = 9
+    for _ in range(5):
+        verifier.on_refusal(PEER, 3, 0, "stale_round")  # a frozen node woke up
+        verifier.on_refusal(PEER, 9, 0, "too_slow")
+    assert verifier.flagged(10) == {}
+    assert verifier.reputation.standing(PEER, 10).violations == 0
+
+
+def test_missed_deliveries_cost_only_when_committed_and_repeated(tmp_path: Path) -> None:
+    v = Verifier(TrustPolicy(max_missed=3, missed_window=5), tmp_path / "atoll.db", ME)
+    try:
+        for r in range(1, 10):  # never committed: absent, never a violation
+            v.on_missing(PEER, r, 0, 0, committed=False)
+        v.on_missing(PEER, 1, 0, 0, committed=True)
+        v.on_missing(PEER, 4, 0, 0, committed=True)
+        v.on_missing(PEER, 7, 0, 0, committed=True)  # three, but round 1 left the window
+        assert v.reputation.standing(PEER, 8).violations == 0
+        v.on_missing(PEER, 8, 0, 0, committed=True)  # 4, 7, 8: three within five rounds
+        standing = v.reputation.standing(PEER, 9)
+        assert standing.violations == 1 and standing.status == "quarantined"
+        reasons = [r.reason for r in v.audit.rows(peer=PEER)]
+        assert reasons.count("absent") == 9 and reasons.count("no_delivery") == 4
+        assert {r.verdict for r in v.audit.rows(peer=PEER)} == {"missing"}
+        ok, _, _ = v.audit.verify()
+        assert ok
+    finally:
+        v.close()
