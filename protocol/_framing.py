@@ -4,7 +4,14 @@ Every call opens its own p2pd stream, so a frame only has to say how long it is.
 A request is ``u64 length | body``; a response is ``u8 status | u64 length | body``,
 where an error body is a msgpack map ``{"reason": str, "detail": str}``. Bodies
 are written in chunks with a drain after each one, so a 256 MiB payload never
-sits in the socket buffer twice, and read into one preallocated buffer.
+sits in the socket buffer twice. A body is read as its bytes arrive, never into a
+buffer sized by the length a peer announced: a stream that announces 256 MiB and sends
+nothing costs nothing.
+
+The callee side bounds what a stream may cost it: a :class:`StreamGate` caps the
+streams served at once, in total and per peer (one over the cap is answered ``busy``
+unread), and a :class:`Pace` drops a stream whose header or body arrives too slowly
+(``too_slow``), so silent streams cannot hold the slots.
 
 Tests and benchmarks can emulate a long link on loopback by setting
 ``ATOLL_LINK_SHAPE`` (see :mod:`protocol.shaper`): each message then waits the one-way
@@ -19,7 +26,9 @@ import contextlib
 import contextvars
 import logging
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
@@ -33,6 +42,8 @@ __all__ = [
     "REMOTE_ADDR",
     "STATUS_ERROR",
     "STATUS_OK",
+    "Pace",
+    "StreamGate",
     "decode_error",
     "encode_error",
     "exchange",
@@ -51,6 +62,7 @@ STATUS_OK = 0
 STATUS_ERROR = 1
 _MAX_ERROR_BYTES = 64 * 1024  # an error report is a short text; a longer one is malformed
 _LINGER_SECONDS = 5.0
+_MERGE_FRACTION = 16  # rate samples closer than window/16 are merged: at most ~2*16 per window
 
 REMOTE_ADDR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "atoll_remote_addr", default=None
@@ -115,22 +127,145 @@ async def read_response_header(reader: asyncio.StreamReader) -> tuple[int, int]:
     return status, length
 
 
-async def read_body(reader: asyncio.StreamReader, length: int) -> bytes:
+@dataclass(frozen=True)
+class Pace:
+    """How slowly a caller may send its request before the stream is dropped as ``too_slow``.
+
+    Attributes:
+        header_timeout: seconds from the stream's opening to its 8-byte request header.
+        min_bytes_per_second: least rate of the request body, averaged over every sliding
+            ``window`` seconds from the body's start; 0 turns the check off.
+        window: seconds the rate is averaged over.
+    """
+
+    header_timeout: float
+    min_bytes_per_second: float
+    window: float
+
+
+class StreamGate:
+    """Counts the streams being served, in total and per peer, against two caps.
+
+    One per serving transport, shared by all its handlers and used on its loop only
+    (no lock needed: every call runs between two awaits).
+    """
+
+    def __init__(self, max_streams: int, max_per_peer: int) -> None:
+        self.max_streams = max_streams
+        self.max_per_peer = max_per_peer
+        self.open = 0
+        self._by_peer: dict[str, int] = {}
+
+    def open_from(self, peer: str) -> int:
+        """Streams from ``peer`` being served now."""
+        return self._by_peer.get(peer, 0)
+
+    def try_enter(self, peer: str) -> bool:
+        """Count one more stream from ``peer``, unless either cap is reached."""
+        held = self._by_peer.get(peer, 0)
+        if self.open >= self.max_streams or held >= self.max_per_peer:
+            return False
+        self.open += 1
+        self._by_peer[peer] = held + 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        """Uncount a stream admitted by :meth:`try_enter`."""
+        self.open -= 1
+        held = self._by_peer.pop(peer) - 1
+        if held:
+            self._by_peer[peer] = held
+
+
+class _Pacer:
+    """Watches one body read against a :class:`Pace`: cancels the reading task once fewer
+    than ``min_bytes_per_second * window`` bytes arrived over the last ``window`` seconds.
+
+    ``samples`` holds ``(time, bytes so far)``; the oldest kept is the first whose count
+    is still within the last window's quota, so the stream is too slow from that
+    sample's time plus the window on, unless more bytes come. One timer, re-armed only
+    when it fires early, keeps the per-chunk cost to a few list operations.
+    """
+
+    def __init__(self, pace: Pace) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._window = pace.window
+        self._need = pace.min_bytes_per_second * pace.window
+        now = self._loop.time()
+        self._samples: deque[tuple[float, int]] = deque([(now, 0)])
+        self._received = 0
+        self.deadline = now + pace.window
+        self.expired = False
+        self._timer = self._loop.call_at(self.deadline, self._check)
+
+    def add(self, nbytes: int) -> None:
+        now = self._loop.time()
+        self._received += nbytes
+        samples = self._samples
+        # merging drops an intermediate sample, which only makes the stream look faster
+        if len(samples) > 1 and now - samples[-2][0] < self._window / _MERGE_FRACTION:
+            samples.pop()
+        samples.append((now, self._received))
+        floor = self._received - self._need
+        while samples[0][1] <= floor:  # the newest sample is above it: never empties
+            samples.popleft()
+        self.deadline = samples[0][0] + self._window
+
+    def _check(self) -> None:
+        if self._loop.time() < self.deadline:
+            self._timer = self._loop.call_at(self.deadline, self._check)
+            return
+        self.expired = True
+        self._task.cancel()
+
+    def owns_cancel(self) -> bool:
+        """After a CancelledError: whether it came from this pacer alone (not a shutdown)."""
+        if not self.expired:
+            return False
+        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+ counts cancel requests
+        return uncancel is None or uncancel() == 0
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
+async def read_body(reader: asyncio.StreamReader, length: int, pace: Pace | None = None) -> bytes:
     """Read exactly ``length`` bytes; the caller has already checked ``length`` against its limit.
+
+    Memory grows with the bytes that arrived, never with the announced ``length``, and
+    never past it: each read asks for at most what is still missing.
 
     Raises:
         asyncio.IncompleteReadError: the stream ended early.
+        ProtocolError: ``too_slow``, when ``pace`` is given and the body falls below it.
     """
-    buffer = bytearray(length)
-    view = memoryview(buffer)
+    pacer = _Pacer(pace) if pace is not None and pace.min_bytes_per_second > 0 else None
+    chunks: list[bytes] = []
     received = 0
-    while received < length:
-        chunk = await reader.read(min(CHUNK_BYTES, length - received))
-        if not chunk:
-            raise asyncio.IncompleteReadError(bytes(view[:received]), length)
-        view[received : received + len(chunk)] = chunk
-        received += len(chunk)
-    return bytes(buffer)
+    try:
+        while received < length:
+            chunk = await reader.read(min(CHUNK_BYTES, length - received))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"".join(chunks), length)
+            chunks.append(chunk)
+            received += len(chunk)
+            if pacer is not None:
+                pacer.add(len(chunk))
+    except asyncio.CancelledError:
+        if pacer is None or not pacer.owns_cancel():
+            raise
+        assert pace is not None
+        detail = (
+            f"{received} of {length} bytes; under {pace.min_bytes_per_second:.0f} B/s "
+            f"over {pace.window:.1f}s"
+        )
+        raise ProtocolError("too_slow", detail) from None
+    finally:
+        if pacer is not None:
+            pacer.close()
+    # one copy, as the preallocated buffer had; a single chunk needs none
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for an empty body
 
 
 def encode_error(reason: str, detail: str) -> bytes:
@@ -196,18 +331,27 @@ async def serve(
     max_request_bytes: int,
     name: str,
     timeout: float,
+    *,
+    gate: StreamGate | None = None,
+    pace: Pace | None = None,
 ) -> None:
     """Callee side: answer one request on ``stream``; never raises.
 
-    The peer passed to ``handler`` is the stream's authenticated PeerID.
+    The peer passed to ``handler`` is the stream's authenticated PeerID. A stream the
+    ``gate`` does not admit is answered ``busy`` at once, unread; one whose request is
+    slower than ``pace`` is answered ``too_slow`` and closed.
     """
     info, reader, writer = stream
     peer = info.peer_id.to_base58()
     REMOTE_ADDR.set(str(info.addr) if info.addr is not None else None)
+    admitted = gate is None or gate.try_enter(peer)
     try:
-        await asyncio.wait_for(
-            _answer(reader, writer, handler, max_request_bytes, name, peer), timeout
-        )
+        if admitted:
+            answer = _answer(reader, writer, handler, max_request_bytes, name, peer, pace)
+            await asyncio.wait_for(answer, timeout)
+        else:
+            assert gate is not None
+            await asyncio.wait_for(_refuse_busy(writer, gate, name, peer), _LINGER_SECONDS)
     except asyncio.TimeoutError:
         logger.warning("rpc %s from %s rejected: timeout after %.1fs", name, peer, timeout)
     except (asyncio.IncompleteReadError, ConnectionError) as e:
@@ -219,7 +363,20 @@ async def serve(
         # letting it propagate makes asyncio's stream callback log a spurious traceback
         logger.debug("rpc %s from %s: cancelled by shutdown", name, peer)
     finally:
+        if admitted and gate is not None:
+            gate.leave(peer)
         writer.close()
+
+
+async def _refuse_busy(
+    writer: asyncio.StreamWriter, gate: StreamGate, name: str, peer: str
+) -> None:
+    detail = (
+        f"{gate.open} streams open ({gate.open_from(peer)} from this peer); "
+        f"limits {gate.max_streams} in total, {gate.max_per_peer} per peer"
+    )
+    logger.info("rpc %s from %s refused: busy: %s", name, peer, detail)
+    await write_response(writer, STATUS_ERROR, encode_error("busy", detail))
 
 
 async def _linger(reader: asyncio.StreamReader) -> None:
@@ -245,16 +402,16 @@ async def _answer(
     max_request_bytes: int,
     name: str,
     peer: str,
+    pace: Pace | None,
 ) -> None:
-    # an oversized request is refused from its header, before its body is read
-    length = await read_request_header(reader)
-    if length > max_request_bytes:
-        detail = f"request of {length} bytes exceeds the {max_request_bytes}-byte limit of {name}"
-        logger.warning("rpc %s from %s rejected: oversized: %s", name, peer, detail)
-        await write_response(writer, STATUS_ERROR, encode_error("oversized", detail))
-        await _linger(reader)
+    try:
+        request = await _read_request(reader, writer, max_request_bytes, name, peer, pace)
+    except ProtocolError as e:  # too slow: the stream's slot goes to someone else
+        logger.warning("rpc %s from %s dropped: %s: %s", name, peer, e.reason, e.detail)
+        await write_response(writer, STATUS_ERROR, encode_error(e.reason, e.detail))
         return
-    request = await read_body(reader, length)
+    if request is None:
+        return
     try:
         response = await handler(peer, request)
         if not isinstance(response, (bytes, bytearray, memoryview)):
@@ -266,3 +423,34 @@ async def _answer(
         await write_response(writer, STATUS_ERROR, encode_error(reason, str(e)))
         return
     await write_response(writer, STATUS_OK, bytes(response))
+
+
+async def _read_request(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    max_request_bytes: int,
+    name: str,
+    peer: str,
+    pace: Pace | None,
+) -> bytes | None:
+    """The request body, or None when it was refused as oversized (and answered so).
+
+    Raises:
+        ProtocolError: ``too_slow``.
+    """
+    if pace is None:
+        length = await read_request_header(reader)
+    else:
+        try:
+            length = await asyncio.wait_for(read_request_header(reader), pace.header_timeout)
+        except asyncio.TimeoutError:
+            detail = f"no request header within {pace.header_timeout:.1f}s"
+            raise ProtocolError("too_slow", detail) from None
+    # an oversized request is refused from its header, before its body is read
+    if length > max_request_bytes:
+        detail = f"request of {length} bytes exceeds the {max_request_bytes}-byte limit of {name}"
+        logger.warning("rpc %s from %s rejected: oversized: %s", name, peer, detail)
+        await write_response(writer, STATUS_ERROR, encode_error("oversized", detail))
+        await _linger(reader)
+        return None
+    return await read_body(reader, length, pace)

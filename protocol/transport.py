@@ -82,6 +82,23 @@ class TransportConfig:
         trusted_relays: relays ``auto_relay`` uses (p2pd's default: the initial peers).
         nat_port_map: ask the home router for a port mapping (UPnP / NAT-PMP).
         auto_nat: run p2pd's AutoNAT service (tells peers whether they are reachable).
+        max_inbound_streams: RPC streams this node serves at once, from everyone; one more
+            is answered ``busy`` without being read. An owner serves about
+            ``2 * fragments * (group_size - 1)`` part streams when every fragment syncs at
+            once (240 for 8 fragments in groups of 16), hence the margin.
+        max_inbound_per_peer: RPC streams served at once from one PeerID. A peer sends
+            about two per fragment in flight (its part and its mixing part) plus repairs,
+            state downloads and probes.
+        inbound_header_timeout: seconds a caller has, from opening a stream, to send its
+            8-byte request header; a silent stream is then dropped as ``too_slow``. A
+            caller writes it at once; the margin covers a header queued behind other
+            streams on a saturated slow link.
+        min_inbound_bytes_per_second: least rate of a request body, over every sliding
+            ``inbound_rate_window``; a slower stream is dropped as ``too_slow``, freeing
+            its slot. The default (16 KiB/s, 128 kbit/s) lets a 1 Mbit/s link carry seven
+            requests at once and still pass. 0 turns the check off.
+        inbound_rate_window: seconds ``min_inbound_bytes_per_second`` is averaged over; a
+            stream that sends nothing is dropped after this long.
     """
 
     host: str = "127.0.0.1"
@@ -99,6 +116,11 @@ class TransportConfig:
     trusted_relays: tuple[str, ...] = ()
     nat_port_map: bool = False
     auto_nat: bool = True
+    max_inbound_streams: int = 256
+    max_inbound_per_peer: int = 32
+    inbound_header_timeout: float = 10.0
+    min_inbound_bytes_per_second: float = 16 * 1024
+    inbound_rate_window: float = 10.0
 
     def __post_init__(self) -> None:
         if self.reachability not in ("auto", "public", "private"):
@@ -111,9 +133,22 @@ class TransportConfig:
             raise ValueError(f"transport.host = {self.host!r}: expected an IP address") from None
         if not 0 <= self.port <= 65535:
             raise ValueError(f"transport.port = {self.port}: expected 0..65535")
-        for key in ("request_timeout", "startup_timeout", "max_message_bytes"):
+        for key in (
+            "request_timeout",
+            "startup_timeout",
+            "max_message_bytes",
+            "max_inbound_streams",
+            "max_inbound_per_peer",
+            "inbound_header_timeout",
+            "inbound_rate_window",
+        ):
             if not getattr(self, key) > 0:
                 raise ValueError(f"transport.{key} = {getattr(self, key)}: expected > 0")
+        if not self.min_inbound_bytes_per_second >= 0:
+            raise ValueError(
+                f"transport.min_inbound_bytes_per_second = {self.min_inbound_bytes_per_second}: "
+                "expected >= 0"
+            )
 
     @property
     def host_maddr(self) -> str:
@@ -391,9 +426,19 @@ class Transport:
         self, name: str, handler: Handler, max_request_bytes: int, timeout: float
     ) -> None:
         protocol = self._protocol(name)
+        cfg = self.config
+        gate = getattr(self, "_inbound_gate", None)
+        if gate is None:  # one count for all of this transport's handlers, kept on its loop
+            gate = _framing.StreamGate(cfg.max_inbound_streams, cfg.max_inbound_per_peer)
+            self._inbound_gate = gate
+        pace = _framing.Pace(
+            cfg.inbound_header_timeout, cfg.min_inbound_bytes_per_second, cfg.inbound_rate_window
+        )
 
         async def serve(*stream: Any) -> None:
-            await _framing.serve(stream, handler, max_request_bytes, name, timeout)
+            await _framing.serve(
+                stream, handler, max_request_bytes, name, timeout, gate=gate, pace=pace
+            )
 
         assert self._p2p is not None, "transport not started"
         await self._p2p.add_binary_stream_handler(protocol, serve)
@@ -425,7 +470,9 @@ class Transport:
 
         Raises:
             ProtocolError: with ``reason`` timeout, unreachable, no_handler, connection_lost,
-                oversized, remote_error or malformed.
+                oversized, remote_error or malformed. A callee at its stream caps answers
+                remote_error with a detail starting ``busy:``; one that found this request
+                too slow, ``too_slow:``.
         """
         protocol = self._protocol(name)
         if len(data) > self.config.max_message_bytes:

@@ -1,0 +1,347 @@
+"""The callee's side of the framing against streams that misbehave, on in-memory streams.
+
+Each stream is an ``asyncio.StreamReader`` the test feeds (as p2pd's socket would) and
+a writer that collects the response; no p2pd is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from protocol import _framing
+from protocol.errors import ProtocolError
+from protocol.transport import TransportConfig
+
+MiB = 1 << 20
+# Test-sized pace: a silent header is dropped after 0.3 s, a body slower than 1000 B/s
+# over any 0.3 s after 0.3 s.
+FAST_PACE = _framing.Pace(header_timeout=0.3, min_bytes_per_second=1000, window=0.3)
+
+
+class _Writer:
+    """Collects what the callee writes back, as an ``asyncio.StreamWriter`` would send it."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        self.data += chunk
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def response(self) -> tuple[int, bytes]:
+        status, length = struct.unpack(">BQ", bytes(self.data[:9]))
+        assert len(self.data) == 9 + length
+        return status, bytes(self.data[9:])
+
+    def error_reason(self) -> str:
+        status, body = self.response()
+        assert status == _framing.STATUS_ERROR
+        return _framing.decode_error(body)[0]
+
+
+def _stream(peer: str) -> tuple[Any, asyncio.StreamReader, _Writer]:
+    info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer), addr=None)
+    return info, asyncio.StreamReader(), _Writer()
+
+
+def _header(length: int) -> bytes:
+    return struct.pack(">Q", length)
+
+
+async def _echo(peer: str, data: bytes) -> bytes:
+    return data
+
+
+def _serve(
+    stream: tuple[Any, asyncio.StreamReader, _Writer],
+    *,
+    limit: int = MiB,
+    timeout: float = 10.0,
+    gate: _framing.StreamGate | None = None,
+    pace: _framing.Pace | None = None,
+    handler: Callable[[str, bytes], Awaitable[bytes]] = _echo,
+) -> asyncio.Task:
+    serving = _framing.serve(stream, handler, limit, "test", timeout, gate=gate, pace=pace)
+    return asyncio.ensure_future(serving)
+
+
+# ---- read_body ---------------------------------------------------------------------------
+
+
+def test_read_body_slow_feed_returns_everything_and_leaves_the_rest() -> None:
+    payload = bytes(range(256)) * 40  # 10 240 bytes in 7-byte drips and a few larger pieces
+
+    async def main() -> tuple[bytes, bytes]:
+        reader = asyncio.StreamReader()
+
+        async def feed() -> None:
+            for offset in range(0, 700, 7):
+                reader.feed_data(payload[offset : offset + 7])
+                await asyncio.sleep(0.001)
+            reader.feed_data(payload[700:] + b"next")
+            reader.feed_eof()
+
+        feeder = asyncio.ensure_future(feed())
+        body = await asyncio.wait_for(_framing.read_body(reader, len(payload)), 5)
+        await feeder
+        return body, await reader.read()
+
+    body, rest = asyncio.run(main())
+    assert body == payload
+    assert isinstance(body, bytes)
+    assert rest == b"next"  # never reads past the announced length
+
+
+def test_read_body_empty_and_single_chunk() -> None:
+    async def main() -> tuple[bytes, bytes]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"abc")
+        reader.feed_eof()
+        return await _framing.read_body(reader, 0), await _framing.read_body(reader, 3)
+
+    assert asyncio.run(main()) == (b"", b"abc")
+
+
+def test_read_body_early_eof() -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"x" * 1000)
+        reader.feed_eof()
+        await _framing.read_body(reader, 5000)
+
+    with pytest.raises(asyncio.IncompleteReadError) as info:
+        asyncio.run(main())
+    assert info.value.partial == b"x" * 1000
+    assert info.value.expected == 5000
+
+
+def test_announced_256_mib_with_nothing_sent_allocates_nothing() -> None:
+    async def main() -> int:
+        reader = asyncio.StreamReader()
+        reader.feed_data(_header(256 * MiB))  # then silence
+        stream = (SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "a"), addr=None),)
+        stream += (reader, _Writer())
+        tracemalloc.start()
+        try:
+            body = asyncio.ensure_future(_framing.read_body(asyncio.StreamReader(), 256 * MiB))
+            served = _serve(stream, limit=256 * MiB)  # no pace: held until the handler timeout
+            await asyncio.sleep(0.3)
+            assert not body.done() and not served.done()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        for task in (body, served):
+            task.cancel()
+        await asyncio.gather(body, served, return_exceptions=True)
+        return peak
+
+    assert asyncio.run(main()) < 2 * MiB
+
+
+# ---- request size ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_request_of_exactly_the_limit_is_served_one_more_byte_is_refused(extra: int) -> None:
+    limit = 100_000
+
+    async def main() -> _Writer:
+        stream = _stream("a")
+        stream[1].feed_data(_header(limit + extra) + b"y" * (limit + extra))
+        stream[1].feed_eof()
+        await asyncio.wait_for(_serve(stream, limit=limit, pace=FAST_PACE), 10)
+        return stream[2]
+
+    writer = asyncio.run(main())
+    if extra:
+        assert writer.error_reason() == "oversized"
+    else:
+        assert writer.response() == (_framing.STATUS_OK, b"y" * limit)
+    assert writer.closed
+
+
+# ---- stream caps -----------------------------------------------------------------------
+
+
+def test_streams_over_the_caps_are_answered_busy_unread() -> None:
+    gate = _framing.StreamGate(max_streams=3, max_per_peer=2)
+
+    async def main() -> dict[str, Any]:
+        silent = [_stream("a"), _stream("a"), _stream("b")]
+        held = [_serve(s, gate=gate) for s in silent]  # headers never come: held open
+        await asyncio.sleep(0.05)
+        assert gate.open == 3 and gate.open_from("a") == 2
+        over_peer, over_total = _stream("a"), _stream("c")
+        for stream in (over_peer, over_total):
+            stream[1].feed_data(_header(10) + b"0123456789")
+            stream[1].feed_eof()
+            await asyncio.wait_for(_serve(stream, gate=gate), 2)
+        unread = [await s[1].read() for s in (over_peer, over_total)]
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        after = gate.open, gate.open_from("a")
+        late = _stream("a")
+        late[1].feed_data(_header(2) + b"ok")
+        late[1].feed_eof()
+        await asyncio.wait_for(_serve(late, gate=gate), 2)
+        return {
+            "over": (over_peer[2], over_total[2]),
+            "unread": unread,
+            "after": after,
+            "late": late[2],
+        }
+
+    out = asyncio.run(main())
+    for writer in out["over"]:
+        assert writer.error_reason() == "busy"
+        assert writer.closed
+    assert out["unread"] == [_header(10) + b"0123456789"] * 2  # not a byte was consumed
+    assert out["after"] == (0, 0)  # every slot is given back, cancelled streams included
+    assert out["late"].response() == (_framing.STATUS_OK, b"ok")
+
+
+def test_gate_counts_streams_that_fail_or_time_out() -> None:
+    gate = _framing.StreamGate(max_streams=4, max_per_peer=4)
+
+    async def boom(peer: str, data: bytes) -> bytes:
+        raise RuntimeError("kaboom")
+
+    async def main() -> None:
+        failing, cut, slow = _stream("a"), _stream("a"), _stream("a")
+        failing[1].feed_data(_header(1) + b"x")
+        cut[1].feed_data(_header(100) + b"x")
+        cut[1].feed_eof()
+        await asyncio.wait_for(
+            asyncio.gather(
+                _serve(failing, gate=gate, handler=boom),
+                _serve(cut, gate=gate),
+                _serve(slow, gate=gate, timeout=0.2),
+            ),
+            5,
+        )
+        assert failing[2].error_reason() == "RuntimeError"
+
+    asyncio.run(main())
+    assert (gate.open, gate.open_from("a")) == (0, 0)
+
+
+# ---- slow streams ----------------------------------------------------------------------
+
+
+def _drop_time(feed: Callable[[asyncio.StreamReader], Awaitable[None]]) -> tuple[_Writer, float]:
+    """Serve one stream fed by ``feed`` under FAST_PACE; its writer and how long it took."""
+
+    async def main() -> tuple[_Writer, float]:
+        stream = _stream("slowpoke")
+        feeder = asyncio.ensure_future(feed(stream[1]))
+        started = time.monotonic()
+        await asyncio.wait_for(_serve(stream, limit=10 * MiB, pace=FAST_PACE), 10)
+        elapsed = time.monotonic() - started
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+        return stream[2], elapsed
+
+    return asyncio.run(main())
+
+
+def test_missing_header_is_too_slow(caplog: pytest.LogCaptureFixture) -> None:
+    async def nothing(reader: asyncio.StreamReader) -> None:
+        await asyncio.sleep(60)
+
+    writer, elapsed = _drop_time(nothing)
+    assert writer.error_reason() == "too_slow"
+    assert writer.closed
+    assert 0.25 < elapsed < 2
+    dropped = [r for r in caplog.records if "too_slow" in r.getMessage()]
+    assert len(dropped) == 1 and "slowpoke" in dropped[0].getMessage()  # one line, with the peer
+
+
+def test_trickling_body_is_too_slow() -> None:
+    async def trickle(reader: asyncio.StreamReader) -> None:
+        reader.feed_data(_header(MiB))
+        for _ in range(400):  # 10 bytes per 20 ms: 500 B/s, half the floor
+            reader.feed_data(b"t" * 10)
+            await asyncio.sleep(0.02)
+
+    writer, elapsed = _drop_time(trickle)
+    assert writer.error_reason() == "too_slow"
+    assert 0.25 < elapsed < 2
+
+
+def test_burst_then_silence_is_judged_on_the_last_window_not_the_average() -> None:
+    async def burst(reader: asyncio.StreamReader) -> None:
+        reader.feed_data(_header(MiB) + b"b" * 200_000)  # 2/3 of the average for 200 s
+        await asyncio.sleep(60)
+
+    writer, elapsed = _drop_time(burst)
+    assert writer.error_reason() == "too_slow"
+    assert 0.25 < elapsed < 2
+
+
+def test_steady_body_above_the_floor_is_served() -> None:
+    size = 3000
+
+    async def steady(reader: asyncio.StreamReader) -> None:
+        reader.feed_data(_header(size))
+        for _ in range(size // 30):  # 30 bytes per 10 ms: 3000 B/s for a second, 3x the floor
+            reader.feed_data(b"s" * 30)
+            await asyncio.sleep(0.01)
+
+    writer, elapsed = _drop_time(steady)
+    assert writer.response() == (_framing.STATUS_OK, b"s" * size)
+    assert elapsed > 0.6  # it did outlast several windows
+
+
+def test_cancellation_by_others_is_not_mistaken_for_slowness() -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        task = asyncio.ensure_future(_framing.read_body(reader, 100, FAST_PACE))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def test_read_body_raises_too_slow_with_detail() -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"z" * 10)
+        await _framing.read_body(reader, 100, FAST_PACE)
+
+    with pytest.raises(ProtocolError) as info:
+        asyncio.run(main())
+    assert info.value.reason == "too_slow"
+    assert "10 of 100 bytes" in info.value.detail
+
+
+# ---- configuration ---------------------------------------------------------------------
+
+
+def test_transport_config_stream_limits() -> None:
+    cfg = TransportConfig()
+    assert cfg.max_inbound_per_peer <= cfg.max_inbound_streams
+    # a 1 Mbit/s link (125 000 B/s) clears the floor with several requests at once
+    assert 125_000 / cfg.min_inbound_bytes_per_second >= 4
+    assert TransportConfig(min_inbound_bytes_per_second=0).min_inbound_bytes_per_second == 0
+    for key in ("max_inbound_streams", "max_inbound_per_peer", "inbound_rate_window"):
+        with pytest.raises(ValueError, match=f"transport.{key} = 0: expected > 0"):
+            TransportConfig(**{key: 0})
+    with pytest.raises(ValueError, match="min_inbound_bytes_per_second = -1"):
+        TransportConfig(min_inbound_bytes_per_second=-1)
