@@ -119,6 +119,7 @@ def save_checkpoint(directory: Path, round: int, state: dict, *, keep: int = 3) 
         prefix=f"{_TMP_PREFIX}{round:08d}-", suffix=_TMP_SUFFIX, dir=directory
     )
     tmp = Path(tmp_name)
+    writer: _HashingWriter | None = None
     try:
         with os.fdopen(fd, "wb") as f:
             # Stream the payload straight to disk, hashing on the way, so a large
@@ -132,9 +133,14 @@ def save_checkpoint(directory: Path, round: int, state: dict, *, keep: int = 3) 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        # torch.save reports a failed write (a full disk) as a RuntimeError of its own;
+        # the caller gets the OSError, naming the checkpoint it could not write.
+        cause = exc if isinstance(exc, OSError) else writer.error if writer else None
+        if cause is not None and cause.errno and (cause is not exc or not cause.filename):
+            raise OSError(cause.errno, cause.strerror, str(final)) from exc
         raise
     _fsync_dir(directory)
     info = CheckpointInfo(path=final, round=round, digest=digest.hex())
@@ -309,10 +315,15 @@ class _HashingWriter:
     def __init__(self, f: io.BufferedIOBase) -> None:
         self._f = f
         self.sha256 = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc  # torch.save replaces it with a RuntimeError
+            raise
 
     def flush(self) -> None:
         self._f.flush()

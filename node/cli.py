@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from node.config import ConfigError, load_config
@@ -14,6 +16,8 @@ from node.config import ConfigError, load_config
 __all__ = ["main"]
 
 from node.byzantine import ALL_MODES as _BYZANTINE_MODES
+
+logger = logging.getLogger(__name__)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -88,10 +92,52 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = apply_spec(spec, load_config_data(args.config, overrides))
     else:
         cfg = load_config(args.config, overrides)
+    initial_peers = _initial_peers(args.initial_peers)
     from node.daemon import Node
 
-    node = Node(cfg, initial_peers=tuple(args.initial_peers), byzantine=args.byzantine, spec=spec)
-    return node.run()
+    node = Node(cfg, initial_peers=initial_peers, byzantine=args.byzantine, spec=spec)
+    try:
+        return node.run()
+    except OSError as exc:
+        raise ValueError(_file_problem(exc, node.data_dir)) from exc
+
+
+def _initial_peers(values: Sequence[str]) -> tuple[str, ...]:
+    """``--initial-peers``, checked by the rules of ``network.initial_peers``."""
+    from pydantic import ValidationError
+
+    from node.config import NetworkConfig
+
+    try:
+        return NetworkConfig(initial_peers=tuple(values)).initial_peers
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"--initial-peers: {reason}") from None
+
+
+def _file_problem(exc: OSError, data_dir: Path | None = None) -> str:
+    """One line for a file operation that failed: what failed, and what to do."""
+    path = Path(exc.filename) if exc.filename else data_dir
+    why = (exc.strerror or str(exc)).lower()
+    inside = data_dir is not None and path is not None and path.is_relative_to(data_dir)
+    place = f"the data directory {data_dir}" if inside else str(path or "a file")
+    choose = "choose another --data-dir" if data_dir is not None else "choose another path"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        writing = f" (writing {path})" if path not in (None, data_dir) else ""
+        return f"no space left on the disk of {place}{writing}; free some space or {choose}"
+    if exc.errno == errno.EROFS:
+        return f"cannot write to {place} ({why}); {choose.replace('another', 'a writable')}"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to use {path or place} ({why}); fix its permissions or {choose}"
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR) and data_dir is not None:
+        # a file where the data directory, or a directory above it, should be
+        for p in (data_dir, *data_dir.parents):
+            if p.exists() and not p.is_dir():
+                where = "is a file" if p == data_dir else f"cannot be made: {p} is a file"
+                return f"the data directory {data_dir} {where}, not a directory; {choose}"
+    if exc.errno == errno.EISDIR:
+        return f"{path} is a directory where a file belongs; move it away or {choose}"
+    return f"{path or 'a file'}: {why}; check the path and its permissions"
 
 
 def _cmd_swarm(args: argparse.Namespace) -> int:
@@ -283,19 +329,40 @@ def _print_network(status: dict[str, Any]) -> None:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from verification.errors import VerificationError
     from verification.identity import Identity
 
-    path = Path(args.out) if args.out else Path(args.data_dir) / "identity.key"
+    path = Path(args.out) if args.out else Path(args.data_dir).expanduser() / "identity.key"
     if path.exists() and not args.force:
-        identity = Identity.load(path)
+        try:
+            identity = Identity.load(path)
+        except (VerificationError, IsADirectoryError) as exc:
+            detail = getattr(exc, "detail", "a directory").removeprefix(f"{path}: ")
+            raise ValueError(
+                f"{path} is not a valid identity key ({detail}); restore it from a backup, "
+                "or pass --force to replace it (the node gets a new PeerID)"
+            ) from exc
         print(f"{path} already exists (use --force to replace); PeerID {identity.peer_id}")
         return 0
+    _private_dir(path.parent)
     identity = Identity.generate()
-    identity.save(path)
+    try:
+        identity.save(path)
+    except OSError as exc:
+        raise ValueError(_file_problem(exc, path.parent)) from exc
     print(f"wrote {path}; PeerID {identity.peer_id}")
     return 0
+
+
+def _private_dir(directory: Path) -> None:
+    """Create ``directory`` and its missing parents with mode 0700 (they hold keys)."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+        d.chmod(0o700)  # a umask narrower than 077 could leave the owner locked out
 
 
 def _cmd_spec_create(args: argparse.Namespace) -> int:
@@ -310,7 +377,7 @@ def _cmd_spec_create(args: argparse.Namespace) -> int:
     key = Path(args.key) if args.key else Path(args.data_dir).expanduser() / "identity.key"
     created = not key.exists()
     try:
-        key.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _private_dir(key.parent)
         identity = Identity.load_or_create(key)
     except (OSError, VerificationError) as exc:
         raise ValueError(f"identity key {key}: {exc}") from None
@@ -509,14 +576,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, ValueError) as exc:
-        print(f"atoll: {exc}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # output piped into head or less, closed early
         return 0
     except KeyboardInterrupt:
         print("atoll: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # The traceback is for -v (debug logging); the operator gets one line.
+        logger.debug("atoll %s failed", args.command, exc_info=True)
+        line = _known_error(exc)
+        if line is None:
+            print(f"atoll: internal error: {exc!r}; run with -v for the traceback", file=sys.stderr)
+            return 1
+        print(f"atoll: {line}", file=sys.stderr)
+        return 2
+
+
+def _known_error(exc: Exception) -> str | None:
+    """The one line for an error a user can act on, or None for an unexpected one."""
+    from node.swarm import NodeFailed
+    from verification.errors import VerificationError
+
+    if isinstance(exc, (ValueError, NodeFailed)):  # ConfigError, DataError, SpecError, ...
+        return str(exc)
+    if isinstance(exc, VerificationError):
+        return f"{exc}; check the file or peer it names"
+    if isinstance(exc, OSError):
+        return _file_problem(exc)
+    if isinstance(exc, RuntimeError) and "protocol.transport" in sys.modules:
+        return _network_problem(exc)  # only commands that start a network side load it
+    return None
+
+
+def _network_problem(exc: RuntimeError) -> str | None:
+    """The network side's start-up errors (:meth:`protocol.transport.Transport.start`)."""
+    import concurrent.futures
+
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from protocol.control import ControlChannelError
+    from protocol.transport import BootstrapUnreachable
+
+    if isinstance(exc, BootstrapUnreachable):
+        return str(exc)
+    if isinstance(exc, ControlChannelError):
+        return f"{exc}; check control.port and network.host, and run with -v for its output"
+    if isinstance(exc.__cause__, (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError)):
+        return (
+            f"the network side did not start ({exc.__cause__}); check network.host and "
+            "network.port, and run with -v for p2pd's output"
+        )
+    return None
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from node import catchup
-from node.byzantine import make_behaviour
+from node.byzantine import make_behaviour, training_data
 from node.checkpoint import load_latest, save_checkpoint
 from node.clock import SecondsClock
 from node.clock import agree as agree_clock
@@ -127,8 +127,12 @@ class Node:
 
         Raises:
             DuplicateIdentityError: another running node uses this node's key.
+            ValueError: a start-up problem the operator can fix (data directory,
+                identity key, corpus, listen port), told in one line with the fix.
+            OSError: a file in the data directory could not be written (a full disk).
         """
         self._install_signals()
+        failed = True
         try:
             self._setup()
             self._wait_for_peers()
@@ -137,9 +141,10 @@ class Node:
             self._train()
             if self.peers is not None and self.peers.conflict:
                 raise DuplicateIdentityError(self.peers.conflict)
+            failed = False
             return 0
         finally:
-            self._teardown()
+            self._teardown(quiet=failed)
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -165,12 +170,28 @@ class Node:
         )
 
     def _open_data_dir(self) -> None:
+        from verification.errors import VerificationError
+
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.run.threads:
             torch.set_num_threads(self.cfg.run.threads)
         self.status = StatusWriter(self.data_dir / "status.json")
         self.events = EventLog(self.data_dir / "events.jsonl")
-        self.identity = Identity.load_or_create(self.data_dir / "identity.key")
+        key_file = self.data_dir / "identity.key"
+        new = "to make a new identity (the node gets a new PeerID)"
+        try:
+            self.identity = Identity.load_or_create(key_file)
+        except VerificationError as exc:
+            detail = exc.detail.removeprefix(f"{key_file}: ")
+            raise ValueError(
+                f"{key_file} is not a valid identity key ({detail}); "
+                f"restore it from a backup or delete it {new}"
+            ) from exc
+        except IsADirectoryError as exc:
+            raise ValueError(
+                f"{key_file} is a directory, not an identity key file; put the key file "
+                f"back from a backup, or remove the directory {new}"
+            ) from exc
         self.status.update(
             force=True,
             state="starting",
@@ -189,9 +210,8 @@ class Node:
         self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
         self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
-        stream = BatchStream(
-            corpus.train, cfg.data.batch_size, cfg.model.context, self.identity.peer_id
-        )
+        train = training_data(self.byzantine, corpus.train, cfg.run.seed)
+        stream = BatchStream(train, cfg.data.batch_size, cfg.model.context, self.identity.peer_id)
         self.trainer = InnerTrainer(self.model, cfg.train, stream, self.device)
         self.val_batches = BatchStream(
             corpus.val, cfg.data.batch_size, cfg.model.context, "validation"
@@ -219,14 +239,28 @@ class Node:
             try:
                 return Transport.start(transport_config(self.cfg, key_file, self.initial_peers))
             except BootstrapUnreachable as exc:
-                if time.monotonic() >= deadline or self.stop_event.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stop_event.is_set():
                     raise BootstrapUnreachable(
-                        f"{exc} (for {net.join_timeout:.0f} s): check the addresses and that "
-                        "those nodes run; the port they listen on must be open to this host"
-                    ) from None
-                logger.warning("%s; trying again in 5 s", exc)
+                        f"{exc} (tried for {net.join_timeout:.0f} s); check the addresses and "
+                        "that those nodes run, with the port they listen on open to this host"
+                    ) from exc
+                logger.warning("%s; trying again in %.0f s", exc, min(5.0, left))
                 self.status.update(force=True, state="joining", join_error=str(exc))
-                self.stop_event.wait(5.0)
+                self.stop_event.wait(min(5.0, left))
+            except RuntimeError as exc:
+                # p2pd's own words (Go's strerror) for the two listen mistakes operators make
+                if "address already in use" in str(exc):
+                    raise ValueError(
+                        f"tcp port {net.port} on {net.host} is in use; stop the other program "
+                        "or choose another network.port"
+                    ) from exc
+                if "cannot assign requested address" in str(exc):
+                    raise ValueError(
+                        f"network.host {net.host} is not an address of this machine; set it to "
+                        "one of its addresses, or 0.0.0.0 to listen on all of them"
+                    ) from exc
+                raise
 
     def _start_network(self) -> None:
         cfg, net = self.cfg, self.cfg.network
@@ -397,22 +431,36 @@ class Node:
                 break
             time.sleep(0.2)
 
-    def _teardown(self) -> None:
-        try:
-            if hasattr(self, "outer") and self.round > 0:
-                self._checkpoint()
-        except Exception:
-            logger.exception("final checkpoint failed")
+    def _teardown(self, quiet: bool = False) -> None:
+        """Stop what was started, in order; never raises, so the error that ended the
+        node (a read-only or full disk, say) is the one reported, not a second one.
+
+        Args:
+            quiet: the node is ending on an error: what fails here too is logged at
+                debug level only.
+        """
+
+        def attempt(what: str, step: Any) -> None:
+            try:
+                step()
+            except Exception as exc:
+                logger.log(logging.DEBUG if quiet else logging.WARNING, "%s failed: %s", what, exc)
+                logger.debug("%s failed", what, exc_info=True)
+
+        if hasattr(self, "outer") and self.round > 0:
+            attempt("final checkpoint", self._checkpoint)
         if self.control is not None:
-            self.control.close()
+            attempt("closing the control channel", self.control.close)
         if self.transport is not None:
-            self.transport.shutdown()
+            attempt("stopping the transport", self.transport.shutdown)
         if hasattr(self, "verifier"):
-            self.verifier.close()
+            attempt("closing the audit log", self.verifier.close)
         if hasattr(self, "status"):
-            self.status.update(force=True, state="stopped", round=self.round)
-            self.events.write("stop", round=self.round)
-            self.events.close()
+            stopped = {"force": True, "state": "stopped", "round": self.round}
+            attempt("writing the final status", lambda: self.status.update(**stopped))
+        if hasattr(self, "events"):
+            attempt("logging the stop", lambda: self.events.write("stop", round=self.round))
+            attempt("closing the event log", self.events.close)
 
     # ---- training -------------------------------------------------------------------------
 

@@ -63,7 +63,15 @@ def _user_files(patterns: tuple[str, ...]) -> list[tuple[str, Path]]:
         matches = sorted(glob.glob(str(expanded), recursive=True))
         files = [Path(m) for m in matches if Path(m).is_file()]
         if not files:
-            raise DataError(f"data.paths: {pattern!r} matches no readable file")
+            if glob.has_magic(str(expanded)):
+                why, fix = "", "check the directory and the pattern"
+            elif expanded.exists():
+                why, fix = " (it is not a regular file)", "name files or a glob of files"
+            else:
+                why, fix = " (it does not exist)", "check the path"
+            if not expanded.is_absolute():
+                fix += f" (a relative path starts from {Path.cwd()})"
+            raise DataError(f"data.paths: {pattern!r} matches no readable file{why}; {fix}")
         for f in files:
             out[f.as_posix()] = f
     return sorted(out.items())
@@ -78,7 +86,10 @@ def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise DataError(f"cannot read corpus file {path}: {exc.strerror}") from None
+        raise DataError(
+            f"cannot read corpus file {path} ({exc.strerror}); fix its permissions or "
+            "leave it out of data.paths"
+        ) from None
 
 
 def load_corpus(cfg: DataConfig, context: int) -> Corpus:
@@ -95,7 +106,7 @@ def load_corpus(cfg: DataConfig, context: int) -> Corpus:
     if cfg.max_files:
         files = files[: cfg.max_files]
     if not files:
-        raise DataError("the corpus is empty: no files found")
+        raise DataError("the corpus is empty: no files found; list text files in data.paths")
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
     for rel, path in files:
@@ -105,14 +116,20 @@ def load_corpus(cfg: DataConfig, context: int) -> Corpus:
         blob = b"".join(train_parts + val_parts)
         cut = int(len(blob) * (1.0 - cfg.val_fraction))
         train_parts, val_parts = [blob[:cut]], [blob[cut:]]
-    train = torch.frombuffer(bytearray(b"".join(train_parts)), dtype=torch.uint8)
-    val = torch.frombuffer(bytearray(b"".join(val_parts)), dtype=torch.uint8)
-    for name, split in (("train", train), ("validation", val)):
-        if split.numel() < context + 2:
+    splits = {"train": b"".join(train_parts), "validation": b"".join(val_parts)}
+    for name, data in splits.items():
+        # A window is context + 1 bytes (inputs and the targets shifted by one).
+        if len(data) < context + 1:
+            where = f"data.paths {list(cfg.paths)}" if cfg.paths else "the standard library"
+            total = sum(len(d) for d in splits.values())
             raise DataError(
-                f"the {name} split has {split.numel()} bytes, fewer than one window of "
-                f"model.context + 1 = {context + 1}; add more text to data.paths"
+                f"too little text for one context window in {where} ({len(files)} files, "
+                f"{total} bytes): the {name} split has {len(data)} bytes, fewer than one "
+                f"window of model.context + 1 = {context + 1}; add more text to data.paths "
+                "or lower model.context"
             )
+    train = torch.frombuffer(bytearray(splits["train"]), dtype=torch.uint8)
+    val = torch.frombuffer(bytearray(splits["validation"]), dtype=torch.uint8)
     return Corpus(train=train, val=val, files=len(files))
 
 

@@ -90,9 +90,11 @@ class StatusWriter:
             # No fsync: this is a live view, rewritten constantly; only the rename
             # must be atomic so a reader never sees a torn file.
             os.replace(tmp_name, self.path)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
+            if isinstance(exc, OSError) and exc.errno and not exc.filename:  # a full disk
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
             raise
 
 
@@ -153,6 +155,7 @@ class EventLog:
         Raises:
             ValueError: a field is named ``t``, or the log is closed.
             TypeError: a value is not JSON-serialisable; nothing is written.
+            OSError: the append failed (a full disk); it names the log file.
         """
         if "t" in fields:
             raise ValueError("event field 't' is reserved for the event time")
@@ -163,9 +166,14 @@ class EventLog:
                 raise ValueError(f"event log {self.path} is closed")
             view = memoryview(data)
             # A raw write may be partial in principle; finish the line regardless.
-            while view:
-                n = self._f.write(view)
-                view = view[n:]
+            try:
+                while view:
+                    n = self._f.write(view)
+                    view = view[n:]
+            except OSError as exc:  # a full disk, say: name the file
+                if not exc.errno or exc.filename:
+                    raise
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         """Close the file; closing twice is harmless."""

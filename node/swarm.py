@@ -28,8 +28,10 @@ from node.metrics import read_events, read_status
 
 __all__ = [
     "QUICK_WORKLOAD",
+    "NodeFailed",
     "SwarmProcess",
     "SwarmSpec",
+    "error_line",
     "run_swarm",
     "run_to_end",
     "summarize",
@@ -49,6 +51,19 @@ QUICK_WORKLOAD = (
 the workload of the integration tests and of the benchmarks' quick modes."""
 
 _START_TIMEOUT = 90.0
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+class NodeFailed(Exception):
+    """A node of the swarm exited with an error; names the node and its own error line."""
+
+    def __init__(self, node: SwarmProcess, reason: str | None = None) -> None:
+        self.index = node.index
+        self.line = reason or error_line(node)
+        super().__init__(
+            f"node {node.index} failed: {self.line} (the others were stopped; "
+            f"log: {node.data_dir / 'node.log'})"
+        )
 
 
 @dataclass
@@ -128,20 +143,35 @@ def start_node(
     return SwarmProcess(index=index, data_dir=data_dir, proc=proc, log=log)
 
 
+def error_line(node: SwarmProcess) -> str:
+    """The node's own one-line error (``atoll: ...`` in its log), else its exit code."""
+    try:
+        with open(node.data_dir / "node.log", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        tail = ""
+    lines = [x for x in tail.splitlines() if x.startswith("atoll: ")]
+    if lines:
+        return lines[-1].removeprefix("atoll: ")
+    return f"exited with code {node.proc.returncode}"
+
+
 def wait_for_maddrs(node: SwarmProcess, timeout: float = _START_TIMEOUT) -> list[str]:
-    """Wait until a node reports its multiaddrs; raise if it dies or takes too long."""
+    """Wait until a node reports its multiaddrs; raise if it dies or takes too long.
+
+    Raises:
+        NodeFailed: the node exited first, or did not come up within ``timeout``.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         maddrs = node.status.get("maddrs")
         if maddrs:
             return list(maddrs)
         if node.proc.poll() is not None:
-            raise RuntimeError(
-                f"node {node.index} exited with code {node.proc.returncode} during start; "
-                f"see {node.data_dir / 'node.log'}"
-            )
+            raise NodeFailed(node)
         time.sleep(0.2)
-    raise RuntimeError(f"node {node.index} did not come up within {timeout:.0f}s")
+    raise NodeFailed(node, f"it did not come up within {timeout:.0f} s")
 
 
 def stop_all(nodes: list[SwarmProcess], grace: float = 30.0) -> None:
@@ -221,12 +251,23 @@ def run_swarm(
     """Launch the swarm, wait until every node exits (or ``max_seconds``), summarise.
 
     Ctrl-C stops every node cleanly; the summary then covers what was done.
+
+    Raises:
+        NodeFailed: a node exited with an error (it did not start, say); the others
+            were stopped.
     """
     nodes = launch(spec)
     started = time.monotonic()
     interrupted = False
+    failed: SwarmProcess | None = None
+    helpers: set[int] = set()
     try:
         while any(n.proc.poll() is None for n in nodes):
+            for n in nodes:
+                helpers.update(n.status.get("helper_pids", []))
+            failed = next((n for n in nodes if n.proc.poll() not in (None, 0)), None)
+            if failed is not None:
+                break
             if on_tick:
                 on_tick(nodes)
             if max_seconds is not None and time.monotonic() - started > max_seconds:
@@ -236,6 +277,9 @@ def run_swarm(
         interrupted = True
     finally:
         stop_all(nodes)
+        _reap(helpers)
+    if failed is not None:
+        raise NodeFailed(failed)
     if on_tick:
         on_tick(nodes)
     summary = summarize(nodes, cfg, sorted(spec.extra_args_byzantine()))

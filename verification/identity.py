@@ -291,7 +291,9 @@ def _decode_varint(data: bytes, pos: int) -> tuple[int, int]:
     value = 0
     for shift in range(0, 64, 7):
         if pos >= len(data):
-            raise VerificationError("bad_key_file", "truncated varint")
+            raise VerificationError(
+                "bad_key_file", "truncated: a varint runs past the end of the file"
+            )
         byte = data[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
@@ -316,10 +318,14 @@ def _parse_key_pb(data: bytes) -> tuple[int, bytes]:
         elif tag == _TAG_DATA:
             length, pos = _decode_varint(data, pos)
             if pos + length > len(data):
-                raise VerificationError("bad_key_file", "Data field runs past the end of the file")
+                raise VerificationError(
+                    "bad_key_file", "truncated: the key data runs past the end of the file"
+                )
             key_data, pos = data[pos : pos + length], pos + length
         else:
-            raise VerificationError("bad_key_file", f"unexpected protobuf tag {tag:#x}")
+            raise VerificationError(
+                "bad_key_file", f"not a libp2p private-key file: unexpected protobuf tag {tag:#x}"
+            )
     if key_type is None or key_data is None:
         raise VerificationError("bad_key_file", "not a libp2p PrivateKey (Type or Data missing)")
     return key_type, key_data
@@ -327,7 +333,7 @@ def _parse_key_pb(data: bytes) -> tuple[int, bytes]:
 
 def _decode_private_key_file(data: bytes) -> Ed25519PrivateKey:
     if not data:
-        raise VerificationError("bad_key_file", "file is empty")
+        raise VerificationError("bad_key_file", "the file is empty")
     if len(data) > _MAX_KEY_FILE_BYTES:
         raise VerificationError("bad_key_file", f"larger than {_MAX_KEY_FILE_BYTES} bytes")
     key_type, key_data = _parse_key_pb(data)
