@@ -21,7 +21,7 @@ from protocol.messages import Header, seal
 from protocol.parts import Commitments, FaultInjection
 from verification.identity import Identity
 
-__all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "make_behaviour"]
+__all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "QUIET_MODES", "make_behaviour", "training_data"]
 
 MODES = (
     "sign_flip",
@@ -42,7 +42,12 @@ COMMIT_MODES = ("equivocate", "skip_commit", "late_commit", "bad_owner")
 """Attacks on the commit phase (they need ``control.commit = true`` to mean anything);
 ``bad_owner`` names, in its signed results, inputs other than the ones committed."""
 
-ALL_MODES = MODES + COMMIT_MODES
+QUIET_MODES = ("silent", "random_data")
+"""Faults that break no rule a receiver can check: ``silent`` announces and commits,
+then sends no part and answers nothing; ``random_data`` trains honestly on random
+bytes (a broken or poisoned data pipeline)."""
+
+ALL_MODES = MODES + COMMIT_MODES + QUIET_MODES
 
 _LATE_COMMIT_SECONDS = 4.0  # past the tests' commit phase (2 s), within their deadline (8 s)
 _SCALE = 50.0
@@ -159,6 +164,20 @@ def _nan_wire(encoded: codecs.Encoded) -> dict:
     ).to_wire()
 
 
+class _Silent(FaultInjection):
+    """Takes part in matchmaking and the commit phase, then goes quiet."""
+
+    silent = True
+
+
+def training_data(mode: str | None, data: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The bytes a node trains on: ``data``, or as many random bytes for ``random_data``."""
+    if mode != "random_data":
+        return data
+    generator = torch.Generator().manual_seed(seed + 7919)
+    return torch.randint(0, 256, data.shape, dtype=torch.uint8, generator=generator)
+
+
 def make_behaviour(mode: str | None, seed: int = 0) -> FaultInjection:
     """The behaviour for ``mode`` (None or ``"honest"`` is honest).
 
@@ -177,4 +196,8 @@ def make_behaviour(mode: str | None, seed: int = 0) -> FaultInjection:
         return _BadOwner()
     if mode in COMMIT_MODES:
         return _CommitAttack(mode)
+    if mode == "silent":
+        return _Silent()
+    if mode == "random_data":
+        return FaultInjection()  # its all-reduce is honest; its data is not (training_data)
     raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(ALL_MODES)}")

@@ -332,7 +332,7 @@ class ControlPlane(Commitments):
         self, round_: int, fragment: int, group: Sequence[str], digests: dict[int, bytes]
     ) -> None:
         await self.publish_commit(round_, fragment, digests)
-        others = [p for p in group if p != self.me and not self.verifier.refusal(p, round_)]
+        others = [p for p in group if p != self.me and not self.verifier.blocks(p, round_)]
         deadline = time.monotonic() + self.cfg.commit_seconds
         while time.monotonic() < deadline:
             with self._lock:

@@ -85,6 +85,10 @@ class OuterOptimizer:
         ]
         self.optimizers = [make_outer_optimizer([g], cfg) for g in self.globals]
 
+    def local_vector(self, model: nn.Module, fragment: int) -> torch.Tensor:
+        """A copy of the fragment's local values, flat."""
+        return self.plan.flatten(dict(model.named_parameters()), fragment).detach().clone()
+
     def pseudo_gradient(self, model: nn.Module, fragment: int) -> torch.Tensor:
         """``global - local`` for one fragment, as a flat float32 vector."""
         local = self.plan.flatten(dict(model.named_parameters()), fragment)
@@ -134,17 +138,32 @@ class OuterOptimizer:
         """Reset the local copy of a fragment to its global value."""
         self.plan.write(dict(model.named_parameters()), fragment, self.globals[fragment].detach())
 
-    def merge_local(self, model: nn.Module, fragment: int, alpha: float) -> None:
-        """Merge the global value into the local copy as in Streaming DiLoCo (Douillard
-        et al., 2025): ``local = alpha * local + (1 - alpha) * global``; ``alpha = 0``
-        is plain DiLoCo (local := global)."""
-        if alpha == 0.0:
-            self.sync_local(model, fragment)
-            return
+    def merge_local(
+        self,
+        model: nn.Module,
+        fragment: int,
+        alpha: float,
+        sent_from: torch.Tensor | None = None,
+    ) -> None:
+        """Merge the new global value into the local copy.
+
+        ``local = alpha * local + (1 - alpha) * (global + overlap)``, as in Streaming
+        DiLoCo (Douillard et al., 2025) with ``overlap`` the inner steps taken since the
+        sync was launched (``local - sent_from``, ``sent_from`` being the local copy the
+        pseudo-gradient was computed from): that work is not in the global value yet,
+        so it is kept and goes into the next sync instead of being thrown away while a
+        slow exchange runs. Without overlap (``sent_from`` None, or no step since) and
+        ``alpha = 0`` this is plain DiLoCo: local := global.
+        """
         params = dict(model.named_parameters())
-        local = self.plan.flatten(params, fragment)
-        merged = alpha * local + (1.0 - alpha) * self.globals[fragment].detach()
-        self.plan.write(params, fragment, merged)
+        target = self.globals[fragment].detach()
+        if sent_from is not None or alpha != 0.0:
+            local = self.plan.flatten(params, fragment)
+            if sent_from is not None:
+                target = target + (local - sent_from.to(local.device))
+            if alpha != 0.0:
+                target = alpha * local + (1.0 - alpha) * target
+        self.plan.write(params, fragment, target)
 
     def rebase_local(self, model: nn.Module, fragment: int, before: torch.Tensor) -> None:
         """Move the local copy by as much as the global copy moved since ``before``,

@@ -5,7 +5,8 @@ pseudo-gradient (global - local), encodes it with error feedback and hands the
 exchange (:class:`~protocol.exchange.FragmentExchange`: matchmaking, groups,
 all-reduce) to the transport's loop, returning at once. :meth:`Syncer.apply` runs
 later on the training thread: the outer optimizer steps the fragment's global copy
-and merges it into the local copy (:meth:`~node.outer.OuterOptimizer.merge_local`).
+and merges it into the local copy (:meth:`~node.outer.OuterOptimizer.merge_local`),
+keeping the inner steps taken while the exchange ran for the next sync.
 
 A sync that fails (no group, deadline, transport error) applies nothing; the node's
 global copy of that fragment then lags the swarm's, so the round is marked for a
@@ -75,6 +76,9 @@ class Pending:
     """The fragment's global copy as sent if the group mixes weights (mix codec applied)."""
     deadline: float = 0.0
     """``time.monotonic()`` by which the exchange is over, whatever its peers do."""
+    sent_from: torch.Tensor | None = None
+    """The fragment's local copy the pseudo-gradient was taken from (see
+    :meth:`~node.outer.OuterOptimizer.merge_local`)."""
 
 
 class Syncer:
@@ -136,6 +140,7 @@ class Syncer:
             excludes: peers this node votes to leave out of the round.
         """
         sync = self.cfg.sync
+        sent_from = self.outer.local_vector(self.model, f)
         pg = self.outer.pseudo_gradient(self.model, f)
         if sync.error_feedback:
             enc = self.feedback[f].encode(pg)
@@ -152,7 +157,7 @@ class Syncer:
         future = self.submit(
             self.exchange.run(r, f, weight, contribution, weights, expected, excludes, deadline)
         )
-        return Pending(r, f, weight, step, started, future, weights, deadline)
+        return Pending(r, f, weight, step, started, future, weights, deadline, sent_from)
 
     def apply(self, pending: Pending, step: int) -> dict[str, Any] | None:
         """Wait for ``pending`` (until its deadline), apply it; None when the sync failed.
@@ -179,7 +184,7 @@ class Syncer:
             sync = self.cfg.sync
             pull = sync.gossip_gamma / self.cfg.outer.lr if sync.averaging == "gossip" else None
             self.outer.step_mixed(f, averaged, pending.weights, mixed.vector.to(self.device), pull)
-        self.outer.merge_local(self.model, f, self.cfg.sync.alpha)
+        self.outer.merge_local(self.model, f, self.cfg.sync.alpha, pending.sent_from)
         self.missed[f] = 0
         record = {
             "round": pending.round,

@@ -59,6 +59,7 @@ _NORM_HISTORY = 32  # accepted norms remembered per fragment
 _MAX_PAIR_SPREAD = 4.0  # a partner's token claim widens its norm bound at most this much
 
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
+_HEURISTIC_REASONS = frozenset({"norm", "direction"})
 
 
 class Verifier(Judge):
@@ -89,6 +90,7 @@ class Verifier(Judge):
         self._lock = threading.RLock()
         self._flagged_at: dict[str, int] = {}
         self._norms: dict[int, deque[float]] = {}
+        self._results: dict[int, deque[float]] = {}  # RMS of accepted owners' results
         self._missed: dict[str, deque[int]] = {}  # rounds with a committed, undelivered part
 
     # ---- who is in -------------------------------------------------------------------
@@ -113,6 +115,28 @@ class Verifier(Judge):
             return standing.status
         if standing.score < self.policy.min_reputation:
             return "low_reputation"
+        return None
+
+    def blocks(self, peer: str, round_: int) -> str | None:
+        """Why this node does not deal with ``peer`` at all: the operator's lists, or a
+        ban (proof of misbehaviour, or violations past ``violations_to_ban``).
+
+        A quarantined peer is not blocked: as an owner this node leaves its parts out
+        (:meth:`refusal`) but still answers it, and as a member it still takes its
+        results, because the other honest members of the part do too until a majority
+        votes it out of the groups (:meth:`excluded`); refusing them alone would make
+        this node's values differ from theirs.
+        """
+        if peer == self.me:
+            return None
+        ok, why = self.policy.admits(peer)
+        if not ok:
+            return why
+        with self._lock:
+            standing = self.reputation.standing(peer, round_)
+            flagged_now = self._flagged_at.get(peer, -1) >= round_
+        if standing.status == "banned" and not flagged_now:
+            return "banned"
         return None
 
     def excluded(self, peers: Sequence[str], round_: int) -> set[str]:
@@ -155,13 +179,23 @@ class Verifier(Judge):
     # ---- the owner's reduction ---------------------------------------------------------
 
     def reduce(
-        self, round_: int, fragment: int, part: int, contributions: Sequence[Contribution]
+        self,
+        round_: int,
+        fragment: int,
+        part: int,
+        contributions: Sequence[Contribution],
+        shared: bool = False,
     ) -> Reduction:
-        """Screen, cap weights, aggregate robustly; audit every contribution."""
+        """Screen, cap weights, aggregate robustly; audit every contribution.
+
+        With ``shared`` (a repair, reduced by every member on its own) only what the
+        inputs themselves show decides: no standing, no history, so every honest member
+        computes the same values.
+        """
         rejected: dict[str, str] = {}
         admitted = []
         for c in contributions:
-            why = self.refusal(c.peer, round_)
+            why = self.blocks(c.peer, round_) if shared else self.refusal(c.peer, round_)
             if why:
                 rejected[c.peer] = why
             else:
@@ -170,15 +204,27 @@ class Verifier(Judge):
         verdicts = screen(
             [Candidate(c.peer, c.vector, c.tokens, numel) for c in admitted], self.screening
         )
-        if self.policy.screening and len(admitted) < _MIN_FOR_STATISTICS:
+        paired = self.policy.screening and len(admitted) < _MIN_FOR_STATISTICS
+        if paired and not shared:
             verdicts = self._pair_verdicts(fragment, admitted, verdicts)
         good = []
         for c, verdict in zip(admitted, verdicts):
             if verdict.ok or c.peer == self.me:
                 good.append(c)
-            else:
-                rejected[c.peer] = verdict.reason
-                self._violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
+                continue
+            rejected[c.peer] = verdict.reason
+            if paired and verdict.reason in _HEURISTIC_REASONS:
+                # Two inputs have no robust centre: an implausible pair is left out of
+                # this round without accusing anyone.
+                logger.info(
+                    "round %d fragment %d: %s left out (%s)",
+                    round_,
+                    fragment,
+                    c.peer,
+                    verdict.detail,
+                )
+                continue
+            self._violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
         weights = max_share_weights([c.weight for c in good], self.policy.max_share)
         result = aggregate(
             self.policy.aggregator, [c.vector for c in good], weights, self.policy.aggregator_params
@@ -281,18 +327,33 @@ class Verifier(Judge):
         reduced: torch.Tensor,
         own: torch.Tensor,
         spread: float = 1.0,
+        included: bool = True,
     ) -> str | None:
-        refusal = self.refusal(owner, round_)
-        if refusal:
-            return refusal
-        if not self.policy.screening or float(own.norm()) == 0.0:
-            return None  # an idle member has nothing to compare the owner's result with
+        blocked = self.blocks(owner, round_)
+        if blocked:
+            return blocked
+        if not self.policy.screening or float(own.norm()) == 0.0 or not included:
+            # An idle member has nothing to compare the owner's result with, and one whose
+            # part the owner left out (with a reason) is not in the result to compare.
+            return None
         verdict = check_reduced(
             reduced,
             own,
             max_ratio=self.policy.norm_kappa * spread,
             min_cosine=self.policy.min_cosine,
         )
+        rms = float(reduced.norm()) / max(1.0, reduced.numel()) ** 0.5
+        history = self._results.setdefault(fragment, deque(maxlen=_NORM_HISTORY))
+        # Longer than this node's own update, but no longer than the results honest
+        # owners returned before: a peer that trained more, not an owner that lies.
+        if (
+            verdict.reason == "owner_norm"
+            and len(history) >= _MIN_FOR_STATISTICS
+            and rms <= self.policy.norm_kappa * statistics.median(history)
+        ):
+            verdict = Verdict(owner, True, "ok", "")
+        if verdict.ok:
+            history.append(rms)
         return None if verdict.ok else verdict.reason
 
     def on_missing(self, peer: str, round_: int, fragment: int, part: int, committed: bool) -> None:

@@ -84,6 +84,8 @@ class _Session:
     full: asyncio.Event = field(default_factory=asyncio.Event)
     reduced: asyncio.Event = field(default_factory=asyncio.Event)
     committed: asyncio.Event = field(default_factory=asyncio.Event)
+    refused: dict[str, str] = field(default_factory=dict)
+    """Parts taken in but left out of the result, with why (commit phase, lateness)."""
     closed_at: float = 0.0
     mismatches: int = 0
     reply: bytes = b""
@@ -193,9 +195,9 @@ class AllReduceService:
             raise wire.reject(exc.reason, exc.detail, peer) from None
         h = env.header
         at = (h.round, h.fragment)
-        refusal = wire.judge.refusal(peer, h.round)
-        if refusal:
-            raise wire.reject(refusal, "refused by this node's trust policy", peer, *at)
+        blocked = wire.judge.blocks(peer, h.round)
+        if blocked:
+            raise wire.reject(blocked, "refused by this node's trust policy", peer, *at)
         if h.fragment >= self.settings.fragments:
             raise wire.reject("wrong_part", f"no fragment {h.fragment}", peer, *at)
         if at not in self._sessions and len(self._sessions) >= self._max_sessions:
@@ -236,12 +238,27 @@ class AllReduceService:
                 peer, h.round, h.fragment, h.part, env.digest, session.closed_at
             )
             if refusal:
-                raise wire.reject(refusal, "part does not match a timely commitment", peer, *at)
+                wire.reject(refusal, "part does not match a timely commitment", peer, *at)
+                return await self._answer_without(session, peer, refusal)
         if time.monotonic() > session.deadline or session.reduced.is_set():
-            raise wire.reject("late", "part arrived after the owner's deadline", peer, *at)
+            wire.reject("late", "part arrived after the owner's deadline", peer, *at)
+            return await self._answer_without(session, peer, "late")
         session.contributions[peer] = contribution
-        if session.expected <= set(session.contributions):
+        if session.expected <= set(session.contributions) | set(session.refused):
             session.full.set()
+        await self._await_reduced(session)
+        return session.reply
+
+    async def _answer_without(self, session: _Session, peer: str, reason: str) -> bytes:
+        """Refuse ``peer``'s part but answer it with the result all the same.
+
+        Every member of a part must end with the one result its owner signed, or honest
+        members' values part ways; the result names the refused part and why (a part
+        that came after the result was signed is simply not in it)."""
+        if not session.reduced.is_set():
+            session.refused[peer] = reason
+            if session.expected <= set(session.contributions) | set(session.refused):
+                session.full.set()
         await self._await_reduced(session)
         return session.reply
 
@@ -276,7 +293,10 @@ class AllReduceService:
             "contributors": [c.peer for c in kept],
             "weights": [c.weight for c in kept],
             "digests": [c.digest for c in kept],
-            "rejected": {p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
+            "rejected": {
+                **session.refused,
+                **{p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
+            },
             "data": enc.to_wire(),
         }
         body = self.faults.reduced_body(body)
@@ -334,7 +354,9 @@ class AllReduceService:
             result = await self._send_part(
                 round_, fragment, plan, j, vector, weight, requests[j], session.replies_by
             )
-            if result[1] is None and self._repairable(plan):
+            if result[1] is not None:
+                self.repair.accepted(round_, fragment, j)
+            elif self._repairable(plan):
                 owner = plan.owners[j]
                 fixed = await self.repair.run(
                     round_, fragment, j, plan.owners, owner, vector[lo:hi], weight, session.done_by
@@ -554,8 +576,9 @@ class AllReduceService:
             if reason:
                 raise ProtocolError(reason, "result names inputs nobody committed", owner)
         spread = min(1000.0, max([1.0, *weights]) / max(1.0, float(weight)))
+        included = self.identity.peer_id in peers
         reason = self.wire.judge.check_reduced(
-            owner, round_, fragment, j, part, own, max(1.0, spread)
+            owner, round_, fragment, j, part, own, max(1.0, spread), included
         )
         if reason:
             raise ProtocolError(reason, "reduced part refused", owner)
@@ -580,9 +603,15 @@ class AllReduceService:
         rejected = env.body.get("rejected", {})
         me = self.identity.peer_id
         if me not in peers and not (isinstance(rejected, dict) and me in rejected):
-            # The owner answered this node's part yet says neither that it used it nor why
-            # not: the signed reply plus this node's signed part prove it was left out.
-            raise ProtocolError("left_out", "own contribution missing from the reduced part", owner)
+            # Signed before this node's part arrived (a late part): the result stands for
+            # every member alike, so it is taken, without this node's contribution.
+            logger.info(
+                "round %d fragment %d part %d: owner %s's result came without this node's part",
+                round_,
+                fragment,
+                part,
+                owner[:16],
+            )
         weights = env.body.get("weights", [])
         if not isinstance(weights, list) or not all(
             isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights

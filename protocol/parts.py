@@ -97,12 +97,18 @@ class Reduction:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-Reducer = Callable[[int, int, int, Sequence[Contribution]], Reduction]
-"""``(round, fragment, part, contributions) -> Reduction`` on the part's owner."""
+Reducer = Callable[..., Reduction]
+"""``(round, fragment, part, contributions, *, shared=False) -> Reduction`` on the part's
+owner. ``shared=True`` (repair, where every member reduces the same inputs itself)
+asks for a reduction that depends on the inputs alone, so members agree bitwise."""
 
 
 def weighted_mean_reducer(
-    round_: int, fragment: int, part: int, contributions: Sequence[Contribution]
+    round_: int,
+    fragment: int,
+    part: int,
+    contributions: Sequence[Contribution],
+    shared: bool = False,
 ) -> Reduction:
     """Token-weighted mean (plain mean when every weight is zero)."""
     weights = [max(0.0, c.weight) for c in contributions]
@@ -123,7 +129,14 @@ class Judge:
     """
 
     def refusal(self, peer: str, round_: int) -> str | None:
-        """Why this node takes nothing from ``peer`` at ``round_``; None admits it."""
+        """Why this node, as an owner, leaves ``peer``'s part out of its result at
+        ``round_``; None admits it. The part is still taken and the result still
+        returned to the peer, so every member of a part gets the one result."""
+        return None
+
+    def blocks(self, peer: str, round_: int) -> str | None:
+        """Why this node does not deal with ``peer`` at all (refuses its messages and
+        its results): the operator's own lists, or proof of misbehaviour; None talks."""
         return None
 
     def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
@@ -147,8 +160,10 @@ class Judge:
         reduced: torch.Tensor,
         own: torch.Tensor,
         spread: float = 1.0,
+        included: bool = True,
     ) -> str | None:
         """Judge a reduced part against this node's own contribution; a reason refuses it.
+        ``included`` is False when the owner left this node's part out (with a reason).
 
         ``spread`` is the largest contributor weight over this node's own (at least 1):
         a node that trained less than its peers sees a larger average than its own.

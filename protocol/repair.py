@@ -15,6 +15,7 @@ that never repairs the part answers ``not_in_repair`` and is simply left out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class _Repair:
     reply: bytes = b""
     contributions: dict[str, Contribution] = field(default_factory=dict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    declined: set[str] = field(default_factory=set)  # members that do not repair this part
+    accepted: bool = False  # this node took the owner's result for the part
+    decided: asyncio.Event = field(default_factory=asyncio.Event)  # repairing, or accepted
 
 
 class PartRepair:
@@ -75,21 +79,20 @@ class PartRepair:
             raise svc.reject(exc.reason, exc.detail, peer) from None
         h = env.header
         at = (h.round, h.fragment)
-        refusal = svc.judge.refusal(peer, h.round)
-        if refusal:
-            raise svc.reject(refusal, "refused by this node's trust policy", peer, *at)
+        blocked = svc.judge.blocks(peer, h.round)
+        if blocked:
+            raise svc.reject(blocked, "refused by this node's trust policy", peer, *at)
         if (
             h.fragment >= svc.settings.fragments
             or len(self._repairs) > 4 * svc.settings.fragments * 8
         ):
             raise svc.reject("busy", "no such repair", peer, *at)
         slot = self._slot((h.round, h.fragment, h.part))
-        try:
-            await asyncio.wait_for(slot.ready.wait(), svc.settings.timeout)
-        except asyncio.TimeoutError:
-            raise ProtocolError(
-                "not_in_repair", "this node does not repair that part", peer
-            ) from None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(slot.decided.wait(), svc.settings.timeout)
+        if not slot.ready.is_set():
+            why = "it took the owner's result" if slot.accepted else "it does not repair that part"
+            raise ProtocolError("not_in_repair", f"this node does not repair: {why}", peer)
         if env.body.get("group") != slot.group or peer not in (slot.group or ()):
             raise svc.reject("group_mismatch", "repair from outside the group", peer, *at)
         known = slot.contributions.get(peer)
@@ -103,6 +106,13 @@ class PartRepair:
             slot.contributions[peer] = svc.decode(env, numel, peer)
         svc.tally(at, sent=len(slot.reply), received=len(data))
         return slot.reply
+
+    def accepted(self, round_: int, fragment: int, part: int) -> None:
+        """This node took the owner's result for ``part``: it will not repair it, and
+        says so at once to members that ask."""
+        slot = self._slot((round_, fragment, part))
+        slot.accepted = True
+        slot.decided.set()
 
     async def run(
         self,
@@ -133,6 +143,7 @@ class PartRepair:
         # Every member uses the decoded bytes it sent, exactly as the others will see them.
         slot.contributions[me] = svc.decode(own, values.numel(), me)
         slot.ready.set()
+        slot.decided.set()
         others = [p for p in group if p not in (me, owner)]
         if deadline is None:
             deadline = time.monotonic() + svc.settings.timeout
@@ -144,8 +155,17 @@ class PartRepair:
         )
         if len(slot.contributions) < 2:
             return None
+        if slot.declined:
+            # Some members took the owner's result and repair nothing: a repair without
+            # them would leave this node's values unlike theirs. Keep local values; the
+            # round's end re-syncs from the swarm.
+            logger.info(
+                "round %d fragment %d part %d: %d member(s) kept the owner's result; not repaired",
+                *(round_, fragment, part, len(slot.declined)),
+            )
+            return None
         ordered = [slot.contributions[p] for p in sorted(slot.contributions)]
-        reduction = svc.reducer(round_, fragment, part, ordered)
+        reduction = svc.reducer(round_, fragment, part, ordered, shared=True)
         logger.info(
             "round %d fragment %d part %d repaired without owner %s from %d members",
             *(round_, fragment, part, owner[:16], len(ordered)),
@@ -181,4 +201,6 @@ class PartRepair:
             elif known.digest != env.digest:
                 svc.reject("equivocation", "two different repair messages", peer)
         except ProtocolError as exc:
+            if "not_in_repair" in exc.detail:
+                slot.declined.add(peer)
             logger.info("repair exchange with %s: %s", peer[:16], exc)

@@ -152,3 +152,18 @@ def test_peers_refused_by_an_exchange_are_remembered(tmp_path: Path) -> None:
     syncer, _, _ = _syncer(tmp_path, exchange)
     syncer.apply(syncer.launch(1, 0, 10, 0, set(), set(), 5.0), 0)
     assert syncer.refused == {"stranger": "spec_mismatch: ..."}
+
+
+def test_steps_taken_while_the_exchange_runs_are_kept_for_the_next_sync(tmp_path: Path) -> None:
+    exchange = FakeExchange(averaged=torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    syncer, model, outer = _syncer(tmp_path, exchange)
+    _train(model, [-1.0, 0.0, 1.0, 0.0])
+    pending = syncer.launch(1, 0, 100, 0, set(), set(), 5.0)
+    _train(model, [0.25, 0.25, 0.25, 0.25])  # inner steps while the exchange runs
+    syncer.apply(pending, step=3)
+    new_global = torch.tensor([0.5, 1.5, 2.5, 3.5])
+    torch.testing.assert_close(outer.global_vector(0), new_global)
+    torch.testing.assert_close(model.w.detach(), new_global + 0.25)  # the overlap survives
+    # ... and is what the next sync contributes
+    syncer.launch(2, 0, 100, 0, set(), set(), 5.0)
+    torch.testing.assert_close(exchange.calls[-1][3], torch.full((4,), -0.25))

@@ -30,10 +30,43 @@ def test_a_peer_flagged_mid_round_is_refused_from_the_next_round(verifier: Verif
     assert verifier.refusal(PEER, 4) is None
     assert verifier.check_reduced(PEER, 4, 0, 0, _t([1.0, 2.0]), _t([1.0, 2.0])) is None
     assert verifier.excluded([PEER], 4) == set()
-    # from round 5 on, refused and left out everywhere at once
+    # from round 5 on, its parts are left out and it votes to leave it out of the groups;
+    # its results are still taken (and screened), as the other members still take them
+    # until a majority has voted it out
     assert verifier.refusal(PEER, 5) == "quarantined"
+    assert verifier.blocks(PEER, 5) is None
     assert verifier.excluded([PEER], 5) == {PEER}
-    assert verifier.check_reduced(PEER, 5, 0, 0, _t([1.0, 2.0]), _t([1.0, 2.0])) == "quarantined"
+    assert verifier.check_reduced(PEER, 5, 0, 0, _t([1.0, 2.0]), _t([1.0, 2.0])) is None
+
+
+def test_a_banned_or_denied_peer_is_blocked(tmp_path: Path) -> None:
+    v = Verifier(TrustPolicy(deny=(PEER,)), tmp_path / "a.db", ME)
+    try:
+        assert v.blocks(PEER, 1) == "denied"
+        assert v.check_reduced(PEER, 1, 0, 0, _t([1.0]), _t([1.0])) == "denied"
+    finally:
+        v.close()
+    v = Verifier(TrustPolicy(), tmp_path / "b.db", ME)
+    try:
+        v.convict(PEER, 2, 0, "equivocation")  # on_proof = ban
+        assert v.blocks(PEER, 2) is None  # flagged this round: others may not know yet
+        assert v.blocks(PEER, 3) == "banned"
+    finally:
+        v.close()
+
+
+def test_owner_check_trusts_results_like_earlier_ones_and_skips_excluded_members(
+    verifier: Verifier,
+) -> None:
+    own = _t([0.1, 0.0, 0.0, 0.0])
+    normal = _t([1.0, 1.0, 1.0, 1.0])  # 20x this member's own update: a slow member
+    assert verifier.check_reduced(PEER, 1, 0, 0, normal, own) == "owner_norm"
+    for r in range(3):  # results of this size were accepted before, from other owners
+        assert verifier.check_reduced(PEER, r, 0, 0, normal, normal) is None
+    assert verifier.check_reduced(PEER, 4, 0, 0, normal, own) is None
+    assert verifier.check_reduced(PEER, 4, 0, 0, normal * 10, own) == "owner_norm"
+    # a result the owner computed without this member's part is not compared with it
+    assert verifier.check_reduced(PEER, 4, 0, 0, -normal, own, included=False) is None
 
 
 def test_benign_refusals_flag_no_one(verifier: Verifier) -> None:
@@ -86,7 +119,8 @@ def test_a_pair_screens_the_partner_against_its_own_part(
     assert result.used == [ME]
     assert result.rejected[PEER] == reason
     torch_close(result.vector, [1.0, 1.0, 0.0])
-    assert verifier.flagged(2) == {PEER: "quarantined"}
+    # two inputs have no robust centre: the partner is left out, not accused
+    assert verifier.flagged(2) == {}
 
 
 def test_an_honest_partner_is_averaged_in(verifier: Verifier) -> None:
