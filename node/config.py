@@ -179,6 +179,10 @@ class NetworkConfig:
     trusted_relays: tuple[str, ...] = ()
     nat_port_map: bool = False
     auto_nat: bool = True
+    # What one node serves at once, and how slow a sender may be (bounded memory).
+    max_inbound_streams: int = Field(default=256, ge=1)
+    max_inbound_per_peer: int = Field(default=32, ge=1)
+    min_inbound_kib_per_second: float = Field(default=16.0, ge=0.0)
 
     def __post_init__(self) -> None:
         if self.client_mode and self.reachability == "public":
@@ -406,6 +410,9 @@ def transport_config(
         trusted_relays=net.trusted_relays,
         nat_port_map=net.nat_port_map,
         auto_nat=net.auto_nat,
+        max_inbound_streams=net.max_inbound_streams,
+        max_inbound_per_peer=net.max_inbound_per_peer,
+        min_inbound_bytes_per_second=net.min_inbound_kib_per_second * 1024,
     )
 
 

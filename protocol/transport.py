@@ -194,6 +194,9 @@ class Transport:
         self._maddrs: list[str] = []
         self._listen_maddrs: list[str] = []
         self._reachability = Reachability("unknown")
+        self._inbound_gate = _framing.StreamGate(
+            config.max_inbound_streams, config.max_inbound_per_peer
+        )
         self._closed = False
         self._lock = threading.Lock()
 
@@ -427,10 +430,7 @@ class Transport:
     ) -> None:
         protocol = self._protocol(name)
         cfg = self.config
-        gate = getattr(self, "_inbound_gate", None)
-        if gate is None:  # one count for all of this transport's handlers, kept on its loop
-            gate = _framing.StreamGate(cfg.max_inbound_streams, cfg.max_inbound_per_peer)
-            self._inbound_gate = gate
+        gate = self._inbound_gate  # one count for all of this transport's handlers
         pace = _framing.Pace(
             cfg.inbound_header_timeout, cfg.min_inbound_bytes_per_second, cfg.inbound_rate_window
         )
