@@ -615,9 +615,9 @@ def _network_problem(exc: RuntimeError) -> str | None:
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
     from protocol.control import ControlChannelError
-    from protocol.transport import BootstrapUnreachable
+    from protocol.transport import BootstrapUnreachable, NotDialable
 
-    if isinstance(exc, BootstrapUnreachable):
+    if isinstance(exc, (BootstrapUnreachable, NotDialable)):
         return str(exc)
     if isinstance(exc, ControlChannelError):
         return f"{exc}; check control.port and network.host, and run with -v for its output"

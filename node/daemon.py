@@ -47,7 +47,7 @@ from protocol import codec as codecs
 from protocol.allreduce import AllReduceService
 from protocol.exchange import FragmentExchange
 from protocol.fragments import plan_fragments
-from protocol.transport import BootstrapUnreachable, Transport
+from protocol.transport import BootstrapUnreachable, NotDialable, Transport
 from verification.identity import Identity
 
 __all__ = ["Node"]
@@ -248,6 +248,14 @@ class Node:
                 logger.warning("%s; trying again in %.0f s", exc, min(5.0, left))
                 self.status.update(force=True, state="joining", join_error=str(exc))
                 self.stop_event.wait(min(5.0, left))
+            except NotDialable as exc:
+                raise NotDialable(
+                    f"a peer could not dial this node back at its PeerID "
+                    f"{self.identity.peer_id}: either another node is running with the identity "
+                    f"key {key_file} (a copied data directory; give this one its own, or run "
+                    "`atoll keygen --force` in it), or inbound connections to tcp port "
+                    f"{net.port} are blocked (then set network.reachability = 'private')"
+                ) from exc
             except RuntimeError as exc:
                 # p2pd's own words (Go's strerror) for the two listen mistakes operators make
                 if "address already in use" in str(exc):

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from hivemind.dht import DHT
+from hivemind.dht.protocol import ValidationError as DHTValidationError
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -45,7 +46,7 @@ from protocol.errors import ProtocolError
 from protocol.reachability import Reachability
 from protocol.watchdog import Watchdog, set_parent_death_signal, terminate_processes
 
-__all__ = ["BootstrapUnreachable", "Handler", "Transport", "TransportConfig"]
+__all__ = ["BootstrapUnreachable", "Handler", "NotDialable", "Transport", "TransportConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,10 @@ class BootstrapUnreachable(RuntimeError):
     """None of the initial peers could be reached (p2pd refuses to start then)."""
 
 
+class NotDialable(RuntimeError):
+    """A DHT peer could not reach this node back at its peer id while it joined."""
+
+
 class _SupervisedDHT(DHT):
     """hivemind's DHT process, which also dies with the thread that forked it (Linux)."""
 
@@ -206,6 +211,7 @@ class Transport:
 
         Raises:
             BootstrapUnreachable: none of ``initial_peers`` answered.
+            NotDialable: a peer could not dial this node back at its peer id.
             RuntimeError: p2pd or the DHT did not come up within ``startup_timeout``.
         """
         self = cls(config or TransportConfig())
@@ -219,6 +225,12 @@ class Transport:
             if isinstance(e, P2PDaemonError) and "bootstrap peers" in str(e):
                 peers = ", ".join(self.config.initial_peers)
                 raise BootstrapUnreachable(f"none of the initial peers answered: {peers}") from e
+            if isinstance(e, DHTValidationError):
+                raise NotDialable(
+                    f"{e}: another running node may use this node's identity key (a copied "
+                    "data directory; give each node its own), or inbound connections are "
+                    "blocked (set network.reachability = 'private')"
+                ) from e
             if isinstance(e, (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError)):
                 raise RuntimeError(f"transport failed to start: {e!r}") from e
             raise

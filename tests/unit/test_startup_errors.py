@@ -86,12 +86,13 @@ def test_known_errors_exit_2(tmp_path, capsys, monkeypatch, exc) -> None:
 def test_transport_start_errors_exit_2(tmp_path, capsys, monkeypatch) -> None:
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-    from protocol.transport import BootstrapUnreachable
+    from protocol.transport import BootstrapUnreachable, NotDialable
 
     failed = RuntimeError("transport failed to start")
     failed.__cause__ = P2PDaemonError("Daemon failed to start: no such thing")
     for exc, needle in [
         (BootstrapUnreachable("none of the initial peers answered: x; check them"), "x; check"),
+        (NotDialable("peer p cannot dial back; a copied data directory?"), "copied data"),
         (failed, "the network side did not start (Daemon failed to start: no such thing)"),
     ]:
 
