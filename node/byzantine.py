@@ -10,6 +10,7 @@ which is what a colluding-free attacker can do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -17,8 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from protocol import codec as codecs
-from protocol.messages import Header, seal
+from protocol.messages import Header
 from protocol.parts import Commitments, FaultInjection
+from protocol.partwire import SealedPart
 from verification.identity import Identity
 
 __all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "QUIET_MODES", "make_behaviour", "training_data"]
@@ -85,27 +87,31 @@ class _WireAttack(FaultInjection):
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self._first: dict[tuple[int, int], bytes] = {}
+        self._first: dict[tuple[int, int], SealedPart] = {}
 
     def request(
-        self, identity: Identity, header: Header, body: dict, encoded: codecs.Encoded
-    ) -> bytes:
-        honest = super().request(identity, header, body, encoded)
+        self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
+    ) -> SealedPart:
         if self.mode == "replay":
             # The first message sent for this (fragment, part), resent in every later round.
-            return self._first.setdefault((header.fragment, header.part), honest)
+            key = (header.fragment, header.part)
+            if key not in self._first:  # kept: its own copy of the body
+                copied = dataclasses.replace(encoded, payload=bytes(encoded.payload))
+                self._first[key] = super().request(identity, header, meta, copied)
+            return self._first[key]
+        honest = super().request(identity, header, meta, encoded)
         if self.mode == "bad_signature":
-            wire = bytearray(honest)
-            wire[-1] ^= 0x01  # the signature is the last field of the frame
-            return bytes(wire)
+            signature = bytearray(honest.signature)
+            signature[-1] ^= 0x01
+            return dataclasses.replace(honest, signature=bytes(signature))
         if self.mode == "inflated_tokens":
-            return seal(identity, header, dict(body, weight=10**12, data=encoded.to_wire()))
+            return super().request(identity, header, dict(meta, weight=10**12), encoded)
         if self.mode == "wrong_shape":
             longer = torch.cat([codecs.decode(encoded), torch.zeros(1)])
             enc = codecs.encode(longer, encoded.codec, block_size=encoded.block_size)
-            return seal(identity, header, dict(body, data=enc.to_wire()))
+            return super().request(identity, header, meta, enc)
         if self.mode == "nan":
-            return seal(identity, header, dict(body, data=_nan_wire(encoded)))
+            return super().request(identity, header, meta, _nan(encoded))
         raise AssertionError(self.mode)
 
 
@@ -139,9 +145,9 @@ class _CommitAttack(FaultInjection):
 class _BadOwner(FaultInjection):
     """Claims, in every signed result it returns, inputs nobody committed to."""
 
-    def reduced_body(self, body: dict) -> dict:
-        forged = [hashlib.sha256(b"forged" + d).digest() for d in body["digests"]]
-        return dict(body, digests=forged)
+    def reduced_meta(self, meta: dict) -> dict:
+        forged = [hashlib.sha256(b"forged" + d).digest() for d in meta["digests"]]
+        return dict(meta, digests=forged)
 
 
 class _MaliciousOwner(FaultInjection):
@@ -151,7 +157,7 @@ class _MaliciousOwner(FaultInjection):
         return -10.0 * vector - 1.0
 
 
-def _nan_wire(encoded: codecs.Encoded) -> dict:
+def _nan(encoded: codecs.Encoded) -> codecs.Encoded:
     """The same part with its first value (or block scale) replaced by NaN."""
     nan32 = struct.pack("<f", float("nan"))
     payload = bytearray(encoded.payload)
@@ -159,9 +165,7 @@ def _nan_wire(encoded: codecs.Encoded) -> dict:
         payload[0:4] = nan32  # raw value, or the first block's scale
     else:
         payload[0:2] = b"\xff\x7f" if encoded.codec == "fp16" else b"\xc0\x7f"
-    return codecs.Encoded(
-        encoded.codec, encoded.numel, encoded.block_size, bytes(payload)
-    ).to_wire()
+    return codecs.Encoded(encoded.codec, encoded.numel, encoded.block_size, bytes(payload))
 
 
 class _Silent(FaultInjection):

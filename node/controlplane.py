@@ -34,8 +34,8 @@ import msgpack
 from protocol.control import ControlChannel
 from protocol.control_wire import CONTROL_VERSION, ControlMessage, open_control
 from protocol.errors import ProtocolError
-from protocol.messages import open_envelope
 from protocol.parts import Commitments
+from protocol.partwire import open_evidence
 from verification.identity import Identity
 
 if TYPE_CHECKING:
@@ -142,13 +142,14 @@ def check_bad_owner(evidence: Any, accused: str, run: str) -> tuple[int, int]:
     if not isinstance(reduced, bytes) or not isinstance(commit, bytes):
         raise ProtocolError("bad_evidence", "bad-owner evidence needs a result and a commitment")
     try:
-        env = open_envelope(reduced, expected_sender=accused, run_id=run, kinds=("reduced",))
+        h, meta = open_evidence(reduced, expected_sender=accused)
+        if h.run_id != run or h.kind != "reduced":
+            raise ProtocolError("wrong_kind", f"a {h.kind!r} of run {h.run_id!r}")
         msg = open_control(commit, run, topic_name(run, "commit"))
         r, f, committed = _commit_fields(msg.body)
     except ProtocolError as exc:
         raise ProtocolError("bad_evidence", f"{exc.reason}: {exc.detail}") from None
-    h = env.header
-    peers, digests = env.body.get("contributors"), env.body.get("digests")
+    peers, digests = meta.get("contributors"), meta.get("digests")
     if (h.round, h.fragment) != (r, f) or h.part not in committed:
         raise ProtocolError("bad_evidence", "the commitment is for another round or part")
     if not (isinstance(peers, list) and isinstance(digests, list) and msg.sender in peers):

@@ -314,7 +314,9 @@ class Verifier(Judge):
                 reason=reason,
             )
         if reason not in BENIGN_REASONS and reason not in _POLICY_REASONS:
-            self._violation(peer, r, fragment, reason, "message refused")
+            # Counted when it happens: a replayed message names an old round, and a
+            # quarantine counted from that round would already be over.
+            self._violation(peer, max(r, self.round), fragment, reason, "message refused")
         elif reason in _POLICY_REASONS:
             logger.info("refused parts from %s at round %d: %s", peer, r, reason)
 

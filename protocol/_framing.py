@@ -27,7 +27,7 @@ import contextvars
 import logging
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -39,6 +39,7 @@ from protocol.shaper import Shaper
 
 __all__ = [
     "CHUNK_BYTES",
+    "Payload",
     "REMOTE_ADDR",
     "STATUS_ERROR",
     "STATUS_OK",
@@ -47,6 +48,7 @@ __all__ = [
     "decode_error",
     "encode_error",
     "exchange",
+    "payload_size",
     "read_body",
     "read_request_header",
     "read_response_header",
@@ -76,43 +78,67 @@ _RESPONSE_HEADER = struct.Struct(">BQ")
 _SHAPER: Shaper | None = Shaper.from_env()
 
 
-async def _write_body(writer: asyncio.StreamWriter, header: bytes, data: bytes) -> None:
+Payload = bytes | Sequence[bytes | memoryview]
+"""A message to write: one buffer, or several written one after the other (a part's head
+and a view of its tensor body, say), so a sender never joins them into one copy."""
+
+
+def _views(data: Payload) -> list[memoryview]:
+    buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    views = [memoryview(b) for b in buffers]
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+
+
+def _is_payload(data: object) -> bool:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return True
+    return isinstance(data, (list, tuple)) and all(
+        isinstance(b, (bytes, bytearray, memoryview)) for b in data
+    )
+
+
+def payload_size(data: Payload) -> int:
+    """Bytes in ``data``."""
+    return sum(v.nbytes for v in _views(data))
+
+
+async def _write_body(writer: asyncio.StreamWriter, header: bytes, data: Payload) -> None:
     if _SHAPER is not None:
         await _write_shaped(writer, header, data, _SHAPER)
         return
     writer.write(header)
-    view = memoryview(data)
-    for offset in range(0, len(view), CHUNK_BYTES):
-        writer.write(view[offset : offset + CHUNK_BYTES])
-        await writer.drain()  # backpressure: never queue more than one chunk ahead of the socket
+    for view in _views(data):
+        for offset in range(0, view.nbytes, CHUNK_BYTES):
+            writer.write(view[offset : offset + CHUNK_BYTES])
+            await writer.drain()  # backpressure: never more than one chunk ahead of the socket
     await writer.drain()
 
 
 async def _write_shaped(
-    writer: asyncio.StreamWriter, header: bytes, data: bytes, shaper: Shaper
+    writer: asyncio.StreamWriter, header: bytes, data: Payload, shaper: Shaper
 ) -> None:
     """Like :func:`_write_body` on an emulated link: delay once, then pace each slice."""
     await shaper.delay()
     await shaper.send(len(header))
     writer.write(header)
-    view = memoryview(data)
     step = min(CHUNK_BYTES, shaper.slice_bytes)
-    for offset in range(0, len(view), step):
-        piece = view[offset : offset + step]
-        await shaper.send(len(piece))
-        writer.write(piece)
-        await writer.drain()
+    for view in _views(data):
+        for offset in range(0, view.nbytes, step):
+            piece = view[offset : offset + step]
+            await shaper.send(len(piece))
+            writer.write(piece)
+            await writer.drain()
     await writer.drain()
 
 
-async def write_request(writer: asyncio.StreamWriter, data: bytes) -> None:
+async def write_request(writer: asyncio.StreamWriter, data: Payload) -> None:
     """Write one request frame."""
-    await _write_body(writer, _REQUEST_HEADER.pack(len(data)), data)
+    await _write_body(writer, _REQUEST_HEADER.pack(payload_size(data)), data)
 
 
-async def write_response(writer: asyncio.StreamWriter, status: int, data: bytes) -> None:
+async def write_response(writer: asyncio.StreamWriter, status: int, data: Payload) -> None:
     """Write one response frame with the given status byte."""
-    await _write_body(writer, _RESPONSE_HEADER.pack(status, len(data)), data)
+    await _write_body(writer, _RESPONSE_HEADER.pack(status, payload_size(data)), data)
 
 
 async def read_request_header(reader: asyncio.StreamReader) -> int:
@@ -285,7 +311,7 @@ def decode_error(data: bytes) -> tuple[str, str]:
     return "malformed", "unreadable error report"
 
 
-async def exchange(p2p: P2P, peer: str, protocol: str, data: bytes, limit: int) -> bytes:
+async def exchange(p2p: P2P, peer: str, protocol: str, data: Payload, limit: int) -> bytes:
     """Caller side: open a stream to ``peer``, send ``data`` and return the response body.
 
     Raises:
@@ -327,7 +353,7 @@ async def exchange(p2p: P2P, peer: str, protocol: str, data: bytes, limit: int) 
 
 async def serve(
     stream: tuple[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter],
-    handler: Callable[[str, bytes], Awaitable[bytes]],
+    handler: Callable[[str, bytes], Awaitable[Payload]],
     max_request_bytes: int,
     name: str,
     timeout: float,
@@ -398,7 +424,7 @@ async def _drain_input(reader: asyncio.StreamReader) -> None:
 async def _answer(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    handler: Callable[[str, bytes], Awaitable[bytes]],
+    handler: Callable[[str, bytes], Awaitable[Payload]],
     max_request_bytes: int,
     name: str,
     peer: str,
@@ -414,7 +440,7 @@ async def _answer(
         return
     try:
         response = await handler(peer, request)
-        if not isinstance(response, (bytes, bytearray, memoryview)):
+        if not _is_payload(response):
             raise TypeError(f"handler returned {type(response).__name__}, not bytes")
     except Exception as e:
         known = isinstance(e, ProtocolError)
@@ -422,7 +448,7 @@ async def _answer(
         logger.warning("rpc %s from %s rejected: %s: %s", name, peer, reason, e, exc_info=not known)
         await write_response(writer, STATUS_ERROR, encode_error(reason, str(e)))
         return
-    await write_response(writer, STATUS_OK, bytes(response))
+    await write_response(writer, STATUS_OK, response)
 
 
 async def _read_request(

@@ -23,7 +23,6 @@ peers are in which part.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ import torch
 
 from protocol import codec as codecs
 from protocol.errors import ProtocolError
-from protocol.messages import Header, envelope_digest, open_envelope, seal
+from protocol.messages import Header
 from protocol.parts import (
     AllReduceResult,
     AllReduceSettings,
@@ -46,6 +45,7 @@ from protocol.parts import (
     Reducer,
     weighted_mean_reducer,
 )
+from protocol.partwire import Part, SealedPart, seal_part
 from protocol.repair import PartRepair
 from protocol.transport import Transport
 from verification.identity import Identity
@@ -88,7 +88,9 @@ class _Session:
     """Parts taken in but left out of the result, with why (commit phase, lateness)."""
     closed_at: float = 0.0
     mismatches: int = 0
-    reply: bytes = b""
+    reply: SealedPart | None = None
+    """Owner side: the signed result every member of the part is answered with."""
+    reply_contributors: list[str] = field(default_factory=list)
 
 
 class AllReduceService:
@@ -175,7 +177,7 @@ class AllReduceService:
         self.wire.forget_before(horizon)
         return self._sessions[key]
 
-    async def _handle(self, peer: str, data: bytes) -> bytes:
+    async def _handle(self, peer: str, data: bytes) -> list[bytes | memoryview]:
         wire = self.wire
         wire.tally(None, received=len(data))
         if self.faults.silent:
@@ -183,11 +185,9 @@ class AllReduceService:
             raise ProtocolError("timeout", "silent", peer)
         lo = max(0, self.current_round - 1)
         try:
-            env = open_envelope(
+            env = await wire.open(
                 data,
-                max_bytes=self.settings.max_message_bytes,
-                expected_sender=peer,
-                run_id=self.settings.run_id,
+                peer,
                 kinds=("part",),
                 round_window=(lo, self.current_round + self.settings.round_window),
             )
@@ -212,7 +212,7 @@ class AllReduceService:
             ) from None
         plan = session.plan
         assert plan is not None  # set before ready
-        group, owners = env.body.get("group"), env.body.get("owners", env.body.get("group"))
+        group, owners = env.meta.get("group"), env.meta.get("owners", env.meta.get("group"))
         if group != plan.group or owners != plan.owners:
             raise wire.reject(
                 "group_mismatch", "sender's group differs from the owner's", peer, *at
@@ -222,8 +222,7 @@ class AllReduceService:
         known = session.contributions.get(peer)
         if known is not None and known.digest == env.digest:
             # The same signed part again: the sender lost the answer and retried.
-            await self._await_reduced(session)
-            return session.reply
+            return await self._reply(session)
         if known is not None:
             raise wire.reject(
                 "duplicate", "a second part for the same round and fragment", peer, *at
@@ -246,10 +245,11 @@ class AllReduceService:
         session.contributions[peer] = contribution
         if session.expected <= set(session.contributions) | set(session.refused):
             session.full.set()
-        await self._await_reduced(session)
-        return session.reply
+        return await self._reply(session)
 
-    async def _answer_without(self, session: _Session, peer: str, reason: str) -> bytes:
+    async def _answer_without(
+        self, session: _Session, peer: str, reason: str
+    ) -> list[bytes | memoryview]:
         """Refuse ``peer``'s part but answer it with the result all the same.
 
         Every member of a part must end with the one result its owner signed, or honest
@@ -259,13 +259,14 @@ class AllReduceService:
             session.refused[peer] = reason
             if session.expected <= set(session.contributions) | set(session.refused):
                 session.full.set()
-        await self._await_reduced(session)
-        return session.reply
+        return await self._reply(session)
 
-    async def _await_reduced(self, session: _Session) -> None:
-        """Wait for this owner's result, no longer than its exchange lasts."""
+    async def _reply(self, session: _Session) -> list[bytes | memoryview]:
+        """This owner's signed result, once there is one (no longer than its exchange lasts)."""
         left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
         await asyncio.wait_for(session.reduced.wait(), left)
+        assert session.reply is not None  # set before reduced
+        return session.reply.buffers()
 
     async def _reduce_own_part(self, session: _Session, h: Header) -> torch.Tensor:
         """Wait for the group's parts (or the deadline), reduce, sign, publish."""
@@ -289,7 +290,7 @@ class AllReduceService:
         enc = self.wire.encode(self.faults.reduced(reduction.vector), h.fragment)
         used = set(reduction.used)
         kept = [c for c in contributions if c.peer in used]
-        body = {
+        meta = {
             "contributors": [c.peer for c in kept],
             "weights": [c.weight for c in kept],
             "digests": [c.digest for c in kept],
@@ -297,14 +298,15 @@ class AllReduceService:
                 **session.refused,
                 **{p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
             },
-            "data": enc.to_wire(),
         }
-        body = self.faults.reduced_body(body)
-        session.reply = seal(self.identity, Header("reduced", *_fields(h)), body)
+        meta = self.faults.reduced_meta(meta)
+        header = Header("reduced", *_fields(h))
+        session.reply = seal_part(self.identity, header, {**meta, **enc.meta()}, enc.payload)
+        session.reply_contributors = list(meta["contributors"])
         # every other contributor is waiting for this one reply
-        self.wire.tally((h.round, h.fragment), sent=len(session.reply) * (len(contributions) - 1))
+        self.wire.tally((h.round, h.fragment), sent=session.reply.nbytes * (len(contributions) - 1))
         session.reduced.set()
-        return codecs.decode(enc, expected_numel=session.numel)
+        return codecs.decode(enc, expected_numel=session.numel, copy=False)
 
     # ---- member side ------------------------------------------------------------------
 
@@ -347,7 +349,7 @@ class AllReduceService:
             if j == plan.index:
                 header = Header("part", self.settings.run_id, round_, fragment, j, me)
                 own = await self._reduce_own_part(session, header)
-                return j, own, list(_contributors(session.reply))
+                return j, own, list(session.reply_contributors)
             lo, hi = plan.bounds[j]
             if self.faults.silent:
                 return j, None, []
@@ -396,16 +398,17 @@ class AllReduceService:
         if plan.is_owner:
             start, end = plan.bounds[plan.index]
             session.numel = end - start
-            own = seal(
+            own = seal_part(
                 self.identity,
                 Header("part", self.settings.run_id, round_, fragment, plan.index, me),
                 {},
+                b"",
             )
             session.contributions[me] = Contribution(
                 peer=me,
-                vector=vector[start:end].clone(),
+                vector=vector[start:end],  # read only; the caller's vector stays as it is
                 weight=float(min(weight, self.settings.max_tokens)),
-                digest=open_envelope(own).digest,
+                digest=own.digest,
                 tokens=int(weight),
             )
         # Members this node's policy refuses will not be waited for.
@@ -460,12 +463,13 @@ class AllReduceService:
 
     def _request(
         self, round_: int, fragment: int, plan: PartPlan, j: int, values: torch.Tensor, weight: int
-    ) -> bytes:
-        """The signed part message for owner ``j`` (built before anything is sent)."""
+    ) -> SealedPart:
+        """The signed part message for owner ``j`` (built before anything is sent; its
+        body is a view of ``values``, not a copy)."""
         enc = self.wire.encode(values, fragment)
         header = Header("part", self.settings.run_id, round_, fragment, j, self.identity.peer_id)
-        body = {"group": plan.group, "owners": plan.owners, "weight": int(weight)}
-        return self.faults.request(self.identity, header, body, enc)
+        meta = {"group": plan.group, "owners": plan.owners, "weight": int(weight)}
+        return self.faults.request(self.identity, header, meta, enc)
 
     async def _commit_phase(
         self,
@@ -473,15 +477,12 @@ class AllReduceService:
         round_: int,
         fragment: int,
         group: list[str],
-        requests: dict[int, bytes],
+        requests: dict[int, SealedPart],
     ) -> None:
         """Commit to every part's digest and wait for the group's, when commitments are on."""
         try:
             if self.commitments is not None:
-                digests = {}
-                for j, request in requests.items():
-                    with contextlib.suppress(ProtocolError):  # a mangled part commits to nothing
-                        digests[j] = envelope_digest(request)
+                digests = {j: request.digest for j, request in requests.items()}
                 await self.faults.commit(self.commitments, round_, fragment, group, digests)
         finally:
             session.closed_at = time.monotonic()
@@ -499,24 +500,24 @@ class AllReduceService:
             session.full.set()
 
     async def _call_owner(
-        self, owner: str, request: bytes, at: tuple[int, int], j: int, by: float
+        self, owner: str, request: SealedPart, at: tuple[int, int], j: int, by: float
     ) -> bytes:
         """Send a part to its owner and wait for its answer until ``by``; retry once with
         the same bytes if the stream is cut and time is left."""
         transport = self.wire.transport
-        self.wire.tally(at, sent=len(request))
+        self.wire.tally(at, sent=request.nbytes)
         timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
         try:
-            return await transport.call(owner, RPC_NAME, request, timeout=timeout)
+            return await transport.call(owner, RPC_NAME, request.buffers(), timeout=timeout)
         except ProtocolError as exc:
             if exc.reason != "connection_lost" or by - time.monotonic() < _MIN_CALL_SECONDS:
                 raise
         # A stream cut before the answer came: the owner keeps the part, and the same
         # signed part again is answered with the same result.
         logger.info("round %d fragment %d part %d: retrying owner %s", *at, j, owner[:16])
-        self.wire.tally(at, sent=len(request))
+        self.wire.tally(at, sent=request.nbytes)
         timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
-        return await transport.call(owner, RPC_NAME, request, timeout=timeout)
+        return await transport.call(owner, RPC_NAME, request.buffers(), timeout=timeout)
 
     async def _send_part(
         self,
@@ -526,14 +527,14 @@ class AllReduceService:
         j: int,
         vector: torch.Tensor,
         weight: int,
-        request: bytes,
+        request: SealedPart,
         by: float,
     ) -> _PartResult:
         owner, (lo, hi) = plan.owners[j], plan.bounds[j]
         at = (round_, fragment)
         try:
-            reply = await self._call_owner(owner, request, at, j, by)
-            self.wire.tally(at, received=len(reply))
+            raw = await self._call_owner(owner, request, at, j, by)
+            self.wire.tally(at, received=len(raw))
         except ProtocolError as exc:
             logger.warning(
                 "round %d fragment %d part %d: owner %s: %s; keeping local values",
@@ -543,6 +544,9 @@ class AllReduceService:
                 self._note_mismatch(round_, fragment, plan)
             return j, None, []
         try:
+            reply = await self.wire.open(
+                raw, owner, kinds=("reduced",), round_window=(round_, round_)
+            )
             part, peers = self._judge_reduced(reply, owner, at, j, hi - lo, vector[lo:hi], weight)
         except ProtocolError as exc:
             logger.warning(
@@ -555,7 +559,7 @@ class AllReduceService:
 
     def _judge_reduced(
         self,
-        reply: bytes,
+        reply: Part,
         owner: str,
         at: tuple[int, int],
         j: int,
@@ -571,7 +575,7 @@ class AllReduceService:
         )
         if self.commitments is not None:
             reason = self.commitments.check_result(
-                owner, round_, fragment, j, reply, peers, digests
+                owner, round_, fragment, j, reply.evidence(), peers, digests
             )
             if reason:
                 raise ProtocolError(reason, "result names inputs nobody committed", owner)
@@ -585,22 +589,14 @@ class AllReduceService:
         return part, peers
 
     def _check_reduced(
-        self, reply: bytes, owner: str, round_: int, fragment: int, part: int, numel: int
+        self, env: Part, owner: str, round_: int, fragment: int, part: int, numel: int
     ) -> tuple[torch.Tensor, list[str], list[float], list[bytes]]:
-        env = open_envelope(
-            reply,
-            max_bytes=self.settings.max_message_bytes,
-            expected_sender=owner,
-            run_id=self.settings.run_id,
-            kinds=("reduced",),
-            round_window=(round_, round_),
-        )
         if env.header.fragment != fragment or env.header.part != part:
             raise ProtocolError("wrong_part", "reduced result for another part", owner)
-        peers = env.body.get("contributors")
+        peers = env.meta.get("contributors")
         if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
             raise ProtocolError("malformed", "contributors must be a list of PeerIDs", owner)
-        rejected = env.body.get("rejected", {})
+        rejected = env.meta.get("rejected", {})
         me = self.identity.peer_id
         if me not in peers and not (isinstance(rejected, dict) and me in rejected):
             # Signed before this node's part arrived (a late part): the result stands for
@@ -612,28 +608,24 @@ class AllReduceService:
                 part,
                 owner[:16],
             )
-        weights = env.body.get("weights", [])
+        weights = env.meta.get("weights", [])
         if not isinstance(weights, list) or not all(
             isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights
         ):
             raise ProtocolError("malformed", "weights must be non-negative numbers", owner)
-        digests = env.body.get("digests", [])
+        digests = env.meta.get("digests", [])
         if not (
             isinstance(digests, list)
             and len(digests) == len(peers)
             and all(isinstance(d, bytes) for d in digests)
         ):
             raise ProtocolError("malformed", "digests must name one input per contributor", owner)
-        enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
-        # decode refuses NaN, inf and out-of-range scales for every codec
-        vector = codecs.decode(enc, expected_numel=numel)
+        enc = codecs.Encoded.from_meta(env.meta, env.body, max_numel=numel)
+        # decode refuses NaN, inf and out-of-range scales for every codec; the values
+        # stay a view of the received bytes until they are assembled into the output
+        vector = codecs.decode(enc, expected_numel=numel, copy=False)
         return vector, peers, [float(w) for w in weights], digests
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:
     return h.run_id, h.round, h.fragment, h.part, h.sender
-
-
-def _contributors(reply: bytes) -> list[str]:
-    env = open_envelope(reply)
-    return list(env.body.get("contributors", []))

@@ -70,12 +70,32 @@ class Encoded:
         numel: number of float values encoded.
         block_size: values per scale for int8/int4; carried but unused otherwise.
         payload: scales (float32 LE) followed by codes; see the module docstring.
+            Any contiguous byte buffer (a view of a tensor, or of received bytes).
     """
 
     codec: str
     numel: int
     block_size: int
-    payload: bytes
+    payload: bytes | bytearray | memoryview
+
+    def meta(self) -> dict:
+        """Everything but the payload, as ``{"c", "n", "b"}`` (the payload travels raw)."""
+        return {"c": self.codec, "n": self.numel, "b": self.block_size}
+
+    @classmethod
+    def from_meta(
+        cls, meta: object, payload: bytes | bytearray | memoryview, *, max_numel: int
+    ) -> Encoded:
+        """Parses :meth:`meta` fields from a peer next to their raw payload.
+
+        Raises:
+            CodecError: as :meth:`from_wire`.
+        """
+        if not isinstance(meta, dict) or not {"c", "n", "b"} <= set(meta):
+            raise CodecError("malformed", "codec fields c, n, b missing")
+        enc = cls(codec=meta["c"], numel=meta["n"], block_size=meta["b"], payload=payload)
+        _validate(enc, max_numel=max_numel)
+        return enc
 
     def to_wire(self) -> dict:
         """Returns a plain msgpack-able dict ``{"c", "n", "b", "p"}``."""
@@ -136,6 +156,7 @@ def encode(
     block_size: int = 256,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    copy: bool = True,
 ) -> Encoded:
     """Encodes a float tensor of any shape and device.
 
@@ -147,6 +168,9 @@ def encode(
             fractional part, so that ``E[decode(encode(x))] == x``. Only
             int8/int4 support it.
         generator: CPU generator for the rounding noise, for reproducible bytes.
+        copy: False lets a ``none`` payload be a view of ``x``'s memory (when ``x`` is
+            a contiguous CPU float32 tensor) instead of a copy; ``x`` must then stay
+            unchanged while the payload is in use.
 
     Returns:
         The encoded tensor.
@@ -164,7 +188,7 @@ def encode(
     flat = _as_flat_f32(x)
     if codec == "none":
         _require_finite(flat)
-        payload = _to_bytes(flat)
+        payload = _to_bytes(flat) if copy else _view_bytes(flat)
     elif codec in _HALF_DTYPE:
         half = flat.to(_HALF_DTYPE[codec])
         if not _all_finite(half):
@@ -176,15 +200,19 @@ def encode(
     return Encoded(codec=codec, numel=flat.numel(), block_size=block_size, payload=payload)
 
 
-def decode(enc: Encoded, *, expected_numel: int | None = None) -> torch.Tensor:
+def decode(enc: Encoded, *, expected_numel: int | None = None, copy: bool = True) -> torch.Tensor:
     """Decodes an ``Encoded`` that may come from an untrusted peer.
 
     Args:
         enc: the encoded tensor.
         expected_numel: if given, the numel the caller expects.
+        copy: False lets a ``none`` payload be returned as a view of its buffer (no
+            copy); the caller must then treat the tensor as read-only and keep the
+            buffer unchanged while it uses it. Other codecs always make a new tensor.
 
     Returns:
-        A fresh 1-D float32 CPU tensor of ``enc.numel`` finite values.
+        A 1-D float32 CPU tensor of ``enc.numel`` finite values (fresh unless ``copy``
+        is False).
 
     Raises:
         CodecError: on a bad codec, numel, block size or payload type, a payload
@@ -197,7 +225,7 @@ def decode(enc: Encoded, *, expected_numel: int | None = None) -> torch.Tensor:
         raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
     raw = _from_bytes(enc.payload)
     if enc.codec == "none":
-        out = raw.clone().view(torch.float32)
+        out = (raw.clone() if copy else raw).view(torch.float32)
     elif enc.codec in _HALF_DTYPE:
         out = raw.clone().view(_HALF_DTYPE[enc.codec]).float()
     else:
@@ -312,14 +340,14 @@ def _validate(enc: Encoded, *, max_numel: int | None = None) -> None:
         raise CodecError("bad_numel", f"numel {enc.numel} exceeds the limit {max_numel}")
     if not _is_int(enc.block_size) or not 1 <= enc.block_size <= MAX_BLOCK_SIZE:
         raise CodecError("bad_block_size", f"block size {_short(enc.block_size)}")
-    if not isinstance(enc.payload, bytes):
+    if not isinstance(enc.payload, (bytes, bytearray, memoryview)):
         raise CodecError("bad_payload", f"payload is {type(enc.payload).__name__}, not bytes")
     want = encoded_size(enc.numel, enc.codec, enc.block_size)
-    if len(enc.payload) != want:
+    have = memoryview(enc.payload).nbytes
+    if have != want:
         raise CodecError(
             "size_mismatch",
-            f"{enc.codec} payload for {enc.numel} values is {len(enc.payload)} bytes, "
-            f"expected {want}",
+            f"{enc.codec} payload for {enc.numel} values is {have} bytes, expected {want}",
         )
 
 
@@ -351,8 +379,12 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(payload: bytes) -> torch.Tensor:
-    if not payload:
+def _view_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
+
+
+def _from_bytes(payload: bytes | bytearray | memoryview) -> torch.Tensor:
+    if not memoryview(payload).nbytes:
         return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():
         # bytes are read-only; every caller copies or only reads, so the warning is noise.

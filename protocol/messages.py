@@ -45,6 +45,7 @@ __all__ = [
     "Envelope",
     "Header",
     "envelope_digest",
+    "header_problem",
     "open_envelope",
     "seal",
     "signing_payload",
@@ -152,7 +153,7 @@ def seal(identity: Identity, header: Header, body: dict[str, Any]) -> bytes:
         raise ValueError(
             f"header.sender {header.sender!r} is not this identity ({identity.peer_id})"
         )
-    problem = _header_problem(header) or _body_problem(body)
+    problem = header_problem(header) or _body_problem(body)
     if problem:
         raise ValueError(problem)
     if count_items(body) > MAX_BODY_ITEMS:
@@ -326,14 +327,14 @@ def _parse_signed(signed: bytes, peer: str | None) -> tuple[Header, dict[str, An
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("malformed", "signed version differs from the frame's", peer)
     header = Header(*header_fields)
-    problem = _header_problem(header) or _body_problem(body)
+    problem = header_problem(header) or _body_problem(body)
     if problem:
         raise ProtocolError("malformed", problem, peer)
     return header, body
 
 
-def _header_problem(header: Header) -> str | None:
-    """Why a header is unacceptable, or None."""
+def header_problem(header: Header) -> str | None:
+    """Why a header is unacceptable, or None (shared with :mod:`protocol.partwire`)."""
     for name in ("kind", "run_id", "sender"):
         value = getattr(header, name)
         if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:

@@ -15,6 +15,7 @@ part whose owner failed (:mod:`protocol.repair`):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,8 @@ import torch
 
 from protocol import codec as codecs
 from protocol.errors import ProtocolError
-from protocol.messages import Envelope, Header, seal
+from protocol.messages import Header
+from protocol.partwire import Part, SealedPart, open_part, seal_part
 from protocol.transport import Transport
 from verification.identity import Identity
 
@@ -78,7 +80,8 @@ class Contribution:
     """One member's decoded part, as the owner received it.
 
     ``tokens`` is what the peer claimed; ``weight`` is that claim capped by
-    ``AllReduceSettings.max_tokens``.
+    ``AllReduceSettings.max_tokens``. ``vector`` may be a view of the received bytes:
+    read it, never write to it.
     """
 
     peer: str
@@ -225,9 +228,9 @@ class FaultInjection:
         return vector
 
     def request(
-        self, identity: Identity, header: Header, body: dict, encoded: codecs.Encoded
-    ) -> bytes:
-        return seal(identity, header, dict(body, data=encoded.to_wire()))
+        self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
+    ) -> SealedPart:
+        return seal_part(identity, header, {**meta, **encoded.meta()}, encoded.payload)
 
     async def commit(
         self,
@@ -239,8 +242,8 @@ class FaultInjection:
     ) -> None:
         await commitments.commit(round_, fragment, group, digests)
 
-    def reduced_body(self, body: dict) -> dict:
-        return body
+    def reduced_meta(self, meta: dict) -> dict:
+        return meta
 
     def reduced(self, vector: torch.Tensor) -> torch.Tensor:
         return vector
@@ -408,30 +411,48 @@ class PartExchange:
             logger.exception("judge failed on a refusal from %s", peer)
         return ProtocolError(reason, detail, peer)
 
-    def decode(self, env: Envelope, numel: int, peer: str) -> Contribution:
-        """A member's signed part (or repair message) as a :class:`Contribution`.
+    def decode(self, part: Part, numel: int, peer: str) -> Contribution:
+        """A member's signed part (or repair message) as a :class:`Contribution`; its
+        vector is a view of the received bytes when the codec allows (no copy).
 
         Raises:
             ProtocolError: bad data (refused and reported) or a bad weight.
         """
-        at = (env.header.round, env.header.fragment)
+        at = (part.header.round, part.header.fragment)
         try:
-            enc = codecs.Encoded.from_wire(env.body.get("data"), max_numel=numel)
-            vector = codecs.decode(enc, expected_numel=numel)
+            enc = codecs.Encoded.from_meta(part.meta, part.body, max_numel=numel)
+            vector = codecs.decode(enc, expected_numel=numel, copy=False)
         except ProtocolError as exc:
             raise self.reject(exc.reason, exc.detail, peer, *at) from None
-        weight = env.body.get("weight")
+        weight = part.meta.get("weight")
         if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
             raise self.reject("malformed", "weight must be a non-negative integer", peer, *at)
         return Contribution(
             peer=peer,
             vector=vector,
             weight=float(min(weight, self.settings.max_tokens)),
-            digest=env.digest,
+            digest=part.digest,
             tokens=weight,
         )
 
     def encode(self, values: torch.Tensor, fragment: int) -> codecs.Encoded:
-        """``values`` in the codec of ``fragment``."""
+        """``values`` in the codec of ``fragment``; a ``none`` payload is a view of
+        ``values`` (keep them unchanged until the message is sent)."""
         s = self.settings
-        return codecs.encode(values, s.codec_for(fragment), block_size=s.block_size)
+        return codecs.encode(values, s.codec_for(fragment), block_size=s.block_size, copy=False)
+
+    async def open(self, data: bytes, peer: str, **checks: object) -> Part:
+        """Open a part message from ``peer`` off the event loop (hashing a body takes
+        milliseconds per megabyte; the loop keeps reading other streams meanwhile).
+
+        Raises:
+            ProtocolError: as :func:`~protocol.partwire.open_part`.
+        """
+        return await asyncio.to_thread(
+            open_part,
+            data,
+            max_bytes=self.settings.max_message_bytes,
+            expected_sender=peer,
+            run_id=self.settings.run_id,
+            **checks,  # type: ignore[arg-type]
+        )

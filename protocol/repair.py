@@ -8,7 +8,8 @@ excluded), and each reduces the same set with the same reducer in the same order
 (sorted by PeerID), so every honest member ends with the same values again. The cost
 is ``G - 2`` extra transfers of one part per member, paid only when an owner fails.
 
-Every repair message is a signed ``repair`` envelope checked like a part; a member
+Every repair message is a signed ``repair`` part (:mod:`protocol.partwire`) checked
+like any part; a member
 that never repairs the part answers ``not_in_repair`` and is simply left out.
 """
 
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol.errors import ProtocolError
-from protocol.messages import Header, open_envelope, seal
+from protocol.messages import Header
 from protocol.parts import Contribution, PartExchange
+from protocol.partwire import SealedPart, seal_part
 
 __all__ = ["REPAIR_RPC", "PartRepair"]
 
@@ -36,7 +38,7 @@ REPAIR_RPC = "atoll.repair"
 @dataclass
 class _Repair:
     group: list[str] | None = None
-    reply: bytes = b""
+    reply: SealedPart | None = None
     contributions: dict[str, Contribution] = field(default_factory=dict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     declined: set[str] = field(default_factory=set)  # members that do not repair this part
@@ -64,14 +66,12 @@ class PartRepair:
             del self._repairs[old]
         return self._repairs.setdefault(key, _Repair())
 
-    async def _handle(self, peer: str, data: bytes) -> bytes:
+    async def _handle(self, peer: str, data: bytes) -> list[bytes | memoryview]:
         svc = self.wire
         try:
-            env = open_envelope(
+            env = await svc.open(
                 data,
-                max_bytes=svc.settings.max_message_bytes,
-                expected_sender=peer,
-                run_id=svc.settings.run_id,
+                peer,
                 kinds=("repair",),
                 round_window=(max(0, svc.current_round - 1), svc.current_round + 1),
             )
@@ -93,7 +93,7 @@ class PartRepair:
         if not slot.ready.is_set():
             why = "it took the owner's result" if slot.accepted else "it does not repair that part"
             raise ProtocolError("not_in_repair", f"this node does not repair: {why}", peer)
-        if env.body.get("group") != slot.group or peer not in (slot.group or ()):
+        if env.meta.get("group") != slot.group or peer not in (slot.group or ()):
             raise svc.reject("group_mismatch", "repair from outside the group", peer, *at)
         known = slot.contributions.get(peer)
         if known is not None:
@@ -104,8 +104,9 @@ class PartRepair:
         else:
             numel = next(iter(slot.contributions.values())).vector.numel()
             slot.contributions[peer] = svc.decode(env, numel, peer)
-        svc.tally(at, sent=len(slot.reply), received=len(data))
-        return slot.reply
+        assert slot.reply is not None  # set before ready
+        svc.tally(at, sent=slot.reply.nbytes, received=len(data))
+        return slot.reply.buffers()
 
     def accepted(self, round_: int, fragment: int, part: int) -> None:
         """This node took the owner's result for ``part``: it will not repair it, and
@@ -135,12 +136,12 @@ class PartRepair:
         me = svc.identity.peer_id
         enc = svc.encode(values, fragment)
         header = Header("repair", svc.settings.run_id, round_, fragment, part, me)
-        body = {"group": group, "weight": int(weight), "data": enc.to_wire()}
-        reply = seal(svc.identity, header, body)
+        meta = {"group": group, "weight": int(weight), **enc.meta()}
+        reply = seal_part(svc.identity, header, meta, enc.payload)
         slot = self._slot((round_, fragment, part))
         slot.group, slot.reply = group, reply
-        own = open_envelope(reply)
         # Every member uses the decoded bytes it sent, exactly as the others will see them.
+        own = await svc.open(reply.to_bytes(), me)
         slot.contributions[me] = svc.decode(own, values.numel(), me)
         slot.ready.set()
         slot.decided.set()
@@ -175,26 +176,20 @@ class PartRepair:
     async def _exchange(
         self,
         peer: str,
-        request: bytes,
+        request: SealedPart,
         slot: _Repair,
         deadline: float,
         numel: int,
         at: tuple[int, int],
     ) -> None:
         svc = self.wire
-        svc.tally(at, sent=len(request))
+        svc.tally(at, sent=request.nbytes)
         try:
             reply = await svc.transport.call(
-                peer, REPAIR_RPC, request, timeout=max(0.5, deadline - time.monotonic())
+                peer, REPAIR_RPC, request.buffers(), timeout=max(0.5, deadline - time.monotonic())
             )
             svc.tally(at, received=len(reply))
-            env = open_envelope(
-                reply,
-                max_bytes=svc.settings.max_message_bytes,
-                expected_sender=peer,
-                run_id=svc.settings.run_id,
-                kinds=("repair",),
-            )
+            env = await svc.open(reply, peer, kinds=("repair",))
             known = slot.contributions.get(peer)
             if known is None:
                 slot.contributions[peer] = svc.decode(env, numel, peer)

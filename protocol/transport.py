@@ -51,8 +51,9 @@ __all__ = ["BootstrapUnreachable", "Handler", "NotDialable", "Transport", "Trans
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Handler = Callable[[str, bytes], Awaitable[bytes]]
-"""An RPC handler: ``(authenticated caller PeerID, request bytes) -> response bytes``."""
+Handler = Callable[[str, bytes], Awaitable[_framing.Payload]]
+"""An RPC handler: ``(authenticated caller PeerID, request bytes) -> response``; the
+response is bytes or a sequence of buffers written one after the other."""
 
 _PROTOCOL_PREFIX = "/atoll/rpc/"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -466,7 +467,7 @@ class Transport:
         self,
         peer_id: str,
         name: str,
-        data: bytes,
+        data: _framing.Payload,
         *,
         timeout: float,
         max_response_bytes: int | None = None,
@@ -476,7 +477,7 @@ class Transport:
         Args:
             peer_id: the callee's base58 PeerID.
             name: the RPC name the callee registered with :meth:`add_handler`.
-            data: the request.
+            data: the request: bytes, or buffers sent one after the other.
             timeout: deadline, in seconds, for the whole exchange.
             max_response_bytes: refuse longer responses; defaults to ``config.max_message_bytes``.
 
@@ -487,9 +488,10 @@ class Transport:
                 too slow, ``too_slow:``.
         """
         protocol = self._protocol(name)
-        if len(data) > self.config.max_message_bytes:
+        size = _framing.payload_size(data)
+        if size > self.config.max_message_bytes:
             raise ProtocolError(
-                "oversized", f"request of {len(data)} bytes exceeds max_message_bytes", peer_id
+                "oversized", f"request of {size} bytes exceeds max_message_bytes", peer_id
             )
         limit = max_response_bytes or self.config.max_message_bytes
         try:

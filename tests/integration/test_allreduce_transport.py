@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
-import msgpack
 import pytest
 import torch
 
@@ -22,12 +21,12 @@ from node.catchup import StateServer, StateSnapshot, fetch_state
 from node.config import ModelConfig, OuterConfig
 from node.model import build_model
 from node.outer import OuterOptimizer
-from protocol import codec as codecs
 from protocol.allreduce import RPC_NAME, AllReduceService
 from protocol.errors import ProtocolError
 from protocol.fragments import plan_fragments
-from protocol.messages import Header, seal
+from protocol.messages import Header
 from protocol.parts import AllReduceResult, AllReduceSettings, FaultInjection, Judge, part_bounds
+from protocol.partwire import seal_part
 from protocol.repair import REPAIR_RPC
 from protocol.transport import Transport, TransportConfig
 from verification.identity import Identity
@@ -355,22 +354,19 @@ def _part(
     identity: Identity,
     *,
     group: list[str],
-    data: dict,
+    data: torch.Tensor,
     weight: object = 1,
     part: int = 0,
     round_: int = ROUND,
     sender: Identity | None = None,
 ) -> bytes:
-    """A ``part`` envelope signed by ``identity`` (claiming ``sender``, default itself)."""
+    """A ``part`` message signed by ``identity`` (claiming ``sender``, default itself),
+    its float32 values built by hand so they may hold what ``encode`` refuses."""
     signer = sender or identity
     header = Header("part", RUN, round_, 0, part, signer.peer_id)
-    return seal(signer, header, {"group": group, "weight": weight, "data": data})
-
-
-def _none_wire(values: torch.Tensor) -> dict:
-    """Raw float32 wire dict, built by hand so it may hold what ``encode`` refuses."""
-    payload = values.float().contiguous().numpy().tobytes()
-    return codecs.Encoded("none", values.numel(), 256, payload).to_wire()
+    payload = data.float().contiguous().numpy().tobytes()
+    meta = {"group": group, "weight": weight, "c": "none", "n": data.numel(), "b": 256}
+    return seal_part(signer, header, meta, payload).to_bytes()
 
 
 def _expect_refusal(client: Transport, owner: str, data: bytes) -> ProtocolError:
@@ -399,33 +395,33 @@ def test_hostile_parts_are_refused_and_the_round_still_completes(
 
     client, me = attacker.transport, attacker.identity
     owner = victim.identity.peer_id
-    good = _part(me, group=group, data=_none_wire(torch.zeros(own_numel)))
-    version, signed, _ = msgpack.unpackb(good, raw=False)
+    good = _part(me, group=group, data=torch.zeros(own_numel))
+    body_at = len(good) - 4 * own_numel
     nan = torch.zeros(own_numel)
     nan[17] = float("nan")
     cases = {
-        "garbage": (b"\x93\x01garbage that is not msgpack", "malformed"),
+        "garbage": (b"ATP1\0\0\0\x10garbage that is not msgpack" + bytes(64), "malformed"),
         "forged": (  # signed with the honest member's key over the attacker's stream
-            _part(me, sender=honest.identity, group=group, data=_none_wire(torch.zeros(own_numel))),
+            _part(me, sender=honest.identity, group=group, data=torch.zeros(own_numel)),
             "sender_mismatch",
         ),
-        "unsigned": (msgpack.packb([version, signed, bytes(64)]), "bad_signature"),
+        "unsigned": (good[: body_at - 64] + bytes(64) + good[body_at:], "bad_signature"),
         "replayed": (
-            _part(me, round_=50, group=group, data=_none_wire(torch.zeros(own_numel))),
+            _part(me, round_=50, group=group, data=torch.zeros(own_numel)),
             "stale_round",
         ),
-        "nan": (_part(me, group=group, data=_none_wire(nan)), "non_finite"),
+        "nan": (_part(me, group=group, data=nan), "non_finite"),
         "short": (
-            _part(me, group=group, data=_none_wire(torch.zeros(own_numel - 1))),
+            _part(me, group=group, data=torch.zeros(own_numel - 1)),
             "numel_mismatch",
         ),
-        "long": (_part(me, group=group, data=_none_wire(torch.zeros(own_numel + 1))), "bad_numel"),
+        "long": (_part(me, group=group, data=torch.zeros(own_numel + 1)), "bad_numel"),
         "bad weight": (
-            _part(me, group=group, weight=-1, data=_none_wire(torch.zeros(own_numel))),
+            _part(me, group=group, weight=-1, data=torch.zeros(own_numel)),
             "malformed",
         ),
         "not its part": (
-            _part(me, part=1, group=group, data=_none_wire(torch.zeros(own_numel))),
+            _part(me, part=1, group=group, data=torch.zeros(own_numel)),
             "wrong_part",
         ),
     }
@@ -473,7 +469,7 @@ def test_the_same_part_sent_again_gets_the_same_answer(
     numel = 1_000
     own_numel = part_bounds(numel, 2, 256)[0][1]
     future = owner.transport.submit(owner.run(ROUND, 0, group, torch.ones(numel), 1))
-    part = _part(sender.identity, group=group, data=_none_wire(torch.zeros(own_numel)))
+    part = _part(sender.identity, group=group, data=torch.zeros(own_numel))
     client = sender.transport
     first = client.run(client.call(owner.identity.peer_id, RPC_NAME, part, timeout=10), 15)
     # a retry after a lost answer: the very same signed bytes
@@ -481,7 +477,7 @@ def test_the_same_part_sent_again_gets_the_same_answer(
     assert again == first
     assert "duplicate" not in owner.rejected
     # a different part from the same sender is still a duplicate
-    other = _part(sender.identity, group=group, data=_none_wire(torch.ones(own_numel)))
+    other = _part(sender.identity, group=group, data=torch.ones(own_numel))
     assert _expect_refusal(client, owner.identity.peer_id, other).detail.startswith("duplicate:")
     future.result(30)
 
@@ -492,13 +488,12 @@ def test_refused_envelopes_are_counted(swarm: SimpleNamespace, services: Callabl
     victim, honest, attacker = members[:3]
     group = [m.identity.peer_id for m in members[:3]]
     client, me, owner = attacker.transport, attacker.identity, victim.identity.peer_id
-    good = _part(me, group=group, data=_none_wire(torch.zeros(8)))
-    version, signed, _ = msgpack.unpackb(good, raw=False)
+    good = _part(me, group=group, data=torch.zeros(8))
     for data in (
-        b"not msgpack at all",
-        _part(me, sender=honest.identity, group=group, data=_none_wire(torch.zeros(8))),
-        msgpack.packb([version, signed, bytes(64)]),
-        _part(me, round_=50, group=group, data=_none_wire(torch.zeros(8))),
+        b"not a part at all",
+        _part(me, sender=honest.identity, group=group, data=torch.zeros(8)),
+        good[: -32 - 64] + bytes(64) + good[-32:],  # 8 values: 32 body bytes
+        _part(me, round_=50, group=group, data=torch.zeros(8)),
     ):
         _expect_refusal(client, owner, data)
     assert victim.rejected == {

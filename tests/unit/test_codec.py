@@ -354,7 +354,7 @@ def test_decode_rejects_bad_fields() -> None:
         (Encoded("none", 1.0, 4, b"\x00" * 4), "bad_numel"),  # type: ignore[arg-type]
         (Encoded("none", 1, 0, b"\x00" * 4), "bad_block_size"),
         (Encoded("none", 1, True, b"\x00" * 4), "bad_block_size"),
-        (Encoded("none", 1, 4, bytearray(4)), "bad_payload"),  # type: ignore[arg-type]
+        (Encoded("none", 1, 4, [0, 0, 0, 0]), "bad_payload"),  # type: ignore[arg-type]
         (Encoded("none", 2**62, 4, b""), "size_mismatch"),
     ]
     for enc, reason in cases:
@@ -488,3 +488,20 @@ def test_near_valid_payloads_decode_finite_or_raise_codec_error(wire: dict) -> N
     except CodecError:
         return
     assert y.shape == (wire["n"],) and bool(torch.isfinite(y).all())
+
+
+def test_none_can_travel_without_copies_both_ways() -> None:
+    x = torch.arange(6, dtype=torch.float32)
+    enc = encode(x, "none", copy=False)
+    assert isinstance(enc.payload, memoryview) and bytes(enc.payload) == x.numpy().tobytes()
+    received = bytearray(enc.payload)
+    meta = Encoded.from_meta(enc.meta(), memoryview(received), max_numel=6)
+    view = decode(meta, expected_numel=6, copy=False)
+    received[0:4] = struct.pack("<f", 9.0)  # a view of the received bytes, not a copy
+    assert view[0] == 9.0
+    assert decode(meta, copy=True).data_ptr() != view.data_ptr()
+    with pytest.raises(CodecError, match="malformed"):
+        Encoded.from_meta({"c": "none"}, received, max_numel=6)
+    with pytest.raises(CodecError) as info:
+        Encoded.from_meta(enc.meta(), received, max_numel=5)
+    assert info.value.reason == "bad_numel"

@@ -163,10 +163,14 @@ def test_a_part_that_overtakes_its_late_commitment_is_refused_as_late(
 
 
 def _result(owner: Identity, contributors: list[str], digests: list[bytes], part: int = 1) -> bytes:
-    from protocol.messages import Header, seal
+    """The evidence of a signed result: its head and signature (the body is not needed)."""
+    from protocol.messages import Header
+    from protocol.partwire import open_part, seal_part
 
-    body = {"contributors": contributors, "digests": digests, "weights": [1.0] * len(digests)}
-    return seal(owner, Header("reduced", RUN, 3, 0, part, owner.peer_id), body)
+    meta = {"contributors": contributors, "digests": digests, "weights": [1.0] * len(digests)}
+    header = Header("reduced", RUN, 3, 0, part, owner.peer_id)
+    sealed = seal_part(owner, header, meta, bytes(4 * 1024)).to_bytes()
+    return open_part(sealed, max_bytes=2**20).evidence()
 
 
 def _own_commit(plane: ControlPlane, digests: dict[int, bytes]) -> bytes:
