@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import torch
 
-from protocol.shaper import LinkShape
+from protocol.p2p.shaper import LinkShape
 
 __all__ = [
     "TimedDdp",

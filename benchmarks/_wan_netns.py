@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import TimedDdp, _ddp_worker
 from node import swarm
-from protocol.shaper import ENV_VAR, LinkShape
+from protocol.p2p.shaper import ENV_VAR, LinkShape
 
 if TYPE_CHECKING:
     from tests.netlab import NetLab
@@ -60,7 +60,7 @@ NOTES = {
     "host's link at the bandwidth both ways (tests.netlab NetLab.shape, burst 4 ms); "
     "the one-way delay is added in-process (no netem in this kernel)",
     "atoll_shaping": f"{ENV_VAR}=delay_ms=D (no rate) in each node's environment: "
-    "protocol.shaper delays every Atoll RPC the node sends; all of a node's traffic, "
+    "protocol.p2p.shaper delays every Atoll RPC the node sends; all of a node's traffic, "
     "DHT and p2pd included, crosses the tbf-capped link, but only Atoll RPCs are delayed",
     "ddp_emulation": "gloo's ring all-reduce crosses the tbf-capped links (ranks bound to "
     "eth0 with GLOO_SOCKET_IFNAME); a DDP comm hook completes each bucket's all-reduce "

@@ -3,7 +3,7 @@
 Four peers average N float32 values, each peer in its own spawned process on
 127.0.0.1, for three implementations run one after the other in the same call:
 
-* ``atoll``: :class:`protocol.allreduce.AllReduceService` over :class:`Transport`
+* ``atoll``: :class:`protocol.averaging.allreduce.AllReduceService` over :class:`Transport`
   (codec ``none``, signed parts); the group is given, so there is no matchmaking.
 * ``hivemind``: ``hivemind.averaging.DecentralizedAverager`` with NoCompression.
   Its ``step()`` always matchmakes first; the step is split with
@@ -57,8 +57,8 @@ _JOINS_THROUGH_FIRST = {
 
 class _AtollPeer:
     def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
-        from protocol.allreduce import AllReduceService, AllReduceSettings
-        from protocol.transport import Transport, TransportConfig
+        from protocol.averaging.allreduce import AllReduceService, AllReduceSettings
+        from protocol.p2p.transport import Transport, TransportConfig
         from verification.identity import Identity
 
         self.own = own

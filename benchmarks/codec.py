@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from protocol.codec import CODECS, decode, encode
+from protocol.wire.codec import CODECS, decode, encode
 
 __all__ = ["run"]
 

@@ -10,7 +10,7 @@ steps per round, two int8 fragments, one thread per node):
   not span the swarm it also averages the pair's global copies (a second all-reduce
   under ``sync.mix_codec``, fp16 by default; ``node.syncer``). With the same peers the
   swarm holds the exact global mean after ``rounds_to_mix(n, 2) = log2 n`` rounds
-  (``protocol.grouping``), so a full mix costs ``log2 n`` rounds of constant traffic.
+  (``protocol.averaging.grouping``), so a full mix costs ``log2 n`` rounds of constant traffic.
 - ``allreduce``: ``network.group_size = n``: one swarm-wide group per fragment, a
   butterfly all-reduce in which each node sends ``2 (n - 1) / n`` of its contribution
   and which mixes fully every round.
@@ -56,9 +56,9 @@ from node.config import AtollConfig, load_config
 from node.metrics import read_events, read_status
 from node.model import build_model
 from node.swarm import QUICK_WORKLOAD
-from protocol import codec as codecs
-from protocol.fragments import plan_fragments
-from protocol.grouping import rounds_to_mix
+from protocol.averaging.fragments import plan_fragments
+from protocol.averaging.grouping import rounds_to_mix
+from protocol.wire import codec as codecs
 
 __all__ = ["run"]
 

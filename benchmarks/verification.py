@@ -1,6 +1,6 @@
 """Verification overhead: what screening, robust aggregation and the audit log cost a round.
 
-Four real :class:`~protocol.transport.Transport` instances (each with its own p2pd and
+Four real :class:`~protocol.p2p.transport.Transport` instances (each with its own p2pd and
 DHT) run in this one process on 127.0.0.1 and all-reduce a float32 vector together,
 the group given, for codecs ``int8`` and ``none``:
 
@@ -44,10 +44,8 @@ import torch
 from benchmarks._common import machine_info
 from node import verifier as verifier_module
 from node.verifier import Verifier
-from protocol import codec as codecs
-from protocol.allreduce import RPC_NAME, AllReduceService
-from protocol.messages import Header, open_envelope, seal
-from protocol.parts import (
+from protocol.averaging.allreduce import RPC_NAME, AllReduceService
+from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
     Contribution,
@@ -56,9 +54,11 @@ from protocol.parts import (
     part_bounds,
     weighted_mean_reducer,
 )
-from protocol.partwire import open_part, seal_part
-from protocol.repair import REPAIR_RPC
-from protocol.transport import Transport, TransportConfig
+from protocol.averaging.repair import REPAIR_RPC
+from protocol.p2p.transport import Transport, TransportConfig
+from protocol.wire import codec as codecs
+from protocol.wire.messages import Header, open_envelope, seal
+from protocol.wire.partwire import open_part, seal_part
 from verification.identity import Identity
 from verification.policy import TrustPolicy
 
@@ -292,7 +292,7 @@ def _best(fn: Callable[[], Any]) -> float:
 
 
 def _signature_cost(n: int, codec: str, identities: list[Identity]) -> dict[str, float]:
-    """Seal/open of one part in the wire format parts use (:mod:`protocol.partwire`: a
+    """Seal/open of one part in the wire format parts use (:mod:`protocol.wire.partwire`: a
     signed head binding BLAKE3 chunk hashes, the body raw), next to the msgpack envelope
     parts used before and to the two hashes alone over the same body."""
     me = identities[1]

@@ -7,7 +7,7 @@ model (``node.swarm.QUICK_WORKLOAD``) for the same wall time with each method:
 - ``atoll``: four real nodes (``node.swarm``) in ``seconds`` mode (a sync of one of
   two int8 fragments every 3 s), each node process started with
   ``ATOLL_LINK_SHAPE`` set, so every Atoll RPC it sends waits the delay and is paced at
-  the line rate by its own shaper (``protocol.shaper``: one uplink per node). DHT
+  the line rate by its own shaper (``protocol.p2p.shaper``: one uplink per node). DHT
   traffic (matchmaking announcements among it) is not shaped.
 - ``ddp``: PyTorch ``DistributedDataParallel`` over gloo, four processes, a gradient
   all-reduce every step. gloo's sockets cannot be shaped from Python, so a DDP
@@ -51,7 +51,7 @@ from node import swarm
 from node.config import load_config
 from node.metrics import read_events
 from node.swarm import QUICK_WORKLOAD
-from protocol.shaper import ENV_VAR, LinkShape
+from protocol.p2p.shaper import ENV_VAR, LinkShape
 
 if TYPE_CHECKING:
     from tests.netlab import NetLab
@@ -365,7 +365,7 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False) -> dict:
         "notes": {
             "link": "one-way delay added once per message and a bandwidth cap on each "
             "worker's egress (a token bucket 2 ms deep), emulated on 127.0.0.1",
-            "atoll_shaping": f"{ENV_VAR} in each node's environment: protocol.shaper paces "
+            "atoll_shaping": f"{ENV_VAR} in each node's environment: protocol.p2p.shaper paces "
             "every Atoll RPC the node sends (all-reduce, repair, catch-up); hivemind's "
             "DHT traffic, matchmaking announcements included, is not shaped",
             "ddp_emulation": "DDP comm hook: each bucket's all-reduce completes no earlier "

@@ -1,6 +1,6 @@
 """Fault injection for tests and benchmarks: ``atoll run --byzantine MODE``.
 
-Each mode is a :class:`~protocol.parts.FaultInjection` that corrupts what the node sends
+Each mode is a :class:`~protocol.averaging.parts.FaultInjection` that corrupts what the node sends
 in one specific way, so defences are tested against real nodes over the real wire
 rather than against mocks. Modes that need knowledge of the honest peers' updates
 (ALIE, IPM) use this node's own pseudo-gradient as the estimate of the honest mean,
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from protocol import codec as codecs
-from protocol.messages import Header
-from protocol.parts import Commitments, FaultInjection
-from protocol.partwire import SealedPart
+from protocol.averaging.parts import Commitments, FaultInjection
+from protocol.wire import codec as codecs
+from protocol.wire.messages import Header
+from protocol.wire.partwire import SealedPart
 from verification.identity import Identity
 
 __all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "QUIET_MODES", "make_behaviour", "training_data"]

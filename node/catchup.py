@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from node.outer import OuterOptimizer
+from protocol.averaging.fragments import FragmentPlan
+from protocol.averaging.matchmaking import PeerRecord
 from protocol.errors import ProtocolError
-from protocol.fragments import FragmentPlan
-from protocol.matchmaking import PeerRecord
-from protocol.messages import Header, open_envelope, seal
-from protocol.transport import Transport
+from protocol.p2p.transport import Transport
+from protocol.wire.messages import Header, open_envelope, seal
 from verification.identity import Identity
 
 __all__ = ["StateServer", "StateSnapshot", "attested", "download", "fetch_state", "state_digest"]

@@ -369,7 +369,7 @@ def _cmd_spec_create(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from node.spec import create_spec, write_spec
-    from protocol.addrs import with_peer_id
+    from protocol.p2p.addrs import with_peer_id
     from verification.errors import VerificationError
     from verification.identity import Identity
 
@@ -603,19 +603,19 @@ def _known_error(exc: Exception) -> str | None:
         return f"{exc}; check the file or peer it names"
     if isinstance(exc, OSError):
         return _file_problem(exc)
-    if isinstance(exc, RuntimeError) and "protocol.transport" in sys.modules:
+    if isinstance(exc, RuntimeError) and "protocol.p2p.transport" in sys.modules:
         return _network_problem(exc)  # only commands that start a network side load it
     return None
 
 
 def _network_problem(exc: RuntimeError) -> str | None:
-    """The network side's start-up errors (:meth:`protocol.transport.Transport.start`)."""
+    """The network side's start-up errors (:meth:`protocol.p2p.transport.Transport.start`)."""
     import concurrent.futures
 
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-    from protocol.control import ControlChannelError
-    from protocol.transport import BootstrapUnreachable, NotDialable
+    from protocol.control.channel import ControlChannelError
+    from protocol.p2p.transport import BootstrapUnreachable, NotDialable
 
     if isinstance(exc, (BootstrapUnreachable, NotDialable)):
         return str(exc)

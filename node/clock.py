@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 
 from protocol.errors import ProtocolError
-from protocol.messages import Header, open_envelope, seal
-from protocol.transport import Transport
+from protocol.p2p.transport import Transport
+from protocol.wire.messages import Header, open_envelope, seal
 from verification.identity import Identity
 
 __all__ = ["SecondsClock", "agree"]

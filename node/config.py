@@ -20,10 +20,10 @@ from pydantic.dataclasses import dataclass
 
 from verification.policy import TrustPolicy
 
-if TYPE_CHECKING:  # imported where used: protocol.transport loads hivemind
-    from protocol.exchange import ExchangeSettings
-    from protocol.parts import AllReduceSettings
-    from protocol.transport import TransportConfig
+if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
+    from protocol.averaging.exchange import ExchangeSettings
+    from protocol.averaging.parts import AllReduceSettings
+    from protocol.p2p.transport import TransportConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -391,7 +391,7 @@ def transport_config(
     cfg: AtollConfig, identity_path: Path, initial_peers: tuple[str, ...]
 ) -> TransportConfig:
     """The transport's settings: where p2pd listens, whom it joins, NAT options."""
-    from protocol.transport import TransportConfig
+    from protocol.p2p.transport import TransportConfig
 
     net = cfg.network
     return TransportConfig(
@@ -422,7 +422,7 @@ def allreduce_settings(cfg: AtollConfig, fragments: int) -> AllReduceSettings:
     Fragment ids ``F..2F-1`` carry the global copies that groups mix, in
     ``sync.mix_codec``; ``0..F-1`` the pseudo-gradients, in ``sync.codec``.
     """
-    from protocol.parts import AllReduceSettings
+    from protocol.averaging.parts import AllReduceSettings
 
     net, sync = cfg.network, cfg.sync
     return AllReduceSettings(
@@ -439,7 +439,7 @@ def allreduce_settings(cfg: AtollConfig, fragments: int) -> AllReduceSettings:
 
 def exchange_settings(cfg: AtollConfig, spec: str, fragments: int) -> ExchangeSettings:
     """How a fragment's exchange forms groups and waits for announcements."""
-    from protocol.exchange import ExchangeSettings
+    from protocol.averaging.exchange import ExchangeSettings
 
     net = cfg.network
     return ExchangeSettings(

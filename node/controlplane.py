@@ -1,12 +1,12 @@
 """The node's control plane: heartbeats, round commitments and verdicts over GossipSub.
 
-Three topics on the node's :class:`~protocol.control.ControlChannel` (a py-libp2p
+Three topics on the node's :class:`~protocol.control.channel.ControlChannel` (a py-libp2p
 sidecar), every message signed by the node key and checked on receipt:
 
 * ``heartbeat``: alive, version, capabilities, measured throughput, current round
   and step; what ``atoll status`` shows.
 * ``commit``: before an exchange a member publishes the digests of its signed parts
-  for ``(round, fragment)`` (:class:`~protocol.parts.Commitments`); an owner takes
+  for ``(round, fragment)`` (:class:`~protocol.averaging.parts.Commitments`); an owner takes
   a part only if its sender committed to exactly that digest before the owner's own
   commit phase closed. Two different signed commitments from one peer for the same
   ``(round, fragment)`` are proof of equivocation.
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from protocol.control import ControlChannel
-from protocol.control_wire import CONTROL_VERSION, ControlMessage, open_control
+from protocol.averaging.parts import Commitments
+from protocol.control.channel import ControlChannel
+from protocol.control.frames import CONTROL_VERSION, ControlMessage, open_control
 from protocol.errors import ProtocolError
-from protocol.parts import Commitments
-from protocol.partwire import open_evidence
+from protocol.wire.partwire import open_evidence
 from verification.identity import Identity
 
 if TYPE_CHECKING:

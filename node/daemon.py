@@ -3,7 +3,7 @@
 :meth:`Node.run` reads top to bottom. The daemon wires the parts together and runs
 the lifecycle; the parts do the work: :class:`~node.trainer.InnerTrainer` (inner
 steps), :class:`~node.syncer.Syncer` (a fragment's sync),
-:class:`~protocol.exchange.FragmentExchange` (matchmaking, groups, all-reduce),
+:class:`~protocol.averaging.exchange.FragmentExchange` (matchmaking, groups, all-reduce),
 :class:`~node.peers.PeerView` (who else is in the run), :class:`~node.verifier.Verifier`
 (trust) and :class:`~node.controlplane.ControlPlane` (heartbeats, commitments,
 verdicts). The training loop is synchronous; every network exchange is a coroutine
@@ -43,11 +43,11 @@ from node.spec import RunSpec, settings_digest
 from node.syncer import Pending, Syncer
 from node.trainer import InnerTrainer, evaluate
 from node.verifier import Verifier
-from protocol import codec as codecs
-from protocol.allreduce import AllReduceService
-from protocol.exchange import FragmentExchange
-from protocol.fragments import plan_fragments
-from protocol.transport import BootstrapUnreachable, NotDialable, Transport
+from protocol.averaging.allreduce import AllReduceService
+from protocol.averaging.exchange import FragmentExchange
+from protocol.averaging.fragments import plan_fragments
+from protocol.p2p.transport import BootstrapUnreachable, NotDialable, Transport
+from protocol.wire import codec as codecs
 from verification.identity import Identity
 
 __all__ = ["Node"]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from node.config import OuterConfig
-from protocol.fragments import FragmentPlan
+from protocol.averaging.fragments import FragmentPlan
 
 __all__ = ["OuterOptimizer", "make_outer_optimizer", "sync_schedule"]
 

@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from protocol import matchmaking
+from protocol.averaging import matchmaking
+from protocol.averaging.matchmaking import PeerRecord
 from protocol.errors import ProtocolError
-from protocol.matchmaking import PeerRecord
-from protocol.transport import Transport
+from protocol.p2p.transport import Transport
 from verification.identity import Identity
 
 __all__ = ["LIVE_SECONDS", "DuplicateIdentityError", "PeerView"]

@@ -20,8 +20,8 @@ from node.data import BatchStream, load_corpus
 from node.model import build_model
 from node.outer import OuterOptimizer, sync_schedule
 from node.trainer import InnerTrainer, evaluate
-from protocol import codec as codecs
-from protocol.fragments import plan_fragments
+from protocol.averaging.fragments import plan_fragments
+from protocol.wire import codec as codecs
 
 __all__ = ["resolve_device", "simulate", "weighted_mean"]
 

@@ -38,7 +38,7 @@ import tomli_w
 from pydantic import TypeAdapter, ValidationError
 
 from node.config import AtollConfig, ConfigError, ModelConfig, OuterConfig, build_config
-from protocol.messages import PROTOCOL_VERSION
+from protocol.wire.messages import PROTOCOL_VERSION
 from verification.identity import Identity, verify
 from verification.policy import is_peer_id
 

@@ -2,7 +2,7 @@
 
 :meth:`Syncer.launch` runs on the training thread: it takes the fragment's
 pseudo-gradient (global - local), encodes it with error feedback and hands the
-exchange (:class:`~protocol.exchange.FragmentExchange`: matchmaking, groups,
+exchange (:class:`~protocol.averaging.exchange.FragmentExchange`: matchmaking, groups,
 all-reduce) to the transport's loop, returning at once. :meth:`Syncer.apply` runs
 later on the training thread: the outer optimizer steps the fragment's global copy
 and merges it into the local copy (:meth:`~node.outer.OuterOptimizer.merge_local`),
@@ -14,12 +14,12 @@ re-sync from a peer, and the work already done stays in the local copy and is
 contributed at the next sync (see :func:`staleness_weight`).
 
 When a round's group does not span the whole swarm, the group also averages its
-members' global copies (:mod:`protocol.exchange`):
+members' global copies (:mod:`protocol.averaging.exchange`):
 
 * ``allreduce`` mode (butterfly mixing across groups, Moshpit SGD): the group adopts
   its mean global copy, then steps it with its mean pseudo-gradient; with the
   butterfly layout the swarm holds the exact global mean after ``rounds_to_mix``
-  rounds (:mod:`protocol.grouping`).
+  rounds (:mod:`protocol.averaging.grouping`).
 * ``gossip`` mode (NoLoCo, Kolehmainen et al., 2025): pairs, and a modified Nesterov
   outer step whose gradient is the pair's mean pseudo-gradient plus
   ``gamma / lr * (own - mean)`` of the global copies.
@@ -39,8 +39,8 @@ import torch
 from node.config import AtollConfig
 from node.metrics import EventLog
 from node.outer import OuterOptimizer
-from protocol import codec as codecs
-from protocol.exchange import Exchanged, FragmentExchange
+from protocol.averaging.exchange import Exchanged, FragmentExchange
+from protocol.wire import codec as codecs
 
 __all__ = ["Pending", "Syncer", "staleness_weight"]
 
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 _DEADLINE_SLACK_SECONDS = 5.0  # an exchange past its deadline is wound up within this
 
 Submit = Callable[[Coroutine[Any, Any, Exchanged]], concurrent.futures.Future]
-"""Runs a coroutine on the transport's loop (:meth:`protocol.transport.Transport.submit`)."""
+"""Runs a coroutine on the transport's loop (:meth:`protocol.p2p.transport.Transport.submit`)."""
 
 
 def staleness_weight(tokens: int, missed: int) -> int:

@@ -1,7 +1,7 @@
 """The node's trust decisions: screening, robust aggregation, policy, reputation, audit.
 
 :class:`Verifier` plugs into the all-reduce as both the owner's reducer and its
-:class:`~protocol.parts.Judge`. Every contribution a node sees as a part owner gets
+:class:`~protocol.averaging.parts.Judge`. Every contribution a node sees as a part owner gets
 one audit row (accepted, rejected with a reason, or its own), every violation goes
 through the operator's :class:`~verification.policy.TrustPolicy` (drop, quarantine,
 ban); peers that are quarantined, banned, denied or below the policy's minimum
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from node.metrics import EventLog
-from protocol.parts import Contribution, Judge, Reduction
+from protocol.averaging.parts import Contribution, Judge, Reduction
 from verification.aggregators import aggregate, max_share_weights
 from verification.audit import AuditLog
 from verification.policy import TrustPolicy
@@ -142,7 +142,7 @@ class Verifier(Judge):
     def excluded(self, peers: Sequence[str], round_: int) -> set[str]:
         """The subset of ``peers`` this node votes to leave out of ``round_``: quarantined
         or banned. A peer is left out of a round's groups once more than half of the
-        round's announcers vote so (:func:`protocol.matchmaking.voted_out`), so honest
+        round's announcers vote so (:func:`protocol.averaging.matchmaking.voted_out`), so honest
         nodes that saw the evidence at different moments still form the same groups.
 
         Peers refused only by this node's own lists (deny, allow-only, minimum

@@ -21,14 +21,20 @@ from node.catchup import StateServer, StateSnapshot, fetch_state
 from node.config import ModelConfig, OuterConfig
 from node.model import build_model
 from node.outer import OuterOptimizer
-from protocol.allreduce import RPC_NAME, AllReduceService
+from protocol.averaging.allreduce import RPC_NAME, AllReduceService
+from protocol.averaging.fragments import plan_fragments
+from protocol.averaging.parts import (
+    AllReduceResult,
+    AllReduceSettings,
+    FaultInjection,
+    Judge,
+    part_bounds,
+)
+from protocol.averaging.repair import REPAIR_RPC
 from protocol.errors import ProtocolError
-from protocol.fragments import plan_fragments
-from protocol.messages import Header
-from protocol.parts import AllReduceResult, AllReduceSettings, FaultInjection, Judge, part_bounds
-from protocol.partwire import seal_part
-from protocol.repair import REPAIR_RPC
-from protocol.transport import Transport, TransportConfig
+from protocol.p2p.transport import Transport, TransportConfig
+from protocol.wire.messages import Header
+from protocol.wire.partwire import seal_part
 from verification.identity import Identity
 
 pytestmark = pytest.mark.integration

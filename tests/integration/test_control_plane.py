@@ -11,8 +11,8 @@ import pytest
 
 from node.controlplane import topic_name
 from node.metrics import read_events
-from protocol.control import ControlChannel
-from protocol.control_wire import CONTROL_VERSION, sign_control
+from protocol.control.channel import ControlChannel
+from protocol.control.frames import CONTROL_VERSION, sign_control
 from tests.integration.conftest import alive, wait_until
 from verification.audit import AuditLog
 from verification.identity import Identity

@@ -88,8 +88,8 @@ def test_stop_with_sigterm_leaves_nothing_behind(local_swarm):
 
 def test_raw_client_bad_messages_are_rejected_and_node_keeps_training(local_swarm, tmp_path):
     from protocol.errors import ProtocolError
-    from protocol.messages import Header, seal
-    from protocol.transport import Transport, TransportConfig
+    from protocol.p2p.transport import Transport, TransportConfig
+    from protocol.wire.messages import Header, seal
     from verification.identity import Identity
 
     node = local_swarm.start_one(0, rounds=60, extra=["network.max_message_mb=1"])

@@ -18,8 +18,8 @@ import psutil
 import pytest
 from hivemind.p2p import PeerID
 
-from protocol import _framing
-from protocol.transport import Transport, TransportConfig
+from protocol.p2p import _framing
+from protocol.p2p.transport import Transport, TransportConfig
 
 pytestmark = pytest.mark.integration
 

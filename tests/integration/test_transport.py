@@ -22,7 +22,7 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 
 from protocol.errors import ProtocolError
-from protocol.transport import Transport, TransportConfig
+from protocol.p2p.transport import Transport, TransportConfig
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ MiB = 1 << 20
 _CHILD = """
 import json, sys, time
 import psutil
-from protocol.transport import Transport, TransportConfig
+from protocol.p2p.transport import Transport, TransportConfig
 
 transport = Transport.start(TransportConfig())
 me = psutil.Process()

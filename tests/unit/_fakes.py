@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.reachability import Reachability
+from protocol.p2p.reachability import Reachability
 
 
 class FakeDHT:
@@ -17,7 +17,7 @@ class FakeDHT:
 
 
 class FakeTransport:
-    """What node.peers, protocol.matchmaking and protocol.exchange use of a Transport."""
+    """What node.peers, protocol.averaging.matchmaking and protocol.averaging.exchange use of a Transport."""
 
     def __init__(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol import addrs
+from protocol.p2p import addrs
 
 PEER = "12D3KooWExample"
 

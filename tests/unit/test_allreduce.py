@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from protocol import codec as codecs
-from protocol.allreduce import AllReduceService
-from protocol.parts import AllReduceSettings
+from protocol.averaging.allreduce import AllReduceService
+from protocol.averaging.parts import AllReduceSettings
+from protocol.wire import codec as codecs
 from verification.identity import Identity
 
 

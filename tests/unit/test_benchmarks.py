@@ -16,7 +16,7 @@ from benchmarks._common import (
     ring_allreduce_seconds,
     run_ranks,
 )
-from protocol.shaper import LinkShape
+from protocol.p2p.shaper import LinkShape
 
 _WORLD = 2
 

@@ -1,4 +1,4 @@
-"""Tests for protocol.codec: exact layouts, error bounds, unbiasedness and hostile payloads."""
+"""Tests for protocol.wire.codec: exact layouts, error bounds, unbiasedness and hostile payloads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import (
+from protocol.errors import ProtocolError
+from protocol.wire.codec import (
     CODECS,
     CodecError,
     Encoded,
@@ -20,7 +21,6 @@ from protocol.codec import (
     encode,
     encoded_size,
 )
-from protocol.errors import ProtocolError
 
 QMAX = {"int8": 127, "int4": 7}
 

@@ -19,8 +19,8 @@ import msgpack
 import psutil
 import pytest
 
-from protocol.control import ControlChannel, ControlChannelError
-from protocol.control_wire import (
+from protocol.control.channel import ControlChannel, ControlChannelError
+from protocol.control.frames import (
     MAX_FRAME_BYTES,
     ControlMessage,
     FrameDecoder,
@@ -263,7 +263,7 @@ def test_forged_messages_are_dropped_and_counted(
     forger = Identity.generate()
     forger.save(tmp_path / "forger-key")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "protocol.sidecar"],
+        [sys.executable, "-m", "protocol.control.sidecar"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         cwd=ROOT,
@@ -405,7 +405,7 @@ def test_malformed_libp2p_input_does_not_take_the_sidecar_down(
 PARENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from protocol.control import ControlChannel
+    from protocol.control.channel import ControlChannel
     channel = ControlChannel.start(sys.argv[1], "run-1", ["t"], lambda topic, message: None)
     print(channel.sidecar_pid, flush=True)
     time.sleep(120)
@@ -455,9 +455,9 @@ def test_sidecar_and_client_keep_their_imports_apart() -> None:
     check = textwrap.dedent(
         """
         import sys
-        import protocol.control
+        import protocol.control.channel
         assert not [m for m in sys.modules if m.startswith("libp2p")], "control imports libp2p"
-        import protocol.sidecar
+        import protocol.control.sidecar
         heavy = [m for m in sys.modules if m.split(".")[0] in ("hivemind", "torch")]
         assert not heavy, heavy
         """

@@ -11,7 +11,7 @@ import pytest
 from node.config import ControlConfig
 from node.controlplane import ControlPlane, check_bad_owner, check_equivocation, topic_name
 from node.verifier import Verifier
-from protocol.control_wire import open_control, sign_control
+from protocol.control.frames import open_control, sign_control
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.policy import TrustPolicy
@@ -164,8 +164,8 @@ def test_a_part_that_overtakes_its_late_commitment_is_refused_as_late(
 
 def _result(owner: Identity, contributors: list[str], digests: list[bytes], part: int = 1) -> bytes:
     """The evidence of a signed result: its head and signature (the body is not needed)."""
-    from protocol.messages import Header
-    from protocol.partwire import open_part, seal_part
+    from protocol.wire.messages import Header
+    from protocol.wire.partwire import open_part, seal_part
 
     meta = {"contributors": contributors, "digests": digests, "weights": [1.0] * len(digests)}
     header = Header("reduced", RUN, 3, 0, part, owner.peer_id)

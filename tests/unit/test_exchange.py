@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from protocol import matchmaking
+from protocol.averaging import matchmaking
+from protocol.averaging.exchange import ExchangeSettings, FragmentExchange
+from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
-from protocol.exchange import ExchangeSettings, FragmentExchange
-from protocol.parts import AllReduceResult
 from tests.unit._fakes import FakeDHT, FakeTransport
 from verification.identity import Identity
 

@@ -3,7 +3,7 @@ import torch
 
 from node.config import ModelConfig
 from node.model import build_model
-from protocol.fragments import plan_fragments
+from protocol.averaging.fragments import plan_fragments
 
 
 def test_partition_exact_and_balanced():

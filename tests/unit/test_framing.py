@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from protocol import _framing
 from protocol.errors import ProtocolError
-from protocol.transport import TransportConfig
+from protocol.p2p import _framing
+from protocol.p2p.transport import TransportConfig
 
 MiB = 1 << 20
 # Test-sized pace: a silent header is dropped after 0.3 s, a body slower than 1000 B/s

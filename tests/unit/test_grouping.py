@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.grouping import butterfly_radices, form_groups, group_of, owners, rounds_to_mix
+from protocol.averaging.grouping import (
+    butterfly_radices,
+    form_groups,
+    group_of,
+    owners,
+    rounds_to_mix,
+)
 
 
 def _names(n: int) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol._limits import bounded_unpackb, count_items
+from protocol.wire._limits import bounded_unpackb, count_items
 
 
 def _pack(value: object) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.matchmaking import form_groups, group_of
+from protocol.averaging.matchmaking import form_groups, group_of
 
 _peers = st.sets(st.text(min_size=1, max_size=12), min_size=0, max_size=40)
 _group_size = st.integers(min_value=1, max_value=12)
@@ -144,7 +144,7 @@ def test_pairs_get_new_partners_over_rounds() -> None:
 
 
 def test_a_peer_is_voted_out_by_a_strict_majority_of_announcers() -> None:
-    from protocol.matchmaking import Announcement, voted_out
+    from protocol.averaging.matchmaking import Announcement, voted_out
 
     def ann(peer: str, *excludes: str) -> Announcement:
         return Announcement(peer, 10, frozenset(excludes))

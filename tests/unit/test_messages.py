@@ -1,4 +1,4 @@
-"""Tests for protocol.messages: sealing, opening and refusing wire envelopes."""
+"""Tests for protocol.wire.messages: sealing, opening and refusing wire envelopes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import ProtocolError
-from protocol.messages import (
+from protocol.wire.messages import (
     MAX_BODY_ITEMS,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,

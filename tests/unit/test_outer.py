@@ -4,7 +4,7 @@ from torch import nn
 
 from node.config import OuterConfig
 from node.outer import OuterOptimizer, make_outer_optimizer, sync_schedule
-from protocol.fragments import plan_fragments
+from protocol.averaging.fragments import plan_fragments
 
 
 class Toy(nn.Module):

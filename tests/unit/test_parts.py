@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.parts import (
+from protocol.averaging.parts import (
     AllReduceResult,
     Contribution,
     PartPlan,

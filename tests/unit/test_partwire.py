@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from protocol.errors import ProtocolError
-from protocol.messages import Header
-from protocol.partwire import (
+from protocol.wire.messages import Header
+from protocol.wire.partwire import (
     MIN_CHUNK_BYTES,
     is_part,
     open_head,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from node.peers import LIVE_SECONDS, DuplicateIdentityError, PeerView
-from protocol import matchmaking
-from protocol.reachability import Reachability
+from protocol.averaging import matchmaking
+from protocol.p2p.reachability import Reachability
 from tests.unit._fakes import FakeDHT, FakeTransport
 from verification.identity import Identity
 

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from protocol.errors import ProtocolError
-from protocol.reachability import DialbackServer, Reachability, probe
+from protocol.p2p.reachability import DialbackServer, Reachability, probe
 
 
 def _free_listener() -> tuple[socket.socket, int]:

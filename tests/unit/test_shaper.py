@@ -1,4 +1,4 @@
-"""Tests for protocol.shaper: parsing, errors, and the pacing schedule on a fake clock."""
+"""Tests for protocol.p2p.shaper: parsing, errors, and the pacing schedule on a fake clock."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from protocol import _framing
-from protocol.shaper import ENV_VAR, LinkShape, Shaper
+from protocol.p2p import _framing
+from protocol.p2p.shaper import ENV_VAR, LinkShape, Shaper
 
 
 class FakeTime:

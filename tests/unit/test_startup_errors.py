@@ -86,7 +86,7 @@ def test_known_errors_exit_2(tmp_path, capsys, monkeypatch, exc) -> None:
 def test_transport_start_errors_exit_2(tmp_path, capsys, monkeypatch) -> None:
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-    from protocol.transport import BootstrapUnreachable, NotDialable
+    from protocol.p2p.transport import BootstrapUnreachable, NotDialable
 
     failed = RuntimeError("transport failed to start")
     failed.__cause__ = P2PDaemonError("Daemon failed to start: no such thing")

@@ -15,11 +15,11 @@ from node.config import AtollConfig
 from node.metrics import EventLog, read_events
 from node.outer import OuterOptimizer
 from node.syncer import Syncer, staleness_weight
-from protocol import codec as codecs
+from protocol.averaging.exchange import Exchanged
+from protocol.averaging.fragments import plan_fragments
+from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
-from protocol.exchange import Exchanged
-from protocol.fragments import plan_fragments
-from protocol.parts import AllReduceResult
+from protocol.wire import codec as codecs
 
 
 class Toy(nn.Module):

@@ -100,7 +100,7 @@ def _t(values: list[float]):
 
 
 def _contribution(peer: str, values: list[float], tokens: int = 100):
-    from protocol.parts import Contribution
+    from protocol.averaging.parts import Contribution
 
     return Contribution(
         peer=peer, vector=_t(values), weight=float(tokens), digest="", tokens=tokens

@@ -17,7 +17,7 @@ from benchmarks._common import (
     gloo_group,
     run_ranks,
 )
-from protocol.shaper import ENV_VAR, LinkShape, Shaper
+from protocol.p2p.shaper import ENV_VAR, LinkShape, Shaper
 
 _WORLD = 2
 _DELAY_S = 0.1

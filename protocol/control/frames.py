@@ -8,7 +8,7 @@ accusation, verdict) carried by GossipSub::
                       "ts": float, "seq": int, "body": any msgpack value})
     signature = Ed25519(sender's key, b"atoll/control/v1\\0" + sha256(signed))
 
-It mirrors :mod:`protocol.messages` (the envelope for tensor traffic) with its
+It mirrors :mod:`protocol.wire.messages` (the envelope for tensor traffic) with its
 own domain tag, so a control signature can never pass as an envelope signature
 or the other way round. The signature covers the run and the topic, so a
 message cannot be replayed into another run or moved to another topic.
@@ -20,7 +20,7 @@ one of ``oversized``, ``malformed``, ``bad_version``, ``bad_signature``,
 ``wrong_run``, ``wrong_topic`` or ``stale``.
 
 The second half of the module is the pipe framing between a node and its
-sidecar process (:mod:`protocol.sidecar`): each frame is a big-endian u32
+sidecar process (:mod:`protocol.control.sidecar`): each frame is a big-endian u32
 length followed by that many bytes of msgpack.
 
 This module imports only the standard library, msgpack and
@@ -39,8 +39,8 @@ from typing import IO, Any
 
 import msgpack
 
-from protocol._limits import bounded_unpackb, count_items, reject_ext
 from protocol.errors import ProtocolError
+from protocol.wire._limits import bounded_unpackb, count_items, reject_ext
 from verification.errors import VerificationError
 from verification.identity import Identity, public_key_from_peer_id, verify
 

@@ -6,7 +6,7 @@ Layout (hivemind 1.1.12 allows two; both were measured, this one was kept):
   loop in a background thread; Atoll's handlers and calls use that P2P directly;
 * hivemind's DHT runs in its forked child process and reaches the same p2pd
   through ``DHT(p2p=...)``, which connects a replica to the daemon's socket;
-* a watchdog process (:mod:`protocol.watchdog`) holds the pids of p2pd and the DHT
+* a watchdog process (:mod:`protocol.p2p.watchdog`) holds the pids of p2pd and the DHT
   process and ends them if this process dies without :meth:`Transport.shutdown`.
 
 The training code is synchronous: it hands coroutines to the loop with
@@ -41,10 +41,10 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from protocol import _framing, addrs, reachability
 from protocol.errors import ProtocolError
-from protocol.reachability import Reachability
-from protocol.watchdog import Watchdog, set_parent_death_signal, terminate_processes
+from protocol.p2p import _framing, addrs, reachability
+from protocol.p2p.reachability import Reachability
+from protocol.p2p.watchdog import Watchdog, set_parent_death_signal, terminate_processes
 
 __all__ = ["BootstrapUnreachable", "Handler", "NotDialable", "Transport", "TransportConfig"]
 
@@ -76,7 +76,7 @@ class TransportConfig:
             A node that finds itself unreachable at start joins as a client anyway.
         startup_timeout: deadline, in seconds, for p2pd and the DHT to come up.
         reachability: ``auto`` asks the initial peers to dial this node back at start
-            (:mod:`protocol.reachability`); ``public`` or ``private`` skips the check and
+            (:mod:`protocol.p2p.reachability`); ``public`` or ``private`` skips the check and
             is also passed to p2pd's AutoNAT as its forced reachability.
         relay: let p2pd use circuit relays (reach peers behind NAT through others).
         auto_relay: behind NAT, reserve a slot on a relay and announce the relayed
@@ -348,7 +348,7 @@ class Transport:
         """Multiaddrs, ending in ``/p2p/<peer id>``, that other nodes can join through.
 
         Loopback addresses are left out unless the node listens on loopback itself
-        (:func:`protocol.addrs.publishable`)."""
+        (:func:`protocol.p2p.addrs.publishable`)."""
         return list(self._maddrs)
 
     @property
@@ -358,7 +358,7 @@ class Transport:
 
     @property
     def reachability(self) -> Reachability:
-        """Whether peers on other hosts can dial this node (see :mod:`protocol.reachability`)."""
+        """Whether peers on other hosts can dial this node (see :mod:`protocol.p2p.reachability`)."""
         return self._reachability
 
     async def check_reachability(

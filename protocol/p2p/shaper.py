@@ -21,7 +21,7 @@ The model, and where it is approximate:
   messages the two give the same arrival time for every byte of every message (the
   whole queue is shifted by the delay); what differs is that the sending task is
   busy for the delay too.
-- Only what goes through ``protocol._framing`` is shaped (Atoll's RPCs: matchmaking,
+- Only what goes through ``protocol.p2p._framing`` is shaped (Atoll's RPCs: matchmaking,
   all-reduce, repair, catch-up). hivemind's DHT traffic and p2pd's own control
   traffic are not, and real links also lose, reorder and jitter, which this does not.
 """

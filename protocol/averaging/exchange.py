@@ -2,10 +2,10 @@
 
 Every node announces ``(round, fragment)`` in the DHT with its token count, its votes,
 whether peers can dial it and the digest of the run spec it runs
-(:mod:`protocol.matchmaking`). From the announcements every node computes the same
-groups (:mod:`protocol.grouping`): peers on another spec and peers voted out by a
+(:mod:`protocol.averaging.matchmaking`). From the announcements every node computes the same
+groups (:mod:`protocol.averaging.grouping`): peers on another spec and peers voted out by a
 majority are left out, and peers that cannot be dialled own no part. The group then
-all-reduces the fragment's pseudo-gradient (:mod:`protocol.allreduce`).
+all-reduces the fragment's pseudo-gradient (:mod:`protocol.averaging.allreduce`).
 
 When a round's group does not span the swarm (more peers than the largest group, or
 gossip pairs), members' global copies differ, so the group also all-reduces its
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol import grouping, matchmaking
-from protocol.allreduce import AllReduceService
+from protocol.averaging import grouping, matchmaking
+from protocol.averaging.allreduce import AllReduceService
+from protocol.averaging.grouping import Layout
+from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
-from protocol.grouping import Layout
-from protocol.parts import AllReduceResult
-from protocol.transport import Transport
+from protocol.p2p.transport import Transport
 from verification.identity import Identity
 
 __all__ = ["ExchangeSettings", "Exchanged", "FragmentExchange"]

@@ -1,8 +1,8 @@
 """The node's end of the control channel: signed GossipSub broadcasts via a sidecar.
 
-:class:`ControlChannel` starts :mod:`protocol.sidecar` as a child process (py-libp2p
+:class:`ControlChannel` starts :mod:`protocol.control.sidecar` as a child process (py-libp2p
 cannot live in a process that has imported hivemind), speaks the framed msgpack
-protocol of :mod:`protocol.control_wire` over its stdin and stdout, and keeps it
+protocol of :mod:`protocol.control.frames` over its stdin and stdout, and keeps it
 running: if the sidecar dies, the channel starts a new one with the same key (so
 the same PeerID) on the same port where it can, and dials the peers it was told
 about again.
@@ -13,7 +13,7 @@ the sidecar asks Linux to kill it when the thread that forked it exits
 (``PR_SET_PDEATHSIG``), so a SIGKILLed node takes its sidecar with it, and a
 short-lived caller thread must not.
 
-Every message is verified again here with :func:`~protocol.control_wire.open_control`
+Every message is verified again here with :func:`~protocol.control.frames.open_control`
 (the sidecar is a separate process and is not trusted blindly) and de-duplicated
 by ``(sender, seq)``, since a restarted sidecar is sent recent history again.
 """
@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from protocol.addrs import expand_wildcard, publishable, with_peer_id
-from protocol.control_wire import (
+from protocol.control.frames import (
     DEFAULT_MAX_CONTROL_BYTES,
     MAX_CONTROL_BYTES,
     ControlMessage,
@@ -43,6 +42,7 @@ from protocol.control_wire import (
     write_frame,
 )
 from protocol.errors import ProtocolError
+from protocol.p2p.addrs import expand_wildcard, publishable, with_peer_id
 from verification.identity import Identity
 
 __all__ = ["ControlChannel", "ControlChannelError", "OnMessage"]
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 OnMessage = Callable[[str, ControlMessage], None]
 """Called on the channel's thread with ``(topic, message)`` for each verified message."""
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _STOP_TIMEOUT_S = 5.0
 _RESTART_BACKOFF_S = (0.5, 10.0)  # first and longest wait before a restart
 _STABLE_AFTER_S = 30.0  # a sidecar that lived this long resets the backoff
@@ -391,7 +391,7 @@ class ControlChannel:
         )
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "protocol.sidecar"],
+                [sys.executable, "-m", "protocol.control.sidecar"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._log_file,

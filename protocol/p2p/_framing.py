@@ -14,7 +14,7 @@ unread), and a :class:`Pace` drops a stream whose header or body arrives too slo
 (``too_slow``), so silent streams cannot hold the slots.
 
 Tests and benchmarks can emulate a long link on loopback by setting
-``ATOLL_LINK_SHAPE`` (see :mod:`protocol.shaper`): each message then waits the one-way
+``ATOLL_LINK_SHAPE`` (see :mod:`protocol.p2p.shaper`): each message then waits the one-way
 delay before its header and its bytes are paced at the line rate. The wire format is
 the same; unset, writes take exactly the unshaped path.
 """
@@ -35,7 +35,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from protocol.errors import ProtocolError
-from protocol.shaper import Shaper
+from protocol.p2p.shaper import Shaper
 
 __all__ = [
     "CHUNK_BYTES",

@@ -15,7 +15,7 @@ watchdog started (hivemind's DHT process among them) inherits the write end of
 the watchdog's stdin, so the pipe stays open while any of them lives. Hence the
 pidfd, and the parent-pid check where pidfds are unavailable.
 
-The watchdog runs as a script by path rather than ``-m protocol.watchdog`` so
+The watchdog runs as a script by path rather than ``-m protocol.p2p.watchdog`` so
 that starting it imports nothing but psutil. It ignores SIGINT and runs in its
 own session, so a Ctrl-C or a closed terminal that kills the node does not
 kill the watchdog before it has cleaned up.

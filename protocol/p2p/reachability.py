@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 import msgpack
 
-from protocol import addrs
-from protocol._limits import bounded_unpackb
 from protocol.errors import ProtocolError
+from protocol.p2p import addrs
+from protocol.wire._limits import bounded_unpackb
 
 __all__ = ["RPC_NAME", "DialbackServer", "Reachability", "probe"]
 

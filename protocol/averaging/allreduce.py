@@ -1,7 +1,7 @@
 """Butterfly all-reduce of one fragment inside one group, over signed messages.
 
 The fragment's vector is cut into one contiguous part per *owner*: every member of
-the group except clients (nodes others cannot dial, see :class:`~protocol.parts.PartPlan`).
+the group except clients (nodes others cannot dial, see :class:`~protocol.averaging.parts.PartPlan`).
 Every member sends its encoded, signed part ``j`` to owner ``j`` in one RPC; the owner
 waits until every member's part is in or its deadline passes, reduces what it has
 (token-weighted mean unless a robust reducer is plugged in), encodes and signs the
@@ -15,8 +15,8 @@ the commit phase is over, owners wait for parts during the first half of the tim
 left, members wait for owners' answers until three quarters of it, and repair gets
 the rest. A member that vanishes, or announces and then sends nothing, costs only its
 contribution; a part whose owner vanished or went silent (or answered with something
-refused) is repaired among the other owners (:mod:`protocol.repair`) or falls back to
-this node's own value, and :class:`~protocol.parts.AllReduceResult` says exactly which
+refused) is repaired among the other owners (:mod:`protocol.averaging.repair`) or falls back to
+this node's own value, and :class:`~protocol.averaging.parts.AllReduceResult` says exactly which
 peers are in which part.
 """
 
@@ -30,10 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol import codec as codecs
-from protocol.errors import ProtocolError
-from protocol.messages import Header
-from protocol.parts import (
+from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
     Commitments,
@@ -45,9 +42,12 @@ from protocol.parts import (
     Reducer,
     weighted_mean_reducer,
 )
-from protocol.partwire import Part, SealedPart, seal_part
-from protocol.repair import PartRepair
-from protocol.transport import Transport
+from protocol.averaging.repair import PartRepair
+from protocol.errors import ProtocolError
+from protocol.p2p.transport import Transport
+from protocol.wire import codec as codecs
+from protocol.wire.messages import Header
+from protocol.wire.partwire import Part, SealedPart, seal_part
 from verification.identity import Identity
 
 __all__ = ["RPC_NAME", "AllReduceService"]

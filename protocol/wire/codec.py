@@ -43,7 +43,7 @@ __all__ = [
 if sys.byteorder != "little":
     # Payloads are produced by viewing tensor memory as bytes; a big-endian host would
     # silently emit the wrong wire format instead of failing.
-    raise ImportError("protocol.codec requires a little-endian host")
+    raise ImportError("protocol.wire.codec requires a little-endian host")
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 MAX_BLOCK_SIZE = 2**20

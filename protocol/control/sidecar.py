@@ -2,8 +2,8 @@
 
 py-libp2p cannot be imported next to hivemind (both register the protobuf symbol
 ``crypto.pb.KeyType``), so the node starts this module as a child process
-(``python -m protocol.sidecar``) and talks to it over its stdin and stdout with
-the frames of :mod:`protocol.control_wire`. Logging goes to stderr only.
+(``python -m protocol.control.sidecar``) and talks to it over its stdin and stdout with
+the frames of :mod:`protocol.control.frames`. Logging goes to stderr only.
 
 Node to sidecar::
 
@@ -25,7 +25,7 @@ Sidecar to node::
     {"ev": "log", "level": str, "msg": str}
 
 Every message from the network passes a GossipSub topic validator before it is
-delivered or forwarded: :func:`~protocol.control_wire.open_control` checks the
+delivered or forwarded: :func:`~protocol.control.frames.open_control` checks the
 Atoll signature, run and topic, and the signed sender must be the libp2p source
 of the message (whose own libp2p signature py-libp2p checks first), so a peer
 can neither forge nor re-inject another peer's message. Messages this node
@@ -37,7 +37,7 @@ started it (``PR_SET_PDEATHSIG``) and polls its parent pid as a fallback.
 
 
 The GossipSub settings, peer scoring and py-libp2p workarounds live in
-:mod:`protocol._gossip`; this module is the process: its pipe, lifecycle and
+:mod:`protocol.control._gossip`; this module is the process: its pipe, lifecycle and
 main loop. Set ``ATOLL_SIDECAR_LOG=DEBUG`` in the node's environment for a
 detailed log. This module imports neither hivemind nor torch, directly or
 indirectly.
@@ -63,7 +63,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.tools.anyio_service import background_trio_service
 
-from protocol._gossip import (
+from protocol.control._gossip import (
     GOSSIP,
     LIBP2P_DROPS,
     CountingPubsub,
@@ -76,7 +76,7 @@ from protocol._gossip import (
     quiet_libp2p_logs,
     tune_libp2p,
 )
-from protocol.control_wire import (
+from protocol.control.frames import (
     MAX_CONTROL_BYTES,
     MAX_NAME_CHARS,
     FrameDecoder,
@@ -84,7 +84,7 @@ from protocol.control_wire import (
     open_control,
 )
 from protocol.errors import ProtocolError
-from protocol.watchdog import set_parent_death_signal
+from protocol.p2p.watchdog import set_parent_death_signal
 
 __all__ = ["GOSSIP", "GossipSettings", "main"]
 
@@ -398,7 +398,7 @@ def _exit_after(seconds: float, code: int) -> None:
 
 
 def main() -> int:
-    """Entry point of ``python -m protocol.sidecar``."""
+    """Entry point of ``python -m protocol.control.sidecar``."""
     logging.basicConfig(
         level=os.environ.get("ATOLL_SIDECAR_LOG", "INFO"),
         stream=sys.stderr,

@@ -1,7 +1,7 @@
 """What an all-reduce exchanges, and the hooks the node plugs into it.
 
-Shared by the butterfly exchange (:mod:`protocol.allreduce`) and the repair of a
-part whose owner failed (:mod:`protocol.repair`):
+Shared by the butterfly exchange (:mod:`protocol.averaging.allreduce`) and the repair of a
+part whose owner failed (:mod:`protocol.averaging.repair`):
 
 * settings and plain records: :class:`AllReduceSettings`, :class:`Contribution`,
   :class:`Reduction`, :class:`AllReduceResult`;
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol import codec as codecs
 from protocol.errors import ProtocolError
-from protocol.messages import Header
-from protocol.partwire import Part, SealedPart, open_part, seal_part
-from protocol.transport import Transport
+from protocol.p2p.transport import Transport
+from protocol.wire import codec as codecs
+from protocol.wire.messages import Header
+from protocol.wire.partwire import Part, SealedPart, open_part, seal_part
 from verification.identity import Identity
 
 __all__ = [
@@ -446,7 +446,7 @@ class PartExchange:
         milliseconds per megabyte; the loop keeps reading other streams meanwhile).
 
         Raises:
-            ProtocolError: as :func:`~protocol.partwire.open_part`.
+            ProtocolError: as :func:`~protocol.wire.partwire.open_part`.
         """
         return await asyncio.to_thread(
             open_part,

@@ -4,7 +4,7 @@ Owns the GossipSub parameter choices and peer scoring, the queue-size overrides
 and the workarounds for py-libp2p 0.8.1 (a pubsub that survives malformed RPCs
 and counts what it drops, quieter libp2p logging), loading the node's key as a
 libp2p key pair, and keeping the node's wanted peers dialled.
-:mod:`protocol.sidecar` runs these in its own process; like it, this module
+:mod:`protocol.control.sidecar` runs these in its own process; like it, this module
 imports neither hivemind nor torch.
 """
 

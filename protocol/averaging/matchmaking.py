@@ -5,7 +5,7 @@ DHT under ``{run_id}:mm:{round}:{fragment}`` with its own PeerID as the subkey
 (hivemind's DHT protects subkeys only, and a reader checks that the subkey is the
 envelope's signer). It then reads the key until every peer it expects has announced,
 or until its matchmaking deadline. Groups follow from the announced set alone
-(:mod:`protocol.grouping`), so every node that saw the same set computes the same
+(:mod:`protocol.averaging.grouping`), so every node that saw the same set computes the same
 groups without talking to anyone. Nodes whose views
 differ still finish: the all-reduce refuses parts from a peer whose group differs
 (``group_mismatch``) and each side keeps its own value for those parts.
@@ -23,10 +23,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from protocol.averaging.grouping import form_groups, group_of
 from protocol.errors import ProtocolError
-from protocol.grouping import form_groups, group_of
-from protocol.messages import Header, open_envelope, seal
-from protocol.transport import Transport
+from protocol.p2p.transport import Transport
+from protocol.wire.messages import Header, open_envelope, seal
 from verification.identity import Identity
 
 __all__ = [
@@ -94,7 +94,7 @@ class PeerRecord:
         maddrs: where its p2pd listens (as it publishes them).
         updated: its wall-clock time when it wrote the record.
         control: multiaddrs of its control sidecar (GossipSub), if it runs one.
-        reachable: whether others can dial it (see :mod:`protocol.reachability`).
+        reachable: whether others can dial it (see :mod:`protocol.p2p.reachability`).
         spec: digest of the run spec (or shared settings) it runs.
         instance: a random id of the running process: two processes with one key
             write different ones.

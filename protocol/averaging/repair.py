@@ -8,7 +8,7 @@ excluded), and each reduces the same set with the same reducer in the same order
 (sorted by PeerID), so every honest member ends with the same values again. The cost
 is ``G - 2`` extra transfers of one part per member, paid only when an owner fails.
 
-Every repair message is a signed ``repair`` part (:mod:`protocol.partwire`) checked
+Every repair message is a signed ``repair`` part (:mod:`protocol.wire.partwire`) checked
 like any part; a member
 that never repairs the part answers ``not_in_repair`` and is simply left out.
 """
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from protocol.averaging.parts import Contribution, PartExchange
 from protocol.errors import ProtocolError
-from protocol.messages import Header
-from protocol.parts import Contribution, PartExchange
-from protocol.partwire import SealedPart, seal_part
+from protocol.wire.messages import Header
+from protocol.wire.partwire import SealedPart, seal_part
 
 __all__ = ["REPAIR_RPC", "PartRepair"]
 
@@ -47,7 +47,7 @@ class _Repair:
 
 
 class PartRepair:
-    """The repair exchange of one node; shares its :class:`~protocol.parts.PartExchange`
+    """The repair exchange of one node; shares its :class:`~protocol.averaging.parts.PartExchange`
     (transport, key, counters, refusals) with the node's all-reduce."""
 
     def __init__(self, wire: PartExchange) -> None:

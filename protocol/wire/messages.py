@@ -32,8 +32,8 @@ from typing import Any
 
 import msgpack
 
-from protocol._limits import bounded_unpackb, count_items
 from protocol.errors import ProtocolError
+from protocol.wire._limits import bounded_unpackb, count_items
 from verification.errors import VerificationError
 from verification.identity import Identity, public_key_from_peer_id, verify
 
@@ -334,7 +334,7 @@ def _parse_signed(signed: bytes, peer: str | None) -> tuple[Header, dict[str, An
 
 
 def header_problem(header: Header) -> str | None:
-    """Why a header is unacceptable, or None (shared with :mod:`protocol.partwire`)."""
+    """Why a header is unacceptable, or None (shared with :mod:`protocol.wire.partwire`)."""
     for name in ("kind", "run_id", "sender"):
         value = getattr(header, name)
         if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:

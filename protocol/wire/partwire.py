@@ -18,7 +18,7 @@ and a head with its signature (kilobytes, whatever the body's size) is enough fo
 anyone to re-check what the sender said: :func:`verify_head`. BLAKE3 rather than
 SHA-256 because it hashes these bodies about 2x faster here (``python -m benchmarks
 verification`` measures both); the domain tag keeps a part signature from ever
-passing as an envelope signature (:mod:`protocol.messages`) or the other way round.
+passing as an envelope signature (:mod:`protocol.wire.messages`) or the other way round.
 
 :func:`open_part` is the gate for these bytes from peers: the size before anything is
 parsed, the head with hard msgpack limits, the signature before the body is looked
@@ -41,9 +41,9 @@ from typing import Any
 import blake3
 import msgpack
 
-from protocol._limits import bounded_unpackb
 from protocol.errors import ProtocolError
-from protocol.messages import MAX_NAME_CHARS, Header, header_problem
+from protocol.wire._limits import bounded_unpackb
+from protocol.wire.messages import MAX_NAME_CHARS, Header, header_problem
 from verification.identity import Identity, verify
 
 __all__ = [
