@@ -334,18 +334,18 @@ class Verifier(Judge):
         blocked = self.blocks(owner, round_)
         if blocked:
             return blocked
-        if not self.policy.screening or float(own.norm()) == 0.0 or not included:
-            # An idle member has nothing to compare the owner's result with, and one whose
-            # part the owner left out (with a reason) is not in the result to compare.
-            return None
+        if not self.policy.screening or float(own.norm()) == 0.0:
+            return None  # an idle member has nothing to compare the owner's result with
+        rms = float(reduced.norm()) / max(1.0, reduced.numel()) ** 0.5
+        history = self._results.setdefault(fragment, deque(maxlen=_NORM_HISTORY))
+        if not included:
+            return self._check_without_own(reduced, own, rms, history, spread)
         verdict = check_reduced(
             reduced,
             own,
             max_ratio=self.policy.norm_kappa * spread,
             min_cosine=self.policy.min_cosine,
         )
-        rms = float(reduced.norm()) / max(1.0, reduced.numel()) ** 0.5
-        history = self._results.setdefault(fragment, deque(maxlen=_NORM_HISTORY))
         # Longer than this node's own update, but no longer than the results honest
         # owners returned before: a peer that trained more, not an owner that lies.
         if (
@@ -357,6 +357,24 @@ class Verifier(Judge):
         if verdict.ok:
             history.append(rms)
         return None if verdict.ok else verdict.reason
+
+    def _check_without_own(
+        self, reduced: torch.Tensor, own: torch.Tensor, rms: float, history: deque, spread: float
+    ) -> str | None:
+        """Judge a result the owner left this node's part out of (with a reason).
+
+        Its direction need not follow this node's part, but its length must stay within
+        what honest owners returned before (or, with little history, within
+        ``norm_kappa`` times this node's own update): an owner that refused this node
+        must not be able to hand it anything at all."""
+        if len(history) >= _MIN_FOR_STATISTICS:
+            bound = self.policy.norm_kappa * statistics.median(history)
+        else:
+            bound = self.policy.norm_kappa * spread * float(own.norm()) / max(1, own.numel()) ** 0.5
+        if rms > bound:
+            return "owner_norm"
+        history.append(rms)
+        return None
 
     def on_missing(self, peer: str, round_: int, fragment: int, part: int, committed: bool) -> None:
         """Record a part that never came; a peer that keeps committing and not

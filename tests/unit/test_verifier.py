@@ -65,8 +65,17 @@ def test_owner_check_trusts_results_like_earlier_ones_and_skips_excluded_members
         assert verifier.check_reduced(PEER, r, 0, 0, normal, normal) is None
     assert verifier.check_reduced(PEER, 4, 0, 0, normal, own) is None
     assert verifier.check_reduced(PEER, 4, 0, 0, normal * 10, own) == "owner_norm"
-    # a result the owner computed without this member's part is not compared with it
+    # a result the owner computed without this member's part need not follow its
+    # direction, but may be no longer than what honest owners returned before
     assert verifier.check_reduced(PEER, 4, 0, 0, -normal, own, included=False) is None
+    assert verifier.check_reduced(PEER, 4, 0, 0, normal * 10, own, included=False) == "owner_norm"
+
+
+def test_an_owner_that_left_this_member_out_cannot_hand_it_anything(verifier) -> None:
+    own = _t([0.1, 0.1, 0.0, 0.0])
+    # no history yet: the bound is norm_kappa times this member's own update
+    assert verifier.check_reduced(PEER, 1, 0, 0, own * 100, own, included=False) == "owner_norm"
+    assert verifier.check_reduced(PEER, 1, 0, 0, -own, own, included=False) is None
 
 
 def test_benign_refusals_flag_no_one(verifier: Verifier) -> None:
