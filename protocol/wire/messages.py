@@ -44,6 +44,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Envelope",
     "Header",
+    "check_header",
     "envelope_digest",
     "header_problem",
     "open_envelope",
@@ -248,17 +249,7 @@ def open_envelope(
         header.sender, signing_payload(digest), signature
     ):
         raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
-
-    if run_id is not None and header.run_id != run_id:
-        raise ProtocolError("wrong_run", f"run {header.run_id!r}, expected {run_id!r}", peer)
-    if kinds is not None and header.kind not in kinds:
-        raise ProtocolError("wrong_kind", f"kind {header.kind!r} not accepted here", peer)
-    if round_window is not None and not round_window[0] <= header.round <= round_window[1]:
-        raise ProtocolError(
-            "stale_round",
-            f"round {header.round} outside [{round_window[0]}, {round_window[1]}]",
-            peer,
-        )
+    check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
     return Envelope(header=header, body=body, signature=signature, raw_signed=signed, digest=digest)
 
 
@@ -331,6 +322,32 @@ def _parse_signed(signed: bytes, peer: str | None) -> tuple[Header, dict[str, An
     if problem:
         raise ProtocolError("malformed", problem, peer)
     return header, body
+
+
+def check_header(
+    header: Header,
+    *,
+    run_id: str | None = None,
+    kinds: Collection[str] | None = None,
+    round_window: tuple[int, int] | None = None,
+) -> None:
+    """Check an authenticated header against what the caller accepts (shared with
+    :mod:`protocol.wire.partwire`).
+
+    Raises:
+        ProtocolError: ``wrong_run``, ``wrong_kind`` or ``stale_round``, naming the signer.
+    """
+    peer = header.sender
+    if run_id is not None and header.run_id != run_id:
+        raise ProtocolError("wrong_run", f"run {header.run_id!r}, expected {run_id!r}", peer)
+    if kinds is not None and header.kind not in kinds:
+        raise ProtocolError("wrong_kind", f"kind {header.kind!r} not accepted here", peer)
+    if round_window is not None and not round_window[0] <= header.round <= round_window[1]:
+        raise ProtocolError(
+            "stale_round",
+            f"round {header.round} outside [{round_window[0]}, {round_window[1]}]",
+            peer,
+        )
 
 
 def header_problem(header: Header) -> str | None:

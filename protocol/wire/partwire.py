@@ -43,7 +43,7 @@ import msgpack
 
 from protocol.errors import ProtocolError
 from protocol.wire._limits import bounded_unpackb
-from protocol.wire.messages import MAX_NAME_CHARS, Header, header_problem
+from protocol.wire.messages import MAX_NAME_CHARS, Header, check_header, header_problem
 from verification.identity import Identity, verify
 
 __all__ = [
@@ -337,16 +337,7 @@ def open_part(
     digest = _head_digest(head)
     if not verify(header.sender, _DOMAIN + digest, signature):
         raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
-    if run_id is not None and header.run_id != run_id:
-        raise ProtocolError("wrong_run", f"run {header.run_id!r}, expected {run_id!r}", peer)
-    if kinds is not None and header.kind not in kinds:
-        raise ProtocolError("wrong_kind", f"kind {header.kind!r} not accepted here", peer)
-    if round_window is not None and not round_window[0] <= header.round <= round_window[1]:
-        raise ProtocolError(
-            "stale_round",
-            f"round {header.round} outside [{round_window[0]}, {round_window[1]}]",
-            peer,
-        )
+    check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
     size, chunk, hashes = meta.pop("size"), meta.pop("chunk"), meta.pop("hashes")
     if body.nbytes < size:
         raise ProtocolError("truncated", f"body of {body.nbytes} bytes, signed {size}", peer)
