@@ -23,6 +23,7 @@ peers are in which part.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from protocol.averaging.parts import (
 )
 from protocol.averaging.repair import PartRepair
 from protocol.errors import ProtocolError
-from protocol.p2p.transport import Transport
+from protocol.p2p.transport import BufferPool, Lease, Transport
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import Part, SealedPart, seal_part
@@ -59,9 +60,10 @@ _SESSION_ROUNDS_KEPT = 3
 _PARTS_SHARE = 0.5  # of the time left after the commit phase: owners take parts
 _REPLIES_SHARE = 0.75  # members wait for owners' results; repair gets the rest
 _MIN_CALL_SECONDS = 0.5
+_NO_VALUES = torch.empty(0)
 
-_PartResult = tuple[int, torch.Tensor | None, list[str]]
-"""``(part index, reduced values or None, who is in them)``."""
+_PartResult = tuple[int, bool, list[str]]
+"""``(part index, whether the reduced values are in the output, who is in them)``."""
 
 
 @dataclass
@@ -123,6 +125,8 @@ class AllReduceService:
         self.faults = faults or FaultInjection()
         self.commitments = commitments
         self.repair = PartRepair(self.wire)
+        self.pool = BufferPool()
+        """Buffers large parts and results are received into, reused round after round."""
         self._sessions: dict[tuple[int, int], _Session] = {}
         # Rounds in the replay window times fragments, plus the kept history.
         self._max_sessions = settings.fragments * (settings.round_window + _SESSION_ROUNDS_KEPT + 2)
@@ -162,6 +166,7 @@ class AllReduceService:
             self._handle,
             max_request_bytes=self.settings.max_message_bytes,
             timeout=self.settings.timeout * 2 + 5.0,
+            pool=self.pool,
         )
         self.repair.register()
 
@@ -306,6 +311,11 @@ class AllReduceService:
         # every other contributor is waiting for this one reply
         self.wire.tally((h.round, h.fragment), sent=session.reply.nbytes * (len(contributions) - 1))
         session.reduced.set()
+        # the parts are in the result: drop their views so their receive buffers go back
+        # to the pool (a retry is recognised by its digest alone)
+        session.contributions = {
+            p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in session.contributions.items()
+        }
         return codecs.decode(enc, expected_numel=session.numel, copy=False)
 
     # ---- member side ------------------------------------------------------------------
@@ -319,6 +329,7 @@ class AllReduceService:
         weight: int,
         owners: Sequence[str] | None = None,
         deadline: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> AllReduceResult:
         """All-reduce ``vector`` with ``group`` for ``(round, fragment)``.
 
@@ -330,7 +341,22 @@ class AllReduceService:
                 among them is a client: it sends every part and owns none.
             deadline: ``time.monotonic()`` by which the exchange, repair included, is
                 over (default: ``settings.timeout`` from now).
+            out: where to write the result (a float32 tensor shaped like ``vector``, not
+                ``vector`` itself); a caller that averages the same fragment round after
+                round passes the same tensor each time, as hivemind's averager averages
+                into its own tensors, and saves a fresh allocation per round (above
+                32 MiB each one is a new mapping whose pages fault in one by one).
+                Default: a new tensor.
         """
+        if out is not None and (
+            out.shape != vector.shape
+            or out.dtype != vector.dtype
+            or out.data_ptr() == vector.data_ptr()
+        ):
+            raise ValueError(
+                f"out must be a {vector.dtype} tensor of shape {tuple(vector.shape)} "
+                "that is not the contribution itself"
+            )
         started = time.monotonic()
         done_by = deadline if deadline is not None else started + self.settings.timeout
         me = self.identity.peer_id
@@ -345,18 +371,22 @@ class AllReduceService:
         await self._commit_phase(session, round_, fragment, plan.group, requests)
         self._schedule(session)
 
+        if out is None:
+            out = torch.empty_like(vector)
+
         async def part(j: int) -> _PartResult:
+            # each part is written into ``out`` as soon as it is accepted
+            lo, hi = plan.bounds[j]
             if j == plan.index:
                 header = Header("part", self.settings.run_id, round_, fragment, j, me)
-                own = await self._reduce_own_part(session, header)
-                return j, own, list(session.reply_contributors)
-            lo, hi = plan.bounds[j]
+                out[lo:hi] = await self._reduce_own_part(session, header)
+                return j, True, list(session.reply_contributors)
             if self.faults.silent:
-                return j, None, []
+                return j, False, []
             result = await self._send_part(
-                round_, fragment, plan, j, vector, weight, requests[j], session.replies_by
+                round_, fragment, plan, j, weight, requests[j], session.replies_by, vector, out
             )
-            if result[1] is not None:
+            if result[1]:
                 self.repair.accepted(round_, fragment, j)
             elif self._repairable(plan):
                 owner = plan.owners[j]
@@ -365,12 +395,13 @@ class AllReduceService:
                 )
                 if fixed is not None:
                     repaired.append(j)
-                    return j, fixed[0], fixed[1]
+                    out[lo:hi] = fixed[0]
+                    return j, True, fixed[1]
             return result
 
         repaired: list[int] = []
         results = await asyncio.gather(*(part(j) for j in range(len(plan.owners))))
-        return self._assemble(plan, vector, results, (round_, fragment), repaired, started)
+        return self._assemble(plan, vector, out, results, (round_, fragment), repaired, started)
 
     def _repairable(self, plan: PartPlan) -> bool:
         # Repair is all-to-all among the owners other than the failed one; a client
@@ -432,22 +463,22 @@ class AllReduceService:
         self,
         plan: PartPlan,
         vector: torch.Tensor,
+        out: torch.Tensor,
         results: list[_PartResult],
         at: tuple[int, int],
         repaired: list[int],
         started: float,
     ) -> AllReduceResult:
-        out = vector.clone()
         contributors: list[list[str]] = []
         fallback: list[int] = []
-        for j, part, peers in sorted(results, key=lambda r: r[0]):
-            lo, hi = plan.bounds[j]
-            if part is None:
+        for j, done, peers in sorted(results, key=lambda r: r[0]):
+            if done:
+                contributors.append(peers)
+            else:
+                lo, hi = plan.bounds[j]
+                out[lo:hi] = vector[lo:hi]
                 fallback.append(j)
                 contributors.append([self.identity.peer_id])
-            else:
-                out[lo:hi] = part
-                contributors.append(peers)
         sent, received = self.wire.traffic(at)
         return AllReduceResult(
             vector=out,
@@ -501,14 +532,16 @@ class AllReduceService:
 
     async def _call_owner(
         self, owner: str, request: SealedPart, at: tuple[int, int], j: int, by: float
-    ) -> bytes:
+    ) -> Lease:
         """Send a part to its owner and wait for its answer until ``by``; retry once with
         the same bytes if the stream is cut and time is left."""
         transport = self.wire.transport
         self.wire.tally(at, sent=request.nbytes)
         timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
         try:
-            return await transport.call(owner, RPC_NAME, request.buffers(), timeout=timeout)
+            return await transport.call_into(
+                owner, RPC_NAME, request.buffers(), timeout=timeout, pool=self.pool
+            )
         except ProtocolError as exc:
             if exc.reason != "connection_lost" or by - time.monotonic() < _MIN_CALL_SECONDS:
                 raise
@@ -517,7 +550,9 @@ class AllReduceService:
         logger.info("round %d fragment %d part %d: retrying owner %s", *at, j, owner[:16])
         self.wire.tally(at, sent=request.nbytes)
         timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
-        return await transport.call(owner, RPC_NAME, request.buffers(), timeout=timeout)
+        return await transport.call_into(
+            owner, RPC_NAME, request.buffers(), timeout=timeout, pool=self.pool
+        )
 
     async def _send_part(
         self,
@@ -525,16 +560,17 @@ class AllReduceService:
         fragment: int,
         plan: PartPlan,
         j: int,
-        vector: torch.Tensor,
         weight: int,
         request: SealedPart,
         by: float,
+        vector: torch.Tensor,
+        out: torch.Tensor,
     ) -> _PartResult:
+        """Send part ``j`` to its owner; write the accepted result into ``out``."""
         owner, (lo, hi) = plan.owners[j], plan.bounds[j]
         at = (round_, fragment)
         try:
-            raw = await self._call_owner(owner, request, at, j, by)
-            self.wire.tally(at, received=len(raw))
+            lease = await self._call_owner(owner, request, at, j, by)
         except ProtocolError as exc:
             logger.warning(
                 "round %d fragment %d part %d: owner %s: %s; keeping local values",
@@ -542,20 +578,26 @@ class AllReduceService:
             )
             if exc.detail.startswith("group_mismatch"):
                 self._note_mismatch(round_, fragment, plan)
-            return j, None, []
-        try:
-            reply = await self.wire.open(
-                raw, owner, kinds=("reduced",), round_window=(round_, round_)
-            )
-            part, peers = self._judge_reduced(reply, owner, at, j, hi - lo, vector[lo:hi], weight)
-        except ProtocolError as exc:
-            logger.warning(
-                "round %d fragment %d part %d: refused reduced part from owner %s: %s",
-                *(round_, fragment, j, owner[:16], exc),
-            )
-            self.wire.judge.on_owner_refused(owner, round_, fragment, j, exc.reason)
-            return j, None, []
-        return j, part, peers
+            return j, False, []
+        with lease:
+            self.wire.tally(at, received=len(lease.data))
+            try:
+                reply = await self.wire.open(
+                    lease.data, owner, kinds=("reduced",), round_window=(round_, round_)
+                )
+                part, peers = self._judge_reduced(
+                    reply, owner, at, j, hi - lo, vector[lo:hi], weight
+                )
+            except ProtocolError as exc:
+                logger.warning(
+                    "round %d fragment %d part %d: refused reduced part from owner %s: %s",
+                    *(round_, fragment, j, owner[:16], exc),
+                )
+                self.wire.judge.on_owner_refused(owner, round_, fragment, j, exc.reason)
+                return j, False, []
+            out[lo:hi] = part
+            del reply, part  # views of the lease's buffer: gone before it goes back
+        return j, True, peers
 
     def _judge_reduced(
         self,

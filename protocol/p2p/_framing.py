@@ -39,6 +39,8 @@ from protocol.p2p.shaper import Shaper
 
 __all__ = [
     "CHUNK_BYTES",
+    "BufferPool",
+    "Lease",
     "Payload",
     "REMOTE_ADDR",
     "STATUS_ERROR",
@@ -47,7 +49,9 @@ __all__ = [
     "StreamGate",
     "decode_error",
     "encode_error",
+    "answer",
     "exchange",
+    "exchange_on",
     "payload_size",
     "read_body",
     "read_request_header",
@@ -153,6 +157,107 @@ async def read_response_header(reader: asyncio.StreamReader) -> tuple[int, int]:
     return status, length
 
 
+def _unexported(buffer: bytearray) -> bool:
+    """Whether no view or tensor of ``buffer`` is alive (a bytearray with exports cannot
+    be resized, so a resize that succeeds proves there are none)."""
+    try:
+        buffer.append(0)
+    except BufferError:
+        return False
+    del buffer[-1]
+    return True
+
+
+class Lease:
+    """One received body: ``data`` is a view of a pooled buffer, or plain bytes.
+
+    :meth:`release` gives the buffer back; the pool reuses it only once nothing made
+    from ``data`` (a slice, a ``torch.frombuffer`` tensor) is alive any more, so a
+    consumer that keeps a view past the release keeps its bytes intact.
+    """
+
+    def __init__(
+        self,
+        data: bytes | memoryview,
+        pool: BufferPool | None = None,
+        buffer: bytearray | None = None,
+    ) -> None:
+        self.data = data
+        self._pool = pool
+        self._buffer = buffer
+
+    def release(self) -> None:
+        """Hand the buffer back (idempotent)."""
+        pool, buffer = self._pool, self._buffer
+        self._pool = self._buffer = None
+        if isinstance(self.data, memoryview):
+            self.data.release()
+        self.data = b""
+        if pool is not None and buffer is not None:
+            pool._give_back(buffer)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class BufferPool:
+    """Receive buffers for large bodies, reused message after message.
+
+    A body of ``min_bytes`` or more is read into a pooled ``bytearray`` instead of being
+    joined into a fresh ``bytes``: above 32 MiB every fresh allocation is a new mapping
+    whose pages fault in one by one, about five times the cost of writing into memory
+    already mapped. A buffer is handed out again only when nothing holds a view of it
+    (see :class:`Lease`); at most ``max_free_bytes`` of idle buffers are kept.
+
+    Used on one event loop only (no lock).
+    """
+
+    def __init__(self, max_free_bytes: int = 512 * 2**20, min_bytes: int = CHUNK_BYTES) -> None:
+        self.max_free_bytes = max_free_bytes
+        self.min_bytes = min_bytes
+        self._idle: list[bytearray] = []
+        self.allocated = 0
+        """Buffers created so far (a pool that works creates few)."""
+
+    def lease(self, nbytes: int) -> Lease:
+        """A buffer of exactly ``nbytes`` (a reused one when an idle buffer of
+        ``nbytes`` to ``2 * nbytes`` is free); plain bytes below ``min_bytes``."""
+        if nbytes < self.min_bytes:
+            return Lease(bytes(nbytes))
+        best = None
+        for buffer in self._idle:
+            size = len(buffer)
+            fits = nbytes <= size <= 2 * nbytes and (best is None or size < len(best))
+            if fits and _unexported(buffer):
+                best = buffer
+        if best is None:
+            best = bytearray(nbytes)
+            self.allocated += 1
+        else:
+            self._idle.remove(best)
+        return Lease(memoryview(best)[:nbytes], self, best)
+
+    def _give_back(self, buffer: bytearray) -> None:
+        self._idle.append(buffer)
+        # keep the largest buffers within the budget; a buffer still viewed counts too
+        # (it is reused once its views are gone)
+        self._idle.sort(key=len, reverse=True)
+        total = 0
+        for i, kept in enumerate(self._idle):
+            total += len(kept)
+            if total > self.max_free_bytes:
+                del self._idle[i:]
+                break
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes held by idle buffers."""
+        return sum(len(b) for b in self._idle)
+
+
 @dataclass(frozen=True)
 class Pace:
     """How slowly a caller may send its request before the stream is dropped as ``too_slow``.
@@ -256,11 +361,18 @@ class _Pacer:
         self._timer.cancel()
 
 
-async def read_body(reader: asyncio.StreamReader, length: int, pace: Pace | None = None) -> bytes:
+async def read_body(
+    reader: asyncio.StreamReader,
+    length: int,
+    pace: Pace | None = None,
+    into: memoryview | None = None,
+) -> bytes | memoryview:
     """Read exactly ``length`` bytes; the caller has already checked ``length`` against its limit.
 
-    Memory grows with the bytes that arrived, never with the announced ``length``, and
-    never past it: each read asks for at most what is still missing.
+    Without ``into``, memory grows with the bytes that arrived, never with the announced
+    ``length``, and never past it: each read asks for at most what is still missing.
+    With ``into`` (a writable view of ``length`` bytes, leased from a :class:`BufferPool`
+    after the length was checked), the bytes are written into it as they arrive.
 
     Raises:
         asyncio.IncompleteReadError: the stream ended early.
@@ -274,7 +386,10 @@ async def read_body(reader: asyncio.StreamReader, length: int, pace: Pace | None
             chunk = await reader.read(min(CHUNK_BYTES, length - received))
             if not chunk:
                 raise asyncio.IncompleteReadError(b"".join(chunks), length)
-            chunks.append(chunk)
+            if into is None:
+                chunks.append(chunk)
+            else:
+                into[received : received + len(chunk)] = chunk
             received += len(chunk)
             if pacer is not None:
                 pacer.add(len(chunk))
@@ -290,6 +405,8 @@ async def read_body(reader: asyncio.StreamReader, length: int, pace: Pace | None
     finally:
         if pacer is not None:
             pacer.close()
+    if into is not None:
+        return into
     # one copy, as the preallocated buffer had; a single chunk needs none
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for an empty body
 
@@ -311,8 +428,11 @@ def decode_error(data: bytes) -> tuple[str, str]:
     return "malformed", "unreadable error report"
 
 
-async def exchange(p2p: P2P, peer: str, protocol: str, data: Payload, limit: int) -> bytes:
-    """Caller side: open a stream to ``peer``, send ``data`` and return the response body.
+async def exchange(
+    p2p: P2P, peer: str, protocol: str, data: Payload, limit: int, pool: BufferPool | None = None
+) -> Lease:
+    """Caller side: open a stream to ``peer``, send ``data`` and return the response body
+    (read into a buffer of ``pool`` when it is large; release the lease when done).
 
     Raises:
         ProtocolError: ``unreachable``, ``no_handler``, ``oversized``, ``remote_error``,
@@ -326,6 +446,32 @@ async def exchange(p2p: P2P, peer: str, protocol: str, data: Payload, limit: int
         raise ProtocolError(reason, str(e), peer) from None
     except OSError as e:
         raise ProtocolError("unreachable", f"local p2pd: {e!r}", peer) from None
+    try:
+        return await exchange_on(reader, writer, peer, data, limit, pool)
+    finally:
+        writer.close()
+
+
+async def exchange_on(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    peer: str,
+    data: Payload,
+    limit: int,
+    pool: BufferPool | None = None,
+    prefix: bytes = b"",
+    reuse: bool = False,
+) -> Lease:
+    """One request and its response on an open stream (``prefix`` is written first).
+
+    With ``reuse``, returns only after the whole request was written as well, so the
+    stream is ready for another exchange.
+
+    Raises:
+        ProtocolError: as :func:`exchange`, less ``unreachable`` and ``no_handler``.
+    """
+    if prefix:
+        writer.write(prefix)
     # The request is written while the response is awaited: a callee that refuses an
     # oversized request answers before the body is through, and the caller sees why.
     sender = asyncio.ensure_future(write_request(writer, data))
@@ -334,11 +480,24 @@ async def exchange(p2p: P2P, peer: str, protocol: str, data: Payload, limit: int
         if status == STATUS_OK:
             if length > limit:
                 raise ProtocolError("oversized", f"response of {length} bytes", peer)
-            return await read_body(reader, length)
+            lease = None
+            if pool is not None and length >= pool.min_bytes:
+                lease = pool.lease(length)
+            try:
+                body = await read_body(reader, length, into=lease.data if lease else None)  # type: ignore[arg-type]
+                if reuse:
+                    await sender  # an OK answer means the request was read in full
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
+            return lease if lease is not None else Lease(body)
         if status == STATUS_ERROR and length <= _MAX_ERROR_BYTES:
-            reason, detail = decode_error(await read_body(reader, length))
+            reason, detail = decode_error(await read_body(reader, length))  # type: ignore[arg-type]
             if reason == "oversized":
                 raise ProtocolError("oversized", detail, peer)
+            if reason == "no_handler":
+                raise ProtocolError("no_handler", detail, peer)
             raise ProtocolError("remote_error", f"{reason}: {detail}", peer)
         raise ProtocolError("malformed", f"response header ({status}, {length})", peer)
     except (asyncio.IncompleteReadError, ConnectionError) as e:
@@ -348,7 +507,6 @@ async def exchange(p2p: P2P, peer: str, protocol: str, data: Payload, limit: int
             sender.cancel()
         elif not sender.cancelled():
             sender.exception()  # retrieved: a broken pipe after a refusal is expected
-        writer.close()
 
 
 async def serve(
@@ -360,6 +518,7 @@ async def serve(
     *,
     gate: StreamGate | None = None,
     pace: Pace | None = None,
+    pool: BufferPool | None = None,
 ) -> None:
     """Callee side: answer one request on ``stream``; never raises.
 
@@ -373,8 +532,8 @@ async def serve(
     admitted = gate is None or gate.try_enter(peer)
     try:
         if admitted:
-            answer = _answer(reader, writer, handler, max_request_bytes, name, peer, pace)
-            await asyncio.wait_for(answer, timeout)
+            served = answer(reader, writer, handler, max_request_bytes, name, peer, pace, pool)
+            await asyncio.wait_for(served, timeout)
         else:
             assert gate is not None
             await asyncio.wait_for(_refuse_busy(writer, gate, name, peer), _LINGER_SECONDS)
@@ -421,7 +580,7 @@ async def _drain_input(reader: asyncio.StreamReader) -> None:
         pass
 
 
-async def _answer(
+async def answer(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     handler: Callable[[str, bytes], Awaitable[Payload]],
@@ -429,26 +588,35 @@ async def _answer(
     name: str,
     peer: str,
     pace: Pace | None,
-) -> None:
+    pool: BufferPool | None = None,
+) -> bool:
+    """Read one request, answer it; whether the stream may carry another request (the
+    request was read in full and answered, OK or with the handler's error)."""
     try:
-        request = await _read_request(reader, writer, max_request_bytes, name, peer, pace)
+        request = await _read_request(reader, writer, max_request_bytes, name, peer, pace, pool)
     except ProtocolError as e:  # too slow: the stream's slot goes to someone else
         logger.warning("rpc %s from %s dropped: %s: %s", name, peer, e.reason, e.detail)
         await write_response(writer, STATUS_ERROR, encode_error(e.reason, e.detail))
-        return
+        return False
     if request is None:
-        return
+        return False
     try:
-        response = await handler(peer, request)
-        if not _is_payload(response):
-            raise TypeError(f"handler returned {type(response).__name__}, not bytes")
-    except Exception as e:
-        known = isinstance(e, ProtocolError)
-        reason = e.reason if known else type(e).__name__
-        logger.warning("rpc %s from %s rejected: %s: %s", name, peer, reason, e, exc_info=not known)
-        await write_response(writer, STATUS_ERROR, encode_error(reason, str(e)))
-        return
-    await write_response(writer, STATUS_OK, response)
+        try:
+            response = await handler(peer, request.data)  # type: ignore[arg-type]
+            if not _is_payload(response):
+                raise TypeError(f"handler returned {type(response).__name__}, not bytes")
+        except Exception as e:
+            known = isinstance(e, ProtocolError)
+            reason = e.reason if known else type(e).__name__
+            logger.warning(
+                "rpc %s from %s rejected: %s: %s", name, peer, reason, e, exc_info=not known
+            )
+            await write_response(writer, STATUS_ERROR, encode_error(reason, str(e)))
+            return True
+        await write_response(writer, STATUS_OK, response)
+        return True
+    finally:
+        request.release()
 
 
 async def _read_request(
@@ -458,7 +626,8 @@ async def _read_request(
     name: str,
     peer: str,
     pace: Pace | None,
-) -> bytes | None:
+    pool: BufferPool | None = None,
+) -> Lease | None:
     """The request body, or None when it was refused as oversized (and answered so).
 
     Raises:
@@ -479,4 +648,12 @@ async def _read_request(
         await write_response(writer, STATUS_ERROR, encode_error("oversized", detail))
         await _linger(reader)
         return None
-    return await read_body(reader, length, pace)
+    if pool is None or length < pool.min_bytes:
+        return Lease(await read_body(reader, length, pace))
+    lease = pool.lease(length)
+    try:
+        await read_body(reader, length, pace, into=lease.data)  # type: ignore[arg-type]
+    except BaseException:
+        lease.release()
+        raise
+    return lease

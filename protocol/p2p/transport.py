@@ -46,11 +46,22 @@ from protocol.p2p import _framing, addrs, reachability
 from protocol.p2p.reachability import Reachability
 from protocol.p2p.watchdog import Watchdog, set_parent_death_signal, terminate_processes
 
-__all__ = ["BootstrapUnreachable", "Handler", "NotDialable", "Transport", "TransportConfig"]
+__all__ = [
+    "BootstrapUnreachable",
+    "BufferPool",
+    "Handler",
+    "Lease",
+    "NotDialable",
+    "Transport",
+    "TransportConfig",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+BufferPool = _framing.BufferPool
+Lease = _framing.Lease
+
 Handler = Callable[[str, bytes], Awaitable[_framing.Payload]]
 """An RPC handler: ``(authenticated caller PeerID, request bytes) -> response``; the
 response is bytes or a sequence of buffers written one after the other."""
@@ -416,6 +427,7 @@ class Transport:
         *,
         max_request_bytes: int,
         timeout: float | None = None,
+        pool: _framing.BufferPool | None = None,
     ) -> None:
         """Serve RPC ``name``: ``handler(caller_peer_id, request) -> response``.
 
@@ -427,6 +439,9 @@ class Transport:
             handler: coroutine function serving one request.
             max_request_bytes: longer requests are refused before their body is read.
             timeout: deadline for one whole exchange; defaults to ``config.request_timeout``.
+            pool: read large requests into this pool's buffers; the handler then gets a
+                ``memoryview`` that is valid until it returns (a view or tensor it keeps
+                holds the buffer out of the pool until dropped).
         """
         if not 0 < max_request_bytes <= self.config.max_message_bytes:
             raise ValueError(
@@ -436,10 +451,15 @@ class Transport:
         if name in self._handlers:
             raise ValueError(f"a handler for {name!r} is already registered")
         timeout = timeout or self.config.request_timeout
-        self.run(self._add_handler(name, handler, max_request_bytes, timeout), timeout)
+        self.run(self._add_handler(name, handler, max_request_bytes, timeout, pool), timeout)
 
     async def _add_handler(
-        self, name: str, handler: Handler, max_request_bytes: int, timeout: float
+        self,
+        name: str,
+        handler: Handler,
+        max_request_bytes: int,
+        timeout: float,
+        pool: _framing.BufferPool | None = None,
     ) -> None:
         protocol = self._protocol(name)
         cfg = self.config
@@ -450,7 +470,7 @@ class Transport:
 
         async def serve(*stream: Any) -> None:
             await _framing.serve(
-                stream, handler, max_request_bytes, name, timeout, gate=gate, pace=pace
+                stream, handler, max_request_bytes, name, timeout, gate=gate, pace=pace, pool=pool
             )
 
         assert self._p2p is not None, "transport not started"
@@ -487,6 +507,25 @@ class Transport:
                 remote_error with a detail starting ``busy:``; one that found this request
                 too slow, ``too_slow:``.
         """
+        lease = await self.call_into(
+            peer_id, name, data, timeout=timeout, max_response_bytes=max_response_bytes
+        )
+        return lease.data  # type: ignore[return-value]  # no pool: always bytes
+
+    async def call_into(
+        self,
+        peer_id: str,
+        name: str,
+        data: _framing.Payload,
+        *,
+        timeout: float,
+        pool: _framing.BufferPool | None = None,
+        max_response_bytes: int | None = None,
+    ) -> _framing.Lease:
+        """:meth:`call`, reading a large response into a buffer of ``pool``.
+
+        Release the returned lease once done with its ``data``.
+        """
         protocol = self._protocol(name)
         size = _framing.payload_size(data)
         if size > self.config.max_message_bytes:
@@ -496,7 +535,7 @@ class Transport:
         limit = max_response_bytes or self.config.max_message_bytes
         try:
             assert self._p2p is not None, "transport not started"
-            exchange = _framing.exchange(self._p2p, peer_id, protocol, data, limit)
+            exchange = _framing.exchange(self._p2p, peer_id, protocol, data, limit, pool)
             return await asyncio.wait_for(exchange, timeout)
         except asyncio.TimeoutError:
             raise ProtocolError("timeout", f"{name} took over {timeout:.1f}s", peer_id) from None

@@ -29,3 +29,27 @@ def test_group_of_one_needs_no_network(codec: str) -> None:
         assert torch.equal(result.vector, vector)
     else:  # the owner's result is always what it would send: the int8 round trip
         assert torch.equal(result.vector, codecs.decode(codecs.encode(vector, "int8")))
+
+
+def test_result_is_written_into_the_callers_output() -> None:
+    me = Identity.from_seed(bytes(32))
+    service = AllReduceService(None, me, AllReduceSettings(run_id="r", codec="none", timeout=5))
+    vector = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    out = torch.full_like(vector, float("nan"))
+    for round_ in (0, 1):  # the same output, round after round
+        result = asyncio.run(service.run(round_, 0, [me.peer_id], vector, 3, out=out))
+        assert result.vector is out
+        assert torch.equal(out, vector)
+
+
+@pytest.mark.parametrize(
+    "out", [torch.empty(999), torch.empty(1000, dtype=torch.float64), "itself"], ids=str
+)
+def test_an_output_that_does_not_fit_is_refused_before_anything_is_sent(out: object) -> None:
+    me = Identity.from_seed(bytes(32))
+    service = AllReduceService(None, me, AllReduceSettings(run_id="r", codec="none", timeout=5))
+    vector = torch.randn(1000)
+    with pytest.raises(ValueError, match="out must be"):
+        asyncio.run(
+            service.run(0, 0, [me.peer_id], vector, 3, out=vector if out == "itself" else out)
+        )

@@ -345,3 +345,59 @@ def test_transport_config_stream_limits() -> None:
             TransportConfig(**{key: 0})
     with pytest.raises(ValueError, match="min_inbound_bytes_per_second = -1"):
         TransportConfig(min_inbound_bytes_per_second=-1)
+
+
+# ---- receive buffers ---------------------------------------------------------------------
+
+
+def test_pool_reuses_a_released_buffer_and_never_one_still_viewed() -> None:
+    pool = _framing.BufferPool(min_bytes=1024)
+    first = pool.lease(4096)
+    first.data[:4] = b"abcd"
+    kept = first.data[:4]  # a consumer keeps a view past the release
+    first.release()
+    second = pool.lease(4096)
+    assert pool.allocated == 2  # the viewed buffer was not handed out again
+    second.data[:4] = b"wxyz"
+    assert bytes(kept) == b"abcd"
+    del kept
+    second.release()
+    third = pool.lease(3000)  # either idle buffer fits (3000..6000 bytes)
+    assert pool.allocated == 2 and len(third.data) == 3000
+    third.release()
+
+
+def test_pool_gives_small_bodies_plain_bytes_and_bounds_idle_memory() -> None:
+    pool = _framing.BufferPool(max_free_bytes=10_000, min_bytes=1024)
+    small = pool.lease(100)
+    assert isinstance(small.data, bytes) and len(small.data) == 100
+    small.release()
+    leases = [pool.lease(4000) for _ in range(4)]
+    for lease in leases:
+        lease.release()
+        lease.release()  # idempotent
+    assert pool.idle_bytes <= 10_000
+    assert pool.lease(9000).data.nbytes == 9000  # no idle buffer of 9000..18000: a new one
+    assert pool.allocated == 5
+
+
+def test_a_large_request_is_read_into_the_pool_and_given_back_after_the_handler() -> None:
+    pool = _framing.BufferPool(min_bytes=1024)
+    payload = bytes(range(256)) * 64
+    seen: list[object] = []
+
+    async def handler(peer: str, data: bytes) -> bytes:
+        seen.append(type(data))
+        return bytes(data[:8])
+
+    async def main() -> bytes:
+        for _ in range(3):
+            stream = _stream("peer")
+            stream[1].feed_data(_header(len(payload)) + payload)
+            stream[1].feed_eof()
+            await asyncio.wait_for(_framing.serve(stream, handler, MiB, "test", 5.0, pool=pool), 5)
+        return stream[2].response()[1]
+
+    assert asyncio.run(main()) == payload[:8]
+    assert seen == [memoryview] * 3
+    assert pool.allocated == 1  # one buffer, reused request after request
