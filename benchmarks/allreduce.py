@@ -44,10 +44,11 @@ _TOLERANCE = 1e-5
 _SETUP_TIMEOUT = 120.0  # starting p2pd, a DHT and the peer in a cold interpreter on a busy box
 _STEP_TIMEOUT = 300.0
 _GO_DELAY = 0.3  # seconds between the parent's release message and the common start
-_METHODS = ("gloo", "atoll", "atoll_verified", "hivemind")
+_METHODS = ("gloo", "atoll", "atoll_verified", "atoll_tcp", "hivemind")
 _JOINS_THROUGH_FIRST = {
     "atoll",
     "atoll_verified",
+    "atoll_tcp",
     "hivemind",
 }  # gloo's rendezvous needs every rank at once
 
@@ -72,6 +73,7 @@ class _AtollPeer:
             initial_peers=tuple(opts.get("initial_peers", ())),
             request_timeout=_SETUP_TIMEOUT,
             startup_timeout=_SETUP_TIMEOUT,
+            data_plane=opts.get("data_plane", "p2pd"),
         )
         self.transport = Transport.start(config)
         settings = AllReduceSettings(run_id="bench", codec="none", timeout=_STEP_TIMEOUT / 3)
@@ -117,6 +119,10 @@ class _AtollPeer:
 
 def _atoll_verified(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
     return _AtollPeer(index, own, dict(opts, verified=True))
+
+
+def _atoll_tcp(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
+    return _AtollPeer(index, own, dict(opts, data_plane="tcp"))
 
 
 class _HivemindPeer:
@@ -198,6 +204,7 @@ class _GlooPeer:
 _PEER_TYPES = {
     "atoll": _AtollPeer,
     "atoll_verified": _atoll_verified,
+    "atoll_tcp": _atoll_tcp,
     "hivemind": _HivemindPeer,
     "gloo": _GlooPeer,
 }

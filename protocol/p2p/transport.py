@@ -42,7 +42,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.errors import ProtocolError
-from protocol.p2p import _framing, addrs, reachability
+from protocol.p2p import _framing, addrs, direct, reachability
 from protocol.p2p.reachability import Reachability
 from protocol.p2p.watchdog import Watchdog, set_parent_death_signal, terminate_processes
 
@@ -69,6 +69,11 @@ response is bytes or a sequence of buffers written one after the other."""
 _PROTOCOL_PREFIX = "/atoll/rpc/"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _WATCH_SECONDS = 5.0  # how often the set of helper pids is rechecked for the watchdog
+_P2PD_ONLY = frozenset({reachability.RPC_NAME, direct.RPC_NAME})  # about p2pd itself
+_ROUTE_SECONDS = 600.0  # a peer's data port is asked again after this long...
+_NO_ROUTE_SECONDS = 60.0  # ...and a peer without one (or unreachable on it) after this
+_ROUTE_TIMEOUT = 5.0
+_MADDR_HOST = re.compile(r"/(ip4|ip6)/([^/]+)/tcp/\d+")
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,12 @@ class TransportConfig:
             requests at once and still pass. 0 turns the check off.
         inbound_rate_window: seconds ``min_inbound_bytes_per_second`` is averaged over; a
             stream that sends nothing is dropped after this long.
+        data_plane: ``p2pd`` carries every RPC through p2pd; ``tcp`` also listens on
+            ``data_port`` and calls peers that listen too over direct TCP connections,
+            opened with a handshake signed by both node keys (:mod:`protocol.p2p.direct`;
+            not encrypted), falling back to p2pd for a peer whose port cannot be reached.
+            Needs ``identity_path``.
+        data_port: TCP port of the direct data plane on ``host``; 0 picks a free one.
     """
 
     host: str = "127.0.0.1"
@@ -134,8 +145,19 @@ class TransportConfig:
     inbound_header_timeout: float = 10.0
     min_inbound_bytes_per_second: float = 16 * 1024
     inbound_rate_window: float = 10.0
+    data_plane: Literal["p2pd", "tcp"] = "p2pd"
+    data_port: int = 0
 
     def __post_init__(self) -> None:
+        if self.data_plane not in ("p2pd", "tcp"):
+            raise ValueError(f"transport.data_plane = {self.data_plane!r}: expected p2pd or tcp")
+        if self.data_plane == "tcp" and self.identity_path is None:
+            raise ValueError(
+                "transport.data_plane = 'tcp' signs its handshake with the node key: "
+                "give identity_path"
+            )
+        if not 0 <= self.data_port <= 65535:
+            raise ValueError(f"transport.data_port = {self.data_port}: expected 0..65535")
         if self.reachability not in ("auto", "public", "private"):
             raise ValueError(
                 f"transport.reachability = {self.reachability!r}: expected auto, public or private"
@@ -216,6 +238,13 @@ class Transport:
         )
         self._closed = False
         self._lock = threading.Lock()
+        self._direct_server: direct.DirectServer | None = None
+        self._direct_client: direct.DirectClient | None = None
+        self._direct_rpcs: dict[str, direct.ServedRpc] = {}
+        self._routes: dict[str, tuple[direct.Route | None, float]] = {}
+        self._route_locks: dict[str, asyncio.Lock] = {}
+        self.calls_by_plane = {"p2pd": 0, "tcp": 0}
+        """Calls made so far over each data plane."""
 
     @classmethod
     def start(cls, config: TransportConfig | None = None) -> Transport:
@@ -275,6 +304,8 @@ class Transport:
         )
         self._update_watchdog()
         self._peer_id = self._p2p.peer_id.to_base58()
+        if cfg.data_plane == "tcp":
+            await self._start_direct()
         await self._add_handler(
             reachability.RPC_NAME,
             reachability.DialbackServer(_framing.REMOTE_ADDR.get).handle,
@@ -305,6 +336,43 @@ class Transport:
         wait_ready = functools.partial(self._dht.wait_until_ready, cfg.startup_timeout)
         await self._loop.run_in_executor(None, wait_ready)
         self._watch_task = asyncio.ensure_future(self._watch_helpers())
+
+    async def _start_direct(self) -> None:
+        cfg = self.config
+        assert cfg.identity_path is not None  # checked by the config
+        from verification.identity import Identity
+
+        identity = Identity.load(cfg.identity_path)
+        if identity.peer_id != self._peer_id:
+            raise RuntimeError("the identity file does not hold p2pd's key")
+        self._direct_server = direct.DirectServer(
+            identity,
+            self._direct_rpcs.get,
+            self._inbound_gate,
+            self._pace(),
+            cfg.inbound_header_timeout,
+            cfg.max_inbound_streams,
+        )
+        port = await self._direct_server.start(cfg.host, cfg.data_port)
+        self._direct_client = direct.DirectClient(identity)
+        answer = direct.encode_port(port)
+
+        async def tell_port(peer: str, request: bytes) -> bytes:
+            return answer
+
+        await self._add_handler(direct.RPC_NAME, tell_port, 64, cfg.request_timeout)
+        logger.info("direct data plane on %s:%d", cfg.host, port)
+
+    @property
+    def data_port(self) -> int | None:
+        """The direct data plane's port, when it runs."""
+        return self._direct_server.port if self._direct_server is not None else None
+
+    def _pace(self) -> _framing.Pace:
+        cfg = self.config
+        return _framing.Pace(
+            cfg.inbound_header_timeout, cfg.min_inbound_bytes_per_second, cfg.inbound_rate_window
+        )
 
     async def _probe(self, peers: list[str], extra_ports: tuple[int, ...] = ()) -> Reachability:
         ports = [addrs.tcp_port(m) for m in (self.config.announce_maddrs or self._listen_maddrs)]
@@ -462,11 +530,8 @@ class Transport:
         pool: _framing.BufferPool | None = None,
     ) -> None:
         protocol = self._protocol(name)
-        cfg = self.config
         gate = self._inbound_gate  # one count for all of this transport's handlers
-        pace = _framing.Pace(
-            cfg.inbound_header_timeout, cfg.min_inbound_bytes_per_second, cfg.inbound_rate_window
-        )
+        pace = self._pace()
 
         async def serve(*stream: Any) -> None:
             await _framing.serve(
@@ -476,10 +541,13 @@ class Transport:
         assert self._p2p is not None, "transport not started"
         await self._p2p.add_binary_stream_handler(protocol, serve)
         self._handlers[name] = protocol
+        if name not in _P2PD_ONLY:
+            self._direct_rpcs[name] = direct.ServedRpc(handler, max_request_bytes, timeout, pool)
 
     def remove_handler(self, name: str) -> None:
         """Stop serving RPC ``name``."""
         protocol = self._handlers.pop(name)
+        self._direct_rpcs.pop(name, None)
         assert self._p2p is not None, "transport not started"
         self.run(self._p2p.remove_binary_stream_handler(protocol), self.config.request_timeout)
 
@@ -534,11 +602,80 @@ class Transport:
             )
         limit = max_response_bytes or self.config.max_message_bytes
         try:
-            assert self._p2p is not None, "transport not started"
-            exchange = _framing.exchange(self._p2p, peer_id, protocol, data, limit, pool)
+            exchange = self._exchange(peer_id, name, protocol, data, limit, pool)
             return await asyncio.wait_for(exchange, timeout)
         except asyncio.TimeoutError:
             raise ProtocolError("timeout", f"{name} took over {timeout:.1f}s", peer_id) from None
+
+    async def _exchange(
+        self,
+        peer_id: str,
+        name: str,
+        protocol: str,
+        data: _framing.Payload,
+        limit: int,
+        pool: _framing.BufferPool | None,
+    ) -> _framing.Lease:
+        """Over the direct data plane when it runs on both sides, else through p2pd."""
+        assert self._p2p is not None, "transport not started"
+        client = self._direct_client
+        if client is not None and name not in _P2PD_ONLY:
+            route = await self._route(peer_id)
+            if route is not None:
+                try:
+                    lease = await client.call(peer_id, route, name, data, limit, pool)
+                    self.calls_by_plane["tcp"] += 1
+                    return lease
+                except direct.DirectUnavailable as e:
+                    logger.info("direct to %s failed, using p2pd: %s", peer_id[:16], e)
+                    self._routes[peer_id] = (None, time.monotonic() + _NO_ROUTE_SECONDS)
+        self.calls_by_plane["p2pd"] += 1
+        return await _framing.exchange(self._p2p, peer_id, protocol, data, limit, pool)
+
+    async def _route(self, peer_id: str) -> direct.Route | None:
+        """Where ``peer_id``'s data port is, asked once through p2pd and kept a while."""
+        known = self._routes.get(peer_id)
+        if known is not None and time.monotonic() < known[1]:
+            return known[0]
+        lock = self._route_locks.setdefault(peer_id, asyncio.Lock())
+        async with lock:
+            known = self._routes.get(peer_id)
+            if known is not None and time.monotonic() < known[1]:
+                return known[0]
+            route = None
+            try:
+                answer = await asyncio.wait_for(
+                    _framing.exchange(
+                        self._p2p,
+                        peer_id,
+                        self._protocol(direct.RPC_NAME),
+                        b"",
+                        64,  # type: ignore[arg-type]
+                    ),
+                    _ROUTE_TIMEOUT,
+                )
+                port = direct.decode_port(answer.data)  # type: ignore[arg-type]
+                host = await self._connected_host(peer_id)
+                if host is not None:
+                    route = direct.Route(host, port)
+            except (ProtocolError, asyncio.TimeoutError) as e:
+                logger.debug("no direct route to %s: %s", peer_id[:16], e)
+            expires = _ROUTE_SECONDS if route is not None else _NO_ROUTE_SECONDS
+            self._routes[peer_id] = (route, time.monotonic() + expires)
+            return route
+
+    async def _connected_host(self, peer_id: str) -> str | None:
+        """The IP address of this node's p2pd connection to ``peer_id`` (not a relay)."""
+        assert self._p2p is not None
+        for info in await self._p2p.list_peers():
+            if info.peer_id.to_base58() != peer_id:
+                continue
+            for maddr in info.addrs:
+                text = str(maddr)
+                found = _MADDR_HOST.match(text)
+                if found and "p2p-circuit" not in text:
+                    return found.group(2)
+        return None
 
     @staticmethod
     def _protocol(name: str) -> str:
@@ -669,6 +806,11 @@ class Transport:
     async def _stop_handlers(self) -> None:
         if self._watch_task is not None:
             self._watch_task.cancel()
+        if self._direct_client is not None:
+            self._direct_client.close()
+        if self._direct_server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._direct_server.close(), 3.0)
         if self._p2p is not None:
             for protocol in list(self._handlers.values()):
                 with contextlib.suppress(Exception):

@@ -1,0 +1,420 @@
+"""The direct data plane: RPCs over plain TCP between peers that can dial each other.
+
+Through p2pd every byte takes two extra hops (a unix socket to the local daemon on each
+side) and is encrypted and decrypted once more; for parts of tens of megabytes that is
+most of an all-reduce's cost on a busy host. With ``network.data_plane = "tcp"`` a node
+also listens on a TCP port of its own, and a caller that can reach that port sends its
+requests there, over connections it keeps open between calls. p2pd stays the default,
+the discovery channel and the fallback: a peer whose port does not answer, or answers
+with the wrong key, is called through p2pd as before.
+
+Finding the port: the caller asks the peer once, over p2pd (RPC ``atoll.direct``), for
+its data port, and dials it at the address of its p2pd connection to that peer, never
+at an address the peer names, so a peer cannot point others' connections elsewhere.
+
+Opening a connection (each frame ``u16 length | msgpack``, at most 1 KiB)::
+
+    caller -> callee   [1, caller PeerID, callee PeerID, caller nonce]
+    callee -> caller   [callee nonce, callee's signature of DOMAIN_CALLEE + transcript]
+    caller -> callee   [caller's signature of DOMAIN_CALLER + transcript]
+
+where the transcript is both nonces (32 random bytes each) and both PeerIDs. An Ed25519
+PeerID holds its public key, so each side checks the other's signature against the
+PeerID the swarm knows: a callee that is not the peer the caller meant, or a caller
+whose key does not match the PeerID it claims, is refused and the connection closed;
+fresh nonces on both sides make a recorded handshake useless. What follows is not
+encrypted: parts and results are signed end to end, not secret; use p2pd where the
+bytes must not be read on the way.
+
+Then each request is ``u8 name length | name`` followed by a request frame, answered
+by a response frame, exactly as on a p2pd stream (:mod:`protocol.p2p._framing`), with
+the same per-peer stream caps, pace and size limits. A connection carries one request
+at a time; a caller opens another for a concurrent call and keeps up to
+``_IDLE_PER_PEER`` idle ones per peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from protocol.errors import ProtocolError
+from protocol.p2p import _framing
+from verification.identity import Identity, verify
+
+__all__ = [
+    "RPC_NAME",
+    "DirectClient",
+    "DirectServer",
+    "DirectUnavailable",
+    "Route",
+    "decode_port",
+    "encode_port",
+]
+
+logger = logging.getLogger(__name__)
+
+RPC_NAME = "atoll.direct"
+"""The p2pd RPC that tells a caller this node's data port."""
+VERSION = 1
+DOMAIN_CALLEE = b"atoll/direct/v1/callee\0"
+DOMAIN_CALLER = b"atoll/direct/v1/caller\0"
+_NONCE_BYTES = 32
+_MAX_HELLO_BYTES = 1024
+_HELLO = struct.Struct(">H")
+_NAME = struct.Struct(">B")
+_IDLE_PER_PEER = 4
+_CLIENT_IDLE_SECONDS = 30.0  # a caller reuses a connection idle for less than this...
+_SERVER_IDLE_SECONDS = 90.0  # ...and a callee keeps one open this long without a request
+_CONNECT_SECONDS = 3.0
+
+
+class DirectUnavailable(Exception):
+    """The direct connection could not be opened or authenticated; nothing was sent."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a peer's data port is: ``host`` from the p2pd connection, ``port`` as it said."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class ServedRpc:
+    """One RPC as the direct server runs it (the same settings as on p2pd)."""
+
+    handler: Callable[[str, bytes], Awaitable[_framing.Payload]]
+    max_request_bytes: int
+    timeout: float
+    pool: _framing.BufferPool | None
+
+
+def encode_port(port: int) -> bytes:
+    """The ``atoll.direct`` answer: this node's data port."""
+    return msgpack.packb({"port": port})
+
+
+def decode_port(data: bytes) -> int:
+    """A peer's ``atoll.direct`` answer.
+
+    Raises:
+        ProtocolError: ``malformed`` when it is not a map with a TCP port.
+    """
+    try:
+        port = msgpack.unpackb(data, raw=False, max_map_len=4, max_str_len=64)["port"]
+    except Exception:  # a peer's bytes: any decoding failure is just malformed
+        raise ProtocolError("malformed", "unreadable data-port answer") from None
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= 65535:
+        raise ProtocolError("malformed", f"data port {port!r}")
+    return port
+
+
+def _transcript(nonce_caller: bytes, nonce_callee: bytes, caller: str, callee: str) -> bytes:
+    return nonce_caller + nonce_callee + caller.encode() + b"\0" + callee.encode()
+
+
+async def _write_hello(writer: asyncio.StreamWriter, fields: list) -> None:
+    body = msgpack.packb(fields, use_bin_type=True)
+    writer.write(_HELLO.pack(len(body)) + body)
+    await writer.drain()
+
+
+async def _read_hello(reader: asyncio.StreamReader, count: int) -> list:
+    (length,) = _HELLO.unpack(await reader.readexactly(_HELLO.size))
+    if length > _MAX_HELLO_BYTES:
+        raise ProtocolError("malformed", f"handshake frame of {length} bytes")
+    try:
+        fields = msgpack.unpackb(await reader.readexactly(length), raw=False, max_bin_len=128)
+    except (ValueError, msgpack.UnpackException, TypeError):
+        raise ProtocolError("malformed", "unreadable handshake frame") from None
+    if not isinstance(fields, list) or len(fields) != count:
+        raise ProtocolError("malformed", "handshake frame of the wrong shape")
+    return fields
+
+
+def _bytes_field(value: object, size: int, what: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != size:
+        raise ProtocolError("malformed", f"{what} must be {size} bytes")
+    return value
+
+
+class DirectServer:
+    """The callee side: accepts connections on the data port and serves RPCs on them.
+
+    Args:
+        identity: this node's key (answers the handshake).
+        lookup: the RPC served under a name, or None.
+        gate: the transport's stream caps (a request counts as one stream).
+        pace: how slowly a caller may send.
+        header_timeout: seconds a new connection has to finish its handshake.
+        max_connections: connections open at once; one more is closed at once.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        lookup: Callable[[str], ServedRpc | None],
+        gate: _framing.StreamGate,
+        pace: _framing.Pace,
+        header_timeout: float,
+        max_connections: int,
+    ) -> None:
+        self.identity = identity
+        self.lookup = lookup
+        self.gate = gate
+        self.pace = pace
+        self.header_timeout = header_timeout
+        self.max_connections = max_connections
+        self.port = 0
+        self.refused: dict[str, int] = {}
+        """Connections refused at the handshake, by reason."""
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0 picks a free port); returns the port."""
+        self._server = await asyncio.start_server(self._accept, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening and end every connection."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._connections) >= self.max_connections:
+            self._count("busy")
+            writer.close()
+            return
+        self._connections.add(task)
+        remote = writer.get_extra_info("peername") or ("?", 0)
+        try:
+            peer = await asyncio.wait_for(self._handshake(reader, writer), self.header_timeout)
+            _framing.REMOTE_ADDR.set(_maddr(remote[0], remote[1]))
+            await self._serve(peer, reader, writer)
+        except ProtocolError as e:
+            self._count(e.reason)
+            logger.info("direct connection from %s refused: %s: %s", remote[0], e.reason, e.detail)
+        except asyncio.TimeoutError:
+            self._count("too_slow")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except asyncio.CancelledError:
+            pass  # shutdown
+        except Exception:  # a connection must never take the node down
+            logger.exception("direct connection from %s failed", remote[0])
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    def _count(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        version, caller, callee, nonce_caller = await _read_hello(reader, 4)
+        if version != VERSION:
+            raise ProtocolError("bad_version", f"direct handshake version {version!r}")
+        if not isinstance(caller, str) or not isinstance(callee, str) or len(caller) > 128:
+            raise ProtocolError("malformed", "PeerIDs must be strings")
+        if callee != self.identity.peer_id:
+            raise ProtocolError("wrong_peer", f"this node is not {callee[:16]}")
+        nonce_caller = _bytes_field(nonce_caller, _NONCE_BYTES, "nonce")
+        nonce_callee = os.urandom(_NONCE_BYTES)
+        transcript = _transcript(nonce_caller, nonce_callee, caller, callee)
+        await _write_hello(writer, [nonce_callee, self.identity.sign(DOMAIN_CALLEE + transcript)])
+        (signature,) = await _read_hello(reader, 1)
+        if not verify(caller, DOMAIN_CALLER + transcript, signature):
+            raise ProtocolError("bad_signature", f"caller's key does not match {caller[:16]}")
+        return caller
+
+    async def _serve(
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.read(_NAME.size), _SERVER_IDLE_SECONDS)
+            except asyncio.TimeoutError:
+                return  # idle: the caller opens a new connection next time
+            if not head:
+                return  # the caller hung up
+            (length,) = _NAME.unpack(head)
+            name = (await reader.readexactly(length)).decode("utf-8", "replace")
+            rpc = self.lookup(name)
+            if rpc is None:
+                detail = f"no handler for {name!r}"
+                await _framing.write_response(
+                    writer, _framing.STATUS_ERROR, _framing.encode_error("no_handler", detail)
+                )
+                return
+            if not self.gate.try_enter(peer):
+                detail = f"{self.gate.open_from(peer)} streams open from this peer"
+                await _framing.write_response(
+                    writer, _framing.STATUS_ERROR, _framing.encode_error("busy", detail)
+                )
+                return
+            try:
+                served = _framing.answer(
+                    reader,
+                    writer,
+                    rpc.handler,
+                    rpc.max_request_bytes,
+                    name,
+                    peer,
+                    self.pace,
+                    rpc.pool,
+                )
+                reusable = await asyncio.wait_for(served, rpc.timeout)
+            except asyncio.TimeoutError:
+                logger.warning(
+                    "rpc %s from %s (direct): timeout after %.1fs", name, peer, rpc.timeout
+                )
+                return
+            finally:
+                self.gate.leave(peer)
+            if not reusable:
+                return
+
+
+class DirectClient:
+    """The caller side: opens authenticated connections and keeps idle ones for reuse.
+
+    Used on the transport's event loop only.
+    """
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+        self.opened = 0
+        """Connections opened so far (reuse keeps this near one per peer)."""
+
+    async def call(
+        self,
+        peer: str,
+        route: Route,
+        name: str,
+        data: _framing.Payload,
+        limit: int,
+        pool: _framing.BufferPool | None,
+    ) -> _framing.Lease:
+        """One request to ``peer`` over a direct connection.
+
+        Raises:
+            DirectUnavailable: no connection could be opened and authenticated (nothing
+                was sent: call through p2pd instead).
+            ProtocolError: as a p2pd call, once the request is on its way.
+        """
+        prefix = _NAME.pack(len(name.encode())) + name.encode()
+        reused = self._take(peer)
+        if reused is not None:
+            reader, writer = reused
+            try:
+                return await self._exchange(peer, reader, writer, data, limit, pool, prefix)
+            except ProtocolError as e:
+                # an idle connection the callee closed meanwhile: once more on a new one
+                if e.reason != "connection_lost":
+                    raise
+        reader, writer = await self._connect(peer, route)
+        return await self._exchange(peer, reader, writer, data, limit, pool, prefix)
+
+    async def _exchange(
+        self,
+        peer: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        data: _framing.Payload,
+        limit: int,
+        pool: _framing.BufferPool | None,
+        prefix: bytes,
+    ) -> _framing.Lease:
+        try:
+            lease = await _framing.exchange_on(
+                reader, writer, peer, data, limit, pool, prefix=prefix, reuse=True
+            )
+        except BaseException:
+            writer.close()  # an error answer or a cut stream: this connection is done
+            raise
+        self._put(peer, reader, writer)
+        return lease
+
+    def _take(self, peer: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        idle = self._idle.get(peer, [])
+        now = time.monotonic()
+        while idle:
+            reader, writer, since = idle.pop()
+            if (
+                now - since < _CLIENT_IDLE_SECONDS
+                and not writer.is_closing()
+                and not reader.at_eof()
+            ):
+                return reader, writer
+            writer.close()
+        return None
+
+    def _put(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        idle = self._idle.setdefault(peer, [])
+        if len(idle) >= _IDLE_PER_PEER:
+            writer.close()
+            return
+        idle.append((reader, writer, time.monotonic()))
+
+    async def _connect(
+        self, peer: str, route: Route
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(route.host, route.port), _CONNECT_SECONDS
+            )
+        except (OSError, asyncio.TimeoutError) as e:
+            raise DirectUnavailable(f"{route.host}:{route.port}: {e!r}") from None
+        try:
+            await asyncio.wait_for(self._handshake(peer, reader, writer), _CONNECT_SECONDS)
+        except (ProtocolError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            writer.close()
+            raise DirectUnavailable(f"{route.host}:{route.port}: handshake: {e!r}") from None
+        self.opened += 1
+        return reader, writer
+
+    async def _handshake(
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        me = self.identity.peer_id
+        nonce_caller = os.urandom(_NONCE_BYTES)
+        await _write_hello(writer, [VERSION, me, peer, nonce_caller])
+        nonce_callee, signature = await _read_hello(reader, 2)
+        nonce_callee = _bytes_field(nonce_callee, _NONCE_BYTES, "nonce")
+        transcript = _transcript(nonce_caller, nonce_callee, me, peer)
+        if not verify(peer, DOMAIN_CALLEE + transcript, signature):
+            raise ProtocolError("bad_signature", f"the callee is not {peer[:16]}", peer)
+        await _write_hello(writer, [self.identity.sign(DOMAIN_CALLER + transcript)])
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for idle in self._idle.values():
+            for _, writer, _ in idle:
+                writer.close()
+        self._idle.clear()
+
+
+def _maddr(host: str, port: int) -> str:
+    family = "ip6" if ":" in host else "ip4"
+    return f"/{family}/{host}/tcp/{port}"
