@@ -183,6 +183,9 @@ class NetworkConfig:
     max_inbound_streams: int = Field(default=256, ge=1)
     max_inbound_per_peer: int = Field(default=32, ge=1)
     min_inbound_kib_per_second: float = Field(default=16.0, ge=0.0)
+    # Parts over direct TCP between peers that can dial each other (see README, "Data plane").
+    data_plane: Literal["p2pd", "tcp"] = "p2pd"
+    data_port: int = Field(default=0, ge=0, le=65535)
 
     def __post_init__(self) -> None:
         if self.client_mode and self.reachability == "public":
@@ -413,6 +416,8 @@ def transport_config(
         max_inbound_streams=net.max_inbound_streams,
         max_inbound_per_peer=net.max_inbound_per_peer,
         min_inbound_bytes_per_second=net.min_inbound_kib_per_second * 1024,
+        data_plane=net.data_plane,
+        data_port=net.data_port,
     )
 
 

@@ -123,3 +123,19 @@ def test_bad_multiaddrs_name_the_key(key, value, message):
     with pytest.raises(ConfigError, match=f"network.{key}: .*{message}"):
         load_config(None, [f"network.{key}={value}"])
     load_config(None, ['network.announce_maddrs=["/ip4/203.0.113.5/tcp/31337"]'])
+
+
+def test_data_plane_reaches_the_transport_and_bad_values_name_the_key(tmp_path):
+    from node.config import transport_config
+    from protocol.p2p.transport import TransportConfig
+
+    cfg = load_config(None, ["network.data_plane='tcp'", "network.data_port=31339"])
+    transport = transport_config(cfg, tmp_path / "k", ())
+    assert (transport.data_plane, transport.data_port) == ("tcp", 31339)
+    assert transport_config(load_config(None, []), tmp_path / "k", ()).data_plane == "p2pd"
+    with pytest.raises(ConfigError, match="network.data_plane = 'udp'"):
+        load_config(None, ["network.data_plane='udp'"])
+    with pytest.raises(ConfigError, match="network.data_port"):
+        load_config(None, ["network.data_port=70000"])
+    with pytest.raises(ValueError, match="needs|give identity_path"):
+        TransportConfig(data_plane="tcp")

@@ -1,0 +1,113 @@
+"""The direct TCP data plane between real transports (p2pd, DHT) on 127.0.0.1: parts go
+over it where both sides run it, through p2pd where one does not or where the port
+answers with the wrong key."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from protocol.averaging.allreduce import RPC_NAME, AllReduceService
+from protocol.averaging.parts import AllReduceSettings
+from protocol.averaging.repair import REPAIR_RPC
+from protocol.p2p import direct
+from protocol.p2p.transport import Transport, TransportConfig
+from verification.identity import Identity
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    keys: Path = tmp_path_factory.mktemp("keys")
+    identities = [Identity.generate() for _ in range(3)]
+    planes = ["tcp", "tcp", "p2pd"]
+    transports: list[Transport] = []
+    try:
+        for i, (identity, plane) in enumerate(zip(identities, planes)):
+            identity.save(keys / f"key{i}")
+            config = TransportConfig(
+                identity_path=keys / f"key{i}",
+                initial_peers=tuple(transports[0].maddrs) if transports else (),
+                request_timeout=10.0,
+                data_plane=plane,  # type: ignore[arg-type]
+            )
+            transports.append(Transport.start(config))
+        yield SimpleNamespace(transports=transports, identities=identities)
+    finally:
+        for transport in reversed(transports):
+            transport.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_parts_go_direct_where_both_sides_can_and_through_p2pd_otherwise(
+    trio: SimpleNamespace,
+) -> None:
+    a, b, c = trio.transports
+    assert a.data_port and b.data_port and c.data_port is None
+    settings = AllReduceSettings(run_id="direct", codec="none", timeout=20)
+    services = [AllReduceService(t, i, settings) for t, i in zip(trio.transports, trio.identities)]
+    for service in services:
+        service.register()
+    try:
+        group = [i.peer_id for i in trio.identities]
+        gen = torch.Generator().manual_seed(3)
+        vectors = [torch.randn(300_000, generator=gen) for _ in group]
+        expected = (sum(v.double() for v in vectors) / 3).float()
+        opened = []
+        for round_ in (1, 2):
+            for s in services:
+                s.current_round = round_
+            futures = [
+                s.transport.submit(s.run(round_, 0, group, v, 1)) for s, v in zip(services, vectors)
+            ]
+            results = [f.result(60) for f in futures]
+            for r in results:
+                assert r.complete
+                assert torch.equal(r.vector, results[0].vector)
+            torch.testing.assert_close(results[0].vector, expected, rtol=0, atol=1e-6)
+            opened.append(a._direct_client.opened)
+        # a and b sent each other their parts over TCP; everyone reached c through p2pd,
+        # and c (which runs p2pd only) reached a and b through p2pd
+        assert a.calls_by_plane["tcp"] >= 2 and b.calls_by_plane["tcp"] >= 2
+        assert a.calls_by_plane["p2pd"] >= 2 and c.calls_by_plane["tcp"] == 0
+        assert opened[1] == opened[0]  # the second round reused the first round's connections
+    finally:
+        for s in services:
+            s.transport.remove_handler(RPC_NAME)
+            s.transport.remove_handler(REPAIR_RPC)
+
+
+async def _forget_connections(transport: Transport) -> None:
+    transport._direct_client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_data_port_answered_by_another_key_falls_back_to_p2pd(trio: SimpleNamespace) -> None:
+    a, b, _ = trio.transports
+    served: list[str] = []
+
+    async def echo(peer: str, data: bytes) -> bytes:
+        served.append(peer)
+        return bytes(data)
+
+    b.add_handler("atoll.test_echo", echo, max_request_bytes=1 << 20)
+    try:
+        # a believes b's data port is a's own (and holds no open connection to b): the
+        # port answers with a's key, not b's
+        a.run(_forget_connections(a), 5)
+        a._routes[b.peer_id] = (direct.Route("127.0.0.1", a.data_port), time.monotonic() + 600)
+        before = dict(a.calls_by_plane)
+        answer = a.run(a.call(b.peer_id, "atoll.test_echo", b"hello", timeout=10), 15)
+        assert answer == b"hello" and served == [a.peer_id]
+        assert a.calls_by_plane["p2pd"] == before["p2pd"] + 1
+        assert a.calls_by_plane["tcp"] == before["tcp"]
+        assert a._direct_server.refused.get("wrong_peer", 0) >= 1
+        assert a._routes[b.peer_id][0] is None  # not tried again for a while
+    finally:
+        b.remove_handler("atoll.test_echo")
