@@ -28,6 +28,7 @@ import os
 import pathlib
 import statistics
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -221,6 +222,38 @@ def _reference_mean(n: int) -> torch.Tensor:
     return (total / _PEERS).float()
 
 
+class _RssSampler:
+    """The peak resident memory of this process during a step, sampled every 20 ms."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._peak = 0
+        self._active = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            if self._active.is_set():
+                self._peak = max(self._peak, self._process.memory_info().rss)
+
+    def rss(self) -> int:
+        return self._process.memory_info().rss
+
+    def start(self) -> None:
+        self._peak = self.rss()
+        self._active.set()
+
+    def stop(self) -> int:
+        self._active.clear()
+        return max(self._peak, self.rss())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+
 def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
     """Entry point of one peer's process: set up, then run a repeat per "go" message."""
     torch.set_num_threads(1)
@@ -230,10 +263,12 @@ def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     logging.basicConfig(level=logging.WARNING)
     peer = None
+    sampler = _RssSampler()
     try:
         own = _vector(n, index)
         reference = _reference_mean(n)
         peer = _PEER_TYPES[method](index, own, opts)
+        baseline = sampler.rss()
         conn.send(("ready", peer.info))
         while conn.poll(_SETUP_TIMEOUT + _STEP_TIMEOUT):
             message = conn.recv()
@@ -241,13 +276,18 @@ def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
                 break
             _, repeat, start_at, infos = message
             time.sleep(max(0.0, start_at - time.time()))
+            sampler.start()
             timing, result = peer.step(repeat, infos)
+            # this process only (for hivemind, not its averager's process)
+            timing["rss_step_extra_mb"] = (sampler.stop() - baseline) / 2**20
+            timing["rss_after_mb"] = sampler.rss() / 2**20
             timing["max_abs_error"] = (result - reference).abs().max().item()
             conn.send(("done", repeat, timing))
     except BaseException:
         with contextlib.suppress(OSError):  # the parent may be gone already
             conn.send(("error", traceback.format_exc()))
     finally:
+        sampler.close()
         if peer is not None:
             peer.close()
         conn.close()
@@ -382,6 +422,13 @@ def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
             record[part.replace("_s", "_median_s")] = statistics.median(times)
     if method.startswith("atoll"):
         record["bytes_sent_per_peer"] = max(t["bytes_sent"] for t in rows[-1])
+        # memory a step adds to a peer's process (its own vector, the output and the
+        # reference mean are allocated before), per repeat, and how it moved across repeats
+        record["rss_step_extra_mb"] = [max(t["rss_step_extra_mb"] for t in row) for row in rows]
+        record["rss_growth_mb"] = max(t["rss_after_mb"] for t in rows[-1]) - max(
+            t["rss_after_mb"] for t in rows[0]
+        )
+        record["fragment_mb"] = 4 * n / 2**20
     return record
 
 

@@ -790,6 +790,11 @@ class Node:
             "live_peers": len(live),
             "refused_peers": dict(self._refused),
             "reachability": self.transport.reachability.to_dict(),
+            "data_plane": {
+                "mode": self.transport.config.data_plane,
+                "port": self.transport.data_port,
+                "calls": dict(self.transport.calls_by_plane),
+            },
             "reputations": self.verifier.reputations(),
             "helper_pids": self._helper_pids(),
         }

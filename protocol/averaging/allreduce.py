@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +48,7 @@ from protocol.errors import ProtocolError
 from protocol.p2p.transport import BufferPool, Lease, Transport
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
-from protocol.wire.partwire import Part, SealedPart, seal_part
+from protocol.wire.partwire import Part, SealedPart, read_part, seal_part
 from verification.identity import Identity
 
 __all__ = ["RPC_NAME", "AllReduceService"]
@@ -61,9 +61,32 @@ _PARTS_SHARE = 0.5  # of the time left after the commit phase: owners take parts
 _REPLIES_SHARE = 0.75  # members wait for owners' results; repair gets the rest
 _MIN_CALL_SECONDS = 0.5
 _NO_VALUES = torch.empty(0)
+# refusals of an owner's answer found while reading it (the rest are transport failures)
+_REFUSED_RESULT = frozenset(
+    {
+        "malformed",
+        "bad_version",
+        "sender_mismatch",
+        "bad_signature",
+        "wrong_run",
+        "wrong_kind",
+        "stale_round",
+        "truncated",
+        "trailing_bytes",
+        "bad_chunk",
+    }
+)
 
 _PartResult = tuple[int, bool, list[str]]
 """``(part index, whether the reduced values are in the output, who is in them)``."""
+
+
+@dataclass
+class _Received:
+    """An owner's result as read off the stream, and its size on the wire."""
+
+    part: Part
+    nbytes: int
 
 
 @dataclass
@@ -270,7 +293,8 @@ class AllReduceService:
         """This owner's signed result, once there is one (no longer than its exchange lasts)."""
         left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
         await asyncio.wait_for(session.reduced.wait(), left)
-        assert session.reply is not None  # set before reduced
+        if session.reply is None:  # dropped once the exchange was over
+            raise ProtocolError("late", "the exchange of that round is over")
         return session.reply.buffers()
 
     async def _reduce_own_part(self, session: _Session, h: Header) -> torch.Tensor:
@@ -316,6 +340,10 @@ class AllReduceService:
         session.contributions = {
             p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in session.contributions.items()
         }
+        # the result is kept for members that retry until the exchange is over, no longer
+        asyncio.get_running_loop().call_later(
+            max(0.0, session.done_by - time.monotonic()), _drop_reply, session
+        )
         return codecs.decode(enc, expected_numel=session.numel, copy=False)
 
     # ---- member side ------------------------------------------------------------------
@@ -351,6 +379,7 @@ class AllReduceService:
         if out is not None and (
             out.shape != vector.shape
             or out.dtype != vector.dtype
+            or not out.is_contiguous()
             or out.data_ptr() == vector.data_ptr()
         ):
             raise ValueError(
@@ -424,6 +453,9 @@ class AllReduceService:
         :meth:`_schedule` then sets the real deadlines."""
         me = self.identity.peer_id
         session = self._session(round_, fragment)
+        for (r, f), older in self._sessions.items():
+            if f == fragment and r < round_:
+                _drop_reply(older)  # this node moved on: nobody gets that result any more
         session.plan = plan
         session.deadline = session.replies_by = session.done_by = done_by
         if plan.is_owner:
@@ -531,28 +563,75 @@ class AllReduceService:
             session.full.set()
 
     async def _call_owner(
-        self, owner: str, request: SealedPart, at: tuple[int, int], j: int, by: float
-    ) -> Lease:
-        """Send a part to its owner and wait for its answer until ``by``; retry once with
-        the same bytes if the stream is cut and time is left."""
+        self,
+        owner: str,
+        request: SealedPart,
+        at: tuple[int, int],
+        j: int,
+        by: float,
+        dest: torch.Tensor,
+    ) -> tuple[_Received, Lease | None]:
+        """Send a part to its owner and read its signed result as it arrives (into
+        ``dest`` itself when it is raw float32), until ``by``; retry once with the same
+        bytes if the stream is cut and time is left."""
         transport = self.wire.transport
-        self.wire.tally(at, sent=request.nbytes)
-        timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
-        try:
-            return await transport.call_into(
-                owner, RPC_NAME, request.buffers(), timeout=timeout, pool=self.pool
-            )
-        except ProtocolError as exc:
-            if exc.reason != "connection_lost" or by - time.monotonic() < _MIN_CALL_SECONDS:
+        for attempt in (0, 1):
+            self.wire.tally(at, sent=request.nbytes)
+            timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
+            receive = self._result_reader(owner, at, dest)
+            try:
+                return await transport.call_into(
+                    owner, RPC_NAME, request.buffers(), timeout=timeout, receive=receive
+                )
+            except ProtocolError as exc:
+                retry = (
+                    exc.reason == "connection_lost" and by - time.monotonic() >= _MIN_CALL_SECONDS
+                )
+                if attempt or not retry:
+                    raise
+            # A stream cut before the answer came: the owner keeps the part, and the same
+            # signed part again is answered with the same result.
+            logger.info("round %d fragment %d part %d: retrying owner %s", *at, j, owner[:16])
+        raise AssertionError("unreachable")
+
+    def _result_reader(
+        self, owner: str, at: tuple[int, int], dest: torch.Tensor
+    ) -> Callable[[asyncio.StreamReader, int], Awaitable[tuple[_Received, Lease | None]]]:
+        """Reads an owner's result off the stream: its signed head before any body
+        byte, each chunk checked against its hash as it comes, the raw values straight
+        into ``dest`` (other codecs into a pooled buffer, decoded later)."""
+        round_ = at[0]
+
+        async def receive(
+            reader: asyncio.StreamReader, length: int
+        ) -> tuple[_Received, Lease | None]:
+            held: Lease | None = None
+
+            def into(header: Header, meta: dict, size: int) -> memoryview:
+                nonlocal held
+                if meta.get("c") == "none" and size == dest.numel() * 4:
+                    return memoryview(dest.numpy()).cast("B")
+                held = self.pool.lease(size)
+                return held.data  # type: ignore[return-value]
+
+            try:
+                part = await read_part(
+                    reader,
+                    length,
+                    into,
+                    max_bytes=self.settings.max_message_bytes,
+                    expected_sender=owner,
+                    run_id=self.settings.run_id,
+                    kinds=("reduced",),
+                    round_window=(round_, round_),
+                )
+            except BaseException:
+                if held is not None:
+                    held.release()
                 raise
-        # A stream cut before the answer came: the owner keeps the part, and the same
-        # signed part again is answered with the same result.
-        logger.info("round %d fragment %d part %d: retrying owner %s", *at, j, owner[:16])
-        self.wire.tally(at, sent=request.nbytes)
-        timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
-        return await transport.call_into(
-            owner, RPC_NAME, request.buffers(), timeout=timeout, pool=self.pool
-        )
+            return _Received(part, length), held
+
+        return receive
 
     async def _send_part(
         self,
@@ -570,33 +649,38 @@ class AllReduceService:
         owner, (lo, hi) = plan.owners[j], plan.bounds[j]
         at = (round_, fragment)
         try:
-            lease = await self._call_owner(owner, request, at, j, by)
+            received = await self._call_owner(owner, request, at, j, by, out[lo:hi])
         except ProtocolError as exc:
+            refused = exc.reason in _REFUSED_RESULT
             logger.warning(
                 "round %d fragment %d part %d: owner %s: %s; keeping local values",
                 *(round_, fragment, j, owner[:16], exc),
             )
+            if refused:  # the owner's answer itself was refused as it arrived
+                self.wire.judge.on_owner_refused(owner, round_, fragment, j, exc.reason)
             if exc.detail.startswith("group_mismatch"):
                 self._note_mismatch(round_, fragment, plan)
             return j, False, []
-        with lease:
-            self.wire.tally(at, received=len(lease.data))
-            try:
-                reply = await self.wire.open(
-                    lease.data, owner, kinds=("reduced",), round_window=(round_, round_)
-                )
-                part, peers = self._judge_reduced(
-                    reply, owner, at, j, hi - lo, vector[lo:hi], weight
-                )
-            except ProtocolError as exc:
-                logger.warning(
-                    "round %d fragment %d part %d: refused reduced part from owner %s: %s",
-                    *(round_, fragment, j, owner[:16], exc),
-                )
-                self.wire.judge.on_owner_refused(owner, round_, fragment, j, exc.reason)
-                return j, False, []
-            out[lo:hi] = part
-            del reply, part  # views of the lease's buffer: gone before it goes back
+        part_, held = received
+        try:
+            self.wire.tally(at, received=part_.nbytes)
+            part, peers = self._judge_reduced(
+                part_.part, owner, at, j, hi - lo, vector[lo:hi], weight
+            )
+            if part.data_ptr() != out[lo:hi].data_ptr():
+                out[lo:hi] = part
+            del part
+        except ProtocolError as exc:
+            logger.warning(
+                "round %d fragment %d part %d: refused reduced part from owner %s: %s",
+                *(round_, fragment, j, owner[:16], exc),
+            )
+            self.wire.judge.on_owner_refused(owner, round_, fragment, j, exc.reason)
+            return j, False, []  # out[lo:hi] is rewritten with this node's own values
+        finally:
+            del part_
+            if held is not None:
+                held.release()
         return j, True, peers
 
     def _judge_reduced(
@@ -667,6 +751,10 @@ class AllReduceService:
         # stay a view of the received bytes until they are assembled into the output
         vector = codecs.decode(enc, expected_numel=numel, copy=False)
         return vector, peers, [float(w) for w in weights], digests
+
+
+def _drop_reply(session: _Session) -> None:
+    session.reply = None
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:

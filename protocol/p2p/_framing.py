@@ -29,6 +29,7 @@ import struct
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
@@ -41,6 +42,7 @@ __all__ = [
     "CHUNK_BYTES",
     "BufferPool",
     "Lease",
+    "Receiver",
     "Payload",
     "REMOTE_ADDR",
     "STATUS_ERROR",
@@ -53,6 +55,7 @@ __all__ = [
     "exchange",
     "exchange_on",
     "payload_size",
+    "read_lease",
     "read_body",
     "read_request_header",
     "read_response_header",
@@ -223,10 +226,10 @@ class BufferPool:
         """Buffers created so far (a pool that works creates few)."""
 
     def lease(self, nbytes: int) -> Lease:
-        """A buffer of exactly ``nbytes`` (a reused one when an idle buffer of
-        ``nbytes`` to ``2 * nbytes`` is free); plain bytes below ``min_bytes``."""
+        """A writable buffer of exactly ``nbytes`` (a reused one when an idle buffer of
+        ``nbytes`` to ``2 * nbytes`` is free; a fresh, unpooled one below ``min_bytes``)."""
         if nbytes < self.min_bytes:
-            return Lease(bytes(nbytes))
+            return Lease(memoryview(bytearray(nbytes)))
         best = None
         for buffer in self._idle:
             size = len(buffer)
@@ -239,6 +242,18 @@ class BufferPool:
         else:
             self._idle.remove(best)
         return Lease(memoryview(best)[:nbytes], self, best)
+
+    async def receive(self, reader: asyncio.StreamReader, length: int) -> Lease:
+        """A :data:`Receiver` that reads a large body into one of this pool's buffers."""
+        if length < self.min_bytes:
+            return await read_lease(reader, length)
+        lease = self.lease(length)
+        try:
+            await read_body(reader, length, into=lease.data)  # type: ignore[arg-type]
+        except BaseException:
+            lease.release()
+            raise
+        return lease
 
     def _give_back(self, buffer: bytearray) -> None:
         self._idle.append(buffer)
@@ -428,15 +443,31 @@ def decode_error(data: bytes) -> tuple[str, str]:
     return "malformed", "unreadable error report"
 
 
+Receiver = Callable[[asyncio.StreamReader, int], Awaitable[Any]]
+"""Reads an OK response body of the given length from the stream and returns what the
+caller wants of it (by default a :class:`Lease` of the bytes); it must read exactly that
+many bytes or raise (the stream is then closed)."""
+
+
+async def read_lease(reader: asyncio.StreamReader, length: int) -> Lease:
+    """The default :data:`Receiver`: the body as bytes."""
+    return Lease(await read_body(reader, length))  # type: ignore[arg-type]
+
+
 async def exchange(
-    p2p: P2P, peer: str, protocol: str, data: Payload, limit: int, pool: BufferPool | None = None
-) -> Lease:
+    p2p: P2P,
+    peer: str,
+    protocol: str,
+    data: Payload,
+    limit: int,
+    receive: Receiver | None = None,
+) -> Any:
     """Caller side: open a stream to ``peer``, send ``data`` and return the response body
-    (read into a buffer of ``pool`` when it is large; release the lease when done).
+    as ``receive`` reads it (a :class:`Lease` of bytes by default).
 
     Raises:
         ProtocolError: ``unreachable``, ``no_handler``, ``oversized``, ``remote_error``,
-            ``connection_lost`` or ``malformed``.
+            ``connection_lost`` or ``malformed``; or what ``receive`` raises.
     """
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), protocol)
@@ -447,7 +478,7 @@ async def exchange(
     except OSError as e:
         raise ProtocolError("unreachable", f"local p2pd: {e!r}", peer) from None
     try:
-        return await exchange_on(reader, writer, peer, data, limit, pool)
+        return await exchange_on(reader, writer, peer, data, limit, receive)
     finally:
         writer.close()
 
@@ -458,10 +489,10 @@ async def exchange_on(
     peer: str,
     data: Payload,
     limit: int,
-    pool: BufferPool | None = None,
+    receive: Receiver | None = None,
     prefix: bytes = b"",
     reuse: bool = False,
-) -> Lease:
+) -> Any:
     """One request and its response on an open stream (``prefix`` is written first).
 
     With ``reuse``, returns only after the whole request was written as well, so the
@@ -480,18 +511,15 @@ async def exchange_on(
         if status == STATUS_OK:
             if length > limit:
                 raise ProtocolError("oversized", f"response of {length} bytes", peer)
-            lease = None
-            if pool is not None and length >= pool.min_bytes:
-                lease = pool.lease(length)
-            try:
-                body = await read_body(reader, length, into=lease.data if lease else None)  # type: ignore[arg-type]
-                if reuse:
+            body = await (receive or read_lease)(reader, length)
+            if reuse:
+                try:
                     await sender  # an OK answer means the request was read in full
-            except BaseException:
-                if lease is not None:
-                    lease.release()
-                raise
-            return lease if lease is not None else Lease(body)
+                except BaseException:
+                    if isinstance(body, Lease):
+                        body.release()
+                    raise
+            return body
         if status == STATUS_ERROR and length <= _MAX_ERROR_BYTES:
             reason, detail = decode_error(await read_body(reader, length))  # type: ignore[arg-type]
             if reason == "oversized":

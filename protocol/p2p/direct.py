@@ -43,6 +43,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -314,9 +315,10 @@ class DirectClient:
         name: str,
         data: _framing.Payload,
         limit: int,
-        pool: _framing.BufferPool | None,
-    ) -> _framing.Lease:
-        """One request to ``peer`` over a direct connection.
+        receive: _framing.Receiver | None = None,
+    ) -> Any:
+        """One request to ``peer`` over a direct connection (the response read by
+        ``receive``, as for a p2pd call).
 
         Raises:
             DirectUnavailable: no connection could be opened and authenticated (nothing
@@ -328,13 +330,13 @@ class DirectClient:
         if reused is not None:
             reader, writer = reused
             try:
-                return await self._exchange(peer, reader, writer, data, limit, pool, prefix)
+                return await self._exchange(peer, reader, writer, data, limit, receive, prefix)
             except ProtocolError as e:
                 # an idle connection the callee closed meanwhile: once more on a new one
                 if e.reason != "connection_lost":
                     raise
         reader, writer = await self._connect(peer, route)
-        return await self._exchange(peer, reader, writer, data, limit, pool, prefix)
+        return await self._exchange(peer, reader, writer, data, limit, receive, prefix)
 
     async def _exchange(
         self,
@@ -343,12 +345,12 @@ class DirectClient:
         writer: asyncio.StreamWriter,
         data: _framing.Payload,
         limit: int,
-        pool: _framing.BufferPool | None,
+        receive: _framing.Receiver | None,
         prefix: bytes,
-    ) -> _framing.Lease:
+    ) -> Any:
         try:
             lease = await _framing.exchange_on(
-                reader, writer, peer, data, limit, pool, prefix=prefix, reuse=True
+                reader, writer, peer, data, limit, receive, prefix=prefix, reuse=True
             )
         except BaseException:
             writer.close()  # an error answer or a cut stream: this connection is done

@@ -52,6 +52,7 @@ __all__ = [
     "Handler",
     "Lease",
     "NotDialable",
+    "Receiver",
     "Transport",
     "TransportConfig",
 ]
@@ -61,6 +62,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BufferPool = _framing.BufferPool
 Lease = _framing.Lease
+Receiver = _framing.Receiver
 
 Handler = Callable[[str, bytes], Awaitable[_framing.Payload]]
 """An RPC handler: ``(authenticated caller PeerID, request bytes) -> response``; the
@@ -587,12 +589,12 @@ class Transport:
         data: _framing.Payload,
         *,
         timeout: float,
-        pool: _framing.BufferPool | None = None,
+        receive: _framing.Receiver | None = None,
         max_response_bytes: int | None = None,
-    ) -> _framing.Lease:
-        """:meth:`call`, reading a large response into a buffer of ``pool``.
-
-        Release the returned lease once done with its ``data``.
+    ) -> Any:
+        """:meth:`call`, with the response read by ``receive(reader, length)`` (into a
+        pooled buffer with ``BufferPool.receive``, or checked as it arrives); returns
+        what it returns (by default a :class:`Lease` of bytes: release it when done).
         """
         protocol = self._protocol(name)
         size = _framing.payload_size(data)
@@ -602,7 +604,7 @@ class Transport:
             )
         limit = max_response_bytes or self.config.max_message_bytes
         try:
-            exchange = self._exchange(peer_id, name, protocol, data, limit, pool)
+            exchange = self._exchange(peer_id, name, protocol, data, limit, receive)
             return await asyncio.wait_for(exchange, timeout)
         except asyncio.TimeoutError:
             raise ProtocolError("timeout", f"{name} took over {timeout:.1f}s", peer_id) from None
@@ -614,8 +616,8 @@ class Transport:
         protocol: str,
         data: _framing.Payload,
         limit: int,
-        pool: _framing.BufferPool | None,
-    ) -> _framing.Lease:
+        receive: _framing.Receiver | None,
+    ) -> Any:
         """Over the direct data plane when it runs on both sides, else through p2pd."""
         assert self._p2p is not None, "transport not started"
         client = self._direct_client
@@ -623,14 +625,14 @@ class Transport:
             route = await self._route(peer_id)
             if route is not None:
                 try:
-                    lease = await client.call(peer_id, route, name, data, limit, pool)
+                    lease = await client.call(peer_id, route, name, data, limit, receive)
                     self.calls_by_plane["tcp"] += 1
                     return lease
                 except direct.DirectUnavailable as e:
                     logger.info("direct to %s failed, using p2pd: %s", peer_id[:16], e)
                     self._routes[peer_id] = (None, time.monotonic() + _NO_ROUTE_SECONDS)
         self.calls_by_plane["p2pd"] += 1
-        return await _framing.exchange(self._p2p, peer_id, protocol, data, limit, pool)
+        return await _framing.exchange(self._p2p, peer_id, protocol, data, limit, receive)
 
     async def _route(self, peer_id: str) -> direct.Route | None:
         """Where ``peer_id``'s data port is, asked once through p2pd and kept a while."""

@@ -33,8 +33,9 @@ bytes, never copied.
 
 from __future__ import annotations
 
+import asyncio
 import struct
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ __all__ = [
     "open_head",
     "open_part",
     "part_digest",
+    "read_part",
     "seal_part",
     "verify_head",
 ]
@@ -76,6 +78,7 @@ _HASH_LEN = 32
 _VERSION = 1
 _DOMAIN = b"atoll/part/v1\0"
 _RESERVED = ("size", "chunk", "hashes")
+_MAX_HEAD_BYTES = 1 << 20  # a head names 32 bytes per MiB chunk: 8 KiB for 256 MiB
 
 
 @dataclass(frozen=True)
@@ -346,4 +349,77 @@ def open_part(
     for k, expected in enumerate(hashes):
         if blake3.blake3(body[k * chunk : (k + 1) * chunk]).digest() != expected:
             raise ProtocolError("bad_chunk", f"chunk {k} of {len(hashes)} does not match", peer)
+    return Part(header, meta, body, head, signature, digest)
+
+
+async def read_part(
+    reader: asyncio.StreamReader,
+    length: int,
+    into: Callable[[Header, dict[str, Any], int], memoryview],
+    *,
+    max_bytes: int,
+    expected_sender: str | None = None,
+    run_id: str | None = None,
+    kinds: Collection[str] | None = None,
+    round_window: tuple[int, int] | None = None,
+) -> Part:
+    """Read a part message of ``length`` bytes from a stream, checking as it comes.
+
+    The same checks as :func:`open_part`, in stream order: the head and its signature
+    before any body byte is read, the body's length against the signed size before it
+    is read, then each chunk against its hash as soon as it is in. The body is read
+    into the buffer ``into(header, meta, size)`` returns (a writable view of ``size``
+    bytes: the destination itself, when the caller can take the raw bytes as they are).
+    A refused message leaves the stream partly read: close it.
+
+    Raises:
+        ProtocolError: for any refused input, with the reasons the module lists.
+        asyncio.IncompleteReadError: the stream ended early.
+    """
+    peer = expected_sender
+    if length > max_bytes:
+        raise ProtocolError("oversized", f"{length} bytes > {max_bytes}", peer)
+    if length < _PREFIX.size + _SIGNATURE_LEN:
+        raise ProtocolError("malformed", f"part message of {length} bytes", peer)
+    magic, head_len = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
+    if magic != MAGIC:
+        reason = "bad_version" if magic[:3] == MAGIC[:3] else "malformed"
+        raise ProtocolError(reason, f"part magic {magic!r}, expected {MAGIC!r}", peer)
+    body_len = length - _PREFIX.size - head_len - _SIGNATURE_LEN
+    if head_len == 0 or head_len > _MAX_HEAD_BYTES or body_len < 0:
+        raise ProtocolError("malformed", f"head of {head_len} bytes", peer)
+    head = await reader.readexactly(head_len)
+    signature = await reader.readexactly(_SIGNATURE_LEN)
+    header, meta = _parse_head(head, peer)
+    if expected_sender is not None and header.sender != expected_sender:
+        raise ProtocolError(
+            "sender_mismatch", f"signed sender {header.sender} is not the stream peer", peer
+        )
+    peer = header.sender
+    digest = _head_digest(head)
+    if not verify(header.sender, _DOMAIN + digest, signature):
+        raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
+    check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
+    size, chunk, hashes = meta.pop("size"), meta.pop("chunk"), meta.pop("hashes")
+    if body_len < size:
+        raise ProtocolError("truncated", f"body of {body_len} bytes, signed {size}", peer)
+    if body_len > size:
+        raise ProtocolError("trailing_bytes", f"body of {body_len} bytes, signed {size}", peer)
+    body = into(header, meta, size)
+    if body.nbytes != size:
+        raise ValueError(f"into() gave {body.nbytes} bytes for a body of {size}")
+    received = checked = 0
+    while received < size:
+        piece = await reader.read(min(chunk, size - received))
+        if not piece:
+            raise asyncio.IncompleteReadError(b"", size - received)
+        body[received : received + len(piece)] = piece
+        received += len(piece)
+        while checked < len(hashes) and min((checked + 1) * chunk, size) <= received:
+            lo = checked * chunk
+            if blake3.blake3(body[lo : lo + chunk]).digest() != hashes[checked]:
+                raise ProtocolError(
+                    "bad_chunk", f"chunk {checked} of {len(hashes)} does not match", peer
+                )
+            checked += 1
     return Part(header, meta, body, head, signature, digest)
