@@ -330,7 +330,9 @@ class AllReduceService:
         }
         meta = self.faults.reduced_meta(meta)
         header = Header("reduced", *_fields(h))
-        session.reply = seal_part(self.identity, header, {**meta, **enc.meta()}, enc.payload)
+        session.reply = self.faults.reply(
+            seal_part(self.identity, header, {**meta, **enc.meta()}, enc.payload)
+        )
         session.reply_contributors = list(meta["contributors"])
         # every other contributor is waiting for this one reply
         self.wire.tally((h.round, h.fragment), sent=session.reply.nbytes * (len(contributions) - 1))

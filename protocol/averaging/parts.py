@@ -248,6 +248,10 @@ class FaultInjection:
     def reduced(self, vector: torch.Tensor) -> torch.Tensor:
         return vector
 
+    def reply(self, sealed: SealedPart) -> SealedPart:
+        """The signed result as it goes on the wire."""
+        return sealed
+
     silent: bool = False
     """Announce and commit, then send no part and answer no one (a silent member)."""
 

@@ -28,13 +28,14 @@ from protocol.averaging.parts import (
     AllReduceSettings,
     FaultInjection,
     Judge,
+    PartPlan,
     part_bounds,
 )
 from protocol.averaging.repair import REPAIR_RPC
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.messages import Header
-from protocol.wire.partwire import seal_part
+from protocol.wire.partwire import SealedPart, seal_part
 from verification.identity import Identity
 
 pytestmark = pytest.mark.integration
@@ -267,6 +268,56 @@ def test_vanished_member_costs_only_its_contribution(
             break
         time.sleep(0.1)
     assert missing.rejected == {"not_in_round": 3}
+
+
+class _CorruptReply(FaultInjection):
+    """An owner whose signed result has one body byte changed on the way out."""
+
+    def reply(self, sealed: SealedPart) -> SealedPart:
+        body = bytearray(sealed.body)
+        body[len(body) // 2] ^= 0x01
+        return SealedPart(sealed.head, sealed.signature, memoryview(body), sealed.digest)
+
+
+class _Refusals(Judge):
+    def __init__(self) -> None:
+        self.owners: list[tuple[str, int, str]] = []
+
+    def on_owner_refused(
+        self, owner: str, round_: int, fragment: int, part: int, reason: str
+    ) -> None:
+        self.owners.append((owner, part, reason))
+
+
+@pytest.mark.timeout(60)
+def test_a_result_whose_bytes_do_not_match_its_signature_is_not_applied(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    everyone = services(AllReduceSettings(run_id=RUN, codec="none", timeout=6))
+    everyone[0].faults = _CorruptReply()
+    judges = []
+    for member in everyone[1:]:
+        member.wire.judge = _Refusals()
+        judges.append(member.wire.judge)
+    group = [m.identity.peer_id for m in everyone]
+    vectors = _vectors(4, 8_000, seed=11)
+    outs = [torch.full_like(v, float("nan")) for v in vectors]
+    futures = [
+        m.transport.submit(m.run(ROUND, 0, group, v, 1, out=o))
+        for m, v, o in zip(everyone, vectors, outs)
+    ]
+    results = [f.result(30) for f in futures]
+    bad = group[0]
+    lo, hi = PartPlan.of(group[1], group, group, 8_000, everyone[1].settings.block_size).bounds[0]
+    honest = _weighted_mean(vectors[1:], [1, 1, 1])
+    for r, judge in zip(results[1:], judges):
+        # the corrupted part was refused as it arrived and repaired among the other owners
+        assert judge.owners == [(bad, 0, "bad_chunk")]
+        assert r.repaired_parts == [0] and r.fallback_parts == []
+        assert r.vector is not None and not torch.isnan(r.vector).any()
+        assert torch.equal(r.vector, results[1].vector)
+        torch.testing.assert_close(r.vector[lo:hi], honest[lo:hi], atol=1e-6, rtol=0)
+        assert sorted(r.contributors[0]) == sorted(group[1:])
 
 
 @pytest.mark.timeout(60)

@@ -127,3 +127,107 @@ def test_an_empty_body_and_bad_arguments(me) -> None:
         seal_part(me, header, {}, b"", chunk_bytes=1)
     with pytest.raises(ValueError, match="identity"):
         seal_part(Identity.generate(), header, {}, b"")
+
+
+# ---- the same message read off a stream ----------------------------------------------------
+
+
+def _read(data: bytes | bytearray, feed: int | None = None, **kw) -> tuple[object, bytearray]:
+    """read_part over a stream fed ``data[:feed]`` (all of it, then EOF, by default)."""
+    import asyncio
+
+    from protocol.wire.partwire import read_part
+
+    dest = bytearray()
+
+    def into(header, meta, size) -> memoryview:
+        dest.extend(bytes(size))
+        return memoryview(dest)
+
+    async def main() -> object:
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(data[:feed]))
+        if feed is None:
+            reader.feed_eof()
+        return await asyncio.wait_for(
+            read_part(reader, len(data), into, max_bytes=kw.pop("max_bytes", MAX), **kw), 5
+        )
+
+    return asyncio.run(main()), dest
+
+
+def _read_reason(data: bytes | bytearray, **kw) -> str:
+    with pytest.raises(ProtocolError) as info:
+        _read(data, **kw)
+    return info.value.reason
+
+
+def test_a_part_read_off_a_stream_lands_in_the_callers_buffer(me) -> None:
+    body = _body()
+    part, dest = _read(_sealed(me, body, group=["a"]), expected_sender=me.peer_id)
+    assert bytes(dest) == body and part.body.obj is dest
+    assert part.meta == {"weight": 7, "group": ["a"]}
+
+
+def test_a_stream_is_refused_for_the_same_reasons_as_a_message(me) -> None:
+    body = _body()
+    wire = _sealed(me, body)
+    start = len(wire) - len(body)
+    flipped = bytearray(wire)
+    flipped[start + 2 * CHUNK + 5] ^= 0x01
+    swapped = bytearray(wire)
+    swapped[start : start + CHUNK], swapped[start + CHUNK : start + 2 * CHUNK] = (
+        wire[start + CHUNK : start + 2 * CHUNK],
+        wire[start : start + CHUNK],
+    )
+    head = bytearray(wire)
+    head[8 + 10] ^= 0x01
+    for data, kw, reason in [
+        (flipped, {}, "bad_chunk"),
+        (swapped, {}, "bad_chunk"),
+        (wire[:-1], {}, "truncated"),
+        (wire + b"\0", {}, "trailing_bytes"),
+        (wire, {"expected_sender": Identity.generate().peer_id}, "sender_mismatch"),
+        (wire, {"run_id": "another"}, "wrong_run"),
+        (wire, {"kinds": ("reduced",)}, "wrong_kind"),
+        (wire, {"round_window": (4, 6)}, "stale_round"),
+        (wire, {"max_bytes": len(wire) - 1}, "oversized"),
+        (b"ATP2" + wire[4:], {}, "bad_version"),
+        (b"junk" + bytes(80), {}, "malformed"),
+    ]:
+        assert _read_reason(data, **kw) == reason, reason
+    assert _read_reason(head) in {"bad_signature", "malformed"}
+
+
+def test_a_bad_signature_is_refused_before_any_body_byte_is_read(me) -> None:
+    body = _body()
+    wire = bytearray(_sealed(me, body))
+    start = len(wire) - len(body)
+    wire[start - 1] ^= 0x01  # the signature's last byte
+    # only the head and signature arrive (the body never does, the stream stays open):
+    # the refusal comes anyway, and no destination was asked for
+    with pytest.raises(ProtocolError) as info:
+        _read(wire, feed=start)
+    assert info.value.reason == "bad_signature"
+
+
+def test_a_stream_that_ends_mid_body_is_incomplete(me) -> None:
+    import asyncio
+
+    wire = _sealed(me, _body())
+    with pytest.raises(asyncio.IncompleteReadError):
+        _read_eof_early(wire)
+
+
+def _read_eof_early(wire: bytes) -> None:
+    import asyncio
+
+    from protocol.wire.partwire import read_part
+
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(wire[:-100])
+        reader.feed_eof()
+        await read_part(reader, len(wire), lambda h, m, n: memoryview(bytearray(n)), max_bytes=MAX)
+
+    asyncio.run(main())
