@@ -211,6 +211,17 @@ _PEER_TYPES = {
 }
 
 
+def _peer_type(method: str) -> Any:
+    """A method of this module, or ``"package.module:Class"`` for another benchmark's peer
+    (which must join through the first peer and have this module's peer interface)."""
+    if ":" not in method:
+        return _PEER_TYPES[method]
+    import importlib
+
+    module, name = method.split(":", 1)
+    return getattr(importlib.import_module(module), name)
+
+
 def _vector(n: int, index: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(index))
 
@@ -266,8 +277,11 @@ def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
     sampler = _RssSampler()
     try:
         own = _vector(n, index)
-        reference = _reference_mean(n)
-        peer = _PEER_TYPES[method](index, own, opts)
+        peer = _peer_type(method)(index, own, opts)
+        # a peer may average other vectors than _vector's (it then says what it expects)
+        reference = getattr(peer, "reference", None)
+        if reference is None:
+            reference = _reference_mean(n)
         baseline = sampler.rss()
         conn.send(("ready", peer.info))
         while conn.poll(_SETUP_TIMEOUT + _STEP_TIMEOUT):
@@ -337,7 +351,7 @@ class _Swarm:
         self.conns.append(parent)
 
     def start(self) -> None:
-        if self.method in _JOINS_THROUGH_FIRST:
+        if self.method in _JOINS_THROUGH_FIRST or ":" in self.method:
             self._spawn(0)
             first = _receive(self.conns[0], self.procs[0], _SETUP_TIMEOUT, "ready")[1]
             self.opts["initial_peers"] = first["maddrs"]

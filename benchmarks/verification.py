@@ -1,8 +1,9 @@
 """Verification overhead: what screening, robust aggregation and the audit log cost a round.
 
-Four real :class:`~protocol.p2p.transport.Transport` instances (each with its own p2pd and
-DHT) run in this one process on 127.0.0.1 and all-reduce a float32 vector together,
-the group given, for codecs ``int8`` and ``none``:
+Four members, each in its own process with its own :class:`~protocol.p2p.transport.Transport`
+(its own p2pd and DHT), its own SQLite file and its own event loop, as on real machines,
+all-reduce a float32 vector together on 127.0.0.1, the group given, for codecs
+``int8`` and ``none``:
 
 * **verification on**: every service's reducer and judge is a
   :class:`node.verifier.Verifier` with ``TrustPolicy(aggregator="trimmed_mean",
@@ -11,20 +12,19 @@ the group given, for codecs ``int8`` and ``none``:
 * **verification off**: the default token-weighted mean, a judge that accepts everything.
 
 Signatures are part of Atoll's wire format in both cases, so their cost is measured
-apart: a micro-benchmark seals and opens one part-sized envelope against plain
-``msgpack.packb``/``unpackb`` of the same fields, and the difference, times the
-messages one member seals and opens per all-reduce, is reported as a share of the
-round. The same four services run both modes, switching reducer and judge between
-rounds: one untimed warm-up of each, then 40 repeats of each, off and on in turn (off-on,
-then on-off), so that both see the same load on a shared machine. A round's time is
-the wall time until all four members are done. Run it with
+apart: a micro-benchmark seals and opens one part in the part wire format, next to the
+msgpack envelope parts used before and to SHA-256 and BLAKE3 over the body, and the
+cost, times the messages one member seals and opens per all-reduce, is reported as a
+share of the round. The same four members run both modes, switching reducer and judge
+between rounds: one untimed warm-up of each, then 40 repeats of each, off and on in
+turn (off-on, then on-off), so that both see the same load on a shared machine. The
+parent releases every round at one wall-clock instant (:mod:`benchmarks.allreduce`'s
+machinery); a round's time is the slowest member's. Run it with
 ``python -m benchmarks verification [--quick]``; it writes ``verification.json`` and
 ``verification.png`` into the output folder.
 """
-
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import json
@@ -34,9 +34,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-from unittest import mock
 
 import blake3
 import torch
@@ -44,7 +43,7 @@ import torch
 from benchmarks._common import machine_info
 from node import verifier as verifier_module
 from node.verifier import Verifier
-from protocol.averaging.allreduce import RPC_NAME, AllReduceService
+from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
@@ -54,7 +53,6 @@ from protocol.averaging.parts import (
     part_bounds,
     weighted_mean_reducer,
 )
-from protocol.averaging.repair import REPAIR_RPC
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header, open_envelope, seal
@@ -133,27 +131,83 @@ class _TimedVerifier(Verifier):
             self.clock.add("check_reduced_s", time.perf_counter() - t0)
 
 
-# ---- the four transports and their services -------------------------------------------
+# ---- one member per process ------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _transports(tmp: pathlib.Path) -> Iterator[tuple[list[Transport], list[Identity]]]:
-    identities = [Identity.generate() for _ in range(_MEMBERS)]
-    transports: list[Transport] = []
-    try:
-        for i, identity in enumerate(identities):
-            identity.save(tmp / f"key{i}")
-            config = TransportConfig(
-                identity_path=tmp / f"key{i}",
-                initial_peers=tuple(transports[0].maddrs) if transports else (),
+_WARMUPS = 2  # one untimed round per mode
+
+
+def _mode(repeat: int) -> str:
+    """Verification off or on for a repeat: one warm-up of each, then pairs alternating
+    off-on and on-off, so both modes see the same drift of a shared machine."""
+    if repeat < _WARMUPS:
+        return ("off", "on")[repeat]
+    pair, second = divmod(repeat - _WARMUPS, 2)
+    first = "off" if pair % 2 == 0 else "on"
+    return first if not second else ("on" if first == "off" else "off")
+
+
+class SwitchingPeer:
+    """One member in its own process (as on real machines), with its own transport,
+    all-reduce service and verifier, switching its reducer and judge between the modes
+    before each round. Run through :class:`benchmarks.allreduce._Swarm`."""
+
+    def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
+        torch.set_num_threads(_TORCH_THREADS)
+        tmp = pathlib.Path(opts["tmp"])
+        identity = Identity.generate()
+        identity.save(tmp / f"verify-{index}.key")
+        self.transport = Transport.start(
+            TransportConfig(
+                identity_path=tmp / f"verify-{index}.key",
+                initial_peers=tuple(opts.get("initial_peers", ())),
                 request_timeout=_TIMEOUT,
                 startup_timeout=_TIMEOUT,
             )
-            transports.append(Transport.start(config))
-        yield transports, identities
-    finally:
-        for transport in reversed(transports):
-            transport.shutdown()
+        )
+        vectors = _vectors(own.numel())
+        self.own = vectors[index]
+        self.reference = (sum(v.double() for v in vectors) / len(vectors)).float()
+        self.out = torch.empty_like(self.own)
+        self.clocks = {"off": _Clock(), "on": _Clock()}
+        for name in ("screen", "aggregate"):  # split the verifier's reduce (this process only)
+            timed = self.clocks["on"].wrap(f"{name}_s", getattr(verifier_module, name))
+            setattr(verifier_module, name, timed)
+        policy = TrustPolicy(aggregator="trimmed_mean", screening=True)
+        db = tmp / f"verify-{own.numel()}-{opts['codec']}-{index}.db"
+        self.verifier = _TimedVerifier(policy, db, identity.peer_id, self.clocks["on"])
+        settings = AllReduceSettings(run_id=_RUN_ID, codec=opts["codec"], timeout=_TIMEOUT)
+        self.service = AllReduceService(self.transport, identity, settings)
+        self.service.register()
+        plain = self.clocks["off"].wrap("reduce_s", weighted_mean_reducer)
+        self.modes = {"off": (plain, Judge()), "on": (self.verifier.reduce, self.verifier)}
+        self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}
+
+    def step(self, repeat: int, infos: list[dict]) -> tuple[dict, torch.Tensor]:
+        mode = _mode(repeat)
+        self.service.wire.reducer, self.service.wire.judge = self.modes[mode]
+        clock = self.clocks[mode]
+        before, rejected = dict(clock.seconds), Counter(self.service.rejected)
+        round_ = repeat + 1
+        self.service.current_round = round_
+        t0 = time.perf_counter()
+        run = self.service.run(
+            round_, 0, [i["peer_id"] for i in infos], self.own, 1000, out=self.out
+        )
+        result = self.transport.run(run, _TIMEOUT * 3)
+        timing = {
+            "seconds": time.perf_counter() - t0,
+            "bytes_sent": result.bytes_sent,
+            "mode": mode,
+            "clock": {k: v - before.get(k, 0.0) for k, v in clock.seconds.items()},
+            "rejected": dict(Counter(self.service.rejected) - rejected),
+            "incomplete": None if result.complete else _incomplete(round_, 0, result),
+        }
+        return timing, result.vector
+
+    def close(self) -> None:
+        self.transport.shutdown()
+        self.verifier.close()
 
 
 def _vectors(n: int) -> list[torch.Tensor]:
@@ -164,108 +218,50 @@ def _vectors(n: int) -> list[torch.Tensor]:
     return [common + 0.5 * torch.randn(n, generator=gen) for _ in range(_MEMBERS)]
 
 
-def _measure(
-    transports: list[Transport],
-    identities: list[Identity],
-    n: int,
-    codec: str,
-    rounds: Iterator[int],
-    tmp: pathlib.Path,
-) -> dict[str, dict[str, Any]]:
-    """A warm-up and ``_REPEATS`` timed all-reduces of ``n`` values, off and on in turn.
+def _measure(n: int, codec: str, tmp: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """Two warm-ups and ``_REPEATS`` timed all-reduces of ``n`` values per mode, the four
+    members in four processes; a round's time is the slowest member's."""
+    from benchmarks.allreduce import _Swarm
 
-    The same services run both modes: before each round every service gets the
-    mode's reducer and judge. Alternating (off-on, then on-off) exposes both modes
-    to the same load on the machine, which drifts over seconds on a shared host.
-    """
-    settings = AllReduceSettings(run_id=_RUN_ID, codec=codec, timeout=_TIMEOUT)
-    clocks = {"off": _Clock(), "on": _Clock()}
-    verifiers: list[_TimedVerifier] = []
-    services: list[AllReduceService] = []
-    hooks = contextlib.ExitStack()
+    swarm = _Swarm(f"{__name__}:SwitchingPeer", n, str(tmp))
+    swarm.opts["codec"] = codec
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    seconds: dict[str, Counter[str]] = {"off": Counter(), "on": Counter()}
+    rejected: dict[str, Counter[str]] = {"off": Counter(), "on": Counter()}
+    incomplete: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    bytes_sent: dict[str, int] = {}
+    errors: list[float] = []
     try:
-        # split the verifier's reduce into screening and robust aggregation
-        for name in ("screen", "aggregate"):
-            timed = clocks["on"].wrap(f"{name}_s", getattr(verifier_module, name))
-            hooks.enter_context(mock.patch.object(verifier_module, name, timed))
-        plain = clocks["off"].wrap("reduce_s", weighted_mean_reducer)
-        for i, (transport, identity) in enumerate(zip(transports, identities)):
-            policy = TrustPolicy(aggregator="trimmed_mean", screening=True)
-            db = tmp / f"verify-{n}-{codec}-{i}.db"  # fresh: no history from other runs
-            verifiers.append(_TimedVerifier(policy, db, identity.peer_id, clocks["on"]))
-            service = AllReduceService(transport, identity, settings)
-            service.register()
-            services.append(service)
-        modes = {
-            "off": [(plain, Judge()) for _ in services],
-            "on": [(v.reduce, v) for v in verifiers],
-        }
-        group = [identity.peer_id for identity in identities]
-        vectors = _vectors(n)
-        times: dict[str, list[float]] = {"off": [], "on": []}
-        incomplete: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-        rejected: dict[str, Counter[str]] = {"off": Counter(), "on": Counter()}
-        bytes_sent: dict[str, int] = {}
-        for repeat in range(_REPEATS + 1):
-            if repeat == 1:
-                for clock in clocks.values():
-                    clock.seconds.clear()  # the warm-up opened connections and tables
-            for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
-                for service, (reducer, judge) in zip(services, modes[mode]):
-                    service.wire.reducer, service.wire.judge = reducer, judge
-                round_ = next(rounds)
-                before = _rejected(services)
-                seconds, results = _round(services, group, vectors, round_)
-                rejected[mode] += _rejected(services) - before
-                # kept in the times: a round that lost a part is part of what it cost
-                incomplete[mode] += [
-                    _incomplete(round_, i, r) for i, r in enumerate(results) if not r.complete
-                ]
-                bytes_sent[mode] = results[0].bytes_sent
-                if repeat:
-                    times[mode].append(seconds)
-        out = {}
-        for mode in ("off", "on"):
-            seconds = clocks[mode].seconds
-            out[mode] = {
-                "times": times[mode],
-                "median_s": statistics.median(times[mode]),
-                "per_member_per_round_s": {
-                    k: v / (_REPEATS * _MEMBERS) for k, v in sorted(seconds.items())
-                },
-                "rejected": dict(rejected[mode]),
-                "incomplete": incomplete[mode],
-                "bytes_sent_per_member": bytes_sent[mode],
-            }
-        return out
+        swarm.start()
+        for repeat in range(_WARMUPS + 2 * _REPEATS):
+            row = swarm.repeat(repeat)
+            mode = row[0]["mode"]
+            if repeat < _WARMUPS:
+                continue
+            times[mode].append(max(t["seconds"] for t in row))
+            for member, t in enumerate(row):
+                seconds[mode].update(t["clock"])
+                rejected[mode].update(t["rejected"])
+                if t["incomplete"]:  # kept in the times: a lost part is part of the cost
+                    incomplete[mode].append(dict(t["incomplete"], member=member))
+            bytes_sent[mode] = row[0]["bytes_sent"]
+            errors += [t["max_abs_error"] for t in row]
     finally:
-        hooks.close()
-        for service in services:
-            service.transport.remove_handler(RPC_NAME)
-            service.transport.remove_handler(REPAIR_RPC)
-        for verifier in verifiers:
-            verifier.close()
-
-
-def _round(
-    services: list[AllReduceService],
-    group: list[str],
-    vectors: list[torch.Tensor],
-    round_: int,
-) -> tuple[float, list[AllReduceResult]]:
-    """One all-reduce by every member: its wall time until all are done, and the results."""
-    for service in services:
-        service.current_round = round_  # owners accept only rounds near this one
-    t0 = time.perf_counter()
-    futures = [
-        s.transport.submit(s.run(round_, 0, group, v, 1000)) for s, v in zip(services, vectors)
-    ]
-    results = [f.result(_TIMEOUT * 3) for f in futures]
-    return time.perf_counter() - t0, results
-
-
-def _rejected(services: list[AllReduceService]) -> Counter[str]:
-    return sum((Counter(s.rejected) for s in services), Counter())
+        swarm.close()
+    out: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        out[mode] = {
+            "times": times[mode],
+            "median_s": statistics.median(times[mode]),
+            "per_member_per_round_s": {
+                k: v / (_REPEATS * _MEMBERS) for k, v in sorted(seconds[mode].items())
+            },
+            "rejected": dict(rejected[mode]),
+            "incomplete": incomplete[mode],
+            "bytes_sent_per_member": bytes_sent[mode],
+        }
+    out["max_abs_error_vs_mean"] = max(errors)
+    return out
 
 
 def _incomplete(round_: int, member: int, result: AllReduceResult) -> dict[str, Any]:
@@ -363,7 +359,7 @@ def _plot(results: dict[str, dict[str, Any]], path: pathlib.Path) -> None:
     ax.set_xticks(range(len(keys)), [_label(key) for key in keys])
     ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the ratio labels and the legend
     ax.set_ylabel("median seconds per all-reduce (all 4 members done)")
-    ax.set_title(f"{_MEMBERS} members, one process, 127.0.0.1; ratio = on / off")
+    ax.set_title(f"{_MEMBERS} members, one process each, 127.0.0.1; ratio = on / off")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
 
@@ -400,30 +396,28 @@ def _label(key: str) -> str:
     return f"{int(n) / 1e6:g}M, {codec}"
 
 
-def _measure_all(sizes: list[int], rounds: Iterator[int], results: dict[str, dict]) -> None:
+def _measure_all(sizes: list[int], results: dict[str, dict]) -> None:
     """Fills ``results`` with on/off timings and the signature cost per size and codec."""
+    identities = [Identity.generate() for _ in range(_MEMBERS)]
     with tempfile.TemporaryDirectory(prefix="atoll-verification-") as tmp_name:
         tmp = pathlib.Path(tmp_name)
-        with _transports(tmp) as (transports, identities):
-            for n in sizes:
-                for codec in _CODECS:
-                    entry: dict[str, Any] = {"n": n, "codec": codec}
-                    try:
-                        entry.update(_measure(transports, identities, n, codec, rounds, tmp))
-                    except Exception as e:  # report it; the other cells still run
-                        error = {"error": f"{type(e).__name__}: {e}", "median_s": None}
-                        entry.update(off=error, on=dict(error))
-                    results[f"{n}/{codec}"] = entry
-        for entry in results.values():
-            on, off = entry["on"].get("median_s"), entry["off"].get("median_s")
-            entry["ratio"] = on / off if on and off else None
-            entry["overhead_pct"] = 100 * (on / off - 1) if on and off else None
-            sig = _signature_cost(entry["n"], entry["codec"], identities)
-            if off:
-                sig["share_of_round_per_member"] = sig["per_member_per_round_s"] / off
-                # here all four members share one interpreter, so their costs add up
-                sig["share_of_round_all_members"] = _MEMBERS * sig["per_member_per_round_s"] / off
-            entry["signatures"] = sig
+        for n in sizes:
+            for codec in _CODECS:
+                entry: dict[str, Any] = {"n": n, "codec": codec}
+                try:
+                    entry.update(_measure(n, codec, tmp))
+                except Exception as e:  # report it; the other cells still run
+                    error = {"error": f"{type(e).__name__}: {e}", "median_s": None}
+                    entry.update(off=error, on=dict(error))
+                results[f"{n}/{codec}"] = entry
+    for entry in results.values():
+        on, off = entry["on"].get("median_s"), entry["off"].get("median_s")
+        entry["ratio"] = on / off if on and off else None
+        entry["overhead_pct"] = 100 * (on / off - 1) if on and off else None
+        sig = _signature_cost(entry["n"], entry["codec"], identities)
+        if off:
+            sig["share_of_round_per_member"] = sig["per_member_per_round_s"] / off
+        entry["signatures"] = sig
 
 
 def run(quick: bool, out_dir: pathlib.Path) -> dict:
@@ -442,14 +436,13 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     """
     sizes = [1_000_000] if quick else [1_000_000, 10_000_000]
     results: dict[str, dict[str, Any]] = {}
-    rounds = iter(range(1, 10**6))
-    # One intra-op thread, as a node gets when several share a machine (run.threads):
-    # with more threads than free cores, OpenMP's waiting turns each small tensor op
-    # into tens of milliseconds and the measurement into one of oversubscription.
+    # One intra-op thread per member, as a node gets when several share a machine
+    # (run.threads): with more threads than free cores, OpenMP's waiting turns each small
+    # tensor op into tens of milliseconds and the measurement into one of oversubscription.
     threads = torch.get_num_threads()
     torch.set_num_threads(_TORCH_THREADS)
     try:
-        _measure_all(sizes, rounds, results)
+        _measure_all(sizes, results)
     finally:
         torch.set_num_threads(threads)
     report = {
@@ -463,8 +456,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         "results": results,
         "notes": {
             "timing": "one untimed warm-up per mode, then repeats alternating off and on "
-            "(off-on, on-off, ...) on the same services; each: all four members start "
-            "AllReduceService.run at once; the time is until all four are done",
+            "(off-on, on-off, ...) on the same services; each: all four members, each in its "
+            "own process with its own transport, start AllReduceService.run at one "
+            "wall-clock instant; the time is the slowest member's",
             "on": "reducer and judge = node.verifier.Verifier (screening, trimmed "
             "mean, audit rows and reputations in a fresh SQLite file per member)",
             "off": "default token-weighted mean reducer, a judge that accepts everything",
@@ -477,8 +471,8 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "screen_s and aggregate_s), the SQLite stores (sqlite_s, every audit and "
             "reputation call) and check_reduced, summed over members and divided by "
             "members x repeats",
-            "one_process": "all four members and their event loops share one Python "
-            "process and two cores, so CPU work of one member delays the others",
+            "processes": "each member is its own process (its own transport, p2pd, DHT and "
+            "SQLite file); the four share this machine's cores",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

@@ -709,6 +709,9 @@ class Node:
         if getattr(self, "_checkpointed_round", None) == self.round:
             return
         self._checkpointed_round = self.round
+        # the audit rows and standings of the rounds in the checkpoint go to disk first
+        if not self.verifier.flush():
+            logger.warning("audit log: queued rows not written within 30 s of a checkpoint")
         state = {
             "round": self.round,
             "plan": self.plan.digest(),

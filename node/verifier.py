@@ -30,6 +30,7 @@ from verification.audit import AuditLog
 from verification.policy import TrustPolicy
 from verification.reputation import ReputationStore
 from verification.screening import Candidate, ScreeningConfig, Verdict, check_reduced, screen
+from verification.writer import Writer
 
 __all__ = ["BENIGN_REASONS", "Verifier"]
 
@@ -78,8 +79,11 @@ class Verifier(Judge):
         self.policy = policy
         self.me = me
         self.events = events
-        self.audit = AuditLog(db_path)
-        self.reputation = ReputationStore(db_path)
+        # audit rows and reputations are written off the critical path by one thread;
+        # standings are read from memory
+        self.writer = Writer(db_path)
+        self.audit = AuditLog(db_path, writer=self.writer)
+        self.reputation = ReputationStore(db_path, writer=self.writer)
         self.screening = ScreeningConfig(
             enabled=policy.screening,
             norm_kappa=policy.norm_kappa,
@@ -254,7 +258,7 @@ class Verifier(Judge):
                 )
             )
         with self._lock:
-            self.audit.append_many(rows)
+            self.audit.append_later(rows)
             for peer in used:
                 if peer != self.me:
                     self.reputation.record(peer, round_, ok=True)
@@ -303,7 +307,7 @@ class Verifier(Judge):
     def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
         r = self.round if round_ is None else round_
         with self._lock:
-            self.audit.append(
+            self._audit_row(
                 round=r,
                 fragment=fragment if fragment is not None else 0,
                 part=0,  # refused before its part was known
@@ -381,7 +385,7 @@ class Verifier(Judge):
         delivering (``policy.max_missed`` in ``policy.missed_window`` rounds) has
         broken promises it signed: one violation."""
         with self._lock:
-            self.audit.append(
+            self._audit_row(
                 round=round_,
                 fragment=fragment,
                 part=part,
@@ -407,7 +411,7 @@ class Verifier(Judge):
         self, owner: str, round_: int, fragment: int, part: int, reason: str
     ) -> None:
         with self._lock:
-            self.audit.append(
+            self._audit_row(
                 round=round_,
                 fragment=fragment,
                 part=part,
@@ -467,7 +471,16 @@ class Verifier(Judge):
                 score=standing.score,
             )
 
+    def _audit_row(self, **row: object) -> None:
+        self.audit.append_later([row])
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Commit every queued audit row and reputation change (before a checkpoint)."""
+        return self.writer.flush(timeout)
+
     def close(self) -> None:
+        """Flush and close the node's SQLite file (nothing queued is lost)."""
+        self.writer.close()
         with self._lock:
             self.audit.close()
             self.reputation.close()

@@ -28,7 +28,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from verification.writer import Writer
 
 __all__ = [
     "GENESIS_HASH",
@@ -245,6 +248,24 @@ def _clean(
     )
 
 
+def _clean_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    cleaned = []
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"row {index}: expected a dict, got {type(row).__name__}")
+        unknown = set(row) - set(_FIELDS)
+        missing = set(_FIELDS) - {"reason"} - set(row)
+        if unknown or missing:
+            raise ValueError(
+                f"row {index}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}"
+            )
+        try:
+            cleaned.append(_clean(**row))
+        except ValueError as error:
+            raise ValueError(f"row {index}: {error}") from None
+    return cleaned
+
+
 def _walk_chain(rows: Iterable[tuple[Any, ...]]) -> tuple[int, str, tuple[int, str] | None]:
     """Check ids, links and hashes in id order.
 
@@ -293,10 +314,13 @@ class AuditLog:
 
     Args:
         path: the database file, usually ``DATA_DIR/atoll.db``; created if missing.
+        writer: the node's background writer, for :meth:`append_later`; reads flush
+            it first, so they see every row queued before them.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, writer: Writer | None = None) -> None:
         self.path = Path(path)
+        self.writer = writer
         self._lock = threading.Lock()
         self._conn = open_database(self.path)
         with self._lock, transaction(self._conn) as conn:
@@ -377,43 +401,55 @@ class AuditLog:
             ValueError: any row is malformed (nothing is written).
             RuntimeError: the chain head is missing (the file was tampered with).
         """
-        cleaned = []
-        for index, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise ValueError(f"row {index}: expected a dict, got {type(row).__name__}")
-            unknown = set(row) - set(_FIELDS)
-            missing = set(_FIELDS) - {"reason"} - set(row)
-            if unknown or missing:
-                raise ValueError(
-                    f"row {index}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}"
-                )
-            try:
-                cleaned.append(_clean(**row))
-            except ValueError as error:
-                raise ValueError(f"row {index}: {error}") from None
+        cleaned = _clean_rows(rows)
         if not cleaned:
             return []
         with self._lock, transaction(self._conn) as conn:
-            head = conn.execute("SELECT last_id, last_hash, count FROM audit_head").fetchone()
-            if head is None:
-                raise RuntimeError(f"audit head missing in {self.path}: the log was tampered with")
-            last_id, prev_hash, count = head
-            records = []
-            for fields in cleaned:
-                last_id += 1
-                values = (last_id, time.time(), *fields)
-                row_hash = _row_hash(prev_hash, values)
-                records.append((*values, prev_hash, row_hash))
-                prev_hash = row_hash
-            conn.executemany(
-                f"INSERT INTO audit ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                records,
-            )
-            conn.execute(
-                "UPDATE audit_head SET last_id = ?, last_hash = ?, count = ?",
-                (last_id, prev_hash, count + len(cleaned)),
-            )
+            return self._insert(conn, cleaned)
+
+    def append_later(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Check records now and append them through the node's background writer (in
+        the same order as every other queued write; at once without a writer).
+
+        Raises:
+            ValueError: any row is malformed (nothing is queued).
+        """
+        cleaned = _clean_rows(rows)
+        if not cleaned:
+            return
+        if self.writer is None:
+            with self._lock, transaction(self._conn) as conn:
+                self._insert(conn, cleaned)
+            return
+        self.writer.submit(lambda conn: self._insert(conn, cleaned))
+
+    def _insert(self, conn: sqlite3.Connection, cleaned: list[tuple[Any, ...]]) -> list[AuditRow]:
+        """Extend the chain by ``cleaned`` inside the caller's write transaction."""
+        head = conn.execute("SELECT last_id, last_hash, count FROM audit_head").fetchone()
+        if head is None:
+            raise RuntimeError(f"audit head missing in {self.path}: the log was tampered with")
+        last_id, prev_hash, count = head
+        records = []
+        for fields in cleaned:
+            last_id += 1
+            values = (last_id, time.time(), *fields)
+            row_hash = _row_hash(prev_hash, values)
+            records.append((*values, prev_hash, row_hash))
+            prev_hash = row_hash
+        conn.executemany(
+            f"INSERT INTO audit ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            records,
+        )
+        conn.execute(
+            "UPDATE audit_head SET last_id = ?, last_hash = ?, count = ?",
+            (last_id, prev_hash, count + len(cleaned)),
+        )
         return [AuditRow(*record) for record in records]
+
+    def _settle(self) -> None:
+        """Reads see every write queued before them."""
+        if self.writer is not None:
+            self.writer.flush()
 
     def head(self) -> tuple[int, str]:
         """The chain head: (row count, hash of the last row).
@@ -424,6 +460,7 @@ class AuditLog:
         Raises:
             RuntimeError: the head row is missing.
         """
+        self._settle()
         with self._lock:
             head = self._conn.execute("SELECT count, last_hash FROM audit_head").fetchone()
         if head is None:
@@ -438,6 +475,7 @@ class AuditLog:
             where ``id`` is the first row that does not check out (for a truncated
             log, the first missing id; ``None`` when only the head is wrong).
         """
+        self._settle()
         with self._lock, transaction(self._conn, immediate=False) as conn:
             # One read transaction: the head and the rows come from the same snapshot.
             head = conn.execute("SELECT last_id, last_hash, count FROM audit_head").fetchall()
@@ -480,6 +518,7 @@ class AuditLog:
         if limit is not None:
             query += " LIMIT ?"
             params.append(_count("limit", limit))
+        self._settle()
         with self._lock:
             return [AuditRow(*row) for row in self._conn.execute(query, params)]
 
@@ -506,6 +545,7 @@ class AuditLog:
             f" SUM(CASE WHEN verdict IN ({in_model}) THEN tokens ELSE 0 END)"
             " FROM audit WHERE round = ? GROUP BY sender ORDER BY sender"
         )
+        self._settle()
         with self._lock:
             result = self._conn.execute(query, (round,)).fetchall()
         return {

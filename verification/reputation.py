@@ -17,14 +17,18 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verification.audit import open_database, transaction
+
+if TYPE_CHECKING:
+    from verification.writer import Writer
 
 __all__ = ["STATUSES", "ReputationStore", "Standing"]
 
@@ -92,6 +96,21 @@ def _clamp(score: float) -> float:
     return min(1.0, max(0.0, score))
 
 
+def _store(conn: sqlite3.Connection, standing: Standing) -> None:
+    conn.execute(
+        f"INSERT OR REPLACE INTO reputation ({_COLUMNS}, updated) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            standing.peer,
+            standing.score,
+            standing.status,
+            standing.until_round,
+            standing.violations,
+            standing.reason,
+            time.time(),
+        ),
+    )
+
+
 def _in_effect(standing: Standing, round: int) -> Standing:
     """The standing as of ``round``: a quarantine whose last round has passed is lifted."""
     if standing.status == "quarantined" and round >= standing.until_round:
@@ -106,18 +125,29 @@ class ReputationStore:
     one ``BEGIN IMMEDIATE`` transaction, so a read-modify-write of a peer's row
     cannot interleave with another connection's.
 
+    With a ``writer`` (a running node), every standing is read from an in-memory
+    mirror loaded at start, and changes are written through the node's background
+    writer: the node must then be the only process that changes the table while it
+    runs (an operator's edit made meanwhile is overwritten or ignored).
+
     Args:
         path: the database file, usually ``DATA_DIR/atoll.db``; created if missing.
         initial: score of a peer seen for the first time.
+        writer: the node's background writer; None writes each change at once.
     """
 
-    def __init__(self, path: Path, *, initial: float = 0.5) -> None:
+    def __init__(self, path: Path, *, initial: float = 0.5, writer: Writer | None = None) -> None:
         self.path = Path(path)
         self.initial = _unit(initial, "initial")
+        self.writer = writer
         self._lock = threading.Lock()
         self._conn = open_database(self.path)
         with self._lock, transaction(self._conn) as conn:
             conn.execute(_SCHEMA)
+        self._mirror: dict[str, Standing] | None = None
+        if writer is not None:
+            rows = self._conn.execute(f"SELECT {_COLUMNS} FROM reputation").fetchall()
+            self._mirror = {row[0]: Standing(*row) for row in rows}
 
     def __enter__(self) -> ReputationStore:
         return self
@@ -134,28 +164,26 @@ class ReputationStore:
         """The stored standing, or a fresh one; call with the lock held."""
         if not isinstance(peer, str) or not peer:
             raise ValueError(f"peer must be a non-empty string, got {peer!r}")
+        if self._mirror is not None:
+            return self._mirror.get(peer) or self._fresh(peer)
         row = self._conn.execute(
             f"SELECT {_COLUMNS} FROM reputation WHERE peer = ?", (peer,)
         ).fetchone()
         return self._fresh(peer) if row is None else Standing(*row)
 
     def _update(self, peer: str, change: Callable[[Standing], Standing]) -> Standing:
-        """Read, change and write one peer's row in a single write transaction."""
+        """Read, change and write one peer's row (in one write transaction, or in the
+        mirror at once and through the writer)."""
+        if self._mirror is not None:
+            assert self.writer is not None
+            with self._lock:
+                standing = change(self._load(peer))
+                self._mirror[peer] = standing
+                self.writer.submit(lambda conn: _store(conn, standing))
+            return standing
         with self._lock, transaction(self._conn):
             standing = change(self._load(peer))
-            self._conn.execute(
-                f"INSERT OR REPLACE INTO reputation ({_COLUMNS}, updated)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    standing.peer,
-                    standing.score,
-                    standing.status,
-                    standing.until_round,
-                    standing.violations,
-                    standing.reason,
-                    time.time(),
-                ),
-            )
+            _store(self._conn, standing)
         return standing
 
     # -- public API --------------------------------------------------------------
@@ -300,6 +328,13 @@ class ReputationStore:
     def excluded(self, round: int) -> set[str]:
         """Peers not to group with at ``round``: banned, or quarantined past ``round``."""
         round = _round(round)
+        if self._mirror is not None:
+            with self._lock:
+                return {
+                    s.peer
+                    for s in self._mirror.values()
+                    if s.status == "banned" or (s.status == "quarantined" and s.until_round > round)
+                }
         with self._lock:
             rows = self._conn.execute(
                 "SELECT peer FROM reputation WHERE status = 'banned'"
@@ -315,6 +350,8 @@ class ReputationStore:
         has since expired; use :meth:`standing` for the standing at a given round.
         """
         with self._lock:
+            if self._mirror is not None:
+                return [self._mirror[p] for p in sorted(self._mirror)]
             rows = self._conn.execute(f"SELECT {_COLUMNS} FROM reputation ORDER BY peer").fetchall()
         return [Standing(*row) for row in rows]
 

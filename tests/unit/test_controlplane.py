@@ -272,3 +272,37 @@ def test_heartbeats_carry_reachability_and_spec(plane) -> None:
     _deliver(plane, "heartbeat", _signed(OTHER, "heartbeat", body))
     seen = plane.swarm()["peers"][OTHER.peer_id]
     assert seen["reachable"] is False and seen["spec"] == "ab" * 32
+
+
+def test_a_bad_owner_verdict_for_a_part_of_ten_million_values_fits_one_control_message(
+    plane: ControlPlane,
+) -> None:
+    # the verdict carries the owner's signed head (a hash per MiB of body), never the
+    # body: 40 MB of float32 values make about 1.5 KB of evidence
+    import torch
+
+    from protocol.wire.messages import Header
+    from protocol.wire.partwire import open_part, seal_part
+
+    wire = _own_commit(plane, {1: D1})
+    body = torch.zeros(10_000_000).numpy().view("uint8")
+    meta = {"contributors": [CHEAT.peer_id, ME.peer_id], "digests": [D2, D2], "weights": [1.0, 1.0]}
+    sealed = seal_part(CHEAT, Header("reduced", RUN, 3, 0, 1, CHEAT.peer_id), meta, body)
+    evidence = open_part(
+        sealed.buffers()[0] + sealed.head + sealed.signature + body.tobytes(), max_bytes=2**27
+    ).evidence()
+    verdict = _signed(
+        ME,
+        "verdict",
+        {
+            "accused": CHEAT.peer_id,
+            "kind": "bad_owner",
+            "evidence": {"reduced": evidence, "commit": wire},
+        },
+    )
+    assert len(evidence) < 4096
+    assert len(verdict) < ControlConfig().max_message_kb * 1024
+    # and whoever receives it can check it
+    received = open_control(verdict, RUN, topic_name(RUN, "verdict")).body["evidence"]
+    assert check_bad_owner(received, CHEAT.peer_id, RUN) == (3, 0)
+    assert check_bad_owner({"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
