@@ -113,6 +113,8 @@ class _Session:
     """Parts taken in but left out of the result, with why (commit phase, lateness)."""
     closed_at: float = 0.0
     mismatches: int = 0
+    reducing: bool = False
+    """Owner side: the result is being computed from the parts in by then."""
     reply: SealedPart | None = None
     """Owner side: the signed result every member of the part is answered with."""
     reply_contributors: list[str] = field(default_factory=list)
@@ -267,7 +269,7 @@ class AllReduceService:
             if refusal:
                 wire.reject(refusal, "part does not match a timely commitment", peer, *at)
                 return await self._answer_without(session, peer, refusal)
-        if time.monotonic() > session.deadline or session.reduced.is_set():
+        if time.monotonic() > session.deadline or session.reducing:
             wire.reject("late", "part arrived after the owner's deadline", peer, *at)
             return await self._answer_without(session, peer, "late")
         session.contributions[peer] = contribution
@@ -283,7 +285,7 @@ class AllReduceService:
         Every member of a part must end with the one result its owner signed, or honest
         members' values part ways; the result names the refused part and why (a part
         that came after the result was signed is simply not in it)."""
-        if not session.reduced.is_set():
+        if not session.reducing:
             session.refused[peer] = reason
             if session.expected <= set(session.contributions) | set(session.refused):
                 session.full.set()
@@ -315,8 +317,15 @@ class AllReduceService:
                 )
                 self.wire.judge.on_missing(peer, h.round, h.fragment, h.part, committed)
         contributions = list(session.contributions.values())
-        reduction = self.wire.reducer(h.round, h.fragment, h.part, contributions)
-        enc = self.wire.encode(self.faults.reduced(reduction.vector), h.fragment)
+        session.reducing = True  # parts arriving from now on are late
+        # reducing, encoding and hashing release the GIL: off the loop, which keeps
+        # reading the other parts' streams meanwhile
+        reduction = await asyncio.to_thread(
+            self.wire.reducer, h.round, h.fragment, h.part, contributions
+        )
+        enc = await asyncio.to_thread(
+            self.wire.encode, self.faults.reduced(reduction.vector), h.fragment
+        )
         used = set(reduction.used)
         kept = [c for c in contributions if c.peer in used]
         meta = {
@@ -330,9 +339,10 @@ class AllReduceService:
         }
         meta = self.faults.reduced_meta(meta)
         header = Header("reduced", *_fields(h))
-        session.reply = self.faults.reply(
-            seal_part(self.identity, header, {**meta, **enc.meta()}, enc.payload)
+        sealed = await asyncio.to_thread(
+            seal_part, self.identity, header, {**meta, **enc.meta()}, enc.payload
         )
+        session.reply = self.faults.reply(sealed)
         session.reply_contributors = list(meta["contributors"])
         # every other contributor is waiting for this one reply
         self.wire.tally((h.round, h.fragment), sent=session.reply.nbytes * (len(contributions) - 1))
@@ -666,8 +676,9 @@ class AllReduceService:
         part_, held = received
         try:
             self.wire.tally(at, received=part_.nbytes)
-            part, peers = self._judge_reduced(
-                part_.part, owner, at, j, hi - lo, vector[lo:hi], weight
+            # decoding checks every value (NaN, inf) and the judge compares norms: off the loop
+            part, peers = await asyncio.to_thread(
+                self._judge_reduced, part_.part, owner, at, j, hi - lo, vector[lo:hi], weight
             )
             if part.data_ptr() != out[lo:hi].data_ptr():
                 out[lo:hi] = part
