@@ -465,6 +465,7 @@ def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
         ("gloo", "gloo (torch.distributed)", "median_s", "tab:gray"),
         ("atoll", "Atoll (codec none, signed)", "median_s", "tab:blue"),
         ("atoll_verified", "Atoll + screening, trimmed mean, audit", "median_s", "tab:purple"),
+        ("atoll_tcp", "Atoll, direct TCP data plane", "median_s", "tab:cyan"),
         ("hivemind", "hivemind all-reduce part", "allreduce_median_s", "tab:olive"),
         ("hivemind", "hivemind step (with matchmaking)", "median_s", "tab:orange"),
     ]
@@ -484,6 +485,21 @@ def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _ratios(results: dict) -> dict:
+    """Speed ratios of the medians (other / Atoll's: above 1, Atoll is faster)."""
+    atoll, tcp = results["atoll"], results["atoll_tcp"]
+    return {
+        "atoll_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in atoll.items()},
+        "atoll_vs_hivemind_allreduce_only": {
+            k: _ratio(results["hivemind"][k], a, "allreduce_median_s") for k, a in atoll.items()
+        },
+        "atoll_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in atoll.items()},
+        "verified_vs_atoll": {k: _ratio(results["atoll_verified"][k], a) for k, a in atoll.items()},
+        "atoll_tcp_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in tcp.items()},
+        "atoll_tcp_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in tcp.items()},
+    }
 
 
 def run(quick: bool, out_dir: pathlib.Path) -> dict:
@@ -506,7 +522,6 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         for n in sizes:
             for method in _METHODS:
                 results[method][str(n)] = _measure(method, n, repeats, tmp)
-    atoll = results["atoll"]
     report = {
         "benchmark": "allreduce",
         "quick": quick,
@@ -514,16 +529,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         "repeats": repeats,
         "tolerance": _TOLERANCE,
         "results": results,
-        "ratios": {
-            "atoll_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in atoll.items()},
-            "atoll_vs_hivemind_allreduce_only": {
-                k: _ratio(results["hivemind"][k], a, "allreduce_median_s") for k, a in atoll.items()
-            },
-            "atoll_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in atoll.items()},
-            "verified_vs_atoll": {
-                k: _ratio(results["atoll_verified"][k], a) for k, a in atoll.items()
-            },
-        },
+        "ratios": _ratios(results),
         "notes": {
             "timing": "one untimed warm-up, then each repeat released to all peers at one "
             "instant; a repeat's time is the slowest peer's; ratios are other/atoll, >1 means "
@@ -533,6 +539,13 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "atoll_verified": "the same with a node's verification layer as reducer and "
             "judge: screening, trimmed mean, reputation and a SQLite audit log per peer; "
             "verified_vs_atoll > 1 is its overhead",
+            "atoll_tcp": "the same as atoll over the direct TCP data plane "
+            "(transport data_plane = tcp: kept connections opened with a signed handshake, "
+            "not encrypted) instead of p2pd",
+            "memory": "rss_step_extra_mb: the peak resident memory of a peer's process during "
+            "a repeat minus its memory before the first one (its own vector, the output it "
+            "averages into and the reference mean are allocated before); rss_growth_mb: its "
+            "memory after the last repeat minus after the first",
             "hivemind": "times are DecentralizedAverager.step wall time, which includes "
             "matchmaking through the DHT; matchmaking_* and allreduce_* split it at the "
             "AWAITING_TRIGGER stage (step(require_trigger=True)); NoCompression",

@@ -31,9 +31,14 @@ __all__ = ["Candidate", "ScreeningConfig", "Verdict", "check_reduced", "screen"]
 # Norms at or below this count as zero: such a vector has no direction to judge.
 _TINY = 1e-12
 
-_SAMPLE_BITS = 16
+_SAMPLE_BITS = 14
 DIRECTION_SAMPLE = 1 << _SAMPLE_BITS
-"""Coordinates the direction check samples from parts larger than this."""
+"""Coordinates the direction check samples from parts larger than this. Sized by
+measurement (four 2.5M-value pseudo-gradients with honest cosines near 0.27, 30 draws
+each): the sampled cosine's standard error is 0.015 at 4,096 coordinates, 0.008 at
+16,384 and 0.004 at 65,536, at 0.4, 1.0 and 4.0 ms per screening. At 16,384 the error is
+a twelfth of the 0.1 between the default ``min_cosine`` and orthogonal; the check costs
+a quarter of what 65,536 did."""
 
 # Fewer inputs than this and a median is no longer robust: one outlier of two moves it.
 _MIN_FOR_STATISTICS = 3
