@@ -110,7 +110,9 @@ class _AtollPeer:
         seconds = time.perf_counter() - t0
         if not result.complete:
             raise RuntimeError(f"round {round_} incomplete: fallback parts {result.fallback_parts}")
-        return {"seconds": seconds, "bytes_sent": result.bytes_sent}, result.vector
+        timing = {"seconds": seconds, "bytes_sent": result.bytes_sent}
+        timing["receive_buffers"] = self.service.pool.allocated
+        return timing, result.vector
 
     def close(self) -> None:
         self.transport.shutdown()
@@ -443,6 +445,7 @@ def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
             t["rss_after_mb"] for t in rows[0]
         )
         record["fragment_mb"] = 4 * n / 2**20
+        record["receive_buffers_allocated"] = [max(t["receive_buffers"] for t in row) for row in rows]
     return record
 
 

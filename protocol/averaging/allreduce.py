@@ -320,10 +320,10 @@ class AllReduceService:
         session.reducing = True  # parts arriving from now on are late
         # reducing, encoding and hashing release the GIL: off the loop, which keeps
         # reading the other parts' streams meanwhile
-        reduction = await asyncio.to_thread(
+        reduction = await self.wire.compute(
             self.wire.reducer, h.round, h.fragment, h.part, contributions
         )
-        enc = await asyncio.to_thread(
+        enc = await self.wire.compute(
             self.wire.encode, self.faults.reduced(reduction.vector), h.fragment
         )
         used = set(reduction.used)
@@ -339,7 +339,7 @@ class AllReduceService:
         }
         meta = self.faults.reduced_meta(meta)
         header = Header("reduced", *_fields(h))
-        sealed = await asyncio.to_thread(
+        sealed = await self.wire.compute(
             seal_part, self.identity, header, {**meta, **enc.meta()}, enc.payload
         )
         session.reply = self.faults.reply(sealed)
@@ -677,7 +677,7 @@ class AllReduceService:
         try:
             self.wire.tally(at, received=part_.nbytes)
             # decoding checks every value (NaN, inf) and the judge compares norms: off the loop
-            part, peers = await asyncio.to_thread(
+            part, peers = await self.wire.compute(
                 self._judge_reduced, part_.part, owner, at, j, hi - lo, vector[lo:hi], weight
             )
             if part.data_ptr() != out[lo:hi].data_ptr():

@@ -16,9 +16,12 @@ part whose owner failed (:mod:`protocol.averaging.repair`):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +48,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -374,6 +379,14 @@ class PartExchange:
         # Bytes per (round, fragment): two exchanges in flight at once (a fragment and
         # its weight mix) must not count each other's traffic.
         self._ledger: dict[tuple[int, int], list[int]] = {}
+        # Hashing, decoding and reducing run off the event loop in one worker thread:
+        # the loop keeps reading streams meanwhile, and a single thread keeps the
+        # allocator's per-thread arenas (each holds on to a freed part) to one.
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atoll-parts")
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the exchange's worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def tally(
         self, at: tuple[int, int] | None, sent: int = 0, received: int = 0, totals: bool = True
@@ -452,7 +465,7 @@ class PartExchange:
         Raises:
             ProtocolError: as :func:`~protocol.wire.partwire.open_part`.
         """
-        return await asyncio.to_thread(
+        opening = functools.partial(
             open_part,
             data,
             max_bytes=self.settings.max_message_bytes,
@@ -460,3 +473,4 @@ class PartExchange:
             run_id=self.settings.run_id,
             **checks,  # type: ignore[arg-type]
         )
+        return await self.compute(opening)
