@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verification.audit import open_database, transaction
+from verification.database import open_database, transaction
 
 if TYPE_CHECKING:
     from verification.writer import Writer

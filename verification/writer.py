@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from verification.audit import open_database, transaction
+from verification.database import open_database, transaction
 
 __all__ = ["Writer"]
 
