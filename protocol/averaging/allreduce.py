@@ -45,7 +45,7 @@ from protocol.averaging.parts import (
 )
 from protocol.averaging.repair import PartRepair
 from protocol.errors import ProtocolError
-from protocol.p2p.transport import BufferPool, Lease, Transport
+from protocol.p2p.transport import BufferPool, Lease, Read, Transport
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import Part, SealedPart, read_part, seal_part
@@ -188,10 +188,10 @@ class AllReduceService:
         """Start serving part requests (and repairs)."""
         self.wire.transport.add_handler(
             RPC_NAME,
-            self._handle,
+            self._handle,  # type: ignore[arg-type]  # gets the Part _read_part made
             max_request_bytes=self.settings.max_message_bytes,
             timeout=self.settings.timeout * 2 + 5.0,
-            pool=self.pool,
+            receive=self._read_part,
         )
         self.repair.register()
 
@@ -207,22 +207,52 @@ class AllReduceService:
         self.wire.forget_before(horizon)
         return self._sessions[key]
 
-    async def _handle(self, peer: str, data: bytes) -> list[bytes | memoryview]:
+    async def _read_part(self, read: Read, length: int, peer: str) -> Lease:
+        """A part as it arrives on the owner's stream: refused on its head (signature,
+        run, kind, round window) before any body byte is read, each chunk checked
+        against its hash as it comes, the body read into a pooled buffer."""
         wire = self.wire
-        wire.tally(None, received=len(data))
-        if self.faults.silent:
-            await asyncio.sleep(self.settings.timeout * 2)  # never answers in time
-            raise ProtocolError("timeout", "silent", peer)
+        wire.tally(None, received=length)
+        held: Lease | None = None
+
+        def into(header: Header, meta: dict, size: int) -> memoryview:
+            nonlocal held
+            held = self.pool.lease(size)
+            return held.data  # type: ignore[no-any-return]
+
         lo = max(0, self.current_round - 1)
         try:
-            env = await wire.open(
-                data,
-                peer,
+            part = await read_part(
+                read,
+                length,
+                into,
+                max_bytes=self.settings.max_message_bytes,
+                expected_sender=peer,
+                run_id=self.settings.run_id,
                 kinds=("part",),
                 round_window=(lo, self.current_round + self.settings.round_window),
             )
         except ProtocolError as exc:
+            if held is not None:
+                held.release()
             raise wire.reject(exc.reason, exc.detail, peer) from None
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        if held is None:  # an empty body
+            return Lease(part)
+        # the part's body is the held buffer: it goes back to the pool with the part
+        lease = Lease(part, held._pool, held._buffer)
+        held._pool = held._buffer = None
+        held.data = b""
+        return lease
+
+    async def _handle(self, peer: str, env: Part) -> list[bytes | memoryview]:
+        wire = self.wire
+        if self.faults.silent:
+            await asyncio.sleep(self.settings.timeout * 2)  # never answers in time
+            raise ProtocolError("timeout", "silent", peer)
         h = env.header
         at = (h.round, h.fragment)
         blocked = wire.judge.blocks(peer, h.round)
@@ -233,7 +263,7 @@ class AllReduceService:
         if at not in self._sessions and len(self._sessions) >= self._max_sessions:
             raise wire.reject("busy", "too many rounds in flight", peer, *at)
         session = self._session(h.round, h.fragment)
-        wire.tally(at, received=len(data), totals=False)
+        wire.tally(at, received=env.nbytes, totals=False)
         try:
             await asyncio.wait_for(session.ready.wait(), self.settings.timeout)
         except asyncio.TimeoutError:
@@ -628,7 +658,7 @@ class AllReduceService:
 
             try:
                 part = await read_part(
-                    reader,
+                    reader.read,
                     length,
                     into,
                     max_bytes=self.settings.max_message_bytes,

@@ -29,7 +29,7 @@ import struct
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
@@ -42,7 +42,9 @@ __all__ = [
     "CHUNK_BYTES",
     "BufferPool",
     "Lease",
+    "Read",
     "Receiver",
+    "RequestReader",
     "Payload",
     "REMOTE_ADDR",
     "STATUS_ERROR",
@@ -56,6 +58,7 @@ __all__ = [
     "exchange_on",
     "payload_size",
     "read_lease",
+    "read_paced",
     "read_body",
     "read_request_header",
     "read_response_header",
@@ -65,6 +68,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CHUNK_BYTES = 1 << 20
 STATUS_OK = 0
@@ -172,7 +177,8 @@ def _unexported(buffer: bytearray) -> bool:
 
 
 class Lease:
-    """One received body: ``data`` is a view of a pooled buffer, or plain bytes.
+    """One received body: ``data`` is a view of a pooled buffer, plain bytes, or what a
+    request reader made of them (a parsed message whose body is a view of the buffer).
 
     :meth:`release` gives the buffer back; the pool reuses it only once nothing made
     from ``data`` (a slice, a ``torch.frombuffer`` tensor) is alive any more, so a
@@ -250,6 +256,22 @@ class BufferPool:
         lease = self.lease(length)
         try:
             await read_body(reader, length, into=lease.data)  # type: ignore[arg-type]
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    async def read_request(self, read: Read, length: int, peer: str) -> Lease:
+        """A :data:`RequestReader` that reads a large request into one of this pool's buffers."""
+        lease = self.lease(length)
+        try:
+            received = 0
+            while received < length:
+                chunk = await read(min(CHUNK_BYTES, length - received))
+                if not chunk:
+                    raise asyncio.IncompleteReadError(b"", length - received)
+                lease.data[received : received + len(chunk)] = chunk
+                received += len(chunk)
         except BaseException:
             lease.release()
             raise
@@ -376,6 +398,49 @@ class _Pacer:
         self._timer.cancel()
 
 
+Read = Callable[[int], Awaitable[bytes]]
+"""Reads up to ``n`` bytes of a stream (``b""`` at its end)."""
+
+
+async def read_paced(
+    reader: asyncio.StreamReader,
+    length: int,
+    pace: Pace | None,
+    consume: Callable[[Read], Awaitable[T]],
+) -> T:
+    """Run ``consume(read)`` over a body of ``length`` bytes, ``read`` held to ``pace``.
+
+    Raises:
+        ProtocolError: ``too_slow``, when the body falls below ``pace``; else what
+            ``consume`` raises.
+    """
+    pacer = _Pacer(pace) if pace is not None and pace.min_bytes_per_second > 0 else None
+    received = 0
+
+    async def read(n: int) -> bytes:
+        nonlocal received
+        chunk = await reader.read(n)
+        received += len(chunk)
+        if pacer is not None:
+            pacer.add(len(chunk))
+        return chunk
+
+    try:
+        return await consume(read)
+    except asyncio.CancelledError:
+        if pacer is None or not pacer.owns_cancel():
+            raise
+        assert pace is not None
+        detail = (
+            f"{received} of {length} bytes; under {pace.min_bytes_per_second:.0f} B/s "
+            f"over {pace.window:.1f}s"
+        )
+        raise ProtocolError("too_slow", detail) from None
+    finally:
+        if pacer is not None:
+            pacer.close()
+
+
 async def read_body(
     reader: asyncio.StreamReader,
     length: int,
@@ -393,12 +458,12 @@ async def read_body(
         asyncio.IncompleteReadError: the stream ended early.
         ProtocolError: ``too_slow``, when ``pace`` is given and the body falls below it.
     """
-    pacer = _Pacer(pace) if pace is not None and pace.min_bytes_per_second > 0 else None
-    chunks: list[bytes] = []
-    received = 0
-    try:
+
+    async def collect(read: Read) -> bytes | memoryview:
+        chunks: list[bytes] = []
+        received = 0
         while received < length:
-            chunk = await reader.read(min(CHUNK_BYTES, length - received))
+            chunk = await read(min(CHUNK_BYTES, length - received))
             if not chunk:
                 raise asyncio.IncompleteReadError(b"".join(chunks), length)
             if into is None:
@@ -406,24 +471,12 @@ async def read_body(
             else:
                 into[received : received + len(chunk)] = chunk
             received += len(chunk)
-            if pacer is not None:
-                pacer.add(len(chunk))
-    except asyncio.CancelledError:
-        if pacer is None or not pacer.owns_cancel():
-            raise
-        assert pace is not None
-        detail = (
-            f"{received} of {length} bytes; under {pace.min_bytes_per_second:.0f} B/s "
-            f"over {pace.window:.1f}s"
-        )
-        raise ProtocolError("too_slow", detail) from None
-    finally:
-        if pacer is not None:
-            pacer.close()
-    if into is not None:
-        return into
-    # one copy, as the preallocated buffer had; a single chunk needs none
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for an empty body
+        if into is not None:
+            return into
+        # one copy, as the preallocated buffer had; a single chunk needs none
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for an empty body
+
+    return await read_paced(reader, length, pace, collect)
 
 
 def encode_error(reason: str, detail: str) -> bytes:
@@ -442,6 +495,13 @@ def decode_error(data: bytes) -> tuple[str, str]:
         pass
     return "malformed", "unreadable error report"
 
+
+RequestReader = Callable[[Read, int, str], Awaitable[Lease]]
+"""Callee side: reads a request body of the given length with ``read`` (held to the
+stream's pace) for the given caller, checking what it can as the bytes come, and
+returns a :class:`Lease` whose ``data`` the handler gets; it raises
+:class:`ProtocolError` to refuse the request (answered with the reason; the stream is
+then closed). Released once the handler has answered."""
 
 Receiver = Callable[[asyncio.StreamReader, int], Awaitable[Any]]
 """Reads an OK response body of the given length from the stream and returns what the
@@ -546,7 +606,7 @@ async def serve(
     *,
     gate: StreamGate | None = None,
     pace: Pace | None = None,
-    pool: BufferPool | None = None,
+    receive: RequestReader | None = None,
 ) -> None:
     """Callee side: answer one request on ``stream``; never raises.
 
@@ -560,7 +620,7 @@ async def serve(
     admitted = gate is None or gate.try_enter(peer)
     try:
         if admitted:
-            served = answer(reader, writer, handler, max_request_bytes, name, peer, pace, pool)
+            served = answer(reader, writer, handler, max_request_bytes, name, peer, pace, receive)
             await asyncio.wait_for(served, timeout)
         else:
             assert gate is not None
@@ -616,13 +676,13 @@ async def answer(
     name: str,
     peer: str,
     pace: Pace | None,
-    pool: BufferPool | None = None,
+    receive: RequestReader | None = None,
 ) -> bool:
     """Read one request, answer it; whether the stream may carry another request (the
     request was read in full and answered, OK or with the handler's error)."""
     try:
-        request = await _read_request(reader, writer, max_request_bytes, name, peer, pace, pool)
-    except ProtocolError as e:  # too slow: the stream's slot goes to someone else
+        request = await _read_request(reader, writer, max_request_bytes, name, peer, pace, receive)
+    except ProtocolError as e:  # too slow, or refused by its reader: the stream is done
         logger.warning("rpc %s from %s dropped: %s: %s", name, peer, e.reason, e.detail)
         await write_response(writer, STATUS_ERROR, encode_error(e.reason, e.detail))
         return False
@@ -654,12 +714,12 @@ async def _read_request(
     name: str,
     peer: str,
     pace: Pace | None,
-    pool: BufferPool | None = None,
+    receive: RequestReader | None = None,
 ) -> Lease | None:
     """The request body, or None when it was refused as oversized (and answered so).
 
     Raises:
-        ProtocolError: ``too_slow``.
+        ProtocolError: ``too_slow``, or a refusal by ``receive``.
     """
     if pace is None:
         length = await read_request_header(reader)
@@ -676,12 +736,6 @@ async def _read_request(
         await write_response(writer, STATUS_ERROR, encode_error("oversized", detail))
         await _linger(reader)
         return None
-    if pool is None or length < pool.min_bytes:
+    if receive is None:
         return Lease(await read_body(reader, length, pace))
-    lease = pool.lease(length)
-    try:
-        await read_body(reader, length, pace, into=lease.data)  # type: ignore[arg-type]
-    except BaseException:
-        lease.release()
-        raise
-    return lease
+    return await read_paced(reader, length, pace, lambda read: receive(read, length, peer))

@@ -97,7 +97,7 @@ class ServedRpc:
     handler: Callable[[str, bytes], Awaitable[_framing.Payload]]
     max_request_bytes: int
     timeout: float
-    pool: _framing.BufferPool | None
+    receive: _framing.RequestReader | None
 
 
 def encode_port(port: int) -> bytes:
@@ -282,7 +282,7 @@ class DirectServer:
                     name,
                     peer,
                     self.pace,
-                    rpc.pool,
+                    rpc.receive,
                 )
                 reusable = await asyncio.wait_for(served, rpc.timeout)
             except asyncio.TimeoutError:

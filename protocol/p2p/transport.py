@@ -52,7 +52,9 @@ __all__ = [
     "Handler",
     "Lease",
     "NotDialable",
+    "Read",
     "Receiver",
+    "RequestReader",
     "Transport",
     "TransportConfig",
 ]
@@ -62,7 +64,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BufferPool = _framing.BufferPool
 Lease = _framing.Lease
+Read = _framing.Read
 Receiver = _framing.Receiver
+RequestReader = _framing.RequestReader
 
 Handler = Callable[[str, bytes], Awaitable[_framing.Payload]]
 """An RPC handler: ``(authenticated caller PeerID, request bytes) -> response``; the
@@ -497,7 +501,7 @@ class Transport:
         *,
         max_request_bytes: int,
         timeout: float | None = None,
-        pool: _framing.BufferPool | None = None,
+        receive: _framing.RequestReader | None = None,
     ) -> None:
         """Serve RPC ``name``: ``handler(caller_peer_id, request) -> response``.
 
@@ -509,9 +513,11 @@ class Transport:
             handler: coroutine function serving one request.
             max_request_bytes: longer requests are refused before their body is read.
             timeout: deadline for one whole exchange; defaults to ``config.request_timeout``.
-            pool: read large requests into this pool's buffers; the handler then gets a
-                ``memoryview`` that is valid until it returns (a view or tensor it keeps
-                holds the buffer out of the pool until dropped).
+            receive: reads each request as it arrives (into a pooled buffer, say
+                ``BufferPool.read_request``, or checking a signed head before any body
+                byte); the handler gets the ``data`` of the lease it returns, valid until
+                the handler returns (a view or tensor it keeps holds a pooled buffer out
+                of the pool until dropped). Default: the request as bytes.
         """
         if not 0 < max_request_bytes <= self.config.max_message_bytes:
             raise ValueError(
@@ -521,7 +527,7 @@ class Transport:
         if name in self._handlers:
             raise ValueError(f"a handler for {name!r} is already registered")
         timeout = timeout or self.config.request_timeout
-        self.run(self._add_handler(name, handler, max_request_bytes, timeout, pool), timeout)
+        self.run(self._add_handler(name, handler, max_request_bytes, timeout, receive), timeout)
 
     async def _add_handler(
         self,
@@ -529,7 +535,7 @@ class Transport:
         handler: Handler,
         max_request_bytes: int,
         timeout: float,
-        pool: _framing.BufferPool | None = None,
+        receive: _framing.RequestReader | None = None,
     ) -> None:
         protocol = self._protocol(name)
         gate = self._inbound_gate  # one count for all of this transport's handlers
@@ -537,14 +543,21 @@ class Transport:
 
         async def serve(*stream: Any) -> None:
             await _framing.serve(
-                stream, handler, max_request_bytes, name, timeout, gate=gate, pace=pace, pool=pool
+                stream,
+                handler,
+                max_request_bytes,
+                name,
+                timeout,
+                gate=gate,
+                pace=pace,
+                receive=receive,
             )
 
         assert self._p2p is not None, "transport not started"
         await self._p2p.add_binary_stream_handler(protocol, serve)
         self._handlers[name] = protocol
         if name not in _P2PD_ONLY:
-            self._direct_rpcs[name] = direct.ServedRpc(handler, max_request_bytes, timeout, pool)
+            self._direct_rpcs[name] = direct.ServedRpc(handler, max_request_bytes, timeout, receive)
 
     def remove_handler(self, name: str) -> None:
         """Stop serving RPC ``name``."""

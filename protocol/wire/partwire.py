@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,11 @@ class Part:
     head: bytes
     signature: bytes
     digest: bytes
+
+    @property
+    def nbytes(self) -> int:
+        """The message's size on the wire."""
+        return _PREFIX.size + len(self.head) + _SIGNATURE_LEN + self.body.nbytes
 
     def evidence(self) -> bytes:
         """The head and signature without the body: proof of what the sender signed,
@@ -352,8 +357,19 @@ def open_part(
     return Part(header, meta, body, head, signature, digest)
 
 
+async def _exactly(read: Callable[[int], Awaitable[bytes]], n: int) -> bytes:
+    pieces, got = [], 0
+    while got < n:
+        piece = await read(n - got)
+        if not piece:
+            raise asyncio.IncompleteReadError(b"".join(pieces), n)
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 async def read_part(
-    reader: asyncio.StreamReader,
+    read: Callable[[int], Awaitable[bytes]],
     length: int,
     into: Callable[[Header, dict[str, Any], int], memoryview],
     *,
@@ -364,6 +380,9 @@ async def read_part(
     round_window: tuple[int, int] | None = None,
 ) -> Part:
     """Read a part message of ``length`` bytes from a stream, checking as it comes.
+
+    ``read(n)`` returns up to ``n`` of the stream's next bytes (``b""`` at its end):
+    a ``StreamReader``'s ``read``, or a framing's paced reader.
 
     The same checks as :func:`open_part`, in stream order: the head and its signature
     before any body byte is read, the body's length against the signed size before it
@@ -381,15 +400,15 @@ async def read_part(
         raise ProtocolError("oversized", f"{length} bytes > {max_bytes}", peer)
     if length < _PREFIX.size + _SIGNATURE_LEN:
         raise ProtocolError("malformed", f"part message of {length} bytes", peer)
-    magic, head_len = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
+    magic, head_len = _PREFIX.unpack(await _exactly(read, _PREFIX.size))
     if magic != MAGIC:
         reason = "bad_version" if magic[:3] == MAGIC[:3] else "malformed"
         raise ProtocolError(reason, f"part magic {magic!r}, expected {MAGIC!r}", peer)
     body_len = length - _PREFIX.size - head_len - _SIGNATURE_LEN
     if head_len == 0 or head_len > _MAX_HEAD_BYTES or body_len < 0:
         raise ProtocolError("malformed", f"head of {head_len} bytes", peer)
-    head = await reader.readexactly(head_len)
-    signature = await reader.readexactly(_SIGNATURE_LEN)
+    head = await _exactly(read, head_len)
+    signature = await _exactly(read, _SIGNATURE_LEN)
     header, meta = _parse_head(head, peer)
     if expected_sender is not None and header.sender != expected_sender:
         raise ProtocolError(
@@ -410,7 +429,7 @@ async def read_part(
         raise ValueError(f"into() gave {body.nbytes} bytes for a body of {size}")
     received = checked = 0
     while received < size:
-        piece = await reader.read(min(chunk, size - received))
+        piece = await read(min(chunk, size - received))
         if not piece:
             raise asyncio.IncompleteReadError(b"", size - received)
         body[received : received + len(piece)] = piece

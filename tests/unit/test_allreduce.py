@@ -53,3 +53,41 @@ def test_an_output_that_does_not_fit_is_refused_before_anything_is_sent(out: obj
         asyncio.run(
             service.run(0, 0, [me.peer_id], vector, 3, out=vector if out == "itself" else out)
         )
+
+
+def test_an_owner_refuses_a_forged_part_on_its_head_before_any_body_byte() -> None:
+    # The part announces 8 MiB of body; only its head and (wrong) signature ever arrive,
+    # and the stream stays open: the owner answers bad_signature all the same.
+    import struct
+
+    from protocol.p2p import _framing
+    from protocol.wire.messages import Header
+    from protocol.wire.partwire import seal_part
+    from tests.unit.test_framing import _stream
+
+    me, sender = Identity.from_seed(b"o" * 32), Identity.from_seed(b"s" * 32)
+    service = AllReduceService(None, me, AllReduceSettings(run_id="r", codec="none", timeout=5))
+    body = bytes(8 << 20)
+    sealed = seal_part(sender, Header("part", "r", 0, 0, 0, sender.peer_id), {"c": "none"}, body)
+    signature = bytes(64)  # not the sender's
+    wire = b"".join([sealed.buffers()[0], sealed.head, signature])
+    length = len(wire) + len(body)
+    handled: list[object] = []
+
+    async def handler(peer: str, part: object) -> bytes:
+        handled.append(part)
+        return b""
+
+    async def main() -> tuple[int, str]:
+        stream = _stream(sender.peer_id)
+        stream[1].feed_data(struct.pack(">Q", length) + wire)  # no body, no EOF
+        serving = _framing.serve(
+            stream, handler, 1 << 30, "atoll.part", 5.0, receive=service._read_part
+        )
+        await asyncio.wait_for(serving, 3)
+        status, reply = stream[2].response()
+        return status, _framing.decode_error(reply)[0]
+
+    assert asyncio.run(main()) == (_framing.STATUS_ERROR, "bad_signature")
+    assert handled == [] and service.rejected == {"bad_signature": 1}
+    assert service.pool.allocated == 0  # no buffer was taken for the body

@@ -395,7 +395,8 @@ def test_a_large_request_is_read_into_the_pool_and_given_back_after_the_handler(
             stream = _stream("peer")
             stream[1].feed_data(_header(len(payload)) + payload)
             stream[1].feed_eof()
-            await asyncio.wait_for(_framing.serve(stream, handler, MiB, "test", 5.0, pool=pool), 5)
+            serving = _framing.serve(stream, handler, MiB, "test", 5.0, receive=pool.read_request)
+            await asyncio.wait_for(serving, 5)
         return stream[2].response()[1]
 
     assert asyncio.run(main()) == payload[:8]

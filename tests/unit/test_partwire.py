@@ -150,7 +150,7 @@ def _read(data: bytes | bytearray, feed: int | None = None, **kw) -> tuple[objec
         if feed is None:
             reader.feed_eof()
         return await asyncio.wait_for(
-            read_part(reader, len(data), into, max_bytes=kw.pop("max_bytes", MAX), **kw), 5
+            read_part(reader.read, len(data), into, max_bytes=kw.pop("max_bytes", MAX), **kw), 5
         )
 
     return asyncio.run(main()), dest
@@ -228,6 +228,8 @@ def _read_eof_early(wire: bytes) -> None:
         reader = asyncio.StreamReader()
         reader.feed_data(wire[:-100])
         reader.feed_eof()
-        await read_part(reader, len(wire), lambda h, m, n: memoryview(bytearray(n)), max_bytes=MAX)
+        await read_part(
+            reader.read, len(wire), lambda h, m, n: memoryview(bytearray(n)), max_bytes=MAX
+        )
 
     asyncio.run(main())
