@@ -243,10 +243,7 @@ class AllReduceService:
         if held is None:  # an empty body
             return Lease(part)
         # the part's body is the held buffer: it goes back to the pool with the part
-        lease = Lease(part, held._pool, held._buffer)
-        held._pool = held._buffer = None
-        held.data = b""
-        return lease
+        return held.handed_to(part)
 
     async def _handle(self, peer: str, env: Part) -> list[bytes | memoryview]:
         wire = self.wire

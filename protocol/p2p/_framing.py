@@ -205,6 +205,14 @@ class Lease:
         if pool is not None and buffer is not None:
             pool._give_back(buffer)
 
+    def handed_to(self, data: Any) -> Lease:
+        """The same buffer, leased as ``data`` (made from this lease's view: a parsed
+        message whose body is that view); this lease no longer holds it."""
+        lease = Lease(data, self._pool, self._buffer)
+        self._pool = self._buffer = None
+        self.data = b""
+        return lease
+
     def __enter__(self) -> Lease:
         return self
 

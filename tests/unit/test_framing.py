@@ -402,3 +402,16 @@ def test_a_large_request_is_read_into_the_pool_and_given_back_after_the_handler(
     assert asyncio.run(main()) == payload[:8]
     assert seen == [memoryview] * 3
     assert pool.allocated == 1  # one buffer, reused request after request
+
+
+def test_a_lease_handed_to_a_parsed_message_goes_back_with_it() -> None:
+    pool = _framing.BufferPool(min_bytes=1024)
+    lease = pool.lease(4096)
+    message = {"body": lease.data}  # a parsed message whose body is the buffer itself
+    parsed = lease.handed_to(message)
+    lease.release()  # spent: gives nothing back
+    assert pool.idle_bytes == 0
+    del message, lease
+    parsed.release()  # the message goes, and its buffer with it
+    again = pool.lease(4096)
+    assert pool.allocated == 1 and again.data.nbytes == 4096
