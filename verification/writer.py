@@ -121,6 +121,9 @@ class Writer:
                 for write in batch:
                     write(conn)
             self.batches += 1
+        except sqlite3.DatabaseError as e:  # a full disk, a locked or damaged file
+            self.failures += 1
+            logger.error("%d writes to %s lost: %s", len(batch), self.path, e)
         except Exception:  # a failed batch must not stop later ones
             self.failures += 1
             logger.exception("%d writes to %s lost", len(batch), self.path)

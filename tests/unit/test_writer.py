@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from verification.audit import AuditLog
 from verification.reputation import ReputationStore
@@ -67,18 +70,23 @@ def test_reads_through_the_store_see_what_is_queued(tmp_path: Path) -> None:
     again.writer.close()
 
 
-def test_close_writes_everything_and_a_failed_write_loses_only_its_batch(tmp_path: Path) -> None:
+def test_close_writes_everything_and_a_failed_write_loses_only_its_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     db = tmp_path / "atoll.db"
     writer = Writer(db, delay=60.0)
     log = AuditLog(db, writer=writer)
     log.append_later(_rows(1, 2))
 
     def broken(conn: object) -> None:
-        raise RuntimeError("disk full")
+        raise sqlite3.OperationalError("database or disk is full")
 
     writer.submit(broken)
     writer.flush()
     assert writer.failures == 1  # the batch with the broken write is rolled back whole
+    # one line for the operator, no traceback (a full disk is not a bug)
+    lost = [r for r in caplog.records if "writes to" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].exc_info is None and "disk is full" in lost[0].getMessage()
     log.append_later(_rows(2, 3))
     writer.close()
     plain = AuditLog(db)
