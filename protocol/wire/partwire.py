@@ -313,6 +313,44 @@ def part_digest(data: bytes | bytearray | memoryview | SealedPart) -> bytes:
     return _head_digest(head)
 
 
+def _authenticate(
+    head: bytes,
+    signature: bytes,
+    body_len: int,
+    expected_sender: str | None,
+    run_id: str | None,
+    kinds: Collection[str] | None,
+    round_window: tuple[int, int] | None,
+) -> tuple[Header, dict[str, Any], bytes, int, list[bytes]]:
+    """The checks of a part's head, before any body byte is looked at: its fields, its
+    sender, its signature, the header against what the caller expects, and the body's
+    length against the signed size. Returns the header, the meta without ``size``,
+    ``chunk`` and ``hashes``, the digest, the chunk size and the chunk hashes.
+
+    Raises:
+        ProtocolError: ``malformed``, ``bad_version``, ``sender_mismatch``,
+            ``bad_signature``, ``wrong_run``, ``wrong_kind``, ``stale_round``,
+            ``truncated`` or ``trailing_bytes``.
+    """
+    peer = expected_sender
+    header, meta = _parse_head(head, peer)
+    if expected_sender is not None and header.sender != expected_sender:
+        raise ProtocolError(
+            "sender_mismatch", f"signed sender {header.sender} is not the stream peer", peer
+        )
+    peer = header.sender
+    digest = _head_digest(head)
+    if not verify(header.sender, _DOMAIN + digest, signature):
+        raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
+    check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
+    size, chunk, hashes = meta.pop("size"), meta.pop("chunk"), meta.pop("hashes")
+    if body_len < size:
+        raise ProtocolError("truncated", f"body of {body_len} bytes, signed {size}", peer)
+    if body_len > size:
+        raise ProtocolError("trailing_bytes", f"body of {body_len} bytes, signed {size}", peer)
+    return header, meta, digest, chunk, hashes
+
+
 def open_part(
     data: bytes | bytearray | memoryview,
     *,
@@ -336,21 +374,10 @@ def open_part(
         raise ProtocolError("oversized", f"{view.nbytes} bytes > {max_bytes}", peer)
     raw_head, signature, body = _split(view, peer)
     head = bytes(raw_head)
-    header, meta = _parse_head(head, peer)
-    if expected_sender is not None and header.sender != expected_sender:
-        raise ProtocolError(
-            "sender_mismatch", f"signed sender {header.sender} is not the stream peer", peer
-        )
+    header, meta, digest, chunk, hashes = _authenticate(
+        head, signature, body.nbytes, expected_sender, run_id, kinds, round_window
+    )
     peer = header.sender
-    digest = _head_digest(head)
-    if not verify(header.sender, _DOMAIN + digest, signature):
-        raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
-    check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
-    size, chunk, hashes = meta.pop("size"), meta.pop("chunk"), meta.pop("hashes")
-    if body.nbytes < size:
-        raise ProtocolError("truncated", f"body of {body.nbytes} bytes, signed {size}", peer)
-    if body.nbytes > size:
-        raise ProtocolError("trailing_bytes", f"body of {body.nbytes} bytes, signed {size}", peer)
     for k, expected in enumerate(hashes):
         if blake3.blake3(body[k * chunk : (k + 1) * chunk]).digest() != expected:
             raise ProtocolError("bad_chunk", f"chunk {k} of {len(hashes)} does not match", peer)
@@ -409,21 +436,11 @@ async def read_part(
         raise ProtocolError("malformed", f"head of {head_len} bytes", peer)
     head = await _exactly(read, head_len)
     signature = await _exactly(read, _SIGNATURE_LEN)
-    header, meta = _parse_head(head, peer)
-    if expected_sender is not None and header.sender != expected_sender:
-        raise ProtocolError(
-            "sender_mismatch", f"signed sender {header.sender} is not the stream peer", peer
-        )
+    header, meta, digest, chunk, hashes = _authenticate(
+        head, signature, body_len, expected_sender, run_id, kinds, round_window
+    )
     peer = header.sender
-    digest = _head_digest(head)
-    if not verify(header.sender, _DOMAIN + digest, signature):
-        raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
-    check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
-    size, chunk, hashes = meta.pop("size"), meta.pop("chunk"), meta.pop("hashes")
-    if body_len < size:
-        raise ProtocolError("truncated", f"body of {body_len} bytes, signed {size}", peer)
-    if body_len > size:
-        raise ProtocolError("trailing_bytes", f"body of {body_len} bytes, signed {size}", peer)
+    size = body_len
     body = into(header, meta, size)
     if body.nbytes != size:
         raise ValueError(f"into() gave {body.nbytes} bytes for a body of {size}")
