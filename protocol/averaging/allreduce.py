@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -79,14 +79,6 @@ _REFUSED_RESULT = frozenset(
 
 _PartResult = tuple[int, bool, list[str]]
 """``(part index, whether the reduced values are in the output, who is in them)``."""
-
-
-@dataclass
-class _Received:
-    """An owner's result as read off the stream, and its size on the wire."""
-
-    part: Part
-    nbytes: int
 
 
 @dataclass
@@ -208,42 +200,56 @@ class AllReduceService:
         return self._sessions[key]
 
     async def _read_part(self, read: Read, length: int, peer: str) -> Lease:
-        """A part as it arrives on the owner's stream: refused on its head (signature,
-        run, kind, round window) before any body byte is read, each chunk checked
-        against its hash as it comes, the body read into a pooled buffer."""
-        wire = self.wire
-        wire.tally(None, received=length)
+        """A member's part as it arrives on this owner's stream (:meth:`_read_message`);
+        a refusal is counted against the member."""
+        self.wire.tally(None, received=length)
+        lo = max(0, self.current_round - 1)
+        window = (lo, self.current_round + self.settings.round_window)
+        try:
+            return await self._read_message(read, length, peer, "part", window)
+        except ProtocolError as exc:
+            raise self.wire.reject(exc.reason, exc.detail, peer) from None
+
+    async def _read_message(
+        self,
+        read: Read,
+        length: int,
+        sender: str,
+        kind: str,
+        round_window: tuple[int, int],
+        dest: torch.Tensor | None = None,
+    ) -> Lease:
+        """A part or result as it arrives: refused on its head (signature, run, kind,
+        round window) before any body byte is read, each chunk checked against its hash
+        as it comes. Raw float32 of ``dest``'s size goes straight into ``dest``; any other
+        body into a pooled buffer, which goes back to the pool with the returned lease
+        (whose data is the :class:`Part`)."""
         held: Lease | None = None
 
         def into(header: Header, meta: dict, size: int) -> memoryview:
             nonlocal held
+            if dest is not None and meta.get("c") == "none" and size == dest.numel() * 4:
+                return memoryview(dest.numpy()).cast("B")
             held = self.pool.lease(size)
             return held.data  # type: ignore[no-any-return]
 
-        lo = max(0, self.current_round - 1)
         try:
             part = await read_part(
                 read,
                 length,
                 into,
                 max_bytes=self.settings.max_message_bytes,
-                expected_sender=peer,
+                expected_sender=sender,
                 run_id=self.settings.run_id,
-                kinds=("part",),
-                round_window=(lo, self.current_round + self.settings.round_window),
+                kinds=(kind,),
+                round_window=round_window,
             )
-        except ProtocolError as exc:
-            if held is not None:
-                held.release()
-            raise wire.reject(exc.reason, exc.detail, peer) from None
         except BaseException:
             if held is not None:
                 held.release()
             raise
-        if held is None:  # an empty body
-            return Lease(part)
-        # the part's body is the held buffer: it goes back to the pool with the part
-        return held.handed_to(part)
+        # a pooled body goes back to the pool with the part
+        return held.handed_to(part) if held is not None else Lease(part)
 
     async def _handle(self, peer: str, env: Part) -> list[bytes | memoryview]:
         wire = self.wire
@@ -609,15 +615,19 @@ class AllReduceService:
         j: int,
         by: float,
         dest: torch.Tensor,
-    ) -> tuple[_Received, Lease | None]:
+    ) -> Lease:
         """Send a part to its owner and read its signed result as it arrives (into
         ``dest`` itself when it is raw float32), until ``by``; retry once with the same
         bytes if the stream is cut and time is left."""
         transport = self.wire.transport
+        window = (at[0], at[0])
+
+        def receive(reader: asyncio.StreamReader, length: int) -> Awaitable[Lease]:
+            return self._read_message(reader.read, length, owner, "reduced", window, dest)
+
         for attempt in (0, 1):
             self.wire.tally(at, sent=request.nbytes)
             timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
-            receive = self._result_reader(owner, at, dest)
             try:
                 return await transport.call_into(
                     owner, RPC_NAME, request.buffers(), timeout=timeout, receive=receive
@@ -632,45 +642,6 @@ class AllReduceService:
             # signed part again is answered with the same result.
             logger.info("round %d fragment %d part %d: retrying owner %s", *at, j, owner[:16])
         raise AssertionError("unreachable")
-
-    def _result_reader(
-        self, owner: str, at: tuple[int, int], dest: torch.Tensor
-    ) -> Callable[[asyncio.StreamReader, int], Awaitable[tuple[_Received, Lease | None]]]:
-        """Reads an owner's result off the stream: its signed head before any body
-        byte, each chunk checked against its hash as it comes, the raw values straight
-        into ``dest`` (other codecs into a pooled buffer, decoded later)."""
-        round_ = at[0]
-
-        async def receive(
-            reader: asyncio.StreamReader, length: int
-        ) -> tuple[_Received, Lease | None]:
-            held: Lease | None = None
-
-            def into(header: Header, meta: dict, size: int) -> memoryview:
-                nonlocal held
-                if meta.get("c") == "none" and size == dest.numel() * 4:
-                    return memoryview(dest.numpy()).cast("B")
-                held = self.pool.lease(size)
-                return held.data  # type: ignore[return-value]
-
-            try:
-                part = await read_part(
-                    reader.read,
-                    length,
-                    into,
-                    max_bytes=self.settings.max_message_bytes,
-                    expected_sender=owner,
-                    run_id=self.settings.run_id,
-                    kinds=("reduced",),
-                    round_window=(round_, round_),
-                )
-            except BaseException:
-                if held is not None:
-                    held.release()
-                raise
-            return _Received(part, length), held
-
-        return receive
 
     async def _send_part(
         self,
@@ -688,7 +659,7 @@ class AllReduceService:
         owner, (lo, hi) = plan.owners[j], plan.bounds[j]
         at = (round_, fragment)
         try:
-            received = await self._call_owner(owner, request, at, j, by, out[lo:hi])
+            lease = await self._call_owner(owner, request, at, j, by, out[lo:hi])
         except ProtocolError as exc:
             refused = exc.reason in _REFUSED_RESULT
             logger.warning(
@@ -700,12 +671,12 @@ class AllReduceService:
             if exc.detail.startswith("group_mismatch"):
                 self._note_mismatch(round_, fragment, plan)
             return j, False, []
-        part_, held = received
+        reply: Part = lease.data
         try:
-            self.wire.tally(at, received=part_.nbytes)
+            self.wire.tally(at, received=reply.nbytes)
             # decoding checks every value (NaN, inf) and the judge compares norms: off the loop
             part, peers = await self.wire.compute(
-                self._judge_reduced, part_.part, owner, at, j, hi - lo, vector[lo:hi], weight
+                self._judge_reduced, reply, owner, at, j, hi - lo, vector[lo:hi], weight
             )
             if part.data_ptr() != out[lo:hi].data_ptr():
                 out[lo:hi] = part
@@ -718,9 +689,8 @@ class AllReduceService:
             self.wire.judge.on_owner_refused(owner, round_, fragment, j, exc.reason)
             return j, False, []  # out[lo:hi] is rewritten with this node's own values
         finally:
-            del part_
-            if held is not None:
-                held.release()
+            del reply
+            lease.release()
         return j, True, peers
 
     def _judge_reduced(
