@@ -257,29 +257,11 @@ class BufferPool:
             self._idle.remove(best)
         return Lease(memoryview(best)[:nbytes], self, best)
 
-    async def receive(self, reader: asyncio.StreamReader, length: int) -> Lease:
-        """A :data:`Receiver` that reads a large body into one of this pool's buffers."""
-        if length < self.min_bytes:
-            return await read_lease(reader, length)
-        lease = self.lease(length)
-        try:
-            await read_body(reader, length, into=lease.data)  # type: ignore[arg-type]
-        except BaseException:
-            lease.release()
-            raise
-        return lease
-
     async def read_request(self, read: Read, length: int, peer: str) -> Lease:
         """A :data:`RequestReader` that reads a large request into one of this pool's buffers."""
         lease = self.lease(length)
         try:
-            received = 0
-            while received < length:
-                chunk = await read(min(CHUNK_BYTES, length - received))
-                if not chunk:
-                    raise asyncio.IncompleteReadError(b"", length - received)
-                lease.data[received : received + len(chunk)] = chunk
-                received += len(chunk)
+            await _read_all(read, length, lease.data)
         except BaseException:
             lease.release()
             raise
@@ -449,42 +431,37 @@ async def read_paced(
             pacer.close()
 
 
-async def read_body(
-    reader: asyncio.StreamReader,
-    length: int,
-    pace: Pace | None = None,
-    into: memoryview | None = None,
-) -> bytes | memoryview:
+async def read_body(reader: asyncio.StreamReader, length: int, pace: Pace | None = None) -> bytes:
     """Read exactly ``length`` bytes; the caller has already checked ``length`` against its limit.
 
-    Without ``into``, memory grows with the bytes that arrived, never with the announced
-    ``length``, and never past it: each read asks for at most what is still missing.
-    With ``into`` (a writable view of ``length`` bytes, leased from a :class:`BufferPool`
-    after the length was checked), the bytes are written into it as they arrive.
+    Memory grows with the bytes that arrived, never with the announced ``length``, and
+    never past it: each read asks for at most what is still missing.
 
     Raises:
         asyncio.IncompleteReadError: the stream ended early.
         ProtocolError: ``too_slow``, when ``pace`` is given and the body falls below it.
     """
+    body = await read_paced(reader, length, pace, lambda read: _read_all(read, length, None))
+    return body  # type: ignore[return-value]  # joined bytes without ``into``
 
-    async def collect(read: Read) -> bytes | memoryview:
-        chunks: list[bytes] = []
-        received = 0
-        while received < length:
-            chunk = await read(min(CHUNK_BYTES, length - received))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"".join(chunks), length)
-            if into is None:
-                chunks.append(chunk)
-            else:
-                into[received : received + len(chunk)] = chunk
-            received += len(chunk)
-        if into is not None:
-            return into
-        # one copy, as the preallocated buffer had; a single chunk needs none
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for an empty body
 
-    return await read_paced(reader, length, pace, collect)
+async def _read_all(read: Read, length: int, into: memoryview | None) -> bytes | memoryview:
+    """Exactly ``length`` bytes through ``read``: written into ``into``, or joined."""
+    chunks: list[bytes] = []
+    received = 0
+    while received < length:
+        chunk = await read(min(CHUNK_BYTES, length - received))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"".join(chunks), length)
+        if into is None:
+            chunks.append(chunk)
+        else:
+            into[received : received + len(chunk)] = chunk
+        received += len(chunk)
+    if into is not None:
+        return into
+    # one copy, as the preallocated buffer had; a single chunk needs none
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for an empty body
 
 
 def encode_error(reason: str, detail: str) -> bytes:
@@ -519,7 +496,7 @@ many bytes or raise (the stream is then closed)."""
 
 async def read_lease(reader: asyncio.StreamReader, length: int) -> Lease:
     """The default :data:`Receiver`: the body as bytes."""
-    return Lease(await read_body(reader, length))  # type: ignore[arg-type]
+    return Lease(await read_body(reader, length))
 
 
 async def exchange(
@@ -589,7 +566,7 @@ async def exchange_on(
                     raise
             return body
         if status == STATUS_ERROR and length <= _MAX_ERROR_BYTES:
-            reason, detail = decode_error(await read_body(reader, length))  # type: ignore[arg-type]
+            reason, detail = decode_error(await read_body(reader, length))
             if reason == "oversized":
                 raise ProtocolError("oversized", detail, peer)
             if reason == "no_handler":

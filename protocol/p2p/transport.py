@@ -605,9 +605,9 @@ class Transport:
         receive: _framing.Receiver | None = None,
         max_response_bytes: int | None = None,
     ) -> Any:
-        """:meth:`call`, with the response read by ``receive(reader, length)`` (into a
-        pooled buffer with ``BufferPool.receive``, or checked as it arrives); returns
-        what it returns (by default a :class:`Lease` of bytes: release it when done).
+        """:meth:`call`, with the response read by ``receive(reader, length)`` (checked
+        as it arrives, into a buffer of the caller's); returns what it returns (by
+        default a :class:`Lease` of bytes: release it when done).
         """
         protocol = self._protocol(name)
         size = _framing.payload_size(data)
