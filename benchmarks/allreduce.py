@@ -82,8 +82,8 @@ class _AtollPeer:
         if opts.get("verified"):
             # a node's whole verification layer: screening, trimmed mean (with 4 members it
             # trims nothing, so the result is still the exact mean), reputation, audit log
-            from node.verifier import Verifier
             from verification.policy import TrustPolicy
+            from verification.verifier import Verifier
 
             self.verifier = Verifier(
                 TrustPolicy(aggregator="trimmed_mean"),
@@ -445,7 +445,9 @@ def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
             t["rss_after_mb"] for t in rows[0]
         )
         record["fragment_mb"] = 4 * n / 2**20
-        record["receive_buffers_allocated"] = [max(t["receive_buffers"] for t in row) for row in rows]
+        record["receive_buffers_allocated"] = [
+            max(t["receive_buffers"] for t in row) for row in rows
+        ]
     return record
 
 

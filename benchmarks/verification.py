@@ -6,7 +6,7 @@ all-reduce a float32 vector together on 127.0.0.1, the group given, for codecs
 ``int8`` and ``none``:
 
 * **verification on**: every service's reducer and judge is a
-  :class:`node.verifier.Verifier` with ``TrustPolicy(aggregator="trimmed_mean",
+  :class:`verification.verifier.Verifier` with ``TrustPolicy(aggregator="trimmed_mean",
   screening=True)`` writing its audit rows and reputations to a SQLite file, exactly
   as a node does;
 * **verification off**: the default token-weighted mean, a judge that accepts everything.
@@ -23,6 +23,7 @@ machinery); a round's time is the slowest member's. Run it with
 ``python -m benchmarks verification [--quick]``; it writes ``verification.json`` and
 ``verification.png`` into the output folder.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -41,8 +42,6 @@ import blake3
 import torch
 
 from benchmarks._common import machine_info
-from node import verifier as verifier_module
-from node.verifier import Verifier
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.parts import (
     AllReduceResult,
@@ -57,8 +56,10 @@ from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header, open_envelope, seal
 from protocol.wire.partwire import open_part, seal_part
+from verification import verifier as verifier_module
 from verification.identity import Identity
 from verification.policy import TrustPolicy
+from verification.verifier import Verifier
 
 __all__ = ["run"]
 
@@ -459,7 +460,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "(off-on, on-off, ...) on the same services; each: all four members, each in its "
             "own process with its own transport, start AllReduceService.run at one "
             "wall-clock instant; the time is the slowest member's",
-            "on": "reducer and judge = node.verifier.Verifier (screening, trimmed "
+            "on": "reducer and judge = verification.verifier.Verifier (screening, trimmed "
             "mean, audit rows and reputations in a fresh SQLite file per member)",
             "off": "default token-weighted mean reducer, a judge that accepts everything",
             "signatures": "always on; seal_part/open_part of one part (the whole cost: the "

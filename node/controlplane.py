@@ -41,7 +41,7 @@ from verification.identity import Identity
 if TYPE_CHECKING:
     from node.config import ControlConfig
     from node.metrics import EventLog
-    from node.verifier import Verifier
+    from verification.verifier import Verifier
 
 __all__ = ["TOPICS", "ControlPlane", "check_bad_owner", "check_equivocation", "topic_name"]
 

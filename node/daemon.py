@@ -4,7 +4,7 @@
 the lifecycle; the parts do the work: :class:`~node.trainer.InnerTrainer` (inner
 steps), :class:`~node.syncer.Syncer` (a fragment's sync),
 :class:`~protocol.averaging.exchange.FragmentExchange` (matchmaking, groups, all-reduce),
-:class:`~node.peers.PeerView` (who else is in the run), :class:`~node.verifier.Verifier`
+:class:`~node.peers.PeerView` (who else is in the run), :class:`~verification.verifier.Verifier`
 (trust) and :class:`~node.controlplane.ControlPlane` (heartbeats, commitments,
 verdicts). The training loop is synchronous; every network exchange is a coroutine
 handed to the transport's loop with a deadline, so a slow or vanished peer costs at
@@ -42,13 +42,13 @@ from node.simulate import resolve_device
 from node.spec import RunSpec, settings_digest
 from node.syncer import Pending, Syncer
 from node.trainer import InnerTrainer, evaluate
-from node.verifier import Verifier
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments
 from protocol.p2p.transport import BootstrapUnreachable, NotDialable, Transport
 from protocol.wire import codec as codecs
 from verification.identity import Identity
+from verification.verifier import Verifier
 
 __all__ = ["Node"]
 

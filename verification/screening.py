@@ -26,7 +26,7 @@ import torch
 
 from verification.aggregators import sorted_rows
 
-__all__ = ["Candidate", "ScreeningConfig", "Verdict", "check_reduced", "screen"]
+__all__ = ["Candidate", "ScreeningConfig", "Verdict", "check_reduced", "finite_norm", "screen"]
 
 # Norms at or below this count as zero: such a vector has no direction to judge.
 _TINY = 1e-12
@@ -74,12 +74,15 @@ class Candidate:
         tokens: the peer's claimed token count for this contribution.
         expected_numel: the length the receiver expects (from the fragment plan, never
             from the peer).
+        norm: the vector's norm when the receiver computed it while decoding (which
+            also found every value finite); None: screening computes it.
     """
 
     peer: str
     vector: torch.Tensor
     tokens: int
     expected_numel: int
+    norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def _ok(peer: str) -> Verdict:
     return Verdict(peer, True, "ok")
 
 
-def _norm(v: torch.Tensor) -> tuple[float, int]:
+def finite_norm(v: torch.Tensor) -> tuple[float, int]:
     """The norm of ``v`` and how many of its values are not finite.
 
     One pass when every value is finite, the common case: a NaN or an infinity makes
@@ -128,7 +131,7 @@ def _cheap_verdict(c: Candidate, cfg: ScreeningConfig) -> tuple[Verdict, float]:
             f"expected 1-D floating tensor of {c.expected_numel}, got {v.dtype} {tuple(v.shape)}"
         )
         return Verdict(c.peer, False, "shape", detail), math.nan
-    norm, bad = _norm(v)
+    norm, bad = finite_norm(v) if c.norm is None else (c.norm, 0)
     if bad:
         detail = f"{bad} of {v.numel()} values not finite"
         return Verdict(c.peer, False, "not_finite", detail), norm
@@ -305,6 +308,7 @@ def check_reduced(
     *,
     max_ratio: float = 3.0,
     min_cosine: float = -0.1,
+    norms: tuple[float, float] | None = None,
 ) -> Verdict:
     """A member's check of the reduced part an owner returned, against its own part.
 
@@ -323,6 +327,8 @@ def check_reduced(
         own: this member's contribution to that part.
         max_ratio: largest allowed ``||reduced|| / ||own||``.
         min_cosine: smallest allowed cosine between ``reduced`` and ``own``.
+        norms: ``(||reduced||, ||own||)`` from :func:`finite_norm`, when the caller
+            already has them and both vectors are finite (saves two passes).
 
     Returns:
         A verdict with ``peer=""``; reason ``"ok"``, ``"shape"``, ``"not_finite"``,
@@ -335,10 +341,13 @@ def check_reduced(
             "shape",
             f"expected {tuple(own.shape)}, got {reduced.dtype} {tuple(reduced.shape)}",
         )
-    reduced_norm, bad = _norm(reduced)
-    if bad:
-        return Verdict("", False, "not_finite", f"{bad} of {reduced.numel()} values not finite")
-    own_norm = _norm(own)[0]
+    if norms is not None:
+        reduced_norm, own_norm = norms
+    else:
+        reduced_norm, bad = finite_norm(reduced)
+        if bad:
+            return Verdict("", False, "not_finite", f"{bad} of {reduced.numel()} values not finite")
+        own_norm = finite_norm(own)[0]
     if reduced_norm > max_ratio * max(own_norm, _TINY):
         return Verdict(
             "",

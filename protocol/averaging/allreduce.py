@@ -706,7 +706,7 @@ class AllReduceService:
         """An owner's signed result, checked against the commitments and this node's own
         contribution; ProtocolError when it is refused."""
         round_, fragment = at
-        part, peers, weights, digests = self._check_reduced(
+        part, norm, peers, weights, digests = self._check_reduced(
             reply, owner, round_, fragment, j, numel
         )
         if self.commitments is not None:
@@ -718,7 +718,7 @@ class AllReduceService:
         spread = min(1000.0, max([1.0, *weights]) / max(1.0, float(weight)))
         included = self.identity.peer_id in peers
         reason = self.wire.judge.check_reduced(
-            owner, round_, fragment, j, part, own, max(1.0, spread), included
+            owner, round_, fragment, j, part, own, max(1.0, spread), included, norm
         )
         if reason:
             raise ProtocolError(reason, "reduced part refused", owner)
@@ -726,7 +726,7 @@ class AllReduceService:
 
     def _check_reduced(
         self, env: Part, owner: str, round_: int, fragment: int, part: int, numel: int
-    ) -> tuple[torch.Tensor, list[str], list[float], list[bytes]]:
+    ) -> tuple[torch.Tensor, float, list[str], list[float], list[bytes]]:
         if env.header.fragment != fragment or env.header.part != part:
             raise ProtocolError("wrong_part", "reduced result for another part", owner)
         peers = env.meta.get("contributors")
@@ -759,8 +759,8 @@ class AllReduceService:
         enc = codecs.Encoded.from_meta(env.meta, env.body, max_numel=numel)
         # decode refuses NaN, inf and out-of-range scales for every codec; the values
         # stay a view of the received bytes until they are assembled into the output
-        vector = codecs.decode(enc, expected_numel=numel, copy=False)
-        return vector, peers, [float(w) for w in weights], digests
+        vector, norm = codecs.decode_with_norm(enc, expected_numel=numel, copy=False)
+        return vector, norm, peers, [float(w) for w in weights], digests
 
 
 def _drop_reply(session: _Session) -> None:

@@ -3,8 +3,9 @@
 Shared by the butterfly exchange (:mod:`protocol.averaging.allreduce`) and the repair of a
 part whose owner failed (:mod:`protocol.averaging.repair`):
 
-* settings and plain records: :class:`AllReduceSettings`, :class:`Contribution`,
-  :class:`Reduction`, :class:`AllReduceResult`;
+* settings and plain records: :class:`AllReduceSettings`, :class:`AllReduceResult`,
+  and the verification layer's :class:`~verification.records.Contribution` and
+  :class:`~verification.records.Reduction` (re-exported);
 * how a fragment is cut: :func:`part_bounds` and :class:`PartPlan` (which members
   own which part; clients own none);
 * the three hooks a node plugs in: :class:`Judge` (trust decisions),
@@ -31,6 +32,7 @@ from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import Part, SealedPart, open_part, seal_part
 from verification.identity import Identity
+from verification.records import Contribution, Reduction
 
 __all__ = [
     "AllReduceResult",
@@ -80,31 +82,6 @@ class AllReduceSettings:
         return self.codec
 
 
-@dataclass(frozen=True)
-class Contribution:
-    """One member's decoded part, as the owner received it.
-
-    ``tokens`` is what the peer claimed; ``weight`` is that claim capped by
-    ``AllReduceSettings.max_tokens``. ``vector`` may be a view of the received bytes:
-    read it, never write to it.
-    """
-
-    peer: str
-    vector: torch.Tensor
-    weight: float
-    digest: bytes
-    tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """An owner's reduced part: the vector, who is in it, and who was refused and why."""
-
-    vector: torch.Tensor
-    used: list[str]
-    rejected: dict[str, str] = field(default_factory=dict)
-
-
 Reducer = Callable[..., Reduction]
 """``(round, fragment, part, contributions, *, shared=False) -> Reduction`` on the part's
 owner. ``shared=True`` (repair, where every member reduces the same inputs itself)
@@ -132,7 +109,8 @@ def weighted_mean_reducer(
 class Judge:
     """The trust decisions an all-reduce asks for; the default accepts everything.
 
-    The node's :class:`~node.verifier.Verifier` implements it: who is refused, what a
+    The node's :class:`~verification.verifier.Verifier` has its shape (the all-reduce
+    calls it directly, as it calls the reducer on plain records): who is refused, what a
     refusal costs the peer, and whether an owner's result is plausible.
     """
 
@@ -169,9 +147,11 @@ class Judge:
         own: torch.Tensor,
         spread: float = 1.0,
         included: bool = True,
+        reduced_norm: float | None = None,
     ) -> str | None:
         """Judge a reduced part against this node's own contribution; a reason refuses it.
-        ``included`` is False when the owner left this node's part out (with a reason).
+        ``included`` is False when the owner left this node's part out (with a reason);
+        ``reduced_norm`` is the result's norm when decoding computed it.
 
         ``spread`` is the largest contributor weight over this node's own (at least 1):
         a node that trained less than its peers sees a larger average than its own.
@@ -438,7 +418,8 @@ class PartExchange:
         at = (part.header.round, part.header.fragment)
         try:
             enc = codecs.Encoded.from_meta(part.meta, part.body, max_numel=numel)
-            vector = codecs.decode(enc, expected_numel=numel, copy=False)
+            # the norm is the finiteness check of raw values: screening gets it for free
+            vector, norm = codecs.decode_with_norm(enc, expected_numel=numel, copy=False)
         except ProtocolError as exc:
             raise self.reject(exc.reason, exc.detail, peer, *at) from None
         weight = part.meta.get("weight")
@@ -450,6 +431,7 @@ class PartExchange:
             weight=float(min(weight, self.settings.max_tokens)),
             digest=part.digest,
             tokens=weight,
+            norm=norm,
         )
 
     def encode(self, values: torch.Tensor, fragment: int) -> codecs.Encoded:

@@ -36,6 +36,7 @@ __all__ = [
     "Encoded",
     "ErrorFeedback",
     "decode",
+    "decode_with_norm",
     "encode",
     "encoded_size",
 ]
@@ -233,6 +234,46 @@ def decode(enc: Encoded, *, expected_numel: int | None = None, copy: bool = True
     if not _all_finite(out):
         raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
     return out
+
+
+def decode_with_norm(
+    enc: Encoded, *, expected_numel: int | None = None, copy: bool = True
+) -> tuple[torch.Tensor, float]:
+    """:func:`decode`, and the Euclidean norm of the values, for what the verification
+    layer checks next (screening, a member's check of an owner's result).
+
+    For ``none``, ``fp16`` and ``bf16`` the norm is the finiteness check: one pass where
+    :func:`decode` and a norm would take two (a finite norm means finite values; finite
+    values whose squares overflow float32 get their norm in float64). Blockwise codecs
+    decode to finite values by construction and take one pass for the norm.
+
+    Raises:
+        CodecError: as :func:`decode`.
+    """
+    _validate(enc)
+    if expected_numel is not None and enc.numel != expected_numel:
+        raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
+    if enc.codec not in ("none", *_HALF_DTYPE):
+        out = decode(enc, copy=copy)
+        return out, _norm_of_finite(out)
+    raw = _from_bytes(enc.payload)
+    if enc.codec == "none":
+        out = (raw.clone() if copy else raw).view(torch.float32)
+    else:
+        out = raw.clone().view(_HALF_DTYPE[enc.codec]).float()
+    norm = float(torch.linalg.vector_norm(out))
+    if not math.isfinite(norm):
+        if not _all_finite(out):
+            raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
+        norm = _norm_of_finite(out)
+    return out, norm
+
+
+def _norm_of_finite(t: torch.Tensor) -> float:
+    norm = float(torch.linalg.vector_norm(t))
+    if math.isfinite(norm):
+        return norm
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
 
 
 class ErrorFeedback:

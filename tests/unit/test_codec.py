@@ -18,6 +18,7 @@ from protocol.wire.codec import (
     Encoded,
     ErrorFeedback,
     decode,
+    decode_with_norm,
     encode,
     encoded_size,
 )
@@ -505,3 +506,29 @@ def test_none_can_travel_without_copies_both_ways() -> None:
     with pytest.raises(CodecError) as info:
         Encoded.from_meta(enc.meta(), received, max_numel=5)
     assert info.value.reason == "bad_numel"
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int4"])
+def test_decode_with_norm_gives_decode_and_its_norm(codec):
+    torch.manual_seed(0)
+    enc = encode(torch.randn(10_000), codec)
+    values, norm = decode_with_norm(enc, expected_numel=10_000)
+    assert torch.equal(values, decode(enc))
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(values.double())), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_decode_with_norm_refuses_what_decode_refuses(bad):
+    x = torch.ones(1000)
+    x[17] = bad
+    enc = Encoded(codec="none", numel=1000, block_size=256, payload=x.numpy().tobytes())
+    with pytest.raises(CodecError) as err:
+        decode_with_norm(enc)
+    assert err.value.reason == "non_finite"
+
+
+def test_decode_with_norm_of_finite_values_whose_squares_overflow_float32():
+    x = torch.full((4,), 3e38)
+    enc = Encoded(codec="none", numel=4, block_size=256, payload=x.numpy().tobytes())
+    _, norm = decode_with_norm(enc)
+    assert norm == pytest.approx(6e38, rel=1e-6)

@@ -10,11 +10,11 @@ import pytest
 
 from node.config import ControlConfig
 from node.controlplane import ControlPlane, check_bad_owner, check_equivocation, topic_name
-from node.verifier import Verifier
 from protocol.control.frames import open_control, sign_control
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.policy import TrustPolicy
+from verification.verifier import Verifier
 
 RUN = "unit"
 ME = Identity.from_seed(b"m" * 32)

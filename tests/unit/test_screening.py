@@ -16,8 +16,8 @@ from verification.screening import (
     Verdict,
     _direction_columns,
     _leave_one_out_medians,
-    _norm,
     check_reduced,
+    finite_norm,
     screen,
 )
 
@@ -256,7 +256,7 @@ def test_norms_agree_with_float64() -> None:
     g = torch.Generator().manual_seed(14)
     for v in (torch.randn(250_000, generator=g), torch.randn(7, generator=g) * 1e25):
         want = float(torch.linalg.vector_norm(v, dtype=torch.float64))
-        assert _norm(v) == (pytest.approx(want, rel=1e-5), 0)
+        assert finite_norm(v) == (pytest.approx(want, rel=1e-5), 0)
 
 
 # --- check_reduced -------------------------------------------------------------
@@ -357,3 +357,26 @@ def test_direction_check_survives_float32_overflow_in_the_sample() -> None:
     cands = [Candidate(f"h{i}", v, 100, d) for i, v in enumerate(honest)]
     cands.append(Candidate("bad", -honest[0], 100, d))
     assert _reasons(screen(cands, ScreeningConfig())) == ["ok"] * 4 + ["direction"]
+
+
+@pytest.mark.parametrize("scale", [1.0, -1.0, 5.0, 0.0])
+def test_check_reduced_with_the_callers_norms_gives_the_same_verdict(scale):
+    torch.manual_seed(3)
+    own = torch.randn(1000)
+    reduced = scale * own + 0.1 * torch.randn(1000)
+    norms = (finite_norm(reduced)[0], finite_norm(own)[0])
+    plain = check_reduced(reduced, own, max_ratio=3.0, min_cosine=-0.1)
+    given = check_reduced(reduced, own, max_ratio=3.0, min_cosine=-0.1, norms=norms)
+    assert (given.ok, given.reason) == (plain.ok, plain.reason)
+    assert plain.reason == {1.0: "ok", -1.0: "owner_direction", 5.0: "owner_norm", 0.0: "ok"}[scale]
+
+
+def test_screen_takes_the_norm_computed_while_decoding():
+    torch.manual_seed(4)
+    vectors = [torch.randn(500) for _ in range(4)]
+    norms = [finite_norm(v)[0] for v in vectors]
+    given = [Candidate(str(i), v, 1, 500, n) for i, (v, n) in enumerate(zip(vectors, norms))]
+    assert [v.reason for v in screen(given, ScreeningConfig())] == ["ok"] * 4
+    # the norm given is the one the checks use: no second pass over the values
+    given[2] = Candidate("2", vectors[2], 1, 500, 100 * norms[2])
+    assert [v.reason for v in screen(given, ScreeningConfig())] == ["ok", "ok", "norm", "ok"]

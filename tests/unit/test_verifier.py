@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from node.verifier import Verifier
 from verification.identity import Identity
 from verification.policy import TrustPolicy
+from verification.verifier import Verifier
 
 ME = Identity.from_seed(b"\x01" * 32).peer_id
 PEER = Identity.from_seed(b"\x02" * 32).peer_id
@@ -109,7 +109,7 @@ def _t(values: list[float]):
 
 
 def _contribution(peer: str, values: list[float], tokens: int = 100):
-    from protocol.averaging.parts import Contribution
+    from verification.records import Contribution
 
     return Contribution(
         peer=peer, vector=_t(values), weight=float(tokens), digest="", tokens=tokens

@@ -1,7 +1,9 @@
 """The node's trust decisions: screening, robust aggregation, policy, reputation, audit.
 
-:class:`Verifier` plugs into the all-reduce as both the owner's reducer and its
-:class:`~protocol.averaging.parts.Judge`. Every contribution a node sees as a part owner gets
+:class:`Verifier` plugs into the all-reduce as both the owner's reducer and its judge
+(it has the shape of :class:`protocol.averaging.parts.Judge`; the all-reduce calls it
+directly on plain records, :class:`~verification.records.Contribution`, and gets a
+:class:`~verification.records.Reduction` back). Every contribution a node sees as a part owner gets
 one audit row (accepted, rejected with a reason, or its own), every violation goes
 through the operator's :class:`~verification.policy.TrustPolicy` (drop, quarantine,
 ban); peers that are quarantined, banned, denied or below the policy's minimum
@@ -20,19 +22,26 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from node.metrics import EventLog
-from protocol.averaging.parts import Contribution, Judge, Reduction
 from verification.aggregators import aggregate, max_share_weights
 from verification.audit import AuditLog
 from verification.policy import TrustPolicy
+from verification.records import Contribution, Reduction
 from verification.reputation import ReputationStore
-from verification.screening import Candidate, ScreeningConfig, Verdict, check_reduced, screen
+from verification.screening import (
+    Candidate,
+    ScreeningConfig,
+    Verdict,
+    check_reduced,
+    finite_norm,
+    screen,
+)
 from verification.writer import Writer
 
-__all__ = ["BENIGN_REASONS", "Verifier"]
+__all__ = ["BENIGN_REASONS", "EventSink", "Verifier"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +72,13 @@ _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "
 _HEURISTIC_REASONS = frozenset({"norm", "direction"})
 
 
-class Verifier(Judge):
+class EventSink(Protocol):
+    """Where a verdict that costs a peer is reported (the node's ``events.jsonl``)."""
+
+    def write(self, event: str, **fields: object) -> None: ...
+
+
+class Verifier:
     """Judges contributions and peers for one node.
 
     Args:
@@ -74,7 +89,7 @@ class Verifier(Judge):
     """
 
     def __init__(
-        self, policy: TrustPolicy, db_path: Path, me: str, events: EventLog | None = None
+        self, policy: TrustPolicy, db_path: Path, me: str, events: EventSink | None = None
     ) -> None:
         self.policy = policy
         self.me = me
@@ -206,7 +221,8 @@ class Verifier(Judge):
                 admitted.append(c)
         numel = contributions[0].vector.numel()
         verdicts = screen(
-            [Candidate(c.peer, c.vector, c.tokens, numel) for c in admitted], self.screening
+            [Candidate(c.peer, c.vector, c.tokens, numel, c.norm) for c in admitted],
+            self.screening,
         )
         paired = self.policy.screening and len(admitted) < _MIN_FOR_STATISTICS
         if paired and not shared:
@@ -334,21 +350,31 @@ class Verifier(Judge):
         own: torch.Tensor,
         spread: float = 1.0,
         included: bool = True,
+        reduced_norm: float | None = None,
     ) -> str | None:
         blocked = self.blocks(owner, round_)
         if blocked:
             return blocked
-        if not self.policy.screening or float(own.norm()) == 0.0:
+        if not self.policy.screening:
+            return None
+        own_norm, _ = finite_norm(own)
+        if own_norm == 0.0:
             return None  # an idle member has nothing to compare the owner's result with
-        rms = float(reduced.norm()) / max(1.0, reduced.numel()) ** 0.5
+        # one pass per vector for the norms (the result's comes from its decoding), one
+        # for the dot product
+        reduced_norm, bad = finite_norm(reduced) if reduced_norm is None else (reduced_norm, 0)
+        if bad:
+            return "not_finite"
+        rms = reduced_norm / max(1.0, reduced.numel()) ** 0.5
         history = self._results.setdefault(fragment, deque(maxlen=_NORM_HISTORY))
         if not included:
-            return self._check_without_own(reduced, own, rms, history, spread)
+            return self._check_without_own(own, own_norm, rms, history, spread)
         verdict = check_reduced(
             reduced,
             own,
             max_ratio=self.policy.norm_kappa * spread,
             min_cosine=self.policy.min_cosine,
+            norms=(reduced_norm, own_norm),
         )
         # Longer than this node's own update, but no longer than the results honest
         # owners returned before: a peer that trained more, not an owner that lies.
@@ -363,7 +389,7 @@ class Verifier(Judge):
         return None if verdict.ok else verdict.reason
 
     def _check_without_own(
-        self, reduced: torch.Tensor, own: torch.Tensor, rms: float, history: deque, spread: float
+        self, own: torch.Tensor, own_norm: float, rms: float, history: deque, spread: float
     ) -> str | None:
         """Judge a result the owner left this node's part out of (with a reason).
 
@@ -374,7 +400,7 @@ class Verifier(Judge):
         if len(history) >= _MIN_FOR_STATISTICS:
             bound = self.policy.norm_kappa * statistics.median(history)
         else:
-            bound = self.policy.norm_kappa * spread * float(own.norm()) / max(1, own.numel()) ** 0.5
+            bound = self.policy.norm_kappa * spread * own_norm / max(1, own.numel()) ** 0.5
         if rms > bound:
             return "owner_norm"
         history.append(rms)
