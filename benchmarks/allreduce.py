@@ -45,11 +45,12 @@ _TOLERANCE = 1e-5
 _SETUP_TIMEOUT = 120.0  # starting p2pd, a DHT and the peer in a cold interpreter on a busy box
 _STEP_TIMEOUT = 300.0
 _GO_DELAY = 0.3  # seconds between the parent's release message and the common start
-_METHODS = ("gloo", "atoll", "atoll_verified", "atoll_tcp", "hivemind")
+_METHODS = ("gloo", "atoll", "atoll_verified", "atoll_tcp", "atoll_tls", "hivemind")
 _JOINS_THROUGH_FIRST = {
     "atoll",
     "atoll_verified",
     "atoll_tcp",
+    "atoll_tls",
     "hivemind",
 }  # gloo's rendezvous needs every rank at once
 
@@ -126,6 +127,10 @@ def _atoll_verified(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
 
 def _atoll_tcp(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
     return _AtollPeer(index, own, dict(opts, data_plane="tcp"))
+
+
+def _atoll_tls(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
+    return _AtollPeer(index, own, dict(opts, data_plane="tls"))
 
 
 class _HivemindPeer:
@@ -208,6 +213,7 @@ _PEER_TYPES = {
     "atoll": _AtollPeer,
     "atoll_verified": _atoll_verified,
     "atoll_tcp": _atoll_tcp,
+    "atoll_tls": _atoll_tls,
     "hivemind": _HivemindPeer,
     "gloo": _GlooPeer,
 }
@@ -471,6 +477,7 @@ def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
         ("atoll", "Atoll (codec none, signed)", "median_s", "tab:blue"),
         ("atoll_verified", "Atoll + screening, trimmed mean, audit", "median_s", "tab:purple"),
         ("atoll_tcp", "Atoll, direct TCP data plane", "median_s", "tab:cyan"),
+        ("atoll_tls", "Atoll, direct plane with TLS", "median_s", "tab:green"),
         ("hivemind", "hivemind all-reduce part", "allreduce_median_s", "tab:olive"),
         ("hivemind", "hivemind step (with matchmaking)", "median_s", "tab:orange"),
     ]
@@ -504,6 +511,10 @@ def _ratios(results: dict) -> dict:
         "verified_vs_atoll": {k: _ratio(results["atoll_verified"][k], a) for k, a in atoll.items()},
         "atoll_tcp_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in tcp.items()},
         "atoll_tcp_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in tcp.items()},
+        "atoll_tls_vs_hivemind": {
+            k: _ratio(results["hivemind"][k], a) for k, a in results["atoll_tls"].items()
+        },
+        "tls_vs_tcp": {k: _ratio(a, tcp[k]) for k, a in results["atoll_tls"].items()},
     }
 
 
@@ -547,6 +558,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "atoll_tcp": "the same as atoll over the direct TCP data plane "
             "(transport data_plane = tcp: kept connections opened with a signed handshake, "
             "not encrypted) instead of p2pd",
+            "atoll_tls": "the same over the direct plane encrypted with TLS 1.3 (transport "
+            "data_plane = tls: a self-signed certificate bound to the signed handshake); "
+            "tls_vs_tcp > 1 is the cost of encryption",
             "memory": "rss_step_extra_mb: the peak resident memory of a peer's process during "
             "a repeat minus its memory before the first one (its own vector, the output it "
             "averages into and the reference mean are allocated before); rss_growth_mb: its "

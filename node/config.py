@@ -184,7 +184,7 @@ class NetworkConfig:
     max_inbound_per_peer: int = Field(default=32, ge=1)
     min_inbound_kib_per_second: float = Field(default=16.0, ge=0.0)
     # Parts over direct TCP between peers that can dial each other (see README, "Data plane").
-    data_plane: Literal["p2pd", "tcp"] = "p2pd"
+    data_plane: Literal["p2pd", "tcp", "tls"] = "p2pd"
     data_port: int = Field(default=0, ge=0, le=65535)
 
     def __post_init__(self) -> None:

@@ -18,13 +18,22 @@ Opening a connection (each frame ``u16 length | msgpack``, at most 1 KiB)::
     callee -> caller   [callee nonce, callee's signature of DOMAIN_CALLEE + transcript]
     caller -> callee   [caller's signature of DOMAIN_CALLER + transcript]
 
-where the transcript is both nonces (32 random bytes each) and both PeerIDs. An Ed25519
-PeerID holds its public key, so each side checks the other's signature against the
-PeerID the swarm knows: a callee that is not the peer the caller meant, or a caller
-whose key does not match the PeerID it claims, is refused and the connection closed;
-fresh nonces on both sides make a recorded handshake useless. What follows is not
-encrypted: parts and results are signed end to end, not secret; use p2pd where the
-bytes must not be read on the way.
+where the transcript is both nonces (32 random bytes each), both PeerIDs and, on an
+encrypted connection, the SHA-256 of the callee's TLS certificate. An Ed25519 PeerID
+holds its public key, so each side checks the other's signature against the PeerID the
+swarm knows: a callee that is not the peer the caller meant, or a caller whose key
+does not match the PeerID it claims, is refused and the connection closed; fresh
+nonces on both sides make a recorded handshake useless.
+
+Encryption is optional (``data_plane = "tls"``): the callee then speaks TLS 1.3 with a
+certificate it makes for itself at start-up (no CA: nothing outside the swarm vouches
+for it). The handshake above runs inside TLS and binds it: the callee signs its own
+certificate's hash and the caller signs the hash of the certificate it was shown, so a
+machine in the middle, which must show the caller a certificate of its own, fails both
+checks. A node that asks for TLS calls a peer whose port speaks plain TCP through p2pd
+instead (p2pd encrypts), never in the clear; a node on plain ``tcp`` calling a TLS
+port speaks TLS. On plain ``tcp`` nothing after the handshake is encrypted: parts and
+results are signed end to end, not secret.
 
 Then each request is ``u8 name length | name`` followed by a request frame, answered
 by a response frame, exactly as on a p2pd stream (:mod:`protocol.p2p._framing`), with
@@ -37,9 +46,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import hashlib
 import logging
 import os
+import ssl
 import struct
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -84,10 +97,13 @@ class DirectUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Route:
-    """Where a peer's data port is: ``host`` from the p2pd connection, ``port`` as it said."""
+    """Where a peer's data port is: ``host`` from the p2pd connection, ``port`` (and
+    whether it speaks TLS) as the peer said."""
 
     host: str
     port: int
+    tls: bool = False
+    """Whether the port speaks TLS (as the peer said)."""
 
 
 @dataclass(frozen=True)
@@ -100,28 +116,96 @@ class ServedRpc:
     receive: _framing.RequestReader | None
 
 
-def encode_port(port: int) -> bytes:
-    """The ``atoll.direct`` answer: this node's data port."""
-    return msgpack.packb({"port": port})
+def encode_port(port: int, tls: bool = False) -> bytes:
+    """The ``atoll.direct`` answer: this node's data port and whether it speaks TLS."""
+    return msgpack.packb({"port": port, "tls": tls})
 
 
-def decode_port(data: bytes) -> int:
-    """A peer's ``atoll.direct`` answer.
+def decode_port(data: bytes) -> tuple[int, bool]:
+    """A peer's ``atoll.direct`` answer: ``(port, tls)``.
 
     Raises:
         ProtocolError: ``malformed`` when it is not a map with a TCP port.
     """
     try:
-        port = msgpack.unpackb(data, raw=False, max_map_len=4, max_str_len=64)["port"]
+        answer = msgpack.unpackb(data, raw=False, max_map_len=4, max_str_len=64)
+        port, tls = answer["port"], answer.get("tls", False)
     except Exception:  # a peer's bytes: any decoding failure is just malformed
         raise ProtocolError("malformed", "unreadable data-port answer") from None
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= 65535:
         raise ProtocolError("malformed", f"data port {port!r}")
-    return port
+    if not isinstance(tls, bool):
+        raise ProtocolError("malformed", f"tls flag {tls!r}")
+    return port, tls
 
 
-def _transcript(nonce_caller: bytes, nonce_callee: bytes, caller: str, callee: str) -> bytes:
-    return nonce_caller + nonce_callee + caller.encode() + b"\0" + callee.encode()
+def _transcript(
+    nonce_caller: bytes, nonce_callee: bytes, caller: str, callee: str, channel: bytes
+) -> bytes:
+    """What both sides sign; ``channel`` is the callee's certificate hash under TLS."""
+    return nonce_caller + nonce_callee + caller.encode() + b"\0" + callee.encode() + b"\0" + channel
+
+
+def _server_tls() -> tuple[ssl.SSLContext, bytes]:
+    """A TLS 1.3 server context with a fresh self-signed certificate, and its SHA-256.
+
+    The certificate only carries a key for TLS; who the callee is, the signed handshake
+    says (it binds this hash)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "atoll-direct")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .sign(key, hashes.SHA256())
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    # load_cert_chain reads files only: a private folder, removed as soon as it is read
+    with tempfile.TemporaryDirectory(prefix="atoll-tls-") as folder:
+        cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+        with open(cert_path, "wb") as f:
+            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+        context.load_cert_chain(cert_path, key_path)
+    return context, hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).digest()
+
+
+def _client_tls() -> ssl.SSLContext:
+    """TLS 1.3 without a CA: the signed handshake checks the certificate instead."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _peer_certificate_hash(writer: asyncio.StreamWriter) -> bytes:
+    ssl_object = writer.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return b""
+    der = ssl_object.getpeercert(binary_form=True)
+    if not der:
+        raise ProtocolError("malformed", "TLS callee showed no certificate")
+    return hashlib.sha256(der).digest()
 
 
 async def _write_hello(writer: asyncio.StreamWriter, fields: list) -> None:
@@ -159,6 +243,7 @@ class DirectServer:
         pace: how slowly a caller may send.
         header_timeout: seconds a new connection has to finish its handshake.
         max_connections: connections open at once; one more is closed at once.
+        tls: speak TLS 1.3 on the port (a certificate made at start-up).
     """
 
     def __init__(
@@ -169,8 +254,12 @@ class DirectServer:
         pace: _framing.Pace,
         header_timeout: float,
         max_connections: int,
+        tls: bool = False,
     ) -> None:
         self.identity = identity
+        self.tls = tls
+        self._tls_context: ssl.SSLContext | None = None
+        self._certificate_hash = b""
         self.lookup = lookup
         self.gate = gate
         self.pace = pace
@@ -184,7 +273,12 @@ class DirectServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 picks a free port); returns the port."""
-        self._server = await asyncio.start_server(self._accept, host, port)
+        if self.tls:
+            self._tls_context, self._certificate_hash = _server_tls()
+        tls: dict[str, Any] = {}
+        if self._tls_context is not None:
+            tls = {"ssl": self._tls_context, "ssl_handshake_timeout": self.header_timeout}
+        self._server = await asyncio.start_server(self._accept, host, port, **tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -241,7 +335,7 @@ class DirectServer:
             raise ProtocolError("wrong_peer", f"this node is not {callee[:16]}")
         nonce_caller = _bytes_field(nonce_caller, _NONCE_BYTES, "nonce")
         nonce_callee = os.urandom(_NONCE_BYTES)
-        transcript = _transcript(nonce_caller, nonce_callee, caller, callee)
+        transcript = _transcript(nonce_caller, nonce_callee, caller, callee, self._certificate_hash)
         await _write_hello(writer, [nonce_callee, self.identity.sign(DOMAIN_CALLEE + transcript)])
         (signature,) = await _read_hello(reader, 1)
         if not verify(caller, DOMAIN_CALLER + transcript, signature):
@@ -300,10 +394,17 @@ class DirectClient:
     """The caller side: opens authenticated connections and keeps idle ones for reuse.
 
     Used on the transport's event loop only.
+
+    Args:
+        identity: this node's key (signs the handshake).
+        require_tls: never send over plain TCP: a peer whose port does not speak TLS is
+            :class:`DirectUnavailable` (called through p2pd instead).
     """
 
-    def __init__(self, identity: Identity) -> None:
+    def __init__(self, identity: Identity, require_tls: bool = False) -> None:
         self.identity = identity
+        self.require_tls = require_tls
+        self._tls_context = _client_tls()
         self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
         self.opened = 0
         """Connections opened so far (reuse keeps this near one per peer)."""
@@ -325,6 +426,8 @@ class DirectClient:
                 was sent: call through p2pd instead).
             ProtocolError: as a p2pd call, once the request is on its way.
         """
+        if self.require_tls and not route.tls:
+            raise DirectUnavailable(f"{peer[:16]}'s data port is not encrypted")
         prefix = _NAME.pack(len(name.encode())) + name.encode()
         reused = self._take(peer)
         if reused is not None:
@@ -384,9 +487,15 @@ class DirectClient:
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(route.host, route.port), _CONNECT_SECONDS
+                asyncio.open_connection(
+                    route.host,
+                    route.port,
+                    ssl=self._tls_context if route.tls else None,
+                    server_hostname="" if route.tls else None,
+                ),
+                _CONNECT_SECONDS,
             )
-        except (OSError, asyncio.TimeoutError) as e:
+        except (OSError, ssl.SSLError, asyncio.TimeoutError) as e:
             raise DirectUnavailable(f"{route.host}:{route.port}: {e!r}") from None
         try:
             await asyncio.wait_for(self._handshake(peer, reader, writer), _CONNECT_SECONDS)
@@ -404,7 +513,10 @@ class DirectClient:
         await _write_hello(writer, [VERSION, me, peer, nonce_caller])
         nonce_callee, signature = await _read_hello(reader, 2)
         nonce_callee = _bytes_field(nonce_callee, _NONCE_BYTES, "nonce")
-        transcript = _transcript(nonce_caller, nonce_callee, me, peer)
+        # the certificate this connection was shown: the callee signs the one it holds
+        transcript = _transcript(
+            nonce_caller, nonce_callee, me, peer, _peer_certificate_hash(writer)
+        )
         if not verify(peer, DOMAIN_CALLEE + transcript, signature):
             raise ProtocolError("bad_signature", f"the callee is not {peer[:16]}", peer)
         await _write_hello(writer, [self.identity.sign(DOMAIN_CALLER + transcript)])

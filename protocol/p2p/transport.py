@@ -126,8 +126,10 @@ class TransportConfig:
         data_plane: ``p2pd`` carries every RPC through p2pd; ``tcp`` also listens on
             ``data_port`` and calls peers that listen too over direct TCP connections,
             opened with a handshake signed by both node keys (:mod:`protocol.p2p.direct`;
-            not encrypted), falling back to p2pd for a peer whose port cannot be reached.
-            Needs ``identity_path``.
+            not encrypted), falling back to p2pd for a peer whose port cannot be reached;
+            ``tls`` is ``tcp`` encrypted with TLS 1.3 (bound to the signed handshake), and
+            calls a peer whose port is not encrypted through p2pd. Needs
+            ``identity_path``.
         data_port: TCP port of the direct data plane on ``host``; 0 picks a free one.
     """
 
@@ -151,16 +153,18 @@ class TransportConfig:
     inbound_header_timeout: float = 10.0
     min_inbound_bytes_per_second: float = 16 * 1024
     inbound_rate_window: float = 10.0
-    data_plane: Literal["p2pd", "tcp"] = "p2pd"
+    data_plane: Literal["p2pd", "tcp", "tls"] = "p2pd"
     data_port: int = 0
 
     def __post_init__(self) -> None:
-        if self.data_plane not in ("p2pd", "tcp"):
-            raise ValueError(f"transport.data_plane = {self.data_plane!r}: expected p2pd or tcp")
-        if self.data_plane == "tcp" and self.identity_path is None:
+        if self.data_plane not in ("p2pd", "tcp", "tls"):
             raise ValueError(
-                "transport.data_plane = 'tcp' signs its handshake with the node key: "
-                "give identity_path"
+                f"transport.data_plane = {self.data_plane!r}: expected p2pd, tcp or tls"
+            )
+        if self.data_plane != "p2pd" and self.identity_path is None:
+            raise ValueError(
+                f"transport.data_plane = {self.data_plane!r} signs its handshake with the "
+                "node key: give identity_path"
             )
         if not 0 <= self.data_port <= 65535:
             raise ValueError(f"transport.data_port = {self.data_port}: expected 0..65535")
@@ -249,7 +253,7 @@ class Transport:
         self._direct_rpcs: dict[str, direct.ServedRpc] = {}
         self._routes: dict[str, tuple[direct.Route | None, float]] = {}
         self._route_locks: dict[str, asyncio.Lock] = {}
-        self.calls_by_plane = {"p2pd": 0, "tcp": 0}
+        self.calls_by_plane = {"p2pd": 0, "tcp": 0, "tls": 0}
         """Calls made so far over each data plane."""
 
     @classmethod
@@ -310,7 +314,7 @@ class Transport:
         )
         self._update_watchdog()
         self._peer_id = self._p2p.peer_id.to_base58()
-        if cfg.data_plane == "tcp":
+        if cfg.data_plane != "p2pd":
             await self._start_direct()
         await self._add_handler(
             reachability.RPC_NAME,
@@ -358,16 +362,17 @@ class Transport:
             self._pace(),
             cfg.inbound_header_timeout,
             cfg.max_inbound_streams,
+            tls=cfg.data_plane == "tls",
         )
         port = await self._direct_server.start(cfg.host, cfg.data_port)
-        self._direct_client = direct.DirectClient(identity)
-        answer = direct.encode_port(port)
+        self._direct_client = direct.DirectClient(identity, require_tls=cfg.data_plane == "tls")
+        answer = direct.encode_port(port, tls=cfg.data_plane == "tls")
 
         async def tell_port(peer: str, request: bytes) -> bytes:
             return answer
 
         await self._add_handler(direct.RPC_NAME, tell_port, 64, cfg.request_timeout)
-        logger.info("direct data plane on %s:%d", cfg.host, port)
+        logger.info("direct data plane (%s) on %s:%d", cfg.data_plane, cfg.host, port)
 
     @property
     def data_port(self) -> int | None:
@@ -639,7 +644,7 @@ class Transport:
             if route is not None:
                 try:
                     lease = await client.call(peer_id, route, name, data, limit, receive)
-                    self.calls_by_plane["tcp"] += 1
+                    self.calls_by_plane["tls" if route.tls else "tcp"] += 1
                     return lease
                 except direct.DirectUnavailable as e:
                     logger.info("direct to %s failed, using p2pd: %s", peer_id[:16], e)
@@ -669,10 +674,10 @@ class Transport:
                     ),
                     _ROUTE_TIMEOUT,
                 )
-                port = direct.decode_port(answer.data)  # type: ignore[arg-type]
+                port, tls = direct.decode_port(answer.data)  # type: ignore[arg-type]
                 host = await self._connected_host(peer_id)
                 if host is not None:
-                    route = direct.Route(host, port)
+                    route = direct.Route(host, port, tls)
             except (ProtocolError, asyncio.TimeoutError) as e:
                 logger.debug("no direct route to %s: %s", peer_id[:16], e)
             expires = _ROUTE_SECONDS if route is not None else _NO_ROUTE_SECONDS

@@ -111,3 +111,42 @@ def test_a_data_port_answered_by_another_key_falls_back_to_p2pd(trio: SimpleName
         assert a._routes[b.peer_id][0] is None  # not tried again for a while
     finally:
         b.remove_handler("atoll.test_echo")
+
+
+@pytest.mark.timeout(90)
+def test_an_encrypted_data_plane_is_used_both_ways_it_may_be(tmp_path: Path) -> None:
+    # "tls" encrypts its port; a "tcp" node calls it over TLS, while the "tls" node,
+    # which never sends in the clear, calls the "tcp" node's plain port through p2pd
+    identities = [Identity.generate() for _ in range(2)]
+    transports: list[Transport] = []
+    served: list[str] = []
+
+    async def echo(peer: str, data: bytes) -> bytes:
+        served.append(peer)
+        return bytes(data)
+
+    try:
+        for i, (identity, plane) in enumerate(zip(identities, ["tls", "tcp"])):
+            identity.save(tmp_path / f"key{i}")
+            config = TransportConfig(
+                identity_path=tmp_path / f"key{i}",
+                initial_peers=tuple(transports[0].maddrs) if transports else (),
+                request_timeout=10.0,
+                data_plane=plane,  # type: ignore[arg-type]
+            )
+            transports.append(Transport.start(config))
+        secure, plain = transports
+        for t in transports:
+            t.add_handler("atoll.test_echo", echo, max_request_bytes=1 << 20)
+        big = torch.arange(250_000, dtype=torch.float32).numpy().tobytes()
+        before = [dict(t.calls_by_plane) for t in transports]  # start-up probes went via p2pd
+        assert plain.run(plain.call(secure.peer_id, "atoll.test_echo", big, timeout=10), 15) == big
+        assert (
+            secure.run(secure.call(plain.peer_id, "atoll.test_echo", b"x", timeout=10), 15) == b"x"
+        )
+        calls = [{k: t.calls_by_plane[k] - b[k] for k in b} for t, b in zip(transports, before)]
+        assert calls == [{"p2pd": 1, "tcp": 0, "tls": 0}, {"p2pd": 0, "tcp": 0, "tls": 1}]
+        assert served == [plain.peer_id, secure.peer_id]
+    finally:
+        for transport in reversed(transports):
+            transport.shutdown()

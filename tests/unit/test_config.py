@@ -133,9 +133,12 @@ def test_data_plane_reaches_the_transport_and_bad_values_name_the_key(tmp_path):
     transport = transport_config(cfg, tmp_path / "k", ())
     assert (transport.data_plane, transport.data_port) == ("tcp", 31339)
     assert transport_config(load_config(None, []), tmp_path / "k", ()).data_plane == "p2pd"
+    tls = load_config(None, ["network.data_plane='tls'"])
+    assert transport_config(tls, tmp_path / "k", ()).data_plane == "tls"
     with pytest.raises(ConfigError, match="network.data_plane = 'udp'"):
         load_config(None, ["network.data_plane='udp'"])
     with pytest.raises(ConfigError, match="network.data_port"):
         load_config(None, ["network.data_port=70000"])
-    with pytest.raises(ValueError, match="needs|give identity_path"):
-        TransportConfig(data_plane="tcp")
+    for plane in ("tcp", "tls"):
+        with pytest.raises(ValueError, match="give identity_path"):
+            TransportConfig(data_plane=plane)  # type: ignore[arg-type]

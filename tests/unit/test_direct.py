@@ -31,10 +31,11 @@ def _server(
     *,
     limit: int = 1 << 20,
     header_timeout: float = 2.0,
+    tls: bool = False,
 ) -> direct.DirectServer:
     rpcs = {"echo": direct.ServedRpc(handler, limit, 5.0, None)}
     gate = _framing.StreamGate(16, 4)
-    return direct.DirectServer(SERVER, rpcs.get, gate, PACE, header_timeout, 8)
+    return direct.DirectServer(SERVER, rpcs.get, gate, PACE, header_timeout, 8, tls=tls)
 
 
 async def _with_server(server: direct.DirectServer, body: Callable[[int], Awaitable[Any]]) -> Any:
@@ -106,7 +107,7 @@ async def _forged_caller(port: int, claim: str, key: Identity, replay: bytes | N
     nonce = os.urandom(32)
     await _hello(writer, [1, claim, SERVER.peer_id, nonce])
     nonce_callee, _ = await _read_hello(reader)
-    transcript = nonce + nonce_callee + claim.encode() + b"\0" + SERVER.peer_id.encode()
+    transcript = nonce + nonce_callee + claim.encode() + b"\0" + SERVER.peer_id.encode() + b"\0"
     signature = replay or key.sign(direct.DOMAIN_CALLER + transcript)
     await _hello(writer, [signature])
     writer.write(b"\x04echo" + struct.pack(">Q", 1) + b"x")
@@ -193,12 +194,172 @@ def test_unknown_rpc_and_oversized_request_get_their_reasons() -> None:
 
 
 def test_port_answer_is_checked() -> None:
-    assert direct.decode_port(direct.encode_port(4242)) == 4242
+    assert direct.decode_port(direct.encode_port(4242)) == (4242, False)
+    assert direct.decode_port(direct.encode_port(4242, tls=True)) == (4242, True)
+    assert direct.decode_port(msgpack.packb({"port": 80})) == (80, False)
     for bad in (
         b"\xc1",
         msgpack.packb({"port": 0}),
         msgpack.packb({"port": "80"}),
+        msgpack.packb({"port": 80, "tls": 1}),
         msgpack.packb([1]),
     ):
         with pytest.raises(ProtocolError, match="malformed"):
             direct.decode_port(bad)
+
+
+# ---- encryption (data_plane = "tls") ----------------------------------------------------
+
+
+class _Tap:
+    """A TCP relay between caller and callee that keeps a copy of every byte it passes
+    (what a machine on the path sees)."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.seen = bytearray()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                self.seen += data
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(
+            pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True
+        )
+
+    def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_tls_hides_the_bytes_that_plain_tcp_shows(tls: bool) -> None:
+    server = _server(tls=tls)
+    client = direct.DirectClient(CLIENT)
+    secret = b"pseudo-gradient bytes " * 64
+
+    async def body(port: int) -> tuple[bytes, bytes]:
+        tap = _Tap(port)
+        route = direct.Route("127.0.0.1", await tap.start(), tls)
+        try:
+            lease = await client.call(SERVER.peer_id, route, "echo", secret, 1 << 20, None)
+            answer = bytes(lease.data)
+            lease.release()
+            client.close()
+            await asyncio.sleep(0.05)
+            return answer, bytes(tap.seen)
+        finally:
+            tap.close()
+
+    answer, seen = asyncio.run(_with_server(server, body))
+    assert answer == CLIENT.peer_id.encode() + b":" + secret
+    assert len(seen) > len(secret)  # everything went through the tap
+    assert (secret in seen) is not tls
+    assert server.refused == {}
+
+
+class _Interceptor:
+    """A machine in the middle that ends the caller's TLS with a certificate of its own
+    and opens its own TLS connection to the callee, passing the bytes along."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.context, _ = direct._server_tls()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=self.context)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(
+            "127.0.0.1", self.target, ssl=direct._client_tls(), server_hostname=""
+        )
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(
+            pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True
+        )
+
+    def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+
+
+def test_a_machine_in_the_middle_of_tls_cannot_pass_the_handshake() -> None:
+    calls: list[str] = []
+
+    async def handler(peer: str, data: bytes) -> bytes:
+        calls.append(peer)
+        return b"ok"
+
+    server = _server(handler, tls=True)
+    client = direct.DirectClient(CLIENT)
+
+    async def body(port: int) -> None:
+        middle = _Interceptor(port)
+        route = direct.Route("127.0.0.1", await middle.start(), True)
+        try:
+            # the callee signed its own certificate's hash, the caller was shown another
+            with pytest.raises(direct.DirectUnavailable, match="bad_signature"):
+                await client.call(SERVER.peer_id, route, "echo", b"x", 64, None)
+        finally:
+            middle.close()
+
+    asyncio.run(_with_server(server, body))
+    assert calls == []
+
+
+def test_a_node_that_requires_tls_never_sends_in_the_clear() -> None:
+    calls: list[str] = []
+
+    async def handler(peer: str, data: bytes) -> bytes:
+        calls.append(peer)
+        return b"ok"
+
+    server = _server(handler, tls=False)
+    client = direct.DirectClient(CLIENT, require_tls=True)
+
+    async def body(port: int) -> None:
+        with pytest.raises(direct.DirectUnavailable, match="not encrypted"):
+            await client.call(
+                SERVER.peer_id, direct.Route("127.0.0.1", port), "echo", b"x", 64, None
+            )
+
+    asyncio.run(_with_server(server, body))
+    assert calls == [] and client.opened == 0
+
+
+def test_a_plain_caller_of_a_tls_port_speaks_tls() -> None:
+    server = _server(tls=True)
+    client = direct.DirectClient(CLIENT)
+
+    async def body(port: int) -> bytes:
+        # a route that says plain TCP to a TLS port: the handshake cannot even start
+        with pytest.raises(direct.DirectUnavailable):
+            await client.call(
+                SERVER.peer_id, direct.Route("127.0.0.1", port), "echo", b"x", 64, None
+            )
+        lease = await client.call(
+            SERVER.peer_id, direct.Route("127.0.0.1", port, True), "echo", b"y", 64, None
+        )
+        client.close()
+        return bytes(lease.data)
+
+    assert asyncio.run(_with_server(server, body)).endswith(b":y")
