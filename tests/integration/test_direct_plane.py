@@ -4,6 +4,7 @@ answers with the wrong key."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
-from protocol.averaging.parts import AllReduceSettings
+from protocol.averaging.parts import AllReduceSettings, PartPlan
 from protocol.averaging.repair import REPAIR_RPC
-from protocol.p2p import direct
+from protocol.p2p import _framing, direct
 from protocol.p2p.transport import Transport, TransportConfig
+from protocol.wire.partwire import SealedPart
 from verification.identity import Identity
 
 pytestmark = pytest.mark.integration
@@ -148,5 +150,89 @@ def test_an_encrypted_data_plane_is_used_both_ways_it_may_be(tmp_path: Path) -> 
         assert calls == [{"p2pd": 1, "tcp": 0, "tls": 0}, {"p2pd": 0, "tcp": 0, "tls": 1}]
         assert served == [plain.peer_id, secure.peer_id]
     finally:
+        for transport in reversed(transports):
+            transport.shutdown()
+
+
+async def _stall_mid_part(
+    client: direct.DirectClient, owner: str, port: int, request: SealedPart, hold: float
+) -> None:
+    """Send ``request`` to ``owner`` as a caller that stops after half of its body and
+    keeps the connection open for ``hold`` seconds (a sender whose machine froze)."""
+    reader, writer = await client._connect(owner, direct.Route("127.0.0.1", port))
+    wire = b"".join(bytes(b) for b in request.buffers())
+    name = RPC_NAME.encode()
+    writer.write(bytes([len(name)]) + name + _framing._REQUEST_HEADER.pack(len(wire)))
+    writer.write(wire[: len(wire) - request.body.nbytes // 2])
+    await writer.drain()
+    await asyncio.sleep(hold)
+    writer.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
+    tmp_path: Path,
+) -> None:
+    # Four nodes on the direct plane; the fourth sends every owner the first half of its
+    # part and then nothing, holding its connections open past the exchange. The owners
+    # reduce without it at their deadline, every member ends with the same values, the
+    # fourth's own part is repaired among the others, and the half-read parts give their
+    # receive buffers back.
+    identities = [Identity.generate() for _ in range(4)]
+    transports: list[Transport] = []
+    services: list[AllReduceService] = []
+    timeout, numel = 4.0, 1_200_000  # parts of 1.2 MB: read into pooled buffers
+    try:
+        for i, identity in enumerate(identities):
+            identity.save(tmp_path / f"key{i}")
+            config = TransportConfig(
+                identity_path=tmp_path / f"key{i}",
+                initial_peers=tuple(transports[0].maddrs) if transports else (),
+                request_timeout=10.0,
+                data_plane="tcp",
+            )
+            transports.append(Transport.start(config))
+        settings = AllReduceSettings(run_id="stall", codec="none", timeout=timeout)
+        services = [AllReduceService(t, i, settings) for t, i in zip(transports, identities)]
+        for s in services:
+            s.register()
+            s.current_round = 1
+        group = [i.peer_id for i in identities]
+        gen = torch.Generator().manual_seed(5)
+        vectors = [torch.randn(numel, generator=gen) for _ in group]
+        frozen = services[3]
+        plan = PartPlan.of(group[3], group, group, numel, settings.block_size)
+        client = direct.DirectClient(identities[3])
+        stalls = []
+        for j, (lo, hi) in enumerate(plan.bounds[:3]):
+            request = frozen._request(1, 0, plan, j, vectors[3][lo:hi], 1)
+            stall = _stall_mid_part(client, group[j], transports[j].data_port, request, timeout + 3)
+            stalls.append(frozen.transport.submit(stall))
+        started = time.monotonic()
+        futures = [
+            s.transport.submit(s.run(1, 0, group[:4], v, 1)) for s, v in zip(services[:3], vectors)
+        ]
+        results = [f.result(timeout + 10) for f in futures]
+        elapsed = time.monotonic() - started
+        for stall in stalls:
+            stall.result(timeout + 10)
+        assert elapsed < timeout + 2.0  # nobody waited on the frozen sender past the deadline
+        expected = (sum(v.double() for v in vectors[:3]) / 3).float()
+        for r in results:
+            assert group[3] not in r.peers_in
+            assert r.repaired_parts == [3] and r.fallback_parts == []
+            torch.testing.assert_close(r.vector, expected, rtol=0, atol=1e-6)
+            assert torch.equal(r.vector, results[0].vector)
+        owners = services[:3]
+        for _ in range(40):  # the cut connections are noticed within moments
+            if all(len(s.pool._idle) == s.pool.allocated for s in owners):
+                break
+            time.sleep(0.05)
+        assert all(s.pool.allocated >= 1 for s in owners)
+        assert [len(s.pool._idle) for s in owners] == [s.pool.allocated for s in owners]
+    finally:
+        for s in services:
+            s.transport.remove_handler(RPC_NAME)
+            s.transport.remove_handler(REPAIR_RPC)
         for transport in reversed(transports):
             transport.shutdown()
