@@ -74,7 +74,28 @@ def test_a_proven_cheat_is_banned_by_every_honest_node(local_swarm, mode, proof)
     assert summary["params_agree"], summary["rounds_disagreeing"]
 
 
-def test_forged_verdicts_are_ignored_and_cost_the_accused_nothing(local_swarm, tmp_path):
+def _bad_owner_evidence(member: Identity, cheat: Identity, numel: int) -> dict[str, bytes]:
+    """A member's signed commitment to part 1 of round 1, and a cheat's signed result
+    of ``numel`` values for that part naming another digest for the member."""
+    import torch
+
+    from protocol.wire.messages import Header
+    from protocol.wire.partwire import open_part, seal_part
+
+    committed, named = b"\x01" * 32, b"\x02" * 32
+    body = {"round": 1, "fragment": 0, "digests": [[1, committed]]}
+    commit = sign_control(member, RUN, topic_name(RUN, "commit"), 1, body)
+    values = torch.zeros(numel).numpy().view("uint8")
+    meta = {"contributors": [member.peer_id], "digests": [named], "weights": [1.0]}
+    sealed = seal_part(cheat, Header("reduced", RUN, 1, 0, 1, cheat.peer_id), meta, values)
+    wire = b"".join(bytes(b) for b in sealed.buffers())
+    return {"reduced": open_part(wire, max_bytes=2**28).evidence(), "commit": commit}
+
+
+def test_verdicts_are_checked_forged_ones_cost_nothing_and_a_proven_one_bans(local_swarm, tmp_path):
+    # Forged verdicts cost the accused nothing; a bad-owner verdict about a part of ten
+    # million values (its evidence: the owner's signed head, a few kB) reaches every
+    # node, each checks it and bans the owner.
     nodes = local_swarm.launch(3, rounds=15)  # long enough to outlive the forgeries
     assert wait_until(lambda: all(n.status.get("control_addrs") for n in nodes), 120)
     accused = nodes[0].status["peer_id"]
@@ -109,11 +130,22 @@ def test_forged_verdicts_are_ignored_and_cost_the_accused_nothing(local_swarm, t
         assert wait_until(
             lambda: all(n.status["swarm"]["dropped"].get("bad_signature") for n in others), 30
         ), [n.status["swarm"]["dropped"] for n in others]
+        cheat = Identity.generate()
+        evidence = _bad_owner_evidence(forger, cheat, 10_000_000)
+        assert len(evidence["reduced"]) < 4096
+        assert channel.publish(
+            topic, {"accused": cheat.peer_id, "kind": "bad_owner", "evidence": evidence}
+        )
+        assert wait_until(
+            lambda: all(n.status.get("flagged", {}).get(cheat.peer_id) == "banned" for n in nodes),
+            30,
+        ), [n.status.get("flagged") for n in nodes]
     assert local_swarm.wait_all(200)
-    for node in nodes[1:]:
-        assert node.status["flagged"] == {}
+    for node in nodes:
+        assert node.status["flagged"] == {cheat.peer_id: "banned"}
         assert node.status["reputations"].get(accused, {}).get("violations", 0) == 0
-        assert read_events(node.data_dir / "events.jsonl", "violation") == []
+        violations = read_events(node.data_dir / "events.jsonl", "violation")
+        assert {(e["peer"], e["reason"]) for e in violations} == {(cheat.peer_id, "bad_owner")}
     assert CONTROL_VERSION == 1
 
 
