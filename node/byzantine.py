@@ -87,14 +87,15 @@ class _WireAttack(FaultInjection):
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self._first: dict[tuple[int, int], SealedPart] = {}
+        self._first: dict[tuple[int, int, str], SealedPart] = {}
 
     def request(
         self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
     ) -> SealedPart:
         if self.mode == "replay":
-            # The first message sent for this (fragment, part), resent in every later round.
-            key = (header.fragment, header.part)
+            # The first message sent for this (fragment, part, content), resent in every
+            # later round.
+            key = (header.fragment, header.part, str(meta.get("content")))
             if key not in self._first:  # kept: its own copy of the body
                 copied = dataclasses.replace(encoded, payload=bytes(encoded.payload))
                 self._first[key] = super().request(identity, header, meta, copied)
@@ -128,18 +129,19 @@ class _CommitAttack(FaultInjection):
         fragment: int,
         group: Sequence[str],
         digests: dict[int, bytes],
+        content: str = "update",
     ) -> None:
         if self.mode == "skip_commit":
             return
         if self.mode == "late_commit":
             # Commit only once every owner's commit phase has closed, then send the parts.
             await asyncio.sleep(_LATE_COMMIT_SECONDS)
-            await commitments.commit(round_, fragment, (), digests)
+            await commitments.commit(round_, fragment, (), digests, content)
             return
         # equivocate: commit to other parts first, then to the real ones
         other = {j: hashlib.sha256(b"other" + d).digest() for j, d in digests.items()}
-        await commitments.commit(round_, fragment, (), other)
-        await commitments.commit(round_, fragment, group, digests)
+        await commitments.commit(round_, fragment, (), other, content)
+        await commitments.commit(round_, fragment, group, digests, content)
 
 
 class _BadOwner(FaultInjection):

@@ -422,11 +422,8 @@ def transport_config(
 
 
 def allreduce_settings(cfg: AtollConfig, fragments: int) -> AllReduceSettings:
-    """The all-reduce's settings for a model of ``fragments`` fragments.
-
-    Fragment ids ``F..2F-1`` carry the global copies that groups mix, in
-    ``sync.mix_codec``; ``0..F-1`` the pseudo-gradients, in ``sync.codec``.
-    """
+    """The all-reduce's settings for a model of ``fragments`` fragments: pseudo-gradients
+    in ``sync.codec``, the global copies that groups mix in ``sync.mix_codec``."""
     from protocol.averaging.parts import AllReduceSettings
 
     net, sync = cfg.network, cfg.sync
@@ -437,8 +434,8 @@ def allreduce_settings(cfg: AtollConfig, fragments: int) -> AllReduceSettings:
         timeout=net.round_timeout,
         max_tokens=net.max_tokens_per_round,
         max_message_bytes=int(net.max_message_mb * 2**20),
-        fragments=2 * fragments,
-        fragment_codecs=(sync.codec,) * fragments + (sync.mix_codec,) * fragments,
+        fragments=fragments,
+        weights_codec=sync.mix_codec,
     )
 
 

@@ -6,14 +6,14 @@ sidecar), every message signed by the node key and checked on receipt:
 * ``heartbeat``: alive, version, capabilities, measured throughput, current round
   and step; what ``atoll status`` shows.
 * ``commit``: before an exchange a member publishes the digests of its signed parts
-  for ``(round, fragment)`` (:class:`~protocol.averaging.parts.Commitments`); an owner takes
-  a part only if its sender committed to exactly that digest before the owner's own
-  commit phase closed. Two different signed commitments from one peer for the same
-  ``(round, fragment)`` are proof of equivocation.
+  for ``(round, fragment, content)`` (:class:`~protocol.averaging.parts.Commitments`); an
+  owner takes a part only if its sender committed to exactly that digest before the
+  owner's own commit phase closed. Two different signed commitments from one peer for
+  the same exchange are proof of equivocation.
 * ``verdict``: an accusation with its evidence: for equivocation both signed
-  commitments; for a bad owner its signed result and the signed commitment of a
-  contributor whose digest the result misstates (sent only when it fits in a control
-  message). Every receiver checks the evidence itself and acts through its own trust
+  commitments; for a bad owner the head of its signed result (a few kB whatever the
+  part's size) and the signed commitment of a contributor whose digest the result
+  misstates. Every receiver checks the evidence itself and acts through its own trust
   policy; an accusation whose evidence does not check out is counted and costs the
   accused nothing.
 """
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from protocol.averaging.parts import Commitments
+from protocol.averaging.parts import CONTENTS, Commitments
 from protocol.control.channel import ControlChannel
 from protocol.control.frames import CONTROL_VERSION, ControlMessage, open_control
 from protocol.errors import ProtocolError
@@ -68,13 +68,17 @@ def _wire(msg: ControlMessage) -> bytes:
     return msgpack.packb([CONTROL_VERSION, msg.raw_signed, msg.signature], use_bin_type=True)
 
 
-def _commit_fields(body: Any) -> tuple[int, int, dict[int, bytes]]:
-    """``(round, fragment, {part: digest})`` of a commitment body, or ProtocolError."""
+def _commit_fields(body: Any) -> tuple[int, int, str, dict[int, bytes]]:
+    """``(round, fragment, content, {part: digest})`` of a commitment body, or
+    ProtocolError."""
     if not isinstance(body, dict):
         raise ProtocolError("malformed", "commitment body is not a map")
     r, f, pairs = body.get("round"), body.get("fragment"), body.get("digests")
+    content = body.get("content")
     if not (isinstance(r, int) and isinstance(f, int) and r >= 0 and f >= 0):
         raise ProtocolError("malformed", "commitment round and fragment must be integers")
+    if content not in CONTENTS:
+        raise ProtocolError("malformed", f"commitment content {content!r}")
     if not isinstance(pairs, list):
         raise ProtocolError("malformed", "commitment digests must be a list")
     digests: dict[int, bytes] = {}
@@ -88,7 +92,7 @@ def _commit_fields(body: Any) -> tuple[int, int, dict[int, bytes]]:
         ):
             raise ProtocolError("malformed", "a commitment digest is not [part, 32 bytes]")
         digests[pair[0]] = pair[1]
-    return r, f, digests
+    return r, f, str(content), digests
 
 
 def topic_name(run: str, topic: str) -> str:
@@ -97,7 +101,8 @@ def topic_name(run: str, topic: str) -> str:
 
 
 def check_equivocation(evidence: Any, accused: str, run: str) -> tuple[int, int]:
-    """Check equivocation evidence: two commitments by ``accused``, same round, differing.
+    """Check equivocation evidence: two commitments by ``accused`` for the same exchange
+    (round, fragment, content), differing.
 
     Returns:
         The ``(round, fragment)`` the accused equivocated on.
@@ -116,11 +121,11 @@ def check_equivocation(evidence: Any, accused: str, run: str) -> tuple[int, int]
             opened.append((msg, _commit_fields(msg.body)))
         except ProtocolError as exc:
             raise ProtocolError("bad_evidence", f"{exc.reason}: {exc.detail}") from None
-    (a, (ra, fa, da)), (b, (rb, fb, db)) = opened
+    (a, (ra, fa, ca, da)), (b, (rb, fb, cb, db)) = opened
     if a.sender != accused or b.sender != accused:
         raise ProtocolError("bad_evidence", "a commitment is not signed by the accused")
-    if (ra, fa) != (rb, fb):
-        raise ProtocolError("bad_evidence", "the commitments are for different rounds")
+    if (ra, fa, ca) != (rb, fb, cb):
+        raise ProtocolError("bad_evidence", "the commitments are for different exchanges")
     if da == db:
         raise ProtocolError("bad_evidence", "the commitments agree")
     return ra, fa
@@ -146,12 +151,12 @@ def check_bad_owner(evidence: Any, accused: str, run: str) -> tuple[int, int]:
         if h.run_id != run or h.kind != "reduced":
             raise ProtocolError("wrong_kind", f"a {h.kind!r} of run {h.run_id!r}")
         msg = open_control(commit, run, topic_name(run, "commit"))
-        r, f, committed = _commit_fields(msg.body)
+        r, f, content, committed = _commit_fields(msg.body)
     except ProtocolError as exc:
         raise ProtocolError("bad_evidence", f"{exc.reason}: {exc.detail}") from None
     peers, digests = meta.get("contributors"), meta.get("digests")
-    if (h.round, h.fragment) != (r, f) or h.part not in committed:
-        raise ProtocolError("bad_evidence", "the commitment is for another round or part")
+    if (h.round, h.fragment, meta.get("content")) != (r, f, content) or h.part not in committed:
+        raise ProtocolError("bad_evidence", "the commitment is for another exchange or part")
     if not (isinstance(peers, list) and isinstance(digests, list) and msg.sender in peers):
         raise ProtocolError("bad_evidence", "the result does not name the committer")
     named = digests[peers.index(msg.sender)] if len(digests) == len(peers) else None
@@ -207,7 +212,7 @@ class ControlPlane(Commitments):
         self._key_file = key_file
         self._log_path = data_dir / "sidecar.log"
         self._lock = threading.Lock()
-        self._commits: dict[tuple[str, int, int], _Commit] = {}
+        self._commits: dict[tuple[str, int, int, str], _Commit] = {}
         self._peers: dict[str, dict[str, Any]] = {}
         self._convicted: set[str] = set()
         self._newest = 0
@@ -330,28 +335,37 @@ class ControlPlane(Commitments):
     # ---- commitments ------------------------------------------------------------------
 
     async def commit(
-        self, round_: int, fragment: int, group: Sequence[str], digests: dict[int, bytes]
+        self,
+        round_: int,
+        fragment: int,
+        group: Sequence[str],
+        digests: dict[int, bytes],
+        content: str = "update",
     ) -> None:
-        await self.publish_commit(round_, fragment, digests)
+        await self.publish_commit(round_, fragment, digests, content)
         others = [p for p in group if p != self.me and not self.verifier.blocks(p, round_)]
         deadline = time.monotonic() + self.cfg.commit_seconds
         while time.monotonic() < deadline:
             with self._lock:
-                if all((p, round_, fragment) in self._commits for p in others):
+                if all((p, round_, fragment, content) in self._commits for p in others):
                     return
             await asyncio.sleep(_POLL_SECONDS)
         logger.info(
-            "round %d fragment %d: commit phase closed without %s",
+            "round %d fragment %d (%s): commit phase closed without %s",
             round_,
             fragment,
-            [p[:12] for p in others if (p, round_, fragment) not in self._commits],
+            content,
+            [p[:12] for p in others if (p, round_, fragment, content) not in self._commits],
         )
 
-    async def publish_commit(self, round_: int, fragment: int, digests: dict[int, bytes]) -> None:
-        """Publish (and record) this node's commitment for ``(round, fragment)``."""
+    async def publish_commit(
+        self, round_: int, fragment: int, digests: dict[int, bytes], content: str = "update"
+    ) -> None:
+        """Publish (and record) this node's commitment for ``(round, fragment, content)``."""
         body = {
             "round": round_,
             "fragment": fragment,
+            "content": content,
             "digests": [[j, d] for j, d in sorted(digests.items())],
         }
         wire = b""
@@ -361,14 +375,21 @@ class ControlPlane(Commitments):
             if not self.channel.publish_signed(topic, wire):
                 logger.debug("control: sidecar down, commitment not sent")
         with self._lock:
-            self._commits[(self.me, round_, fragment)] = _Commit(
+            self._commits[(self.me, round_, fragment, content)] = _Commit(
                 dict(digests), time.monotonic(), wire
             )
 
     async def check(
-        self, peer: str, round_: int, fragment: int, part: int, digest: bytes, closed_at: float
+        self,
+        peer: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        digest: bytes,
+        closed_at: float,
+        content: str = "update",
     ) -> str | None:
-        key = (peer, round_, fragment)
+        key = (peer, round_, fragment, content)
         # A commitment travels by gossip and its part by a direct stream, so a part sent
         # right after a (late) commitment can overtake it: wait a moment to tell a late
         # commitment from none at all. Either way the part is refused.
@@ -387,9 +408,9 @@ class ControlPlane(Commitments):
             return "commit_mismatch"
         return None
 
-    def committed(self, peer: str, round_: int, fragment: int) -> bool:
+    def committed(self, peer: str, round_: int, fragment: int, content: str = "update") -> bool:
         with self._lock:
-            return (peer, round_, fragment) in self._commits
+            return (peer, round_, fragment, content) in self._commits
 
     def check_result(
         self,
@@ -400,6 +421,7 @@ class ControlPlane(Commitments):
         reply: bytes,
         contributors: Sequence[str],
         digests: Sequence[bytes],
+        content: str = "update",
     ) -> str | None:
         # Only this node's own entry is judged: it knows exactly what it committed to and
         # never commits twice, whereas another contributor's commitment could be one of
@@ -408,7 +430,7 @@ class ControlPlane(Commitments):
             return None
         named = digests[list(contributors).index(self.me)]
         with self._lock:
-            rec = self._commits.get((self.me, round_, fragment))
+            rec = self._commits.get((self.me, round_, fragment, content))
         if rec is None or part not in rec.digests or rec.digests[part] == named:
             return None
         if rec.wire:
@@ -459,8 +481,8 @@ class ControlPlane(Commitments):
             self._peers[msg.sender] = info
 
     def _on_commit(self, msg: ControlMessage) -> None:
-        r, f, digests = _commit_fields(msg.body)
-        key = (msg.sender, r, f)
+        r, f, content, digests = _commit_fields(msg.body)
+        key = (msg.sender, r, f, content)
         new = _Commit(digests, time.monotonic(), _wire(msg))
         with self._lock:
             old = self._commits.get(key)
@@ -514,9 +536,9 @@ class ControlPlane(Commitments):
         it is the sender, not the owner, that is proven to have cheated.
         """
         msg = open_control(evidence["commit"], self.run_id, topic_name(self.run_id, "commit"))
-        r, f, digests = _commit_fields(msg.body)
+        r, f, content, digests = _commit_fields(msg.body)
         with self._lock:
-            held = self._commits.get((msg.sender, r, f))
+            held = self._commits.get((msg.sender, r, f, content))
         if held is None or not held.wire or held.digests == digests:
             return False
         self._convict(msg.sender, r, f, "equivocation", [held.wire, evidence["commit"]], True)

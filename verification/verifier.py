@@ -108,8 +108,9 @@ class Verifier:
         self.round = 0
         self._lock = threading.RLock()
         self._flagged_at: dict[str, int] = {}
-        self._norms: dict[int, deque[float]] = {}
-        self._results: dict[int, deque[float]] = {}  # RMS of accepted owners' results
+        # per (fragment, content): an update's norms say nothing about a global copy's
+        self._norms: dict[tuple[int, str], deque[float]] = {}
+        self._results: dict[tuple[int, str], deque[float]] = {}  # RMS of accepted results
         self._missed: dict[str, deque[int]] = {}  # rounds with a committed, undelivered part
 
     # ---- who is in -------------------------------------------------------------------
@@ -204,12 +205,14 @@ class Verifier:
         part: int,
         contributions: Sequence[Contribution],
         shared: bool = False,
+        content: str = "update",
     ) -> Reduction:
         """Screen, cap weights, aggregate robustly; audit every contribution.
 
         With ``shared`` (a repair, reduced by every member on its own) only what the
         inputs themselves show decides: no standing, no history, so every honest member
-        computes the same values.
+        computes the same values. ``content`` says what the contributions are
+        (``update`` or ``weights``); each keeps its own history of norms.
         """
         rejected: dict[str, str] = {}
         admitted = []
@@ -226,7 +229,7 @@ class Verifier:
         )
         paired = self.policy.screening and len(admitted) < _MIN_FOR_STATISTICS
         if paired and not shared:
-            verdicts = self._pair_verdicts(fragment, admitted, verdicts)
+            verdicts = self._pair_verdicts((fragment, content), admitted, verdicts)
         good = []
         for c, verdict in zip(admitted, verdicts):
             if verdict.ok or c.peer == self.me:
@@ -281,18 +284,19 @@ class Verifier:
         return Reduction(result.vector, used, rejected)
 
     def _pair_verdicts(
-        self, fragment: int, admitted: Sequence[Contribution], verdicts: list[Verdict]
+        self, exchange: tuple[int, str], admitted: Sequence[Contribution], verdicts: list[Verdict]
     ) -> list[Verdict]:
         """Screen a pair (gossip, or a butterfly group of two) against this node's own part.
 
         With two inputs there is no robust centre: a median of two is their mean, so one
         partner decides what "normal" is. The owner compares the partner's part with its
         own (norm ratio and cosine, as a member checks an owner's result) and with the
-        norms it accepted for this fragment before, so a partner whose update is far
-        longer than anything seen, or points against this node's own, is refused.
+        norms it accepted for this ``(fragment, content)`` before, so a partner whose
+        update is far longer than anything seen, or points against this node's own, is
+        refused.
         """
         own = next((c for c in admitted if c.peer == self.me), None)
-        history = self._norms.setdefault(fragment, deque(maxlen=_NORM_HISTORY))
+        history = self._norms.setdefault(exchange, deque(maxlen=_NORM_HISTORY))
         own_norm = float(own.vector.norm()) if own is not None else 0.0
         out = list(verdicts)
         for i, c in enumerate(admitted):
@@ -351,6 +355,7 @@ class Verifier:
         spread: float = 1.0,
         included: bool = True,
         reduced_norm: float | None = None,
+        content: str = "update",
     ) -> str | None:
         blocked = self.blocks(owner, round_)
         if blocked:
@@ -366,7 +371,7 @@ class Verifier:
         if bad:
             return "not_finite"
         rms = reduced_norm / max(1.0, reduced.numel()) ** 0.5
-        history = self._results.setdefault(fragment, deque(maxlen=_NORM_HISTORY))
+        history = self._results.setdefault((fragment, content), deque(maxlen=_NORM_HISTORY))
         if not included:
             return self._check_without_own(own, own_norm, rms, history, spread)
         verdict = check_reduced(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Sequence
@@ -32,10 +33,12 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol.averaging.parts import (
+    CONTENTS,
     AllReduceResult,
     AllReduceSettings,
     Commitments,
     Contribution,
+    Exchange,
     FaultInjection,
     Judge,
     PartExchange,
@@ -87,6 +90,7 @@ class _Session:
     contributions to its part."""
 
     created: float
+    content: str = "update"
     plan: PartPlan | None = None
     numel: int = 0
     deadline: float = 0.0
@@ -144,9 +148,10 @@ class AllReduceService:
         self.repair = PartRepair(self.wire)
         self.pool = BufferPool()
         """Buffers large parts and results are received into, reused round after round."""
-        self._sessions: dict[tuple[int, int], _Session] = {}
-        # Rounds in the replay window times fragments, plus the kept history.
-        self._max_sessions = settings.fragments * (settings.round_window + _SESSION_ROUNDS_KEPT + 2)
+        self._sessions: dict[Exchange, _Session] = {}
+        # Rounds in the replay window times fragments and contents, plus the kept history.
+        rounds = settings.round_window + _SESSION_ROUNDS_KEPT + 2
+        self._max_sessions = settings.fragments * len(CONTENTS) * rounds
 
     # ---- counters, shared with repair ------------------------------------------------
 
@@ -189,10 +194,10 @@ class AllReduceService:
 
     # ---- owner side -------------------------------------------------------------------
 
-    def _session(self, round_: int, fragment: int) -> _Session:
-        key = (round_, fragment)
+    def _session(self, round_: int, fragment: int, content: str) -> _Session:
+        key = (round_, fragment, content)
         if key not in self._sessions:
-            self._sessions[key] = _Session(created=time.monotonic())
+            self._sessions[key] = _Session(created=time.monotonic(), content=content)
         horizon = self.current_round - _SESSION_ROUNDS_KEPT
         for old in [k for k in self._sessions if k[0] < horizon]:
             del self._sessions[old]
@@ -263,10 +268,12 @@ class AllReduceService:
             raise wire.reject(blocked, "refused by this node's trust policy", peer, *at)
         if h.fragment >= self.settings.fragments:
             raise wire.reject("wrong_part", f"no fragment {h.fragment}", peer, *at)
-        if at not in self._sessions and len(self._sessions) >= self._max_sessions:
+        content = wire.content_of(env, peer)
+        key = (h.round, h.fragment, content)
+        if key not in self._sessions and len(self._sessions) >= self._max_sessions:
             raise wire.reject("busy", "too many rounds in flight", peer, *at)
-        session = self._session(h.round, h.fragment)
-        wire.tally(at, received=env.nbytes, totals=False)
+        session = self._session(*key)
+        wire.tally(key, received=env.nbytes, totals=False)
         try:
             await asyncio.wait_for(session.ready.wait(), self.settings.timeout)
         except asyncio.TimeoutError:
@@ -297,7 +304,7 @@ class AllReduceService:
             except asyncio.TimeoutError:
                 raise wire.reject("not_in_round", "commit phase never closed", peer, *at) from None
             refusal = await self.commitments.check(
-                peer, h.round, h.fragment, h.part, env.digest, session.closed_at
+                peer, h.round, h.fragment, h.part, env.digest, session.closed_at, content
             )
             if refusal:
                 wire.reject(refusal, "part does not match a timely commitment", peer, *at)
@@ -346,22 +353,22 @@ class AllReduceService:
             )
             for peer in missing:
                 committed = self.commitments is not None and self.commitments.committed(
-                    peer, h.round, h.fragment
+                    peer, h.round, h.fragment, session.content
                 )
                 self.wire.judge.on_missing(peer, h.round, h.fragment, h.part, committed)
         contributions = list(session.contributions.values())
         session.reducing = True  # parts arriving from now on are late
         # reducing, encoding and hashing release the GIL: off the loop, which keeps
         # reading the other parts' streams meanwhile
-        reduction = await self.wire.compute(
-            self.wire.reducer, h.round, h.fragment, h.part, contributions
-        )
+        reducer = functools.partial(self.wire.reducer, content=session.content)
+        reduction = await self.wire.compute(reducer, h.round, h.fragment, h.part, contributions)
         enc = await self.wire.compute(
-            self.wire.encode, self.faults.reduced(reduction.vector), h.fragment
+            self.wire.encode, self.faults.reduced(reduction.vector), session.content
         )
         used = set(reduction.used)
         kept = [c for c in contributions if c.peer in used]
         meta = {
+            "content": session.content,
             "contributors": [c.peer for c in kept],
             "weights": [c.weight for c in kept],
             "digests": [c.digest for c in kept],
@@ -378,7 +385,8 @@ class AllReduceService:
         session.reply = self.faults.reply(sealed)
         session.reply_contributors = list(meta["contributors"])
         # every other contributor is waiting for this one reply
-        self.wire.tally((h.round, h.fragment), sent=session.reply.nbytes * (len(contributions) - 1))
+        key = (h.round, h.fragment, session.content)
+        self.wire.tally(key, sent=session.reply.nbytes * (len(contributions) - 1))
         session.reduced.set()
         # the parts are in the result: drop their views so their receive buffers go back
         # to the pool (a retry is recognised by its digest alone)
@@ -403,8 +411,9 @@ class AllReduceService:
         owners: Sequence[str] | None = None,
         deadline: float | None = None,
         out: torch.Tensor | None = None,
+        content: str = "update",
     ) -> AllReduceResult:
-        """All-reduce ``vector`` with ``group`` for ``(round, fragment)``.
+        """All-reduce ``vector`` with ``group`` for ``(round, fragment, content)``.
 
         Args:
             group: the members in group order; must contain this node.
@@ -420,7 +429,12 @@ class AllReduceService:
                 into its own tensors, and saves a fresh allocation per round (above
                 32 MiB each one is a new mapping whose pages fault in one by one).
                 Default: a new tensor.
+            content: what ``vector`` is (:data:`~protocol.averaging.parts.Content`):
+                ``update`` (a pseudo-gradient) or ``weights`` (a global copy, when the
+                group mixes); the two exchanges of a fragment run side by side.
         """
+        if content not in CONTENTS:
+            raise ValueError(f"content must be one of {CONTENTS}, got {content!r}")
         if out is not None and (
             out.shape != vector.shape
             or out.dtype != vector.dtype
@@ -436,13 +450,14 @@ class AllReduceService:
         me = self.identity.peer_id
         plan = PartPlan.of(me, group, owners, vector.numel(), self.settings.block_size)
         vector = self.faults.contribution(round_, fragment, vector)
-        session = self._open(round_, fragment, plan, vector, weight, done_by)
+        at = (round_, fragment, content)
+        session = self._open(at, plan, vector, weight, done_by)
         requests = {
-            j: self._request(round_, fragment, plan, j, vector[lo:hi], weight)
+            j: self._request(at, plan, j, vector[lo:hi], weight)
             for j, (lo, hi) in enumerate(plan.bounds)
             if j != plan.index
         }
-        await self._commit_phase(session, round_, fragment, plan.group, requests)
+        await self._commit_phase(session, at, plan.group, requests)
         self._schedule(session)
 
         if out is None:
@@ -458,14 +473,14 @@ class AllReduceService:
             if self.faults.silent:
                 return j, False, []
             result = await self._send_part(
-                round_, fragment, plan, j, weight, requests[j], session.replies_by, vector, out
+                at, plan, j, weight, requests[j], session.replies_by, vector, out
             )
             if result[1]:
-                self.repair.accepted(round_, fragment, j)
+                self.repair.accepted(at, j)
             elif self._repairable(plan):
                 owner = plan.owners[j]
                 fixed = await self.repair.run(
-                    round_, fragment, j, plan.owners, owner, vector[lo:hi], weight, session.done_by
+                    at, j, plan.owners, owner, vector[lo:hi], weight, session.done_by
                 )
                 if fixed is not None:
                     repaired.append(j)
@@ -475,7 +490,7 @@ class AllReduceService:
 
         repaired: list[int] = []
         results = await asyncio.gather(*(part(j) for j in range(len(plan.owners))))
-        return self._assemble(plan, vector, out, results, (round_, fragment), repaired, started)
+        return self._assemble(plan, vector, out, results, at, repaired, started)
 
     def _repairable(self, plan: PartPlan) -> bool:
         # Repair is all-to-all among the owners other than the failed one; a client
@@ -485,8 +500,7 @@ class AllReduceService:
 
     def _open(
         self,
-        round_: int,
-        fragment: int,
+        at: Exchange,
         plan: PartPlan,
         vector: torch.Tensor,
         weight: int,
@@ -497,9 +511,10 @@ class AllReduceService:
         Until the commit phase closes, the owner side accepts parts until ``done_by``;
         :meth:`_schedule` then sets the real deadlines."""
         me = self.identity.peer_id
-        session = self._session(round_, fragment)
-        for (r, f), older in self._sessions.items():
-            if f == fragment and r < round_:
+        round_, fragment, content = at
+        session = self._session(*at)
+        for (r, f, c), older in self._sessions.items():
+            if (f, c) == (fragment, content) and r < round_:
                 _drop_reply(older)  # this node moved on: nobody gets that result any more
         session.plan = plan
         session.deadline = session.replies_by = session.done_by = done_by
@@ -509,7 +524,7 @@ class AllReduceService:
             own = seal_part(
                 self.identity,
                 Header("part", self.settings.run_id, round_, fragment, plan.index, me),
-                {},
+                {"content": content},
                 b"",
             )
             session.contributions[me] = Contribution(
@@ -542,7 +557,7 @@ class AllReduceService:
         vector: torch.Tensor,
         out: torch.Tensor,
         results: list[_PartResult],
-        at: tuple[int, int],
+        at: Exchange,
         repaired: list[int],
         started: float,
     ) -> AllReduceResult:
@@ -570,37 +585,45 @@ class AllReduceService:
         )
 
     def _request(
-        self, round_: int, fragment: int, plan: PartPlan, j: int, values: torch.Tensor, weight: int
+        self, at: Exchange, plan: PartPlan, j: int, values: torch.Tensor, weight: int
     ) -> SealedPart:
         """The signed part message for owner ``j`` (built before anything is sent; its
         body is a view of ``values``, not a copy)."""
-        enc = self.wire.encode(values, fragment)
+        round_, fragment, content = at
+        enc = self.wire.encode(values, content)
         header = Header("part", self.settings.run_id, round_, fragment, j, self.identity.peer_id)
-        meta = {"group": plan.group, "owners": plan.owners, "weight": int(weight)}
+        meta = {
+            "content": content,
+            "group": plan.group,
+            "owners": plan.owners,
+            "weight": int(weight),
+        }
         return self.faults.request(self.identity, header, meta, enc)
 
     async def _commit_phase(
         self,
         session: _Session,
-        round_: int,
-        fragment: int,
+        at: Exchange,
         group: list[str],
         requests: dict[int, SealedPart],
     ) -> None:
         """Commit to every part's digest and wait for the group's, when commitments are on."""
+        round_, fragment, content = at
         try:
             if self.commitments is not None:
                 digests = {j: request.digest for j, request in requests.items()}
-                await self.faults.commit(self.commitments, round_, fragment, group, digests)
+                await self.faults.commit(
+                    self.commitments, round_, fragment, group, digests, content
+                )
         finally:
             session.closed_at = time.monotonic()
             session.committed.set()
 
-    def _note_mismatch(self, round_: int, fragment: int, plan: PartPlan) -> None:
+    def _note_mismatch(self, at: Exchange, plan: PartPlan) -> None:
         """An owner said this node's group is not its own. When every other owner says
         so, no one shares this node's view of the round and no part will come for the
         part it owns: stop waiting for them now rather than at the deadline."""
-        session = self._sessions.get((round_, fragment))
+        session = self._sessions.get(at)
         if session is None:
             return
         session.mismatches += 1
@@ -611,7 +634,7 @@ class AllReduceService:
         self,
         owner: str,
         request: SealedPart,
-        at: tuple[int, int],
+        at: Exchange,
         j: int,
         by: float,
         dest: torch.Tensor,
@@ -640,13 +663,12 @@ class AllReduceService:
                     raise
             # A stream cut before the answer came: the owner keeps the part, and the same
             # signed part again is answered with the same result.
-            logger.info("round %d fragment %d part %d: retrying owner %s", *at, j, owner[:16])
+            logger.info("round %d fragment %d part %d: retrying owner %s", *at[:2], j, owner[:16])
         raise AssertionError("unreachable")
 
     async def _send_part(
         self,
-        round_: int,
-        fragment: int,
+        at: Exchange,
         plan: PartPlan,
         j: int,
         weight: int,
@@ -657,7 +679,7 @@ class AllReduceService:
     ) -> _PartResult:
         """Send part ``j`` to its owner; write the accepted result into ``out``."""
         owner, (lo, hi) = plan.owners[j], plan.bounds[j]
-        at = (round_, fragment)
+        round_, fragment, _ = at
         try:
             lease = await self._call_owner(owner, request, at, j, by, out[lo:hi])
         except ProtocolError as exc:
@@ -669,7 +691,7 @@ class AllReduceService:
             if refused:  # the owner's answer itself was refused as it arrived
                 self.wire.judge.on_owner_refused(owner, round_, fragment, j, exc.reason)
             if exc.detail.startswith("group_mismatch"):
-                self._note_mismatch(round_, fragment, plan)
+                self._note_mismatch(at, plan)
             return j, False, []
         reply: Part = lease.data
         try:
@@ -697,7 +719,7 @@ class AllReduceService:
         self,
         reply: Part,
         owner: str,
-        at: tuple[int, int],
+        at: Exchange,
         j: int,
         numel: int,
         own: torch.Tensor,
@@ -705,30 +727,31 @@ class AllReduceService:
     ) -> tuple[torch.Tensor, list[str]]:
         """An owner's signed result, checked against the commitments and this node's own
         contribution; ProtocolError when it is refused."""
-        round_, fragment = at
-        part, norm, peers, weights, digests = self._check_reduced(
-            reply, owner, round_, fragment, j, numel
-        )
+        round_, fragment, content = at
+        part, norm, peers, weights, digests = self._check_reduced(reply, owner, at, j, numel)
         if self.commitments is not None:
             reason = self.commitments.check_result(
-                owner, round_, fragment, j, reply.evidence(), peers, digests
+                owner, round_, fragment, j, reply.evidence(), peers, digests, content
             )
             if reason:
                 raise ProtocolError(reason, "result names inputs nobody committed", owner)
         spread = min(1000.0, max([1.0, *weights]) / max(1.0, float(weight)))
         included = self.identity.peer_id in peers
         reason = self.wire.judge.check_reduced(
-            owner, round_, fragment, j, part, own, max(1.0, spread), included, norm
+            owner, round_, fragment, j, part, own, max(1.0, spread), included, norm, content=content
         )
         if reason:
             raise ProtocolError(reason, "reduced part refused", owner)
         return part, peers
 
     def _check_reduced(
-        self, env: Part, owner: str, round_: int, fragment: int, part: int, numel: int
+        self, env: Part, owner: str, at: Exchange, part: int, numel: int
     ) -> tuple[torch.Tensor, float, list[str], list[float], list[bytes]]:
+        round_, fragment, content = at
         if env.header.fragment != fragment or env.header.part != part:
             raise ProtocolError("wrong_part", "reduced result for another part", owner)
+        if env.meta.get("content") != content:
+            raise ProtocolError("wrong_part", f"a result of {env.meta.get('content')!r}", owner)
         peers = env.meta.get("contributors")
         if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
             raise ProtocolError("malformed", "contributors must be a list of PeerIDs", owner)

@@ -9,8 +9,8 @@ all-reduces the fragment's pseudo-gradient (:mod:`protocol.averaging.allreduce`)
 
 When a round's group does not span the swarm (more peers than the largest group, or
 gossip pairs), members' global copies differ, so the group also all-reduces its
-members' global copies, under fragment id ``F + f`` (``F`` fragments in the model)
-with every member weighted alike. What to do with the two results is the outer
+members' global copies (an exchange of content ``weights`` beside the ``update`` one,
+:data:`~protocol.averaging.parts.Content`) with every member weighted alike. What to do with the two results is the outer
 optimizer's business (:mod:`node.outer`).
 """
 
@@ -45,7 +45,7 @@ class ExchangeSettings:
     Attributes:
         run_id: the run.
         spec: digest of the run spec (or of the shared settings) this node runs.
-        fragments: fragments in the model (``F``); mixed global copies use ``F + f``.
+        fragments: fragments in the model.
         group_size: the largest group (``network.group_size``).
         layout: how groups are laid out when one group cannot hold the swarm.
         gossip: pairs that always mix global copies (``sync.averaging = "gossip"``).
@@ -178,6 +178,6 @@ class FragmentExchange:
         # Every member's global copy counts the same, whatever its token count.
         result, mixed = await asyncio.gather(
             run(round_, fragment, group, contribution, weight),
-            run(round_, s.fragments + fragment, group, weights, 1),
+            run(round_, fragment, group, weights, 1, content="weights"),
         )
         return Exchanged(group, result, mixed, refused)

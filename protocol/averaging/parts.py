@@ -6,6 +6,8 @@ part whose owner failed (:mod:`protocol.averaging.repair`):
 * settings and plain records: :class:`AllReduceSettings`, :class:`AllReduceResult`,
   and the verification layer's :class:`~verification.records.Contribution` and
   :class:`~verification.records.Reduction` (re-exported);
+* what an exchange averages (:data:`Content`: members' updates, or their global
+  copies when groups mix weights);
 * how a fragment is cut: :func:`part_bounds` and :class:`PartPlan` (which members
   own which part; clients own none);
 * the three hooks a node plugs in: :class:`Judge` (trust decisions),
@@ -22,7 +24,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
@@ -35,10 +37,13 @@ from verification.identity import Identity
 from verification.records import Contribution, Reduction
 
 __all__ = [
+    "CONTENTS",
     "AllReduceResult",
     "AllReduceSettings",
     "Commitments",
+    "Content",
     "Contribution",
+    "Exchange",
     "FaultInjection",
     "Judge",
     "PartExchange",
@@ -52,6 +57,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+Content = Literal["update", "weights"]
+"""What an exchange of a fragment averages: ``update``, the members' pseudo-gradients
+(weighted by tokens); ``weights``, their global copies (weighted alike), which groups
+that do not span the swarm also average. Both exchanges of a fragment run side by side
+in a round; every part, result, repair and commitment names its content (signed), and
+each has its own sessions, commitments and screening history."""
+CONTENTS: tuple[str, ...] = get_args(Content)
+
+Exchange = tuple[int, int, str]
+"""``(round, fragment, content)``: one exchange, as sessions, repairs and byte counts
+are keyed."""
 
 
 @dataclass(frozen=True)
@@ -67,25 +84,26 @@ class AllReduceSettings:
     round_window: int = 2
     fragments: int = 1024
     repair: bool = True
-    fragment_codecs: tuple[str, ...] = ()
-    """Per-fragment codecs (e.g. pseudo-gradients in int8, mixed weights in fp16);
-    fragments past the end of this tuple use ``codec``."""
+    weights_codec: str | None = None
+    """The codec of ``weights`` exchanges (e.g. fp16 global copies beside int8
+    pseudo-gradients); None: ``codec``."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
             raise ValueError("block_size, timeout and fragments must be positive")
 
-    def codec_for(self, fragment: int) -> str:
-        """The codec this node encodes ``fragment``'s parts and results with."""
-        if 0 <= fragment < len(self.fragment_codecs):
-            return self.fragment_codecs[fragment]
+    def codec_for(self, content: str) -> str:
+        """The codec this node encodes parts and results of ``content`` with."""
+        if content == "weights" and self.weights_codec is not None:
+            return self.weights_codec
         return self.codec
 
 
 Reducer = Callable[..., Reduction]
-"""``(round, fragment, part, contributions, *, shared=False) -> Reduction`` on the part's
-owner. ``shared=True`` (repair, where every member reduces the same inputs itself)
-asks for a reduction that depends on the inputs alone, so members agree bitwise."""
+"""``(round, fragment, part, contributions, *, shared=False, content="update") ->
+Reduction`` on the part's owner. ``shared=True`` (repair, where every member reduces the
+same inputs itself) asks for a reduction that depends on the inputs alone, so members
+agree bitwise; ``content`` says what the contributions are (:data:`Content`)."""
 
 
 def weighted_mean_reducer(
@@ -94,6 +112,7 @@ def weighted_mean_reducer(
     part: int,
     contributions: Sequence[Contribution],
     shared: bool = False,
+    content: str = "update",
 ) -> Reduction:
     """Token-weighted mean (plain mean when every weight is zero)."""
     weights = [max(0.0, c.weight) for c in contributions]
@@ -148,10 +167,12 @@ class Judge:
         spread: float = 1.0,
         included: bool = True,
         reduced_norm: float | None = None,
+        content: str = "update",
     ) -> str | None:
         """Judge a reduced part against this node's own contribution; a reason refuses it.
         ``included`` is False when the owner left this node's part out (with a reason);
-        ``reduced_norm`` is the result's norm when decoding computed it.
+        ``reduced_norm`` is the result's norm when decoding computed it; ``content`` says
+        what was averaged.
 
         ``spread`` is the largest contributor weight over this node's own (at least 1):
         a node that trained less than its peers sees a larger average than its own.
@@ -163,28 +184,40 @@ class Commitments:
     """The commit phase of an exchange; a service without one skips it.
 
     Before sending any part, a member publishes the digests of its signed parts for
-    ``(round, fragment)`` and waits (bounded) for its group's commitments. An owner
-    takes a part only if its sender committed to exactly that digest before the
+    ``(round, fragment, content)`` and waits (bounded) for its group's commitments. An
+    owner takes a part only if its sender committed to exactly that digest before the
     owner's own commit phase closed, so no member can shape its part after seeing
     the others'.
     """
 
     async def commit(
-        self, round_: int, fragment: int, group: Sequence[str], digests: dict[int, bytes]
+        self,
+        round_: int,
+        fragment: int,
+        group: Sequence[str],
+        digests: dict[int, bytes],
+        content: str = "update",
     ) -> None:
         """Publish this node's commitment and wait for the group's (bounded)."""
 
     async def check(
-        self, peer: str, round_: int, fragment: int, part: int, digest: bytes, closed_at: float
+        self,
+        peer: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        digest: bytes,
+        closed_at: float,
+        content: str = "update",
     ) -> str | None:
         """Why ``peer``'s part is refused: ``uncommitted``, ``late_commit`` or
         ``commit_mismatch`` (None: committed in time). ``closed_at`` is this owner's
         ``time.monotonic()`` when its commit phase closed."""
         return None
 
-    def committed(self, peer: str, round_: int, fragment: int) -> bool:
-        """Whether ``peer`` signed a commitment for ``(round, fragment)``: a member that
-        committed and then delivered nothing broke a promise it signed."""
+    def committed(self, peer: str, round_: int, fragment: int, content: str = "update") -> bool:
+        """Whether ``peer`` signed a commitment for ``(round, fragment, content)``: a
+        member that committed and then delivered nothing broke a promise it signed."""
         return False
 
     def check_result(
@@ -196,6 +229,7 @@ class Commitments:
         reply: bytes,
         contributors: Sequence[str],
         digests: Sequence[bytes],
+        content: str = "update",
     ) -> str | None:
         """Why an owner's signed result is refused: ``bad_owner`` when it names, for a
         contributor, a digest other than the one that contributor committed to."""
@@ -224,8 +258,9 @@ class FaultInjection:
         fragment: int,
         group: Sequence[str],
         digests: dict[int, bytes],
+        content: str = "update",
     ) -> None:
-        await commitments.commit(round_, fragment, group, digests)
+        await commitments.commit(round_, fragment, group, digests, content)
 
     def reduced_meta(self, meta: dict) -> dict:
         return meta
@@ -358,7 +393,7 @@ class PartExchange:
         self.rejected: dict[str, int] = {}
         # Bytes per (round, fragment): two exchanges in flight at once (a fragment and
         # its weight mix) must not count each other's traffic.
-        self._ledger: dict[tuple[int, int], list[int]] = {}
+        self._ledger: dict[Exchange, list[int]] = {}
         # Hashing, decoding and reducing run off the event loop in one worker thread:
         # the loop keeps reading streams meanwhile, and a single thread keeps the
         # allocator's per-thread arenas (each holds on to a freed part) to one.
@@ -369,10 +404,10 @@ class PartExchange:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def tally(
-        self, at: tuple[int, int] | None, sent: int = 0, received: int = 0, totals: bool = True
+        self, at: Exchange | None, sent: int = 0, received: int = 0, totals: bool = True
     ) -> None:
-        """Count bytes: in this node's totals, and (``at`` given) against the exchange of
-        ``(round, fragment)``; ``totals=False`` charges the exchange only."""
+        """Count bytes: in this node's totals, and (``at`` given) against the exchange
+        ``(round, fragment, content)``; ``totals=False`` charges the exchange only."""
         if totals:
             self.bytes_sent += sent
             self.bytes_received += received
@@ -382,8 +417,8 @@ class PartExchange:
         entry[0] += sent
         entry[1] += received
 
-    def traffic(self, at: tuple[int, int]) -> tuple[int, int]:
-        """Bytes sent and received for ``(round, fragment)`` so far."""
+    def traffic(self, at: Exchange) -> tuple[int, int]:
+        """Bytes sent and received for the exchange ``(round, fragment, content)`` so far."""
         sent, received = self._ledger.get(at, (0, 0))
         return sent, received
 
@@ -434,11 +469,24 @@ class PartExchange:
             norm=norm,
         )
 
-    def encode(self, values: torch.Tensor, fragment: int) -> codecs.Encoded:
-        """``values`` in the codec of ``fragment``; a ``none`` payload is a view of
+    def encode(self, values: torch.Tensor, content: str) -> codecs.Encoded:
+        """``values`` in the codec of ``content``; a ``none`` payload is a view of
         ``values`` (keep them unchanged until the message is sent)."""
         s = self.settings
-        return codecs.encode(values, s.codec_for(fragment), block_size=s.block_size, copy=False)
+        return codecs.encode(values, s.codec_for(content), block_size=s.block_size, copy=False)
+
+    def content_of(self, part: Part, peer: str) -> str:
+        """What ``part`` says it averages (signed with it).
+
+        Raises:
+            ProtocolError: ``malformed`` (refused and reported) when it names none of
+                :data:`CONTENTS`.
+        """
+        content = part.meta.get("content")
+        if content not in CONTENTS:
+            h = part.header
+            raise self.reject("malformed", f"content {content!r}", peer, h.round, h.fragment)
+        return str(content)
 
     async def open(self, data: bytes, peer: str, **checks: object) -> Part:
         """Open a part message from ``peer`` off the event loop (hashing a body takes

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.averaging.parts import Contribution, PartExchange
+from protocol.averaging.parts import Contribution, Exchange, PartExchange
 from protocol.errors import ProtocolError
 from protocol.wire.messages import Header
 from protocol.wire.partwire import SealedPart, seal_part
@@ -52,7 +52,8 @@ class PartRepair:
 
     def __init__(self, wire: PartExchange) -> None:
         self.wire = wire
-        self._repairs: dict[tuple[int, int, int], _Repair] = {}
+        self._repairs: dict[tuple[Exchange, int], _Repair] = {}
+        """Keyed by the exchange and the part."""
 
     def register(self) -> None:
         s = self.wire.settings
@@ -60,9 +61,9 @@ class PartRepair:
             REPAIR_RPC, self._handle, max_request_bytes=s.max_message_bytes, timeout=s.timeout + 5.0
         )
 
-    def _slot(self, key: tuple[int, int, int]) -> _Repair:
+    def _slot(self, key: tuple[Exchange, int]) -> _Repair:
         current = self.wire.current_round
-        for old in [k for k in self._repairs if k[0] < current - 2]:
+        for old in [k for k in self._repairs if k[0][0] < current - 2]:
             del self._repairs[old]
         return self._repairs.setdefault(key, _Repair())
 
@@ -87,7 +88,9 @@ class PartRepair:
             or len(self._repairs) > 4 * svc.settings.fragments * 8
         ):
             raise svc.reject("busy", "no such repair", peer, *at)
-        slot = self._slot((h.round, h.fragment, h.part))
+        content = svc.content_of(env, peer)
+        exchange = (h.round, h.fragment, content)
+        slot = self._slot((exchange, h.part))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(slot.decided.wait(), svc.settings.timeout)
         if not slot.ready.is_set():
@@ -105,20 +108,19 @@ class PartRepair:
             numel = next(iter(slot.contributions.values())).vector.numel()
             slot.contributions[peer] = svc.decode(env, numel, peer)
         assert slot.reply is not None  # set before ready
-        svc.tally(at, sent=slot.reply.nbytes, received=len(data))
+        svc.tally(exchange, sent=slot.reply.nbytes, received=len(data))
         return slot.reply.buffers()
 
-    def accepted(self, round_: int, fragment: int, part: int) -> None:
+    def accepted(self, at: Exchange, part: int) -> None:
         """This node took the owner's result for ``part``: it will not repair it, and
         says so at once to members that ask."""
-        slot = self._slot((round_, fragment, part))
+        slot = self._slot((at, part))
         slot.accepted = True
         slot.decided.set()
 
     async def run(
         self,
-        round_: int,
-        fragment: int,
+        at: Exchange,
         part: int,
         group: list[str],
         owner: str,
@@ -134,11 +136,12 @@ class PartRepair:
         """
         svc = self.wire
         me = svc.identity.peer_id
-        enc = svc.encode(values, fragment)
+        round_, fragment, content = at
+        enc = svc.encode(values, content)
         header = Header("repair", svc.settings.run_id, round_, fragment, part, me)
-        meta = {"group": group, "weight": int(weight), **enc.meta()}
+        meta = {"content": content, "group": group, "weight": int(weight), **enc.meta()}
         reply = seal_part(svc.identity, header, meta, enc.payload)
-        slot = self._slot((round_, fragment, part))
+        slot = self._slot((at, part))
         slot.group, slot.reply = group, reply
         # Every member uses the decoded bytes it sent, exactly as the others will see them.
         own = await svc.open(reply.to_bytes(), me)
@@ -149,10 +152,7 @@ class PartRepair:
         if deadline is None:
             deadline = time.monotonic() + svc.settings.timeout
         await asyncio.gather(
-            *(
-                self._exchange(p, reply, slot, deadline, values.numel(), (round_, fragment))
-                for p in others
-            )
+            *(self._exchange(p, reply, slot, deadline, values.numel(), at) for p in others)
         )
         if len(slot.contributions) < 2:
             return None
@@ -166,7 +166,7 @@ class PartRepair:
             )
             return None
         ordered = [slot.contributions[p] for p in sorted(slot.contributions)]
-        reduction = svc.reducer(round_, fragment, part, ordered, shared=True)
+        reduction = svc.reducer(round_, fragment, part, ordered, shared=True, content=content)
         logger.info(
             "round %d fragment %d part %d repaired without owner %s from %d members",
             *(round_, fragment, part, owner[:16], len(ordered)),
@@ -180,7 +180,7 @@ class PartRepair:
         slot: _Repair,
         deadline: float,
         numel: int,
-        at: tuple[int, int],
+        at: Exchange,
     ) -> None:
         svc = self.wire
         svc.tally(at, sent=request.nbytes)
@@ -190,6 +190,13 @@ class PartRepair:
             )
             svc.tally(at, received=len(reply))
             env = await svc.open(reply, peer, kinds=("repair",))
+            if (
+                svc.content_of(env, peer) != at[2]
+                or (env.header.round, env.header.fragment) != at[:2]
+            ):
+                raise svc.reject(
+                    "wrong_part", "a repair message of another exchange", peer, *at[:2]
+                )
             known = slot.contributions.get(peer)
             if known is None:
                 slot.contributions[peer] = svc.decode(env, numel, peer)

@@ -416,13 +416,21 @@ def _part(
     part: int = 0,
     round_: int = ROUND,
     sender: Identity | None = None,
+    content: object = "update",
 ) -> bytes:
     """A ``part`` message signed by ``identity`` (claiming ``sender``, default itself),
     its float32 values built by hand so they may hold what ``encode`` refuses."""
     signer = sender or identity
     header = Header("part", RUN, round_, 0, part, signer.peer_id)
     payload = data.float().contiguous().numpy().tobytes()
-    meta = {"group": group, "weight": weight, "c": "none", "n": data.numel(), "b": 256}
+    meta = {
+        "content": content,
+        "group": group,
+        "weight": weight,
+        "c": "none",
+        "n": data.numel(),
+        "b": 256,
+    }
     return seal_part(signer, header, meta, payload).to_bytes()
 
 
@@ -481,6 +489,10 @@ def test_hostile_parts_are_refused_and_the_round_still_completes(
             _part(me, part=1, group=group, data=torch.zeros(own_numel)),
             "wrong_part",
         ),
+        "says not what it averages": (
+            _part(me, content="gradients", group=group, data=torch.zeros(own_numel)),
+            "malformed",
+        ),
     }
     for name, (data, reason) in cases.items():
         error = _expect_refusal(client, owner, data)
@@ -504,7 +516,7 @@ def test_hostile_parts_are_refused_and_the_round_still_completes(
         "non_finite": 1,
         "numel_mismatch": 1,
         "bad_numel": 1,
-        "malformed": 2,  # garbage bytes and a negative weight
+        "malformed": 3,  # garbage bytes, a negative weight, an unknown content
         "sender_mismatch": 1,
         "bad_signature": 1,
         "stale_round": 1,

@@ -83,10 +83,15 @@ def _bad_owner_evidence(member: Identity, cheat: Identity, numel: int) -> dict[s
     from protocol.wire.partwire import open_part, seal_part
 
     committed, named = b"\x01" * 32, b"\x02" * 32
-    body = {"round": 1, "fragment": 0, "digests": [[1, committed]]}
+    body = {"round": 1, "fragment": 0, "content": "update", "digests": [[1, committed]]}
     commit = sign_control(member, RUN, topic_name(RUN, "commit"), 1, body)
     values = torch.zeros(numel).numpy().view("uint8")
-    meta = {"contributors": [member.peer_id], "digests": [named], "weights": [1.0]}
+    meta = {
+        "content": "update",
+        "contributors": [member.peer_id],
+        "digests": [named],
+        "weights": [1.0],
+    }
     sealed = seal_part(cheat, Header("reduced", RUN, 1, 0, 1, cheat.peer_id), meta, values)
     wire = b"".join(bytes(b) for b in sealed.buffers())
     return {"reduced": open_part(wire, max_bytes=2**28).evidence(), "commit": commit}

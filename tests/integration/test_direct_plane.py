@@ -205,7 +205,7 @@ def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
         client = direct.DirectClient(identities[3])
         stalls = []
         for j, (lo, hi) in enumerate(plan.bounds[:3]):
-            request = frozen._request(1, 0, plan, j, vectors[3][lo:hi], 1)
+            request = frozen._request((1, 0, "update"), plan, j, vectors[3][lo:hi], 1)
             stall = _stall_mid_part(client, group[j], transports[j].data_port, request, timeout + 3)
             stalls.append(frozen.transport.submit(stall))
         started = time.monotonic()

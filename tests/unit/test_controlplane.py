@@ -27,8 +27,19 @@ def _signed(identity: Identity, topic: str, body: object, seq: int = 1) -> bytes
     return sign_control(identity, RUN, topic_name(RUN, topic), seq, body)
 
 
-def _commit(identity: Identity, digests: dict[int, bytes], round_: int = 3, seq: int = 1) -> bytes:
-    body = {"round": round_, "fragment": 0, "digests": [[j, d] for j, d in digests.items()]}
+def _commit(
+    identity: Identity,
+    digests: dict[int, bytes],
+    round_: int = 3,
+    seq: int = 1,
+    content: str = "update",
+) -> bytes:
+    body = {
+        "round": round_,
+        "fragment": 0,
+        "content": content,
+        "digests": [[j, d] for j, d in digests.items()],
+    }
     return _signed(identity, "commit", body, seq)
 
 
@@ -70,7 +81,7 @@ def test_equivocation_evidence_checks_out() -> None:
     [
         ([_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D1}, seq=2)], "agree"),
         ([_commit(CHEAT, {0: D1}), _commit(OTHER, {0: D2})], "not signed by the accused"),
-        ([_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D2}, round_=4)], "different rounds"),
+        ([_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D2}, round_=4)], "different exchanges"),
         ([_commit(CHEAT, {0: D1})], "exactly two"),
         ([_commit(CHEAT, {0: D1}), b"\x93garbage"], "malformed"),
         ([_commit(CHEAT, {0: D1}), _signed(CHEAT, "heartbeat", {})], "wrong_topic"),
@@ -162,12 +173,23 @@ def test_a_part_that_overtakes_its_late_commitment_is_refused_as_late(
         later.join()
 
 
-def _result(owner: Identity, contributors: list[str], digests: list[bytes], part: int = 1) -> bytes:
+def _result(
+    owner: Identity,
+    contributors: list[str],
+    digests: list[bytes],
+    part: int = 1,
+    content: str = "update",
+) -> bytes:
     """The evidence of a signed result: its head and signature (the body is not needed)."""
     from protocol.wire.messages import Header
     from protocol.wire.partwire import open_part, seal_part
 
-    meta = {"contributors": contributors, "digests": digests, "weights": [1.0] * len(digests)}
+    meta = {
+        "content": content,
+        "contributors": contributors,
+        "digests": digests,
+        "weights": [1.0] * len(digests),
+    }
     header = Header("reduced", RUN, 3, 0, part, owner.peer_id)
     sealed = seal_part(owner, header, meta, bytes(4 * 1024)).to_bytes()
     return open_part(sealed, max_bytes=2**20).evidence()
@@ -178,7 +200,7 @@ def _own_commit(plane: ControlPlane, digests: dict[int, bytes]) -> bytes:
     from node.controlplane import _Commit
 
     wire = _commit(ME, digests)
-    plane._commits[(ME.peer_id, 3, 0)] = _Commit(dict(digests), time.monotonic(), wire)
+    plane._commits[(ME.peer_id, 3, 0, "update")] = _Commit(dict(digests), time.monotonic(), wire)
     return wire
 
 
@@ -225,7 +247,7 @@ def test_an_owner_that_misstates_this_nodes_input_is_proven_bad(plane: ControlPl
                 "reduced": _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2], part=2),
                 "commit": w,
             },
-            "another round or part",
+            "another exchange or part",
         ),
         (lambda w: {"reduced": b"junk", "commit": w}, "malformed"),
         (lambda w: [w], "is a map"),
@@ -286,7 +308,12 @@ def test_a_bad_owner_verdict_for_a_part_of_ten_million_values_fits_one_control_m
 
     wire = _own_commit(plane, {1: D1})
     body = torch.zeros(10_000_000).numpy().view("uint8")
-    meta = {"contributors": [CHEAT.peer_id, ME.peer_id], "digests": [D2, D2], "weights": [1.0, 1.0]}
+    meta = {
+        "content": "update",
+        "contributors": [CHEAT.peer_id, ME.peer_id],
+        "digests": [D2, D2],
+        "weights": [1.0, 1.0],
+    }
     sealed = seal_part(CHEAT, Header("reduced", RUN, 3, 0, 1, CHEAT.peer_id), meta, body)
     evidence = open_part(
         sealed.buffers()[0] + sealed.head + sealed.signature + body.tobytes(), max_bytes=2**27
@@ -306,3 +333,40 @@ def test_a_bad_owner_verdict_for_a_part_of_ten_million_values_fits_one_control_m
     received = open_control(verdict, RUN, topic_name(RUN, "verdict")).body["evidence"]
     assert check_bad_owner(received, CHEAT.peer_id, RUN) == (3, 0)
     assert check_bad_owner({"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
+
+
+def test_the_two_exchanges_of_a_fragment_are_committed_apart(plane: ControlPlane) -> None:
+    # a member commits to its update parts and to its global-copy parts of one fragment:
+    # two commitments, no equivocation, and each part is checked against its own
+    _deliver(plane, "commit", _commit(OTHER, {0: D1}))
+    _deliver(plane, "commit", _commit(OTHER, {0: D2}, seq=2, content="weights"))
+    assert plane.verifier.flagged(4) == {}
+    closed = time.monotonic() + 10
+    assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, closed, "update") is None
+    assert _check(plane, OTHER.peer_id, 3, 0, 0, D2, closed, "weights") is None
+    assert _check(plane, OTHER.peer_id, 3, 0, 0, D2, closed, "update") == "commit_mismatch"
+    assert plane.committed(OTHER.peer_id, 3, 0, "weights")
+    assert not plane.committed(CHEAT.peer_id, 3, 0, "weights")
+    with pytest.raises(ProtocolError, match="different exchanges"):
+        check_equivocation(
+            [_commit(OTHER, {0: D1}), _commit(OTHER, {0: D2}, seq=2, content="weights")],
+            OTHER.peer_id,
+            RUN,
+        )
+
+
+@pytest.mark.parametrize("content", [None, "gradients", 1])
+def test_a_commitment_must_say_what_it_commits_to(plane: ControlPlane, content) -> None:
+    body = {"round": 3, "fragment": 0, "digests": [[0, D1]]}
+    if content is not None:
+        body["content"] = content
+    _deliver(plane, "commit", _signed(OTHER, "commit", body))
+    assert plane.counters["malformed"] == 1
+    assert not plane.committed(OTHER.peer_id, 3, 0)
+
+
+def test_bad_owner_evidence_must_be_about_the_committed_content(plane: ControlPlane) -> None:
+    wire = _own_commit(plane, {1: D1})  # an update commitment
+    weights = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2], content="weights")
+    with pytest.raises(ProtocolError, match="another exchange"):
+        check_bad_owner({"reduced": weights, "commit": wire}, CHEAT.peer_id, RUN)

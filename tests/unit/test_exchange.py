@@ -26,10 +26,17 @@ class FakeAllReduce:
         self.calls: list[dict] = []
 
     async def run(
-        self, round_, fragment, group, vector, weight, owners=None, deadline=None
+        self, round_, fragment, group, vector, weight, owners=None, deadline=None, content="update"
     ) -> AllReduceResult:
         self.calls.append(
-            dict(round=round_, fragment=fragment, group=list(group), weight=weight, owners=owners)
+            dict(
+                round=round_,
+                fragment=fragment,
+                group=list(group),
+                weight=weight,
+                owners=owners,
+                content=content,
+            )
         )
         return AllReduceResult(vector, list(group), [list(group)], [], owners=list(owners or group))
 
@@ -93,8 +100,9 @@ def test_groups_that_do_not_span_the_swarm_also_mix_global_copies() -> None:
     exchange, allreduce = _exchange(dht, group_size=2)
     done = _run(exchange, {PEER.peer_id, CLIENT.peer_id, STRANGER.peer_id})
     assert done.mixed is not None and len(done.group) == 2
-    fragments = sorted((c["fragment"], c["weight"]) for c in allreduce.calls)
-    assert fragments == [(0, 50), (2, 1)]  # fragment F + f carries copies, each weighted 1
+    exchanges = sorted((c["fragment"], c["content"], c["weight"]) for c in allreduce.calls)
+    # the same fragment twice: the update weighted by tokens, the global copies alike
+    assert exchanges == [(0, "update", 50), (0, "weights", 1)]
 
 
 def test_a_group_with_nobody_to_dial_fails_clearly() -> None:
