@@ -263,6 +263,22 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         log.close()
 
 
+_STALE_SECONDS = 15.0
+"""A running node rewrites its status every ``network.registry_seconds`` (2 s): an older
+one belongs to a node that stopped or is stuck."""
+_RUNNING_STATES = frozenset({"starting", "joining", "ready", "training", "lingering"})
+
+
+def _status_age(status: dict[str, Any]) -> float | None:
+    """Seconds since the node wrote ``status`` (None when it does not say)."""
+    import time
+
+    updated = status.get("updated")
+    if not isinstance(updated, (int, float)):
+        return None
+    return max(0.0, time.time() - float(updated))
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -274,10 +290,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status))
         return 0
+    state = status.get("state", "?")
     print(
-        f"node {status.get('peer_id', '?')}  state {status.get('state', '?')}  "
+        f"node {status.get('peer_id', '?')}  state {state}  "
         f"round {status.get('round', '-')}  pid {status.get('pid', '-')}"
     )
+    age = _status_age(status)
+    if age is not None and age > _STALE_SECONDS and state in _RUNNING_STATES:
+        print(
+            f"STALE: this status is {age:.0f} s old (a running node rewrites it every few "
+            f"seconds): the node has stopped or is stuck; its last state was {state}"
+        )
+    elif age is not None:
+        print(f"status written {age:.1f} s ago")
+    _print_progress(status)
     _print_network(status)
     if swarm is None:
         print("no control channel (control.enabled = false, or the node has not started it yet)")
@@ -285,13 +311,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from verification.reputation import INITIAL_SCORE
+
     reputations = status.get("reputations", {})
     table = Table(title=f"peers seen in heartbeats ({len(swarm['peers'])})")
     columns = ("peer", "version", "round", "step", "tokens/s", "reachable", "last seen")
     for column in (*columns, "reputation"):
         table.add_column(column)
     for peer, info in sorted(swarm["peers"].items()):
-        rep = reputations.get(peer, {"score": 1.0, "status": "ok"})
+        # a peer this node has not judged yet holds the store's starting score
+        rep = reputations.get(peer, {"score": INITIAL_SCORE, "status": "ok"})
+        # as of now, not as of when the status was written
+        seen = float(info.get("last_seen_s") or 0.0) + (age or 0.0)
         table.add_row(
             f"...{peer[-12:]}",
             str(info.get("version")),
@@ -299,7 +330,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             str(info.get("step")),
             f"{info.get('throughput') or 0:.0f}",
             {True: "yes", False: "no (client)"}.get(info.get("reachable"), "?"),
-            f"{info.get('last_seen_s', 0):.1f} s ago",
+            f"{seen:.1f} s ago",
             f"{rep['score']:.2f} {rep['status']}",
         )
     Console().print(table)
@@ -310,6 +341,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
         f"dropped {sum(dropped.values())} {dict(dropped) if dropped else ''}"
     )
     return 0
+
+
+def _print_progress(status: dict[str, Any]) -> None:
+    """This node's own training: step, loss, bits/byte, traffic, flagged peers."""
+
+    def number(key: str, fmt: str) -> str:
+        value = status.get(key)
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+    sent = status.get("bytes_sent")
+    mib = f"{sent / 2**20:.1f} MiB" if isinstance(sent, (int, float)) else "-"
+    print(
+        f"step {number('step', 'd')}  loss {number('loss', '.3f')}  "
+        f"val bits/byte {number('val_bpb', '.3f')}  tokens {number('tokens', 'd')}  sent {mib}"
+    )
+    flagged = status.get("flagged") or {}
+    listed = ", ".join(f"{peer} ({why})" for peer, why in sorted(flagged.items()))
+    print(f"flagged peers: {listed or 'none'}")
 
 
 def _print_network(status: dict[str, Any]) -> None:
@@ -326,6 +375,104 @@ def _print_network(status: dict[str, Any]) -> None:
     warning = status.get("control_warning")
     if warning:
         print(f"WARNING: {warning}")
+
+
+def _node_data(data_dir: str) -> Path:
+    path = Path(data_dir).expanduser()
+    if not (path / "atoll.db").exists() and not (path / "status.json").exists():
+        raise ValueError(f"no node data in {path} (is --data-dir a node's data directory?)")
+    return path
+
+
+def _running_pid(path: Path) -> int | None:
+    """The pid of the node running in ``path``, or None when none is."""
+    import os
+
+    try:
+        status = json.loads((path / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    pid = status.get("pid")
+    if status.get("state") not in _RUNNING_STATES or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # it died without writing its final status
+    except PermissionError:
+        pass  # alive, another user's
+    return pid
+
+
+def _cmd_peers(args: argparse.Namespace) -> int:
+    from verification.reputation import ReputationStore
+
+    path = _node_data(args.data_dir)
+    with ReputationStore(path / "atoll.db") as store:
+        rows = [
+            {
+                "peer": s.peer,
+                "score": round(s.score, 3),
+                "status": s.status,
+                "violations": s.violations,
+                "until_round": s.until_round,
+                "reason": s.reason,
+            }
+            for s in store.all()
+        ]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print("no peers judged yet")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"peers this node has judged ({len(rows)})")
+    for column in ("peer", "score", "standing", "violations", "reason"):
+        table.add_column(column)
+    for row in rows:
+        standing = row["status"]
+        if standing == "quarantined":
+            standing += f" until round {row['until_round']}"
+        table.add_row(
+            row["peer"], f"{row['score']:.2f}", standing, str(row["violations"]), row["reason"]
+        )
+    Console().print(table)
+    return 0
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    from node.admin import Command, submit
+
+    path = _node_data(args.data_dir)
+    command = Command(args.command, args.peer, args.reason)
+    pid = _running_pid(path)
+    if pid is not None:
+        try:
+            answer = submit(path, command, timeout=args.timeout)
+        except TimeoutError as exc:
+            raise ValueError(f"node pid {pid}: {exc}") from None
+        if not answer.get("ok"):
+            raise ValueError(f"the node refused the command: {answer.get('error')}")
+        standing, where = answer["standing"], f"by the running node (pid {pid})"
+    else:
+        from verification.policy import TrustPolicy
+        from verification.verifier import Verifier
+
+        verifier = Verifier(TrustPolicy(), path / "atoll.db", me="")
+        try:
+            standing = verifier.operator(command.op, command.peer, command.reason)
+        finally:
+            verifier.close()
+        where = "in the node's files (it is not running)"
+    print(
+        f"{command.peer}: {standing['status']}, score {standing['score']:.2f}, "
+        f"{standing['violations']} violations; {args.command} applied {where} and recorded "
+        "in its audit log"
+    )
+    return 0
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -438,9 +585,20 @@ def _cmd_spec_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed package's version (``0+unknown`` when run from a bare source tree)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("atoll")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atoll", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"atoll {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser(
@@ -525,6 +683,28 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
     status.add_argument("--json", action="store_true", help="the node's whole status as JSON")
     status.set_defaults(func=_cmd_status)
+
+    peers = sub.add_parser("peers", help="every peer this node has judged: score, standing")
+    peers.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
+    peers.add_argument("--json", action="store_true", help="one JSON list")
+    peers.set_defaults(func=_cmd_peers)
+    for name, text, reason in (
+        ("ban", "exclude a peer for good (until pardoned)", None),
+        ("pardon", "lift a peer's ban or quarantine", "pardoned by the operator"),
+    ):
+        op = sub.add_parser(name, help=text)
+        op.add_argument("peer", help="the peer's PeerID")
+        op.add_argument(
+            "--reason",
+            required=reason is None,
+            default=reason,
+            help="why (recorded in the audit log)",
+        )
+        op.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
+        op.add_argument(
+            "--timeout", type=float, default=20.0, help="seconds to wait for a running node"
+        )
+        op.set_defaults(func=_cmd_operator)
 
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")
     keygen.add_argument("--data-dir", default=".atoll/node")

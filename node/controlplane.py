@@ -544,6 +544,11 @@ class ControlPlane(Commitments):
         self._convict(msg.sender, r, f, "equivocation", [held.wire, evidence["commit"]], True)
         return True
 
+    def pardoned(self, peer: str) -> None:
+        """The operator pardoned ``peer``: new proof of a new offence convicts it again."""
+        with self._lock:
+            self._convicted.discard(peer)
+
     def _convict(self, peer: str, r: int, f: int, kind: str, evidence: Any, publish: bool) -> None:
         with self._lock:
             if peer in self._convicted or peer == self.me:

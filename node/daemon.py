@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from node import catchup
+from node.admin import AdminInbox, Command
 from node.byzantine import make_behaviour, training_data
 from node.checkpoint import load_latest, save_checkpoint
 from node.clock import SecondsClock
@@ -289,6 +290,7 @@ class Node:
         self.verifier = Verifier(
             cfg.trust, self.data_dir / "atoll.db", self.identity.peer_id, self.events
         )
+        self.admin = AdminInbox(self.data_dir, self._operator)
         if cfg.control.enabled:
             self.control = ControlPlane(
                 cfg.control,
@@ -778,8 +780,23 @@ class Node:
                     rec = self.peers.records[peer]
                     if rec.reachable:  # a peer nobody can dial dials us instead
                         self.control.connect(rec.control)
+            self._take_operator_commands()
             self._report(live)
             await asyncio.sleep(net.registry_seconds)
+
+    def _take_operator_commands(self) -> None:
+        """Apply ``atoll ban`` / ``atoll pardon`` commands queued in the data directory."""
+        try:
+            if self.admin.poll():
+                self.status.update(flagged=self.verifier.flagged(self.round))
+        except OSError as exc:  # an unreadable admin folder must not stop the node
+            logger.warning("operator commands: %s", exc)
+
+    def _operator(self, command: Command) -> dict[str, Any]:
+        standing = self.verifier.operator(command.op, command.peer, command.reason)
+        if command.op == "pardon" and self.control is not None:
+            self.control.pardoned(command.peer)  # new proof of a new offence counts again
+        return standing
 
     def _report(self, live: set[str]) -> None:
         """Peers, reachability and warnings into the status file."""

@@ -48,7 +48,11 @@ logger = logging.getLogger(__name__)
 GENESIS_HASH = "0" * 64
 """The ``prev_hash`` of the first row."""
 
-VERDICTS = frozenset({"accepted", "rejected", "owner_rejected", "own", "missing"})
+VERDICTS = frozenset(
+    {"accepted", "rejected", "owner_rejected", "own", "missing", "operator_ban", "operator_pardon"}
+)
+"""What a row says of its contribution; ``operator_ban`` and ``operator_pardon`` record an
+operator's ``atoll ban`` / ``atoll pardon`` (digest empty, reason as given)."""
 """``accepted``: the contribution is in the aggregate; ``rejected``: it was refused;
 ``owner_rejected``: a reduced part this node refused from the part's owner;
 ``own``: this node's own contribution; ``missing``: a member's part never arrived

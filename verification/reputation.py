@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["STATUSES", "ReputationStore", "Standing"]
 
+INITIAL_SCORE = 0.5
+"""The score of a peer seen for the first time (what a node holds for a peer it has not
+judged yet)."""
+
 logger = logging.getLogger(__name__)
 
 STATUSES = frozenset({"ok", "quarantined", "banned"})
@@ -136,7 +140,9 @@ class ReputationStore:
         writer: the node's background writer; None writes each change at once.
     """
 
-    def __init__(self, path: Path, *, initial: float = 0.5, writer: Writer | None = None) -> None:
+    def __init__(
+        self, path: Path, *, initial: float = INITIAL_SCORE, writer: Writer | None = None
+    ) -> None:
         self.path = Path(path)
         self.initial = _unit(initial, "initial")
         self.writer = writer

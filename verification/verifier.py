@@ -467,6 +467,45 @@ class Verifier:
                 self.reputation.quarantine(peer, round_, self.policy.quarantine_rounds, reason)
             self._flagged_at.setdefault(peer, max(round_, self.round))
 
+    def operator(self, op: str, peer: str, reason: str) -> dict[str, object]:
+        """Apply an operator's ``ban`` or ``pardon`` of ``peer``: its standing, one audit
+        row (``operator_ban`` / ``operator_pardon``) and one event.
+
+        A ban counts from the next round (this round's groups are formed); a pardon lifts
+        a ban or quarantine at once and keeps the peer's score and violations.
+
+        Returns:
+            The peer's new standing.
+        """
+        if op not in ("ban", "pardon"):
+            raise ValueError(f"unknown operator command {op!r}")
+        with self._lock:
+            if op == "ban":
+                standing = self.reputation.ban(peer, reason)
+                self._flagged_at.setdefault(peer, self.round)
+            else:
+                standing = self.reputation.pardon(peer, reason)
+                self._flagged_at.pop(peer, None)
+            self._audit_row(
+                round=self.round,
+                fragment=0,
+                part=0,
+                sender=peer,
+                digest="",
+                tokens=0,
+                verdict=f"operator_{op}",
+                reason=reason,
+            )
+        if self.events is not None:
+            self.events.write(f"operator_{op}", peer=peer, reason=reason, round=self.round)
+        return {
+            "peer": peer,
+            "score": round(standing.score, 3),
+            "status": standing.status,
+            "violations": standing.violations,
+            "reason": standing.reason,
+        }
+
     def _violation(
         self, peer: str, round_: int, fragment: int | None, reason: str, detail: str
     ) -> None:

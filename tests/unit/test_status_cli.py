@@ -89,3 +89,73 @@ def test_status_shows_reachability_spec_refused_peers_and_warnings(
     assert "refused peer 12D3KooWother: spec_mismatch" in out
     assert "WARNING: the control channel hears none" in out
     assert "no (client)" in out
+
+
+def test_a_stale_status_is_marked_with_its_age(tmp_path: Path, capsys, monkeypatch) -> None:
+    import time
+
+    monkeypatch.setenv("COLUMNS", "160")
+    swarm = {"peers": {PEER: {"round": 6, "step": 3, "last_seen_s": 0.1}}}
+    _write(tmp_path, updated=time.time() - 169, swarm=swarm)
+    assert main(["status", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "STALE: this status is 169 s old" in out and "last state was training" in out
+    # a peer last heard 0.1 s before the status was written was heard 169 s ago
+    assert "169.1 s ago" in out and "0.1 s ago" not in out
+
+
+def test_a_fresh_status_and_a_stopped_node_are_not_stale(tmp_path: Path, capsys) -> None:
+    import time
+
+    _write(tmp_path, updated=time.time() - 1)
+    assert main(["status", "--data-dir", str(tmp_path)]) == 0
+    assert "STALE" not in capsys.readouterr().out
+    _write(tmp_path, state="stopped", updated=time.time() - 3600)
+    assert main(["status", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "STALE" not in out and "state stopped" in out and "written 3600" in out
+
+
+def test_status_shows_the_nodes_own_progress_and_flagged_peers(tmp_path: Path, capsys) -> None:
+    fields = {
+        "step": 420,
+        "loss": 2.5,
+        "val_bpb": 3.125,
+        "tokens": 99_000,
+        "bytes_sent": 3 * 2**20,
+        "flagged": {PEER: "banned"},
+    }
+    assert main(["status", "--data-dir", str(_write(tmp_path, **fields))]) == 0
+    out = capsys.readouterr().out
+    assert "step 420  loss 2.500  val bits/byte 3.125  tokens 99000  sent 3.0 MiB" in out
+    assert f"flagged peers: {PEER} (banned)" in out
+    assert main(["status", "--data-dir", str(_write(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "step -  loss -  val bits/byte -" in out and "flagged peers: none" in out
+
+
+def test_a_peer_not_judged_yet_shows_the_stores_starting_score(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    from verification.reputation import INITIAL_SCORE, ReputationStore
+
+    monkeypatch.setenv("COLUMNS", "160")
+    store = ReputationStore(tmp_path / "atoll.db")
+    try:
+        assert store.standing(PEER, 0).score == INITIAL_SCORE == 0.5
+    finally:
+        store.close()
+    swarm = {"peers": {PEER: {"round": 6, "step": 3, "last_seen_s": 0.5}}}
+    assert main(["status", "--data-dir", str(_write(tmp_path, swarm=swarm))]) == 0
+    assert "0.50 ok" in capsys.readouterr().out
+
+
+def test_version(capsys) -> None:
+    import importlib.metadata
+
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"atoll {importlib.metadata.version('atoll')}"

@@ -1,0 +1,51 @@
+"""Operator commands against a running node: `atoll ban` and `atoll pardon` take effect
+in the node itself (its standings, status, audit log and events), not only in its files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from node.metrics import read_events
+from tests.integration.conftest import wait_until
+from verification.audit import AuditLog
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _atoll(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, timeout=90
+    )
+
+
+def test_ban_and_pardon_reach_a_running_node(local_swarm):
+    nodes = local_swarm.launch(2, rounds=30)  # long enough to outlive the commands
+    first, second = nodes
+    assert wait_until(lambda: all(n.status.get("state") == "training" for n in nodes), 120)
+    peer = second.status["peer_id"]
+    data = str(first.data_dir)
+
+    banned = _atoll("ban", peer, "--reason", "operator test", "--data-dir", data)
+    assert banned.returncode == 0, banned.stderr
+    assert f"by the running node (pid {first.proc.pid})" in banned.stdout
+    assert wait_until(lambda: first.status.get("flagged", {}).get(peer) == "banned", 30)
+
+    pardoned = _atoll("pardon", peer, "--data-dir", data)
+    assert pardoned.returncode == 0, pardoned.stderr
+    assert wait_until(lambda: peer not in first.status.get("flagged", {}), 30)
+
+    listed = _atoll("peers", "--json", "--data-dir", data)
+    assert listed.returncode == 0, listed.stderr
+    assert '"status": "ok"' in listed.stdout and peer in listed.stdout
+
+    local_swarm.close()  # stop the run: its audit log is then flushed and closed
+    events = read_events(first.data_dir / "events.jsonl")
+    kinds = [(e["event"], e.get("peer")) for e in events if e["event"].startswith("operator_")]
+    assert kinds == [("operator_ban", peer), ("operator_pardon", peer)]
+    with AuditLog(first.data_dir / "atoll.db") as log:
+        rows = [r.verdict for r in log.rows(peer=peer) if r.verdict.startswith("operator_")]
+        assert log.verify()[0] is True
+    assert rows == ["operator_ban", "operator_pardon"]
