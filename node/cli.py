@@ -475,6 +475,18 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from node.export import export_model
+
+    done = export_model(Path(args.data_dir).expanduser(), Path(args.out), args.round)
+    print(
+        f"wrote {done['path']}: {done['tensors']} tensors, the global parameters of round "
+        f"{done['round']} (run {done['run_id'] or '?'}, from {done['checkpoint']}; global "
+        f"state digest {done['global_digest'][:16] or 'not recorded'})"
+    )
+    return 0
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from verification.errors import VerificationError
     from verification.identity import Identity
@@ -705,6 +717,16 @@ def _parser() -> argparse.ArgumentParser:
             "--timeout", type=float, default=20.0, help="seconds to wait for a running node"
         )
         op.set_defaults(func=_cmd_operator)
+
+    export = sub.add_parser(
+        "export", help="write the agreed global parameters of a checkpoint to safetensors"
+    )
+    export.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
+    export.add_argument("--out", required=True, help="the .safetensors file to write")
+    export.add_argument(
+        "--round", type=int, default=None, help="the checkpoint of this round (default newest)"
+    )
+    export.set_defaults(func=_cmd_export)
 
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")
     keygen.add_argument("--data-dir", default=".atoll/node")

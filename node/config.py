@@ -70,6 +70,7 @@ class RunConfig:
     max_rounds: int = Field(default=0, ge=0)
     slowdown: float = Field(default=1.0, ge=1.0)
     checkpoint_every: int = Field(default=1, ge=1)
+    keep_checkpoints: int = Field(default=3, ge=1)
     eval_every: int = Field(default=1, ge=1)
 
 

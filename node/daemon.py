@@ -676,6 +676,7 @@ class Node:
             else:
                 logger.warning("round %d: could not re-sync from any peer", r)
         digest = self.state_server.publish(self._snapshot())
+        self._global_digest = (self.round, digest)
         self.transport.submit(
             self.state_server.attest(self.round, digest, timeout=self.cfg.network.request_timeout)
         )
@@ -714,16 +715,23 @@ class Node:
         # the audit rows and standings of the rounds in the checkpoint go to disk first
         if not self.verifier.flush():
             logger.warning("audit log: queued rows not written within 30 s of a checkpoint")
+        signed = getattr(self, "_global_digest", (None, ""))
         state = {
             "round": self.round,
+            "run_id": self.cfg.run.run_id,
+            # the digest of this round's global state, as peers attest it (atoll export)
+            "global_digest": signed[1] if signed[0] == self.round else "",
             "plan": self.plan.digest(),
+            "layout": [[list(f.names), [list(s) for s in f.shapes]] for f in self.plan.fragments],
             "model": self.model.state_dict(),
             "outer": self.outer.state_dict(),
             "inner": self.trainer.optimizer.state_dict(),
             "steps": self.trainer.steps,
             "tokens": self.trainer.tokens,
         }
-        info = save_checkpoint(self.data_dir / "checkpoints", self.round, state)
+        info = save_checkpoint(
+            self.data_dir / "checkpoints", self.round, state, keep=self.cfg.run.keep_checkpoints
+        )
         self.events.write("checkpoint", round=self.round, file=info.path.name, digest=info.digest)
 
     # ---- peers ----------------------------------------------------------------------------

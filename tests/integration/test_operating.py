@@ -1,5 +1,6 @@
-"""Operator commands against a running node: `atoll ban` and `atoll pardon` take effect
-in the node itself (its standings, status, audit log and events), not only in its files."""
+"""Operating a real node: `atoll ban` and `atoll pardon` take effect in the running node
+itself (its standings, status, audit log and events), and `atoll export` takes the agreed
+global parameters out of its checkpoints, of which it keeps `run.keep_checkpoints`."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _atoll(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_ban_and_pardon_reach_a_running_node(local_swarm):
-    nodes = local_swarm.launch(2, rounds=30)  # long enough to outlive the commands
+    nodes = local_swarm.launch(2, rounds=30, extra=["run.keep_checkpoints=2"])
     first, second = nodes
     assert wait_until(lambda: all(n.status.get("state") == "training" for n in nodes), 120)
     peer = second.status["peer_id"]
@@ -49,3 +50,17 @@ def test_ban_and_pardon_reach_a_running_node(local_swarm):
         rows = [r.verdict for r in log.rows(peer=peer) if r.verdict.startswith("operator_")]
         assert log.verify()[0] is True
     assert rows == ["operator_ban", "operator_pardon"]
+
+    # the run is over: its newest checkpoint's global parameters, as the swarm agreed them
+    checkpoints = sorted((first.data_dir / "checkpoints").glob("ckpt-*.pt"))
+    assert 1 <= len(checkpoints) <= 2  # run.keep_checkpoints
+    out = first.data_dir / "model.safetensors"
+    exported = _atoll("export", "--data-dir", data, "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    from safetensors import safe_open
+
+    with safe_open(out, "pt") as f:
+        meta, names = f.metadata(), list(f.keys())
+    assert meta["run_id"] == "itest" and meta["checkpoint"] == checkpoints[-1].name and names
+    attested = {e["round"]: e["global_digest"] for e in events if e["event"] == "round"}
+    assert meta["global_digest"] == attested[int(meta["round"])]

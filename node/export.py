@@ -1,0 +1,105 @@
+"""Taking the trained model out of the swarm: ``atoll export``.
+
+A node's checkpoint holds two models: its local copy (mid-round, its own inner steps)
+and the global parameters every node agreed on at the end of the checkpoint's round
+(the outer optimizer's global copies, one flat vector per fragment). Export writes the
+global parameters, under the model's own parameter names and shapes, to a
+`safetensors <https://github.com/huggingface/safetensors>`_ file, with the round, the
+run id, the fragment plan's digest and the digest of the round's global state that
+peers attested in its metadata; tensors outside the fragment plan (buffers) are the
+node's own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from protocol.averaging.fragments import Fragment, FragmentPlan, plan_fragments
+
+__all__ = ["FORMAT", "export_model"]
+
+FORMAT = "atoll-global-v1"
+
+
+def _plan(state: dict[str, Any]) -> FragmentPlan:
+    """The checkpoint's fragment plan, checked against the digest it was saved with."""
+    layout = state.get("layout")
+    count = len(state["outer"]["globals"])
+    if layout is not None:
+        plan = FragmentPlan(
+            fragments=tuple(
+                Fragment(index=f, names=tuple(names), shapes=tuple(tuple(s) for s in shapes))
+                for f, (names, shapes) in enumerate(layout)
+            )
+        )
+    else:  # written before checkpoints named their layout: plan it as the node did
+        named = [(n, t.shape) for n, t in state["model"].items() if t.is_floating_point()]
+        plan = plan_fragments(named, count)
+    if plan.digest() != state.get("plan") or len(plan) != count:
+        raise ValueError(
+            "the checkpoint's parameters do not match its fragment plan; it was written by "
+            "another model or version"
+        )
+    return plan
+
+
+def export_model(data_dir: Path, out: Path, round_: int | None = None) -> dict[str, Any]:
+    """Write the global parameters of the newest valid checkpoint (or of ``round_``) to
+    ``out`` in safetensors format; returns what was written.
+
+    Raises:
+        ValueError: no checkpoint (of that round), or one that does not match its plan.
+        CheckpointError: the checkpoint of ``round_`` is damaged.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(data_dir) / "checkpoints"
+    if round_ is None:
+        found = load_latest(folder)
+        if found is None:
+            raise ValueError(f"no valid checkpoint in {folder}")
+        info, state = found
+    else:
+        matches = [c for c in list_checkpoints(folder) if c.round == round_]
+        if not matches:
+            kept = ", ".join(str(c.round) for c in list_checkpoints(folder)) or "none"
+            raise ValueError(f"no checkpoint of round {round_} in {folder} (kept: {kept})")
+        info, state = matches[0], load_checkpoint(matches[0].path)
+    plan = _plan(state)
+    model: dict[str, torch.Tensor] = state["model"]
+    tensors: dict[str, torch.Tensor] = {}
+    by_storage: dict[int, str] = {}
+    for frag, vector in zip(plan.fragments, state["outer"]["globals"]):
+        offset = 0
+        for name, shape in zip(frag.names, frag.shapes):
+            n = int(torch.Size(shape).numel())
+            local = model[name]
+            tensors[name] = vector[offset : offset + n].reshape(shape).to(local.dtype).clone()
+            by_storage[local.untyped_storage().data_ptr()] = name
+            offset += n
+    for name, value in model.items():
+        if name in tensors:
+            continue
+        # a name that shares its tensor with a synced parameter (tied weights) gets the
+        # global value too; anything else (buffers) is the node's own
+        twin = by_storage.get(value.untyped_storage().data_ptr())
+        tensors[name] = (tensors[twin] if twin else value).detach().contiguous().clone()
+    metadata = {
+        "format": FORMAT,
+        "round": str(state["round"]),
+        "run_id": str(state.get("run_id", "")),
+        "global_digest": str(state.get("global_digest", "")),
+        "plan": str(state["plan"]),
+        "checkpoint": info.path.name,
+    }
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, out)
+    return {"path": str(out), "tensors": len(tensors), **metadata}
