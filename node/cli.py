@@ -372,6 +372,10 @@ def _print_network(status: dict[str, Any]) -> None:
         print(f"{source} {str(spec)[:12]}; live peers {status.get('live_peers', '-')}")
     for peer, reason in sorted((status.get("refused_peers") or {}).items()):
         print(f"refused peer {peer}: {reason}")
+    if status.get("metrics_url"):
+        print(
+            f"metrics {status['metrics_url']}/metrics, state {status['metrics_url']}/api/v1/state"
+        )
     warning = status.get("control_warning")
     if warning:
         print(f"WARNING: {warning}")

@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "ControlConfig",
     "DataConfig",
+    "MetricsConfig",
     "ModelConfig",
     "NetworkConfig",
     "OuterConfig",
@@ -233,6 +234,17 @@ class ControlConfig:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class MetricsConfig:
+    """The node's HTTP endpoint: Prometheus metrics at ``/metrics``, its state as JSON
+    at ``/api/v1/state``. Off unless ``port`` is set (0 picks a free port, reported in
+    ``status.json`` and by ``atoll status``)."""
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    host: str = "127.0.0.1"
+    """Where it listens; ``0.0.0.0`` to be scraped from other machines."""
+
+
+@dataclass(frozen=True, config=_STRICT)
 class AtollConfig:
     """Everything one node needs to know, one nested dataclass per component."""
 
@@ -244,6 +256,7 @@ class AtollConfig:
     sync: SyncConfig = Field(default_factory=SyncConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     trust: TrustPolicy = Field(default_factory=TrustPolicy)
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ from node.controlplane import ControlPlane
 from node.data import BatchStream, load_corpus
 from node.metrics import EventLog, StatusWriter
 from node.model import build_model
+from node.monitor import Monitor
 from node.outer import OuterOptimizer, sync_schedule
 from node.peers import DuplicateIdentityError, PeerView
 from node.simulate import resolve_device
@@ -160,6 +161,7 @@ class Node:
 
     def _setup(self) -> None:
         self._open_data_dir()
+        self._start_monitor()
         self._build_training()
         self._start_network()
         self._resume()
@@ -459,6 +461,8 @@ class Node:
 
         if hasattr(self, "outer") and self.round > 0:
             attempt("final checkpoint", self._checkpoint)
+        if getattr(self, "monitor", None) is not None:
+            attempt("stopping the metrics endpoint", self.monitor.close)
         if self.control is not None:
             attempt("closing the control channel", self.control.close)
         if self.transport is not None:
@@ -732,6 +736,7 @@ class Node:
         info = save_checkpoint(
             self.data_dir / "checkpoints", self.round, state, keep=self.cfg.run.keep_checkpoints
         )
+        self._checkpoint_time = time.time()
         self.events.write("checkpoint", round=self.round, file=info.path.name, digest=info.digest)
 
     # ---- peers ----------------------------------------------------------------------------
@@ -746,6 +751,50 @@ class Node:
         if self.control is not None and self.control.sidecar_pid:
             pids.append(self.control.sidecar_pid)
         return pids
+
+    def _start_monitor(self) -> None:
+        """The metrics endpoint, when ``[metrics] port`` is set."""
+        self.monitor: Monitor | None = None
+        m = self.cfg.metrics
+        if m.port is None:
+            return
+        try:
+            self.monitor = Monitor(m.host, m.port, self.monitor_state)
+        except OSError as exc:
+            raise ValueError(
+                f"metrics.port = {m.port} on {m.host}: {exc.strerror or exc}; choose another "
+                "port (0: any free one)"
+            ) from exc
+        port = self.monitor.start()
+        url = f"http://{m.host}:{port}"
+        self.status.update(force=True, metrics_url=url)
+        logger.info("metrics on %s/metrics, state on %s/api/v1/state", url, url)
+
+    def monitor_state(self) -> dict[str, Any]:
+        """One snapshot of this node for the metrics endpoint (called from its threads)."""
+        state: dict[str, Any] = dict(self.status.current)
+        state.update(version=__version__, run_id=self.cfg.run.run_id)
+        state.update({k: v for k, v in self._vitals().items() if k in ("throughput", "step")})
+        allreduce = getattr(self, "allreduce", None)
+        if allreduce is not None:
+            state.update(
+                bytes_sent=allreduce.bytes_sent,
+                bytes_received=allreduce.bytes_received,
+                refused=dict(allreduce.rejected),
+            )
+        syncer = getattr(self, "syncer", None)
+        if syncer is not None:
+            state["syncs"] = dict(syncer.outcomes)
+        swarm = state.get("swarm") or {}
+        if swarm:
+            state.update(
+                control_peers=len(swarm.get("peers", {})),
+                sidecar_restarts=swarm.get("sidecar_restarts", 0),
+                control_dropped=dict(swarm.get("dropped") or {}),
+            )
+        if getattr(self, "_checkpoint_time", None) is not None:
+            state["checkpoint_age_seconds"] = time.time() - self._checkpoint_time
+        return state
 
     def _vitals(self) -> dict[str, Any]:
         """What this node's heartbeats say about it."""

@@ -115,6 +115,8 @@ class Syncer:
         self.events = events
         self.device = device
         self.missed = [0] * len(feedback)
+        self.outcomes: dict[str, int] = {"complete": 0, "partial": 0, "failed": 0}
+        """Syncs so far by outcome (partial: some parts kept this node's own values)."""
         self.refused: dict[str, str] = {}
         """Peers the latest exchanges left out for running another spec, with why."""
 
@@ -172,6 +174,7 @@ class Syncer:
         except Exception as exc:  # any failure of the exchange: nothing to apply
             pending.future.cancel()
             self.missed[f] += 1
+            self.outcomes["failed"] += 1
             logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
             self.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
             return None
@@ -186,6 +189,7 @@ class Syncer:
             self.outer.step_mixed(f, averaged, pending.weights, mixed.vector.to(self.device), pull)
         self.outer.merge_local(self.model, f, self.cfg.sync.alpha, pending.sent_from)
         self.missed[f] = 0
+        self.outcomes["complete" if result.complete else "partial"] += 1
         record = {
             "round": pending.round,
             "fragment": f,

@@ -1,13 +1,17 @@
 """Operating a real node: `atoll ban` and `atoll pardon` take effect in the running node
-itself (its standings, status, audit log and events), and `atoll export` takes the agreed
-global parameters out of its checkpoints, of which it keeps `run.keep_checkpoints`."""
+itself (its standings, status, metrics, audit log and events), and `atoll export` takes
+the agreed global parameters out of its checkpoints, of which it keeps
+`run.keep_checkpoints`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from node.metrics import read_events
 from tests.integration.conftest import wait_until
@@ -23,7 +27,7 @@ def _atoll(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_ban_and_pardon_reach_a_running_node(local_swarm):
-    nodes = local_swarm.launch(2, rounds=30, extra=["run.keep_checkpoints=2"])
+    nodes = local_swarm.launch(2, rounds=30, extra=["run.keep_checkpoints=2", "metrics.port=0"])
     first, second = nodes
     assert wait_until(lambda: all(n.status.get("state") == "training" for n in nodes), 120)
     peer = second.status["peer_id"]
@@ -33,6 +37,20 @@ def test_ban_and_pardon_reach_a_running_node(local_swarm):
     assert banned.returncode == 0, banned.stderr
     assert f"by the running node (pid {first.proc.pid})" in banned.stdout
     assert wait_until(lambda: first.status.get("flagged", {}).get(peer) == "banned", 30)
+    # the metrics endpoint says so too, with the node's own progress
+    url = first.status["metrics_url"]
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("atoll_peer_standing", (("peer", peer), ("standing", "banned")))] == 1
+    assert samples[("atoll_inner_steps_total", ())] > 0
+    assert samples[("atoll_peers", (("source", "dht"),))] == 1
+    with urllib.request.urlopen(f"{url}/api/v1/state", timeout=10) as response:
+        assert json.loads(response.read())["peer_id"] == first.status["peer_id"]
 
     pardoned = _atoll("pardon", peer, "--data-dir", data)
     assert pardoned.returncode == 0, pardoned.stderr
