@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# Tools for the multi-host test lab (tests/netlab.py), installed when root and missing.
+# Tools for the multi-host test lab (tests/netlab.py) and Chromium for the health page's
+# browser test, installed when root and missing.
 # Never fails: without them the lab's tests skip and say why.
 sysdeps:
 	@if [ "$$(id -u)" = 0 ] && { ! command -v nft || ! command -v ip || ! command -v tc; } >/dev/null 2>&1; then \
@@ -24,6 +25,12 @@ sysdeps:
 		apt-get install -y -qq nftables iproute2 >/dev/null 2>&1 \
 		|| { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nftables iproute2 >/dev/null 2>&1; } \
 		|| echo "sysdeps: could not install nftables/iproute2; the netlab tests will skip"; \
+	fi
+	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq chromium >/dev/null 2>&1 \
+		|| { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } \
+		|| echo "sysdeps: could not install chromium; the health page's browser test will skip"; \
 	fi
 
 demo: $(STAMP)

@@ -35,7 +35,7 @@ from node.clock import agree as agree_clock
 from node.config import AtollConfig, allreduce_settings, exchange_settings, transport_config
 from node.controlplane import ControlPlane
 from node.data import BatchStream, load_corpus
-from node.metrics import EventLog, StatusWriter
+from node.metrics import EventLog, StatusWriter, recent_events
 from node.model import build_model
 from node.monitor import Monitor
 from node.outer import OuterOptimizer, sync_schedule
@@ -50,6 +50,7 @@ from protocol.averaging.fragments import plan_fragments
 from protocol.p2p.transport import BootstrapUnreachable, NotDialable, Transport
 from protocol.wire import codec as codecs
 from verification.identity import Identity
+from verification.reputation import INITIAL_SCORE
 from verification.verifier import Verifier
 
 __all__ = ["Node"]
@@ -794,6 +795,15 @@ class Node:
             )
         if getattr(self, "_checkpoint_time", None) is not None:
             state["checkpoint_age_seconds"] = time.time() - self._checkpoint_time
+        # for the health page: bits/byte per round and recent violations, from the log
+        events = recent_events(self.data_dir / "events.jsonl")
+        state["history"] = [
+            [e["round"], e["val_bpb"]]
+            for e in events
+            if e.get("event") == "round" and isinstance(e.get("val_bpb"), (int, float))
+        ]
+        state["violations"] = [e for e in events if e.get("event") == "violation"][-20:]
+        state["initial_reputation"] = INITIAL_SCORE
         return state
 
     def _vitals(self) -> dict[str, Any]:

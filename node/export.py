@@ -6,8 +6,9 @@ and the global parameters every node agreed on at the end of the checkpoint's ro
 global parameters, under the model's own parameter names and shapes, to a
 `safetensors <https://github.com/huggingface/safetensors>`_ file, with the round, the
 run id, the fragment plan's digest and the digest of the round's global state that
-peers attested in its metadata; tensors outside the fragment plan (buffers) are the
-node's own.
+peers attested in its metadata, and the SHA-256 of the exported tensors
+(:func:`parameters_digest`); tensors outside the fragment plan (buffers) are the node's
+own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from node.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from protocol.averaging.fragments import Fragment, FragmentPlan, plan_fragments
 
-__all__ = ["FORMAT", "export_model"]
+__all__ = ["FORMAT", "export_model", "parameters_digest"]
 
 FORMAT = "atoll-global-v1"
 
@@ -46,6 +47,19 @@ def _plan(state: dict[str, Any]) -> FragmentPlan:
             "another model or version"
         )
     return plan
+
+
+def parameters_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors in name order: each name, its dtype and shape, its bytes.
+    Anyone can recompute it from the exported file (:func:`safetensors.torch.load_file`)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def export_model(data_dir: Path, out: Path, round_: int | None = None) -> dict[str, Any]:
@@ -91,6 +105,7 @@ def export_model(data_dir: Path, out: Path, round_: int | None = None) -> dict[s
         tensors[name] = (tensors[twin] if twin else value).detach().contiguous().clone()
     metadata = {
         "format": FORMAT,
+        "parameters_sha256": parameters_digest(tensors),
         "round": str(state["round"]),
         "run_id": str(state.get("run_id", "")),
         "global_digest": str(state.get("global_digest", "")),

@@ -220,3 +220,29 @@ def read_events(path: Path, event: str | None = None) -> list[dict]:
         if event is None or record.get("event") == event:
             events.append(record)
     return events
+
+
+def recent_events(path: Path, max_bytes: int = 256 * 1024) -> list[dict]:
+    """The events in the last ``max_bytes`` of an event log (whole lines only), oldest
+    first: what a status page shows without reading a long run's whole log."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    if size > max_bytes:
+        data = data.split(b"\n", 1)[-1]  # the first line is cut
+    events = []
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue  # torn or damaged: read_events reports it
+        if isinstance(record, dict):
+            events.append(record)
+    return events

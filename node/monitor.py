@@ -1,6 +1,8 @@
-"""A node's HTTP endpoint for operators: Prometheus metrics and its state as JSON.
+"""A node's HTTP endpoint for operators: a health page, Prometheus metrics, its state.
 
-``GET /metrics`` serves the Prometheus text format (``prometheus_client``), built at
+``GET /`` serves the swarm health page (``node/web/index.html``: the node's progress,
+the peers it hears with their reputation and standing, bits/byte per round, recent
+violations; it reads the JSON below). ``GET /metrics`` serves the Prometheus text format (``prometheus_client``), built at
 each scrape from one snapshot of the node (:meth:`node.daemon.Node.monitor_state`);
 ``GET /api/v1/state`` serves the same snapshot as JSON. Names follow Prometheus'
 conventions: an ``atoll_`` prefix, base units (seconds, bytes), ``_total`` on counters.
@@ -141,6 +143,14 @@ def metrics_of(state: State) -> Iterator[Metric]:
     )
 
 
+def _page() -> bytes:
+    """The swarm health page: static HTML and JavaScript shipped in the package, which
+    reads ``/api/v1/state`` every two seconds (no build step)."""
+    from importlib.resources import files
+
+    return files("node").joinpath("web/index.html").read_bytes()
+
+
 class _Collector(Collector):
     def __init__(self, state: Callable[[], State]) -> None:
         self.state = state
@@ -188,12 +198,14 @@ class Monitor:
     def _serve(self, request: BaseHTTPRequestHandler) -> None:
         path = request.path.split("?", 1)[0]
         try:
-            if path == "/metrics":
+            if path in ("/", "/index.html"):
+                body, kind = _page(), "text/html; charset=utf-8"
+            elif path == "/metrics":
                 body, kind = generate_latest(self.registry), "text/plain; version=0.0.4"
             elif path == "/api/v1/state":
                 body, kind = json.dumps(self.state()).encode(), "application/json"
             else:
-                request.send_error(404, "not here: try /metrics or /api/v1/state")
+                request.send_error(404, "not here: try /, /metrics or /api/v1/state")
                 return
         except Exception:  # a snapshot that fails must not take the server down
             logger.exception("monitor: %s failed", path)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from node.checkpoint import save_checkpoint
 from node.cli import main
 from node.config import ModelConfig, OuterConfig
-from node.export import FORMAT, export_model
+from node.export import FORMAT, export_model, parameters_digest
 from node.model import build_model
 from node.outer import OuterOptimizer
 from protocol.averaging.fragments import plan_fragments
@@ -76,6 +76,11 @@ def test_export_writes_the_global_parameters_under_the_models_names(
     assert meta["format"] == FORMAT and meta["round"] == "4" and meta["run_id"] == "run-x"
     assert meta["global_digest"] == "ab" * 32 and meta["plan"] == made["plan"].digest()
     assert done["tensors"] == len(tensors)
+    # the file's parameters hash to the digest in its metadata; one changed value does not
+    assert meta["parameters_sha256"] == parameters_digest(tensors)
+    name = next(iter(expected))
+    tensors[name].view(-1)[0] += 1
+    assert meta["parameters_sha256"] != parameters_digest(tensors)
 
 
 def test_export_takes_the_newest_valid_checkpoint_or_the_round_asked(tmp_path: Path) -> None:

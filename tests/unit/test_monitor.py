@@ -122,3 +122,23 @@ def test_a_snapshot_that_fails_is_a_500_and_the_server_keeps_serving() -> None:
         assert json.loads(_get(monitor, "/api/v1/state")[1]) == {"round": 1}
     finally:
         monitor.close()
+
+
+def test_the_health_page_is_served_from_the_package(served) -> None:
+    monitor, _ = served
+    kind, body = _get(monitor, "/")
+    assert kind.startswith("text/html")
+    # no build step: one static page that reads the state API
+    assert b"api/v1/state" in body and b'id="peers"' in body and b'id="plot"' in body
+
+
+def test_recent_events_reads_whole_lines_from_the_end(tmp_path) -> None:
+    from node.metrics import EventLog, recent_events
+
+    with EventLog(tmp_path / "events.jsonl") as log:
+        for r in range(2000):
+            log.write("round", round=r, val_bpb=5.0 - r / 1000)
+    tail = recent_events(tmp_path / "events.jsonl", max_bytes=4096)
+    rounds = [e["round"] for e in tail]
+    assert rounds == list(range(rounds[0], 2000)) and 0 < len(rounds) < 100
+    assert recent_events(tmp_path / "missing.jsonl") == []
