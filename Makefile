@@ -53,4 +53,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks all --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .atoll .artifacts

@@ -220,6 +220,22 @@ def _open_audit(data_dir: str):
     return AuditLog(db)
 
 
+def _resolve_peer(log: Any, peer: str | None) -> str | None:
+    """A full PeerID from what the operator typed: the PeerID itself, or the shortened
+    form ``atoll audit show`` prints (``...`` and its last characters)."""
+    if peer is None:
+        return None
+    suffix = peer.lstrip(".…")
+    if suffix == peer and len(peer) >= 46:
+        return peer  # a whole PeerID
+    senders = sorted({row.sender for row in log.rows() if row.sender.endswith(suffix)})
+    if len(senders) == 1:
+        return senders[0]
+    if not senders:
+        raise ValueError(f"no sender in the audit log ends with {suffix!r}")
+    raise ValueError(f"{suffix!r} matches {len(senders)} senders: {', '.join(senders)}")
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     log = _open_audit(args.data_dir)
     try:
@@ -233,7 +249,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
             print(f"audit log BROKEN at {where}: {reason}")
             return 1
         if args.audit_command == "show":
-            rows = log.rows(round=args.round, peer=args.peer, limit=args.limit)
+            peer = _resolve_peer(log, args.peer)
+            rows = log.rows(round=args.round, peer=peer, limit=args.limit)
             if args.json:
                 for row in rows:
                     print(json.dumps(row.__dict__))
@@ -251,6 +268,12 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         blame = log.blame(args.round)
         if args.json:
             print(json.dumps(blame))
+            return 0
+        if not blame:
+            print(
+                f"round {args.round}: no rows in this node's audit log (it owned no part that "
+                "round, or the round has not happened here)"
+            )
             return 0
         print(f"round {args.round}: contributions in the model")
         for peer, counts in sorted(blame.items()):

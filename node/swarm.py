@@ -371,7 +371,17 @@ def render_table(nodes: list[SwarmProcess]) -> Any:
     from rich.table import Table
 
     table = Table(title="atoll swarm", expand=False)
-    for col in ("node", "peer", "state", "round", "step", "loss", "val bpb", "peers", "sent MiB"):
+    for col in (
+        "node",
+        "peer",
+        "state",
+        "round",
+        "step",
+        "loss (nats)",
+        "val bits/byte",
+        "peers",
+        "sent MiB",
+    ):
         table.add_column(col, justify="right" if col not in ("peer", "state") else "left")
     for n in nodes:
         s = n.status
