@@ -36,8 +36,9 @@ sysdeps:
 demo: $(STAMP)
 	$(BIN)/atoll swarm --nodes 4 --config configs/local-swarm.toml
 
+# -v: one line per test as it ends, so a long suite shows where it is
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -v -m "not slow"
 
 test-all: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q

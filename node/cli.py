@@ -96,10 +96,61 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from node.daemon import Node
 
     node = Node(cfg, initial_peers=initial_peers, byzantine=args.byzantine, spec=spec)
+    handler = _log_file(args, Path(cfg.run.data_dir).expanduser())
     try:
         return node.run()
     except OSError as exc:
         raise ValueError(_file_problem(exc, node.data_dir)) from exc
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+_LOG_FILE_BYTES = 10 * 2**20
+_LOG_FILES_KEPT = 3
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+_LEVELS = {10: "debug", 20: "info", 30: "warning", 40: "error", 50: "critical"}
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers: ``t`` (unix time), ``level``,
+    ``logger``, ``message`` and, for an exception, ``exc``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "t": round(record.created, 3),
+            # by number: libraries rename levels (hivemind's WARNING prints as WARN)
+            "level": _LEVELS.get(record.levelno, record.levelname.lower()),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _formatter(kind: str) -> logging.Formatter:
+    return _JsonFormatter() if kind == "json" else logging.Formatter(_LOG_FORMAT)
+
+
+def _log_file(args: argparse.Namespace, data_dir: Path) -> logging.Handler | None:
+    """``DATA_DIR/node.log`` (or ``--log-file``), rotated at 10 MiB, 3 kept; None for
+    ``--log-file -`` (``atoll swarm`` captures each node's stderr there itself)."""
+    from logging.handlers import RotatingFileHandler
+
+    if args.log_file == "-":
+        return None
+    path = Path(args.log_file) if args.log_file else data_dir / "node.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = RotatingFileHandler(
+        path, maxBytes=_LOG_FILE_BYTES, backupCount=_LOG_FILES_KEPT, encoding="utf-8"
+    )
+    handler.setFormatter(_formatter(args.log_format))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def _initial_peers(values: Sequence[str]) -> tuple[str, ...]:
@@ -328,6 +379,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"status written {age:.1f} s ago")
     _print_progress(status)
     _print_network(status)
+    _print_join_line(status)
     if swarm is None:
         print("no control channel (control.enabled = false, or the node has not started it yet)")
         return 0
@@ -382,6 +434,17 @@ def _print_progress(status: dict[str, Any]) -> None:
     flagged = status.get("flagged") or {}
     listed = ", ".join(f"{peer} ({why})" for peer, why in sorted(flagged.items()))
     print(f"flagged peers: {listed or 'none'}")
+
+
+def _print_join_line(status: dict[str, Any]) -> None:
+    """Where this node listens, and the line another node joins it with."""
+    maddrs = [str(m) for m in status.get("maddrs") or []]
+    peer = status.get("peer_id")
+    if not maddrs or not peer:
+        return
+    full = [m if "/p2p/" in m else f"{m}/p2p/{peer}" for m in maddrs]
+    print(f"listens on {' '.join(full)}")
+    print(f"another node joins with: atoll run --initial-peers {full[0]}")
 
 
 def _print_network(status: dict[str, Any]) -> None:
@@ -635,8 +698,21 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="atoll", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="atoll",
+        description=(
+            "Atoll: train one model across scattered machines. Run a node (atoll run), "
+            "try a swarm on this machine (atoll swarm), and watch and manage a node "
+            "(status, peers, ban, pardon, audit, export)."
+        ),
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text, or one JSON object each (for log shippers)",
+    )
     parser.add_argument("--version", action="version", version=f"atoll {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -644,9 +720,9 @@ def _parser() -> argparse.ArgumentParser:
         "simulate", help="train K DiLoCo replicas in one process (the algorithmic reference)"
     )
     _add_config_args(sim)
-    sim.add_argument("--replicas", type=int, default=4)
+    sim.add_argument("--replicas", type=int, default=4, help="K, the number of replicas")
     sim.add_argument("--inner-steps", type=int, default=None, help="H (sync.inner_steps)")
-    sim.add_argument("--rounds", type=int, default=6)
+    sim.add_argument("--rounds", type=int, default=6, help="outer rounds to train")
     sim.add_argument("--fragments", type=int, default=None, help="sync.fragments")
     sim.add_argument("--codec", default=None, help="none, fp16, bf16, int8 or int4")
     sim.add_argument("--json", action="store_true", help="last line: one JSON summary")
@@ -678,11 +754,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="join the run this signed spec describes (atoll spec create makes one)",
     )
+    run.add_argument(
+        "--log-file",
+        default=None,
+        metavar="PATH",
+        help="where the node logs besides stderr, rotated at 10 MiB (default DATA_DIR/node.log; - for none)",
+    )
     run.set_defaults(func=_cmd_run)
 
     sw = sub.add_parser("swarm", help="run N real nodes on 127.0.0.1 with a live view")
     _add_config_args(sw)
-    sw.add_argument("--nodes", type=int, default=4)
+    sw.add_argument("--nodes", type=int, default=4, help="how many nodes to start")
     sw.add_argument("--rounds", type=int, default=None, help="rounds per node (run.max_rounds)")
     sw.add_argument("--dir", default=None, help="swarm directory (default .atoll/swarm-TIME)")
     sw.add_argument("--json", action="store_true", help="last line: one JSON summary")
@@ -708,14 +790,16 @@ def _parser() -> argparse.ArgumentParser:
         ("blame", "whose contributions are in the model at a round"),
     ):
         a = audit_sub.add_parser(name, help=text)
-        a.add_argument("--data-dir", default=".atoll/node")
-        a.add_argument("--json", action="store_true")
+        a.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
+        a.add_argument("--json", action="store_true", help="JSON instead of a table")
         if name == "show":
-            a.add_argument("--round", type=int, default=None)
-            a.add_argument("--peer", default=None)
-            a.add_argument("--limit", type=int, default=None)
+            a.add_argument("--round", type=int, default=None, help="only rows of this round")
+            a.add_argument(
+                "--peer", default=None, help="only rows of this sender (whole or ...shortened)"
+            )
+            a.add_argument("--limit", type=int, default=None, help="at most this many rows")
         if name == "blame":
-            a.add_argument("--round", type=int, required=True)
+            a.add_argument("--round", type=int, required=True, help="the training round")
         a.set_defaults(func=_cmd_audit)
 
     status = sub.add_parser("status", help="the swarm as a node sees it from heartbeats")
@@ -756,7 +840,7 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_cmd_export)
 
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")
-    keygen.add_argument("--data-dir", default=".atoll/node")
+    keygen.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
     keygen.add_argument("--out", default=None, help="key file (default DATA_DIR/identity.key)")
     keygen.add_argument("--force", action="store_true", help="replace an existing key")
     keygen.set_defaults(func=_cmd_keygen)
@@ -798,11 +882,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``atoll`` console script."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setFormatter(_formatter(args.log_format))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[stderr])
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into head or less, closed early

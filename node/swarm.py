@@ -100,7 +100,8 @@ class SwarmProcess:
 
 def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str]) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // spec.nodes)
-    cmd = [sys.executable, "-m", "node.cli", "run", "--data-dir", str(data_dir)]
+    # the node's stderr goes to DATA_DIR/node.log (start_node): no second copy
+    cmd = [sys.executable, "-m", "node.cli", "run", "--data-dir", str(data_dir), "--log-file", "-"]
     for path in spec.config_paths:
         cmd += ["--config", path]
     for item in [

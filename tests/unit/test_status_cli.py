@@ -159,3 +159,12 @@ def test_version(capsys) -> None:
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"atoll {importlib.metadata.version('atoll')}"
+
+
+def test_status_says_where_the_node_listens_and_how_another_joins(tmp_path: Path, capsys) -> None:
+    maddrs = ["/ip4/192.0.2.7/tcp/31337"]
+    assert main(["status", "--data-dir", str(_write(tmp_path, maddrs=maddrs))]) == 0
+    out = capsys.readouterr().out
+    full = "/ip4/192.0.2.7/tcp/31337/p2p/12D3KooWme"
+    assert f"listens on {full}" in out
+    assert f"another node joins with: atoll run --initial-peers {full}" in out
