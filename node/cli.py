@@ -96,11 +96,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from node.daemon import Node
 
     node = Node(cfg, initial_peers=initial_peers, byzantine=args.byzantine, spec=spec)
-    handler = _log_file(args, Path(cfg.run.data_dir).expanduser())
+    data_dir = Path(cfg.run.data_dir).expanduser()
+    handler = None
     try:
+        # the log file is the first thing written in the data directory: a directory that
+        # cannot be written is reported as such, in one line
+        handler = _log_file(args, data_dir)
         return node.run()
     except OSError as exc:
-        raise ValueError(_file_problem(exc, node.data_dir)) from exc
+        raise ValueError(_file_problem(exc, data_dir)) from exc
     finally:
         if handler is not None:
             logging.getLogger().removeHandler(handler)
