@@ -211,21 +211,26 @@ def test_port_answer_is_checked() -> None:
 # ---- encryption (data_plane = "tls") ----------------------------------------------------
 
 
-class _Tap:
+class _Relay:
     """A TCP relay between caller and callee that keeps a copy of every byte it passes
-    (what a machine on the path sees)."""
+    (what a machine on the path sees). With ``intercept`` it is a machine in the middle
+    of TLS: it ends the caller's TLS with a certificate of its own and opens its own TLS
+    connection to the callee."""
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, target: int, intercept: bool = False) -> None:
         self.target = target
+        self.intercept = intercept
         self.seen = bytearray()
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        context = direct._server_tls()[0] if self.intercept else None
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=context)
         return self._server.sockets[0].getsockname()[1]
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        tls = {"ssl": direct._client_tls(), "server_hostname": ""} if self.intercept else {}
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target, **tls)
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             while data := await src.read(65536):
@@ -250,7 +255,7 @@ def test_tls_hides_the_bytes_that_plain_tcp_shows(tls: bool) -> None:
     secret = b"pseudo-gradient bytes " * 64
 
     async def body(port: int) -> tuple[bytes, bytes]:
-        tap = _Tap(port)
+        tap = _Relay(port)
         route = direct.Route("127.0.0.1", await tap.start(), tls)
         try:
             lease = await client.call(SERVER.peer_id, route, "echo", secret, 1 << 20, None)
@@ -269,39 +274,6 @@ def test_tls_hides_the_bytes_that_plain_tcp_shows(tls: bool) -> None:
     assert server.refused == {}
 
 
-class _Interceptor:
-    """A machine in the middle that ends the caller's TLS with a certificate of its own
-    and opens its own TLS connection to the callee, passing the bytes along."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.context, _ = direct._server_tls()
-        self._server: asyncio.base_events.Server | None = None
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=self.context)
-        return self._server.sockets[0].getsockname()[1]
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(
-            "127.0.0.1", self.target, ssl=direct._client_tls(), server_hostname=""
-        )
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            while data := await src.read(65536):
-                dst.write(data)
-                await dst.drain()
-            dst.close()
-
-        await asyncio.gather(
-            pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True
-        )
-
-    def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-
-
 def test_a_machine_in_the_middle_of_tls_cannot_pass_the_handshake() -> None:
     calls: list[str] = []
 
@@ -313,7 +285,7 @@ def test_a_machine_in_the_middle_of_tls_cannot_pass_the_handshake() -> None:
     client = direct.DirectClient(CLIENT)
 
     async def body(port: int) -> None:
-        middle = _Interceptor(port)
+        middle = _Relay(port, intercept=True)
         route = direct.Route("127.0.0.1", await middle.start(), True)
         try:
             # the callee signed its own certificate's hash, the caller was shown another
