@@ -30,7 +30,7 @@ from verification.aggregators import aggregate, max_share_weights
 from verification.audit import AuditLog
 from verification.policy import TrustPolicy
 from verification.records import Contribution, Reduction
-from verification.reputation import ReputationStore
+from verification.reputation import ReputationStore, Standing
 from verification.screening import (
     Candidate,
     ScreeningConfig,
@@ -119,16 +119,13 @@ class Verifier:
         """Why this node takes nothing from ``peer`` at ``round_`` (None: it does)."""
         if peer == self.me:
             return None
-        ok, why = self.policy.admits(peer)
-        if not ok:
-            return why
-        with self._lock:
-            standing = self.reputation.standing(peer, round_)
-            # Flagged during this very round: other honest members may not have seen the
-            # evidence yet and still take its parts and its reduced results, so this node
-            # does too (each part is still screened on its own) and refuses it from the
-            # next round on, exactly when it also leaves it out of its groups.
-            flagged_now = self._flagged_at.get(peer, -1) >= round_
+        listed, standing, flagged_now = self._admission(peer, round_)
+        if listed:
+            return listed
+        # Flagged during this very round: other honest members may not have seen the
+        # evidence yet and still take its parts and its reduced results, so this node
+        # does too (each part is still screened on its own) and refuses it from the next
+        # round on, exactly when it also leaves it out of its groups.
         if flagged_now:
             return None
         if standing.status in ("quarantined", "banned"):
@@ -149,15 +146,22 @@ class Verifier:
         """
         if peer == self.me:
             return None
-        ok, why = self.policy.admits(peer)
-        if not ok:
-            return why
-        with self._lock:
-            standing = self.reputation.standing(peer, round_)
-            flagged_now = self._flagged_at.get(peer, -1) >= round_
+        listed, standing, flagged_now = self._admission(peer, round_)
+        if listed:
+            return listed
         if standing.status == "banned" and not flagged_now:
             return "banned"
         return None
+
+    def _admission(self, peer: str, round_: int) -> tuple[str | None, Standing, bool]:
+        """What :meth:`refusal` and :meth:`blocks` decide from: the operator's lists'
+        refusal (None: admitted), the peer's standing, and whether it was flagged during
+        ``round_`` itself."""
+        ok, why = self.policy.admits(peer)
+        with self._lock:
+            standing = self.reputation.standing(peer, round_)
+            flagged_now = self._flagged_at.get(peer, -1) >= round_
+        return (None if ok else why), standing, flagged_now
 
     def excluded(self, peers: Sequence[str], round_: int) -> set[str]:
         """The subset of ``peers`` this node votes to leave out of ``round_``: quarantined
