@@ -670,6 +670,8 @@ async def answer(
     except ProtocolError as e:  # too slow, or refused by its reader: the stream is done
         logger.warning("rpc %s from %s dropped: %s: %s", name, peer, e.reason, e.detail)
         await write_response(writer, STATUS_ERROR, encode_error(e.reason, e.detail))
+        if e.reason != "too_slow":  # a slow caller is not waited for any longer
+            await _linger(reader)
         return False
     if request is None:
         return False

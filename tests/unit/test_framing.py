@@ -174,6 +174,33 @@ def test_request_of_exactly_the_limit_is_served_one_more_byte_is_refused(extra: 
     assert writer.closed
 
 
+def test_a_request_its_reader_refuses_is_answered_and_the_rest_drained_before_closing() -> None:
+    """Closing while the caller still sends resets the stream, and the reset can overtake
+    the refusal: the callee answers, then reads until the caller hangs up."""
+
+    async def refuse(read: Any, length: int, peer: str) -> _framing.Lease:
+        await read(4)
+        raise ProtocolError("malformed", "not a part")
+
+    async def main() -> tuple[_Writer, bool, bool]:
+        stream = _stream("a")
+        stream[1].feed_data(_header(100_000) + b"z" * 1000)
+        serving = asyncio.ensure_future(
+            _framing.serve(stream, _echo, MiB, "test", 10.0, receive=refuse)
+        )
+        await asyncio.sleep(0.2)
+        answered_while_open = bool(stream[2].data) and not stream[2].closed
+        stream[1].feed_data(b"z" * 99_000)
+        stream[1].feed_eof()  # the caller hangs up once it has read the refusal
+        await asyncio.wait_for(serving, 10)
+        return stream[2], answered_while_open, serving.done()
+
+    writer, answered_while_open, done = asyncio.run(main())
+    assert answered_while_open
+    assert done and writer.closed
+    assert writer.error_reason() == "malformed"
+
+
 # ---- stream caps -----------------------------------------------------------------------
 
 
