@@ -9,10 +9,13 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch is pinned first: an unpinned or newer torch pulls a multi-GB CUDA build.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU-only build from PyTorch's
+# own index where no CPU wheel is at hand (PyPI's Linux wheel is the CUDA one).
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

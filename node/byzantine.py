@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from node.fault_modes import ALL_MODES, COMMIT_MODES, MODES, QUIET_MODES
 from protocol.averaging.parts import Commitments, FaultInjection
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
@@ -25,31 +26,6 @@ from verification.identity import Identity
 
 __all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "QUIET_MODES", "make_behaviour", "training_data"]
 
-MODES = (
-    "sign_flip",
-    "scale",
-    "noise",
-    "nan",
-    "zero",
-    "alie",
-    "ipm",
-    "replay",
-    "wrong_shape",
-    "bad_signature",
-    "inflated_tokens",
-    "malicious_owner",
-)
-
-COMMIT_MODES = ("equivocate", "skip_commit", "late_commit", "bad_owner")
-"""Attacks on the commit phase (they need ``control.commit = true`` to mean anything);
-``bad_owner`` names, in its signed results, inputs other than the ones committed."""
-
-QUIET_MODES = ("silent", "random_data")
-"""Faults that break no rule a receiver can check: ``silent`` announces and commits,
-then sends no part and answers nothing; ``random_data`` trains honestly on random
-bytes (a broken or poisoned data pipeline)."""
-
-ALL_MODES = MODES + COMMIT_MODES + QUIET_MODES
 
 _LATE_COMMIT_SECONDS = 4.0  # past the tests' commit phase (2 s), within their deadline (8 s)
 _SCALE = 50.0

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from node.config import ConfigError, load_config
+from node.fault_modes import ALL_MODES as _BYZANTINE_MODES
 
 __all__ = ["main"]
-
-from node.byzantine import ALL_MODES as _BYZANTINE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -431,8 +430,10 @@ def _print_progress(status: dict[str, Any]) -> None:
 
     sent = status.get("bytes_sent")
     mib = f"{sent / 2**20:.1f} MiB" if isinstance(sent, (int, float)) else "-"
+    params = status.get("params")
+    model = f"{params / 1e6:.2f} M" if isinstance(params, (int, float)) else "-"
     print(
-        f"step {number('step', 'd')}  loss {number('loss', '.3f')}  "
+        f"model {model} parameters  step {number('step', 'd')}  loss {number('loss', '.3f')}  "
         f"val bits/byte {number('val_bpb', '.3f')}  tokens {number('tokens', 'd')}  sent {mib}"
     )
     flagged = status.get("flagged") or {}

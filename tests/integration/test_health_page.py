@@ -1,12 +1,16 @@
-"""The swarm health page in a real browser: Chromium (Debian's, driven by Playwright)
-renders the peers of a running 3-node swarm and follows its rounds."""
+"""A running 3-node swarm with metrics on: each node's ``/metrics``, read with a plain
+HTTP client, parses with prometheus_client's parser and shows the rounds advancing; the
+swarm health page in a real browser (Chromium from Debian, driven by Playwright)
+renders the peers and follows the rounds."""
 
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import wait_until
 
@@ -23,7 +27,19 @@ def _browser() -> str:
     return path
 
 
-def test_the_health_page_shows_the_swarm_and_follows_its_rounds(local_swarm):
+def _scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of one node's /metrics, by name."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels
+    }
+
+
+def test_metrics_and_the_health_page_follow_a_running_swarm(local_swarm):
     from playwright.sync_api import sync_playwright
 
     chromium = _browser()
@@ -34,7 +50,11 @@ def test_the_health_page_shows_the_swarm_and_follows_its_rounds(local_swarm):
         ),
         120,
     )
-    url = nodes[0].status["metrics_url"]
+    urls = [n.status["metrics_url"] for n in nodes]
+    first_scrape = [_scrape(u) for u in urls]
+    for got in first_scrape:
+        assert {"atoll_round", "atoll_inner_steps_total", "atoll_sent_bytes_total"} <= set(got)
+    url = urls[0]
     others = {n.status["peer_id"] for n in nodes[1:]}
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "health-page.png"
@@ -70,3 +90,15 @@ def test_the_health_page_shows_the_swarm_and_follows_its_rounds(local_swarm):
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
+    # every node's metrics follow the run as well
+    assert wait_until(
+        lambda: all(
+            _scrape(u)["atoll_round"] > before["atoll_round"]
+            for u, before in zip(urls, first_scrape)
+        ),
+        90,
+    )
+    for u, before in zip(urls, first_scrape):
+        later = _scrape(u)
+        assert later["atoll_inner_steps_total"] > before["atoll_inner_steps_total"]
+        assert later["atoll_sent_bytes_total"] > before["atoll_sent_bytes_total"]

@@ -118,6 +118,7 @@ def test_a_fresh_status_and_a_stopped_node_are_not_stale(tmp_path: Path, capsys)
 
 def test_status_shows_the_nodes_own_progress_and_flagged_peers(tmp_path: Path, capsys) -> None:
     fields = {
+        "params": 478_720,
         "step": 420,
         "loss": 2.5,
         "val_bpb": 3.125,
@@ -127,11 +128,15 @@ def test_status_shows_the_nodes_own_progress_and_flagged_peers(tmp_path: Path, c
     }
     assert main(["status", "--data-dir", str(_write(tmp_path, **fields))]) == 0
     out = capsys.readouterr().out
-    assert "step 420  loss 2.500  val bits/byte 3.125  tokens 99000  sent 3.0 MiB" in out
+    assert "model 0.48 M parameters  step 420  loss 2.500  val bits/byte 3.125" in out
+    assert "tokens 99000  sent 3.0 MiB" in out
     assert f"flagged peers: {PEER} (banned)" in out
     assert main(["status", "--data-dir", str(_write(tmp_path))]) == 0
     out = capsys.readouterr().out
-    assert "step -  loss -  val bits/byte -" in out and "flagged peers: none" in out
+    assert (
+        "model - parameters  step -  loss -  val bits/byte -" in out
+        and "flagged peers: none" in out
+    )
 
 
 def test_a_peer_not_judged_yet_shows_the_stores_starting_score(
