@@ -582,6 +582,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    from node.data import prepare_shards
+
+    out = Path(args.out).expanduser()
+    meta = prepare_shards(args.paths, out, args.val_fraction)
+    print(
+        f"wrote {out}: {meta['train_tokens']} train and {meta['val_tokens']} validation "
+        f"tokens ({meta['dtype']}) from {meta['files']} files; train on them with "
+        f"--set data.shards={json.dumps(str(out))}"
+    )
+    return 0
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from verification.errors import VerificationError
     from verification.identity import Identity
@@ -708,7 +721,7 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Atoll: train one model across scattered machines. Run a node (atoll run), "
             "try a swarm on this machine (atoll swarm), and watch and manage a node "
-            "(status, peers, ban, pardon, audit, export)."
+            "(status, peers, ban, pardon, audit, export); prepare a large corpus (data)."
         ),
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -843,6 +856,25 @@ def _parser() -> argparse.ArgumentParser:
         "--round", type=int, default=None, help="the checkpoint of this round (default newest)"
     )
     export.set_defaults(func=_cmd_export)
+
+    data = sub.add_parser("data", help="prepare a corpus as token shards read through memory maps")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser(
+        "prepare",
+        help="write text files as byte-token shards (train.bin, val.bin, meta.json) "
+        "for data.shards",
+    )
+    prepare.add_argument(
+        "paths", nargs="+", metavar="PATH", help="text files or globs (quote ** globs)"
+    )
+    prepare.add_argument("--out", required=True, help="directory to write the shards to")
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share of files (by a hash of their path) held out for validation",
+    )
+    prepare.set_defaults(func=_cmd_data_prepare)
 
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")
     keygen.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")

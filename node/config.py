@@ -66,13 +66,22 @@ class RunConfig:
     run_id: str = Field(default="atoll-demo", min_length=1, max_length=64)
     seed: int = 0
     data_dir: str = ".atoll/node"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     threads: int = Field(default=0, ge=0)
     max_rounds: int = Field(default=0, ge=0)
     slowdown: float = Field(default=1.0, ge=1.0)
     checkpoint_every: int = Field(default=1, ge=1)
     keep_checkpoints: int = Field(default=3, ge=1)
     eval_every: int = Field(default=1, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        kind, _, index = value.partition(":")
+        if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+            return value
+        raise ValueError(f"{value!r}: expected auto, cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -85,16 +94,32 @@ class ModelConfig:
     n_head: int = Field(default=4, ge=1, le=128)
     context: int = Field(default=128, ge=8, le=8192)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    vocab_size: int = Field(default=256, ge=2, le=65536)
+    """Tokens the model knows: 256 for bytes; a pre-tokenized corpus may need more."""
 
 
 @dataclass(frozen=True, config=_STRICT)
 class DataConfig:
-    """Text corpus: the standard library's ``.py`` files unless ``paths`` lists files or globs."""
+    """Text corpus: the standard library's ``.py`` files unless ``paths`` lists files or
+    globs; or token shards written by ``atoll data prepare`` (``shards``), read through
+    memory maps, of which this node trains on slice ``site`` of ``sites``."""
 
     paths: tuple[str, ...] = ()
     val_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
     batch_size: int = Field(default=16, ge=1, le=4096)
     max_files: int = Field(default=0, ge=0)
+    shards: str = ""
+    site: int = Field(default=0, ge=0)
+    sites: int = Field(default=1, ge=1, le=1_000_000)
+
+    def __post_init__(self) -> None:
+        if self.site >= self.sites:
+            raise ValueError(
+                f"data.site = {self.site} with data.sites = {self.sites}: sites are "
+                f"numbered 0 to {self.sites - 1}"
+            )
+        if self.shards and self.paths:
+            raise ValueError("data.shards and data.paths both set: train on one or the other")
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -109,6 +134,9 @@ class TrainConfig:
     total_steps: int = Field(default=2000, ge=1)
     grad_clip: float = Field(default=1.0, ge=0.0)
     eval_batches: int = Field(default=8, ge=1)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16`` runs forward and loss under autocast; weights, gradients, optimizer
+    state, pseudo-gradients and outer steps stay float32."""
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -34,7 +34,7 @@ from node.clock import SecondsClock
 from node.clock import agree as agree_clock
 from node.config import AtollConfig, allreduce_settings, exchange_settings, transport_config
 from node.controlplane import ControlPlane
-from node.data import BatchStream, load_corpus
+from node.data import BatchStream, load_data, site_slice
 from node.metrics import EventLog, StatusWriter, recent_events
 from node.model import build_model
 from node.monitor import Monitor
@@ -209,12 +209,13 @@ class Node:
     def _build_training(self) -> None:
         cfg = self.cfg
         self.device = resolve_device(cfg.run.device)
-        corpus = load_corpus(cfg.data, cfg.model.context)
+        corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
         self.model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
         self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
         self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
-        train = training_data(self.byzantine, corpus.train, cfg.run.seed)
+        own = site_slice(corpus.train, cfg.data.site, cfg.data.sites, cfg.model.context)
+        train = training_data(self.byzantine, own, cfg.run.seed)
         stream = BatchStream(train, cfg.data.batch_size, cfg.model.context, self.identity.peer_id)
         self.trainer = InnerTrainer(self.model, cfg.train, stream, self.device)
         self.val_batches = BatchStream(

@@ -1,6 +1,7 @@
 """The reference workload: a small byte-level GPT, or any user factory.
 
-The built-in model reads bytes (vocabulary 256) and predicts the next byte; its
+The built-in model reads bytes (vocabulary 256; ``model.vocab_size`` for a corpus of
+other tokens) and predicts the next one; its
 default size trains visibly on two CPU cores in minutes. ``model.factory =
 "package.module:function"`` replaces it with any ``nn.Module`` whose forward maps
 ``(B, T)`` int64 tokens to ``(B, T, vocab)`` logits; the function receives the
@@ -21,6 +22,7 @@ from node.config import ModelConfig
 __all__ = ["VOCAB_SIZE", "ByteGPT", "build_model"]
 
 VOCAB_SIZE = 256
+"""Bytes: the default ``model.vocab_size``."""
 
 
 class _Block(nn.Module):
@@ -55,11 +57,11 @@ class ByteGPT(nn.Module):
                 f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})"
             )
         self.context = cfg.context
-        self.tok = nn.Embedding(VOCAB_SIZE, cfg.n_embd)
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.context, cfg.n_embd)
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, VOCAB_SIZE, bias=False)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init)
         # GPT-2 scales residual projections by depth so the residual stream stays O(1).
         for name, p in self.named_parameters():
@@ -76,7 +78,7 @@ class ByteGPT(nn.Module):
             nn.init.normal_(module.weight, 0.0, 0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Map ``(B, T)`` byte ids to ``(B, T, 256)`` next-byte logits."""
+        """Map ``(B, T)`` token ids to ``(B, T, vocab_size)`` next-token logits."""
         t = idx.shape[1]
         if t > self.context:
             raise ValueError(f"sequence length {t} exceeds model.context {self.context}")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from node.config import AtollConfig
-from node.data import BatchStream, load_corpus
+from node.data import BatchStream, load_data, site_slice
 from node.model import build_model
 from node.outer import OuterOptimizer, sync_schedule
 from node.trainer import InnerTrainer, evaluate
@@ -27,12 +27,25 @@ __all__ = ["resolve_device", "simulate", "weighted_mean"]
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present, else CPU."""
+    """``auto`` picks CUDA when present, else CPU; ``cuda:N`` must name a device present.
+
+    Raises:
+        ValueError: CUDA asked for where there is none, or fewer devices than ``N + 1``.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("config error: run.device = 'cuda' but no CUDA device is available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"config error: run.device = {name!r} but no CUDA device is available")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"config error: run.device = {name!r} but this machine has {count} CUDA "
+            f"device(s): cuda:0 to cuda:{count - 1}"
+        )
+    return device
 
 
 def weighted_mean(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -63,7 +76,8 @@ def simulate(
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     device = resolve_device(cfg.run.device)
-    corpus = load_corpus(cfg.data, cfg.model.context)
+    corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
+    train = site_slice(corpus.train, cfg.data.site, cfg.data.sites, cfg.model.context)
     base = build_model(cfg.model, seed=cfg.run.seed).to(device)
     models = [build_model(cfg.model, seed=cfg.run.seed).to(device) for _ in range(replicas)]
     plan = plan_fragments(base, cfg.sync.fragments)
@@ -72,7 +86,7 @@ def simulate(
         InnerTrainer(
             m,
             cfg.train,
-            BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, (cfg.run.seed, i)),
+            BatchStream(train, cfg.data.batch_size, cfg.model.context, (cfg.run.seed, i)),
             device,
         )
         for i, m in enumerate(models)

@@ -1,9 +1,10 @@
 """The inner loop: local optimizer steps on this node's data, and evaluation.
 
 Read top to bottom: :meth:`InnerTrainer.step` takes one batch, computes the
-next-byte cross-entropy, clips the gradient, and steps AdamW at the learning rate of
-a linear-warmup + cosine schedule. :func:`evaluate` reports bits per byte on fixed
-validation batches.
+next-byte cross-entropy (under bf16 autocast with ``train.precision = "bf16"``), clips
+the gradient, and steps AdamW at the learning rate of a linear-warmup + cosine
+schedule. :func:`evaluate` reports bits per byte on fixed validation batches, always
+in float32 so that every node's figures compare.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class InnerTrainer:
         self.stream = stream
         self.device = torch.device(device)
         self.optimizer = make_inner_optimizer(model, cfg)
+        self.bf16 = cfg.precision == "bf16"
         self.steps = 0
         self.tokens = 0
 
@@ -91,8 +93,13 @@ class InnerTrainer:
         inputs, targets = self.stream.next()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         self.model.train()
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        # bf16: forward and loss under autocast; the weights, their gradients and the
+        # optimizer state stay float32 (the master copy)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self.model(inputs)
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+            )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:
