@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, str] = {
     "convergence": "benchmarks.convergence",
     "wan": "benchmarks.wan",
     "mixing": "benchmarks.mixing",
+    "sites": "benchmarks.sites",
+    "cuda_site": "benchmarks.cuda_site",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""
 
@@ -62,6 +64,16 @@ def _summary(name: str, report: dict, seconds: float) -> str:
             atoll, ddp = r["atoll"].get("utilization"), r["ddp"].get("utilization")
             if atoll is not None and ddp is not None:
                 parts.append(f"{r['link']}: utilization Atoll {atoll:.0%}, DDP {ddp:.0%}")
+        line += " | " + "; ".join(parts)
+    elif name == "sites":
+        parts = []
+        for setup, r in report.get("setups", {}).items():
+            if r.get("slow_link_bytes_per_round") is not None:
+                parts.append(
+                    f"{setup}: {r['slow_link_bytes_per_round'] / 1e3:.0f} kB/round, "
+                    f"bits/byte {r.get('val_bpb_end') or float('nan'):.3f}"
+                )
+        parts.append(f"bytes ratio {report.get('bytes_ratio')}")
         line += " | " + "; ".join(parts)
     elif name == "mixing":
         parts = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import importlib.metadata
 import multiprocessing as mp
 import os
@@ -21,6 +20,7 @@ from typing import Any
 import psutil
 import torch
 
+from node.site import params_digest
 from protocol.p2p.shaper import LinkShape
 
 __all__ = [
@@ -300,13 +300,6 @@ def gloo_group(
         yield dist
     finally:
         dist.destroy_process_group()
-
-
-def params_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of a model's parameters, to check that ranks ended bitwise equal."""
-    return hashlib.sha256(
-        b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
-    ).hexdigest()
 
 
 def run_ranks(

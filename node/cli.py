@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,9 +93,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, overrides)
     initial_peers = _initial_peers(args.initial_peers)
+    from node.site import SiteRank, die_with_parent, run_follower, site_command
+
+    site = SiteRank.from_env()
+    if site is not None:
+        import signal
+
+        # a follower goes at once; the leader stops its network side first
+        die_with_parent(signal.SIGTERM if site.leader else signal.SIGKILL)
+    if args.nproc_per_node is not None:
+        if site is not None:
+            raise ValueError("--nproc-per-node under torchrun: torchrun already started the ranks")
+        # this process becomes torchrun, which runs this same command once per rank
+        command = site_command(args.argv, args.nproc_per_node, args.max_restarts)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(command[0], command)
+    if site is not None and not site.leader:
+        # a follower rank: no identity, network or files of its own; it logs to stderr
+        return run_follower(cfg, site)
     from node.daemon import Node
 
-    node = Node(cfg, initial_peers=initial_peers, byzantine=args.byzantine, spec=spec)
+    node = Node(cfg, initial_peers=initial_peers, byzantine=args.byzantine, spec=spec, site=site)
     data_dir = Path(cfg.run.data_dir).expanduser()
     handler = None
     try:
@@ -208,9 +228,12 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
         overrides=list(args.overrides),
         directory=directory,
         rounds=args.rounds if args.rounds is not None else cfg.run.max_rounds,
+        procs_per_node=args.procs_per_node,
     )
     if args.nodes < 1:
         raise ValueError("--nodes must be >= 1")
+    if args.procs_per_node < 1:
+        raise ValueError("--procs-per-node must be >= 1")
     if args.byzantine:
         mode, _, count = args.byzantine.partition(":")
         if mode not in _BYZANTINE_MODES:
@@ -773,6 +796,22 @@ def _parser() -> argparse.ArgumentParser:
         help="join the run this signed spec describes (atoll spec create makes one)",
     )
     run.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run this node as a site of N processes (torchrun; gloo on CPU, NCCL on GPUs): "
+        "rank 0 joins the swarm, all N train data-parallel",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc-per-node: let torchrun restart the site K times after a rank "
+        "fails (from the newest checkpoint)",
+    )
+    run.add_argument(
         "--log-file",
         default=None,
         metavar="PATH",
@@ -786,6 +825,13 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--rounds", type=int, default=None, help="rounds per node (run.max_rounds)")
     sw.add_argument("--dir", default=None, help="swarm directory (default .atoll/swarm-TIME)")
     sw.add_argument("--json", action="store_true", help="last line: one JSON summary")
+    sw.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=1,
+        metavar="P",
+        help="run each node as a site of P processes (torchrun, gloo inside the site)",
+    )
     sw.add_argument(
         "--slowdowns",
         default=None,
@@ -919,6 +965,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``atoll`` console script."""
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     stderr = logging.StreamHandler(sys.stderr)
     stderr.setFormatter(_formatter(args.log_format))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[stderr])
@@ -947,6 +994,11 @@ def _known_error(exc: Exception) -> str | None:
 
     if isinstance(exc, (ValueError, NodeFailed)):  # ConfigError, DataError, SpecError, ...
         return str(exc)
+    if "node.site" in sys.modules:  # loaded by commands that may run as a site
+        from node.site import SiteFailed
+
+        if isinstance(exc, SiteFailed):
+            return f"{exc}; the node stopped (torchrun stops the other ranks)"
     if isinstance(exc, VerificationError):
         return f"{exc}; check the file or peer it names"
     if isinstance(exc, OSError):

@@ -34,13 +34,14 @@ from node.clock import SecondsClock
 from node.clock import agree as agree_clock
 from node.config import AtollConfig, allreduce_settings, exchange_settings, transport_config
 from node.controlplane import ControlPlane
-from node.data import BatchStream, load_data, site_slice
+from node.data import BatchStream, load_data
 from node.metrics import EventLog, StatusWriter, recent_events
 from node.model import build_model
 from node.monitor import Monitor
 from node.outer import OuterOptimizer, sync_schedule
 from node.peers import DuplicateIdentityError, PeerView
 from node.simulate import resolve_device
+from node.site import SiteGroup, SiteRank, rank_data, stream_key
 from node.spec import RunSpec, settings_digest
 from node.syncer import Pending, Syncer
 from node.trainer import InnerTrainer, evaluate
@@ -103,8 +104,12 @@ class Node:
         initial_peers: tuple[str, ...] = (),
         byzantine: str | None = None,
         spec: RunSpec | None = None,
+        site: SiteRank | None = None,
     ) -> None:
         self.cfg = cfg
+        self.site = site
+        self.site_group: SiteGroup | None = None
+        self._site_changed = True  # the model changed outside an inner step
         self.byzantine = byzantine
         make_behaviour(byzantine)  # an unknown mode fails before anything starts
         self.spec = spec
@@ -208,16 +213,27 @@ class Node:
 
     def _build_training(self) -> None:
         cfg = self.cfg
-        self.device = resolve_device(cfg.run.device)
+        key = self.identity.peer_id
+        if self.site is None:
+            self.device = resolve_device(cfg.run.device)
+        else:
+            # the site's leader: its ranks train in step with it (node.site)
+            self.device = self.site.device(cfg.run.device)
+            self.site_group = SiteGroup(self.site, self.device)
+            key = self.site_group.agree_key(key)
         corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
         self.model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
         self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
         self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
-        own = site_slice(corpus.train, cfg.data.site, cfg.data.sites, cfg.model.context)
-        train = training_data(self.byzantine, own, cfg.run.seed)
-        stream = BatchStream(train, cfg.data.batch_size, cfg.model.context, self.identity.peer_id)
-        self.trainer = InnerTrainer(self.model, cfg.train, stream, self.device)
+        train = training_data(self.byzantine, rank_data(cfg, corpus.train, self.site), cfg.run.seed)
+        stream = BatchStream(
+            train, cfg.data.batch_size, cfg.model.context, stream_key(key, self.site)
+        )
+        trained, ranks = self.model, 1
+        if self.site_group is not None:
+            trained, ranks = self.site_group.wrap(self.model), self.site_group.site.world
+        self.trainer = InnerTrainer(trained, cfg.train, stream, self.device, ranks=ranks)
         self.val_batches = BatchStream(
             corpus.val, cfg.data.batch_size, cfg.model.context, "validation"
         ).fixed_batches(cfg.train.eval_batches)
@@ -342,6 +358,7 @@ class Node:
             force=True,
             maddrs=self.transport.maddrs,
             params=self.plan.numel,
+            ranks=self.site.world if self.site is not None else 1,
             helper_pids=self._helper_pids(),
         )
 
@@ -406,6 +423,7 @@ class Node:
                 self.outer.sync_local(self.model, f)
                 self.feedback[f].reset()
         self.round = max(self.round, snap.round)
+        self._site_changed = True
         # Follow the swarm's place in the inner learning-rate schedule: a newcomer at
         # its warmup peak would take steps far larger than everyone else's.
         self.trainer.steps = max(self.trainer.steps, snap.steps)
@@ -461,6 +479,9 @@ class Node:
                 logger.log(logging.DEBUG if quiet else logging.WARNING, "%s failed: %s", what, exc)
                 logger.debug("%s failed", what, exc_info=True)
 
+        if self.site_group is not None and not self.stop_event.is_set():
+            # on a signal torchrun stops the ranks itself; on an error they are told here
+            attempt("stopping the site's ranks", self.site_group.stop)
         if hasattr(self, "outer") and self.round > 0:
             attempt("final checkpoint", self._checkpoint)
         if getattr(self, "monitor", None) is not None:
@@ -474,6 +495,8 @@ class Node:
         if hasattr(self, "status"):
             stopped = {"force": True, "state": "stopped", "round": self.round}
             attempt("writing the final status", lambda: self.status.update(**stopped))
+        if self.site_group is not None:
+            attempt("closing the site's process group", self.site_group.close)
         if hasattr(self, "events"):
             attempt("logging the stop", lambda: self.events.write("stop", round=self.round))
             attempt("closing the event log", self.events.close)
@@ -483,10 +506,15 @@ class Node:
     def _train(self) -> None:
         self.status.update(force=True, state="training")
         self.train_started = time.monotonic()
+        if self.site_group is not None:
+            # the ranks start from the leader's state (resumed or taken from the swarm)
+            self.site_group.share_optimizer(self.trainer.optimizer)
         if self.cfg.sync.trigger == "steps":
             self._train_steps()
         else:
             self._train_seconds()
+        if self.site_group is not None and not self.stop_event.is_set():
+            self.site_group.stop()  # on a signal, torchrun stops the ranks itself
         self._linger()
 
     def _linger(self) -> None:
@@ -507,7 +535,12 @@ class Node:
     def _step(self, tokens_since: list[int]) -> None:
         """One inner step, stretched by ``run.slowdown``; counts busy time."""
         started = time.monotonic()
-        result = self.trainer.step()
+        if self.site_group is None:
+            result = self.trainer.step()
+        else:
+            self._share_with_site()
+            self.site_group.step(self.trainer.steps)
+            result = self.site_group.guard(self.trainer.step)  # DDP all-reduces in it
         if self.cfg.run.slowdown > 1.0:
             # Stand in for slower hardware: the extra time is compute time, not idle.
             time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))
@@ -523,6 +556,14 @@ class Node:
             busy_seconds=self.busy,
             idle_seconds=max(0.0, wall - self.busy),
         )
+
+    def _share_with_site(self) -> None:
+        """The site's ranks take the leader's parameters if they changed since the last
+        inner step (a sync applied, a re-sync, a catch-up)."""
+        assert self.site_group is not None
+        if self._site_changed:
+            self.site_group.share_params(self.model)
+            self._site_changed = False
 
     def _launch(self, r: int, f: int, tokens: int) -> Pending:
         """Start the sync of fragment ``f`` for round ``r`` with the tokens trained for it."""
@@ -658,6 +699,7 @@ class Node:
     def _apply(self, pending: Pending) -> dict[str, Any] | None:
         """Apply a finished sync; None when it failed or averaged alone while peers live."""
         record = self.syncer.apply(pending, self.trainer.steps)
+        self._site_changed = True
         if record is None:
             return None
         self.bytes_sent += record["bytes_sent"]
@@ -693,6 +735,12 @@ class Node:
             tokens=self.trainer.tokens, steps=self.trainer.steps, bytes_sent=self.bytes_sent
         )
         fields["flagged"] = self.verifier.flagged(self.round)
+        if self.site_group is not None:
+            self._share_with_site()
+            digests = self.site_group.digests(self.model)
+            fields.update(ranks=len(digests), ranks_agree=len(set(digests)) == 1)
+            if not fields["ranks_agree"]:
+                logger.error("round %d: the ranks of this site hold different parameters", r)
         if self.round % self.cfg.run.checkpoint_every == 0:
             self._checkpoint()  # before the status says the round is done
         self.events.write("round", **fields)

@@ -76,6 +76,8 @@ class SwarmSpec:
     directory: Path
     rounds: int
     extra_args: dict[int, list[str]] = field(default_factory=dict)
+    procs_per_node: int = 1
+    """Processes (torchrun ranks) per node: each node is a site of this many."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every node process (e.g. ``ATOLL_LINK_SHAPE``)."""
 
@@ -99,7 +101,7 @@ class SwarmProcess:
 
 
 def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str]) -> list[str]:
-    threads = max(1, (os.cpu_count() or 1) // spec.nodes)
+    threads = max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))
     # the node's stderr goes to DATA_DIR/node.log (start_node): no second copy
     cmd = [sys.executable, "-m", "node.cli", "run", "--data-dir", str(data_dir), "--log-file", "-"]
     for path in spec.config_paths:
@@ -112,6 +114,8 @@ def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str])
         cmd += ["--set", item]
     if spec.rounds:
         cmd += ["--rounds", str(spec.rounds)]
+    if spec.procs_per_node > 1:
+        cmd += ["--nproc-per-node", str(spec.procs_per_node)]
     if peers:
         cmd += ["--initial-peers", *peers]
     return cmd + spec.extra_args.get(index, [])
@@ -284,6 +288,7 @@ def run_swarm(
     if on_tick:
         on_tick(nodes)
     summary = summarize(nodes, cfg, sorted(spec.extra_args_byzantine()))
+    summary["procs_per_node"] = spec.procs_per_node
     summary["seconds"] = time.monotonic() - started
     summary["interrupted"] = interrupted
     summary["directory"] = str(spec.directory)
@@ -334,7 +339,17 @@ def summarize(
         "busy_seconds": [round(n.status.get("busy_seconds", 0.0), 2) for n in nodes],
         "idle_seconds": [round(n.status.get("idle_seconds", 0.0), 2) for n in nodes],
         "flagged": _flagged(per_node),
+        "ranks_agree": _ranks_agree(per_node),
     }
+
+
+def _ranks_agree(per_node: list[tuple[SwarmProcess, dict[str, Any], dict]]) -> bool | None:
+    """Whether every rank of every honest site held the leader's parameters at the end
+    of every round (None: no node ran as a site of several processes)."""
+    checks = [
+        e["ranks_agree"] for _, _, rounds in per_node for e in rounds.values() if "ranks" in e
+    ]
+    return all(checks) if checks else None
 
 
 def _flagged(per_node: list[tuple[SwarmProcess, dict[str, Any], dict]]) -> dict[str, dict]:
@@ -361,10 +376,17 @@ def format_summary(summary: dict[str, Any]) -> str:
     return (
         f"swarm of {summary['nodes']} nodes, {summary['rounds']} rounds in "
         f"{summary['seconds']:.0f}s; val bits/byte {bpb}; params agree: "
-        f"{summary['params_agree']}; sent {sum(sent) / 2**20:.1f} MiB in all "
+        f"{summary['params_agree']}{_ranks_line(summary)}; sent {sum(sent) / 2**20:.1f} MiB in all "
         f"({ratio:.0f}x less than fp32 DDP for the same steps)\n"
         f"logs and checkpoints: {summary['directory']}"
     )
+
+
+def _ranks_line(summary: dict[str, Any]) -> str:
+    procs = summary.get("procs_per_node", 1)
+    if procs <= 1:
+        return ""
+    return f"; {procs} ranks per node, ranks agree: {summary.get('ranks_agree')}"
 
 
 def render_table(nodes: list[SwarmProcess]) -> Any:

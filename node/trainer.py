@@ -67,6 +67,8 @@ class InnerTrainer:
         cfg: inner-loop settings.
         stream: this node's training batches.
         device: where to compute.
+        ranks: processes training in step on batches of the same size (a site under
+            torch.distributed): the tokens counted per step are this many batches'.
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class InnerTrainer:
         cfg: TrainConfig,
         stream: BatchStream,
         device: torch.device | str = "cpu",
+        ranks: int = 1,
     ) -> None:
         self.model = model
+        self.ranks = ranks
         self.cfg = cfg
         self.stream = stream
         self.device = torch.device(device)
@@ -106,8 +110,9 @@ class InnerTrainer:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.steps += 1
-        self.tokens += targets.numel()
-        return StepResult(loss=float(loss.detach()), tokens=targets.numel(), lr=lr)
+        tokens = targets.numel() * self.ranks
+        self.tokens += tokens
+        return StepResult(loss=float(loss.detach()), tokens=tokens, lr=lr)
 
 
 @torch.no_grad()

@@ -64,6 +64,7 @@ class Swarm:
         rounds: int,
         extra: list[str] = (),
         args: dict[int, list[str]] | None = None,
+        procs_per_node: int = 1,
     ) -> swarm.SwarmSpec:
         return swarm.SwarmSpec(
             nodes=nodes,
@@ -72,6 +73,7 @@ class Swarm:
             directory=self.directory,
             rounds=rounds,
             extra_args=dict(args or {}),
+            procs_per_node=procs_per_node,
         )
 
     def launch(
@@ -80,8 +82,9 @@ class Swarm:
         rounds: int,
         extra: list[str] = (),
         args: dict[int, list[str]] | None = None,
+        procs_per_node: int = 1,
     ) -> list[swarm.SwarmProcess]:
-        self.last_spec = self.spec(nodes, rounds, extra, args)
+        self.last_spec = self.spec(nodes, rounds, extra, args, procs_per_node)
         self.nodes += swarm.launch(self.last_spec)
         return self.nodes
 
@@ -95,6 +98,11 @@ class Swarm:
     def record_helpers(self) -> None:
         for n in self.nodes:
             self.helper_pids.update(n.status.get("helper_pids", []))
+            # a site's ranks are children of its torchrun agent
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if n.proc.poll() is None:
+                    kids = psutil.Process(n.proc.pid).children(recursive=True)
+                    self.helper_pids.update(k.pid for k in kids)
 
     def wait_all(self, timeout: float) -> bool:
         ok = wait_until(lambda: all(n.proc.poll() is not None for n in self.nodes), timeout, 0.5)

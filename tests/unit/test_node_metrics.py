@@ -66,6 +66,7 @@ def node(tmp_path: Path):
         train_started=time.monotonic(),
         transport=None,
         spec_digest="s",
+        site_group=None,
         allreduce=allreduce,
         syncer=syncer,
         verifier=verifier,

@@ -1,0 +1,350 @@
+"""A site: one Atoll node spanning many processes (GPUs, machines) via torch.distributed.
+
+A neocloud site trains with fast links inside and slow links to other sites. Started
+under ``torchrun`` (or ``atoll run --nproc-per-node N``, which starts torchrun), a
+node's ranks train data-parallel inside the site (DDP: gradients all-reduced every
+inner step over the site's process group, gloo on CPU, NCCL on GPUs), each on its own
+slice of the data. Only the leader (rank 0) is a node of the swarm: it holds the
+identity, p2pd, the DHT and the control channel, sends the site's pseudo-gradient
+(identical on every rank after DDP) and applies the swarm's results. The other ranks
+(followers) do what the leader tells them, between inner steps, over the same group:
+
+* ``PARAMS``: take the leader's parameters (after it applied a sync, re-synced or
+  resumed: anything that changes the model outside an inner step);
+* ``OPTIMIZER``: take the leader's inner optimizer state (at the start, after a resume);
+* ``STEP n``: take one inner step at schedule position ``n``;
+* ``DIGEST``: report a digest of their parameters (the leader checks every round that
+  its ranks hold the same values);
+* ``STOP``: exit.
+
+Ranks therefore stay bitwise identical, and a site's tokens per step are the sum over
+its ranks. If a rank dies, the leader's next collective fails and the node stops
+(:class:`SiteFailed`); torchrun stops the other ranks, and its elastic restart (``atoll
+run --max-restarts K``) brings the site back from the leader's checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "SiteFailed",
+    "SiteGroup",
+    "SiteRank",
+    "die_with_parent",
+    "params_digest",
+    "rank_data",
+    "run_follower",
+    "site_command",
+    "stream_key",
+]
+
+logger = logging.getLogger(__name__)
+
+_STEP, _PARAMS, _OPTIMIZER, _DIGEST, _STOP = 1, 2, 3, 4, 5
+_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a rank waits in one collective: the leader may sit between two inner steps
+while it joins the swarm or waits for peers (minutes); a dead rank is noticed at once
+(its sockets close), a hung one after this."""
+
+
+class SiteFailed(RuntimeError):
+    """A rank of this site stopped (or the site's process group broke): the node stops."""
+
+
+@dataclass(frozen=True)
+class SiteRank:
+    """This process's place in its site, from torchrun's environment."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> SiteRank | None:
+        """This process's rank under torchrun; None for a node of one process."""
+        env = dict(os.environ) if env is None else env
+        try:
+            world = int(env.get("WORLD_SIZE", "1"))
+            rank = int(env.get("RANK", "0"))
+            local = int(env.get("LOCAL_RANK", str(rank)))
+        except ValueError as exc:
+            raise ValueError(
+                f"torchrun's RANK, WORLD_SIZE or LOCAL_RANK is not a number: {exc}"
+            ) from None
+        if world <= 1:
+            return None
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK {rank} outside WORLD_SIZE {world}")
+        return cls(rank, world, local)
+
+    def device(self, name: str) -> torch.device:
+        """The device of this rank: its own GPU (``cuda:LOCAL_RANK``) or the CPU.
+
+        Raises:
+            ValueError: ``cuda:N`` (each rank takes the GPU of its local rank), or CUDA
+                asked for where there is none.
+        """
+        if name.startswith("cuda:"):
+            raise ValueError(
+                f"config error: run.device = {name!r} under torchrun: each rank takes the "
+                "GPU of its local rank; set run.device = 'cuda' or 'auto'"
+            )
+        if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ValueError("config error: run.device = 'cuda' but no CUDA device is available")
+        return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+
+    def slice_of(self, site: int, sites: int) -> tuple[int, int]:
+        """``(index, count)`` of this rank's data slice: rank ``r`` of site ``s`` takes
+        slice ``s * world + r`` of ``sites * world``."""
+        return site * self.world + self.rank, sites * self.world
+
+
+class SiteGroup:
+    """The site's process group, and keeping its ranks in step.
+
+    Args:
+        site: this process's rank.
+        device: its device (NCCL for CUDA, gloo for the CPU).
+    """
+
+    def __init__(self, site: SiteRank, device: torch.device) -> None:
+        self.site = site
+        self.device = device
+        # NCCL wants one GPU per rank; ranks sharing a GPU (a one-GPU test) use gloo
+        shared = device.type == "cuda" and torch.cuda.device_count() < site.world
+        backend = "nccl" if device.type == "cuda" and not shared else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=_TIMEOUT)
+        self.broken = False
+        self.stopped = False
+
+    # ---- both sides ----------------------------------------------------------------------
+
+    def agree_key(self, key: str | None) -> str:
+        """The leader's key (its PeerID), known to every rank: streams are keyed by it."""
+        box = [key if self.site.leader else None]
+        self.guard(dist.broadcast_object_list, box, src=0)
+        return str(box[0])
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """``model`` under DDP (which starts every rank from the leader's values)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return self.guard(DistributedDataParallel, model, device_ids=ids)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- the leader ----------------------------------------------------------------------
+
+    def step(self, steps: int) -> None:
+        """Before each inner step: every rank steps at schedule position ``steps``."""
+        self._order(_STEP, steps)
+
+    def share_params(self, model: nn.Module) -> None:
+        """Every rank takes the leader's parameters (and buffers)."""
+        self._order(_PARAMS)
+        self._broadcast_params(model)
+
+    def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank takes the leader's inner optimizer state."""
+        self._order(_OPTIMIZER)
+        state = _to_cpu(optimizer.state_dict())
+        self.guard(dist.broadcast_object_list, [state], src=0)
+
+    def digests(self, model: nn.Module) -> list[str]:
+        """Every rank's digest of its parameters, by rank (the leader's first)."""
+        self._order(_DIGEST)
+        gathered: list[Any] = [None] * self.site.world
+        self.guard(dist.gather_object, params_digest(model), gathered, dst=0)
+        return [str(d) for d in gathered]
+
+    def stop(self) -> None:
+        """Tell the followers to exit (once; not over a broken group)."""
+        if self.stopped or self.broken:
+            return
+        self.stopped = True
+        self._order(_STOP)
+
+    def _order(self, op: int, arg: int = 0) -> None:
+        order = torch.tensor([op, arg], dtype=torch.int64, device=self.device)
+        self.guard(dist.broadcast, order, src=0)
+
+    # ---- a follower ----------------------------------------------------------------------
+
+    def follow(self, model: nn.Module, trainer: Any) -> int:
+        """Do what the leader says until it says stop; returns the inner steps taken."""
+        taken = 0
+        order = torch.zeros(2, dtype=torch.int64, device=self.device)
+        while True:
+            self.guard(dist.broadcast, order, src=0)
+            op, arg = int(order[0]), int(order[1])
+            if op == _STEP:
+                trainer.steps = arg  # the leader's place in the learning-rate schedule
+                self.guard(trainer.step)
+                taken += 1
+            elif op == _PARAMS:
+                self._broadcast_params(model)
+            elif op == _OPTIMIZER:
+                box: list[Any] = [None]
+                self.guard(dist.broadcast_object_list, box, src=0)
+                trainer.optimizer.load_state_dict(box[0])
+            elif op == _DIGEST:
+                self.guard(dist.gather_object, params_digest(model), None, dst=0)
+            elif op == _STOP:
+                return taken
+            else:
+                raise SiteFailed(f"unknown order {op} from the site's leader")
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _broadcast_params(self, model: nn.Module) -> None:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                self.guard(dist.broadcast, t.data, src=0)
+
+    def guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a collective (or an inner step, whose backward pass
+        all-reduces over the site): its failure is a :class:`SiteFailed`."""
+        if self.broken:
+            raise SiteFailed("the site's process group broke earlier")
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, ConnectionError) as exc:
+            self.broken = True
+            raise SiteFailed(
+                f"rank {self.site.rank} of {self.site.world}: a rank of this site stopped "
+                f"or cannot be reached ({str(exc).splitlines()[0] if str(exc) else exc!r})"
+            ) from exc
+
+
+def die_with_parent(signum: int) -> None:
+    """Have the kernel send ``signum`` to this process when its parent (torchrun's
+    agent) dies, so no rank outlives its site (Linux; elsewhere nothing is done).
+
+    torchrun starts each rank in a session of its own: an agent killed outright would
+    otherwise leave its ranks running."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signum, 0, 0, 0) != 0:
+        logger.warning("cannot ask to be stopped with torchrun's agent (prctl failed)")
+        return
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signum)
+
+
+def params_digest(model: nn.Module) -> str:
+    """SHA-256 over a model's parameters and buffers, in order (ranks compare it)."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            h.update(t.detach().to("cpu", copy=True).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def run_follower(cfg: Any, site: SiteRank) -> int:
+    """A follower rank: train in step with the leader until it stops; an exit code."""
+    from node.data import BatchStream, load_data
+    from node.model import build_model
+    from node.trainer import InnerTrainer
+
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    device = site.device(cfg.run.device)
+    corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
+    group = SiteGroup(site, device)
+    try:
+        key = group.agree_key(None)
+        model = build_model(cfg.model, seed=cfg.run.seed).to(device)
+        own = rank_data(cfg, corpus.train, site)
+        stream = BatchStream(own, cfg.data.batch_size, cfg.model.context, stream_key(key, site))
+        trainer = InnerTrainer(group.wrap(model), cfg.train, stream, device, ranks=site.world)
+        steps = group.follow(model, trainer)
+        logger.info("rank %d: stopped by the leader after %d inner steps", site.rank, steps)
+        return 0
+    finally:
+        group.close()
+
+
+def rank_data(cfg: Any, train: torch.Tensor, site: SiteRank | None) -> torch.Tensor:
+    """This process's slice of the train tokens: slice ``data.site`` of ``data.sites``,
+    and within it this rank's share (:meth:`SiteRank.slice_of`); a view, nothing read."""
+    from node.data import site_slice
+
+    index, count = cfg.data.site, cfg.data.sites
+    if site is not None:
+        index, count = site.slice_of(cfg.data.site, cfg.data.sites)
+    return site_slice(train, index, count, cfg.model.context)
+
+
+def stream_key(key: str, site: SiteRank | None) -> object:
+    """What keys this process's batch stream: the node's PeerID, and its rank in a site."""
+    return key if site is None else (key, site.rank)
+
+
+def site_command(argv: Sequence[str], nproc: int, max_restarts: int) -> list[str]:
+    """The torchrun command that runs ``atoll ARGV`` (an ``atoll run`` with
+    ``--nproc-per-node``) as a site of ``nproc`` ranks on this machine."""
+    if nproc < 1:
+        raise ValueError("--nproc-per-node must be >= 1")
+    if max_restarts < 0:
+        raise ValueError("--max-restarts must be >= 0")
+    rest: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--nproc-per-node", "--max-restarts"):
+            skip = True
+            continue
+        if arg.startswith(("--nproc-per-node=", "--max-restarts=")):
+            continue
+        rest.append(arg)
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "node.cli",
+        *rest,
+    ]
