@@ -134,6 +134,9 @@ class TrainConfig:
     total_steps: int = Field(default=2000, ge=1)
     grad_clip: float = Field(default=1.0, ge=0.0)
     eval_batches: int = Field(default=8, ge=1)
+    sharding: Literal["ddp", "fsdp"] = "ddp"
+    """In a site of several processes: every rank holds the whole model (``ddp``), or
+    each holds a shard of it (``fsdp``, for models that do not fit one device)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16`` runs forward and loss under autocast; weights, gradients, optimizer
     state, pseudo-gradients and outer steps stay float32."""

@@ -41,7 +41,7 @@ from node.monitor import Monitor
 from node.outer import OuterOptimizer, sync_schedule
 from node.peers import DuplicateIdentityError, PeerView
 from node.simulate import resolve_device
-from node.site import SiteGroup, SiteRank, rank_data, stream_key
+from node.site import SiteGroup, SiteRank, params_digest, rank_data, stream_key
 from node.spec import RunSpec, settings_digest
 from node.syncer import Pending, Syncer
 from node.trainer import InnerTrainer, evaluate
@@ -219,11 +219,14 @@ class Node:
         else:
             # the site's leader: its ranks train in step with it (node.site)
             self.device = self.site.device(cfg.run.device)
-            self.site_group = SiteGroup(self.site, self.device)
+            self.site_group = SiteGroup(self.site, self.device, cfg.train.sharding)
             key = self.site_group.agree_key(key)
         corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
-        self.model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
-        self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
+        sharded = self.site_group is not None and self.site_group.sharded
+        # under FSDP the node's full copies (local, global, eval) live in CPU memory
+        home = torch.device("cpu") if sharded else self.device
+        self.model = build_model(cfg.model, seed=cfg.run.seed).to(home)
+        self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(home)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
         self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
         train = training_data(self.byzantine, rank_data(cfg, corpus.train, self.site), cfg.run.seed)
@@ -231,9 +234,13 @@ class Node:
             train, cfg.data.batch_size, cfg.model.context, stream_key(key, self.site)
         )
         trained, ranks = self.model, 1
+        self.site_module = self.model  # what the site's ranks train: the model, or its shards
         if self.site_group is not None:
-            trained, ranks = self.site_group.wrap(self.model), self.site_group.site.world
+            if sharded:
+                self.site_module = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
+            trained, ranks = self.site_group.wrap(self.site_module), self.site_group.site.world
         self.trainer = InnerTrainer(trained, cfg.train, stream, self.device, ranks=ranks)
+        self._shards_ahead = False  # under FSDP: the shards trained past self.model
         self.val_batches = BatchStream(
             corpus.val, cfg.data.batch_size, cfg.model.context, "validation"
         ).fixed_batches(cfg.train.eval_batches)
@@ -371,7 +378,8 @@ class Node:
                 raise ValueError(f"checkpoint {info.path} is for another model or fragment plan")
             self.model.load_state_dict(state["model"])
             self.outer.load_state_dict(state["outer"])
-            self.trainer.optimizer.load_state_dict(state["inner"])
+            if state.get("inner") is not None and not self._sharded():
+                self.trainer.optimizer.load_state_dict(state["inner"])
             self.trainer.steps, self.trainer.tokens = state["steps"], state["tokens"]
             self.round = state["round"]
             logger.info("resumed from %s (round %d)", info.path.name, self.round)
@@ -399,6 +407,7 @@ class Node:
         """
         assert self.transport is not None and self.peers is not None
         net = self.cfg.network
+        self._pull_from_site()
         self.transport.run(self.peers.refresh(self._record()), net.request_timeout * 2 + 5)
         found = catchup.download(
             self.transport,
@@ -481,6 +490,7 @@ class Node:
 
         if self.site_group is not None and not self.stop_event.is_set():
             # on a signal torchrun stops the ranks itself; on an error they are told here
+            attempt("taking the site's last values", self._pull_from_site)
             attempt("stopping the site's ranks", self.site_group.stop)
         if hasattr(self, "outer") and self.round > 0:
             attempt("final checkpoint", self._checkpoint)
@@ -514,6 +524,7 @@ class Node:
         else:
             self._train_seconds()
         if self.site_group is not None and not self.stop_event.is_set():
+            self._pull_from_site()  # the final checkpoint holds what the ranks trained
             self.site_group.stop()  # on a signal, torchrun stops the ranks itself
         self._linger()
 
@@ -541,6 +552,7 @@ class Node:
             self._share_with_site()
             self.site_group.step(self.trainer.steps)
             result = self.site_group.guard(self.trainer.step)  # DDP all-reduces in it
+            self._shards_ahead = True
         if self.cfg.run.slowdown > 1.0:
             # Stand in for slower hardware: the extra time is compute time, not idle.
             time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))
@@ -562,11 +574,24 @@ class Node:
         inner step (a sync applied, a re-sync, a catch-up)."""
         assert self.site_group is not None
         if self._site_changed:
-            self.site_group.share_params(self.model)
+            self.site_group.share_params(self.model, self.site_module)
             self._site_changed = False
+
+    def _sharded(self) -> bool:
+        return self.site_group is not None and self.site_group.sharded
+
+    def _pull_from_site(self) -> None:
+        """Under FSDP, before the node reads its model: the full values of the shards."""
+        group = self.site_group
+        if group is None or not self._shards_ahead or self.stop_event.is_set():
+            return  # after a signal torchrun is stopping the ranks: nothing to gather from
+        if not (group.stopped or group.broken):
+            group.gather(self.model, self.site_module)
+            self._shards_ahead = False
 
     def _launch(self, r: int, f: int, tokens: int) -> Pending:
         """Start the sync of fragment ``f`` for round ``r`` with the tokens trained for it."""
+        self._pull_from_site()
         self.verifier.round = max(self.verifier.round, r)
         # Wait for every live peer, suspects included: they count in everyone's view of
         # the round, and whether they are left out is decided by vote (voted_out).
@@ -698,6 +723,7 @@ class Node:
 
     def _apply(self, pending: Pending) -> dict[str, Any] | None:
         """Apply a finished sync; None when it failed or averaged alone while peers live."""
+        self._pull_from_site()
         record = self.syncer.apply(pending, self.trainer.steps)
         self._site_changed = True
         if record is None:
@@ -714,6 +740,7 @@ class Node:
 
     def _end_round(self, r: int, resync: bool) -> None:
         self.round = r
+        self._pull_from_site()
         if resync and self.exchange.settings.mixes(len(self.live_peers()) + 1):
             # Global copies differ across the swarm by design: there is no one state to
             # take; the next rounds' mixing pulls this node's copy back in.
@@ -737,8 +764,11 @@ class Node:
         fields["flagged"] = self.verifier.flagged(self.round)
         if self.site_group is not None:
             self._share_with_site()
-            digests = self.site_group.digests(self.model)
-            fields.update(ranks=len(digests), ranks_agree=len(set(digests)) == 1)
+            digests = self.site_group.digests(self.site_module)
+            agree = len(set(digests)) == 1
+            if self.site_group.sharded:  # and the shards make up the leader's full copy
+                agree = agree and digests[0] == params_digest(self.model)
+            fields.update(ranks=len(digests), ranks_agree=agree)
             if not fields["ranks_agree"]:
                 logger.error("round %d: the ranks of this site hold different parameters", r)
         if self.round % self.cfg.run.checkpoint_every == 0:
@@ -766,6 +796,7 @@ class Node:
         if getattr(self, "_checkpointed_round", None) == self.round:
             return
         self._checkpointed_round = self.round
+        self._pull_from_site()
         # the audit rows and standings of the rounds in the checkpoint go to disk first
         if not self.verifier.flush():
             logger.warning("audit log: queued rows not written within 30 s of a checkpoint")
@@ -779,7 +810,8 @@ class Node:
             "layout": [[list(f.names), [list(s) for s in f.shapes]] for f in self.plan.fragments],
             "model": self.model.state_dict(),
             "outer": self.outer.state_dict(),
-            "inner": self.trainer.optimizer.state_dict(),
+            # under FSDP each rank holds the state of its own shard: not kept
+            "inner": None if self._sharded() else self.trainer.optimizer.state_dict(),
             "steps": self.trainer.steps,
             "tokens": self.trainer.tokens,
         }

@@ -11,14 +11,19 @@ identity, p2pd, the DHT and the control channel, sends the site's pseudo-gradien
 
 * ``PARAMS``: take the leader's parameters (after it applied a sync, re-synced or
   resumed: anything that changes the model outside an inner step);
-* ``OPTIMIZER``: take the leader's inner optimizer state (at the start, after a resume);
+* ``GATHER``: with ``train.sharding = "fsdp"``, hand the leader the full parameters
+  (before it reads them: a sync's pseudo-gradient, a merge, a checkpoint);
+* ``OPTIMIZER``: take the leader's inner optimizer state (at the start, after a resume;
+  with FSDP each rank keeps the state of its own shard);
 * ``STEP n``: take one inner step at schedule position ``n``;
 * ``DIGEST``: report a digest of their parameters (the leader checks every round that
   its ranks hold the same values);
 * ``STOP``: exit.
 
-Ranks therefore stay bitwise identical, and a site's tokens per step are the sum over
-its ranks. If a rank dies, the leader's next collective fails and the node stops
+Ranks therefore stay bitwise identical (with FSDP: their shards make up one model), and
+a site's tokens per step are the sum over its ranks. With FSDP the leader keeps the
+node's full copy of the model in CPU memory, beside the global copy and the outer
+momentum the swarm side needs anyway; the sharded model trains on the devices. If a rank dies, the leader's next collective fails and the node stops
 (:class:`SiteFailed`); torchrun stops the other ranks, and its elastic restart (``atoll
 run --max-restarts K``) brings the site back from the leader's checkpoint.
 """
@@ -52,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_STEP, _PARAMS, _OPTIMIZER, _DIGEST, _STOP = 1, 2, 3, 4, 5
+_STEP, _PARAMS, _OPTIMIZER, _DIGEST, _STOP, _GATHER = 1, 2, 3, 4, 5, 6
 _TIMEOUT = datetime.timedelta(minutes=30)
 """How long a rank waits in one collective: the leader may sit between two inner steps
 while it joins the swarm or waits for peers (minutes); a dead rank is noticed at once
@@ -125,9 +130,12 @@ class SiteGroup:
         device: its device (NCCL for CUDA, gloo for the CPU).
     """
 
-    def __init__(self, site: SiteRank, device: torch.device) -> None:
+    def __init__(self, site: SiteRank, device: torch.device, sharding: str = "ddp") -> None:
+        if sharding not in ("ddp", "fsdp"):
+            raise ValueError(f"train.sharding = {sharding!r}: expected ddp or fsdp")
         self.site = site
         self.device = device
+        self.sharding = sharding
         # NCCL wants one GPU per rank; ranks sharing a GPU (a one-GPU test) use gloo
         shared = device.type == "cuda" and torch.cuda.device_count() < site.world
         backend = "nccl" if device.type == "cuda" and not shared else "gloo"
@@ -145,8 +153,26 @@ class SiteGroup:
         self.guard(dist.broadcast_object_list, box, src=0)
         return str(box[0])
 
+    @property
+    def sharded(self) -> bool:
+        return self.sharding == "fsdp"
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        """``model`` under DDP (which starts every rank from the leader's values)."""
+        """The module the ranks train: ``model`` under DDP (which starts every rank from
+        the leader's values), or ``model`` sharded in place by FSDP (each block, then
+        the rest; the leader then hands out its values with :meth:`share_params`)."""
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            def shard(module: nn.Module) -> None:
+                self.guard(fully_shard, module)
+
+            for module in list(model.modules()):
+                if isinstance(module, nn.ModuleList):
+                    for block in module:
+                        shard(block)
+            shard(model)
+            return model
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -162,30 +188,48 @@ class SiteGroup:
         """Before each inner step: every rank steps at schedule position ``steps``."""
         self._order(_STEP, steps)
 
-    def share_params(self, model: nn.Module) -> None:
-        """Every rank takes the leader's parameters (and buffers)."""
+    def share_params(self, model: nn.Module, trained: nn.Module) -> None:
+        """Every rank takes the leader's parameters (and buffers) of ``model`` into the
+        module it trains (``trained``: ``model`` itself under DDP, its shards under FSDP)."""
         self._order(_PARAMS)
-        self._broadcast_params(model)
+        self._take_params(trained, model)
+
+    def gather(self, model: nn.Module, trained: nn.Module) -> None:
+        """Under FSDP: the leader's ``model`` takes the full values of the shards the
+        ranks trained (nothing to do under DDP: the leader trains ``model`` itself)."""
+        if not self.sharded:
+            return
+        self._order(_GATHER)
+        with torch.no_grad():
+            for full, shard in zip(model.parameters(), trained.parameters()):
+                full.copy_(self.guard(shard.full_tensor))
 
     def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank takes the leader's inner optimizer state."""
+        """Every rank takes the leader's inner optimizer state (under DDP; under FSDP
+        each rank's state is of its own shard)."""
+        if self.sharded:
+            return
         self._order(_OPTIMIZER)
         state = _to_cpu(optimizer.state_dict())
         self.guard(dist.broadcast_object_list, [state], src=0)
 
-    def digests(self, model: nn.Module) -> list[str]:
-        """Every rank's digest of its parameters, by rank (the leader's first)."""
+    def digests(self, trained: nn.Module) -> list[str]:
+        """Every rank's digest of the parameters it trains (the full values, under
+        FSDP), by rank, the leader's first."""
         self._order(_DIGEST)
         gathered: list[Any] = [None] * self.site.world
-        self.guard(dist.gather_object, params_digest(model), gathered, dst=0)
+        self.guard(dist.gather_object, self._digest(trained), gathered, dst=0)
         return [str(d) for d in gathered]
 
     def stop(self) -> None:
-        """Tell the followers to exit (once; not over a broken group)."""
+        """Tell the followers to exit (once; not over a broken group), and take the
+        process group down with them: every rank passes one barrier, then all close."""
         if self.stopped or self.broken:
             return
         self.stopped = True
         self._order(_STOP)
+        self.guard(dist.barrier)
+        self.close()
 
     def _order(self, op: int, arg: int = 0) -> None:
         order = torch.tensor([op, arg], dtype=torch.int64, device=self.device)
@@ -205,24 +249,56 @@ class SiteGroup:
                 self.guard(trainer.step)
                 taken += 1
             elif op == _PARAMS:
-                self._broadcast_params(model)
+                self._take_params(model)
+            elif op == _GATHER:
+                for shard in model.parameters():
+                    self.guard(shard.full_tensor)
             elif op == _OPTIMIZER:
                 box: list[Any] = [None]
                 self.guard(dist.broadcast_object_list, box, src=0)
                 trainer.optimizer.load_state_dict(box[0])
             elif op == _DIGEST:
-                self.guard(dist.gather_object, params_digest(model), None, dst=0)
+                self.guard(dist.gather_object, self._digest(model), None, dst=0)
             elif op == _STOP:
+                self.guard(dist.barrier)
                 return taken
             else:
                 raise SiteFailed(f"unknown order {op} from the site's leader")
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _broadcast_params(self, model: nn.Module) -> None:
+    def _take_params(self, trained: nn.Module, source: nn.Module | None = None) -> None:
+        """Every rank's ``trained`` takes the leader's values (from ``source`` on the
+        leader, ``trained`` itself under DDP)."""
+        source = trained if source is None else source
         with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
+            if not self.sharded:
+                for t in [*trained.parameters(), *trained.buffers()]:
+                    self.guard(dist.broadcast, t.data, src=0)
+                return
+            from torch.distributed.tensor import distribute_tensor
+
+            for shard, full in zip(trained.parameters(), source.parameters()):
+                # rank 0's values are scattered: each rank keeps its own shard
+                values = full.detach() if self.site.leader else torch.empty(shard.shape)
+                mine = self.guard(
+                    distribute_tensor,
+                    values.to(self.device, torch.float32),
+                    shard.device_mesh,
+                    shard.placements,
+                )
+                shard.copy_(mine)
+            for t in trained.buffers():
                 self.guard(dist.broadcast, t.data, src=0)
+
+    def _digest(self, trained: nn.Module) -> str:
+        if not self.sharded:
+            return params_digest(trained)
+        h = hashlib.sha256()
+        for shard in trained.parameters():
+            full = self.guard(shard.full_tensor)
+            h.update(full.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, a collective (or an inner step, whose backward pass
@@ -288,13 +364,14 @@ def run_follower(cfg: Any, site: SiteRank) -> int:
         torch.set_num_threads(cfg.run.threads)
     device = site.device(cfg.run.device)
     corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
-    group = SiteGroup(site, device)
+    group = SiteGroup(site, device, cfg.train.sharding)
     try:
         key = group.agree_key(None)
         model = build_model(cfg.model, seed=cfg.run.seed).to(device)
         own = rank_data(cfg, corpus.train, site)
         stream = BatchStream(own, cfg.data.batch_size, cfg.model.context, stream_key(key, site))
-        trainer = InnerTrainer(group.wrap(model), cfg.train, stream, device, ranks=site.world)
+        trained = group.wrap(model)
+        trainer = InnerTrainer(trained, cfg.train, stream, device, ranks=site.world)
         steps = group.follow(model, trainer)
         logger.info("rank %d: stopped by the leader after %d inner steps", site.rank, steps)
         return 0

@@ -26,8 +26,10 @@ def _rank_processes(node) -> dict[int, psutil.Process]:
     return out
 
 
-def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm):
-    nodes = local_swarm.launch(2, rounds=3, procs_per_node=2)
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm, sharding):
+    extra = [f"train.sharding='{sharding}'"]
+    nodes = local_swarm.launch(2, rounds=3, extra=extra, procs_per_node=2)
     assert wait_until(lambda: all(len(_rank_processes(n)) == 2 for n in nodes), 60)
     local_swarm.record_helpers()
     assert local_swarm.wait_all(240)

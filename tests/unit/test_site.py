@@ -64,7 +64,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, port: int, out: mp.Queue) -> None:
+def _rank(rank: int, port: int, out: mp.Queue, sharding: str = "ddp") -> None:
     import os
 
     os.environ.update(
@@ -85,37 +85,50 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
     )
     site = SiteRank.from_env()
     assert site is not None
-    group = SiteGroup(site, torch.device("cpu"))
+    group = SiteGroup(site, torch.device("cpu"), sharding)
     try:
         key = group.agree_key("leader-key" if site.leader else None)
-        model = build_model(cfg.model, seed=rank)  # different on purpose: DDP aligns them
+        trained = build_model(cfg.model, seed=rank)  # different on purpose: the leader's win
+        # under FSDP the leader keeps the node's full copy apart from the shards it trains
+        full = build_model(cfg.model, seed=7) if sharding == "fsdp" else trained
         data = torch.tensor(list(b"two ranks train in step. " * 20), dtype=torch.uint8)
         stream = BatchStream(data, 2, 8, (key, rank))
-        trainer = InnerTrainer(group.wrap(model), cfg.train, stream, ranks=2)
+        trainer = InnerTrainer(group.wrap(trained), cfg.train, stream, ranks=2)
         if not site.leader:
-            out.put(("follower", key, group.follow(model, trainer), params_digest(model)))
+            taken = group.follow(trained, trainer)
+            out.put(
+                ("follower", key, taken, None if sharding == "fsdp" else params_digest(trained))
+            )
             return
         group.share_optimizer(trainer.optimizer)
+        group.share_params(full, trained)
         for _ in range(3):
             group.step(trainer.steps)
             trainer.step()
+        before = params_digest(full)
+        group.gather(full, trained)
+        trained_moved = params_digest(full) != before or sharding == "ddp"
         with torch.no_grad():  # the leader changes the model outside a step (a sync applied)
-            next(model.parameters()).add_(1.0)
-        group.share_params(model)
+            next(full.parameters()).add_(1.0)
+        group.share_params(full, trained)
+        # every rank now trains the leader's values (under FSDP: its shard of them)
+        shared = group.digests(trained) == [params_digest(full)] * 2
         group.step(trainer.steps)
         trainer.step()
-        digests = group.digests(model)
+        group.gather(full, trained)
+        digests = group.digests(trained)
         group.stop()
-        out.put(("leader", digests, trainer.tokens, params_digest(model)))
+        out.put(("leader", digests, trainer.tokens, params_digest(full), trained_moved and shared))
     finally:
         group.close()
 
 
-def test_a_leader_keeps_a_follower_rank_bitwise_in_step_over_gloo() -> None:
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_leader_keeps_a_follower_rank_bitwise_in_step_over_gloo(sharding: str) -> None:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_rank, args=(r, port, out, sharding)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -126,10 +139,14 @@ def test_a_leader_keeps_a_follower_rank_bitwise_in_step_over_gloo() -> None:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    digests, tokens, leader_digest = got["leader"]
+    digests, tokens, leader_digest, trained_moved = got["leader"]
     key, steps, follower_digest = got["follower"]
     assert key == "leader-key" and steps == 4
-    assert digests == [leader_digest, leader_digest] == [leader_digest, follower_digest]
+    assert trained_moved  # the shards trained, and took the leader's values when told
+    # every rank ends with the values the leader holds (under FSDP: the gathered shards)
+    assert digests == [leader_digest, leader_digest]
+    if sharding == "ddp":
+        assert follower_digest == leader_digest
     assert tokens == 4 * 2 * 8 * 2  # four steps of a batch of 2 x 8 tokens on each of 2 ranks
     assert all(p.exitcode == 0 for p in procs)
 
