@@ -476,7 +476,8 @@ class Verifier:
         row (``operator_ban`` / ``operator_pardon``) and one event.
 
         A ban counts from the next round (this round's groups are formed); a pardon lifts
-        a ban or quarantine at once and keeps the peer's score and violations.
+        a ban or quarantine at once and keeps the peer's score and violations. Both are
+        written to the SQLite file before this returns.
 
         Returns:
             The peer's new standing.
@@ -502,6 +503,9 @@ class Verifier:
             )
         if self.events is not None:
             self.events.write(f"operator_{op}", peer=peer, reason=reason, round=self.round)
+        # an operator's command is on disk when it is answered (`atoll peers` reads the file)
+        if not self.writer.flush():
+            logger.warning("operator %s of %s: not written to the audit log within 30 s", op, peer)
         return {
             "peer": peer,
             "score": round(standing.score, 3),
