@@ -124,9 +124,12 @@ class DataConfig:
 
 @dataclass(frozen=True, config=_STRICT)
 class TrainConfig:
-    """The inner loop: AdamW with linear warmup and cosine decay, gradient clipping."""
+    """The inner loop: AdamW (or Muon, SOAP, ...) with linear warmup and cosine decay,
+    gradient clipping."""
 
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "adam", "sgd", "muon", "soap"] = "adamw"
+    """``muon``: Muon on hidden matrices, AdamW on the rest; ``soap``: SOAP (a
+    Shampoo-family preconditioner, from ``pytorch_optimizer``)."""
     lr: float = Field(default=3e-3, gt=0.0)
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(default=0.1, ge=0.0)
@@ -141,6 +144,13 @@ class TrainConfig:
     """``bf16`` runs forward and loss under autocast; weights, gradients, optimizer
     state, pseudo-gradients and outer steps stay float32."""
 
+    def __post_init__(self) -> None:
+        if self.sharding == "fsdp" and self.optimizer in ("muon", "soap"):
+            raise ValueError(
+                f"train.optimizer = {self.optimizer!r} with train.sharding = 'fsdp': it "
+                "needs whole weight matrices on each rank; use adamw, adam or sgd, or ddp"
+            )
+
 
 @dataclass(frozen=True, config=_STRICT)
 class OuterConfig:
@@ -150,6 +160,14 @@ class OuterConfig:
     lr: float = Field(default=0.7, gt=0.0)
     momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
     kwargs: dict[str, float | int | bool] = Field(default_factory=dict)
+    momentum_warmup: int = Field(default=0, ge=0)
+    """Rounds over which the outer momentum rises linearly to ``momentum`` (round r
+    uses ``momentum * min(1, r / momentum_warmup)``); 0: full momentum from the start."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """``cosine``: the outer lr decays from ``lr`` to ``lr * min_lr_ratio`` over
+    ``lr_rounds`` rounds, then stays there."""
+    lr_rounds: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
 
     def __post_init__(self) -> None:
         if self.optimizer == "nesterov" and self.momentum == 0.0:
@@ -157,6 +175,13 @@ class OuterConfig:
                 "outer.momentum = 0 with outer.optimizer = 'nesterov': Nesterov needs "
                 "momentum > 0; for outer steps without momentum use optimizer = 'sgd'"
             )
+        if self.momentum_warmup and self.optimizer not in ("nesterov", "sgd"):
+            raise ValueError(
+                f"outer.momentum_warmup with outer.optimizer = {self.optimizer!r}: the "
+                "warm-up applies to nesterov and sgd only"
+            )
+        if self.lr_schedule == "cosine" and self.lr_rounds < 1:
+            raise ValueError("outer.lr_schedule = 'cosine' needs outer.lr_rounds >= 1")
 
 
 @dataclass(frozen=True, config=_STRICT)

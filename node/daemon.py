@@ -44,7 +44,7 @@ from node.simulate import resolve_device
 from node.site import SiteGroup, SiteRank, params_digest, rank_data, stream_key
 from node.spec import RunSpec, settings_digest
 from node.syncer import Pending, Syncer
-from node.trainer import InnerTrainer, evaluate
+from node.trainer import InnerTrainer, evaluate, make_inner_optimizer
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments
@@ -379,7 +379,19 @@ class Node:
             self.model.load_state_dict(state["model"])
             self.outer.load_state_dict(state["outer"])
             if state.get("inner") is not None and not self._sharded():
-                self.trainer.optimizer.load_state_dict(state["inner"])
+                try:
+                    self.trainer.optimizer.load_state_dict(state["inner"])
+                except (ValueError, KeyError) as exc:
+                    # the inner optimizer is this node's own: a fresh one only costs warmup
+                    logger.warning(
+                        "%s holds the state of another inner optimizer (train.optimizer "
+                        "changed?): starting a fresh one (%s)",
+                        info.path.name,
+                        exc,
+                    )
+                    self.trainer.optimizer = make_inner_optimizer(
+                        self.trainer.model, self.cfg.train
+                    )
             self.trainer.steps, self.trainer.tokens = state["steps"], state["tokens"]
             self.round = state["round"]
             logger.info("resumed from %s (round %d)", info.path.name, self.round)

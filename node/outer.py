@@ -11,6 +11,7 @@ reset to the new global value.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -94,8 +95,32 @@ class OuterOptimizer:
         local = self.plan.flatten(dict(model.named_parameters()), fragment)
         return self.globals[fragment].detach() - local
 
-    def step(self, fragment: int, averaged: torch.Tensor) -> torch.Tensor:
-        """Apply the outer optimizer to a fragment's global copy; return the new value."""
+    def schedule(self, round_: int) -> tuple[float, float | None]:
+        """The outer lr and momentum of round ``round_`` (1-based): a function of the
+        round alone, so every member of a group steps the same way, whenever it joined.
+        Momentum is None for optimizers that have none to warm up."""
+        cfg = self.cfg
+        lr = cfg.lr
+        if cfg.lr_schedule == "cosine":
+            progress = min(1.0, max(0, round_ - 1) / cfg.lr_rounds)
+            floor = cfg.lr * cfg.min_lr_ratio
+            lr = floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        momentum = None
+        if cfg.optimizer in ("nesterov", "sgd"):
+            momentum = cfg.momentum
+            if cfg.momentum_warmup:
+                momentum *= min(1.0, max(1, round_) / cfg.momentum_warmup)
+        return lr, momentum
+
+    def step(
+        self, fragment: int, averaged: torch.Tensor, round_: int | None = None
+    ) -> torch.Tensor:
+        """Apply the outer optimizer to a fragment's global copy; return the new value.
+
+        Args:
+            round_: the round this step belongs to, for the outer schedule
+                (:meth:`schedule`); None steps with the optimizer's settings as they are.
+        """
         g = self.globals[fragment]
         if averaged.shape != g.shape:
             raise ValueError(
@@ -105,6 +130,12 @@ class OuterOptimizer:
         if not torch.isfinite(averaged).all():
             raise ValueError(f"fragment {fragment}: averaged pseudo-gradient is not finite")
         g.grad = averaged.to(g.dtype).clone()
+        if round_ is not None:
+            lr, momentum = self.schedule(round_)
+            for group in self.optimizers[fragment].param_groups:
+                group["lr"] = lr
+                if momentum is not None:
+                    group["momentum"] = momentum
         self.optimizers[fragment].step()
         self.optimizers[fragment].zero_grad(set_to_none=True)
         return g.detach()
@@ -116,6 +147,7 @@ class OuterOptimizer:
         own: torch.Tensor,
         mean: torch.Tensor,
         gossip_pull: float | None = None,
+        round_: int | None = None,
     ) -> torch.Tensor:
         """Outer step of a group that does not span the swarm (see :mod:`node.syncer`).
 
@@ -130,9 +162,9 @@ class OuterOptimizer:
         """
         own = own.to(mean.device)
         if gossip_pull is not None:
-            return self.step(fragment, averaged + gossip_pull * (own - mean))
+            return self.step(fragment, averaged + gossip_pull * (own - mean), round_)
         self.set_global(fragment, mean)
-        return self.step(fragment, averaged)
+        return self.step(fragment, averaged, round_)
 
     def sync_local(self, model: nn.Module, fragment: int) -> None:
         """Reset the local copy of a fragment to its global value."""
@@ -178,9 +210,11 @@ class OuterOptimizer:
         for f, g in enumerate(self.globals):
             self.plan.write(params, f, g.detach())
 
-    def apply(self, model: nn.Module, fragment: int, averaged: torch.Tensor) -> None:
+    def apply(
+        self, model: nn.Module, fragment: int, averaged: torch.Tensor, round_: int | None = None
+    ) -> None:
         """Outer step on the global copy, then local := global."""
-        self.step(fragment, averaged)
+        self.step(fragment, averaged, round_)
         self.sync_local(model, fragment)
 
     def global_vector(self, fragment: int) -> torch.Tensor:

@@ -136,7 +136,7 @@ def simulate(
                     decoded.append(codecs.decode(enc, expected_numel=pg.numel()))
                 avg = weighted_mean(decoded, [float(t) for t in round_tokens])
                 for i, model in enumerate(models):
-                    outers[i].apply(model, f, avg.to(device))
+                    outers[i].apply(model, f, avg.to(device), r)
         bpb = evaluate(models[0], val_batches, device)
         entry = {
             "round": r,

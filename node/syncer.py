@@ -182,11 +182,13 @@ class Syncer:
         result, mixed = done.result, done.mixed
         averaged = result.vector.to(self.device)
         if mixed is None:
-            self.outer.step(f, averaged)
+            self.outer.step(f, averaged, pending.round)
         else:
             sync = self.cfg.sync
             pull = sync.gossip_gamma / self.cfg.outer.lr if sync.averaging == "gossip" else None
-            self.outer.step_mixed(f, averaged, pending.weights, mixed.vector.to(self.device), pull)
+            self.outer.step_mixed(
+                f, averaged, pending.weights, mixed.vector.to(self.device), pull, pending.round
+            )
         self.outer.merge_local(self.model, f, self.cfg.sync.alpha, pending.sent_from)
         self.missed[f] = 0
         self.outcomes["complete" if result.complete else "partial"] += 1

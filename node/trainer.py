@@ -20,7 +20,14 @@ from torch import nn
 from node.config import TrainConfig
 from node.data import BatchStream, bits_per_byte
 
-__all__ = ["InnerTrainer", "StepResult", "evaluate", "lr_at", "make_inner_optimizer"]
+__all__ = [
+    "InnerTrainer",
+    "OptimizerSet",
+    "StepResult",
+    "evaluate",
+    "lr_at",
+    "make_inner_optimizer",
+]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -33,21 +40,96 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (default), Adam or SGD; no weight decay on biases, norms and embeddings' 1-D params."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+_BETAS = (0.9, 0.95)
+_NOT_HIDDEN = ("tok", "pos", "embed", "wte", "wpe", "head")
+"""Names of 2-D parameters that are not hidden weight matrices (embeddings, the output
+layer): Muon leaves them to AdamW, as its authors do."""
+
+
+class OptimizerSet:
+    """Several optimizers stepped as one (Muon for the hidden matrices, AdamW for the
+    rest): the trainer sets ``lr`` on every group, checkpoints hold each one's state."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for o in self.optimizers for k, v in o.state.items()}
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        parts = state.get("optimizers") if isinstance(state, dict) else None
+        if not isinstance(parts, list) or len(parts) != len(self.optimizers):
+            raise ValueError("inner optimizer state is not this optimizer's (train.optimizer)")
+        for o, part in zip(self.optimizers, parts):
+            o.load_state_dict(part)
+
+
+def make_inner_optimizer(
+    model: nn.Module, cfg: TrainConfig
+) -> torch.optim.Optimizer | OptimizerSet:
+    """The inner optimizer ``train.optimizer`` names; no weight decay on 1-D parameters
+    (biases, norms).
+
+    * ``adamw`` (default), ``adam``, ``sgd`` (momentum 0.9): from ``torch.optim``;
+    * ``muon``: ``torch.optim.Muon`` (Newton-Schulz orthogonalised momentum) on the
+      hidden weight matrices, its step scaled to AdamW's RMS so ``train.lr`` means the
+      same; AdamW on embeddings, the output layer and 1-D parameters;
+    * ``soap``: SOAP (Shampoo's preconditioner with Adam run in its eigenbasis, Vyas et
+      al. 2024) from ``pytorch_optimizer``.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=_BETAS)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=(0.9, 0.95))
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=_BETAS)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
+    if cfg.optimizer == "soap":
+        from pytorch_optimizer import SOAP
+
+        return SOAP(groups, lr=cfg.lr, betas=_BETAS)
+    hidden = [p for n, p in named if p.dim() == 2 and not _not_hidden(n)]
+    ids = {id(p) for p in hidden}
+    rest_decay = [p for n, p in named if p.dim() >= 2 and id(p) not in ids]
+    muon = torch.optim.Muon(
+        hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"
+    )
+    adamw = torch.optim.AdamW(
+        [
+            {"params": rest_decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=_BETAS,
+    )
+    return OptimizerSet([muon, adamw])
+
+
+def _not_hidden(name: str) -> bool:
+    parts = name.replace("module.", "").split(".")
+    return any(part.startswith(_NOT_HIDDEN) for part in parts)
 
 
 @dataclass(frozen=True)

@@ -82,3 +82,41 @@ def test_sync_schedule_staggers_every_fragment_once():
     assert max(sched) == 5
     with pytest.raises(ValueError):
         sync_schedule(0, 1)
+
+
+def test_outer_schedule_hand_values():
+    model = Toy()
+    plan = plan_fragments(model, 1)
+    warm = OuterOptimizer(model, plan, OuterConfig(momentum=0.9, momentum_warmup=3))
+    assert [round(warm.schedule(r)[1], 6) for r in (1, 2, 3, 4, 10)] == [0.3, 0.6, 0.9, 0.9, 0.9]
+    assert warm.schedule(5)[0] == 0.7  # constant lr
+    cosine = OuterOptimizer(
+        model, plan, OuterConfig(lr=1.0, lr_schedule="cosine", lr_rounds=4, min_lr_ratio=0.2)
+    )
+    # progress (r - 1) / 4: 0, 0.5, 1, then held: lr = 0.2 + 0.8 * (1 + cos(pi p)) / 2
+    lrs = [round(cosine.schedule(r)[0], 6) for r in (1, 3, 5, 9)]
+    assert lrs == [1.0, 0.6, 0.2, 0.2]
+    adam = OuterOptimizer(model, plan, OuterConfig(optimizer="Adam", lr=0.1))
+    assert adam.schedule(1) == (0.1, None)  # no momentum to warm up
+
+
+def test_a_warmed_up_first_step_matches_hand_computation():
+    model = Toy()
+    plan = plan_fragments(model, 1)
+    outer = OuterOptimizer(model, plan, OuterConfig(momentum=0.9, momentum_warmup=3))
+    # round 1: momentum 0.3: buf = g; update = g + 0.3 g = 1.3 g; w = w0 - 0.7 * 1.3 g
+    outer.apply(model, 0, torch.tensor([0.5, -0.5]), 1)
+    torch.testing.assert_close(model.w.detach(), torch.tensor([1.0 - 0.455, 2.0 + 0.455]))
+    # without a round the optimizer steps as configured (momentum 0.9: 1.9 g)
+    plain = OuterOptimizer(Toy(), plan_fragments(Toy(), 1), OuterConfig(momentum=0.9))
+    moved = plain.step(0, torch.tensor([0.5, -0.5]))
+    torch.testing.assert_close(moved, torch.tensor([1.0 - 0.665, 2.0 + 0.665]))
+
+
+def test_outer_schedule_settings_are_checked():
+    from pydantic import ValidationError
+
+    with pytest.raises((ValueError, ValidationError), match="needs outer.lr_rounds"):
+        OuterConfig(lr_schedule="cosine")
+    with pytest.raises((ValueError, ValidationError), match="nesterov and sgd only"):
+        OuterConfig(optimizer="Adam", momentum_warmup=2)
