@@ -19,9 +19,9 @@ the batch stream ``(seed, i)`` in both methods, so they see the very same batche
 
 Everything runs on the CPU. The target is a final validation bits per byte within 1 %
 of DDP's with at least 1000x fewer bytes sent per worker; each run says whether it
-meets it. Each H is also run at int8 with other outer-optimizer settings
-(:data:`_OUTER_VARIANTS`), since DiLoCo's defaults are tuned for far more outer steps
-than a short run has. Quick mode (2 to 10 minutes on two cores) uses a 1-layer, 64-wide
+meets it. Each H is also run at int8 with other settings (:data:`_VARIANTS`): outer
+ones, since DiLoCo's defaults are tuned for far more outer steps than a short run has,
+and the other inner optimizers (Muon, SOAP) at the same lr and tokens. Quick mode (2 to 10 minutes on two cores) uses a 1-layer, 64-wide
 model and 500 steps per worker; full mode the default reference model and 3000 steps
 (hours on two cores); ``--steps N`` changes the length of either. Run it with
 ``python -m benchmarks convergence [--quick] [--steps N]``; it writes
@@ -53,12 +53,16 @@ _TARGET_GAP_PERCENT = 1.0
 _TARGET_BYTES_RATIO = 1000.0
 _INNER_STEPS = (50, 100, 250)
 _CODECS = ("none", "int8", "int4")
-# Outer-optimizer settings tried besides the config's (DiLoCo's Nesterov, lr 0.7,
-# momentum 0.9, tuned for runs of hundreds of outer steps), each at every H with int8:
-# a short run has only 2-10 outer steps, where momentum 0.9 overshoots.
-_OUTER_VARIANTS: dict[str, tuple[str, ...]] = {
+# Settings tried besides the config's, each at every H with int8: outer-optimizer ones
+# (DiLoCo's Nesterov, lr 0.7, momentum 0.9, is tuned for runs of hundreds of outer steps;
+# a short run has only 2-10, where momentum 0.9 overshoots), and the other inner
+# optimizers at the same lr and tokens.
+_VARIANTS: dict[str, tuple[str, ...]] = {
     "nesterov lr 0.7 momentum 0.5": ("outer.momentum=0.5",),
     "plain averaging (sgd lr 1)": ("outer.optimizer='sgd'", "outer.lr=1.0", "outer.momentum=0.0"),
+    "outer momentum warm-up over 3 rounds": ("outer.momentum_warmup=3",),
+    "inner Muon": ("train.optimizer='muon'",),
+    "inner SOAP": ("train.optimizer='soap'",),
 }
 _VARIANT_CODEC = "int8"
 _EVAL_EVERY = min(_INNER_STEPS)  # DDP is evaluated as often as the most frequent Atoll round
@@ -193,7 +197,7 @@ def _run_atoll(
 ) -> dict[str, Any]:
     """One simulated DiLoCo run of ``steps / inner_steps`` rounds with 4 replicas.
 
-    ``outer`` names an entry of :data:`_OUTER_VARIANTS`; None keeps the config's.
+    ``outer`` names an entry of :data:`_VARIANTS`; None keeps the config's.
     """
     from node.simulate import simulate
 
@@ -206,7 +210,7 @@ def _run_atoll(
             "sync.trigger='steps'",
             f"sync.inner_steps={inner_steps}",
             f"sync.codec='{codec}'",
-            *(_OUTER_VARIANTS[outer] if outer else ()),
+            *(_VARIANTS[outer] if outer else ()),
         ],
     )
     label = f"H={inner_steps} {codec}" + (f", {outer}" if outer else "")
@@ -315,16 +319,16 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def _plot_outer(report: dict[str, Any], ax: Any) -> None:
-    """Grouped bars: final gap to DDP per H for each outer-optimizer setting (int8)."""
+    """Grouped bars: final gap to DDP per H for each setting (int8)."""
     runs = [r for r in report["atoll"] if r["codec"] == _VARIANT_CODEC]
-    runs += report.get("outer_variants", [])
-    settings = ["config default (nesterov lr 0.7 momentum 0.9)", *_OUTER_VARIANTS]
+    runs += report.get("variants", [])
+    settings = ["config default (nesterov lr 0.7 momentum 0.9)", *_VARIANTS]
     width = 0.8 / len(settings)
     for i, setting in enumerate(settings):
         xs, gaps = [], []
         for j, h in enumerate(_INNER_STEPS):
             for r in runs:
-                name = r.get("outer_variant") or settings[0]
+                name = r.get("variant") or settings[0]
                 if r["inner_steps"] == h and name == setting and "gap_to_ddp_percent" in r:
                     xs.append(j + (i - (len(settings) - 1) / 2) * width)
                     gaps.append(r["gap_to_ddp_percent"])
@@ -332,7 +336,7 @@ def _plot_outer(report: dict[str, Any], ax: Any) -> None:
     ax.axhline(_TARGET_GAP_PERCENT, color="black", linewidth=1, linestyle="--", label="target")
     ax.set_xticks(range(len(_INNER_STEPS)), [f"H={h}" for h in _INNER_STEPS])
     ax.set_ylabel(f"final bits/byte above DDP (%), {_VARIANT_CODEC}")
-    ax.set_title("outer optimizer", fontsize=9)
+    ax.set_title("outer settings and inner optimizers", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -360,7 +364,7 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
         The dict written to ``convergence.json``: ``ddp`` (val_bpb_end,
         bytes_sent_per_worker, history), ``atoll`` (one entry per ``H`` and codec with
         val_bpb_end, bytes_sent_per_worker, bytes_ratio_ddp_over_atoll,
-        gap_to_ddp_percent, meets_target and history), ``outer_variants`` (the same at
+        gap_to_ddp_percent, meets_target and history), ``variants`` (the same at
         int8 for each other outer-optimizer setting), ``target``, ``notes``, ``quick``,
         ``date`` and ``machine``.
 
@@ -396,11 +400,11 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
                 atoll.append(result)
         variants = []
         for inner_steps in _INNER_STEPS:
-            for outer in _OUTER_VARIANTS:
+            for outer in _VARIANTS:
                 result = _run_atoll(
                     overrides, steps, inner_steps, _VARIANT_CODEC, _SIM_THREADS[quick], outer
                 )
-                result["outer_variant"] = outer
+                result["variant"] = outer
                 _judge(result, ddp)
                 variants.append(result)
     finally:
@@ -425,7 +429,7 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
         },
         "ddp": ddp,
         "atoll": atoll,
-        "outer_variants": variants,
+        "variants": variants,
         "skipped": [f"H={h} {c}" for h, c in skipped],
         "runs_meeting_target": [r["label"] for r in atoll + variants if r.get("meets_target")],
         "seconds": round(time.monotonic() - started, 1),
@@ -443,7 +447,7 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
             "data": "worker i reads BatchStream(train, batch, context, (seed, i)) in both "
             "methods; validation is the same fixed batches for every method",
             "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[quick]}",
-            "outer_variants": "the same runs at int8 with other outer-optimizer settings "
+            "variants": "the same runs at int8 with other outer-optimizer settings or inner optimizers "
             "(overrides in each entry's outer); the main grid uses the config's",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
