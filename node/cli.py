@@ -105,7 +105,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if site is not None:
             raise ValueError("--nproc-per-node under torchrun: torchrun already started the ranks")
         # this process becomes torchrun, which runs this same command once per rank
-        command = site_command(args.argv, args.nproc_per_node, args.max_restarts)
+        command = site_command(args.argv, args.nproc_per_node)
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(command[0], command)
@@ -802,14 +802,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run this node as a site of N processes (torchrun; gloo on CPU, NCCL on GPUs): "
         "rank 0 joins the swarm, all N train data-parallel",
-    )
-    run.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="with --nproc-per-node: let torchrun restart the site K times after a rank "
-        "fails (from the newest checkpoint)",
     )
     run.add_argument(
         "--log-file",

@@ -24,8 +24,8 @@ Ranks therefore stay bitwise identical (with FSDP: their shards make up one mode
 a site's tokens per step are the sum over its ranks. With FSDP the leader keeps the
 node's full copy of the model in CPU memory, beside the global copy and the outer
 momentum the swarm side needs anyway; the sharded model trains on the devices. If a rank dies, the leader's next collective fails and the node stops
-(:class:`SiteFailed`); torchrun stops the other ranks, and its elastic restart (``atoll
-run --max-restarts K``) brings the site back from the leader's checkpoint.
+(:class:`SiteFailed`); torchrun stops the other ranks, and the site is started again
+as a whole (by its service manager), resuming from the leader's checkpoint.
 """
 
 from __future__ import annotations
@@ -395,23 +395,26 @@ def stream_key(key: str, site: SiteRank | None) -> object:
     return key if site is None else (key, site.rank)
 
 
-def site_command(argv: Sequence[str], nproc: int, max_restarts: int) -> list[str]:
+def site_command(argv: Sequence[str], nproc: int) -> list[str]:
     """The torchrun command that runs ``atoll ARGV`` (an ``atoll run`` with
-    ``--nproc-per-node``) as a site of ``nproc`` ranks on this machine."""
+    ``--nproc-per-node``) as a site of ``nproc`` ranks on this machine.
+
+    torchrun does not restart the ranks itself (``--max-restarts=0``): a site that lost
+    a rank stops, and is started again as a whole (by its service manager), resuming
+    from its checkpoint. (Restarted in place, the new ranks hung while forming their
+    gloo group in tests here.)"""
     if nproc < 1:
         raise ValueError("--nproc-per-node must be >= 1")
-    if max_restarts < 0:
-        raise ValueError("--max-restarts must be >= 0")
     rest: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if arg in ("--nproc-per-node", "--max-restarts"):
+        if arg == "--nproc-per-node":
             skip = True
             continue
-        if arg.startswith(("--nproc-per-node=", "--max-restarts=")):
+        if arg.startswith("--nproc-per-node="):
             continue
         rest.append(arg)
     return [
@@ -420,7 +423,7 @@ def site_command(argv: Sequence[str], nproc: int, max_restarts: int) -> list[str
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
+        "--max-restarts=0",
         "-m",
         "node.cli",
         *rest,

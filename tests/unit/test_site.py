@@ -49,13 +49,15 @@ def test_rank_devices(monkeypatch) -> None:
 
 
 def test_the_site_command_is_torchrun_running_the_same_atoll_run() -> None:
-    argv = ["-v", "run", "--config", "c.toml", "--nproc-per-node", "2", "--max-restarts=1"]
-    cmd = site_command(argv, 2, 1)
+    argv = ["-v", "run", "--config", "c.toml", "--nproc-per-node", "2", "--rounds", "3"]
+    cmd = site_command(argv, 2)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert "--nproc-per-node=2" in cmd and "--max-restarts=1" in cmd and "--standalone" in cmd
-    assert cmd[cmd.index("-m", 3) :] == ["-m", "node.cli", "-v", "run", "--config", "c.toml"]
+    assert "--nproc-per-node=2" in cmd and "--max-restarts=0" in cmd and "--standalone" in cmd
+    tail = ["-m", "node.cli", "-v", "run", "--config", "c.toml", "--rounds", "3"]
+    assert cmd[cmd.index("-m", 3) :] == tail
+    assert site_command(["run", "--nproc-per-node=4"], 4)[-2:] == ["node.cli", "run"]
     with pytest.raises(ValueError, match="--nproc-per-node must be >= 1"):
-        site_command(argv, 0, 0)
+        site_command(argv, 0)
 
 
 def _free_port() -> int:
