@@ -605,6 +605,39 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from node.plan import PlanInput, describe, parse_count, plan
+
+    cfg = load_config(args.config, args.overrides)
+    if args.params is not None:
+        params = parse_count(args.params)
+    else:
+        from node.model import build_model
+
+        params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    sync = cfg.sync
+    inp = PlanInput(
+        params=params,
+        bandwidth_gbit=args.bandwidth_gbit,
+        step_seconds=args.step_seconds,
+        codec=args.codec or sync.codec,
+        block_size=sync.block_size,
+        fragments=args.fragments or sync.fragments,
+        group_size=args.group_size or cfg.network.group_size,
+        trigger=args.trigger or sync.trigger,
+        inner_steps=args.inner_steps or sync.inner_steps,
+        round_seconds=args.round_seconds
+        or (sync.round_seconds if (args.trigger or sync.trigger) == "seconds" else None),
+        tau=sync.tau if args.tau is None else args.tau,
+        distance_km=args.distance_km,
+        round_trips=args.round_trips,
+        overhead_seconds=args.overhead_seconds,
+    )
+    result = plan(inp)
+    print(json.dumps(result) if args.json else describe(result))
+    return 0
+
+
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from node.data import prepare_shards
 
@@ -744,7 +777,8 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Atoll: train one model across scattered machines. Run a node (atoll run), "
             "try a swarm on this machine (atoll swarm), and watch and manage a node "
-            "(status, peers, ban, pardon, audit, export); prepare a large corpus (data)."
+            "(status, peers, ban, pardon, audit, export); prepare a large corpus (data) "
+            "and plan a run's links (plan)."
         ),
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -894,6 +928,58 @@ def _parser() -> argparse.ArgumentParser:
         "--round", type=int, default=None, help="the checkpoint of this round (default newest)"
     )
     export.set_defaults(func=_cmd_export)
+
+    pl = sub.add_parser(
+        "plan", help="bytes, link time and utilization of a run's syncs, before starting it"
+    )
+    _add_config_args(pl)
+    pl.add_argument(
+        "--params", default=None, help="model size, e.g. 1T, 7B, 480k (default: the config's)"
+    )
+    pl.add_argument(
+        "--codec", default=None, help="none, fp16, bf16, int8 or int4 (default: the config's)"
+    )
+    pl.add_argument("--fragments", type=int, default=None, help="fragments (default: the config's)")
+    pl.add_argument(
+        "--group-size", type=int, default=None, help="butterfly group size (default: the config's)"
+    )
+    pl.add_argument(
+        "--trigger",
+        choices=("steps", "seconds"),
+        default=None,
+        help="sync.trigger (default: the config's)",
+    )
+    pl.add_argument(
+        "--inner-steps",
+        type=int,
+        default=None,
+        help="H, inner steps per round (default: the config's)",
+    )
+    pl.add_argument(
+        "--round-seconds", type=float, default=None, help="round length with --trigger seconds"
+    )
+    pl.add_argument(
+        "--tau",
+        type=int,
+        default=None,
+        help="steps before a result is applied (default: the config's)",
+    )
+    pl.add_argument(
+        "--step-seconds", type=float, required=True, help="seconds one inner step takes"
+    )
+    pl.add_argument("--bandwidth-gbit", type=float, required=True, help="each node's link, Gbit/s")
+    pl.add_argument("--distance-km", type=float, default=0.0, help="distance between sites, km")
+    pl.add_argument(
+        "--round-trips", type=int, default=2, help="round trips a sync waits for (default 2)"
+    )
+    pl.add_argument(
+        "--overhead-seconds",
+        type=float,
+        default=0.0,
+        help="fixed seconds per sync besides the link (matchmaking; 0.58 measured on loopback)",
+    )
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_cmd_plan)
 
     data = sub.add_parser("data", help="prepare a corpus as token shards read through memory maps")
     data_sub = data.add_subparsers(dest="data_command", required=True)
