@@ -46,7 +46,8 @@ def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm
 
 
 def test_a_dead_rank_stops_its_site_cleanly_and_the_other_site_goes_on(local_swarm):
-    nodes = local_swarm.launch(2, rounds=60, procs_per_node=2)
+    # rounds enough that the site left alone does not finish them while the test looks
+    nodes = local_swarm.launch(2, rounds=100_000, procs_per_node=2)
     assert wait_until(
         lambda: all(
             n.status.get("state") == "training" and n.status.get("round", 0) >= 1 for n in nodes
