@@ -608,7 +608,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from node.plan import PlanInput, describe, parse_count, plan
 
-    cfg = load_config(args.config, args.overrides)
+    # what the command line gives replaces the config's, and is checked as the config is
+    given = {
+        "sync.codec": args.codec,
+        "sync.fragments": args.fragments,
+        "sync.trigger": args.trigger,
+        "sync.inner_steps": args.inner_steps,
+        "sync.round_seconds": args.round_seconds,
+        "sync.tau": args.tau,
+        "network.group_size": args.group_size,
+    }
+    overrides = [f"{k}={json.dumps(v)}" for k, v in given.items() if v is not None]
+    cfg = load_config(args.config, [*args.overrides, *overrides])
     if args.params is not None:
         params = parse_count(args.params)
     else:
@@ -620,15 +631,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         params=params,
         bandwidth_gbit=args.bandwidth_gbit,
         step_seconds=args.step_seconds,
-        codec=args.codec or sync.codec,
+        codec=sync.codec,
         block_size=sync.block_size,
-        fragments=args.fragments or sync.fragments,
-        group_size=args.group_size or cfg.network.group_size,
-        trigger=args.trigger or sync.trigger,
-        inner_steps=args.inner_steps or sync.inner_steps,
-        round_seconds=args.round_seconds
-        or (sync.round_seconds if (args.trigger or sync.trigger) == "seconds" else None),
-        tau=sync.tau if args.tau is None else args.tau,
+        fragments=sync.fragments,
+        group_size=cfg.network.group_size,
+        trigger=sync.trigger,
+        inner_steps=sync.inner_steps,
+        round_seconds=sync.round_seconds if sync.trigger == "seconds" else None,
+        tau=sync.tau,
         distance_km=args.distance_km,
         round_trips=args.round_trips,
         overhead_seconds=args.overhead_seconds,

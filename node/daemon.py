@@ -222,9 +222,8 @@ class Node:
             self.site_group = SiteGroup(self.site, self.device, cfg.train.sharding)
             key = self.site_group.agree_key(key)
         corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
-        sharded = self.site_group is not None and self.site_group.sharded
         # under FSDP the node's full copies (local, global, eval) live in CPU memory
-        home = torch.device("cpu") if sharded else self.device
+        home = torch.device("cpu") if self._sharded() else self.device
         self.model = build_model(cfg.model, seed=cfg.run.seed).to(home)
         self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(home)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
@@ -236,7 +235,7 @@ class Node:
         trained, ranks = self.model, 1
         self.site_module = self.model  # what the site's ranks train: the model, or its shards
         if self.site_group is not None:
-            if sharded:
+            if self._sharded():
                 self.site_module = build_model(cfg.model, seed=cfg.run.seed).to(self.device)
             trained, ranks = self.site_group.wrap(self.site_module), self.site_group.site.world
         self.trainer = InnerTrainer(trained, cfg.train, stream, self.device, ranks=ranks)
@@ -564,7 +563,7 @@ class Node:
             self._share_with_site()
             self.site_group.step(self.trainer.steps)
             result = self.site_group.guard(self.trainer.step)  # DDP all-reduces in it
-            self._shards_ahead = True
+            self._shards_ahead = self.site_group.sharded
         if self.cfg.run.slowdown > 1.0:
             # Stand in for slower hardware: the extra time is compute time, not idle.
             time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))

@@ -57,10 +57,6 @@ class OptimizerSet:
     def param_groups(self) -> list[dict]:
         return [g for o in self.optimizers for g in o.param_groups]
 
-    @property
-    def state(self) -> dict:
-        return {k: v for o in self.optimizers for k, v in o.state.items()}
-
     def step(self) -> None:
         for o in self.optimizers:
             o.step()
