@@ -4,7 +4,8 @@ Each benchmark is a module with ``run(quick: bool, out_dir: Path) -> dict`` that
 writes its JSON and PNG files into ``out_dir``; register it in :data:`BENCHMARKS`.
 ``--steps N`` is passed on as ``run(..., steps=N)`` to the benchmarks in
 :data:`TAKES_STEPS` only, which also define ``steps_problem(steps) -> str | None``;
-``--netns`` as ``run(..., netns=True)`` to those in :data:`TAKES_NETNS` only. A run may
+``--netns`` as ``run(..., netns=True)`` to those in :data:`TAKES_NETNS` only, ``--long``
+as ``run(..., long=True)`` to those in :data:`TAKES_LONG` only. A run may
 return ``{"skipped": reason}`` instead of its report, having written nothing.
 """
 
@@ -16,7 +17,7 @@ import pathlib
 import sys
 import time
 
-__all__ = ["BENCHMARKS", "TAKES_NETNS", "TAKES_STEPS", "main"]
+__all__ = ["BENCHMARKS", "TAKES_LONG", "TAKES_NETNS", "TAKES_STEPS", "main"]
 
 BENCHMARKS: dict[str, str] = {
     "codec": "benchmarks.codec",
@@ -34,6 +35,9 @@ BENCHMARKS: dict[str, str] = {
 
 TAKES_STEPS = frozenset({"convergence"})
 """Benchmarks whose ``run`` takes ``steps`` (training steps per worker)."""
+
+TAKES_LONG = frozenset({"convergence"})
+"""Benchmarks whose ``run`` takes ``long`` (a long mode of their own)."""
 
 TAKES_NETNS = frozenset({"wan"})
 """Benchmarks whose ``run`` takes ``netns`` (workers on network namespaces, tbf links)."""
@@ -75,6 +79,13 @@ def _summary(name: str, report: dict, seconds: float) -> str:
                 )
         parts.append(f"bytes ratio {report.get('bytes_ratio')}")
         line += " | " + "; ".join(parts)
+    elif name == "convergence":
+        parts = []
+        for e in report.get("entries", []):
+            gap = (e.get("gap_to_ddp_percent") or {}).get("mean")
+            if gap is not None:
+                parts.append(f"{e['label'].split(',')[0]} {gap:+.1f}%")
+        line += " | gap to DDP: " + "; ".join(parts)
     elif name == "mixing":
         parts = []
         for n, r in results.items():
@@ -94,7 +105,8 @@ def _summary(name: str, report: dict, seconds: float) -> str:
 
 def _written(out_dir: pathlib.Path, name: str, since: float) -> list[pathlib.Path]:
     # Modules name their files after themselves; only count what this run wrote.
-    return sorted(p for p in out_dir.glob(f"{name}.*") if p.stat().st_mtime >= since)
+    found = [*out_dir.glob(f"{name}.*"), *out_dir.glob(f"{name}-*.*")]  # and its modes
+    return sorted(p for p in found if p.is_file() and p.stat().st_mtime >= since)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help=f"training steps per worker, for {', '.join(sorted(TAKES_STEPS))} only",
+    )
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help=f"the long mode, for {', '.join(sorted(TAKES_LONG))} only",
     )
     parser.add_argument(
         "--netns",
@@ -133,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.long and not set(names) <= TAKES_LONG:
+        print(
+            f"--long applies to {', '.join(sorted(TAKES_LONG))} only, not {args.name}",
+            file=sys.stderr,
+        )
+        return 2
     if args.netns and not set(names) <= TAKES_NETNS:
         print(
             f"--netns applies to {', '.join(sorted(TAKES_NETNS))} only, not {args.name}",
@@ -152,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             extra["steps"] = args.steps
         if args.netns:
             extra["netns"] = True
+        if args.long:
+            extra["long"] = True
         report = module.run(args.quick, args.out, **extra)
         if report.get("skipped"):
             print(f"{name}: skipped: {report['skipped']}", file=sys.stderr)

@@ -1,40 +1,67 @@
-"""Convergence benchmark: Atoll's DiLoCo against PyTorch DDP, bits per byte and bytes sent.
+"""Convergence benchmark: Atoll's DiLoCo against PyTorch DDP, tuned, over seeds.
 
-Four workers train the same model on the same data for the same number of steps each
-(so the same tokens per worker), with the same AdamW inner optimizer and warmup +
-cosine schedule (``node.trainer.lr_at``, ``make_inner_optimizer``); worker ``i`` reads
-the batch stream ``(seed, i)`` in both methods, so they see the very same batches.
+Four workers train the same model for the same number of steps each (so the same
+tokens per worker), with the same warmup + cosine inner schedule
+(``node.trainer.lr_at``); worker ``i`` of seed ``s`` reads the batch stream ``(s, i)``
+in both methods, so they see the very same batches, and every run is scored on the
+same held-out batches (:func:`node.data.validation_batches`: 128 batches, whatever the
+seed or method).
 
 - ``ddp``: four spawned processes, ``torch.distributed`` gloo on 127.0.0.1,
-  ``DistributedDataParallel`` with an fp32 gradient all-reduce every step. A ring
-  all-reduce sends ``2 * (n - 1) / n`` of the gradient per worker, so each worker sends
-  ``steps * params * 4 * 2 * 3 / 4`` bytes.
+  ``DistributedDataParallel`` with AdamW and an fp32 gradient all-reduce every step. A
+  ring all-reduce sends ``2 * (n - 1) / n`` of the gradient per worker, so each worker
+  sends ``steps * params * 4 * 2 * 3 / 4`` bytes.
 - ``atoll``: ``node.simulate.simulate``, the single-process reference of the networked
   node's algorithm (fragments, codec with error feedback, token-weighted averaging,
-  Nesterov outer step), in ``steps`` mode with ``H`` inner steps per round and
-  ``steps / H`` rounds, for each ``H`` and codec. One replica's encoded
-  pseudo-gradients are ``payload_bytes_per_replica``; the butterfly all-reduce sends
-  about ``2 * (n - 1) / n`` of that per worker (its part to each other member, then the
-  reduced parts back), so ``bytes_sent_per_worker = payload * 2 * 3 / 4``.
+  outer step, late application with ``tau``), ``H`` inner steps per round and
+  ``steps / H`` rounds. It scores the global copy (the averaged model every replica
+  agrees on, the one a node keeps). One replica's encoded pseudo-gradients are
+  ``payload_bytes_per_replica``; a butterfly all-reduce member sends about
+  ``2 * (n - 1) / n`` of that, so ``bytes_sent_per_worker = payload * 2 * 3 / 4``.
 
-Everything runs on the CPU. The target is a final validation bits per byte within 1 %
-of DDP's with at least 1000x fewer bytes sent per worker; each run says whether it
-meets it. Each H is also run at int8 with other settings (:data:`_VARIANTS`): outer
-ones, since DiLoCo's defaults are tuned for far more outer steps than a short run has,
-and the other inner optimizers (Muon, SOAP) at the same lr and tokens. Quick mode (2 to 10 minutes on two cores) uses a 1-layer, 64-wide
-model and 500 steps per worker; full mode the default reference model and 3000 steps
-(hours on two cores); ``--steps N`` changes the length of either. Run it with
-``python -m benchmarks convergence [--quick] [--steps N]``; it writes
-``convergence.json`` and ``convergence.png`` into the output folder.
+**Quick mode** (about 20 minutes on two cores; 1-layer, 64-wide model, 500 steps):
+
+1. *Sweep* at seed 0: DDP at each of :data:`_DDP_LRS`; for each H, AdamW at each inner
+   lr of :data:`_INNER_LRS` times each outer setting of :data:`_OUTER` (int8); then Muon
+   and SOAP at each inner lr with the outer setting that was best for AdamW at that H.
+2. *Seeds*: the best of each (DDP; AdamW, Muon and SOAP per H) again at seeds 1 and 2;
+   AdamW's best also with codecs none and int4; and ``configs/islands.toml``'s recipe
+   (its optimizer, outer and sync settings on the quick model).
+
+Each entry reports the mean and spread (sample standard deviation) over seeds of the
+final bits per byte, of the gap to DDP (paired by seed: the same batches and the same
+initial model) and the *DDP-equivalent steps*: the step at which DDP of the same seed
+reached that run's final bits per byte (interpolated between evaluations; None when
+DDP never got there), so ``4 * equivalent / steps`` DDP workers are worth the four
+replicas. Note DDP's curve comes from a run with a cosine schedule over all its steps,
+so an early point of it is not what a shorter DDP run would reach.
+
+**Long mode** (``--long``: the quick model, 10,000 steps per worker and the whole
+byte corpus, so no batch is seen twice; hours) takes the quick sweep's picks from
+``convergence.json`` in the same folder and runs, over the three seeds, DDP and AdamW
+at each H (int8), and the best other inner optimizer at its best H. A sweep at that
+length would cost twenty quick runs; the picks are therefore the short run's.
+
+**Full mode** (neither flag): the default reference model, 3000 steps, the quick
+mode's plan (many hours on two cores).
+
+The target is a final bits per byte within 1 % of DDP's with at least 1000x fewer bytes
+sent per worker; each entry says whether it meets it. Run it with
+``python -m benchmarks convergence [--quick | --long] [--steps N]``; it writes
+``convergence.json`` and ``convergence.png`` (long: ``convergence-long.*``).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import pathlib
+import statistics
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,7 +69,7 @@ import torch
 from benchmarks._common import free_port, gloo_group, machine_info, params_digest, run_ranks
 from node.config import load_config
 
-__all__ = ["run", "steps_problem"]
+__all__ = ["ddp_equivalent_step", "plan_seeds", "run", "setting_overrides", "steps_problem"]
 
 _WORKERS = 4
 _RING_SHARE = (
@@ -53,19 +80,58 @@ _TARGET_GAP_PERCENT = 1.0
 _TARGET_BYTES_RATIO = 1000.0
 _INNER_STEPS = (50, 100, 250)
 _CODECS = ("none", "int8", "int4")
-# Settings tried besides the config's, each at every H with int8: outer-optimizer ones
-# (DiLoCo's Nesterov, lr 0.7, momentum 0.9, is tuned for runs of hundreds of outer steps;
-# a short run has only 2-10, where momentum 0.9 overshoots), and the other inner
-# optimizers at the same lr and tokens.
-_VARIANTS: dict[str, tuple[str, ...]] = {
-    "nesterov lr 0.7 momentum 0.5": ("outer.momentum=0.5",),
-    "plain averaging (sgd lr 1)": ("outer.optimizer='sgd'", "outer.lr=1.0", "outer.momentum=0.0"),
-    "outer momentum warm-up over 3 rounds": ("outer.momentum_warmup=3",),
-    "inner Muon": ("train.optimizer='muon'",),
-    "inner SOAP": ("train.optimizer='soap'",),
+_SWEEP_CODEC = "int8"
+_SEEDS = (0, 1, 2)
+_EVAL_BATCHES = 128
+_DDP_LRS = (3e-3, 6e-3, 1.2e-2)
+_INNER_LRS = (1.5e-3, 3e-3, 6e-3)
+_OPTIMIZERS = ("adamw", "muon", "soap")
+# Outer settings swept with AdamW, every field spelled out so that a change of the
+# config's defaults does not change what a name means.
+_OUTER: dict[str, tuple[str, ...]] = {
+    "DiLoCo (nesterov lr 0.7, momentum 0.9)": (
+        "outer.optimizer='nesterov'",
+        "outer.lr=0.7",
+        "outer.momentum=0.9",
+        "outer.momentum_warmup=0",
+        "outer.lr_schedule='constant'",
+    ),
+    "nesterov 0.7 / 0.9, momentum warmed up over 3 rounds": (
+        "outer.optimizer='nesterov'",
+        "outer.lr=0.7",
+        "outer.momentum=0.9",
+        "outer.momentum_warmup=3",
+        "outer.lr_schedule='constant'",
+    ),
+    "nesterov 0.7 / 0.9, warm-up 3, outer lr cosine to 0.1x": (
+        "outer.optimizer='nesterov'",
+        "outer.lr=0.7",
+        "outer.momentum=0.9",
+        "outer.momentum_warmup=3",
+        "outer.lr_schedule='cosine'",
+        "outer.min_lr_ratio=0.1",
+        # outer.lr_rounds: the run's round count, added per run
+    ),
+    "nesterov lr 0.7, momentum 0.5": (
+        "outer.optimizer='nesterov'",
+        "outer.lr=0.7",
+        "outer.momentum=0.5",
+        "outer.momentum_warmup=0",
+        "outer.lr_schedule='constant'",
+    ),
+    "plain averaging (sgd lr 1)": (
+        "outer.optimizer='sgd'",
+        "outer.lr=1.0",
+        "outer.momentum=0.0",
+        "outer.momentum_warmup=0",
+        "outer.lr_schedule='constant'",
+    ),
 }
-_VARIANT_CODEC = "int8"
-_EVAL_EVERY = min(_INNER_STEPS)  # DDP is evaluated as often as the most frequent Atoll round
+_ISLANDS = pathlib.Path(__file__).resolve().parent.parent / "configs" / "islands.toml"
+# From islands.toml, the recipe's own settings; the model, data, inner schedule and
+# length stay the benchmark's so the row compares at the same tokens.
+_ISLANDS_SECTIONS = ("outer", "sync")
+_ISLANDS_TRAIN_KEYS = ("optimizer", "lr")
 # The integration tests' small model (tests/integration/conftest.py), copied because the
 # benchmarks must not depend on the test suite.
 _QUICK_MODEL = [
@@ -73,23 +139,89 @@ _QUICK_MODEL = [
     "model.n_embd=64",
     "model.context=64",
     "data.batch_size=8",
-    "data.max_files=300",
 ]
+_QUICK_FILES = "data.max_files=300"  # quick: 3.5 MB of training bytes, 1.2 passes at 2000 steps
+_LONG_FILES = "data.max_files=0"  # long: all 28.6 MB, under one pass at 10,000 steps
 _QUICK_STEPS = 500
+_LONG_STEPS = 10_000
 _FULL_STEPS = 3000
-# Quick mode runs every (H, codec) pair; list pairs here to leave out if it must get faster.
-_QUICK_SKIP: tuple[tuple[int, str], ...] = ()
 # The quick model has 87k parameters: a second intra-op thread buys little, and on a
 # shared box an oversubscribed OpenMP pool made steps 10-20x slower when measured here.
-_SIM_THREADS = {True: 1, False: 2}
+_SIM_THREADS = {"quick": 1, "long": 1, "full": 2}
 
 
-def _overrides(quick: bool, steps: int) -> list[str]:
+@dataclass(frozen=True)
+class Setting:
+    """One trained configuration; ``method`` is ``ddp`` or ``atoll``."""
+
+    method: str
+    lr: float
+    optimizer: str = "adamw"
+    inner_steps: int = 0
+    codec: str = "none"
+    outer: str = ""
+    islands: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.method == "ddp":
+            return f"DDP lr {self.lr:g}"
+        if self.islands:
+            return f"islands.toml (H={self.inner_steps})"
+        return f"{self.optimizer} H={self.inner_steps} {self.codec} lr {self.lr:g}, {self.outer}"
+
+
+def _base(mode: str, steps: int) -> list[str]:
     return [
         "run.run_id='bench-convergence'",
         "run.device='cpu'",  # DDP runs on gloo/CPU; both methods on the same device
         f"train.total_steps={steps}",
-        *(_QUICK_MODEL if quick else []),
+        f"train.eval_batches={_EVAL_BATCHES}",
+        *(_QUICK_MODEL if mode in ("quick", "long") else []),
+        *([_QUICK_FILES] if mode == "quick" else [_LONG_FILES] if mode == "long" else []),
+    ]
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)  # numbers, and strings as TOML literal strings
+
+
+def _islands_overrides() -> list[str]:
+    import tomllib
+
+    recipe = tomllib.loads(_ISLANDS.read_text())
+    out = [
+        f"{s}.{k}={_toml_value(v)}" for s in _ISLANDS_SECTIONS for k, v in recipe.get(s, {}).items()
+    ]
+    out += [f"train.{k}={_toml_value(recipe['train'][k])}" for k in _ISLANDS_TRAIN_KEYS]
+    return out
+
+
+def _islands_inner_steps() -> int:
+    import tomllib
+
+    return int(tomllib.loads(_ISLANDS.read_text())["sync"]["inner_steps"])
+
+
+def setting_overrides(setting: Setting, mode: str, steps: int, seed: int) -> list[str]:
+    """Config overrides of one run: the mode's model and data, then the setting's."""
+    out = [*_base(mode, steps), f"run.seed={seed}"]
+    if setting.method == "ddp":
+        return [*out, f"train.lr={setting.lr!r}"]
+    if setting.islands:
+        return [*out, *_islands_overrides(), "sync.trigger='steps'"]
+    rounds = steps // setting.inner_steps
+    return [
+        *out,
+        f"train.lr={setting.lr!r}",
+        f"train.optimizer='{setting.optimizer}'",
+        "sync.trigger='steps'",
+        f"sync.inner_steps={setting.inner_steps}",
+        f"sync.codec='{setting.codec}'",
+        *_OUTER[setting.outer],
+        f"outer.lr_rounds={rounds}",
     ]
 
 
@@ -104,7 +236,7 @@ def _ddp_worker(
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from node.data import BatchStream, load_corpus
+    from node.data import BatchStream, load_corpus, validation_batches
     from node.model import build_model
     from node.trainer import evaluate, lr_at, make_inner_optimizer
 
@@ -118,9 +250,9 @@ def _ddp_worker(
         stream = BatchStream(
             corpus.train, cfg.data.batch_size, cfg.model.context, (cfg.run.seed, rank)
         )
-        val = BatchStream(
-            corpus.val, cfg.data.batch_size, cfg.model.context, "validation"
-        ).fixed_batches(cfg.train.eval_batches)
+        val = validation_batches(
+            corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
+        )
         params = sum(p.numel() for p in model.parameters())
         tokens_per_step = cfg.data.batch_size * cfg.model.context
         history: list[dict[str, Any]] = []
@@ -166,14 +298,14 @@ def _ddp_worker(
             )
 
 
-def _run_ddp(overrides: list[str], steps: int, timeout: float) -> dict[str, Any]:
+def _run_ddp(overrides: list[str], steps: int, eval_every: int) -> dict[str, Any]:
     """Four DDP ranks as spawned processes; always joined, terminated or killed."""
     port = free_port()
     reports, exit_codes = run_ranks(
         _ddp_worker,
-        [(port, overrides, steps, _EVAL_EVERY)] * _WORKERS,
+        [(port, overrides, steps, eval_every)] * _WORKERS,
         expected=1,  # rank 0 reports for all
-        timeout=timeout,
+        timeout=300.0 + steps * 1.0,
         grace=30,
     )
     report = reports[0] if reports else None
@@ -187,42 +319,22 @@ def _run_ddp(overrides: list[str], steps: int, timeout: float) -> dict[str, Any]
 # ---- Atoll, through the single-process reference --------------------------------------
 
 
-def _run_atoll(
-    overrides: list[str],
-    steps: int,
-    inner_steps: int,
-    codec: str,
-    threads: int,
-    outer: str | None = None,
-) -> dict[str, Any]:
-    """One simulated DiLoCo run of ``steps / inner_steps`` rounds with 4 replicas.
-
-    ``outer`` names an entry of :data:`_VARIANTS`; None keeps the config's.
-    """
+def _run_atoll(overrides: list[str], steps: int, threads: int, label: str) -> dict[str, Any]:
+    """One simulated DiLoCo run of ``steps / H`` rounds with 4 replicas."""
     from node.simulate import simulate
 
+    cfg = load_config(None, [*overrides, f"run.threads={threads}"])
+    inner_steps = cfg.sync.inner_steps
     rounds = steps // inner_steps
-    cfg = load_config(
-        None,
-        [
-            *overrides,
-            f"run.threads={threads}",
-            "sync.trigger='steps'",
-            f"sync.inner_steps={inner_steps}",
-            f"sync.codec='{codec}'",
-            *(_VARIANTS[outer] if outer else ()),
-        ],
-    )
-    label = f"H={inner_steps} {codec}" + (f", {outer}" if outer else "")
 
     def progress(entry: dict[str, Any]) -> None:
-        # A run takes about a minute even in quick mode: show that it moves.
-        print(
-            f"convergence atoll {label}: round {entry['round']}/{rounds} "
-            f"val_bpb {entry['val_bpb']:.4f} {entry['seconds']:.0f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+        if entry["round"] in (rounds // 2, rounds):  # a sign of life, not a flood
+            print(
+                f"convergence {label}: round {entry['round']}/{rounds} "
+                f"val_bpb {entry['val_bpb']:.4f} {entry['seconds']:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     result = simulate(cfg, replicas=_WORKERS, rounds=rounds, progress=progress)
     bytes_per_round = result["payload_bytes_per_replica"] / rounds * _RING_SHARE
@@ -230,34 +342,63 @@ def _run_atoll(
     # sends the same bytes.
     history = [
         {
-            "round": h["round"],
             "step": h["round"] * inner_steps,
             "tokens": h["tokens"] // _WORKERS,
             "bytes_sent": h["round"] * bytes_per_round,
             "val_bpb": h["val_bpb"],
-            "seconds": h.get("seconds", 0.0),
         }
         for h in result["history"]
     ]
     return {
-        "label": label,
-        "inner_steps": inner_steps,
-        "codec": codec,
-        "outer": cfg.to_dict()["outer"],
-        "rounds": rounds,
-        "fragments": result["fragments"],
         "params": result["params"],
+        "fragments": result["fragments"],
         "val_bpb_end": result["val_bpb_end"],
-        "payload_bytes_per_replica": result["payload_bytes_per_replica"],
         "bytes_sent_per_worker": result["payload_bytes_per_replica"] * _RING_SHARE,
         "seconds": result["seconds"],
         "history": history,
     }
 
 
+def _train(setting: Setting, mode: str, steps: int, seed: int, eval_every: int) -> dict:
+    overrides = setting_overrides(setting, mode, steps, seed)
+    if setting.method == "ddp":
+        result = _run_ddp(overrides, steps, eval_every)
+    else:
+        result = _run_atoll(overrides, steps, _SIM_THREADS[mode], f"{setting.label} seed {seed}")
+    print(
+        f"convergence {setting.label} seed {seed}: "
+        f"val_bpb {result.get('val_bpb_end', float('nan')):.4f} "
+        f"{result.get('seconds', 0.0):.0f}s"
+        + (f" ERROR {result['error']}" if "error" in result else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+# ---- judging ---------------------------------------------------------------------------
+
+
+def ddp_equivalent_step(history: Sequence[dict[str, Any]], val_bpb: float) -> float | None:
+    """The (interpolated) step at which a DDP history first reached ``val_bpb``.
+
+    None when it never did. Between two evaluations the curve is taken as a straight line.
+    """
+    previous = None
+    for point in history:
+        if point["val_bpb"] <= val_bpb:
+            if previous is None:
+                return float(point["step"])
+            s0, b0 = previous["step"], previous["val_bpb"]
+            s1, b1 = point["step"], point["val_bpb"]
+            return s0 + (s1 - s0) * (b0 - val_bpb) / (b0 - b1)
+        previous = point
+    return None
+
+
 def _judge(atoll: dict[str, Any], ddp: dict[str, Any]) -> None:
     """Adds the gap and bytes ratio to DDP, and whether the target is met."""
-    if "error" in ddp:
+    if "error" in ddp or "error" in atoll:
         return
     gap = 100.0 * (atoll["val_bpb_end"] - ddp["val_bpb_end"]) / ddp["val_bpb_end"]
     ratio = ddp["bytes_sent_per_worker"] / atoll["bytes_sent_per_worker"]
@@ -268,49 +409,216 @@ def _judge(atoll: dict[str, Any], ddp: dict[str, Any]) -> None:
     atoll["meets_target"] = atoll["meets_bpb_target"] and atoll["meets_bytes_target"]
 
 
-# ---- report ---------------------------------------------------------------------------
+def _spread(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "std": None}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+    }
 
 
-def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+def _summarize(
+    setting: Setting,
+    runs: dict[int, dict[str, Any]],
+    ddp_runs: dict[int, dict[str, Any]],
+    steps: int,
+) -> dict[str, Any]:
+    """Mean and spread over seeds; gaps and DDP-equivalent steps paired by seed."""
+    ok = {s: r for s, r in runs.items() if "error" not in r}
+    entry: dict[str, Any] = {
+        "label": setting.label,
+        "setting": setting.__dict__,
+        "seeds": sorted(runs),
+        "errors": {s: r["error"] for s, r in runs.items() if "error" in r},
+        "val_bpb_end": _spread([r["val_bpb_end"] for r in ok.values()]),
+        "per_seed": {
+            s: {k: r.get(k) for k in ("val_bpb_end", "seconds", "gap_to_ddp_percent")}
+            for s, r in ok.items()
+        },
+    }
+    if ok:
+        entry["bytes_sent_per_worker"] = next(iter(ok.values()))["bytes_sent_per_worker"]
+    if setting.method == "ddp":
+        return entry
+    gaps, equivalents = [], []
+    for s, r in ok.items():
+        ddp = ddp_runs.get(s)
+        if ddp is None or "error" in ddp:
+            continue
+        _judge(r, ddp)
+        gaps.append(r["gap_to_ddp_percent"])
+        entry["per_seed"][s]["gap_to_ddp_percent"] = r["gap_to_ddp_percent"]
+        eq = ddp_equivalent_step(ddp["history"], r["val_bpb_end"])
+        entry["per_seed"][s]["ddp_equivalent_steps"] = eq
+        equivalents.append(eq)
+        entry["bytes_ratio_ddp_over_atoll"] = r["bytes_ratio_ddp_over_atoll"]
+    entry["gap_to_ddp_percent"] = _spread(gaps)
+    reached = [e for e in equivalents if e is not None]
+    entry["ddp_equivalent_steps"] = _spread(reached) if len(reached) == len(equivalents) else None
+    entry["ddp_equivalent_note"] = (
+        None
+        if len(reached) == len(equivalents)
+        else f"{len(equivalents) - len(reached)} seed(s) ended below DDP's final bits per byte"
+    )
+    if entry["ddp_equivalent_steps"] and entry["ddp_equivalent_steps"]["mean"] is not None:
+        entry["worth_ddp_workers"] = _WORKERS * entry["ddp_equivalent_steps"]["mean"] / steps
+    gap = entry["gap_to_ddp_percent"]["mean"]
+    ratio = entry.get("bytes_ratio_ddp_over_atoll")
+    entry["meets_target"] = (
+        gap is not None
+        and gap <= _TARGET_GAP_PERCENT
+        and ratio is not None
+        and ratio >= _TARGET_BYTES_RATIO
+    )
+    return entry
+
+
+# ---- the plan --------------------------------------------------------------------------
+
+
+def _best(results: dict[Setting, dict[int, dict]], keep: Any) -> Setting | None:
+    """The setting with the lowest seed-0 final bits per byte among those ``keep`` takes."""
+    scored = [
+        (r[0]["val_bpb_end"], i, s)
+        for i, (s, r) in enumerate(results.items())
+        if keep(s) and 0 in r and "error" not in r[0] and math.isfinite(r[0]["val_bpb_end"])
+    ]
+    return min(scored)[2] if scored else None
+
+
+def plan_seeds(picks: dict[str, Setting], long: bool) -> list[Setting]:
+    """What runs at every seed: the picks, and in quick/full mode the codecs and islands."""
+    out = [picks["ddp"]]
+    for h in _INNER_STEPS:
+        adamw = picks.get(f"adamw H={h}")
+        if adamw is None:
+            continue
+        out.append(adamw)
+        if not long:
+            out += [replace(adamw, codec=c) for c in _CODECS if c != adamw.codec]
+            out += [picks[k] for k in (f"muon H={h}", f"soap H={h}") if k in picks]
+    if long and "other" in picks:
+        out.append(picks["other"])
+    if not long:
+        out.append(Setting("atoll", lr=0.0, inner_steps=_islands_inner_steps(), islands=True))
+    return out
+
+
+def _sweep(mode: str, steps: int, eval_every: int, results: dict) -> dict[str, Setting]:
+    """Seed 0 of every candidate; returns the picks (best DDP; best per H per optimizer)."""
+    for lr in _DDP_LRS:
+        s = Setting("ddp", lr=lr)
+        results[s] = {0: _train(s, mode, steps, 0, eval_every)}
+    picks = {"ddp": _best(results, lambda s: s.method == "ddp")}
+    if picks["ddp"] is None:
+        errors = [r[0].get("error") for s, r in results.items() if s.method == "ddp"]
+        raise RuntimeError(f"every DDP run of the sweep failed: {errors}")
+    for h in _INNER_STEPS:
+        for outer in _OUTER:
+            for lr in _INNER_LRS:
+                s = Setting("atoll", lr, "adamw", h, _SWEEP_CODEC, outer)
+                results[s] = {0: _train(s, mode, steps, 0, eval_every)}
+        picks[f"adamw H={h}"] = _best(
+            results, lambda s, h=h: s.optimizer == "adamw" and s.inner_steps == h
+        )
+        outer = picks[f"adamw H={h}"].outer
+        for optimizer in _OPTIMIZERS[1:]:
+            for lr in _INNER_LRS:
+                s = Setting("atoll", lr, optimizer, h, _SWEEP_CODEC, outer)
+                results[s] = {0: _train(s, mode, steps, 0, eval_every)}
+            picks[f"{optimizer} H={h}"] = _best(
+                results, lambda s, h=h, o=optimizer: s.optimizer == o and s.inner_steps == h
+            )
+    return {k: v for k, v in picks.items() if v is not None}
+
+
+def _picks_from(path: pathlib.Path) -> dict[str, Setting]:
+    """The quick sweep's picks, from its report; the long mode's plan."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: the long mode takes the quick sweep's picks from it; run "
+            "`python -m benchmarks convergence --quick` with the same --out first"
+        )
+    report = json.loads(path.read_text())
+    picks = {k: Setting(**v) for k, v in report["picks"].items()}
+    others = [
+        e
+        for e in report["entries"]
+        if e["setting"]["method"] == "atoll"
+        and e["setting"]["optimizer"] != "adamw"
+        and not e["setting"]["islands"]
+        and e.get("gap_to_ddp_percent", {}).get("mean") is not None
+    ]
+    if others:
+        best = min(others, key=lambda e: e["gap_to_ddp_percent"]["mean"])
+        picks["other"] = Setting(**best["setting"])
+    return picks
+
+
+# ---- report ----------------------------------------------------------------------------
+
+
+def _mean_history(runs: dict[int, dict[str, Any]]) -> list[dict[str, float]]:
+    ok = [r["history"] for r in runs.values() if "history" in r]
+    if not ok:
+        return []
+    length = min(len(h) for h in ok)
+    return [
+        {
+            "tokens": ok[0][i]["tokens"],
+            "bytes_sent": ok[0][i]["bytes_sent"],
+            "val_bpb": statistics.fmean(h[i]["val_bpb"] for h in ok),
+        }
+        for i in range(length)
+    ]
+
+
+def _plot(report: dict[str, Any], curves: dict[str, list[dict]], path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(18, 5))
+    fig = plt.figure(figsize=(18, 5.5))
     by_tokens = fig.add_subplot(1, 3, 1)
     by_bytes = fig.add_subplot(1, 3, 2, sharey=by_tokens)
-    by_outer = fig.add_subplot(1, 3, 3)
-    colors = {h: c for h, c in zip(_INNER_STEPS, ("tab:blue", "tab:orange", "tab:green"))}
-    styles = {"none": "-", "int8": "--", "int4": ":"}
-    lines = []
-    if "history" in report["ddp"]:
-        lines.append(("DDP (fp32, every step)", report["ddp"]["history"], "black", "-"))
-    for r in report["atoll"]:
-        lines.append(
-            (f"Atoll {r['label']}", r["history"], colors[r["inner_steps"]], styles[r["codec"]])
-        )
-    for label, history, color, style in lines:
-        kw = {"color": color, "linestyle": style, "linewidth": 1.4, "label": label}
+    bars = fig.add_subplot(1, 3, 3)
+    for label, history in curves.items():
+        kw = {"linewidth": 1.2, "label": label}
+        if label.startswith("DDP"):
+            kw.update(color="black", linewidth=2.0)
         by_tokens.plot([h["tokens"] for h in history], [h["val_bpb"] for h in history], **kw)
-        # log x: the start, before anything was sent, has no place on it
-        sent = [h for h in history if h["bytes_sent"] > 0]
+        sent = [h for h in history if h["bytes_sent"] > 0]  # log x: the start has no place
         by_bytes.plot([h["bytes_sent"] for h in sent], [h["val_bpb"] for h in sent], **kw)
     by_tokens.set_xlabel("tokens per worker")
-    by_tokens.set_ylabel("validation bits per byte")
+    by_tokens.set_ylabel("validation bits per byte (mean over seeds)")
     by_bytes.set_xlabel("bytes sent per worker (log)")
     by_bytes.set_xscale("log")
     for ax in (by_tokens, by_bytes):
         ax.grid(True, alpha=0.3)
-    by_bytes.legend(fontsize=7, ncol=2)
-    # The first steps fall from 8 bits per byte; zoom on where the methods end up.
-    ends = [history[-1]["val_bpb"] for _, history, _, _ in lines if history]
-    if ends:
-        by_tokens.set_ylim(min(ends) - 0.1, max(ends) + 1.0)
-    _plot_outer(report, by_outer)
+    by_bytes.legend(fontsize=6)
+    ends = [h[-1]["val_bpb"] for h in curves.values() if h]
+    if ends:  # the first steps fall from 8 bits per byte; zoom on where the methods end up
+        by_tokens.set_ylim(min(ends) - 0.1, max(ends) + 0.8)
+    rows = [
+        e
+        for e in report["entries"]
+        if e["setting"]["method"] == "atoll"
+        and e.get("gap_to_ddp_percent", {}).get("mean") is not None
+    ]
+    names = [e["label"].split(",")[0] for e in rows]
+    means = [e["gap_to_ddp_percent"]["mean"] for e in rows]
+    stds = [e["gap_to_ddp_percent"]["std"] for e in rows]
+    bars.barh(range(len(rows)), means, xerr=stds, color="tab:blue", alpha=0.7)
+    bars.set_yticks(range(len(rows)), names, fontsize=6)
+    bars.axvline(_TARGET_GAP_PERCENT, color="black", linestyle="--", linewidth=1, label="target")
+    bars.set_xlabel("final bits/byte above DDP (%), mean ± sd over seeds")
+    bars.grid(True, axis="x", alpha=0.3)
+    bars.legend(fontsize=7)
     fig.suptitle(
-        f"{_WORKERS} workers, {report['total_steps']} steps each "
-        f"({report['params']:,} parameters, {'quick' if report['quick'] else 'full'} mode)",
+        f"{_WORKERS} workers, {report['total_steps']} steps each, {len(_SEEDS)} seeds "
+        f"({report['params']:,} parameters, {report['mode']} mode, each method at its best lr)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -318,120 +626,106 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _plot_outer(report: dict[str, Any], ax: Any) -> None:
-    """Grouped bars: final gap to DDP per H for each setting (int8)."""
-    runs = [r for r in report["atoll"] if r["codec"] == _VARIANT_CODEC]
-    runs += report.get("variants", [])
-    settings = ["config default (nesterov lr 0.7 momentum 0.9)", *_VARIANTS]
-    width = 0.8 / len(settings)
-    for i, setting in enumerate(settings):
-        xs, gaps = [], []
-        for j, h in enumerate(_INNER_STEPS):
-            for r in runs:
-                name = r.get("variant") or settings[0]
-                if r["inner_steps"] == h and name == setting and "gap_to_ddp_percent" in r:
-                    xs.append(j + (i - (len(settings) - 1) / 2) * width)
-                    gaps.append(r["gap_to_ddp_percent"])
-        ax.bar(xs, gaps, width, label=setting)
-    ax.axhline(_TARGET_GAP_PERCENT, color="black", linewidth=1, linestyle="--", label="target")
-    ax.set_xticks(range(len(_INNER_STEPS)), [f"H={h}" for h in _INNER_STEPS])
-    ax.set_ylabel(f"final bits/byte above DDP (%), {_VARIANT_CODEC}")
-    ax.set_title("outer settings and inner optimizers", fontsize=9)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-
-
 def steps_problem(steps: int) -> str | None:
     """Why ``steps`` cannot be a run's length (every H must run whole rounds), or None."""
-    if steps < 1 or any(steps % h for h in _INNER_STEPS):
+    if steps < 1 or any(steps % h for h in (*_INNER_STEPS, _islands_inner_steps())):
         return (
             f"steps = {steps}: expected a positive multiple of "
-            f"{', '.join(map(str, _INNER_STEPS))} (every H runs whole rounds)"
+            f"{', '.join(map(str, sorted({*_INNER_STEPS, _islands_inner_steps()})))} "
+            "(every H runs whole rounds)"
         )
     return None
 
 
-def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
-    """Trains DDP and every Atoll variant, then writes the report and the plot.
+def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool = False) -> dict:
+    """Sweeps, then trains the picks over three seeds, then writes the report and plot.
 
     Args:
-        quick: a 1-layer, 64-wide model and 500 steps per worker (2 to 10 minutes on
-            two shared cores); otherwise the default reference model and 3000 steps (hours).
-        out_dir: folder for ``convergence.json`` and ``convergence.png``; created if missing.
+        quick: the 1-layer, 64-wide model and 500 steps per worker (about 20 minutes on
+            two cores); otherwise the default reference model and 3000 steps (many hours).
+        out_dir: folder for the JSON and PNG; created if missing.
         steps: steps per worker instead of the mode's default; a multiple of every H.
+        long: the quick model, 10,000 steps, the whole corpus, the picks of the quick
+            report in ``out_dir`` (no sweep); writes ``convergence-long.*``.
 
     Returns:
-        The dict written to ``convergence.json``: ``ddp`` (val_bpb_end,
-        bytes_sent_per_worker, history), ``atoll`` (one entry per ``H`` and codec with
-        val_bpb_end, bytes_sent_per_worker, bytes_ratio_ddp_over_atoll,
-        gap_to_ddp_percent, meets_target and history), ``variants`` (the same at
-        int8 for each other outer-optimizer setting), ``target``, ``notes``, ``quick``,
-        ``date`` and ``machine``.
+        The dict written to the JSON: ``picks`` (best setting per method), ``sweep``
+        (seed 0 of every candidate), ``entries`` (mean and spread over seeds of each
+        pick: val_bpb_end, gap_to_ddp_percent, ddp_equivalent_steps,
+        bytes_ratio_ddp_over_atoll, meets_target), ``ddp``, ``target``, ``notes``,
+        ``mode``, ``date`` and ``machine``.
 
     Raises:
         ValueError: ``steps`` is not a positive multiple of every H.
+        FileNotFoundError: long mode without the quick report in ``out_dir``.
     """
+    mode = "long" if long else "quick" if quick else "full"
     if steps is None:
-        steps = _QUICK_STEPS if quick else _FULL_STEPS
+        steps = {"quick": _QUICK_STEPS, "long": _LONG_STEPS, "full": _FULL_STEPS}[mode]
     problem = steps_problem(steps)
     if problem:
         raise ValueError(problem)
-    overrides = _overrides(quick, steps)
-    cfg = load_config(None, overrides)
+    out_dir = pathlib.Path(out_dir)
+    name = "convergence-long" if long else "convergence"
+    eval_every = min(_INNER_STEPS) if not long else 2 * min(_INNER_STEPS)
+    cfg = load_config(None, _base(mode, steps))
     started = time.monotonic()
     threads_before = torch.get_num_threads()
+    results: dict[Setting, dict[int, dict]] = {}
     try:
-        ddp = _run_ddp(overrides, steps, timeout=300.0 + steps * (1.0 if quick else 10.0))
-        print(
-            f"convergence ddp: val_bpb {ddp.get('val_bpb_end', float('nan')):.4f} "
-            f"{ddp.get('seconds', 0.0):.0f}s"
-            + (f"  ERROR {ddp['error']}" if "error" in ddp else ""),
-            file=sys.stderr,
-            flush=True,
-        )
-        skipped = list(_QUICK_SKIP) if quick else []
-        atoll = []
-        for inner_steps in _INNER_STEPS:
-            for codec in _CODECS:
-                if (inner_steps, codec) in skipped:
-                    continue
-                result = _run_atoll(overrides, steps, inner_steps, codec, _SIM_THREADS[quick])
-                _judge(result, ddp)
-                atoll.append(result)
-        variants = []
-        for inner_steps in _INNER_STEPS:
-            for outer in _VARIANTS:
-                result = _run_atoll(
-                    overrides, steps, inner_steps, _VARIANT_CODEC, _SIM_THREADS[quick], outer
-                )
-                result["variant"] = outer
-                _judge(result, ddp)
-                variants.append(result)
+        picks = _picks_from(out_dir / "convergence.json") if long else None
+        if picks is None:
+            picks = _sweep(mode, steps, eval_every, results)
+        for seed in _SEEDS:
+            for s in plan_seeds(picks, long):
+                if seed not in results.setdefault(s, {}):
+                    results[s][seed] = _train(s, mode, steps, seed, eval_every)
     finally:
         torch.set_num_threads(threads_before)
+    planned = plan_seeds(picks, long)
+    ddp_runs = results[picks["ddp"]]
+    entries = [_summarize(s, results[s], ddp_runs, steps) for s in planned]
+    sweep = [
+        {"label": s.label, "setting": s.__dict__, "val_bpb_end_seed0": r[0].get("val_bpb_end")}
+        for s, r in results.items()
+        if 0 in r and not long
+    ]
+    curves = {
+        e["label"]: _mean_history(results[s])
+        for s, e in zip(planned, entries)
+        if s.method == "ddp" or (s.codec == _SWEEP_CODEC or s.islands)
+    }
     report = {
         "benchmark": "convergence",
+        "mode": mode,
         "quick": quick,
         "workers": _WORKERS,
+        "seeds": list(_SEEDS),
         "total_steps": steps,
         "tokens_per_worker": steps * cfg.data.batch_size * cfg.model.context,
-        "params": atoll[0]["params"] if atoll else ddp.get("params"),
+        "params": next(
+            (r["params"] for runs in results.values() for r in runs.values() if "params" in r),
+            None,
+        ),
         "model": cfg.to_dict()["model"],
         "data": {"batch_size": cfg.data.batch_size, "max_files": cfg.data.max_files},
-        "train": cfg.to_dict()["train"],
-        "outer": cfg.to_dict()["outer"],
-        "overrides": overrides,
+        "eval_batches": _EVAL_BATCHES,
+        "picks": {k: v.__dict__ for k, v in picks.items()},
+        "entries": entries,
+        "sweep": sweep,
+        "ddp": {
+            "label": picks["ddp"].label,
+            "val_bpb_end": entries[0]["val_bpb_end"],
+            "bytes_sent_per_worker": entries[0].get("bytes_sent_per_worker"),
+            "params_agree": all(r.get("params_agree") for r in ddp_runs.values()),
+        },
         "target": {
             "max_gap_percent": _TARGET_GAP_PERCENT,
             "min_bytes_ratio": _TARGET_BYTES_RATIO,
             "text": "final validation bits per byte within 1 % of DDP's, with at least "
             "1000x fewer bytes sent per worker than DDP",
         },
-        "ddp": ddp,
-        "atoll": atoll,
-        "variants": variants,
-        "skipped": [f"H={h} {c}" for h, c in skipped],
-        "runs_meeting_target": [r["label"] for r in atoll + variants if r.get("meets_target")],
+        "runs_meeting_target": [e["label"] for e in entries if e.get("meets_target")],
         "seconds": round(time.monotonic() - started, 1),
         "notes": {
             "ddp_bytes": f"steps * params * 4 * 2*({_WORKERS}-1)/{_WORKERS}: fp32 gradients, "
@@ -441,20 +735,24 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None) -> dict:
             "message headers or signatures), times the share a butterfly all-reduce "
             "member sends; an estimate, not a measurement on the wire",
             "atoll_method": "node.simulate.simulate, the single-process reference of the "
-            "networked node's algorithm, steps mode, rounds = total_steps / H",
-            "gap_to_ddp_percent": "100 * (atoll val_bpb_end - ddp val_bpb_end) / ddp "
-            "val_bpb_end; negative means Atoll ended lower than DDP",
-            "data": "worker i reads BatchStream(train, batch, context, (seed, i)) in both "
-            "methods; validation is the same fixed batches for every method",
-            "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[quick]}",
-            "variants": "the same runs at int8 with other outer-optimizer settings or inner optimizers "
-            "(overrides in each entry's outer); the main grid uses the config's",
+            "networked node's algorithm, steps mode, rounds = total_steps / H; it scores "
+            "the global copy (the averaged model every replica agrees on)",
+            "gap_to_ddp_percent": "100 * (atoll - ddp) / ddp final bits per byte, paired "
+            "by seed, then mean and sample standard deviation over seeds",
+            "ddp_equivalent_steps": "the step at which DDP of the same seed reached the "
+            "run's final bits per byte, interpolated between evaluations; "
+            "worth_ddp_workers = 4 * that / steps",
+            "picks": "the lowest seed-0 final bits per byte of each method's sweep"
+            + (" (long mode: the quick report's picks)" if long else ""),
+            "data": "worker i of seed s reads BatchStream(train, batch, context, (s, i)) in "
+            f"both methods; validation: the same {_EVAL_BATCHES} held-out batches for every "
+            "method and seed",
+            "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[mode]}",
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
-    out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "convergence.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out_dir / "convergence.png")
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, curves, out_dir / f"{name}.png")
     return report

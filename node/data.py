@@ -47,6 +47,7 @@ __all__ = [
     "site_slice",
     "slice_bounds",
     "stdlib_files",
+    "validation_batches",
 ]
 
 SHARDS_FORMAT = "atoll-tokens/1"
@@ -370,6 +371,18 @@ class BatchStream:
         clone.data, clone.batch_size, clone.context = self.data, self.batch_size, self.context
         clone.generator = torch.Generator().manual_seed(self.generator.initial_seed())
         return [clone.next() for _ in range(count)]
+
+
+def validation_batches(
+    val: torch.Tensor, batch_size: int, context: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The held-out batches every evaluation uses: ``count`` batches of ``val``.
+
+    They depend only on the split and the shapes, never on the run's seed, the node or
+    the method, so every node of a run, every seed of a benchmark and every method
+    compared is scored on the very same bytes.
+    """
+    return BatchStream(val, batch_size, context, "validation").fixed_batches(count)
 
 
 def bits_per_byte(mean_nats: float) -> float:

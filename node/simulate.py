@@ -4,7 +4,10 @@ This is the algorithm the networked node must match: every replica trains its ow
 copy on its own shard, each fragment syncs at its staggered point of the round, its
 pseudo-gradient goes through the configured codec (with error feedback), the decoded
 pseudo-gradients are averaged weighted by tokens, and every replica applies the same
-outer step.
+outer step: ``sync.tau`` inner steps after the sync started (or at the round's end,
+whichever comes first), merging the steps taken meanwhile as the node does
+(:meth:`~node.outer.OuterOptimizer.merge_local`, with ``sync.alpha``). Each round's
+score is the global copy's validation bits per byte.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import torch
 
 from node.config import AtollConfig
-from node.data import BatchStream, load_data, site_slice
+from node.data import BatchStream, load_data, site_slice, validation_batches
 from node.model import build_model
 from node.outer import OuterOptimizer, sync_schedule
 from node.trainer import InnerTrainer, evaluate
@@ -103,27 +106,38 @@ def simulate(
         ]
         for i in range(replicas)
     ]
-    val_batches = BatchStream(
-        corpus.val, cfg.data.batch_size, cfg.model.context, "validation"
-    ).fixed_batches(cfg.train.eval_batches)
+    val_batches = validation_batches(
+        corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
+    )
     schedule = sync_schedule(cfg.sync.inner_steps, len(plan))
 
+    # What is scored is the global copy (the averaged model every replica agrees on, the
+    # one a node evaluates and a user keeps), loaded into a model of its own.
+    scored = build_model(cfg.model, seed=cfg.run.seed).to(device)
+
+    def score() -> float:
+        outers[0].write_globals(scored)
+        return evaluate(scored, val_batches, device)
+
     start = time.perf_counter()
-    bpb_start = evaluate(models[0], val_batches, device)
+    bpb_start = score()
     history: list[dict[str, Any]] = [{"round": 0, "val_bpb": bpb_start, "tokens": 0}]
     payload_bytes = 0
     if progress:
         progress(dict(history[0], seconds=0.0, loss=float("nan")))
+    tau, alpha = cfg.sync.tau, cfg.sync.alpha
     for r in range(1, rounds + 1):
         round_tokens = [0] * replicas
         losses = []
+        # (step launched, fragment, averaged pseudo-gradient, local copies it came from)
+        pending: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]] = []
         for step in range(1, cfg.sync.inner_steps + 1):
             for i, trainer in enumerate(trainers):
                 result = trainer.step()
                 round_tokens[i] += result.tokens
                 losses.append(result.loss)
             for f in schedule.get(step, []):
-                decoded = []
+                decoded, sent_from = [], []
                 for i, model in enumerate(models):
                     pg = outers[i].pseudo_gradient(model, f)
                     enc = (
@@ -134,10 +148,21 @@ def simulate(
                     if i == 0:
                         payload_bytes += len(enc.payload)
                     decoded.append(codecs.decode(enc, expected_numel=pg.numel()))
+                    if tau or alpha:
+                        sent_from.append(outers[i].local_vector(model, f))
                 avg = weighted_mean(decoded, [float(t) for t in round_tokens])
+                pending.append((step, f, avg.to(device), sent_from))
+            due = [p for p in pending if step - p[0] >= tau or step == cfg.sync.inner_steps]
+            for p in due:  # a round ends with every sync applied, as on a node
+                pending.remove(p)
+                _, f, avg, sent_from = p
                 for i, model in enumerate(models):
-                    outers[i].apply(model, f, avg.to(device), r)
-        bpb = evaluate(models[0], val_batches, device)
+                    if sent_from:
+                        outers[i].step(f, avg, r)
+                        outers[i].merge_local(model, f, alpha, sent_from[i])
+                    else:
+                        outers[i].apply(model, f, avg, r)
+        bpb = score()
         entry = {
             "round": r,
             "val_bpb": bpb,

@@ -110,3 +110,50 @@ def test_convergence_judges_gap_and_bytes_against_the_targets():
     far = {"val_bpb_end": 3.06, "bytes_sent_per_worker": 1_000.0}
     _judge(far, ddp)
     assert far["meets_bytes_target"] and not far["meets_bpb_target"] and not far["meets_target"]
+
+
+def test_ddp_equivalent_step_interpolates_between_evaluations():
+    from benchmarks.convergence import ddp_equivalent_step
+
+    history = [
+        {"step": 0, "val_bpb": 8.0},
+        {"step": 50, "val_bpb": 4.0},
+        {"step": 100, "val_bpb": 3.0},
+    ]
+    assert ddp_equivalent_step(history, 3.5) == pytest.approx(75.0)
+    assert ddp_equivalent_step(history, 4.0) == pytest.approx(50.0)
+    assert ddp_equivalent_step(history, 9.0) == 0.0
+    assert ddp_equivalent_step(history, 2.9) is None  # DDP never got that low
+
+
+def test_every_method_and_seed_is_scored_on_the_same_batches():
+    from benchmarks.convergence import Setting, plan_seeds, setting_overrides
+    from node.config import load_config
+    from node.data import load_corpus, validation_batches
+
+    picks = {
+        "ddp": Setting("ddp", lr=6e-3),
+        "adamw H=50": Setting("atoll", 3e-3, "adamw", 50, "int8", "plain averaging (sgd lr 1)"),
+        "muon H=50": Setting("atoll", 1.5e-3, "muon", 50, "int8", "nesterov lr 0.7, momentum 0.5"),
+    }
+    settings = plan_seeds(picks, long=False)
+    assert {s.codec for s in settings if s.optimizer == "adamw" and s.inner_steps} == {
+        "none",
+        "int8",
+        "int4",
+    }
+    assert any(s.islands for s in settings)
+    seen = set()
+    for s in settings:
+        for seed in (0, 1, 2):
+            cfg = load_config(None, setting_overrides(s, "quick", 500, seed))
+            assert cfg.run.seed == seed
+            seen.add((cfg.data, cfg.model.context, cfg.train.eval_batches))
+    assert len(seen) == 1  # one data, context and batch count for every run
+    data, context, count = seen.pop()
+    assert count >= 128
+    a = load_corpus(data, context)
+    b = load_corpus(data, context)
+    first = validation_batches(a.val, data.batch_size, context, count)
+    again = validation_batches(b.val, data.batch_size, context, count)
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(first, again))

@@ -130,3 +130,8 @@ def test_a_checkpoint_of_another_optimizer_resumes_with_a_fresh_one(tmp_path, ca
     assert node.round == 3 and "another inner optimizer" in caplog.text
     assert isinstance(node.trainer.optimizer, OptimizerSet)  # a fresh Muon + AdamW
     node.trainer.step()  # and it trains
+
+
+def test_an_unknown_optimizer_is_a_config_error_naming_the_choices() -> None:
+    with pytest.raises(ConfigError, match="train.optimizer = 'lion': expected one of adamw"):
+        load_config(None, ["train.optimizer='lion'"])

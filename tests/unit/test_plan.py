@@ -83,7 +83,7 @@ def test_the_command_prints_json_and_reads_the_config(capsys) -> None:
     assert main([*args, "--config", "configs/islands.toml"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["input"]["params"] == 478_720 and out["input"]["codec"] == "int4"
-    assert out["input"]["fragments"] == 4 and out["input"]["tau"] == 5
+    assert out["input"]["fragments"] == 5 and out["input"]["tau"] == 5
     assert (
         main(
             [
