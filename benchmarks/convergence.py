@@ -24,6 +24,8 @@ seed or method).
 1. *Sweep* at seed 0: DDP at each of :data:`_DDP_LRS`; for each H, AdamW at each inner
    lr of :data:`_INNER_LRS` times each outer setting of :data:`_OUTER` (int8); then Muon
    and SOAP at each inner lr with the outer setting that was best for AdamW at that H.
+   Where a best lr lies on an edge of the grid, lrs past it are tried (twice or half,
+   up to two more) until one does no better.
 2. *Seeds*: the best of each (DDP; AdamW, Muon and SOAP per H) again at seeds 1 and 2;
    AdamW's best also with codecs none and int4; and ``configs/islands.toml``'s recipe
    (its optimizer, outer and sync settings on the quick model).
@@ -44,6 +46,10 @@ length would cost twenty quick runs; the picks are therefore the short run's.
 
 **Full mode** (neither flag): the default reference model, 3000 steps, the quick
 mode's plan (many hours on two cores).
+
+Every finished run is appended to ``<name>-runs.jsonl`` in the output folder, so an
+interrupted benchmark resumes where it stopped; the file is removed with the report
+written.
 
 The target is a final bits per byte within 1 % of DDP's with at least 1000x fewer bytes
 sent per worker; each entry says whether it meets it. Run it with
@@ -86,6 +92,7 @@ _EVAL_BATCHES = 128
 _DDP_LRS = (3e-3, 6e-3, 1.2e-2)
 _INNER_LRS = (1.5e-3, 3e-3, 6e-3)
 _OPTIMIZERS = ("adamw", "muon", "soap")
+_EDGE_STEPS = 2  # lrs tried past the grid's edge when the best lies on it
 # Outer settings swept with AdamW, every field spelled out so that a change of the
 # config's defaults does not change what a name means.
 _OUTER: dict[str, tuple[str, ...]] = {
@@ -505,32 +512,52 @@ def plan_seeds(picks: dict[str, Setting], long: bool) -> list[Setting]:
     return out
 
 
-def _sweep(mode: str, steps: int, eval_every: int, results: dict) -> dict[str, Setting]:
+def _extend(best: Setting, results: dict[Setting, dict[int, dict]], train: Any) -> Setting:
+    """While the best lr lies on an edge of those tried for its setting, try one more
+    past it (twice or half), up to :data:`_EDGE_STEPS` times; returns the best."""
+
+    def score(s: Setting) -> float:
+        r = results[s][0]
+        return r["val_bpb_end"] if "error" not in r else math.inf
+
+    for _ in range(_EDGE_STEPS):
+        tried = sorted(s.lr for s in results if replace(s, lr=0.0) == replace(best, lr=0.0))
+        if best.lr == tried[-1]:
+            candidate = replace(best, lr=best.lr * 2)
+        elif best.lr == tried[0]:
+            candidate = replace(best, lr=best.lr / 2)
+        else:
+            return best
+        train(candidate, 0)
+        if not score(candidate) < score(best):
+            return best
+        best = candidate
+    return best
+
+
+def _sweep(train: Any, results: dict[Setting, dict[int, dict]]) -> dict[str, Setting]:
     """Seed 0 of every candidate; returns the picks (best DDP; best per H per optimizer)."""
     for lr in _DDP_LRS:
-        s = Setting("ddp", lr=lr)
-        results[s] = {0: _train(s, mode, steps, 0, eval_every)}
-    picks = {"ddp": _best(results, lambda s: s.method == "ddp")}
-    if picks["ddp"] is None:
+        train(Setting("ddp", lr=lr), 0)
+    best = _best(results, lambda s: s.method == "ddp")
+    if best is None:
         errors = [r[0].get("error") for s, r in results.items() if s.method == "ddp"]
         raise RuntimeError(f"every DDP run of the sweep failed: {errors}")
+    picks = {"ddp": _extend(best, results, train)}
     for h in _INNER_STEPS:
         for outer in _OUTER:
             for lr in _INNER_LRS:
-                s = Setting("atoll", lr, "adamw", h, _SWEEP_CODEC, outer)
-                results[s] = {0: _train(s, mode, steps, 0, eval_every)}
-        picks[f"adamw H={h}"] = _best(
-            results, lambda s, h=h: s.optimizer == "adamw" and s.inner_steps == h
-        )
-        outer = picks[f"adamw H={h}"].outer
+                train(Setting("atoll", lr, "adamw", h, _SWEEP_CODEC, outer), 0)
+        best = _best(results, lambda s, h=h: s.optimizer == "adamw" and s.inner_steps == h)
+        picks[f"adamw H={h}"] = best = _extend(best, results, train)
         for optimizer in _OPTIMIZERS[1:]:
             for lr in _INNER_LRS:
-                s = Setting("atoll", lr, optimizer, h, _SWEEP_CODEC, outer)
-                results[s] = {0: _train(s, mode, steps, 0, eval_every)}
-            picks[f"{optimizer} H={h}"] = _best(
+                train(Setting("atoll", lr, optimizer, h, _SWEEP_CODEC, best.outer), 0)
+            found = _best(
                 results, lambda s, h=h, o=optimizer: s.optimizer == o and s.inner_steps == h
             )
-    return {k: v for k, v in picks.items() if v is not None}
+            picks[f"{optimizer} H={h}"] = _extend(found, results, train)
+    return picks
 
 
 def _picks_from(path: pathlib.Path) -> dict[str, Setting]:
@@ -672,14 +699,29 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
     started = time.monotonic()
     threads_before = torch.get_num_threads()
     results: dict[Setting, dict[int, dict]] = {}
+    # Each finished run is appended here, so an interrupted benchmark resumes where it
+    # stopped; the file goes once the report is written.
+    journal = out_dir / f"{name}-runs.jsonl"
+    done = _read_journal(journal)
+
+    def train(setting: Setting, seed: int) -> dict[str, Any]:
+        runs = results.setdefault(setting, {})
+        if seed not in runs:
+            key = json.dumps([mode, steps, seed, setting.__dict__], sort_keys=True)
+            if key in done:
+                runs[seed] = done[key]
+            else:
+                runs[seed] = _train(setting, mode, steps, seed, eval_every)
+                out_dir.mkdir(parents=True, exist_ok=True)
+                with journal.open("a") as f:
+                    f.write(json.dumps({"key": key, "result": runs[seed]}) + "\n")
+        return runs[seed]
+
     try:
-        picks = _picks_from(out_dir / "convergence.json") if long else None
-        if picks is None:
-            picks = _sweep(mode, steps, eval_every, results)
+        picks = _picks_from(out_dir / "convergence.json") if long else _sweep(train, results)
         for seed in _SEEDS:
             for s in plan_seeds(picks, long):
-                if seed not in results.setdefault(s, {}):
-                    results[s][seed] = _train(s, mode, steps, seed, eval_every)
+                train(s, seed)
     finally:
         torch.set_num_threads(threads_before)
     planned = plan_seeds(picks, long)
@@ -755,4 +797,18 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, curves, out_dir / f"{name}.png")
+    journal.unlink(missing_ok=True)
     return report
+
+
+def _read_journal(path: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """Finished runs of an interrupted benchmark (a torn last line is ignored)."""
+    done: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+                done[entry["key"]] = entry["result"]
+            except (ValueError, KeyError, TypeError):
+                continue
+    return done
