@@ -8,7 +8,8 @@ same held-out batches (:func:`node.data.validation_batches`: 128 batches, whatev
 seed or method).
 
 - ``ddp``: four spawned processes, ``torch.distributed`` gloo on 127.0.0.1,
-  ``DistributedDataParallel`` with AdamW and an fp32 gradient all-reduce every step. A
+  ``DistributedDataParallel`` with an fp32 gradient all-reduce every step and the
+  optimizer and lr the sweep found best for it (so the target is tuned DDP). A
   ring all-reduce sends ``2 * (n - 1) / n`` of the gradient per worker, so each worker
   sends ``steps * params * 4 * 2 * 3 / 4`` bytes.
 - ``atoll``: ``node.simulate.simulate``, the single-process reference of the networked
@@ -21,7 +22,8 @@ seed or method).
 
 **Quick mode** (about 20 minutes on two cores; 1-layer, 64-wide model, 500 steps):
 
-1. *Sweep* at seed 0: DDP at each of :data:`_DDP_LRS`; for each H, AdamW at each inner
+1. *Sweep* at seed 0: DDP with each inner optimizer (AdamW, Muon, SOAP) at each of
+   :data:`_DDP_LRS`; for each H, AdamW at each inner
    lr of :data:`_INNER_LRS` times each outer setting of :data:`_OUTER` (int8); then Muon
    and SOAP at each inner lr with the outer setting that was best for AdamW at that H.
    Where a best lr lies on an edge of the grid, lrs past it are tried (twice or half,
@@ -172,7 +174,7 @@ class Setting:
     @property
     def label(self) -> str:
         if self.method == "ddp":
-            return f"DDP lr {self.lr:g}"
+            return f"DDP {self.optimizer} lr {self.lr:g}"
         if self.islands:
             return f"islands.toml (H={self.inner_steps})"
         return f"{self.optimizer} H={self.inner_steps} {self.codec} lr {self.lr:g}, {self.outer}"
@@ -216,7 +218,7 @@ def setting_overrides(setting: Setting, mode: str, steps: int, seed: int) -> lis
     """Config overrides of one run: the mode's model and data, then the setting's."""
     out = [*_base(mode, steps), f"run.seed={seed}"]
     if setting.method == "ddp":
-        return [*out, f"train.lr={setting.lr!r}"]
+        return [*out, f"train.lr={setting.lr!r}", f"train.optimizer='{setting.optimizer}'"]
     if setting.islands:
         return [*out, *_islands_overrides(), "sync.trigger='steps'"]
     rounds = steps // setting.inner_steps
@@ -537,8 +539,9 @@ def _extend(best: Setting, results: dict[Setting, dict[int, dict]], train: Any) 
 
 def _sweep(train: Any, results: dict[Setting, dict[int, dict]]) -> dict[str, Setting]:
     """Seed 0 of every candidate; returns the picks (best DDP; best per H per optimizer)."""
-    for lr in _DDP_LRS:
-        train(Setting("ddp", lr=lr), 0)
+    for optimizer in _OPTIMIZERS:
+        for lr in _DDP_LRS:
+            train(Setting("ddp", lr=lr, optimizer=optimizer), 0)
     best = _best(results, lambda s: s.method == "ddp")
     if best is None:
         errors = [r[0].get("error") for s, r in results.items() if s.method == "ddp"]
