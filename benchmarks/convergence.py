@@ -42,7 +42,8 @@ so an early point of it is not what a shorter DDP run would reach.
 
 **Long mode** (``--long``: the quick model, 10,000 steps per worker and the whole
 byte corpus, so no batch is seen twice; hours) takes the quick sweep's picks from
-``convergence.json`` in the same folder and runs, over the three seeds, DDP and AdamW
+``convergence-picks.json`` (written by the quick mode once its sweep is done) in the
+same folder and runs, over the three seeds, DDP and AdamW
 at each H (int8), and the best other inner optimizer at its best H. A sweep at that
 length would cost twenty quick runs; the picks are therefore the short run's.
 
@@ -95,6 +96,7 @@ _DDP_LRS = (3e-3, 6e-3, 1.2e-2)
 _INNER_LRS = (1.5e-3, 3e-3, 6e-3)
 _OPTIMIZERS = ("adamw", "muon", "soap")
 _EDGE_STEPS = 2  # lrs tried past the grid's edge when the best lies on it
+_PICKS = "convergence-picks.json"  # the quick sweep's picks, which the long mode runs
 # Outer settings swept with AdamW, every field spelled out so that a change of the
 # config's defaults does not change what a name means.
 _OUTER: dict[str, tuple[str, ...]] = {
@@ -563,26 +565,35 @@ def _sweep(train: Any, results: dict[Setting, dict[int, dict]]) -> dict[str, Set
     return picks
 
 
+def _write_picks(path: pathlib.Path, picks: dict[str, Setting], results: dict) -> None:
+    """The sweep's picks with their seed-0 scores: what the long mode runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {
+        k: {"setting": v.__dict__, "val_bpb_end_seed0": results[v][0].get("val_bpb_end")}
+        for k, v in picks.items()
+    }
+    path.write_text(json.dumps(body, indent=2) + "\n")
+
+
 def _picks_from(path: pathlib.Path) -> dict[str, Setting]:
-    """The quick sweep's picks, from its report; the long mode's plan."""
+    """The quick sweep's picks (``convergence-picks.json``); the long mode's plan, with
+    ``other``: the inner optimizer besides AdamW that did best at seed 0, at its H."""
     if not path.exists():
         raise FileNotFoundError(
             f"{path}: the long mode takes the quick sweep's picks from it; run "
             "`python -m benchmarks convergence --quick` with the same --out first"
         )
-    report = json.loads(path.read_text())
-    picks = {k: Setting(**v) for k, v in report["picks"].items()}
+    body = json.loads(path.read_text())
+    picks = {k: Setting(**v["setting"]) for k, v in body.items()}
     others = [
-        e
-        for e in report["entries"]
-        if e["setting"]["method"] == "atoll"
-        and e["setting"]["optimizer"] != "adamw"
-        and not e["setting"]["islands"]
-        and e.get("gap_to_ddp_percent", {}).get("mean") is not None
+        (v["val_bpb_end_seed0"], k)
+        for k, v in body.items()
+        if v["setting"]["method"] == "atoll"
+        and v["setting"]["optimizer"] != "adamw"
+        and v["val_bpb_end_seed0"] is not None
     ]
     if others:
-        best = min(others, key=lambda e: e["gap_to_ddp_percent"]["mean"])
-        picks["other"] = Setting(**best["setting"])
+        picks["other"] = picks[min(others)[1]]
     return picks
 
 
@@ -721,7 +732,11 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
         return runs[seed]
 
     try:
-        picks = _picks_from(out_dir / "convergence.json") if long else _sweep(train, results)
+        if long:
+            picks = _picks_from(out_dir / _PICKS)
+        else:
+            picks = _sweep(train, results)
+            _write_picks(out_dir / _PICKS, picks, results)
         for seed in _SEEDS:
             for s in plan_seeds(picks, long):
                 train(s, seed)

@@ -157,3 +157,22 @@ def test_every_method_and_seed_is_scored_on_the_same_batches():
     first = validation_batches(a.val, data.batch_size, context, count)
     again = validation_batches(b.val, data.batch_size, context, count)
     assert all(torch.equal(x, y) for (x, _), (y, _) in zip(first, again))
+
+
+def test_the_long_mode_runs_the_quick_sweeps_picks(tmp_path):
+    from benchmarks.convergence import Setting, _picks_from, _write_picks, plan_seeds
+
+    with pytest.raises(FileNotFoundError, match="run `python -m benchmarks convergence --quick`"):
+        _picks_from(tmp_path / "convergence-picks.json")
+    ddp = Setting("ddp", lr=3e-3)
+    adamw = Setting("atoll", 3e-3, "adamw", 50, "int8", "plain averaging (sgd lr 1)")
+    muon = Setting("atoll", 6e-3, "muon", 50, "int8", "plain averaging (sgd lr 1)")
+    soap = Setting("atoll", 6e-3, "soap", 100, "int8", "plain averaging (sgd lr 1)")
+    scores = {ddp: 3.0, adamw: 3.3, muon: 3.2, soap: 3.1}
+    picks = {"ddp": ddp, "adamw H=50": adamw, "muon H=50": muon, "soap H=100": soap}
+    _write_picks(
+        tmp_path / "p.json", picks, {s: {0: {"val_bpb_end": v}} for s, v in scores.items()}
+    )
+    read = _picks_from(tmp_path / "p.json")
+    assert read["other"] == soap  # the best seed-0 score besides AdamW
+    assert plan_seeds(read, long=True) == [ddp, adamw, soap]  # no codecs, no islands
