@@ -41,11 +41,11 @@ replicas. Note DDP's curve comes from a run with a cosine schedule over all its 
 so an early point of it is not what a shorter DDP run would reach.
 
 **Long mode** (``--long``: the quick model, 10,000 steps per worker and the whole
-byte corpus, so no batch is seen twice; hours) takes the quick sweep's picks from
-``convergence-picks.json`` (written by the quick mode once its sweep is done) in the
-same folder and runs, over the three seeds, DDP and AdamW
-at each H (int8), and the best other inner optimizer at its best H. A sweep at that
-length would cost twenty quick runs; the picks are therefore the short run's.
+byte corpus, so no batch is seen twice; about an hour on two cores) takes the quick
+sweep's picks from ``convergence-picks.json`` (written by the quick mode once its sweep
+is done) in the same folder and runs, over the three seeds, DDP, AdamW at the shortest
+and the longest H (int8), and the other inner optimizer that did best at seed 0. A
+sweep at that length would cost twenty quick runs; the picks are the short run's.
 
 **Full mode** (neither flag): the default reference model, 3000 steps, the quick
 mode's plan (many hours on two cores).
@@ -96,6 +96,7 @@ _DDP_LRS = (3e-3, 6e-3, 1.2e-2)
 _INNER_LRS = (1.5e-3, 3e-3, 6e-3)
 _OPTIMIZERS = ("adamw", "muon", "soap")
 _EDGE_STEPS = 2  # lrs tried past the grid's edge when the best lies on it
+_LONG_INNER_STEPS = (min(_INNER_STEPS), max(_INNER_STEPS))  # the long mode's AdamW runs
 _PICKS = "convergence-picks.json"  # the quick sweep's picks, which the long mode runs
 # Outer settings swept with AdamW, every field spelled out so that a change of the
 # config's defaults does not change what a name means.
@@ -501,7 +502,7 @@ def _best(results: dict[Setting, dict[int, dict]], keep: Any) -> Setting | None:
 def plan_seeds(picks: dict[str, Setting], long: bool) -> list[Setting]:
     """What runs at every seed: the picks, and in quick/full mode the codecs and islands."""
     out = [picks["ddp"]]
-    for h in _INNER_STEPS:
+    for h in _LONG_INNER_STEPS if long else _INNER_STEPS:
         adamw = picks.get(f"adamw H={h}")
         if adamw is None:
             continue

@@ -175,4 +175,4 @@ def test_the_long_mode_runs_the_quick_sweeps_picks(tmp_path):
     )
     read = _picks_from(tmp_path / "p.json")
     assert read["other"] == soap  # the best seed-0 score besides AdamW
-    assert plan_seeds(read, long=True) == [ddp, adamw, soap]  # no codecs, no islands
+    assert plan_seeds(read, long=True) == [ddp, adamw, soap]  # H=250 not picked; no codecs
