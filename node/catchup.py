@@ -125,7 +125,12 @@ class StateServer:
         header = Header("digest", self.run_id, round_, 0, 0, self.identity.peer_id)
         value = seal(self.identity, header, {"digest": digest})
         return await self.transport.dht_store(
-            _digest_key(self.run_id, round_), self.identity.peer_id, value, 3600.0, timeout=timeout
+            _digest_key(self.run_id, round_),
+            self.identity.peer_id,
+            value,
+            3600.0,
+            timeout=timeout,
+            kind="digest",
         )
 
     async def _handle(self, peer: str, data: bytes) -> bytes:
@@ -146,7 +151,7 @@ async def attested(
     transport: Transport, run_id: str, round_: int, *, timeout: float
 ) -> dict[str, set[str]]:
     """``{digest: signers}`` of the signed state digests peers stored for ``round_``."""
-    found = await transport.dht_get(_digest_key(run_id, round_), timeout=timeout)
+    found = await transport.dht_get(_digest_key(run_id, round_), timeout=timeout, kind="digest")
     out: dict[str, set[str]] = {}
     for signer, value in (found or {}).items() if isinstance(found, dict) else []:
         try:

@@ -92,7 +92,7 @@ async def _read(
     transport: Transport, run_id: str, spec: str, timeout: float
 ) -> tuple[float, float, str] | None:
     """The earliest valid manifest of ``run_id`` and ``spec``: ``(t0, length, signer)``."""
-    found = await transport.dht_get(_key(run_id), timeout=timeout)
+    found = await transport.dht_get(_key(run_id), timeout=timeout, kind="clock")
     clocks = []
     for signer, value in found.items() if isinstance(found, dict) else []:
         try:
@@ -159,6 +159,7 @@ async def agree(
         seal(identity, header, body),
         _MANIFEST_SECONDS,
         timeout=timeout,
+        kind="clock",
     )
     logger.info("started the round clock: t0 %.1f, %.1fs rounds", t0, round_seconds)
     return SecondsClock(t0, round_seconds, fragments)

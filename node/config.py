@@ -228,6 +228,14 @@ class NetworkConfig:
     min_peers: int = Field(default=1, ge=1)
     min_peers_timeout: float = Field(default=60.0, gt=0.0)
     registry_seconds: float = Field(default=2.0, gt=0.0)
+    """How often a node rewrites its registry record and reads everyone's, in a swarm
+    of up to ``base_rate_peers`` nodes."""
+    base_rate_peers: int = Field(default=8, ge=1)
+    """Swarm size up to which the registry (every ``registry_seconds``) and matchmaking
+    announcements (every 0.2 s) are polled at their base rate. In a swarm of ``n`` larger
+    than this both polls, and the time after which a silent peer counts as gone, stretch
+    by ``n / base_rate_peers``: every read returns one record per node, so this keeps the
+    bytes a node reads per second flat as the swarm grows."""
     join_timeout: float = Field(default=120.0, ge=0.0)
     """How long to keep trying initial peers that do not answer at start."""
     # Reaching and being reached across NAT (passed to p2pd; see README, "Across networks").
@@ -278,6 +286,16 @@ class ControlConfig:
     heartbeat_seconds: float = Field(default=1.0, gt=0.0, le=60.0)
     commit: bool = True
     commit_seconds: float = Field(default=2.0, gt=0.0, le=60.0)
+    dial_peers: int = Field(default=8, ge=1)
+    """Peers whose sidecars a node dials (all of them in a swarm of up to this many
+    others); others dial it too, so it holds about twice this many connections."""
+    base_rate_peers: int = Field(default=8, ge=1)
+    """Swarm size up to which heartbeats go out every ``heartbeat_seconds`` and the
+    commit phase waits up to ``commit_seconds``. In a swarm of ``n`` larger than this
+    both stretch by ``n / base_rate_peers``: a node hears at most ``base_rate_peers``
+    heartbeats per ``heartbeat_seconds`` (every message received costs its sidecar a
+    few ms of CPU), and every node receives every commitment, so the burst of them at
+    an exchange takes longer to arrive as the swarm grows."""
     max_message_kb: float = Field(default=256.0, gt=0.0, le=960.0)
     port: int = Field(default=0, ge=0, le=65535)
     """TCP port of the control sidecar (on ``network.host``); 0 picks a free one."""
@@ -524,4 +542,5 @@ def exchange_settings(cfg: AtollConfig, spec: str, fragments: int) -> ExchangeSe
         matchmaking_seconds=net.matchmaking_seconds,
         announce_expiration=net.round_timeout * 4,
         request_timeout=net.request_timeout,
+        base_rate_peers=net.base_rate_peers,
     )

@@ -4,12 +4,19 @@ Three topics on the node's :class:`~protocol.control.channel.ControlChannel` (a 
 sidecar), every message signed by the node key and checked on receipt:
 
 * ``heartbeat``: alive, version, capabilities, measured throughput, current round
-  and step; what ``atoll status`` shows.
+  and step; what ``atoll status`` shows. Every node hears every heartbeat, and each
+  costs its sidecar a few ms of CPU, so in a swarm of ``n`` above
+  ``control.base_rate_peers`` a node beats every ``heartbeat_seconds * n /
+  base_rate_peers``: a node hears a bounded number of heartbeats per second.
 * ``commit``: before an exchange a member publishes the digests of its signed parts
   for ``(round, fragment, content)`` (:class:`~protocol.averaging.parts.Commitments`); an
   owner takes a part only if its sender committed to exactly that digest before the
   owner's own commit phase closed. Two different signed commitments from one peer for
-  the same exchange are proof of equivocation.
+  the same exchange are proof of equivocation. The same signed commitment also goes
+  straight to each member of the group (RPC :data:`COMMIT_RPC` over the node's
+  transport, once :meth:`ControlPlane.send_direct` is set): every node of the swarm
+  receives every commitment by gossip, and in a large or busy swarm the burst of them
+  at an exchange can take longer than the commit phase to arrive.
 * ``verdict``: an accusation with its evidence: for equivocation both signed
   commitments; for a bad owner the head of its signed result (a few kB whatever the
   part's size) and the signed commitment of a contributor whose digest the result
@@ -22,9 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,11 +51,20 @@ if TYPE_CHECKING:
     from node.metrics import EventLog
     from verification.verifier import Verifier
 
-__all__ = ["TOPICS", "ControlPlane", "check_bad_owner", "check_equivocation", "topic_name"]
+__all__ = [
+    "COMMIT_RPC",
+    "TOPICS",
+    "ControlPlane",
+    "check_bad_owner",
+    "check_equivocation",
+    "topic_name",
+]
 
 logger = logging.getLogger(__name__)
 
 TOPICS = ("heartbeat", "commit", "verdict")
+COMMIT_RPC = "atoll.commit"
+"""The RPC a member's signed commitment is sent to its group members through."""
 CAPABILITIES = ("allreduce", "butterfly", "gossip", "commit", "repair", "catch_up")
 _ROUNDS_KEPT = 4  # commitments older than this many rounds are forgotten
 _MAX_COMMITS = 65536
@@ -217,9 +234,15 @@ class ControlPlane(Commitments):
         self._convicted: set[str] = set()
         self._newest = 0
         self._connected: set[str] = set()
+        self._dialled: set[str] = set()
         self._quiet_since: float | None = None
+        self._swarm_size = 1
         self.counters = {"forged_verdicts": 0, "verdicts": 0, "malformed": 0}
         self._stop = threading.Event()
+        self.send_direct: Callable[[str, bytes, float], Awaitable[Any]] | None = None
+        """Sends a signed commitment to a peer's :data:`COMMIT_RPC` (peer, bytes,
+        timeout); set by the node once its transport serves that RPC."""
+        self._sending: set[asyncio.Task] = set()
         self.channel: ControlChannel | None = None
         self._beat: threading.Thread | None = None
 
@@ -262,6 +285,24 @@ class ControlPlane(Commitments):
     def sidecar_pid(self) -> int | None:
         return self.channel.sidecar_pid if self.channel else None
 
+    def dial(self, candidates: dict[str, Sequence[str]]) -> None:
+        """Keep up to ``control.dial_peers`` of the ``candidates`` dialled.
+
+        Args:
+            candidates: live peers that can be dialled, with their sidecars' addresses
+                (from the registry). Peers dialled before stay chosen while they are
+                candidates; the rest of the quota is filled at random. Each node is
+                also dialled by others, so it holds about twice the quota in
+                connections: enough for a mesh of ``degree`` and a connected swarm,
+                and not one connection per node of the swarm.
+        """
+        chosen = [p for p in self._dialled if p in candidates]
+        others = sorted(set(candidates) - set(chosen))
+        room = max(0, self.cfg.dial_peers - len(chosen))
+        chosen += random.sample(others, min(room, len(others)))
+        self._dialled = set(chosen)
+        self.connect([a for p in chosen for a in candidates[p]])
+
     def connect(self, addrs: Sequence[str]) -> None:
         """Dial peers' sidecars not dialled yet (addresses from the DHT registry)."""
         if self.channel is None:
@@ -276,8 +317,31 @@ class ControlPlane(Commitments):
 
     # ---- heartbeats and the swarm view ---------------------------------------------------
 
+    def resize(self, nodes: int) -> None:
+        """The swarm now has ``nodes`` nodes, this one included (sets the pace of
+        heartbeats and the commit window)."""
+        self._swarm_size = max(1, nodes)
+
+    @property
+    def stretch(self) -> float:
+        """``max(1, n / base_rate_peers)`` for a swarm of ``n``."""
+        return max(1.0, self._swarm_size / self.cfg.base_rate_peers)
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between two heartbeats of this node (and of its peers, which see
+        about the same swarm): ``heartbeat_seconds``, stretched above
+        ``base_rate_peers`` nodes."""
+        return self.cfg.heartbeat_seconds * self.stretch
+
+    @property
+    def commit_window(self) -> float:
+        """Longest wait for the group's commitments: ``commit_seconds``, stretched above
+        ``base_rate_peers`` nodes (every node receives every commitment)."""
+        return self.cfg.commit_seconds * self.stretch
+
     def _heartbeats(self) -> None:
-        while not self._stop.wait(self.cfg.heartbeat_seconds):
+        while not self._stop.wait(self.heartbeat_interval):
             body = {"version": self.version, "capabilities": list(CAPABILITIES), **self.vitals()}
             try:
                 self._publish("heartbeat", body)
@@ -311,7 +375,7 @@ class ControlPlane(Commitments):
         :data:`SILENCE_GRACE_SECONDS` of hearing none of them.
         """
         now = time.monotonic() if now is None else now
-        window = 5 * self.cfg.heartbeat_seconds + 5
+        window = 5 * self.heartbeat_interval + 5
         with self._lock:
             heard = {p for p, info in self._peers.items() if time.time() - info["seen"] < window}
         if not live or heard & live:
@@ -342,9 +406,10 @@ class ControlPlane(Commitments):
         digests: dict[int, bytes],
         content: str = "update",
     ) -> None:
-        await self.publish_commit(round_, fragment, digests, content)
+        wire = await self.publish_commit(round_, fragment, digests, content)
+        self._send_to_group(group, wire)
         others = [p for p in group if p != self.me and not self.verifier.blocks(p, round_)]
-        deadline = time.monotonic() + self.cfg.commit_seconds
+        deadline = time.monotonic() + self.commit_window
         while time.monotonic() < deadline:
             with self._lock:
                 if all((p, round_, fragment, content) in self._commits for p in others):
@@ -358,10 +423,43 @@ class ControlPlane(Commitments):
             [p[:12] for p in others if (p, round_, fragment, content) not in self._commits],
         )
 
+    def _send_to_group(self, group: Sequence[str], wire: bytes) -> None:
+        """Send the signed commitment to every other member, in the background."""
+        if self.send_direct is None or not wire:
+            return
+        for peer in group:
+            if peer != self.me:
+                task = asyncio.ensure_future(self._send_one(peer, wire))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+
+    async def _send_one(self, peer: str, wire: bytes) -> None:
+        assert self.send_direct is not None
+        try:
+            await self.send_direct(peer, wire, self.commit_window)
+        except Exception as exc:  # the gossip copy may still arrive in time
+            logger.debug("control: commitment to %s not sent directly: %s", peer[:16], exc)
+
+    async def receive_commit(self, peer: str, data: bytes) -> bytes:
+        """Serve :data:`COMMIT_RPC`: a group member's signed commitment, sent directly.
+
+        Raises:
+            ProtocolError: the message is not a valid commitment signed by ``peer``
+                (the authenticated caller).
+        """
+        topic = topic_name(self.run_id, "commit")
+        msg = open_control(data, self.run_id, topic, int(self.cfg.max_message_kb * 1024))
+        if msg.sender != peer:
+            raise ProtocolError("sender_mismatch", f"a commitment signed by {msg.sender}", peer)
+        if msg.sender != self.me:
+            self._on_commit(msg)
+        return b""
+
     async def publish_commit(
         self, round_: int, fragment: int, digests: dict[int, bytes], content: str = "update"
-    ) -> None:
-        """Publish (and record) this node's commitment for ``(round, fragment, content)``."""
+    ) -> bytes:
+        """Publish (and record) this node's commitment for ``(round, fragment, content)``;
+        returns the signed message (empty without a channel)."""
         body = {
             "round": round_,
             "fragment": fragment,
@@ -378,6 +476,7 @@ class ControlPlane(Commitments):
             self._commits[(self.me, round_, fragment, content)] = _Commit(
                 dict(digests), time.monotonic(), wire
             )
+        return wire
 
     async def check(
         self,

@@ -33,8 +33,9 @@ from node.checkpoint import load_latest, save_checkpoint
 from node.clock import SecondsClock
 from node.clock import agree as agree_clock
 from node.config import AtollConfig, allreduce_settings, exchange_settings, transport_config
-from node.controlplane import ControlPlane
-from node.data import BatchStream, load_data
+from node.controlplane import COMMIT_RPC, ControlPlane
+from node.data import BatchStream, load_data, validation_batches
+from node.load import LoadMeter
 from node.metrics import EventLog, StatusWriter, recent_events
 from node.model import build_model
 from node.monitor import Monitor
@@ -240,9 +241,9 @@ class Node:
             trained, ranks = self.site_group.wrap(self.site_module), self.site_group.site.world
         self.trainer = InnerTrainer(trained, cfg.train, stream, self.device, ranks=ranks)
         self._shards_ahead = False  # under FSDP: the shards trained past self.model
-        self.val_batches = BatchStream(
-            corpus.val, cfg.data.batch_size, cfg.model.context, "validation"
-        ).fixed_batches(cfg.train.eval_batches)
+        self.val_batches = validation_batches(
+            corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
+        )
         self.feedback = [
             codecs.ErrorFeedback(
                 cfg.sync.codec,
@@ -310,6 +311,7 @@ class Node:
             self.initial_peers,
             net.request_timeout,
             net.registry_seconds,
+            net.base_rate_peers,
         )
         self.transport.run(self.peers.ensure_identity_free(), 4 * net.request_timeout + 10)
         self.status.update(force=True, reachability=self.transport.reachability.to_dict())
@@ -331,6 +333,7 @@ class Node:
                 listen_host=net.host,
             )
             self.control.start()
+            self._serve_commitments()
         self.allreduce = AllReduceService(
             self.transport,
             self.identity,
@@ -360,6 +363,15 @@ class Node:
         )
         self.state_server = catchup.StateServer(self.transport, self.identity, cfg.run.run_id)
         self.state_server.register()
+        self.load = LoadMeter(
+            lambda: dict(self.transport.dht_usage) if self.transport else {},
+            self._control_traffic,
+            lambda: {
+                "p2pd": self.transport.p2pd_pid if self.transport else None,
+                "dht": self.transport.dht_pid if self.transport else None,
+                "sidecar": self.control.sidecar_pid if self.control else None,
+            },
+        )
         self.status.update(
             force=True,
             maddrs=self.transport.maddrs,
@@ -367,6 +379,22 @@ class Node:
             ranks=self.site.world if self.site is not None else 1,
             helper_pids=self._helper_pids(),
         )
+
+    def _serve_commitments(self) -> None:
+        """Commitments also go straight to the group, over the transport (see
+        :mod:`node.controlplane`)."""
+        assert self.control is not None and self.transport is not None
+        transport = self.transport
+        self.transport.add_handler(
+            COMMIT_RPC,
+            self.control.receive_commit,
+            max_request_bytes=int(self.cfg.control.max_message_kb * 1024),
+        )
+
+        async def send(peer: str, wire: bytes, timeout: float) -> Any:
+            return await transport.call(peer, COMMIT_RPC, wire, timeout=timeout)
+
+        self.control.send_direct = send
 
     def _resume(self) -> None:
         """Resume from the newest valid checkpoint, else take the swarm's state if it has one."""
@@ -618,7 +646,8 @@ class Node:
         cfg = self.cfg
         budget = cfg.network.matchmaking_seconds + cfg.network.round_timeout
         if cfg.control.commit:
-            budget += cfg.control.commit_seconds
+            window = self.control.commit_window if self.control else cfg.control.commit_seconds
+            budget += window
         if cfg.sync.trigger == "seconds":
             length = cfg.sync.round_seconds
             budget = min(budget, length - max(0.5, 0.05 * length))
@@ -773,6 +802,7 @@ class Node:
             tokens=self.trainer.tokens, steps=self.trainer.steps, bytes_sent=self.bytes_sent
         )
         fields["flagged"] = self.verifier.flagged(self.round)
+        fields["load"] = self.load.sample()
         if self.site_group is not None:
             self._share_with_site()
             digests = self.site_group.digests(self.site_module)
@@ -837,6 +867,10 @@ class Node:
     def live_peers(self) -> set[str]:
         """Peers of this run and spec whose registry record is fresh (this node excluded)."""
         return self.peers.live() if self.peers is not None else set()
+
+    def _control_traffic(self) -> dict[str, int]:
+        channel = self.control.channel if self.control is not None else None
+        return channel.stats().get("traffic", {}) if channel is not None else {}
 
     def _helper_pids(self) -> list[int]:
         """Processes this node started besides itself (p2pd, DHT, control sidecar)."""
@@ -919,26 +953,30 @@ class Node:
         return self.peers.record(self.round, trainer.steps if trainer else 0, control)
 
     async def _registry_loop(self) -> None:
-        """Refresh this node's registry record and its view of the swarm, forever."""
+        """Refresh this node's registry record and its view of the swarm when due (every
+        ``registry_seconds``, less often in a large swarm: :attr:`PeerView.interval`);
+        take operator commands and report every ``registry_seconds``, forever."""
         assert self.transport is not None and self.peers is not None
         net = self.cfg.network
         checked = False
         while not self.stop_event.is_set():
-            await self.peers.refresh(self._record())
+            if self.peers.due():
+                await self.peers.refresh(self._record())
             if self.peers.conflict is not None:
                 self.stop_event.set()  # another process runs with this key: stop
                 return
             live = self.peers.live()
+            if self.control is not None:
+                self.control.resize(len(live) + 1)
             if not checked and live and self.transport.reachability.status == "unknown":
                 # The first node of a swarm had nobody to ask at start.
                 checked = True
                 found = await self.transport.check_reachability(sorted(live)[:3])
                 logger.info("%s", found.summary())
             if self.control is not None:
-                for peer in live:
-                    rec = self.peers.records[peer]
-                    if rec.reachable:  # a peer nobody can dial dials us instead
-                        self.control.connect(rec.control)
+                records = self.peers.records
+                # a peer nobody can dial dials us instead
+                self.control.dial({p: records[p].control for p in live if records[p].reachable})
             self._take_operator_commands()
             self._report(live)
             await asyncio.sleep(net.registry_seconds)

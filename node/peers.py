@@ -2,7 +2,11 @@
 
 Every few seconds a node rewrites its signed registry record in the DHT (round, step,
 addresses, control addresses, whether it can be dialled, the digest of the run spec
-it runs, and a random id of its process) and reads everyone else's. From that:
+it runs, and a random id of its process) and reads everyone else's. Every read returns
+one record per node, so in a swarm larger than ``network.base_rate_peers`` the refresh, and
+with it the time after which a silent record counts as gone, stretch in proportion to
+the swarm's size: what a node reads per second stays flat as the swarm grows. From the
+records:
 
 * **live peers**: fresh records of the same spec; they are waited for in matchmaking
   and asked for state;
@@ -38,7 +42,8 @@ __all__ = ["LIVE_SECONDS", "DuplicateIdentityError", "PeerView"]
 logger = logging.getLogger(__name__)
 
 LIVE_SECONDS = 10.0
-"""A registry record older than this is a peer presumed gone."""
+"""A registry record older than this is a peer presumed gone (in a swarm of up to
+``base_rate_peers`` nodes; see :attr:`PeerView.live_seconds`)."""
 
 _REDIAL_SECONDS = (2.0, 60.0)  # first and longest wait between re-dials of initial peers
 
@@ -64,7 +69,8 @@ class PeerView:
         spec: digest of the run spec (or shared settings) this node runs.
         initial_peers: multiaddrs re-dialled when every peer is lost.
         request_timeout: deadline of one DHT operation.
-        registry_seconds: how often the record is refreshed.
+        registry_seconds: how often the record is refreshed in a small swarm.
+        base_rate_peers: the swarm size above which refreshes stretch (``network.base_rate_peers``).
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class PeerView:
         initial_peers: Sequence[str],
         request_timeout: float,
         registry_seconds: float,
+        base_rate_peers: int = 8,
     ) -> None:
         self.transport = transport
         self.identity = identity
@@ -87,12 +94,35 @@ class PeerView:
         self.initial_peers = list(initial_peers)
         self.request_timeout = request_timeout
         self.registry_seconds = registry_seconds
+        self.base_rate_peers = base_rate_peers
         self.instance = secrets.token_hex(8)
         self.started = time.time()
         self.records: dict[str, PeerRecord] = {}
         self.conflict: str | None = None
         """Set when another process runs with this key (this one must stop)."""
         self._redial = _Redial()
+        self._next_refresh = 0.0
+
+    # ---- pace --------------------------------------------------------------------------
+
+    @property
+    def stretch(self) -> float:
+        """``max(1, n / base_rate_peers)`` for the ``n`` nodes with a record in the registry."""
+        return max(1.0, len(self.records.keys() | {self.me}) / self.base_rate_peers)
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two refreshes of the record and the view."""
+        return self.registry_seconds * self.stretch
+
+    @property
+    def live_seconds(self) -> float:
+        """Age after which a record is a peer presumed gone."""
+        return LIVE_SECONDS * self.stretch
+
+    def due(self) -> bool:
+        """Whether :meth:`refresh` is due (one :attr:`interval` after the last one)."""
+        return time.monotonic() >= self._next_refresh
 
     # ---- this node's record -------------------------------------------------------------
 
@@ -113,13 +143,14 @@ class PeerView:
 
     async def refresh(self, record: PeerRecord) -> None:
         """Publish ``record``, then :meth:`read`."""
+        self._next_refresh = time.monotonic() + self.interval
         try:
             await matchmaking.publish_record(
                 self.transport,
                 self.identity,
                 self.run_id,
                 record,
-                expiration=LIVE_SECONDS,
+                expiration=self.live_seconds,
                 timeout=self.request_timeout,
             )
         except ProtocolError as exc:
@@ -140,11 +171,10 @@ class PeerView:
     # ---- views ------------------------------------------------------------------------
 
     def fresh(self, now: float | None = None) -> dict[str, PeerRecord]:
-        """Records of other nodes written within :data:`LIVE_SECONDS`."""
+        """Records of other nodes written within :attr:`live_seconds`."""
         now = time.time() if now is None else now
-        return {
-            p: r for p, r in self.records.items() if p != self.me and now - r.updated < LIVE_SECONDS
-        }
+        live = self.live_seconds
+        return {p: r for p, r in self.records.items() if p != self.me and now - r.updated < live}
 
     def live(self) -> set[str]:
         """Peers of this run and spec whose record is fresh (this node excluded)."""
@@ -191,9 +221,9 @@ class PeerView:
         first = await self._own_record()
         if first is None or first.instance == self.instance:
             return
-        if clock() - first.updated >= LIVE_SECONDS:
+        if clock() - first.updated >= self.live_seconds:
             return
-        await asyncio.sleep(2 * self.registry_seconds + 1.0)
+        await asyncio.sleep(2 * self.interval + 1.0)
         second = await self._own_record()
         if (
             second is not None
@@ -209,12 +239,13 @@ class PeerView:
             )
         except ProtocolError:
             return None
+        self.records = records  # a first view, which also sets the pace
         return records.get(self.me)
 
     def _check_twin(self, rec: PeerRecord | None) -> None:
         if rec is None or rec.instance == self.instance or self.conflict is not None:
             return
-        if time.time() - rec.updated >= LIVE_SECONDS or rec.updated < self.started:
+        if time.time() - rec.updated >= self.live_seconds or rec.updated < self.started:
             return
         # Both processes see each other's record; the one that started later stops.
         if (rec.started, rec.instance) < (self.started, self.instance):

@@ -24,13 +24,16 @@ from typing import Any
 import psutil
 
 from node.config import AtollConfig
+from node.load import per_round
 from node.metrics import read_events, read_status
+from protocol.averaging.grouping import rounds_to_mix
 
 __all__ = [
     "QUICK_WORKLOAD",
     "NodeFailed",
     "SwarmProcess",
     "SwarmSpec",
+    "butterfly_reach",
     "error_line",
     "run_swarm",
     "run_to_end",
@@ -51,6 +54,7 @@ QUICK_WORKLOAD = (
 the workload of the integration tests and of the benchmarks' quick modes."""
 
 _START_TIMEOUT = 90.0
+_NODES_PER_START_MINUTE = 8  # larger swarms wait longer than a minute for every node
 _LOG_TAIL_BYTES = 64 * 1024
 
 
@@ -106,9 +110,14 @@ def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str])
     cmd = [sys.executable, "-m", "node.cli", "run", "--data-dir", str(data_dir), "--log-file", "-"]
     for path in spec.config_paths:
         cmd += ["--config", path]
+    start = []
+    if spec.nodes > _NODES_PER_START_MINUTE:
+        # all but the first start at once and share the cores: give them time to meet
+        start = [f"network.min_peers_timeout={60.0 * spec.nodes / _NODES_PER_START_MINUTE:g}"]
     for item in [
         f"run.threads={threads}",
         f"network.min_peers={spec.nodes}",
+        *start,
         *spec.overrides,
     ]:
         cmd += ["--set", item]
@@ -301,7 +310,11 @@ def summarize(
     """What the swarm did, from each node's status and event log.
 
     Agreement and bits per byte are over the honest nodes only; faulty nodes
-    (``byzantine`` indices) are listed but not averaged in.
+    (``byzantine`` indices) are listed but not averaged in. Per honest node it also
+    gives what the DHT and control plane cost it per round (``dht_ops_per_round``,
+    ``control_cpu_s_per_round``, ... from :func:`node.load.per_round`, with their means
+    in ``load_mean``), the wall time of rounds, and ``mix``
+    (:func:`butterfly_reach`).
     """
     per_node = []
     for n in nodes:
@@ -340,7 +353,106 @@ def summarize(
         "idle_seconds": [round(n.status.get("idle_seconds", 0.0), 2) for n in nodes],
         "flagged": _flagged(per_node),
         "ranks_agree": _ranks_agree(per_node),
+        **_load(per_node),
+        "mix": butterfly_reach(
+            {
+                str(s.get("peer_id")): read_events(n.data_dir / "events.jsonl", "sync")
+                for n, s, _ in per_node
+            },
+            cfg.network.group_size,
+        ),
     }
+
+
+def butterfly_reach(syncs: dict[str, list[dict[str, Any]]], group_size: int) -> dict[str, Any]:
+    """Whether every node's value reached every other as the butterfly schedule says.
+
+    With ``n`` nodes in groups of at most ``group_size``, every node's contribution is
+    in every other node's global copy after ``d = rounds_to_mix(n, group_size)``
+    consecutive rounds (log_G n). For each fragment and each window of ``d`` rounds
+    this follows what the syncs record: after a round a node holds the values of the
+    peers in every part of its result (its ``contributors``), and with them whatever
+    those peers held; a node without a sync that round keeps its own.
+
+    Args:
+        syncs: per node (PeerID) its ``sync`` events.
+        group_size: ``network.group_size``.
+
+    Returns:
+        ``rounds_to_mix``; ``windows`` checked and ``windows_mixed`` (every node reached
+        every other); ``groups`` (distinct groups of a round and fragment whose members
+        all synced completely) and ``groups_agreeing`` (their members hold the same
+        global copy of the fragment afterwards; with outer momentum they differ by
+        each member's history).
+    """
+    peers = sorted(syncs)
+    d = rounds_to_mix(len(peers), group_size)
+    held: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for peer, events in syncs.items():
+        for e in events:
+            held.setdefault((e["round"], e["fragment"]), {})[peer] = e
+    out: dict[str, Any] = {"rounds_to_mix": d, "windows": 0, "windows_mixed": 0}
+    rounds = sorted({r for r, _ in held})
+    fragments = sorted({f for _, f in held})
+    for f in fragments:
+        for start in rounds if d else []:
+            window = range(start, start + d)
+            if not all((r, f) in held for r in window):
+                continue
+            reach = {p: {p} for p in peers}
+            for r in window:
+                reach = {p: _reached(p, held[(r, f)].get(p), reach) for p in peers}
+            out["windows"] += 1
+            out["windows_mixed"] += all(len(reach[p]) == len(peers) for p in peers)
+    groups = agreeing = 0
+    for records in held.values():
+        seen: dict[tuple[str, ...], set[str]] = {}
+        for e in records.values():
+            members = tuple(e["group"])
+            if all(records.get(m, {}).get("complete") for m in members):
+                seen.setdefault(members, set()).add(str(e.get("global_digest")))
+        groups += len(seen)
+        agreeing += sum(len(digests) == 1 for digests in seen.values())
+    out.update(groups=groups, groups_agreeing=agreeing)
+    return out
+
+
+def _reached(peer: str, event: dict[str, Any] | None, reach: dict[str, set[str]]) -> set[str]:
+    if event is None or not event.get("contributors"):
+        return set(reach[peer])
+    whole = set.intersection(*(set(part) for part in event["contributors"])) | {peer}
+    return set().union(*(reach.get(q, {q}) for q in whole))
+
+
+def _load(per_node: list[tuple[SwarmProcess, dict[str, Any], dict]]) -> dict[str, Any]:
+    """Per honest node, what the DHT and control plane cost it per round
+    (:func:`node.load.per_round`) and the wall time of its rounds; with the means."""
+    found = [
+        per_round({r: e["load"] for r, e in rounds.items() if "load" in e}) or {}
+        for _, _, rounds in per_node
+    ]
+    names = sorted({name for f in found for name in f})
+    out: dict[str, Any] = {
+        name: [round(f[name], 4) if name in f else None for f in found] for name in names
+    }
+    out["load_mean"] = {name: _mean(out[name]) for name in names}
+    intervals, round_seconds = [], []
+    for _, _, rounds in per_node:
+        times = [rounds[r]["t"] for r in sorted(rounds) if "t" in rounds[r]]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        intervals += gaps
+        round_seconds.append(round(sum(gaps) / len(gaps), 3) if gaps else None)
+    out["round_seconds"] = round_seconds
+    out["round_seconds_mean"] = _mean(intervals)
+    out["round_seconds_p95"] = _percentile(intervals, 0.95)
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _ranks_agree(per_node: list[tuple[SwarmProcess, dict[str, Any], dict]]) -> bool | None:
@@ -376,9 +488,23 @@ def format_summary(summary: dict[str, Any]) -> str:
     return (
         f"swarm of {summary['nodes']} nodes, {summary['rounds']} rounds in "
         f"{summary['seconds']:.0f}s; val bits/byte {bpb}; params agree: "
-        f"{summary['params_agree']}{_ranks_line(summary)}; sent {sum(sent) / 2**20:.1f} MiB in all "
+        f"{summary['params_agree']}{_mix_line(summary)}{_ranks_line(summary)}; "
+        f"sent {sum(sent) / 2**20:.1f} MiB in all "
         f"({ratio:.0f}x less than fp32 DDP for the same steps)\n"
         f"logs and checkpoints: {summary['directory']}"
+    )
+
+
+def _mix_line(summary: dict[str, Any]) -> str:
+    """Groups that do not span the swarm hold different copies by design: say whether
+    every node reached every other as the butterfly schedule says instead."""
+    mix = summary.get("mix") or {}
+    d = mix.get("rounds_to_mix")
+    if not d or d < 2 or not mix.get("windows"):
+        return ""
+    return (
+        f" (groups mix: every node reached every other within {d} rounds in "
+        f"{mix['windows_mixed']} of {mix['windows']} windows)"
     )
 
 

@@ -52,6 +52,7 @@ class ExchangeSettings:
         matchmaking_seconds: how long to wait for expected peers' announcements.
         announce_expiration: seconds an announcement stays in the DHT.
         request_timeout: deadline of one DHT operation.
+        base_rate_peers: peers above which announcement reads are spaced out.
     """
 
     run_id: str
@@ -63,6 +64,7 @@ class ExchangeSettings:
     matchmaking_seconds: float = 3.0
     announce_expiration: float = 60.0
     request_timeout: float = 10.0
+    base_rate_peers: int = 8
 
     @property
     def largest_group(self) -> int:
@@ -156,6 +158,7 @@ class FragmentExchange:
             excludes=excludes,
             reachable=self.reachable(),
             spec=s.spec,
+            base_rate_peers=s.base_rate_peers,
         )
         refused = {
             p: f"spec_mismatch: announces spec {a.spec[:12] or '(none)'}, this node runs {s.spec[:12]}"

@@ -145,7 +145,12 @@ async def announce(
     }
     value = seal(identity, header, body)
     return await transport.dht_store(
-        _mm_key(run_id, round_, fragment), identity.peer_id, value, expiration, timeout=timeout
+        _mm_key(run_id, round_, fragment),
+        identity.peer_id,
+        value,
+        expiration,
+        timeout=timeout,
+        kind="matchmaking",
     )
 
 
@@ -153,7 +158,9 @@ async def read_announcements(
     transport: Transport, run_id: str, round_: int, fragment: int, *, timeout: float
 ) -> dict[str, Announcement]:
     """Every valid announcement for ``(round, fragment)``; forged or stale ones are dropped."""
-    found = await transport.dht_get(_mm_key(run_id, round_, fragment), timeout=timeout)
+    found = await transport.dht_get(
+        _mm_key(run_id, round_, fragment), timeout=timeout, kind="matchmaking"
+    )
     out: dict[str, Announcement] = {}
     if not isinstance(found, dict):
         return out
@@ -197,8 +204,13 @@ async def gather(
     excludes: Iterable[str] = (),
     reachable: bool = True,
     spec: str = "",
+    base_rate_peers: int = 8,
 ) -> dict[str, Announcement]:
     """Announce, then read announcements until every expected peer is there or ``deadline``.
+
+    A read returns every announcement, so with more than ``base_rate_peers`` peers expected
+    the reads are spaced by ``0.2 s * peers / base_rate_peers`` rather than 0.2 s: the bytes
+    a waiting node reads per second stay flat as the swarm grows.
 
     Args:
         expected: peers believed alive (from the registry); the wait ends as soon as all
@@ -207,6 +219,7 @@ async def gather(
         reachable: whether others can dial this node (it owns no part otherwise).
         spec: digest of the run spec this node runs.
         deadline: ``time.monotonic()`` value after which the current view is used.
+        base_rate_peers: see above (``network.base_rate_peers``).
 
     Returns:
         The announced peers, this node included (filtering them is the caller's).
@@ -227,6 +240,7 @@ async def gather(
     want = set(expected) | {identity.peer_id}
     me = Announcement(identity.peer_id, tokens, frozenset(excludes), reachable, spec)
     seen: dict[str, Announcement] = {identity.peer_id: me}
+    poll = _POLL_SECONDS * max(1.0, len(want) / base_rate_peers)
     while True:
         remaining = deadline - time.monotonic()
         try:
@@ -238,7 +252,7 @@ async def gather(
             logger.debug("matchmaking read failed: %s", exc)
         if want <= set(seen) or time.monotonic() >= deadline:
             return seen
-        await asyncio.sleep(min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
 async def publish_record(
@@ -266,7 +280,7 @@ async def publish_record(
     }
     value = seal(identity, header, body)
     return await transport.dht_store(
-        _registry_key(run_id), identity.peer_id, value, expiration, timeout=timeout
+        _registry_key(run_id), identity.peer_id, value, expiration, timeout=timeout, kind="registry"
     )
 
 
@@ -317,7 +331,7 @@ async def read_registry(
     transport: Transport, run_id: str, *, timeout: float
 ) -> dict[str, PeerRecord]:
     """Every node of the run, from their signed registry records (stale ones included)."""
-    found = await transport.dht_get(_registry_key(run_id), timeout=timeout)
+    found = await transport.dht_get(_registry_key(run_id), timeout=timeout, kind="registry")
     out: dict[str, PeerRecord] = {}
     if not isinstance(found, dict):
         return out

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter
+import os
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +26,12 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair, PrivateKey
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.peer import peerstore as _peerstore_module
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub import gossipsub as _gossipsub_module
 from libp2p.pubsub import pubsub as _pubsub_module
+from libp2p.pubsub import utils as _pubsub_utils
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
@@ -126,9 +130,38 @@ def new_gossip_host(key_pair: KeyPair) -> IHost:
     return new_host(key_pair=key_pair, sec_opt={NOISE_PROTOCOL_ID: noise})
 
 
+class _SteadyGossipSub(GossipSub):
+    """GossipSub whose mesh settles once a topic has more than ``degree_high`` peers.
+
+    py-libp2p 0.8.1 grafts up to two more peers into every mesh at every heartbeat
+    ("opportunistic grafting", which the spec runs only when the mesh's median score
+    is low, every minute or so), prunes back to ``degree`` once the mesh passes
+    ``degree_high``, and does not back off from the peers it pruned: with more than
+    ``degree_high`` peers on a topic (a swarm of 14 nodes or more, all dialled) the mesh
+    churns every second, and each peer that is grafted again within 10 s of a prune
+    is punished as a "GRAFT flood" until scores fall below the publish and graylist
+    thresholds and messages stop flowing (measured here with 16 nodes: no commitment
+    reached a group member within the commit phase). Opportunistic grafting is off
+    (P1-P3 carry no weight here, so every score is 0 and it would only churn), and a
+    GRAFT within a backoff is answered with a PRUNE, as the spec says, not punished.
+
+    IDONTWANT (GossipSub v1.2) is not sent: py-libp2p sends one RPC per mesh peer for
+    every message it receives, whatever its size, where go-libp2p sends them only for
+    messages over 1 KiB. For Atoll's messages of a few hundred bytes that doubled the
+    RPCs a sidecar handles and cost more than the duplicates it saved. Those received
+    from peers are still honoured.
+    """
+
+    def _perform_opportunistic_grafting(self, topic: str, peers_to_graft: Any) -> int:
+        return 0
+
+    async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Any) -> None:
+        return None
+
+
 def new_router() -> GossipSub:
     """A GossipSub router configured from :data:`GOSSIP` and :data:`SCORE_PARAMS`."""
-    router = GossipSub(
+    router = _SteadyGossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID],
         degree=GOSSIP.degree,
         degree_low=GOSSIP.degree_low,
@@ -150,6 +183,7 @@ def new_router() -> GossipSub:
     )
     router.max_ihave_messages_per_second = GOSSIP.ihave_iwant_per_second
     router.max_iwant_requests_per_second = GOSSIP.ihave_iwant_per_second
+    router.graft_flood_threshold = 0.0  # see _SteadyGossipSub
     return router
 
 
@@ -209,8 +243,13 @@ def tune_libp2p() -> None:
     Pubsub builds each peer's outbound queue with ``RpcQueue()`` (32 RPCs) and
     each subscription channel with ``SUBSCRIPTION_CHANNEL_SIZE`` (32), and
     drops on overflow with a debug log; neither is a constructor parameter in
-    0.8.1, so the module globals are replaced in this dedicated process.
+    0.8.1, so the module globals are replaced in this dedicated process. The
+    signed peer record every RPC carries is issued and checked once, not per RPC,
+    and yamux returns receive window as go-yamux does (once half of it is read)
+    rather than with one WINDOW_UPDATE frame per read, which doubled the frames a
+    sidecar encrypts and writes.
     """
+    os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
     original_drop_rpc = _pubsub_module.drop_rpc
 
     def counting_drop_rpc(peer_id: ID, rpc: rpc_pb2.RPC) -> None:
@@ -221,6 +260,53 @@ def tune_libp2p() -> None:
     _pubsub_module.SUBSCRIPTION_CHANNEL_SIZE = GOSSIP.subscription_queue
     _pubsub_module.drop_rpc = counting_drop_rpc
     _gossipsub_module.drop_rpc = counting_drop_rpc
+    # Every RPC carries the sender's signed peer record: py-libp2p re-parses its own
+    # record to send it and checks the signature of each one it receives, twice
+    # (pubsub and router). The same bytes from the same peer need one check.
+    for module in (_pubsub_module, _gossipsub_module):
+        module.env_to_send_in_RPC = _own_record
+        module.maybe_consume_signed_record = _consume_record_once
+
+
+_RECORDS_KEPT = 4096
+_RECORD_RECHECK_S = 600.0  # well inside the 2 h the peerstore keeps a record
+_OWN_RECORD_S = 10.0  # how long this node's own record is sent before its addresses are read again
+_own_records: dict[int, tuple[float, frozenset[str], bytes]] = {}
+_consumed: OrderedDict[tuple[ID, bytes], float] = OrderedDict()
+
+
+def _own_record(host: IHost) -> tuple[bytes, bool]:
+    """py-libp2p's ``env_to_send_in_RPC``, issued once per set of listen addresses
+    (which are read again every :data:`_OWN_RECORD_S`)."""
+    now = time.monotonic()
+    cached = _own_records.get(id(host))
+    if cached is not None and now - cached[0] < _OWN_RECORD_S:
+        return cached[2], False
+    addrs = frozenset(str(a) for a in host.get_addrs())
+    if cached is not None and cached[1] == addrs:
+        _own_records[id(host)] = (now, addrs, cached[2])
+        return cached[2], False
+    envelope, issued = _peerstore_module.env_to_send_in_RPC(host)
+    _own_records[id(host)] = (now, addrs, envelope)
+    return envelope, issued
+
+
+def _consume_record_once(msg: rpc_pb2.RPC, host: IHost, peer_id: ID) -> bool:
+    """py-libp2p's ``maybe_consume_signed_record``, once per peer and record bytes
+    (again after :data:`_RECORD_RECHECK_S`, which renews the peerstore entry)."""
+    if not msg.HasField("senderRecord"):
+        return True
+    key = (peer_id, bytes(msg.senderRecord))
+    checked = _consumed.get(key)
+    if checked is not None and time.monotonic() - checked < _RECORD_RECHECK_S:
+        return True
+    ok = _pubsub_utils.maybe_consume_signed_record(msg, host, peer_id)
+    if ok:
+        _consumed[key] = time.monotonic()
+        _consumed.move_to_end(key)
+        while len(_consumed) > _RECORDS_KEPT:
+            _consumed.popitem(last=False)
+    return ok
 
 
 def quiet_libp2p_logs() -> None:

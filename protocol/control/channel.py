@@ -121,6 +121,7 @@ class ControlChannel:
         self._last_stats: dict[str, Any] = {}
         self._stats_count = 0
         self._client_dropped: Counter[str] = Counter()
+        self._traffic: Counter[str] = Counter()
         self._restarts = 0
         self._closed = False
         self._closing = threading.Event()
@@ -279,7 +280,12 @@ class ControlChannel:
 
     def publish_signed(self, topic: str, data: bytes) -> bool:
         """Broadcast a message made by :meth:`sign`; returns as :meth:`publish` does."""
-        return self._send({"op": "publish", "topic": topic, "data": data})
+        sent = self._send({"op": "publish", "topic": topic, "data": data})
+        if sent:
+            with self._lock:
+                self._traffic["published"] += 1
+                self._traffic["published_bytes"] += len(data)
+        return sent
 
     def connect(self, addrs: Iterable[str]) -> None:
         """Dial peers at ``addrs`` (multiaddrs ending in ``/p2p/<peer id>``).
@@ -308,8 +314,11 @@ class ControlChannel:
         Keys: ``dropped`` (sidecar drops by reason, reset when it restarts),
         ``received``, ``published``, ``peers``, ``topic_peers``, ``mesh``,
         ``peer_addrs`` (from the sidecar), ``client_dropped`` (drops on this side
-        by reason, including ``duplicate`` and ``sidecar_down``), ``restarts`` and
-        ``sidecar_pid``. Empty of sidecar keys until the first stats arrive.
+        by reason, including ``duplicate`` and ``sidecar_down``), ``traffic``
+        (messages and signed bytes this side published and was handed, over every
+        sidecar it ran: ``published``, ``published_bytes``, ``received``,
+        ``received_bytes``), ``restarts`` and ``sidecar_pid``. Empty of sidecar
+        keys until the first stats arrive.
 
         Args:
             refresh: ask the sidecar for fresh stats and wait up to ``timeout``
@@ -325,6 +334,7 @@ class ControlChannel:
         with self._lock:
             result: dict[str, Any] = dict(self._last_stats)
             result["client_dropped"] = dict(self._client_dropped)
+            result["traffic"] = dict(self._traffic)
             result["restarts"] = self._restarts
             result["sidecar_pid"] = None if self._proc is None else self._proc.pid
             return result
@@ -508,6 +518,9 @@ class ControlChannel:
 
     def _deliver(self, frame: dict[str, Any]) -> None:
         topic, data, source = frame.get("topic"), frame.get("data"), frame.get("from")
+        with self._lock:
+            self._traffic["received"] += 1
+            self._traffic["received_bytes"] += len(data) if isinstance(data, bytes) else 0
         if topic not in self._topics or not isinstance(data, bytes):
             self._drop("malformed", source, f"bad message frame on topic {topic!r}")
             return

@@ -49,6 +49,7 @@ from protocol.p2p.watchdog import Watchdog, set_parent_death_signal, terminate_p
 __all__ = [
     "BootstrapUnreachable",
     "BufferPool",
+    "DhtUsage",
     "Handler",
     "Lease",
     "NotDialable",
@@ -202,6 +203,29 @@ class TransportConfig:
         return f"/{family}/{self.host}/tcp/{self.port}"
 
 
+_GET_BEAM = 8
+"""Nodes a DHT lookup keeps in its beam. hivemind's default (its bucket size, 20) makes
+every ``latest`` lookup in a swarm of up to 20 ask every node, and a node that holds
+(or caches) the key answers with all of its subkeys: one record per node of the swarm.
+Eight covers the five nodes a key is stored on, and every node of a swarm of up to
+nine."""
+
+
+@dataclass
+class DhtUsage:
+    """DHT operations of one kind and their payload bytes (keys and values, as this
+    node hands them to or gets them from its DHT process)."""
+
+    ops: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def count(self, sent: int = 0, received: int = 0, op: bool = True) -> None:
+        self.ops += int(op)
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+
 class BootstrapUnreachable(RuntimeError):
     """None of the initial peers could be reached (p2pd refuses to start then)."""
 
@@ -255,6 +279,8 @@ class Transport:
         self._route_locks: dict[str, asyncio.Lock] = {}
         self.calls_by_plane = {"p2pd": 0, "tcp": 0, "tls": 0}
         """Calls made so far over each data plane."""
+        self.dht_usage: dict[str, DhtUsage] = {}
+        """DHT operations this node made so far, by the ``kind`` its callers gave."""
 
     @classmethod
     def start(cls, config: TransportConfig | None = None) -> Transport:
@@ -497,6 +523,17 @@ class Transport:
         """Pids of p2pd and the DHT process, as last reported to the watchdog."""
         return [pid for pid, _ in self._watchdog.tracked] if self._watchdog else []
 
+    @property
+    def p2pd_pid(self) -> int | None:
+        """The pid of this node's p2pd, while it runs."""
+        child = getattr(self._p2p, "_child", None)  # hivemind keeps the process private
+        return getattr(child, "pid", None)
+
+    @property
+    def dht_pid(self) -> int | None:
+        """The pid of this node's DHT process, while it runs."""
+        return self._dht.pid if self._dht is not None else None
+
     # ---- RPCs ------------------------------------------------------------------------
 
     def add_handler(
@@ -713,8 +750,11 @@ class Transport:
         expiration_seconds: float,
         *,
         timeout: float | None = None,
+        kind: str = "other",
     ) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) for ``expiration_seconds``.
+
+        ``kind`` names what the record is for in :attr:`dht_usage` (``registry``, say).
 
         Returns:
             Whether at least one DHT peer accepted the record.
@@ -724,11 +764,12 @@ class Transport:
         """
         assert self._dht is not None, "transport not started"
         expiration = get_dht_time() + expiration_seconds
+        self._usage(kind).count(sent=len(key) + len(subkey or "") + len(value))
         future = self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
         return bool(await self._await_dht(future, f"store {key!r}", timeout))
 
     async def dht_get(
-        self, key: str, *, latest: bool = True, timeout: float | None = None
+        self, key: str, *, latest: bool = True, timeout: float | None = None, kind: str = "other"
     ) -> dict[str, bytes] | bytes | None:
         """Look ``key`` up in the DHT.
 
@@ -736,6 +777,7 @@ class Transport:
             key: the key given to :meth:`dht_store`.
             latest: search until the newest record is found, rather than take the first one.
             timeout: deadline in seconds; defaults to ``config.request_timeout``.
+            kind: what the key is for, counted in :attr:`dht_usage`.
 
         Returns:
             ``{subkey: value}`` for a key stored with subkeys, the value for a plain key, or
@@ -745,20 +787,31 @@ class Transport:
             ProtocolError: ``timeout``.
         """
         assert self._dht is not None, "transport not started"
-        future = self._dht.get(key, latest=latest, return_future=True)
+        usage = self._usage(kind)
+        usage.count(sent=len(key))
+        future = self._dht.get(key, latest=latest, return_future=True, beam_size=_GET_BEAM)
         found = await self._await_dht(future, f"get {key!r}", timeout)
         if found is None:
             return None
         if isinstance(found.value, bytes):
+            usage.count(received=len(found.value), op=False)
             return found.value
         if isinstance(found.value, dict):
-            return {
+            items = {
                 sub: item.value
                 for sub, item in found.value.items()
                 if isinstance(sub, str) and isinstance(getattr(item, "value", None), bytes)
             }
+            usage.count(received=sum(len(k) + len(v) for k, v in items.items()), op=False)
+            return items
         logger.info("dht key %r holds a %s, not bytes; ignored", key, type(found.value).__name__)
         return None
+
+    def _usage(self, kind: str) -> DhtUsage:
+        usage = self.dht_usage.get(kind)
+        if usage is None:
+            usage = self.dht_usage[kind] = DhtUsage()
+        return usage
 
     async def _await_dht(self, future: Awaitable[Any], what: str, timeout: float | None) -> Any:
         timeout = timeout or self.config.request_timeout

@@ -370,3 +370,81 @@ def test_bad_owner_evidence_must_be_about_the_committed_content(plane: ControlPl
     weights = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2], content="weights")
     with pytest.raises(ProtocolError, match="another exchange"):
         check_bad_owner({"reduced": weights, "commit": wire}, CHEAT.peer_id, RUN)
+
+
+def test_heartbeats_and_the_commit_phase_stretch_in_a_large_swarm(plane: ControlPlane) -> None:
+    cfg = plane.cfg
+    for nodes in (1, 4, cfg.base_rate_peers):  # small swarms: exactly the base pace
+        plane.resize(nodes)
+        assert plane.heartbeat_interval == cfg.heartbeat_seconds
+        assert plane.commit_window == cfg.commit_seconds
+    plane.resize(4 * cfg.base_rate_peers)
+    assert plane.heartbeat_interval == 4 * cfg.heartbeat_seconds
+    assert plane.commit_window == 4 * cfg.commit_seconds
+
+
+def test_a_commitment_sent_directly_counts_and_its_gossip_copy_is_no_equivocation(
+    plane: ControlPlane,
+) -> None:
+    wire = _commit(OTHER, {0: D1})
+    asyncio.run(plane.receive_commit(OTHER.peer_id, wire))
+    assert plane.committed(OTHER.peer_id, 3, 0)
+    _deliver(plane, "commit", wire)  # the same message, later, by gossip
+    assert plane.verifier.flagged(4) == {}
+    assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, time.monotonic() + 1) is None
+
+
+def test_a_commitment_sent_directly_must_be_signed_by_the_caller(plane: ControlPlane) -> None:
+    with pytest.raises(ProtocolError, match="sender_mismatch"):
+        asyncio.run(plane.receive_commit(CHEAT.peer_id, _commit(OTHER, {0: D1})))
+    assert not plane.committed(OTHER.peer_id, 3, 0)
+    with pytest.raises(ProtocolError):
+        asyncio.run(plane.receive_commit(OTHER.peer_id, b"\x93garbage"))
+
+
+def test_commit_sends_the_signed_commitment_to_every_other_member(plane: ControlPlane) -> None:
+    class Channel:
+        def sign(self, topic: str, body: object) -> bytes:
+            return sign_control(ME, RUN, topic, 1, body)
+
+        def publish_signed(self, topic: str, wire: bytes) -> bool:
+            return True
+
+    sent: list[tuple[str, bytes]] = []
+
+    async def send(peer: str, wire: bytes, timeout: float) -> bytes:
+        sent.append((peer, wire))
+        return b""
+
+    plane.channel = Channel()  # type: ignore[assignment]
+    plane.send_direct = send
+
+    async def commit() -> None:
+        await plane.commit(3, 0, [ME.peer_id, OTHER.peer_id, CHEAT.peer_id], {0: D1})
+        await asyncio.sleep(0)  # the sends run in the background
+
+    asyncio.run(commit())
+    plane.channel = None
+    assert sorted(p for p, _ in sent) == sorted([OTHER.peer_id, CHEAT.peer_id])
+    msg = open_control(sent[0][1], RUN, topic_name(RUN, "commit"))
+    assert msg.sender == ME.peer_id and msg.body["digests"] == [[0, D1]]
+
+
+def test_a_node_dials_a_bounded_set_of_peers_and_keeps_it(plane: ControlPlane) -> None:
+    dialled: list[str] = []
+
+    class Channel:
+        def connect(self, addrs: list[str]) -> None:
+            dialled.extend(addrs)
+
+    plane.channel = Channel()  # type: ignore[assignment]
+    addr = lambda i: f"/ip4/10.0.0.{i}/tcp/1/p2p/peer{i}"  # noqa: E731
+    few = {f"peer{i}": [addr(i)] for i in range(5)}
+    plane.dial(few)
+    assert sorted(dialled) == sorted(addr(i) for i in range(5))  # all of a small swarm
+    many = {f"peer{i}": [addr(i)] for i in range(40)}
+    plane.dial(many)
+    plane.dial(many)
+    assert len(dialled) == plane.cfg.dial_peers  # at most dial_peers, once each
+    assert {addr(i) for i in range(5)} <= set(dialled)  # the ones dialled stay chosen
+    plane.channel = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -111,3 +112,40 @@ def test_a_group_with_nobody_to_dial_fails_clearly() -> None:
     exchange, _ = _exchange(dht, reachable=False)
     with pytest.raises(ProtocolError, match="no_owner"):
         _run(exchange, {CLIENT.peer_id})
+
+
+class _Polled(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("expected", "poll"), [(3, 0.2), (7, 0.2), (15, 0.4), (31, 0.8)])
+def test_announcement_reads_are_spaced_out_as_the_swarm_grows(
+    monkeypatch, expected: int, poll: float
+) -> None:
+    # every read returns every announcement: above base_rate_peers (8) nodes the reads
+    # are spaced by 0.2 s * n / 8, so a waiting node reads as many bytes per second
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        raise _Polled
+
+    monkeypatch.setattr(matchmaking.asyncio, "sleep", sleep)
+    transport = FakeTransport(FakeDHT(), ME.peer_id)
+    peers = {f"peer{i}" for i in range(expected)}
+    gathering = matchmaking.gather(
+        transport,
+        ME,
+        RUN,
+        1,
+        0,
+        100,
+        expected=peers,
+        deadline=time.monotonic() + 30,
+        expiration=60,
+        timeout=1,
+        base_rate_peers=8,
+    )
+    with pytest.raises(_Polled):
+        asyncio.run(gathering)
+    assert waits == [pytest.approx(poll)]

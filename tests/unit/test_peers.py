@@ -163,3 +163,33 @@ def test_a_node_with_live_peers_or_no_initial_peers_never_redials() -> None:
     view = _view(dht, me, transport=busy, initial_peers=["/ip4/10.0.0.2/tcp/1/p2p/boot"])
     asyncio.run(view.refresh(view.record(1, 0)))
     assert busy.rejoins == []
+
+
+def test_a_large_swarm_refreshes_less_often_and_counts_peers_gone_later() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    view = _view(dht, me, registry_seconds=2.0)
+    small = [Identity.generate() for _ in range(3)]
+    for peer in small:
+        _publish(dht, peer)
+    asyncio.run(view.read())
+    # up to network.base_rate_peers (8) nodes: the base pace, exactly as before
+    assert (view.stretch, view.interval, view.live_seconds) == (1.0, 2.0, LIVE_SECONDS)
+    late = Identity.generate()
+    _publish(dht, late, updated=time.time() - 1.5 * LIVE_SECONDS)  # silent for 15 s
+    for _ in range(11):
+        _publish(dht, Identity.generate())
+    asyncio.run(view.read())
+    # 16 records (this node's own included): twice as slow, twice as patient
+    assert len(view.records.keys() | {me.peer_id}) == 16
+    assert (view.stretch, view.interval, view.live_seconds) == (2.0, 4.0, 2 * LIVE_SECONDS)
+    assert late.peer_id in view.live()  # in a swarm of 4 it would count as gone
+
+
+def test_a_refresh_is_due_one_interval_after_the_last() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    view = _view(dht, me, registry_seconds=0.2)
+    assert view.due()
+    asyncio.run(view.refresh(view.record(0, 0)))
+    assert not view.due()
+    time.sleep(0.25)
+    assert view.due()

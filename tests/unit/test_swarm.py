@@ -1,0 +1,54 @@
+"""The swarm summary's check of the butterfly schedule, on hand-built sync records."""
+
+from __future__ import annotations
+
+from node.swarm import butterfly_reach
+
+PEERS = ["a", "b", "c", "d"]
+# groups of two on the 2 x 2 grid: round 1 pairs along one axis, round 2 the other
+PAIRS = {1: [["a", "b"], ["c", "d"]], 2: [["a", "c"], ["b", "d"]]}
+
+
+def _syncs(rounds: dict[int, list[list[str]]], missing: tuple[str, int] | None = None) -> dict:
+    out: dict[str, list[dict]] = {p: [] for p in PEERS}
+    for r, groups in rounds.items():
+        for group in groups:
+            for p in group:
+                if (p, r) == missing:
+                    continue
+                out[p].append(
+                    {
+                        "round": r,
+                        "fragment": 0,
+                        "group": group,
+                        "contributors": [group, group],  # two parts, every member in each
+                        "complete": True,
+                        "global_digest": f"{r}:{'-'.join(group)}",
+                    }
+                )
+    return out
+
+
+def test_two_rounds_of_pairs_mix_four_nodes() -> None:
+    found = butterfly_reach(_syncs(PAIRS), group_size=2)
+    assert found["rounds_to_mix"] == 2
+    assert (found["windows"], found["windows_mixed"]) == (1, 1)
+    assert (found["groups"], found["groups_agreeing"]) == (4, 4)
+
+
+def test_the_same_pairs_twice_do_not_mix() -> None:
+    found = butterfly_reach(_syncs({1: PAIRS[1], 2: PAIRS[1]}), group_size=2)
+    assert (found["windows"], found["windows_mixed"]) == (1, 0)
+
+
+def test_a_node_that_missed_a_sync_breaks_the_window_and_its_group() -> None:
+    found = butterfly_reach(_syncs(PAIRS, missing=("c", 2)), group_size=2)
+    assert (found["windows"], found["windows_mixed"]) == (1, 0)
+    # round 2's group of a and c is left out of the agreement count: c did not sync
+    assert found["groups"] == 3
+
+
+def test_members_that_hold_different_copies_are_counted() -> None:
+    syncs = _syncs(PAIRS)
+    syncs["a"][0]["global_digest"] = "another"
+    assert butterfly_reach(syncs, group_size=2)["groups_agreeing"] == 3
