@@ -1,0 +1,204 @@
+"""The swarm simulator: the protocol's groups, exact mixing, analytic bytes and control load."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from benchmarks import _scale_sim as sim
+from benchmarks._scale_sim import (
+    ADAPTIVE_POLICY,
+    CURRENT_POLICY,
+    ControlPolicy,
+    SimConfig,
+    Site,
+    butterfly_schedule,
+    calibrate,
+    control_load,
+    simulate,
+)
+from protocol.averaging.grouping import form_groups, rounds_to_mix
+
+_HERE = (Site("here", 0.0, 0.0),)
+# One site, identical nodes, small fragments: every round is clean and quick.
+_CLEAN = SimConfig(
+    sites=_HERE,
+    fragments=1,
+    fragment_bytes=1e6,
+    model_bytes=4e6,
+    inner_steps=10,
+    step_seconds=0.1,
+    step_spread=0.0,
+    step_jitter=0.0,
+)
+
+
+def _names(n: int) -> list[str]:
+    return [f"p{i:05d}" for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 7, 8, 16, 27, 64, 100])
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_butterfly_schedule_is_the_protocols_grouping(n: int, group_size: int) -> None:
+    peers = _names(n)
+    for fragment in range(3):
+        schedule = butterfly_schedule(peers, 5, fragment, group_size)
+        expected = [form_groups(peers, r, fragment, group_size, "butterfly") for r in range(5)]
+        assert schedule == expected
+        later = butterfly_schedule(reversed(peers), [7, 11], fragment, group_size)
+        assert later == [form_groups(peers, r, fragment, group_size, "butterfly") for r in (7, 11)]
+
+
+def test_the_simulator_groups_nodes_with_the_butterfly_schedule(monkeypatch) -> None:
+    seen: list[tuple[list[str], int, int, list[list[str]]]] = []
+    schedule = sim.butterfly_schedule
+
+    def spy(peers, rounds, fragment, group_size):
+        peers, rounds = list(peers), list(rounds)
+        out = schedule(peers, rounds, fragment, group_size)
+        seen.append((peers, rounds[0], fragment, out[0]))
+        return out
+
+    monkeypatch.setattr(sim, "butterfly_schedule", spy)
+    simulate(dataclasses.replace(_CLEAN, fragments=2, group_size=2), 16, 3, seed=0)
+    assert [(r, f) for _, r, f, _ in seen] == [(r, f) for r in (1, 2, 3) for f in (0, 1)]
+    for peers, r, f, groups in seen:
+        assert sorted(peers) == _names(16)
+        assert groups == form_groups(peers, r, f, 2, layout="butterfly")
+
+
+@pytest.mark.parametrize(("n", "group_size"), [(16, 2), (16, 4), (64, 4), (27, 3), (5, 8)])
+def test_every_contribution_reaches_every_node_after_rounds_to_mix(n: int, group_size: int) -> None:
+    cfg = dataclasses.replace(_CLEAN, group_size=group_size)
+    mix = rounds_to_mix(n, group_size)
+    assert mix is not None
+    out = simulate(cfg, n, mix + 1, seed=1)
+    assert out["mix_rounds"] == mix and out["mix_exact_butterfly"]
+    assert out["included_share"] == 1.0
+    assert out["reach_share"] == 1.0 and out["fully_mixed"] is True
+    if mix > 1:  # one round short of the schedule, some pairs have not met yet
+        short = simulate(cfg, n, mix - 1, seed=1)
+        assert short["reach_share"] < 1.0 and short["fully_mixed"] is False
+
+
+def test_churn_lowers_the_share_that_reaches_the_global_average() -> None:
+    calm = simulate(_CLEAN, 64, 6, seed=2)
+    churned = simulate(dataclasses.replace(_CLEAN, churn=0.1), 64, 6, seed=2)
+    assert calm["reach_share"] == 1.0
+    assert churned["left"] > 0 and churned["joined"] > 0
+    assert churned["included_share"] < 1.0
+    assert churned["reach_share"] < 0.9
+    assert churned["resync_bytes_per_node_round"] > 0  # joiners fetched the state
+
+
+@pytest.mark.parametrize(("group_size", "fragments"), [(2, 1), (4, 1), (4, 3)])
+def test_bytes_per_node_per_clean_round_are_2_g_minus_1_over_g_of_each_fragment(
+    group_size: int, fragments: int
+) -> None:
+    cfg = dataclasses.replace(_CLEAN, group_size=group_size, fragments=fragments)
+    out = simulate(cfg, 16, 3, seed=0)
+    analytic = fragments * 2 * (group_size - 1) / group_size * cfg.fragment_bytes
+    assert out["bytes_sent_per_node_round"] == pytest.approx(analytic)
+    assert out["repair_bytes_per_node_round"] == 0 and out["resync_bytes_per_node_round"] == 0
+
+
+def test_a_slower_link_gives_a_longer_round_by_the_transfer_time() -> None:
+    big = dataclasses.replace(_CLEAN, group_size=4, fragment_bytes=1e8)
+    fast = simulate(dataclasses.replace(big, upload_gbit=1.0, download_gbit=1.0), 16, 3)
+    slow = simulate(dataclasses.replace(big, upload_gbit=0.1, download_gbit=0.1), 16, 3)
+    # Each phase sends 3 parts of V/4 at a third of the link: 0.75 V / rate, twice.
+    per_phase = 0.75 * big.fragment_bytes
+    expected = 2 * per_phase / (0.1e9 / 8) - 2 * per_phase / (1e9 / 8)
+    assert slow["round_seconds_mean"] - fast["round_seconds_mean"] == pytest.approx(expected)
+    assert slow["utilization"] < fast["utilization"]
+
+
+def test_distance_adds_5_us_per_km_to_each_transfer() -> None:
+    near = dataclasses.replace(_CLEAN, sites=(Site("a", 0.0, 0.0), Site("b", 0.0, 0.0)))
+    far = dataclasses.replace(_CLEAN, sites=(Site("a", 0.0, 0.0), Site("b", 0.0, 90.0)))
+    one_way = sim._site_delays(far)[0, 1] - sim._site_delays(near)[0, 1]
+    assert one_way == pytest.approx(10_007.5 * 5e-6, rel=1e-3)  # a quarter of the equator
+    far_s, near_s = simulate(far, 16, 2), simulate(near, 16, 2)
+    slower = far_s["round_seconds_mean"] - near_s["round_seconds_mean"]
+    # The matchmaking lookup: 2 x log2(16) one-way delays at the mean (half the pairs are
+    # far): 4; a group spanning both sites adds its parts and results: 2 more.
+    assert 4 * one_way < slower <= 6 * one_way * (1 + 1e-9)
+
+
+def test_a_crashed_member_costs_its_group_the_request_timeout() -> None:
+    churn = dataclasses.replace(_CLEAN, churn=0.2, request_timeout=20.0)
+    clean_exit = simulate(dataclasses.replace(churn, crash_share=0.0), 64, 4, seed=3)
+    crashes = simulate(dataclasses.replace(churn, crash_share=1.0), 64, 4, seed=3)
+    assert crashes["repair_bytes_per_node_round"] > 0
+    assert crashes["round_seconds_p95"] > clean_exit["round_seconds_p95"] + 10.0
+
+
+def _per_node_load(policy: ControlPolicy, n: int) -> tuple[float, float]:
+    cfg = dataclasses.replace(SimConfig(), control=policy)
+    load = control_load(cfg, n, round_seconds=100.0, matchmaking_wait_s=1.0)
+    cpu = load["control_cpu_s_per_node_round"] + load["dht_cpu_s_per_node_round"]
+    return cpu, load["control_bytes_per_node_round"] + load["dht_bytes_per_node_round"]
+
+
+def test_adaptive_control_load_stays_flat_while_the_current_one_grows_linearly() -> None:
+    growth = 10_000 / 16
+    log_factor = math.log2(10_000)
+    for small, large in zip(
+        _per_node_load(CURRENT_POLICY, 16), _per_node_load(CURRENT_POLICY, 10_000), strict=True
+    ):
+        assert large / small > 0.5 * growth
+    for small, large in zip(
+        _per_node_load(ADAPTIVE_POLICY, 16), _per_node_load(ADAPTIVE_POLICY, 10_000), strict=True
+    ):
+        assert large / small < log_factor
+    hot = control_load(SimConfig(), 10_000, 100.0)["dht_hotspot_bytes_per_round"]
+    bounded = control_load(SimConfig(control=ADAPTIVE_POLICY), 10_000, 100.0)
+    assert bounded["dht_hotspot_bytes_per_round"] < hot / 1000
+    assert bounded["heartbeat_interval_s"] == pytest.approx(10_000 / 32)
+
+
+def test_simulate_reports_the_control_load_at_its_round_time() -> None:
+    out = simulate(_CLEAN, 16, 2)
+    expected = control_load(_CLEAN, 16, out["round_seconds_mean"], out["matchmaking_wait_s"])
+    assert out["control"] == pytest.approx(expected)
+
+
+def test_the_same_seed_gives_the_same_result() -> None:
+    cfg = SimConfig(churn=0.1, step_spread=0.05, bandwidth_spread=0.3)
+    first = simulate(cfg, 64, 4, seed=7)
+    assert simulate(cfg, 64, 4, seed=7) == first
+    assert simulate(cfg, 64, 4, seed=8) != first
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: simulate(SimConfig(), 0, 3), "at least 1 node"),
+        (lambda: simulate(SimConfig(), 16, 0), "at least 1 round"),
+        (lambda: SimConfig(group_size=1), "group_size = 1: expected >= 2"),
+        (lambda: SimConfig(upload_gbit=-1.0), "upload_gbit = -1.0: expected > 0"),
+        (lambda: SimConfig(download_gbit=0.0), "download_gbit = 0.0: expected > 0"),
+        (lambda: SimConfig(churn=1.0), "churn = 1.0"),
+        (lambda: SimConfig(sites=()), "sites"),
+        (lambda: ControlPolicy(read="most"), "control.read = 'most'"),
+        (lambda: control_load(SimConfig(), 0, 10.0), "at least 1 node"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_message(make, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_calibrate_sets_constants_and_fits_the_sync_overhead() -> None:
+    truth = dataclasses.replace(_CLEAN, sync_overhead_s=0.9)
+    measured = {n: simulate(truth, n, 3)["round_seconds_mean"] for n in (2, 4)}
+    cfg = calibrate(
+        {"round_seconds": measured, "control_cpu_per_message_s": 3e-3, "bytes_per_fragment": 1e6},
+        base=_CLEAN,
+    )
+    assert cfg.sync_overhead_s == pytest.approx(0.9, abs=1e-3)
+    assert cfg.control_cpu_per_message_s == 3e-3 and cfg.fragment_bytes == 1e6
+    with pytest.raises(ValueError, match="unknown keys \\['bogus'\\]"):
+        calibrate({"bogus": 1.0})
