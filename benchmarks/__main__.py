@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "wan": "benchmarks.wan",
     "mixing": "benchmarks.mixing",
     "sites": "benchmarks.sites",
+    "scale": "benchmarks.scale",
     "cuda_site": "benchmarks.cuda_site",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""

@@ -85,6 +85,7 @@ __all__ = [
     "ADAPTIVE_POLICY",
     "CALIBRATION_KEYS",
     "CURRENT_POLICY",
+    "NODE_POLICY",
     "DEFAULT_SITES",
     "ControlPolicy",
     "SimConfig",
@@ -137,6 +138,9 @@ class ControlPolicy:
         read: ``all`` (every record, every read) or ``sample`` (at most ``sample``
             records from a shard of the registry; announcements the same).
         sample: records in one sampled read.
+        paced_above: None, or the node's ``base_rate_peers``: above that many nodes the
+            heartbeat, registry and announcement-poll intervals all stretch by
+            ``n / paced_above`` (what ``node.peers`` and ``node.controlplane`` do).
     """
 
     heartbeat_seconds: float = 1.0
@@ -144,6 +148,7 @@ class ControlPolicy:
     registry_seconds: float = 2.0
     read: Literal["all", "sample"] = "all"
     sample: int = 32
+    paced_above: int | None = None
 
     def __post_init__(self) -> None:
         rate = self.heartbeat_swarm_rate
@@ -153,19 +158,30 @@ class ControlPolicy:
             ("registry_seconds", self.registry_seconds > 0, "> 0"),
             ("read", self.read in ("all", "sample"), "one of all, sample"),
             ("sample", self.sample >= 1, ">= 1"),
+            ("paced_above", self.paced_above is None or self.paced_above >= 1, "None or >= 1"),
         )
         for name, ok, expected in checks:
             _require(ok, f"control.{name}", getattr(self, name), expected)
 
+    def stretch(self, n: int) -> float:
+        """How much the node's paced intervals stretch in a swarm of ``n``."""
+        return 1.0 if self.paced_above is None else max(1.0, n / self.paced_above)
+
     def heartbeat_interval(self, n: int) -> float:
         """Seconds between one node's heartbeats in a swarm of ``n``."""
         if self.heartbeat_swarm_rate is None:
-            return self.heartbeat_seconds
+            return self.heartbeat_seconds * self.stretch(n)
         return max(self.heartbeat_seconds, n / self.heartbeat_swarm_rate)
+
+    def registry_interval(self, n: int) -> float:
+        """Seconds between one node's registry refreshes in a swarm of ``n``."""
+        return self.registry_seconds * self.stretch(n)
 
 
 CURRENT_POLICY = ControlPolicy()
-"""Today's node: heartbeat every second, every record read every 2 s."""
+"""The node before pacing: heartbeat every second, every record read every 2 s."""
+NODE_POLICY = ControlPolicy(paced_above=8)
+"""Today's node: as :data:`CURRENT_POLICY` up to 8 nodes, paced by ``n / 8`` above."""
 ADAPTIVE_POLICY = ControlPolicy(heartbeat_swarm_rate=32.0, read="sample", sample=32)
 """At most 32 heartbeats a second swarm-wide; reads of at most 32 records."""
 
@@ -178,6 +194,9 @@ class SimConfig:
         group_size: butterfly group size ``G`` (>= 2).
         fragments: fragments ``F`` synced per round, staggered over the round.
         fragment_bytes: one fragment after the codec (int8 of 250M values: 250 MB).
+        mix_bytes: what each sync carries besides when groups do not span the swarm:
+            the group's global copies of the fragment (``sync.mix_codec``, fp16 by
+            default: about twice the int8 fragment); 0 (the default) leaves it out.
         model_bytes: the full state a joining or re-syncing node fetches (bf16: 2 GB).
         inner_steps: ``H``, inner steps per round.
         tau: steps of compute that may hide a sync before its result must be applied.
@@ -220,6 +239,7 @@ class SimConfig:
     group_size: int = 4
     fragments: int = 4
     fragment_bytes: float = 2.5e8
+    mix_bytes: float = 0.0
     model_bytes: float = 2e9
     inner_steps: int = 100
     tau: int = 0
@@ -316,8 +336,8 @@ def control_load(
     interval = policy.heartbeat_interval(n)
     received = min(cfg.gossip_degree, others) * others * round_seconds / interval
     hops, replicas = _hops(n), min(cfg.dht_replicas, others)
-    refreshes = round_seconds / policy.registry_seconds
-    polls = cfg.fragments * (1 + matchmaking_wait_s / cfg.poll_seconds)
+    refreshes = round_seconds / policy.registry_interval(n)
+    polls = cfg.fragments * (1 + matchmaking_wait_s / (cfg.poll_seconds * policy.stretch(n)))
     per_read = others if policy.read == "all" else min(policy.sample, others)
     rpcs = (refreshes + cfg.fragments) * (hops + replicas) + (refreshes + polls) * hops
     records = (refreshes + polls) * per_read
@@ -665,6 +685,8 @@ class _Run:
         inside[mine] = True
         names = [sw.names[i] for i in peers]
         groups = butterfly_schedule(names, [r], f, cfg.group_size)[0]
+        if len(groups) > 1:  # groups mix their global copies too
+            cfg = dataclasses.replace(cfg, fragment_bytes=cfg.fragment_bytes + cfg.mix_bytes)
         by_size: dict[int, list[list[int]]] = {}
         for g in groups:
             slots = [self.index[p] for p in g]
@@ -798,6 +820,7 @@ CALIBRATION_KEYS: dict[str, str] = {
     "dht_cpu_per_record_s": "CPU seconds to decode and verify one record",
     "message_overhead_s": "fixed seconds of one part transfer",
     "fragment_bytes": "encoded bytes of one fragment (alias: bytes_per_fragment)",
+    "mix_bytes": "bytes of the global copies a sync carries when groups mix",
     "model_bytes": "bytes of the full state a re-sync fetches",
     "record_bytes": "bytes of one registry record",
     "heartbeat_bytes": "bytes of one heartbeat",

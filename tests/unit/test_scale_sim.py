@@ -202,3 +202,26 @@ def test_calibrate_sets_constants_and_fits_the_sync_overhead() -> None:
     assert cfg.control_cpu_per_message_s == 3e-3 and cfg.fragment_bytes == 1e6
     with pytest.raises(ValueError, match="unknown keys \\['bogus'\\]"):
         calibrate({"bogus": 1.0})
+
+
+def test_the_node_policy_matches_the_node_up_to_8_and_is_flat_above() -> None:
+    from benchmarks._scale_sim import CURRENT_POLICY, NODE_POLICY, SimConfig, control_load
+
+    before, paced = SimConfig(control=CURRENT_POLICY), SimConfig(control=NODE_POLICY)
+    for n in (2, 4, 8):
+        assert control_load(paced, n, 10.0) == control_load(before, n, 10.0)
+    assert NODE_POLICY.heartbeat_interval(16) == 2.0 and NODE_POLICY.registry_interval(16) == 4.0
+    beats = [control_load(paced, n, 10.0)["control_messages_per_node_round"] for n in (16, 1024)]
+    assert beats[1] == pytest.approx(beats[0], rel=0.07)  # flat, up to (n - 1) / n
+    grows = [control_load(before, n, 10.0)["control_messages_per_node_round"] for n in (16, 1024)]
+    assert grows[1] > 50 * grows[0]
+
+
+def test_groups_that_mix_send_their_global_copies_too() -> None:
+    base = dataclasses.replace(SimConfig(), churn=0.0, fragments=1, fragment_bytes=1e6)
+    mixing = dataclasses.replace(base, mix_bytes=2e6)
+    share = 2 * 3 / 4
+    one_group = simulate(mixing, 4, 2)["bytes_sent_per_node_round"]
+    assert one_group == pytest.approx(share * 1e6)  # one group spans the swarm: no mixing
+    assert simulate(mixing, 16, 2)["bytes_sent_per_node_round"] == pytest.approx(share * 3e6)
+    assert simulate(base, 16, 2)["bytes_sent_per_node_round"] == pytest.approx(share * 1e6)
