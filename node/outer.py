@@ -3,7 +3,7 @@
 Each node keeps a *global* copy of every fragment (the value the swarm agreed on at
 the last sync) beside its *local* copy (what its inner optimizer trains). At a sync
 point the fragment's pseudo-gradient ``global - local`` is averaged across peers, the
-outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 as in Douillard et al., "DiLoCo",
+outer optimizer (Nesterov SGD, lr 0.7 as in Douillard et al., "DiLoCo",
 2023) steps the global copy with the average as its gradient, and the local copy is
 reset to the new global value.
 """

@@ -6,7 +6,7 @@ from node.config import AtollConfig, ConfigError, load_config, parse_overrides
 def test_defaults_validate():
     cfg = load_config()
     assert isinstance(cfg, AtollConfig)
-    assert cfg.outer.optimizer == "nesterov" and cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9
+    assert cfg.outer.optimizer == "nesterov" and cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.5
 
 
 def test_toml_and_overrides(tmp_path):

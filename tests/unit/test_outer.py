@@ -16,7 +16,7 @@ class Toy(nn.Module):
 def test_nesterov_matches_hand_computation():
     model = Toy()
     plan = plan_fragments(model, 1)
-    outer = OuterOptimizer(model, plan, OuterConfig())
+    outer = OuterOptimizer(model, plan, OuterConfig(momentum=0.9))  # DiLoCo's, hand-computed below
     with torch.no_grad():
         model.w.copy_(torch.tensor([0.5, 2.5]))
     pg = outer.pseudo_gradient(model, 0)
