@@ -77,8 +77,8 @@ def _calibration(real: dict[int, dict[str, Any]]) -> dict[str, Any]:
     # At the smallest size one group spans the swarm: a sync is its exchange alone (no
     # mixing of global copies between groups), where a member sends 2 (G - 1) / G of it.
     # At the largest, groups also mix their global copies; the difference is that.
-    one_group = real[min(real)].get("sync_bytes_mean")
-    mixing = real[max(real)].get("sync_bytes_mean")
+    one_group = real[min(real)].get("bytes_per_fragment_sync")
+    mixing = real[max(real)].get("bytes_per_fragment_sync")
     share = 2 * (_scale_real.GROUP_SIZE - 1) / _scale_real.GROUP_SIZE
     return {
         "fragment_bytes": one_group / share if one_group else None,
@@ -207,12 +207,16 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     ax.legend(fontsize=7)
     ax = axes[1]
     for key, label in (
-        ("control_messages_per_round", "control msgs"),
-        ("dht_ops_per_round", "DHT ops"),
+        ("control_messages_per_second", "control msgs / s"),
+        ("dht_ops_per_second", "DHT ops / s"),
+        ("control_cpu_s_per_second", "sidecar CPU (x100 %)"),
     ):
-        xs = [n for n in sorted(real) if _per(real[n], key) is not None]
-        ax.plot(xs, [_per(real[n], key) for n in xs], "o-", label=label)
-    ax.set_title("real: per node and round", fontsize=9)
+        xs = [n for n in sorted(real) if (real[n].get("load_per_second") or {}).get(key)]
+        scale = 100.0 if "cpu" in key else 1.0
+        ax.plot(xs, [real[n]["load_per_second"][key] * scale for n in xs], "o-", label=label)
+    ax.set_title(
+        "real: per node and second (rounds here last as long as the CPU makes them)", fontsize=8
+    )
     ax.set_xlabel("nodes")
     ax.legend(fontsize=7)
     sims = report["simulated"]
