@@ -41,7 +41,8 @@ replicas. Note DDP's curve comes from a run with a cosine schedule over all its 
 so an early point of it is not what a shorter DDP run would reach.
 
 **Long mode** (``--long``: the quick model, 10,000 steps per worker and the whole
-byte corpus, so no batch is seen twice; about an hour on two cores) takes the quick
+byte corpus, so no batch is seen twice; about 50 minutes per seed on two shared
+cores, two and a half hours in all) takes the quick
 sweep's picks from ``convergence-picks.json`` (written by the quick mode once its sweep
 is done) in the same folder and runs, over the three seeds, DDP, AdamW at the shortest
 and the longest H (int8), and the other inner optimizer that did best at seed 0. A
@@ -200,10 +201,14 @@ def _toml_value(value: object) -> str:
     return repr(value)  # numbers, and strings as TOML literal strings
 
 
-def _islands_overrides() -> list[str]:
+def _islands_recipe() -> dict[str, Any]:
     import tomllib
 
-    recipe = tomllib.loads(_ISLANDS.read_text())
+    return tomllib.loads(_ISLANDS.read_text())
+
+
+def _islands_overrides() -> list[str]:
+    recipe = _islands_recipe()
     out = [
         f"{s}.{k}={_toml_value(v)}" for s in _ISLANDS_SECTIONS for k, v in recipe.get(s, {}).items()
     ]
@@ -212,9 +217,7 @@ def _islands_overrides() -> list[str]:
 
 
 def _islands_inner_steps() -> int:
-    import tomllib
-
-    return int(tomllib.loads(_ISLANDS.read_text())["sync"]["inner_steps"])
+    return int(_islands_recipe()["sync"]["inner_steps"])
 
 
 def setting_overrides(setting: Setting, mode: str, steps: int, seed: int) -> list[str]:
@@ -670,10 +673,11 @@ def _plot(report: dict[str, Any], curves: dict[str, list[dict]], path: pathlib.P
 
 def steps_problem(steps: int) -> str | None:
     """Why ``steps`` cannot be a run's length (every H must run whole rounds), or None."""
-    if steps < 1 or any(steps % h for h in (*_INNER_STEPS, _islands_inner_steps())):
+    lengths = sorted({*_INNER_STEPS, _islands_inner_steps()})
+    if steps < 1 or any(steps % h for h in lengths):
         return (
             f"steps = {steps}: expected a positive multiple of "
-            f"{', '.join(map(str, sorted({*_INNER_STEPS, _islands_inner_steps()})))} "
+            f"{', '.join(map(str, lengths))} "
             "(every H runs whole rounds)"
         )
     return None
