@@ -111,7 +111,11 @@ class _AtollPeer:
         seconds = time.perf_counter() - t0
         if not result.complete:
             raise RuntimeError(f"round {round_} incomplete: fallback parts {result.fallback_parts}")
-        timing = {"seconds": seconds, "bytes_sent": result.bytes_sent}
+        timing = {
+            "seconds": seconds,
+            "bytes_sent": result.bytes_sent,
+            "reduce_s": result.reduce_seconds,
+        }
         timing["receive_buffers"] = self.service.pool.allocated
         return timing, result.vector
 
@@ -444,6 +448,11 @@ def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
             record[part.replace("_s", "_median_s")] = statistics.median(times)
     if method.startswith("atoll"):
         record["bytes_sent_per_peer"] = max(t["bytes_sent"] for t in rows[-1])
+        # an owner's time between its last part in and its signed result: all a reduction
+        # streamed chunk by chunk could take off a step on an otherwise idle machine
+        reduce = [max(t["reduce_s"] for t in row) for row in rows]
+        record["reduce_times"] = reduce
+        record["reduce_share"] = statistics.median(r / s for r, s in zip(reduce, record["times"]))
         # memory a step adds to a peer's process (its own vector, the output and the
         # reference mean are allocated before), per repeat, and how it moved across repeats
         record["rss_step_extra_mb"] = [max(t["rss_step_extra_mb"] for t in row) for row in rows]

@@ -114,6 +114,8 @@ class _Session:
     reply: SealedPart | None = None
     """Owner side: the signed result every member of the part is answered with."""
     reply_contributors: list[str] = field(default_factory=list)
+    reduce_seconds: float = 0.0
+    """Owner side: from the last part in (or the deadline) to the signed result."""
 
 
 class AllReduceService:
@@ -357,6 +359,7 @@ class AllReduceService:
                 )
                 self.wire.judge.on_missing(peer, h.round, h.fragment, h.part, committed)
         contributions = list(session.contributions.values())
+        parts_in = time.monotonic()
         session.reducing = True  # parts arriving from now on are late
         # reducing, encoding and hashing release the GIL: off the loop, which keeps
         # reading the other parts' streams meanwhile
@@ -384,6 +387,7 @@ class AllReduceService:
         )
         session.reply = self.faults.reply(sealed)
         session.reply_contributors = list(meta["contributors"])
+        session.reduce_seconds = time.monotonic() - parts_in
         # every other contributor is waiting for this one reply
         key = (h.round, h.fragment, session.content)
         self.wire.tally(key, sent=session.reply.nbytes * (len(contributions) - 1))
@@ -582,6 +586,7 @@ class AllReduceService:
             bytes_received=received,
             seconds=time.monotonic() - started,
             owners=plan.owners,
+            reduce_seconds=self._sessions[at].reduce_seconds if at in self._sessions else 0.0,
         )
 
     def _request(

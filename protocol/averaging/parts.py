@@ -309,6 +309,10 @@ class AllReduceResult:
     seconds: float = 0.0
     owners: list[str] = field(default_factory=list)
     """Members that owned a part (the group, less its clients)."""
+    reduce_seconds: float = 0.0
+    """As an owner: from its part's last contribution in (or the deadline) to its signed
+    result: reducing, encoding, hashing and signing, the time between the exchange's two
+    transfers on this node."""
 
     @property
     def complete(self) -> bool:

@@ -145,6 +145,8 @@ def test_three_members_weighted_mean(swarm: SimpleNamespace, services: Callable)
         assert [sorted(c) for c in r.contributors] == [sorted(group)] * 3
         # its two parts out (~2 x 13/40 of 40 kB) and two others' parts in, plus replies
         assert 20_000 < r.bytes_sent < 60_000 and 20_000 < r.bytes_received < 60_000
+        # every member owns a part: the time from its last part in to its signed result
+        assert 0 < r.reduce_seconds < r.seconds
     # every byte one member charged as sent, another charged as received
     assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
     _assert_bitwise_equal(results)
