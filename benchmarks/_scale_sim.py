@@ -52,7 +52,9 @@ closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
   (``ceil(log_G n)`` when ``n`` has a prime factor above ``G`` and the layout falls
   back to ``random``) it reports the share of (source, holder) pairs reached.
 * **Control plane** (:func:`control_load`, per node and round): GossipSub heartbeats
-  (each reaches every node about ``gossip_degree`` times and is forwarded as often)
+  (each reaches every node about ``gossip_degree`` times and is forwarded as often),
+  commitments (one per node and exchange: gossiped like heartbeats up to
+  ``commit_gossip_up_to`` nodes, above that sent only to the ``G - 1`` other members)
   and the DHT (a registry write and read every ``registry_seconds``, one announcement
   and ``1 + wait / poll_seconds`` reads per fragment sync; a get or store is
   ``ceil(log2 n)`` RPCs, a store ``dht_replicas`` more). :data:`CURRENT_POLICY` is
@@ -62,7 +64,7 @@ closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
   announcement, which the protocol does not have yet).
 
 Not modelled: bytes on the wire beyond payloads (TLS, yamux, TCP slow start), packet
-loss, GossipSub's mesh maintenance, commit and verdict messages, NAT relays and
+loss, GossipSub's mesh maintenance, verdict messages, NAT relays and
 clients, DHT latency beyond ``ceil(log2 n)`` round trips at the mean one-way delay.
 
 :func:`calibrate` sets the per-message and per-byte constants from real runs and fits
@@ -141,6 +143,8 @@ class ControlPolicy:
         paced_above: None, or the node's ``base_rate_peers``: above that many nodes the
             heartbeat, registry and announcement-poll intervals all stretch by
             ``n / paced_above`` (what ``node.peers`` and ``node.controlplane`` do).
+        commit_gossip_up_to: None (commitments always gossiped to every node), or the
+            swarm size up to which they are; above it they go to the group only.
     """
 
     heartbeat_seconds: float = 1.0
@@ -149,6 +153,7 @@ class ControlPolicy:
     read: Literal["all", "sample"] = "all"
     sample: int = 32
     paced_above: int | None = None
+    commit_gossip_up_to: int | None = None
 
     def __post_init__(self) -> None:
         rate = self.heartbeat_swarm_rate
@@ -159,6 +164,11 @@ class ControlPolicy:
             ("read", self.read in ("all", "sample"), "one of all, sample"),
             ("sample", self.sample >= 1, ">= 1"),
             ("paced_above", self.paced_above is None or self.paced_above >= 1, "None or >= 1"),
+            (
+                "commit_gossip_up_to",
+                self.commit_gossip_up_to is None or self.commit_gossip_up_to >= 0,
+                "None or >= 0",
+            ),
         )
         for name, ok, expected in checks:
             _require(ok, f"control.{name}", getattr(self, name), expected)
@@ -177,13 +187,22 @@ class ControlPolicy:
         """Seconds between one node's registry refreshes in a swarm of ``n``."""
         return self.registry_seconds * self.stretch(n)
 
+    def gossips_commitments(self, n: int) -> bool:
+        """Whether every node receives every commitment in a swarm of ``n``."""
+        return self.commit_gossip_up_to is None or n <= self.commit_gossip_up_to
+
 
 CURRENT_POLICY = ControlPolicy()
-"""The node before pacing: heartbeat every second, every record read every 2 s."""
-NODE_POLICY = ControlPolicy(paced_above=8)
-"""Today's node: as :data:`CURRENT_POLICY` up to 8 nodes, paced by ``n / 8`` above."""
-ADAPTIVE_POLICY = ControlPolicy(heartbeat_swarm_rate=32.0, read="sample", sample=32)
-"""At most 32 heartbeats a second swarm-wide; reads of at most 32 records."""
+"""The node before pacing: heartbeat every second, every record read every 2 s, every
+commitment gossiped to every node."""
+NODE_POLICY = ControlPolicy(paced_above=8, commit_gossip_up_to=8)
+"""Today's node: as :data:`CURRENT_POLICY` up to 8 nodes; above, intervals paced by
+``n / 8`` and commitments sent to the group only."""
+ADAPTIVE_POLICY = ControlPolicy(
+    heartbeat_swarm_rate=32.0, read="sample", sample=32, commit_gossip_up_to=8
+)
+"""At most 32 heartbeats a second swarm-wide; reads of at most 32 records; commitments
+as today's node."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +243,7 @@ class SimConfig:
         control: heartbeat and registry read policy.
         gossip_degree: GossipSub mesh degree ``D``.
         heartbeat_bytes: one heartbeat on the wire.
+        commit_bytes: one signed commitment on the wire.
         control_cpu_per_message_s: CPU one node spends on one control message it
             receives (py-libp2p: 2.5-3 ms).
         record_bytes, announce_bytes: one registry record, one announcement.
@@ -263,6 +283,7 @@ class SimConfig:
     control: ControlPolicy = CURRENT_POLICY
     gossip_degree: int = 6
     heartbeat_bytes: int = 400
+    commit_bytes: int = 350
     control_cpu_per_message_s: float = 2.75e-3
     record_bytes: int = 600
     announce_bytes: int = 400
@@ -283,7 +304,8 @@ class SimConfig:
                     "poll_seconds")  # fmt: skip
         non_negative = ("tau", "step_spread", "step_jitter", "bandwidth_spread",
                         "local_one_way_s", "seconds_per_km", "message_overhead_s",
-                        "sync_overhead_s", "heartbeat_bytes", "control_cpu_per_message_s",
+                        "sync_overhead_s", "heartbeat_bytes", "commit_bytes",
+                        "control_cpu_per_message_s",
                         "record_bytes", "announce_bytes", "dht_rpc_bytes", "dht_cpu_per_op_s",
                         "dht_cpu_per_record_s")  # fmt: skip
         sites = "at least one site, every weight > 0"
@@ -334,7 +356,14 @@ def control_load(
         raise ValueError("round_seconds and matchmaking_wait_s must be >= 0")
     policy, others = cfg.control, n - 1
     interval = policy.heartbeat_interval(n)
-    received = min(cfg.gossip_degree, others) * others * round_seconds / interval
+    beats = min(cfg.gossip_degree, others) * others * round_seconds / interval
+    # one commitment per node and exchange: the update, and the global copy when groups mix
+    exchanges = cfg.fragments * (2 if cfg.mix_bytes and n > cfg.group_size else 1)
+    if policy.gossips_commitments(n):
+        commits = min(cfg.gossip_degree, others) * others * exchanges
+    else:
+        commits = min(cfg.group_size - 1, others) * exchanges
+    received = beats + commits
     hops, replicas = _hops(n), min(cfg.dht_replicas, others)
     refreshes = round_seconds / policy.registry_interval(n)
     polls = cfg.fragments * (1 + matchmaking_wait_s / (cfg.poll_seconds * policy.stretch(n)))
@@ -352,7 +381,9 @@ def control_load(
     return {
         "heartbeat_interval_s": interval,
         "control_messages_per_node_round": received,
-        "control_bytes_per_node_round": 2 * received * cfg.heartbeat_bytes,
+        "commit_messages_per_node_round": commits,
+        "control_bytes_per_node_round": 2
+        * (beats * cfg.heartbeat_bytes + commits * cfg.commit_bytes),
         "control_cpu_s_per_node_round": control_cpu,
         "dht_rpcs_per_node_round": 2 * rpcs,
         "dht_records_read_per_node_round": records,

@@ -279,9 +279,11 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "calibration": "one sync overhead fitted (median over sizes); each size's "
             f"simulated round time compared with its real one, target within "
             f"{_TARGET_ROUND_ERROR:.0%}",
-            "policies": "before: heartbeat every 1 s, every record read every 2 s; node: the "
-            "same up to 8 nodes, intervals stretched by n/8 above; sampled: at most 32 "
-            "heartbeats a second swarm-wide and reads of at most 32 records (not built)",
+            "policies": "before: heartbeat every 1 s, every record read every 2 s, every "
+            "commitment gossiped to every node; node: the same up to 8 nodes, above it "
+            "intervals stretched by n/8 and commitments sent to the group only; sampled: as "
+            "node, with at most 32 heartbeats a second swarm-wide and reads of at most 32 "
+            "records (not built)",
             "wan": "five regions 3,600-16,000 km apart (5 us/km one way), 10 Gbit/s per "
             "node, 1 % churn per round, the reference model's int8 fragments",
         },

@@ -295,12 +295,12 @@ class ControlConfig:
     """Peers whose sidecars a node dials (all of them in a swarm of up to this many
     others); others dial it too, so it holds about twice this many connections."""
     base_rate_peers: int = Field(default=8, ge=1)
-    """Swarm size up to which heartbeats go out every ``heartbeat_seconds`` and the
-    commit phase waits up to ``commit_seconds``. In a swarm of ``n`` larger than this
-    both stretch by ``n / base_rate_peers``: a node hears at most ``base_rate_peers``
-    heartbeats per ``heartbeat_seconds`` (every message received costs its sidecar a
-    few ms of CPU), and every node receives every commitment, so the burst of them at
-    an exchange takes longer to arrive as the swarm grows."""
+    """Swarm size up to which heartbeats go out every ``heartbeat_seconds`` and
+    commitments are also gossiped to every node. In a swarm of ``n`` larger than this
+    heartbeats stretch by ``n / base_rate_peers`` (a node hears at most
+    ``base_rate_peers`` heartbeats per ``heartbeat_seconds``: every message received
+    costs its sidecar a few ms of CPU), and commitments go only to the members of the
+    exchange's group, so what a node receives per exchange does not grow with ``n``."""
     max_message_kb: float = Field(default=256.0, gt=0.0, le=960.0)
     port: int = Field(default=0, ge=0, le=65535)
     """TCP port of the control sidecar (on ``network.host``); 0 picks a free one."""

@@ -12,17 +12,21 @@ sidecar), every message signed by the node key and checked on receipt:
   for ``(round, fragment, content)`` (:class:`~protocol.averaging.parts.Commitments`); an
   owner takes a part only if its sender committed to exactly that digest before the
   owner's own commit phase closed. Two different signed commitments from one peer for
-  the same exchange are proof of equivocation. The same signed commitment also goes
-  straight to each member of the group (RPC :data:`COMMIT_RPC` over the node's
-  transport, once :meth:`ControlPlane.send_direct` is set): every node of the swarm
-  receives every commitment by gossip, and in a large or busy swarm the burst of them
-  at an exchange can take longer than the commit phase to arrive.
+  the same exchange are proof of equivocation. The signed commitment goes straight to
+  each member of the group (RPC :data:`COMMIT_RPC` over the node's transport, once
+  :meth:`ControlPlane.send_direct` is set); in a swarm of up to
+  ``control.base_rate_peers`` nodes it is also gossiped, so every node holds every
+  commitment. Above that it is not (every node receiving every commitment would grow
+  with the swarm), and an owner puts the commitments it relied on into its signed
+  result instead: that is what lets anyone tell a framed owner from a bad one.
 * ``verdict``: an accusation with its evidence: for equivocation both signed
   commitments; for a bad owner the head of its signed result (a few kB whatever the
   part's size) and the signed commitment of a contributor whose digest the result
   misstates. Every receiver checks the evidence itself and acts through its own trust
   policy; an accusation whose evidence does not check out is counted and costs the
-  accused nothing.
+  accused nothing. A bad-owner accusation whose commitment differs from the one the
+  owner's result holds for that contributor (or from one this node received) proves
+  the accuser equivocated, and convicts the accuser instead.
 """
 
 from __future__ import annotations
@@ -182,6 +186,22 @@ def check_bad_owner(evidence: Any, accused: str, run: str) -> tuple[int, int]:
     return r, f
 
 
+def embedded_commit(reduced: bytes, contributor: str) -> bytes | None:
+    """The commitment of ``contributor`` that the owner's signed result (evidence
+    bytes) says it relied on, or None when the result holds none."""
+    try:
+        _, meta = open_evidence(reduced)
+    except ProtocolError:
+        return None
+    peers, commits = meta.get("contributors"), meta.get("commits")
+    if not (isinstance(peers, list) and isinstance(commits, list) and len(peers) == len(commits)):
+        return None
+    if contributor not in peers:
+        return None
+    wire = commits[peers.index(contributor)]
+    return wire if isinstance(wire, bytes) and wire else None
+
+
 _CHECKS: dict[str, Callable[[Any, str, str], tuple[int, int]]] = {
     "equivocation": check_equivocation,
     "bad_owner": check_bad_owner,
@@ -337,8 +357,15 @@ class ControlPlane(Commitments):
     @property
     def commit_window(self) -> float:
         """Longest wait for the group's commitments: ``commit_seconds``, stretched above
-        ``base_rate_peers`` nodes (every node receives every commitment)."""
+        ``base_rate_peers`` nodes like every paced interval (the phase ends as soon as
+        the group's commitments are in, so a longer bound costs nothing when they come)."""
         return self.cfg.commit_seconds * self.stretch
+
+    @property
+    def gossips_commitments(self) -> bool:
+        """Whether commitments are also gossiped to the whole swarm (up to
+        ``base_rate_peers`` nodes) or only sent to the group's members."""
+        return self._swarm_size <= self.cfg.base_rate_peers
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
@@ -435,10 +462,17 @@ class ControlPlane(Commitments):
 
     async def _send_one(self, peer: str, wire: bytes) -> None:
         assert self.send_direct is not None
-        try:
-            await self.send_direct(peer, wire, self.commit_window)
-        except Exception as exc:  # the gossip copy may still arrive in time
-            logger.debug("control: commitment to %s not sent directly: %s", peer[:16], exc)
+        # without a gossip copy the direct one is the only one: try it twice
+        attempts = 1 if self.gossips_commitments else 2
+        deadline = time.monotonic() + self.commit_window
+        for attempt in range(attempts):
+            try:
+                await self.send_direct(peer, wire, max(0.1, deadline - time.monotonic()))
+                return
+            except Exception as exc:
+                logger.debug("control: commitment to %s not sent directly: %s", peer[:16], exc)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
     async def receive_commit(self, peer: str, data: bytes) -> bytes:
         """Serve :data:`COMMIT_RPC`: a group member's signed commitment, sent directly.
@@ -470,8 +504,8 @@ class ControlPlane(Commitments):
         if self.channel is not None:
             topic = topic_name(self.run_id, "commit")
             wire = self.channel.sign(topic, body)
-            if not self.channel.publish_signed(topic, wire):
-                logger.debug("control: sidecar down, commitment not sent")
+            if self.gossips_commitments and not self.channel.publish_signed(topic, wire):
+                logger.debug("control: sidecar down, commitment not gossiped")
         with self._lock:
             self._commits[(self.me, round_, fragment, content)] = _Commit(
                 dict(digests), time.monotonic(), wire
@@ -510,6 +544,11 @@ class ControlPlane(Commitments):
     def committed(self, peer: str, round_: int, fragment: int, content: str = "update") -> bool:
         with self._lock:
             return (peer, round_, fragment, content) in self._commits
+
+    def evidence(self, peer: str, round_: int, fragment: int, content: str = "update") -> bytes:
+        with self._lock:
+            rec = self._commits.get((peer, round_, fragment, content))
+        return rec.wire if rec is not None else b""
 
     def check_result(
         self,
@@ -630,18 +669,24 @@ class ControlPlane(Commitments):
     def _framed(self, evidence: dict[str, bytes]) -> bool:
         """Whether bad-owner evidence rests on a commitment its sender contradicted.
 
-        If this node holds another commitment from the same sender for the same round
-        and fragment, the sender equivocated: the owner may have used the other one, so
-        it is the sender, not the owner, that is proven to have cheated.
+        If the owner's result holds another commitment from the same sender for the same
+        exchange (the one the owner relied on), or this node received one, the sender
+        equivocated: it is the sender, not the owner, that is proven to have cheated.
         """
         msg = open_control(evidence["commit"], self.run_id, topic_name(self.run_id, "commit"))
         r, f, content, digests = _commit_fields(msg.body)
         with self._lock:
             held = self._commits.get((msg.sender, r, f, content))
-        if held is None or not held.wire or held.digests == digests:
-            return False
-        self._convict(msg.sender, r, f, "equivocation", [held.wire, evidence["commit"]], True)
-        return True
+        for other in (embedded_commit(evidence["reduced"], msg.sender), held and held.wire):
+            if not other or other == evidence["commit"]:
+                continue
+            try:
+                check_equivocation([other, evidence["commit"]], msg.sender, self.run_id)
+            except ProtocolError:
+                continue  # not two differing commitments for this exchange
+            self._convict(msg.sender, r, f, "equivocation", [other, evidence["commit"]], True)
+            return True
+        return False
 
     def pardoned(self, peer: str) -> None:
         """The operator pardoned ``peer``: new proof of a new offence convicts it again."""

@@ -380,6 +380,12 @@ class AllReduceService:
                 **{p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
             },
         }
+        if self.commitments is not None:
+            # what each contributor committed to, as this owner holds it (see evidence())
+            meta["commits"] = [
+                self.commitments.evidence(c.peer, h.round, h.fragment, session.content)
+                for c in kept
+            ]
         meta = self.faults.reduced_meta(meta)
         header = Header("reduced", *_fields(h))
         sealed = await self.wire.compute(

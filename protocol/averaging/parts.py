@@ -220,6 +220,13 @@ class Commitments:
         member that committed and then delivered nothing broke a promise it signed."""
         return False
 
+    def evidence(self, peer: str, round_: int, fragment: int, content: str = "update") -> bytes:
+        """``peer``'s signed commitment for ``(round, fragment, content)`` as this node
+        holds it (empty when none). An owner puts its contributors' commitments into its
+        signed result: what it relied on, so a contributor that signed another
+        commitment cannot pass it off as proof that the owner misstated its input."""
+        return b""
+
     def check_result(
         self,
         owner: str,

@@ -179,6 +179,7 @@ def _result(
     digests: list[bytes],
     part: int = 1,
     content: str = "update",
+    commits: list[bytes] | None = None,
 ) -> bytes:
     """The evidence of a signed result: its head and signature (the body is not needed)."""
     from protocol.wire.messages import Header
@@ -189,6 +190,7 @@ def _result(
         "contributors": contributors,
         "digests": digests,
         "weights": [1.0] * len(digests),
+        **({"commits": commits} if commits is not None else {}),
     }
     header = Header("reduced", RUN, 3, 0, part, owner.peer_id)
     sealed = seal_part(owner, header, meta, bytes(4 * 1024)).to_bytes()
@@ -272,6 +274,102 @@ def test_an_equivocator_cannot_frame_an_honest_owner(plane: ControlPlane) -> Non
     }
     _deliver(plane, "verdict", _signed(CHEAT, "verdict", framing, seq=3))
     assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}  # the framer, not the owner
+
+
+def test_an_owner_result_holding_the_commitment_it_used_defeats_a_framer(
+    plane: ControlPlane,
+) -> None:
+    # A large swarm: commitments are not gossiped, so this node never saw the cheat's
+    # commitment; the owner's result holds the one it relied on (D2).
+    plane.resize(4 * plane.cfg.base_rate_peers)
+    used = _commit(CHEAT, {1: D2})
+    owner = OTHER
+    result = _result(owner, [owner.peer_id, CHEAT.peer_id], [D1, D2], commits=[b"", used])
+    framing = {
+        "accused": owner.peer_id,
+        "kind": "bad_owner",
+        "evidence": {"reduced": result, "commit": _commit(CHEAT, {1: D1}, seq=2)},
+    }
+    # on its face the evidence holds (the result names D2, the commitment shown says D1)
+    assert check_bad_owner(framing["evidence"], owner.peer_id, RUN) == (3, 0)
+    _deliver(plane, "verdict", _signed(CHEAT, "verdict", framing, seq=3))
+    assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}  # the framer, not the owner
+
+
+def test_an_owner_whose_own_result_contradicts_the_commitment_it_holds_is_convicted(
+    plane: ControlPlane,
+) -> None:
+    plane.resize(4 * plane.cfg.base_rate_peers)
+    committed = _commit(ME, {1: D1})
+    # the owner holds ME's commitment to D1 and still names D2 for ME
+    lying = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2], commits=[b"", committed])
+    verdict = {
+        "accused": CHEAT.peer_id,
+        "kind": "bad_owner",
+        "evidence": {"reduced": lying, "commit": committed},
+    }
+    _deliver(plane, "verdict", _signed(OTHER, "verdict", verdict, seq=4))
+    assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}
+
+
+def test_embedded_commitments_are_read_only_from_a_well_formed_result() -> None:
+    from node.controlplane import embedded_commit
+
+    used = _commit(CHEAT, {1: D2})
+    two = [OTHER.peer_id, CHEAT.peer_id]
+    assert embedded_commit(_result(OTHER, two, [D1, D2], commits=[b"", used]), CHEAT.peer_id) == (
+        used
+    )
+    assert embedded_commit(_result(OTHER, two, [D1, D2]), CHEAT.peer_id) is None  # none held
+    assert embedded_commit(_result(OTHER, two, [D1, D2], commits=[used]), CHEAT.peer_id) is None
+    assert embedded_commit(_result(OTHER, two, [D1, D2], commits=[b"", b""]), CHEAT.peer_id) is None
+    assert embedded_commit(b"junk", CHEAT.peer_id) is None
+
+
+def test_commitments_are_gossiped_only_in_a_small_swarm(plane: ControlPlane) -> None:
+    published: list[str] = []
+
+    class Channel:
+        def sign(self, topic: str, body: object) -> bytes:
+            return sign_control(ME, RUN, topic, 1, body)
+
+        def publish_signed(self, topic: str, wire: bytes) -> bool:
+            published.append(topic)
+            return True
+
+    plane.channel = Channel()  # type: ignore[assignment]
+    try:
+        plane.resize(plane.cfg.base_rate_peers)
+        assert plane.gossips_commitments
+        assert asyncio.run(plane.publish_commit(3, 0, {0: D1}))
+        assert published == [topic_name(RUN, "commit")]
+        plane.resize(plane.cfg.base_rate_peers + 1)
+        assert not plane.gossips_commitments
+        wire = asyncio.run(plane.publish_commit(4, 0, {0: D1}))
+        assert published == [topic_name(RUN, "commit")]  # not gossiped this time
+        # still signed and held: sent to the group and named in results
+        assert wire and plane.evidence(ME.peer_id, 4, 0) == wire
+    finally:
+        plane.channel = None
+
+
+def test_without_gossip_a_failed_direct_commitment_is_sent_again(plane: ControlPlane) -> None:
+    calls: list[str] = []
+
+    async def flaky(peer: str, wire: bytes, timeout: float) -> bytes:
+        calls.append(peer)
+        if len(calls) == 1:
+            raise ConnectionError("stream reset")
+        return b""
+
+    plane.send_direct = flaky
+    plane.resize(4 * plane.cfg.base_rate_peers)
+    asyncio.run(plane._send_one(OTHER.peer_id, b"wire"))
+    assert calls == [OTHER.peer_id, OTHER.peer_id]
+    calls.clear()
+    plane.resize(1)  # with gossip, the gossip copy is the fallback: one try
+    asyncio.run(plane._send_one(OTHER.peer_id, b"wire"))
+    assert calls == [OTHER.peer_id]
 
 
 def test_silence_warns_only_after_the_grace_period_and_stops_when_heard(plane) -> None:

@@ -217,6 +217,29 @@ def test_the_node_policy_matches_the_node_up_to_8_and_is_flat_above() -> None:
     assert grows[1] > 50 * grows[0]
 
 
+def test_commitments_reach_every_node_by_gossip_only_in_a_small_swarm() -> None:
+    from benchmarks._scale_sim import CURRENT_POLICY, NODE_POLICY, SimConfig, control_load
+
+    cfg = SimConfig(fragments=4, group_size=4, mix_bytes=0.0)
+    gossip = SimConfig(fragments=4, group_size=4, mix_bytes=0.0, control=CURRENT_POLICY)
+    direct = dataclasses.replace(gossip, control=NODE_POLICY)
+    assert cfg.control is CURRENT_POLICY
+    # up to 8 nodes both gossip: each of n - 1 commitments reaches a node min(D, n - 1) times
+    for n in (4, 8):
+        expected = min(6, n - 1) * (n - 1) * 4
+        assert control_load(gossip, n, 10.0)["commit_messages_per_node_round"] == expected
+        assert control_load(direct, n, 10.0)["commit_messages_per_node_round"] == expected
+    # above it the node sends its commitment to the other G - 1 members only
+    for n in (16, 10_000):
+        assert control_load(direct, n, 10.0)["commit_messages_per_node_round"] == 3 * 4
+    assert control_load(gossip, 10_000, 10.0)["commit_messages_per_node_round"] == 6 * 9_999 * 4
+    # groups that mix commit to their global copies too
+    mixing = dataclasses.replace(direct, mix_bytes=1e6)
+    assert control_load(mixing, 16, 10.0)["commit_messages_per_node_round"] == 3 * 4 * 2
+    with pytest.raises(ValueError, match="commit_gossip_up_to"):
+        ControlPolicy(commit_gossip_up_to=-1)
+
+
 def test_groups_that_mix_send_their_global_copies_too() -> None:
     base = dataclasses.replace(SimConfig(), churn=0.0, fragments=1, fragment_bytes=1e6)
     mixing = dataclasses.replace(base, mix_bytes=2e6)
