@@ -15,6 +15,11 @@ instant; a repeat's time is the slowest peer's. One untimed warm-up repeat comes
 first (it opens the connections). Run it with
 ``python -m benchmarks allreduce [--quick]``; it writes ``allreduce.json`` and
 ``allreduce.png`` into the output folder.
+
+Two methods whose difference is smaller than the spread between runs on a shared
+machine are compared with ``python -m benchmarks.allreduce --alternate A B [--size N]
+[--runs 4]``: runs of A and B alternate (ABBA...), 5 repeats each, and it prints the
+median of each method's run medians.
 """
 
 from __future__ import annotations
@@ -38,16 +43,25 @@ import torch
 
 from benchmarks._common import free_port, gloo_group, machine_info
 
-__all__ = ["run"]
+__all__ = ["alternate", "run"]
 
 _PEERS = 4
 _TOLERANCE = 1e-5
 _SETUP_TIMEOUT = 120.0  # starting p2pd, a DHT and the peer in a cold interpreter on a busy box
 _STEP_TIMEOUT = 300.0
 _GO_DELAY = 0.3  # seconds between the parent's release message and the common start
-_METHODS = ("gloo", "atoll", "atoll_verified", "atoll_tcp", "atoll_tls", "hivemind")
+_METHODS = (
+    "gloo",
+    "atoll",
+    "atoll_streamed",
+    "atoll_verified",
+    "atoll_tcp",
+    "atoll_tls",
+    "hivemind",
+)
 _JOINS_THROUGH_FIRST = {
     "atoll",
+    "atoll_streamed",
     "atoll_verified",
     "atoll_tcp",
     "atoll_tls",
@@ -78,7 +92,12 @@ class _AtollPeer:
             data_plane=opts.get("data_plane", "p2pd"),
         )
         self.transport = Transport.start(config)
-        settings = AllReduceSettings(run_id="bench", codec="none", timeout=_STEP_TIMEOUT / 3)
+        settings = AllReduceSettings(
+            run_id="bench",
+            codec="none",
+            timeout=_STEP_TIMEOUT / 3,
+            stream_reduce=bool(opts.get("streamed")),
+        )
         self.verifier = None
         if opts.get("verified"):
             # a node's whole verification layer: screening, trimmed mean (with 4 members it
@@ -95,7 +114,15 @@ class _AtollPeer:
             self.transport,
             identity,
             settings,
-            **({"reducer": self.verifier.reduce, "judge": self.verifier} if self.verifier else {}),
+            **(
+                {
+                    "reducer": self.verifier.reduce,
+                    "planner": self.verifier.stream_plan,
+                    "judge": self.verifier,
+                }
+                if self.verifier
+                else {}
+            ),
         )
         self.service.register()
         self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}
@@ -115,6 +142,7 @@ class _AtollPeer:
             "seconds": seconds,
             "bytes_sent": result.bytes_sent,
             "reduce_s": result.reduce_seconds,
+            "streamed_share": result.streamed_share,
         }
         timing["receive_buffers"] = self.service.pool.allocated
         return timing, result.vector
@@ -123,6 +151,10 @@ class _AtollPeer:
         self.transport.shutdown()
         if self.verifier is not None:
             self.verifier.close()
+
+
+def _atoll_streamed(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
+    return _AtollPeer(index, own, dict(opts, streamed=True))
 
 
 def _atoll_verified(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
@@ -215,6 +247,7 @@ class _GlooPeer:
 
 _PEER_TYPES = {
     "atoll": _AtollPeer,
+    "atoll_streamed": _atoll_streamed,
     "atoll_verified": _atoll_verified,
     "atoll_tcp": _atoll_tcp,
     "atoll_tls": _atoll_tls,
@@ -453,6 +486,10 @@ def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
         reduce = [max(t["reduce_s"] for t in row) for row in rows]
         record["reduce_times"] = reduce
         record["reduce_share"] = statistics.median(r / s for r, s in zip(reduce, record["times"]))
+        # the share of each owner's part reduced while the parts still arrived
+        record["streamed_share"] = statistics.median(
+            t["streamed_share"] for row in rows for t in row
+        )
         # memory a step adds to a peer's process (its own vector, the output and the
         # reference mean are allocated before), per repeat, and how it moved across repeats
         record["rss_step_extra_mb"] = [max(t["rss_step_extra_mb"] for t in row) for row in rows]
@@ -484,6 +521,7 @@ def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
     bars = [
         ("gloo", "gloo (torch.distributed)", "median_s", "tab:gray"),
         ("atoll", "Atoll (codec none, signed)", "median_s", "tab:blue"),
+        ("atoll_streamed", "Atoll, reducing while parts arrive", "median_s", "tab:gray"),
         ("atoll_verified", "Atoll + screening, trimmed mean, audit", "median_s", "tab:purple"),
         ("atoll_tcp", "Atoll, direct TCP data plane", "median_s", "tab:cyan"),
         ("atoll_tls", "Atoll, direct plane with TLS", "median_s", "tab:green"),
@@ -518,6 +556,7 @@ def _ratios(results: dict) -> dict:
         },
         "atoll_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in atoll.items()},
         "verified_vs_atoll": {k: _ratio(results["atoll_verified"][k], a) for k, a in atoll.items()},
+        "streamed_vs_atoll": {k: _ratio(results["atoll_streamed"][k], a) for k, a in atoll.items()},
         "atoll_tcp_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in tcp.items()},
         "atoll_tcp_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in tcp.items()},
         "atoll_tls_vs_hivemind": {
@@ -561,6 +600,11 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "Atoll is faster",
             "atoll": "AllReduceService.run with the group given (no matchmaking), codec none, "
             "every part and result Ed25519-signed and checked",
+            "atoll_streamed": "the same as atoll with each owner reducing block by block "
+            "while the parts arrive (stream_reduce = true); streamed_vs_atoll < 1 is what "
+            "that saves, > 1 what it costs; streamed_share: the share of an owner's part "
+            "reduced before its last part was in; reduce_times: an owner's time from its "
+            "last part in to its signed result",
             "atoll_verified": "the same with a node's verification layer as reducer and "
             "judge: screening, trimmed mean, reputation and a SQLite audit log per peer; "
             "verified_vs_atoll > 1 is its overhead",
@@ -587,3 +631,37 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     (out_dir / "allreduce.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(results, sizes, out_dir / "allreduce.png")
     return report
+
+
+def alternate(methods: list[str], n: int, runs: int = 4, repeats: int = 5) -> dict[str, Any]:
+    """Runs ``methods`` in alternating order (ABBA...) ``runs`` times each, ``repeats``
+    timed all-reduces of ``n`` values per run; the median of each method's run medians."""
+    unknown = [m for m in methods if m not in _PEER_TYPES]
+    if unknown or len(methods) < 2:
+        raise ValueError(f"two or more of {', '.join(_PEER_TYPES)}, got {methods}")
+    medians: dict[str, list[float]] = {m: [] for m in methods}
+    with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
+        for run_ in range(runs):
+            for method in methods if run_ % 2 == 0 else list(reversed(methods)):
+                record = _measure(method, n, repeats, tmp)
+                if record.get("error"):
+                    raise RuntimeError(f"{method}: {record['error']}")
+                medians[method].append(record["median_s"])
+    return {
+        "n": n,
+        "runs": runs,
+        "repeats": repeats,
+        "run_medians_s": medians,
+        "median_s": {m: statistics.median(v) for m, v in medians.items()},
+    }
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=alternate.__doc__)
+    parser.add_argument("--alternate", nargs="+", required=True, metavar="METHOD")
+    parser.add_argument("--size", type=int, default=10_000_000)
+    parser.add_argument("--runs", type=int, default=4)
+    args = parser.parse_args()
+    print(json.dumps(alternate(args.alternate, args.size, args.runs), indent=2))

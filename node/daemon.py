@@ -339,6 +339,7 @@ class Node:
             self.identity,
             allreduce_settings(cfg, len(self.plan)),
             reducer=self.verifier.reduce,
+            planner=self.verifier.stream_plan,
             judge=self.verifier,
             faults=make_behaviour(self.byzantine, seed=cfg.run.seed),
             commitments=self.control if cfg.control.commit else None,

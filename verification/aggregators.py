@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "AGGREGATORS",
+    "COORDINATEWISE",
     "Aggregate",
     "aggregate",
     "centered_clip",
@@ -419,6 +420,12 @@ AGGREGATORS: dict[str, Callable[..., Aggregate]] = {
     "krum": krum,
     "multi_krum": multi_krum,
 }
+
+COORDINATEWISE = frozenset({"mean", "median", "trimmed_mean"})
+"""Aggregators whose values ``lo:hi`` depend only on the inputs' values ``lo:hi`` and
+that use every input: run on a block of the inputs they give that block of the
+result, bitwise (``tests/unit/test_aggregators.py`` checks it), so an owner can reduce
+block by block as parts arrive. The others need whole vectors (distances, a centre)."""
 
 # Parameters a config may set, with their kind; ``center`` is a tensor, so only
 # direct callers of centered_clip pass it.

@@ -1,4 +1,5 @@
-"""The plain records the verification layer judges: one contribution, one reduction.
+"""The plain records the verification layer judges: one contribution, one reduction,
+and how an owner may reduce block by block while the contributions still arrive.
 
 The all-reduce (:mod:`protocol.averaging`) builds these from the parts it receives
 and hands them to the owner's reducer (:meth:`verification.verifier.Verifier.reduce`);
@@ -7,11 +8,12 @@ nothing here knows about the wire.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Contribution", "Reduction"]
+__all__ = ["Contribution", "Prefix", "Reduction", "StreamPlan"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +42,35 @@ class Reduction:
     vector: torch.Tensor
     used: list[str]
     rejected: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """How an owner may reduce its part block by block while the parts arrive.
+
+    A reducer offers one when its result is coordinate-wise (values ``lo:hi`` of the
+    result depend only on values ``lo:hi`` of the inputs, bitwise alike whether computed
+    for a block or for the whole vector), under the assumption that every one of
+    ``peers`` ends up in the result with these ``weights``.
+
+    Attributes:
+        peers: the contributors, in the order the reduction takes them.
+        weights: their weights as the reduction would use them.
+        combine: the same rows' values ``lo:hi`` (one tensor per peer, in order) ->
+            the result's values ``lo:hi``.
+    """
+
+    peers: tuple[str, ...]
+    weights: tuple[float, ...]
+    combine: Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """What an owner reduced while the parts arrived: ``out[:upto]`` is ``plan.combine``
+    over ``plan.peers``. A reducer whose final contributors and weights are the plan's
+    completes ``out[upto:]`` and returns ``out``; otherwise it reduces from scratch."""
+
+    plan: StreamPlan
+    out: torch.Tensor
+    upto: int

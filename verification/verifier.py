@@ -26,10 +26,10 @@ from typing import Protocol
 
 import torch
 
-from verification.aggregators import aggregate, max_share_weights
+from verification.aggregators import COORDINATEWISE, Aggregate, aggregate, max_share_weights
 from verification.audit import AuditLog
 from verification.policy import TrustPolicy
-from verification.records import Contribution, Reduction
+from verification.records import Contribution, Prefix, Reduction, StreamPlan
 from verification.reputation import ReputationStore, Standing
 from verification.screening import (
     Candidate,
@@ -202,6 +202,28 @@ class Verifier:
 
     # ---- the owner's reduction ---------------------------------------------------------
 
+    def stream_plan(
+        self, round_: int, members: Sequence[tuple[str, float]], content: str = "update"
+    ) -> StreamPlan | None:
+        """How an owner may reduce block by block while ``members``' parts (``(peer,
+        weight)`` in the order the reduction will take them) arrive: the admitted
+        members with their capped weights, when the aggregator is coordinate-wise
+        (None otherwise). Screening still runs on the whole parts once they are in; if
+        it leaves anyone out, :meth:`reduce` starts over (see :class:`Prefix`)."""
+        name = self.policy.aggregator
+        if name not in COORDINATEWISE:
+            return None
+        admitted = [(p, w) for p, w in members if not self.refusal(p, round_)]
+        if not admitted:
+            return None
+        weights = tuple(max_share_weights([w for _, w in admitted], self.policy.max_share))
+        params = dict(self.policy.aggregator_params)
+
+        def combine(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+            return aggregate(name, rows, weights, params).vector
+
+        return StreamPlan(tuple(p for p, _ in admitted), weights, combine)
+
     def reduce(
         self,
         round_: int,
@@ -210,13 +232,16 @@ class Verifier:
         contributions: Sequence[Contribution],
         shared: bool = False,
         content: str = "update",
+        prefix: Prefix | None = None,
     ) -> Reduction:
         """Screen, cap weights, aggregate robustly; audit every contribution.
 
         With ``shared`` (a repair, reduced by every member on its own) only what the
         inputs themselves show decides: no standing, no history, so every honest member
         computes the same values. ``content`` says what the contributions are
-        (``update`` or ``weights``); each keeps its own history of norms.
+        (``update`` or ``weights``); each keeps its own history of norms. ``prefix``:
+        what was reduced while the parts arrived (:meth:`stream_plan`); it is completed
+        when screening kept exactly its members, and ignored otherwise.
         """
         rejected: dict[str, str] = {}
         admitted = []
@@ -253,9 +278,14 @@ class Verifier:
                 continue
             self._violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
         weights = max_share_weights([c.weight for c in good], self.policy.max_share)
-        result = aggregate(
-            self.policy.aggregator, [c.vector for c in good], weights, self.policy.aggregator_params
-        )
+        result = _complete(prefix, good, weights) if prefix is not None else None
+        if result is None:
+            result = aggregate(
+                self.policy.aggregator,
+                [c.vector for c in good],
+                weights,
+                self.policy.aggregator_params,
+            )
         used = [good[i].peer for i in result.used]
         for c in good:
             if c.peer not in used:
@@ -562,3 +592,16 @@ class Verifier:
         with self._lock:
             self.audit.close()
             self.reputation.close()
+
+
+def _complete(
+    prefix: Prefix, good: Sequence[Contribution], weights: Sequence[float]
+) -> Aggregate | None:
+    """The prefix's reduction completed over ``good``, or None when ``good`` and its
+    weights are not the ones the prefix was reduced with."""
+    plan = prefix.plan
+    if tuple(c.peer for c in good) != plan.peers or tuple(weights) != plan.weights:
+        return None
+    if prefix.upto < prefix.out.numel():
+        prefix.out[prefix.upto :] = plan.combine([c.vector[prefix.upto :] for c in good])
+    return Aggregate(prefix.out, list(range(len(good))))

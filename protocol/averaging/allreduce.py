@@ -3,9 +3,11 @@
 The fragment's vector is cut into one contiguous part per *owner*: every member of
 the group except clients (nodes others cannot dial, see :class:`~protocol.averaging.parts.PartPlan`).
 Every member sends its encoded, signed part ``j`` to owner ``j`` in one RPC; the owner
-waits until every member's part is in or its deadline passes, reduces what it has
-(token-weighted mean unless a robust reducer is plugged in), encodes and signs the
-result once, and answers every caller with the same bytes. Each member assembles the
+reduces block by block while the parts arrive (:mod:`protocol.averaging.streaming`),
+and once every member's part is in or its deadline passes completes the reduction over
+what it has (token-weighted mean unless a robust reducer is plugged in; from scratch
+when the parts it streamed are not the ones kept), encodes and signs the result once,
+and answers every caller with the same bytes. Each member assembles the
 full vector from the reduced parts; an owner uses the decoded bytes it sent, so every
 member ends with bitwise identical values. A client only ever calls out: it sends its
 parts and receives the results on the streams it opened.
@@ -43,10 +45,13 @@ from protocol.averaging.parts import (
     Judge,
     PartExchange,
     PartPlan,
+    Planner,
     Reducer,
+    weighted_mean_plan,
     weighted_mean_reducer,
 )
 from protocol.averaging.repair import PartRepair
+from protocol.averaging.streaming import StreamingReduction
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import BufferPool, Lease, Read, Transport
 from protocol.wire import codec as codecs
@@ -116,6 +121,13 @@ class _Session:
     reply_contributors: list[str] = field(default_factory=list)
     reduce_seconds: float = 0.0
     """Owner side: from the last part in (or the deadline) to the signed result."""
+    streaming: StreamingReduction | None = None
+    """Owner side: the part reduced block by block as parts arrive."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Owner side: members' capped weights, read from their parts' heads."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    stream_task: asyncio.Future | None = None
+    streamed_share: float = 0.0
 
 
 class AllReduceService:
@@ -130,6 +142,9 @@ class AllReduceService:
             (accepts everything by default).
         faults: fault injection for tests (honest by default).
         commitments: the commit phase (none by default: parts are sent at once).
+        planner: how ``reducer`` reduces block by block while parts arrive
+            (:data:`~protocol.averaging.parts.Planner`); by default the weighted mean's
+            own, and none for any other reducer (it then reduces once all are in).
     """
 
     def __init__(
@@ -141,8 +156,12 @@ class AllReduceService:
         judge: Judge | None = None,
         faults: FaultInjection | None = None,
         commitments: Commitments | None = None,
+        planner: Planner | None = None,
     ) -> None:
         self.wire = PartExchange(transport, identity, settings, reducer, judge or Judge())
+        if planner is None and reducer is weighted_mean_reducer:
+            planner = weighted_mean_plan
+        self.planner = planner if settings.stream_reduce else None
         self.settings = settings
         self.identity = identity
         self.faults = faults or FaultInjection()
@@ -232,13 +251,21 @@ class AllReduceService:
         body into a pooled buffer, which goes back to the pool with the returned lease
         (whose data is the :class:`Part`)."""
         held: Lease | None = None
+        followed: _Session | None = None
 
         def into(header: Header, meta: dict, size: int) -> memoryview:
-            nonlocal held
+            nonlocal held, followed
             if dest is not None and meta.get("c") == "none" and size == dest.numel() * 4:
                 return memoryview(dest.numpy()).cast("B")
             held = self.pool.lease(size)
+            if kind == "part":
+                followed = self._follow(header, meta, sender, held.data)
             return held.data  # type: ignore[no-any-return]
+
+        def progress(nbytes: int) -> None:
+            if followed is not None and followed.streaming is not None:
+                followed.streaming.arrived(sender, nbytes)
+                followed.wake.set()
 
         try:
             part = await read_part(
@@ -250,15 +277,94 @@ class AllReduceService:
                 run_id=self.settings.run_id,
                 kinds=(kind,),
                 round_window=round_window,
+                progress=progress,
             )
         except BaseException:
+            if followed is not None and followed.streaming is not None:
+                # before its buffer can be handed to anyone else
+                followed.streaming.detach(sender)
             if held is not None:
                 held.release()
             raise
         # a pooled body goes back to the pool with the part
         return held.handed_to(part) if held is not None else Lease(part)
 
+    def _follow(self, h: Header, meta: dict, peer: str, body: memoryview) -> _Session | None:
+        """The session whose streamed reduction follows this part's body as it arrives
+        (its head is checked, its body not yet), or None when none does."""
+        session = self._sessions.get((h.round, h.fragment, meta.get("content")))
+        if session is None or session.streaming is None or session.plan is None:
+            return None
+        weight = meta.get("weight")
+        if (
+            h.part != session.plan.index
+            or peer not in session.expected
+            or not isinstance(weight, int)
+            or isinstance(weight, bool)
+            or weight < 0
+        ):
+            return None
+        try:
+            # a view of its own: releasing the lease's view never waits for this one, and
+            # the pool reuses the buffer only once this one is dropped (close())
+            enc = codecs.Encoded.from_meta(meta, body[:], max_numel=session.numel)
+        except ProtocolError:
+            return None  # refused in full once it is in
+        if not session.streaming.attach(peer, enc):
+            return None
+        session.weights[peer] = float(min(weight, self.settings.max_tokens))
+        session.wake.set()
+        return session
+
+    async def _stream(self, session: _Session, at: Exchange) -> None:
+        """Reduce the owner's part block by block while parts arrive, until the reduction
+        proper starts (or the exchange is over)."""
+        streaming, plan = session.streaming, session.plan
+        assert streaming is not None and plan is not None and self.planner is not None
+        me = self.identity.peer_id
+        members = [p for p in plan.group if p in session.expected]
+        try:
+            while not session.reducing and not streaming.broken:
+                left = session.done_by - time.monotonic()
+                if left <= 0:
+                    return
+                try:
+                    await asyncio.wait_for(session.wake.wait(), left)
+                except asyncio.TimeoutError:
+                    return
+                session.wake.clear()
+                if session.reducing:
+                    return
+                if streaming.plan is None:
+                    if not {p for p in members if p != me} <= streaming.attached():
+                        continue
+                    weights = {**session.weights, me: session.contributions[me].weight}
+                    stream_plan = self.planner(at[0], [(p, weights[p]) for p in members], at[2])
+                    if stream_plan is None:
+                        return
+                    streaming.start(stream_plan)
+                hi = streaming.ready()
+                if hi > streaming.upto:
+                    await self.wire.compute(streaming.reduce_to, hi)
+        except Exception:  # the reduction proper still runs from scratch
+            logger.exception("round %d fragment %d: streamed reduction failed", *at[:2])
+            streaming.broken = True
+
     async def _handle(self, peer: str, env: Part) -> list[bytes | memoryview]:
+        h = env.header
+        session = self._sessions.get((h.round, h.fragment, env.meta.get("content")))
+        try:
+            return await self._take(peer, env)
+        finally:
+            # a part that is not in the contributions will not be read again
+            if (
+                session is not None
+                and session.streaming is not None
+                and peer not in session.contributions
+            ):
+                session.streaming.detach(peer)
+
+    async def _take(self, peer: str, env: Part) -> list[bytes | memoryview]:
         wire = self.wire
         if self.faults.silent:
             await asyncio.sleep(self.settings.timeout * 2)  # never answers in time
@@ -358,13 +464,28 @@ class AllReduceService:
                     peer, h.round, h.fragment, session.content
                 )
                 self.wire.judge.on_missing(peer, h.round, h.fragment, h.part, committed)
-        contributions = list(session.contributions.values())
         parts_in = time.monotonic()
         session.reducing = True  # parts arriving from now on are late
+        prefix = None
+        if session.stream_task is not None:
+            session.wake.set()
+            await session.stream_task  # never raises; no block is being reduced after this
+            prefix = session.streaming.prefix() if session.streaming is not None else None
+        # in group order, as the streamed reduction took them
+        order = {p: i for i, p in enumerate(session.plan.group if session.plan else ())}
+        contributions = sorted(
+            session.contributions.values(), key=lambda c: order.get(c.peer, len(order))
+        )
         # reducing, encoding and hashing release the GIL: off the loop, which keeps
         # reading the other parts' streams meanwhile
-        reducer = functools.partial(self.wire.reducer, content=session.content)
+        reducer = functools.partial(
+            self.wire.reducer,
+            content=session.content,
+            **({"prefix": prefix} if prefix is not None else {}),
+        )
         reduction = await self.wire.compute(reducer, h.round, h.fragment, h.part, contributions)
+        if prefix is not None and reduction.vector is prefix.out and session.numel:
+            session.streamed_share = prefix.upto / session.numel
         enc = await self.wire.compute(
             self.wire.encode, self.faults.reduced(reduction.vector), session.content
         )
@@ -403,6 +524,8 @@ class AllReduceService:
         session.contributions = {
             p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in session.contributions.items()
         }
+        if session.streaming is not None:
+            session.streaming.close()
         # the result is kept for members that retry until the exchange is over, no longer
         asyncio.get_running_loop().call_later(
             max(0.0, session.done_by - time.monotonic()), _drop_reply, session
@@ -550,6 +673,9 @@ class AllReduceService:
         }
         if session.expected <= set(session.contributions):
             session.full.set()
+        elif plan.is_owner and self.planner is not None and session.numel:
+            session.streaming = StreamingReduction(session.numel, (me, vector[start:end]))
+            session.stream_task = asyncio.ensure_future(self._stream(session, at))
         session.ready.set()
         return session
 
@@ -593,6 +719,7 @@ class AllReduceService:
             seconds=time.monotonic() - started,
             owners=plan.owners,
             reduce_seconds=self._sessions[at].reduce_seconds if at in self._sessions else 0.0,
+            streamed_share=self._sessions[at].streamed_share if at in self._sessions else 0.0,
         )
 
     def _request(
@@ -799,6 +926,7 @@ class AllReduceService:
 
 def _drop_reply(session: _Session) -> None:
     session.reply = None
+    session.streaming = None  # its output was the reply's body
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:

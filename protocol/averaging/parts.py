@@ -34,7 +34,7 @@ from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import Part, SealedPart, open_part, seal_part
 from verification.identity import Identity
-from verification.records import Contribution, Reduction
+from verification.records import Contribution, Prefix, Reduction, StreamPlan
 
 __all__ = [
     "CONTENTS",
@@ -48,9 +48,13 @@ __all__ = [
     "Judge",
     "PartExchange",
     "PartPlan",
+    "Planner",
+    "Prefix",
     "Reducer",
     "Reduction",
+    "StreamPlan",
     "part_bounds",
+    "weighted_mean_plan",
     "weighted_mean_reducer",
 ]
 
@@ -87,6 +91,9 @@ class AllReduceSettings:
     weights_codec: str | None = None
     """The codec of ``weights`` exchanges (e.g. fp16 global copies beside int8
     pseudo-gradients); None: ``codec``."""
+    stream_reduce: bool = False
+    """An owner reduces block by block while the parts arrive, when its reducer has a
+    :data:`Planner` (:mod:`protocol.averaging.streaming`); False: once they are all in."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
@@ -100,10 +107,45 @@ class AllReduceSettings:
 
 
 Reducer = Callable[..., Reduction]
-"""``(round, fragment, part, contributions, *, shared=False, content="update") ->
-Reduction`` on the part's owner. ``shared=True`` (repair, where every member reduces the
-same inputs itself) asks for a reduction that depends on the inputs alone, so members
-agree bitwise; ``content`` says what the contributions are (:data:`Content`)."""
+"""``(round, fragment, part, contributions, *, shared=False, content="update",
+prefix=None) -> Reduction`` on the part's owner. ``shared=True`` (repair, where every
+member reduces the same inputs itself) asks for a reduction that depends on the inputs
+alone, so members agree bitwise; ``content`` says what the contributions are
+(:data:`Content`); ``prefix`` is what the owner reduced while the parts arrived, by the
+reducer's :data:`Planner` (:class:`~verification.records.Prefix`)."""
+
+Planner = Callable[[int, Sequence[tuple[str, float]], str], StreamPlan | None]
+"""``(round, [(peer, weight), ...], content) -> StreamPlan | None``: how the owner may
+reduce block by block while the parts arrive, for the reducer it goes with."""
+
+
+def _mean_weights(weights: Sequence[float]) -> tuple[float, ...]:
+    clipped = [max(0.0, w) for w in weights]
+    total = sum(clipped)
+    if total <= 0:
+        return tuple(1.0 / len(clipped) for _ in clipped)
+    return tuple(w / total for w in clipped)
+
+
+def _weighted_sum(rows: Sequence[torch.Tensor], alphas: Sequence[float]) -> torch.Tensor:
+    out = torch.zeros_like(rows[0])
+    for row, alpha in zip(rows, alphas):
+        out.add_(row, alpha=alpha)
+    return out
+
+
+def weighted_mean_plan(
+    round_: int, members: Sequence[tuple[str, float]], content: str = "update"
+) -> StreamPlan | None:
+    """:data:`Planner` of :func:`weighted_mean_reducer` (every member, its weight)."""
+    if not members:
+        return None
+    alphas = _mean_weights([w for _, w in members])
+    return StreamPlan(
+        tuple(p for p, _ in members),
+        tuple(float(w) for _, w in members),
+        functools.partial(_weighted_sum, alphas=alphas),
+    )
 
 
 def weighted_mean_reducer(
@@ -113,16 +155,20 @@ def weighted_mean_reducer(
     contributions: Sequence[Contribution],
     shared: bool = False,
     content: str = "update",
+    prefix: Prefix | None = None,
 ) -> Reduction:
     """Token-weighted mean (plain mean when every weight is zero)."""
-    weights = [max(0.0, c.weight) for c in contributions]
-    total = sum(weights)
-    if total <= 0:
-        weights, total = [1.0] * len(contributions), float(len(contributions))
-    out = torch.zeros_like(contributions[0].vector)
-    for c, w in zip(contributions, weights):
-        out.add_(c.vector, alpha=w / total)
-    return Reduction(out, [c.peer for c in contributions])
+    peers = [c.peer for c in contributions]
+    alphas = _mean_weights([c.weight for c in contributions])
+    if prefix is not None and (
+        tuple(peers) == prefix.plan.peers
+        and tuple(float(c.weight) for c in contributions) == prefix.plan.weights
+    ):
+        if prefix.upto < prefix.out.numel():
+            rest = [c.vector[prefix.upto :] for c in contributions]
+            prefix.out[prefix.upto :] = _weighted_sum(rest, alphas)
+        return Reduction(prefix.out, peers)
+    return Reduction(_weighted_sum([c.vector for c in contributions], alphas), peers)
 
 
 class Judge:
@@ -320,6 +366,9 @@ class AllReduceResult:
     """As an owner: from its part's last contribution in (or the deadline) to its signed
     result: reducing, encoding, hashing and signing, the time between the exchange's two
     transfers on this node."""
+    streamed_share: float = 0.0
+    """As an owner: the share of its part reduced while the parts were still arriving
+    and kept in the result (0 when the reduction started over or did not stream)."""
 
     @property
     def complete(self) -> bool:

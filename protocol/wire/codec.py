@@ -36,9 +36,11 @@ __all__ = [
     "Encoded",
     "ErrorFeedback",
     "decode",
+    "decode_range",
     "decode_with_norm",
     "encode",
     "encoded_size",
+    "ready_values",
 ]
 
 if sys.byteorder != "little":
@@ -267,6 +269,69 @@ def decode_with_norm(
             raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
         norm = _norm_of_finite(out)
     return out, norm
+
+
+def ready_values(numel: int, codec: str, block_size: int, nbytes: int) -> int:
+    """How many leading values of a payload can be decoded from its first ``nbytes``.
+
+    The scales of ``int8`` and ``int4`` come first, so none is ready before all of them
+    are in; after that each code byte completes one value (two for ``int4``).
+    """
+    if codec in _BYTES_PER_VALUE:
+        return min(numel, nbytes // _BYTES_PER_VALUE[codec])
+    scales = 4 * -(-numel // block_size)
+    codes = max(0, nbytes - scales)
+    return min(numel, codes if codec == "int8" else 2 * codes)
+
+
+def decode_range(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
+    """Values ``lo:hi`` of a payload, decoded and checked as :func:`decode` checks the
+    whole (for a part that is still arriving: only the bytes those values need are read).
+
+    ``enc`` must be validated already (:meth:`Encoded.from_meta`). For ``none`` the
+    result is a view of the payload; otherwise a new tensor.
+
+    Raises:
+        ValueError: ``lo:hi`` is not a range of ``enc``'s values.
+        CodecError: a bad scale, an out-of-range code, or a non-finite value in the range.
+    """
+    if not 0 <= lo <= hi <= enc.numel:
+        raise ValueError(f"range {lo}:{hi} of {enc.numel} values")
+    raw = _from_bytes(enc.payload)
+    if enc.codec in _BYTES_PER_VALUE:
+        width = _BYTES_PER_VALUE[enc.codec]
+        piece = raw[lo * width : hi * width]
+        if enc.codec == "none":
+            out = piece.view(torch.float32)
+        else:
+            out = piece.clone().view(_HALF_DTYPE[enc.codec]).float()
+        if not _all_finite(out):
+            raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
+        return out
+    if lo == hi:
+        return torch.empty(0, dtype=torch.float32)
+    qmax, b = _QMAX[enc.codec], enc.block_size
+    n_blocks = -(-enc.numel // b)
+    first, last = lo // b, (hi - 1) // b
+    scale = raw[4 * first : 4 * (last + 1)].clone().view(torch.float32)
+    if bool(torch.signbit(scale).any()) or not bool(torch.isfinite(scale * qmax).all()):
+        raise CodecError("bad_scale", f"{enc.codec} scale is negative, non-finite or too large")
+    body = raw[4 * n_blocks :]
+    if enc.codec == "int8":
+        codes = body[lo:hi].view(torch.int8)
+        if int(codes.min()) == -128:
+            raise CodecError("bad_code", "int8 code -128 is outside [-127, 127]")
+    else:
+        packed = body[lo // 2 : (hi + 1) // 2]
+        nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=1).view(-1)
+        if hi == enc.numel and enc.numel % 2 and int(nibbles[-1]) != 0:
+            raise CodecError("bad_code", "int4 padding nibble is not zero")
+        nibbles = nibbles[lo % 2 : lo % 2 + hi - lo]
+        if int(nibbles.min()) == 0:
+            raise CodecError("bad_code", "int4 nibble 0 (code -8) is outside [-7, 7]")
+        codes = nibbles.view(torch.int8).sub(8)
+    index = torch.arange(lo, hi) // b - first
+    return codes.to(torch.float32) * scale.index_select(0, index)
 
 
 def _norm_of_finite(t: torch.Tensor) -> float:

@@ -405,6 +405,7 @@ async def read_part(
     run_id: str | None = None,
     kinds: Collection[str] | None = None,
     round_window: tuple[int, int] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Part:
     """Read a part message of ``length`` bytes from a stream, checking as it comes.
 
@@ -416,7 +417,8 @@ async def read_part(
     is read, then each chunk against its hash as soon as it is in. The body is read
     into the buffer ``into(header, meta, size)`` returns (a writable view of ``size``
     bytes: the destination itself, when the caller can take the raw bytes as they are).
-    A refused message leaves the stream partly read: close it.
+    ``progress(n)``, if given, is told each time the body's first ``n`` bytes are in and
+    checked against their hashes. A refused message leaves the stream partly read: close it.
 
     Raises:
         ProtocolError: for any refused input, with the reasons the module lists.
@@ -458,4 +460,6 @@ async def read_part(
                     "bad_chunk", f"chunk {checked} of {len(hashes)} does not match", peer
                 )
             checked += 1
+            if progress is not None:
+                progress(min(checked * chunk, size))
     return Part(header, meta, body, head, signature, digest)

@@ -26,10 +26,12 @@ from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
+    Contribution,
     FaultInjection,
     Judge,
     PartPlan,
     part_bounds,
+    weighted_mean_reducer,
 )
 from protocol.averaging.repair import REPAIR_RPC
 from protocol.errors import ProtocolError
@@ -151,6 +153,33 @@ def test_three_members_weighted_mean(swarm: SimpleNamespace, services: Callable)
     assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
     _assert_bitwise_equal(results)
     assert all(m.rejected == {} for m in members)
+
+
+@pytest.mark.timeout(120)
+def test_owners_that_reduce_while_parts_arrive_give_the_whole_vector_result(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    settings = AllReduceSettings(run_id=RUN, codec="none", timeout=20, stream_reduce=True)
+    members = services(settings)[:3]
+    group = [m.identity.peer_id for m in members]
+    weights = [1, 2, 3]
+    streamed = []
+    for fragment in range(3):
+        # parts of three 1 MiB chunks each: blocks become ready one by one
+        vectors = _vectors(3, 9 * (1 << 18), seed=20 + fragment)
+        results, _ = _all_reduce(members, group, vectors, weights, fragment=fragment)
+        inputs = [
+            Contribution(p, v, float(w), bytes(32), w) for p, v, w in zip(group, vectors, weights)
+        ]
+        reference = weighted_mean_reducer(ROUND, fragment, 0, inputs).vector
+        for r in results:
+            assert r.complete
+            assert torch.equal(r.vector, reference)  # bitwise, streamed or not
+            assert 0.0 <= r.streamed_share <= 1.0
+        streamed += [r.streamed_share for r in results]
+    # nine owner-exchanges: the members send at once, so early blocks are in from all of
+    # them well before the last chunk of the last part
+    assert max(streamed) > 0, streamed
 
 
 @pytest.mark.timeout(60)
