@@ -59,14 +59,8 @@ _METHODS = (
     "atoll_tls",
     "hivemind",
 )
-_JOINS_THROUGH_FIRST = {
-    "atoll",
-    "atoll_streamed",
-    "atoll_verified",
-    "atoll_tcp",
-    "atoll_tls",
-    "hivemind",
-}  # gloo's rendezvous needs every rank at once
+# every method but gloo, whose rendezvous needs every rank at once
+_JOINS_THROUGH_FIRST = frozenset(_METHODS) - {"gloo"}
 
 
 # ---- the peers, one per worker process ------------------------------------------------
