@@ -3,11 +3,12 @@
 The fragment's vector is cut into one contiguous part per *owner*: every member of
 the group except clients (nodes others cannot dial, see :class:`~protocol.averaging.parts.PartPlan`).
 Every member sends its encoded, signed part ``j`` to owner ``j`` in one RPC; the owner
-reduces block by block while the parts arrive (:mod:`protocol.averaging.streaming`),
-and once every member's part is in or its deadline passes completes the reduction over
-what it has (token-weighted mean unless a robust reducer is plugged in; from scratch
-when the parts it streamed are not the ones kept), encodes and signs the result once,
-and answers every caller with the same bytes. Each member assembles the
+waits until every member's part is in or its deadline passes, reduces what it has
+(token-weighted mean unless a robust reducer is plugged in), encodes and signs the
+result once, and answers every caller with the same bytes. With
+``AllReduceSettings.stream_reduce`` the owner reduces block by block while the parts
+arrive instead (:mod:`protocol.averaging.streaming`) and at the end only completes
+that reduction, or starts over when the parts it streamed are not the ones kept. Each member assembles the
 full vector from the reduced parts; an owner uses the decoded bytes it sent, so every
 member ends with bitwise identical values. A client only ever calls out: it sends its
 parts and receives the results on the streams it opened.
