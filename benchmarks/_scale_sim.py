@@ -20,7 +20,12 @@ closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
   ``protocol.averaging.grouping.form_groups``). In those groups a member of another
   view is found out at the commit phase (a round trip) and left out; its part is
   repaired. Only the ``_MAX_VIEWS`` largest views are simulated; the nodes of smaller
-  ones fail their sync after a round trip.
+  ones fail their sync after a round trip. Above the policy's ``cells_above`` nodes
+  matchmaking runs per line of the cell grid (``protocol.averaging.grouping.Cell``):
+  a node waits only for its line (a departed peer on another line costs it nothing),
+  its line's most common view forms the groups (:func:`cell_schedule`, which is
+  ``protocol.averaging.grouping.cell_groups``) and the line's other nodes fail their
+  sync after a round trip.
 * **Butterfly all-reduce.** A group of ``G`` splits the encoded fragment (``V``
   bytes) into ``G`` parts: every member sends part ``j`` to member ``j``, which reduces
   it and sends the result back: ``2 (G - 1) / G x V`` bytes out per member. One
@@ -60,8 +65,8 @@ closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
   ``ceil(log2 n)`` RPCs, a store ``dht_replicas`` more). :data:`CURRENT_POLICY` is
   today's node (heartbeat every second, every record read every 2 s);
   :data:`ADAPTIVE_POLICY` caps the swarm's heartbeat rate and reads a bounded sample
-  of records (for announcements that needs a grouping rule that does not need every
-  announcement, which the protocol does not have yet).
+  of registry records (a design not built). With ``cells_above`` a read returns only
+  the node's line of announcements: ``n / G^(dims - 1) - 1`` on average.
 
 Not modelled: bytes on the wire beyond payloads (TLS, yamux, TCP slow start), packet
 loss, GossipSub's mesh maintenance, verdict messages, NAT relays and
@@ -81,7 +86,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from protocol.averaging.grouping import form_groups, rounds_to_mix
+from protocol.averaging.grouping import Cell, cell_dims, cell_groups, form_groups, rounds_to_mix
 
 __all__ = [
     "ADAPTIVE_POLICY",
@@ -138,13 +143,17 @@ class ControlPolicy:
             second are capped at this, so the interval grows as ``n / rate``.
         registry_seconds: how often a node rewrites and re-reads its registry record.
         read: ``all`` (every record, every read) or ``sample`` (at most ``sample``
-            records from a shard of the registry; announcements the same).
+            records from a shard of the registry; announcements the same unless
+            ``cells_above`` applies).
         sample: records in one sampled read.
         paced_above: None, or the node's ``base_rate_peers``: above that many nodes the
             heartbeat, registry and announcement-poll intervals all stretch by
             ``n / paced_above`` (what ``node.peers`` and ``node.controlplane`` do).
         commit_gossip_up_to: None (commitments always gossiped to every node), or the
             swarm size up to which they are; above it they go to the group only.
+        cells_above: None (every announcement read), or the swarm size above which
+            matchmaking reads only the node's line of the cell grid
+            (``network.cells_above``).
     """
 
     heartbeat_seconds: float = 1.0
@@ -154,6 +163,7 @@ class ControlPolicy:
     sample: int = 32
     paced_above: int | None = None
     commit_gossip_up_to: int | None = None
+    cells_above: int | None = None
 
     def __post_init__(self) -> None:
         rate = self.heartbeat_swarm_rate
@@ -169,6 +179,7 @@ class ControlPolicy:
                 self.commit_gossip_up_to is None or self.commit_gossip_up_to >= 0,
                 "None or >= 0",
             ),
+            ("cells_above", self.cells_above is None or self.cells_above >= 2, "None or >= 2"),
         )
         for name, ok, expected in checks:
             _require(ok, f"control.{name}", getattr(self, name), expected)
@@ -191,18 +202,29 @@ class ControlPolicy:
         """Whether every node receives every commitment in a swarm of ``n``."""
         return self.commit_gossip_up_to is None or n <= self.commit_gossip_up_to
 
+    def cells(self, n: int) -> bool:
+        """Whether a swarm of ``n`` matchmakes on the cell grid."""
+        return self.cells_above is not None and n > self.cells_above
+
+    def announcements_read(self, n: int, group_size: int) -> float:
+        """Announcements one read returns in a swarm of ``n`` (this node's left out)."""
+        if self.cells(n):
+            return min(n - 1, n / group_size ** (cell_dims(n, group_size) - 1) - 1)
+        return n - 1 if self.read == "all" else min(self.sample, n - 1)
+
 
 CURRENT_POLICY = ControlPolicy()
 """The node before pacing: heartbeat every second, every record read every 2 s, every
 commitment gossiped to every node."""
-NODE_POLICY = ControlPolicy(paced_above=8, commit_gossip_up_to=8)
+NODE_POLICY = ControlPolicy(paced_above=8, commit_gossip_up_to=8, cells_above=256)
 """Today's node: as :data:`CURRENT_POLICY` up to 8 nodes; above, intervals paced by
-``n / 8`` and commitments sent to the group only."""
+``n / 8`` and commitments sent to the group only; above 256 nodes matchmaking on the
+cell grid."""
 ADAPTIVE_POLICY = ControlPolicy(
-    heartbeat_swarm_rate=32.0, read="sample", sample=32, commit_gossip_up_to=8
+    heartbeat_swarm_rate=32.0, read="sample", sample=32, commit_gossip_up_to=8, cells_above=256
 )
-"""At most 32 heartbeats a second swarm-wide; reads of at most 32 records; commitments
-as today's node."""
+"""At most 32 heartbeats a second swarm-wide; registry reads of at most 32 records;
+commitments and matchmaking as today's node."""
 
 
 @dataclass(frozen=True)
@@ -334,6 +356,14 @@ def butterfly_schedule(
     return [form_groups(names, r, fragment, group_size, layout="butterfly") for r in numbers]
 
 
+def cell_schedule(
+    peers: Iterable[str], round_: int, fragment: int, group_size: int, n: int
+) -> list[list[str]]:
+    """Groups of ``peers`` in one round of a swarm of about ``n`` on the cell grid:
+    exactly ``protocol.averaging.grouping.cell_groups``."""
+    return cell_groups(peers, round_, fragment, group_size, n)
+
+
 def _hops(n: int) -> int:
     """RPCs of one Kademlia lookup among ``n`` nodes (0 when alone)."""
     return 0 if n <= 1 else max(1, math.ceil(math.log2(n)))
@@ -368,14 +398,21 @@ def control_load(
     refreshes = round_seconds / policy.registry_interval(n)
     polls = cfg.fragments * (1 + matchmaking_wait_s / (cfg.poll_seconds * policy.stretch(n)))
     per_read = others if policy.read == "all" else min(policy.sample, others)
+    per_poll = policy.announcements_read(n, cfg.group_size)
     rpcs = (refreshes + cfg.fragments) * (hops + replicas) + (refreshes + polls) * hops
-    records = (refreshes + polls) * per_read
+    records = refreshes * per_read + polls * per_poll
     payload = replicas * (refreshes * cfg.record_bytes + cfg.fragments * cfg.announce_bytes)
-    read_bytes = per_read * (refreshes * cfg.record_bytes + polls * cfg.announce_bytes)
-    issued_bytes = rpcs * cfg.dht_rpc_bytes + payload + read_bytes
+    registry_bytes = per_read * refreshes * cfg.record_bytes
+    announce_bytes = per_poll * polls * cfg.announce_bytes
+    issued_bytes = rpcs * cfg.dht_rpc_bytes + payload + registry_bytes + announce_bytes
+    # the busiest DHT node: a replica of a registry shard (or of the whole registry),
+    # and of a matchmaking key (the swarm's, or one line's), each read by its readers
     shards = 1 if policy.read == "all" else max(1, math.ceil(n / policy.sample))
     keys_per_node = max(1, math.ceil(shards * replicas / n)) if replicas else 0
-    hotspot = n / shards * read_bytes / max(replicas, 1) * keys_per_node
+    readers = per_poll + 1  # the nodes that read one matchmaking key
+    hotspot = (n / shards * registry_bytes * keys_per_node + readers * announce_bytes) / max(
+        replicas, 1
+    )
     control_cpu = received * cfg.control_cpu_per_message_s
     dht_cpu = 2 * rpcs * cfg.dht_cpu_per_op_s + records * cfg.dht_cpu_per_record_s
     return {
@@ -573,9 +610,10 @@ class _Mixing:
             self.full.append(bool((reached == count).all()))
 
 
-def _mix_window(n: int, group_size: int) -> tuple[int, bool]:
-    """Rounds after which ``n`` peers should hold every contribution, and whether exactly."""
-    exact = rounds_to_mix(n, group_size)
+def _mix_window(n: int, group_size: int, cells: bool = False) -> tuple[int, bool]:
+    """Rounds after which ``n`` peers should hold every contribution, and whether exactly
+    (never on the cell grid)."""
+    exact = None if cells else rounds_to_mix(n, group_size)
     if exact is not None:
         return exact, True
     return max(1, math.ceil(math.log(n) / math.log(group_size) - 1e-9)), False
@@ -609,7 +647,7 @@ class _Run:
         self.sw.present[:n] = self.sw.active[:n] = True
         self.index = {name: i for i, name in enumerate(self.sw.names)}
         self.next_slot = n
-        window, self.exact = _mix_window(n, cfg.group_size)
+        window, self.exact = _mix_window(n, cfg.group_size, cfg.control.cells(n))
         self.window = min(window, rounds)
         self.mixing = _Mixing(cfg, capacity, self.window, rounds - self.window + 1)
         weights = np.array([s.weight for s in cfg.sites])
@@ -688,6 +726,8 @@ class _Run:
         ready = np.where(complete, launch.max(), deadline)
         self.t["waits"] += there.size
         self.t["wait_s"] += float((ready - launch).sum())
+        if cfg.control.cells(act.size):
+            return self._sync_cells(r, f, act.size, there, launch, gone, result, failed)
         begin = np.full(sw.site.size, np.inf)
         begin[there] = ready + cfg.sync_overhead_s + self.lookup_s
         sizes, counts = np.unique(seen, return_counts=True)
@@ -700,6 +740,54 @@ class _Run:
             self._exchange_view(r, f, there[order[:view]], mine, begin, result, failed)
         return result
 
+    def _sync_cells(
+        self,
+        r: int,
+        f: int,
+        n: int,
+        there: np.ndarray,
+        launch: np.ndarray,
+        gone: np.ndarray,
+        result: np.ndarray,
+        failed: np.ndarray,
+    ) -> np.ndarray:
+        """:meth:`_sync` on the cell grid: each line matchmakes on its own; the nodes of
+        a line's most common view exchange, its other nodes fail after a round trip."""
+        cfg, sw = self.cfg, self.sw
+
+        def line(i: int) -> str:
+            return Cell.of(sw.names[i], r, f, cfg.group_size, n).key
+
+        lines: dict[str, list[int]] = {}
+        for k, i in enumerate(there):
+            lines.setdefault(line(i), []).append(k)
+        ghosts = {line(i) for i in np.flatnonzero(gone)}
+        deadline = launch + cfg.matchmaking_seconds
+        ready = deadline.copy()
+        peers, mine, scattered = [], [], []
+        for key, rows in lines.items():
+            at = np.array(rows)
+            order = at[np.argsort(launch[at], kind="stable")]
+            seen = np.searchsorted(launch[order], deadline[at], side="right")
+            if key not in ghosts:
+                everyone = seen == at.size
+                ready[at[everyone]] = launch[at].max()
+            sizes, counts = np.unique(seen, return_counts=True)
+            view = sizes[np.argmax(counts)]
+            peers.extend(there[order[:view]])
+            mine.extend(there[at[seen == view]])
+            scattered.extend(there[at[seen != view]])
+        self.t["waits"] += there.size
+        self.t["wait_s"] += float((ready - launch).sum())
+        begin = np.full(sw.site.size, np.inf)
+        begin[there] = ready + cfg.sync_overhead_s + self.lookup_s
+        lost = np.array(scattered, dtype=int)
+        result[lost] = begin[lost] + 2 * self.mean_lag
+        failed[lost] = True
+        self._exchange_view(r, f, np.array(peers, int), np.array(mine, int), begin, result,
+                            failed, cells=n)  # fmt: skip
+        return result
+
     def _exchange_view(
         self,
         r: int,
@@ -709,14 +797,19 @@ class _Run:
         begin: np.ndarray,
         result: np.ndarray,
         failed: np.ndarray,
+        cells: int | None = None,
     ) -> None:
-        """The groups that the nodes ``mine`` form from the announced ``peers``."""
+        """The groups that the nodes ``mine`` form from the announced ``peers`` (on the
+        cell grid of a swarm of ``cells`` nodes when given)."""
         cfg, sw = self.cfg, self.sw
         inside = np.zeros(sw.site.size, bool)
         inside[mine] = True
         names = [sw.names[i] for i in peers]
-        groups = butterfly_schedule(names, [r], f, cfg.group_size)[0]
-        if len(groups) > 1:  # groups mix their global copies too
+        if cells is None:
+            groups = butterfly_schedule(names, [r], f, cfg.group_size)[0]
+        else:
+            groups = cell_schedule(names, r, f, cfg.group_size, cells)
+        if len(groups) > 1 or cells is not None:  # groups mix their global copies too
             cfg = dataclasses.replace(cfg, fragment_bytes=cfg.fragment_bytes + cfg.mix_bytes)
         by_size: dict[int, list[list[int]]] = {}
         for g in groups:

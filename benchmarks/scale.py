@@ -19,8 +19,8 @@ up to 10,000 nodes over a WAN.
    default WAN (five regions 3,600-16,000 km apart, 10 Gbit/s per node, 1 % churn per
    round) with the reference model's int8 fragments, under three control-plane
    policies: the node before pacing (``before``), today's node (``node``: intervals
-   stretched by n / 8 above 8 nodes) and bounded sampled reads (``sampled``, a design
-   not built: it needs a grouping rule that does not read every announcement).
+   stretched by n / 8 above 8 nodes, matchmaking on the cell grid above 256) and
+   bounded sampled registry reads (``sampled``, a design not built).
 
 Run it with ``python -m benchmarks scale [--quick]``; it writes ``scale.json`` and
 ``scale.png``. Quick mode: 6 real rounds per size and 3 simulated rounds (about 8
@@ -281,9 +281,10 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             f"{_TARGET_ROUND_ERROR:.0%}",
             "policies": "before: heartbeat every 1 s, every record read every 2 s, every "
             "commitment gossiped to every node; node: the same up to 8 nodes, above it "
-            "intervals stretched by n/8 and commitments sent to the group only; sampled: as "
-            "node, with at most 32 heartbeats a second swarm-wide and reads of at most 32 "
-            "records (not built)",
+            "intervals stretched by n/8 and commitments sent to the group only, and above "
+            "256 nodes matchmaking on the cell grid (a node reads its line's announcements "
+            "only); sampled: as node, with at most 32 heartbeats a second swarm-wide and "
+            "registry reads of at most 32 records (not built)",
             "wan": "five regions 3,600-16,000 km apart (5 us/km one way), 10 Gbit/s per "
             "node, 1 % churn per round, the reference model's int8 fragments",
         },

@@ -246,6 +246,13 @@ class NetworkConfig:
     than this both polls, and the time after which a silent peer counts as gone, stretch
     by ``n / base_rate_peers``: every read returns one record per node, so this keeps the
     bytes a node reads per second flat as the swarm grows."""
+    cells_above: int = Field(default=256, ge=2)
+    """Swarm size above which matchmaking no longer reads every announcement: each node
+    announces and reads only on its line of a grid (Moshpit SGD's), of ``2G`` to ``2G^2``
+    peers, and groups form within lines, so what a node reads per sync stays flat as the
+    swarm grows. Below it groups follow ``sync.layout`` over every announced peer
+    (an exact butterfly where the swarm size allows); above it mixing is close to but not
+    exactly the butterfly's."""
     join_timeout: float = Field(default=120.0, ge=0.0)
     """How long to keep trying initial peers that do not answer at start."""
     # Reaching and being reached across NAT (passed to p2pd; see README, "Across networks").
@@ -554,4 +561,5 @@ def exchange_settings(cfg: AtollConfig, spec: str, fragments: int) -> ExchangeSe
         announce_expiration=net.round_timeout * 4,
         request_timeout=net.request_timeout,
         base_rate_peers=net.base_rate_peers,
+        cells_above=net.cells_above,
     )

@@ -360,11 +360,14 @@ def summarize(
                 for n, s, _ in per_node
             },
             cfg.network.group_size,
+            cfg.network.cells_above,
         ),
     }
 
 
-def butterfly_reach(syncs: dict[str, list[dict[str, Any]]], group_size: int) -> dict[str, Any]:
+def butterfly_reach(
+    syncs: dict[str, list[dict[str, Any]]], group_size: int, cells_above: int | None = None
+) -> dict[str, Any]:
     """Whether every node's value reached every other as the butterfly schedule says.
 
     With ``n`` nodes in groups of at most ``group_size``, every node's contribution is
@@ -377,6 +380,8 @@ def butterfly_reach(syncs: dict[str, list[dict[str, Any]]], group_size: int) -> 
     Args:
         syncs: per node (PeerID) its ``sync`` events.
         group_size: ``network.group_size``.
+        cells_above: ``network.cells_above``: a larger swarm groups on the cell grid,
+            which promises no exact window (``rounds_to_mix`` is then None).
 
     Returns:
         ``rounds_to_mix``; ``windows`` checked and ``windows_mixed`` (every node reached
@@ -386,7 +391,8 @@ def butterfly_reach(syncs: dict[str, list[dict[str, Any]]], group_size: int) -> 
         each member's history).
     """
     peers = sorted(syncs)
-    d = rounds_to_mix(len(peers), group_size)
+    cells = cells_above is not None and len(peers) > cells_above
+    d = None if cells else rounds_to_mix(len(peers), group_size)
     held: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     for peer, events in syncs.items():
         for e in events:

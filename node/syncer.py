@@ -205,6 +205,7 @@ class Syncer:
             "tokens": pending.tokens,
             "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
             "mixed": mixed is not None,
+            "cell": done.cell,
             # members of a group that adopt its mean copy and step it alike hold equal ones
             "global_digest": _digest(self.outer.global_vector(f)),
             "seconds": time.monotonic() - pending.started,

@@ -12,6 +12,11 @@ gossip pairs), members' global copies differ, so the group also all-reduces its
 members' global copies (an exchange of content ``weights`` beside the ``update`` one,
 :data:`~protocol.averaging.parts.Content`) with every member weighted alike. What to do with the two results is the outer
 optimizer's business (:mod:`node.outer`).
+
+In a swarm larger than ``cells_above`` no node reads every announcement: each announces
+and reads only on its line of the cell grid (:class:`~protocol.averaging.grouping.Cell`),
+waits only for the expected peers on that line, and forms its group with
+:func:`~protocol.averaging.grouping.cell_groups`; groups then always mix global copies.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class ExchangeSettings:
         announce_expiration: seconds an announcement stays in the DHT.
         request_timeout: deadline of one DHT operation.
         base_rate_peers: peers above which announcement reads are spaced out.
+        cells_above: swarm size above which matchmaking reads only this node's line of
+            the cell grid (``network.cells_above``).
     """
 
     run_id: str
@@ -65,14 +72,20 @@ class ExchangeSettings:
     announce_expiration: float = 60.0
     request_timeout: float = 10.0
     base_rate_peers: int = 8
+    cells_above: int = 256
 
     @property
     def largest_group(self) -> int:
         return 2 if self.gossip else self.group_size
 
     def mixes(self, swarm_size: int) -> bool:
-        """Whether a swarm of ``swarm_size`` nodes also averages global copies."""
-        return self.gossip or swarm_size > self.largest_group
+        """Whether a swarm of ``swarm_size`` nodes also averages global copies (always
+        on the cell grid: a line's groups never span the swarm)."""
+        return self.gossip or swarm_size > self.largest_group or self.cells(swarm_size)
+
+    def cells(self, swarm_size: int) -> bool:
+        """Whether a swarm of ``swarm_size`` nodes matchmakes on the cell grid."""
+        return swarm_size > self.cells_above and self.largest_group >= 2
 
 
 @dataclass
@@ -84,12 +97,15 @@ class Exchanged:
         result: the averaged pseudo-gradient and who is in which part.
         mixed: the group's mean global copy, when the group mixes (else None).
         refused: announcers left out for running another spec: ``{peer: reason}``.
+        cell: the key of the line of the cell grid it matchmade on, or None when it
+            read the swarm's announcements (see :class:`ExchangeSettings`).
     """
 
     group: list[str]
     result: AllReduceResult
     mixed: AllReduceResult | None = None
     refused: dict[str, str] = field(default_factory=dict)
+    cell: str | None = None
 
 
 class FragmentExchange:
@@ -144,6 +160,11 @@ class FragmentExchange:
         """
         s, me = self.settings, self.identity.peer_id
         self.allreduce.current_round = max(self.allreduce.current_round, round_)
+        swarm = len(expected | {me})
+        cell = None
+        if s.cells(swarm):
+            cell = grouping.Cell.of(me, round_, fragment, s.largest_group, swarm)
+            expected = {p for p in expected if cell.holds(p)}
         announced = await matchmaking.gather(
             self.transport,
             self.identity,
@@ -159,6 +180,7 @@ class FragmentExchange:
             reachable=self.reachable(),
             spec=s.spec,
             base_rate_peers=s.base_rate_peers,
+            cell=cell,
         )
         refused = {
             p: f"spec_mismatch: announces spec {a.spec[:12] or '(none)'}, this node runs {s.spec[:12]}"
@@ -168,19 +190,26 @@ class FragmentExchange:
         same = {p: a for p, a in announced.items() if p not in refused}
         peers = set(same) - matchmaking.voted_out(same)
         clients = {p for p in peers if not same[p].reachable}
-        group = grouping.group_of(
-            me, peers, round_, fragment, s.largest_group, s.layout, clients=clients
-        )
+        if cell is None:
+            group = grouping.group_of(
+                me, peers, round_, fragment, s.largest_group, s.layout, clients=clients
+            )
+        else:
+            lines = grouping.cell_groups(
+                peers | {me}, round_, fragment, s.largest_group, swarm, clients
+            )
+            group = next(g for g in lines if me in g)
         owners = grouping.owners(group, clients)
         if not owners:
             raise ProtocolError("no_owner", "nobody in this node's group can be dialled")
         run = functools.partial(self.allreduce.run, owners=owners, deadline=deadline)
-        if not s.mixes(len(peers | {me})):
+        if cell is None and not s.mixes(len(peers | {me})):
             result = await run(round_, fragment, group, contribution, weight)
             return Exchanged(group, result, None, refused)
+        line = cell.key if cell is not None else None
         # Every member's global copy counts the same, whatever its token count.
         result, mixed = await asyncio.gather(
             run(round_, fragment, group, contribution, weight),
             run(round_, fragment, group, weights, 1, content="weights"),
         )
-        return Exchanged(group, result, mixed, refused)
+        return Exchanged(group, result, mixed, refused, line)

@@ -24,6 +24,17 @@ groups like everyone else but own no part (:func:`owners`): members send them no
 they did not ask for. A group made only of clients could not exchange at all, so its
 clients move to groups that have an owner, each to one chosen by
 ``sha256(client:round:fragment:peer)``; everyone computes the same move.
+
+Both layouts need every announced peer. In a swarm too large for every node to read
+every announcement, peers are instead placed on a *cell grid* (:class:`Cell`, Moshpit
+SGD's grid): each peer's coordinates come from ``sha256(cell:fragment:peer)`` alone, in
+``dims`` digits of base ``G``, and round ``r`` averages the peers that agree on every
+digit but digit ``r mod dims`` (a line of the grid), so a node needs only its own
+line's announcements. ``dims`` is the largest with ``2 G^dims <= n``, so a line holds
+``2G`` to ``2G^2`` peers on average, and lines are cut into groups of at most ``G`` by
+the ``random`` rule. The mix is not exact (peers fall on the grid unevenly, and a
+line's groups change every round), unlike the full-grid butterfly; see
+:func:`cell_groups`.
 """
 
 from __future__ import annotations
@@ -31,9 +42,20 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Layout", "butterfly_radices", "form_groups", "group_of", "owners", "rounds_to_mix"]
+__all__ = [
+    "Cell",
+    "Layout",
+    "butterfly_radices",
+    "cell_dims",
+    "cell_groups",
+    "form_groups",
+    "group_of",
+    "owners",
+    "rounds_to_mix",
+]
 
 Layout = Literal["random", "butterfly"]
 
@@ -87,7 +109,15 @@ def form_groups(
     Raises:
         ValueError: ``group_size < 1`` or an unknown layout.
     """
-    groups = _form_groups(peers, round_, fragment, group_size, layout)
+    return _serve_clients(
+        _form_groups(peers, round_, fragment, group_size, layout), round_, fragment, clients
+    )
+
+
+def _serve_clients(
+    groups: list[list[str]], round_: int, fragment: int, clients: Collection[str]
+) -> list[list[str]]:
+    """Move the clients of groups made only of clients into groups with an owner."""
     if not clients:
         return groups
     served = [g for g in groups if any(p not in clients for p in g)]
@@ -161,3 +191,105 @@ def group_of(
         if me in group:
             return group
     raise AssertionError("unreachable: me is always in some group")
+
+
+def cell_dims(n: int, group_size: int) -> int:
+    """Axes of the cell grid for a swarm of ``n``: the largest ``d >= 1`` with
+    ``2 * group_size ** d <= n`` (a line then holds ``2G`` to ``2G^2`` peers on average)."""
+    if group_size < 2:
+        raise ValueError("group_size must be >= 2 for a cell grid")
+    dims = 1
+    while 2 * group_size ** (dims + 1) <= n:
+        dims += 1
+    return dims
+
+
+def _coords(peer: str, fragment: int, group_size: int, dims: int) -> tuple[int, ...]:
+    # From the peer and fragment alone, never the round: the same peer keeps its point
+    # while the axis moves, so in ``dims`` rounds its value travels along every axis.
+    value = int.from_bytes(_rank("cell", fragment, peer), "big")
+    digits = []
+    for _ in range(dims):
+        value, digit = divmod(value, group_size)
+        digits.append(digit)
+    return tuple(digits)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The line of the cell grid that a peer averages along in one round.
+
+    Attributes:
+        fragment: the fragment whose grid it is.
+        group_size: the grid's base ``G``.
+        dims: the grid's axes (:func:`cell_dims` of the swarm size).
+        axis: the digit that varies along the line (``round mod dims``).
+        coords: the line's other digits (the one on ``axis`` is None).
+    """
+
+    fragment: int
+    group_size: int
+    dims: int
+    axis: int
+    coords: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, peer: str, round_: int, fragment: int, group_size: int, n: int) -> Cell:
+        """``peer``'s line in round ``round_`` of a swarm of about ``n`` peers."""
+        dims = cell_dims(n, group_size)
+        axis = round_ % dims
+        digits = _coords(peer, fragment, group_size, dims)
+        coords = tuple(None if i == axis else d for i, d in enumerate(digits))
+        return cls(fragment, group_size, dims, axis, coords)
+
+    @property
+    def key(self) -> str:
+        """A name for the line, the same for every peer on it (and the grid's shape)."""
+        digits = ".".join("*" if c is None else str(c) for c in self.coords)
+        return f"g{self.group_size}d{self.dims}:{digits}"
+
+    def holds(self, peer: str) -> bool:
+        """Whether ``peer`` sits on this line."""
+        digits = _coords(peer, self.fragment, self.group_size, self.dims)
+        return all(c is None or c == d for c, d in zip(self.coords, digits, strict=True))
+
+
+def cell_groups(
+    peers: Iterable[str],
+    round_: int,
+    fragment: int,
+    group_size: int,
+    n: int,
+    clients: Collection[str] = frozenset(),
+) -> list[list[str]]:
+    """Every line's groups for round ``round_`` of a swarm of about ``n``, deterministically.
+
+    The peers of each line (:class:`Cell`) are ordered by their digit on the line's axis
+    (then by ``sha256(round:fragment:peer)``) and dealt round-robin into
+    ``ceil(size / G)`` groups, so each group spans the axis as a butterfly's would (a
+    random cut mixed measurably slower); clients are then placed as :func:`form_groups`
+    places them. Every peer that read its line's announcements computes its own group
+    as every other peer on the line does. A peer alone on its line averages with no one
+    that round.
+    """
+    lines: dict[Cell, list[str]] = {}
+    for peer in sorted(set(peers)):
+        lines.setdefault(Cell.of(peer, round_, fragment, group_size, n), []).append(peer)
+    groups = []
+    for cell in sorted(lines, key=lambda c: c.key):
+        groups.extend(_deal(cell, lines[cell], round_, fragment))
+    return _serve_clients(groups, round_, fragment, clients)
+
+
+def _deal(cell: Cell, line: list[str], round_: int, fragment: int) -> list[list[str]]:
+    def place(peer: str) -> tuple[int, bytes]:
+        digit = _coords(peer, fragment, cell.group_size, cell.dims)[cell.axis]
+        return digit, _rank(round_, fragment, peer)
+
+    count = math.ceil(len(line) / cell.group_size)
+    if len(line) >= 2 and len(line) // count < 2:
+        count = len(line) // 2  # a lone peer would average with no one
+    groups: list[list[str]] = [[] for _ in range(count)]
+    for i, peer in enumerate(sorted(line, key=place)):
+        groups[i % count].append(peer)
+    return [sorted(g, key=lambda p: _rank(round_, fragment, p)) for g in groups]

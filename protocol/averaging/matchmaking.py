@@ -10,6 +10,12 @@ groups without talking to anyone. Nodes whose views
 differ still finish: the all-reduce refuses parts from a peer whose group differs
 (``group_mismatch``) and each side keeps its own value for those parts.
 
+In a swarm larger than ``network.cells_above`` a read of that key would return one
+announcement per node, so each node announces and reads only under its line of the
+cell grid (:class:`~protocol.averaging.grouping.Cell`):
+``{run_id}:mm:{round}:{fragment}:{cell}``. A reader drops an announcement whose signer
+does not sit on that line, so no one can place itself in a group it does not belong to.
+
 A node also keeps a registry record under ``{run_id}:nodes`` (round, multiaddrs,
 step) refreshed every few seconds; it tells a joining node whom to catch up from
 and tells everyone which peers are alive and should be waited for.
@@ -23,7 +29,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from protocol.averaging.grouping import form_groups, group_of
+from protocol.averaging.grouping import Cell, form_groups, group_of
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
 from protocol.wire.messages import Header, open_envelope, seal
@@ -113,8 +119,9 @@ class PeerRecord:
     started: float = 0.0
 
 
-def _mm_key(run_id: str, round_: int, fragment: int) -> str:
-    return f"{run_id}:mm:{round_}:{fragment}"
+def _mm_key(run_id: str, round_: int, fragment: int, cell: Cell | None = None) -> str:
+    base = f"{run_id}:mm:{round_}:{fragment}"
+    return base if cell is None else f"{base}:{cell.key}"
 
 
 def _registry_key(run_id: str) -> str:
@@ -134,8 +141,10 @@ async def announce(
     excludes: Iterable[str] = (),
     reachable: bool = True,
     spec: str = "",
+    cell: Cell | None = None,
 ) -> bool:
-    """Store this node's signed announcement for ``(round, fragment)``."""
+    """Store this node's signed announcement for ``(round, fragment)`` (under its
+    ``cell``'s key when given)."""
     header = Header("announce", run_id, round_, fragment, 0, identity.peer_id)
     body = {
         "tokens": int(tokens),
@@ -145,7 +154,7 @@ async def announce(
     }
     value = seal(identity, header, body)
     return await transport.dht_store(
-        _mm_key(run_id, round_, fragment),
+        _mm_key(run_id, round_, fragment, cell),
         identity.peer_id,
         value,
         expiration,
@@ -155,11 +164,18 @@ async def announce(
 
 
 async def read_announcements(
-    transport: Transport, run_id: str, round_: int, fragment: int, *, timeout: float
+    transport: Transport,
+    run_id: str,
+    round_: int,
+    fragment: int,
+    *,
+    timeout: float,
+    cell: Cell | None = None,
 ) -> dict[str, Announcement]:
-    """Every valid announcement for ``(round, fragment)``; forged or stale ones are dropped."""
+    """Every valid announcement for ``(round, fragment)`` (of ``cell``'s line when given);
+    forged or stale ones, and those of peers off the line, are dropped."""
     found = await transport.dht_get(
-        _mm_key(run_id, round_, fragment), timeout=timeout, kind="matchmaking"
+        _mm_key(run_id, round_, fragment, cell), timeout=timeout, kind="matchmaking"
     )
     out: dict[str, Announcement] = {}
     if not isinstance(found, dict):
@@ -182,6 +198,8 @@ async def read_announcements(
                 raise ProtocolError("malformed", "excludes must be a list of PeerIDs")
             if not isinstance(reachable, bool) or not isinstance(spec, str):
                 raise ProtocolError("malformed", "reachable must be a bool and spec a str")
+            if cell is not None and not cell.holds(subkey):
+                raise ProtocolError("wrong_cell", f"its signer is not on line {cell.key}")
         except ProtocolError as exc:
             logger.info("announcement under %s rejected: %s", subkey[:16], exc)
             continue
@@ -205,12 +223,15 @@ async def gather(
     reachable: bool = True,
     spec: str = "",
     base_rate_peers: int = 8,
+    cell: Cell | None = None,
 ) -> dict[str, Announcement]:
     """Announce, then read announcements until every expected peer is there or ``deadline``.
 
-    A read returns every announcement, so with more than ``base_rate_peers`` peers expected
-    the reads are spaced by ``0.2 s * peers / base_rate_peers`` rather than 0.2 s: the bytes
-    a waiting node reads per second stay flat as the swarm grows.
+    A read returns every announcement under the key, so with more than ``base_rate_peers``
+    peers expected the reads are spaced by ``0.2 s * peers / base_rate_peers`` rather than
+    0.2 s: the bytes a waiting node reads per second stay flat as the swarm grows. With a
+    ``cell`` only that line's announcements are written and read (``expected`` should
+    then hold only peers on it).
 
     Args:
         expected: peers believed alive (from the registry); the wait ends as soon as all
@@ -218,6 +239,7 @@ async def gather(
         excludes: peers this node votes to leave out of the round (see :func:`voted_out`).
         reachable: whether others can dial this node (it owns no part otherwise).
         spec: digest of the run spec this node runs.
+        cell: this node's line of the cell grid, in a swarm too large to read whole.
         deadline: ``time.monotonic()`` value after which the current view is used.
         base_rate_peers: see above (``network.base_rate_peers``).
 
@@ -236,6 +258,7 @@ async def gather(
         excludes=excludes,
         reachable=reachable,
         spec=spec,
+        cell=cell,
     )
     want = set(expected) | {identity.peer_id}
     me = Announcement(identity.peer_id, tokens, frozenset(excludes), reachable, spec)
@@ -245,7 +268,12 @@ async def gather(
         remaining = deadline - time.monotonic()
         try:
             found = await read_announcements(
-                transport, run_id, round_, fragment, timeout=max(0.5, min(timeout, remaining))
+                transport,
+                run_id,
+                round_,
+                fragment,
+                timeout=max(0.5, min(timeout, remaining)),
+                cell=cell,
             )
             seen.update(found)
         except ProtocolError as exc:

@@ -73,6 +73,29 @@ def test_butterfly_groups_of_two_follow_the_hypercube(allreduce, local_swarm):
     )
 
 
+def test_above_cells_above_nodes_matchmake_on_their_line_of_the_grid(allreduce, local_swarm):
+    # 4 nodes > cells_above = 2: each announces and reads under its line's DHT key
+    # (with G = 2 and 4 nodes the grid has one axis, so one line holds everyone)
+    summary = _run(local_swarm, ["network.group_size=2", "network.cells_above=2"])
+    assert summary["exit_codes"] == [0] * NODES
+    groups: dict[tuple[int, int], set[frozenset[str]]] = {}
+    for i in range(NODES):
+        me = local_swarm.nodes[i].status["peer_id"]
+        syncs = _syncs(local_swarm, i)
+        assert len(syncs) == ROUNDS * 2
+        for s in syncs:
+            assert s["cell"] == "g2d1:*" and s["complete"] and s["mixed"]
+            assert me in s["group"] and len(s["group"]) == 2
+            groups.setdefault((s["round"], s["fragment"]), set()).add(frozenset(s["group"]))
+    # every node computed the group its partner computed: two disjoint pairs each time
+    for pairs in groups.values():
+        assert len(pairs) == 2 and len(frozenset().union(*pairs)) == NODES
+    assert summary["val_bpb_end"] <= allreduce["val_bpb_end"] * 1.05, (
+        summary["val_bpb_end"],
+        allreduce["val_bpb_end"],
+    )
+
+
 def test_a_byzantine_partner_in_gossip_is_screened_out_and_quarantined(allreduce, local_swarm):
     summary = _run(local_swarm, GOSSIP, {NODES - 1: ["--byzantine", "scale"]})
     attacker = local_swarm.nodes[NODES - 1].status["peer_id"]

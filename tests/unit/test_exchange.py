@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from protocol.averaging import matchmaking
+from protocol.averaging import grouping, matchmaking
 from protocol.averaging.exchange import ExchangeSettings, FragmentExchange
 from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
@@ -78,7 +78,7 @@ def test_spec_strangers_are_refused_and_clients_own_no_part() -> None:
         ME.peer_id,
         PEER.peer_id,
     }
-    assert call["weight"] == 50 and done.mixed is None
+    assert call["weight"] == 50 and done.mixed is None and done.cell is None
     assert allreduce.current_round == 1
 
 
@@ -149,3 +149,79 @@ def test_announcement_reads_are_spaced_out_as_the_swarm_grows(
     with pytest.raises(_Polled):
         asyncio.run(gathering)
     assert waits == [pytest.approx(poll)]
+
+
+def test_above_cells_above_a_node_reads_only_its_line_and_agrees_on_its_group() -> None:
+    dht = FakeDHT()
+    nodes = [Identity.from_seed(bytes([10 + i]) * 32) for i in range(40)]
+    names = {n.peer_id for n in nodes}
+    settings = ExchangeSettings(
+        RUN, SPEC, fragments=1, group_size=4, matchmaking_seconds=0.3, cells_above=16
+    )
+    cells = {n.peer_id: grouping.Cell.of(n.peer_id, 1, 0, 4, 40) for n in nodes}
+    for n in nodes:  # everyone has announced on its line before anyone reads
+        transport = FakeTransport(dht, n.peer_id)
+        asyncio.run(
+            matchmaking.announce(
+                transport,
+                n,
+                RUN,
+                1,
+                0,
+                100,
+                expiration=60,
+                timeout=1,
+                spec=SPEC,
+                cell=cells[n.peer_id],
+            )
+        )
+    groups = {}
+    for n in nodes:
+        allreduce = FakeAllReduce()
+        exchange = FragmentExchange(FakeTransport(dht, n.peer_id), n, allreduce, settings)
+        vector = torch.ones(8)
+        done = asyncio.run(exchange.run(1, 0, 50, vector, vector, names - {n.peer_id}, set()))
+        groups[n.peer_id] = done.group
+        assert all(cells[n.peer_id].holds(p) for p in done.group)
+        # groups never span the swarm here: global copies are mixed as well
+        assert sorted(c["content"] for c in allreduce.calls) == ["update", "weights"]
+        assert done.cell == cells[n.peer_id].key
+    # one key per line holding only its peers (each node re-announced there), none
+    # under the swarm-wide key
+    assert f"{RUN}:mm:1:0" not in dht.data
+    for key, entries in dht.data.items():
+        (line,) = {cells[p].key for p in entries}
+        assert key == f"{RUN}:mm:1:0:{line}"
+    for me, group in groups.items():
+        assert me in group and all(groups[p] == group for p in group)
+    assert sorted(map(sorted, {tuple(g) for g in groups.values()})) == sorted(
+        map(sorted, grouping.cell_groups(names, 1, 0, 4, 40))
+    )
+
+
+def test_an_announcement_from_off_the_line_is_dropped() -> None:
+    dht = FakeDHT()
+    nodes = [Identity.from_seed(bytes([60 + i]) * 32) for i in range(40)]
+    mine = grouping.Cell.of(nodes[0].peer_id, 1, 0, 4, 40)
+    stranger = next(n for n in nodes if not mine.holds(n.peer_id))
+    neighbour = next(n for n in nodes[1:] if mine.holds(n.peer_id))
+    for who in (stranger, neighbour):  # the stranger writes itself under this line's key
+        asyncio.run(
+            matchmaking.announce(
+                FakeTransport(dht, who.peer_id),
+                who,
+                RUN,
+                1,
+                0,
+                100,
+                expiration=60,
+                timeout=1,
+                cell=mine,
+            )
+        )
+    found = asyncio.run(
+        matchmaking.read_announcements(
+            FakeTransport(dht, nodes[0].peer_id), RUN, 1, 0, timeout=1, cell=mine
+        )
+    )
+    assert set(found) == {neighbour.peer_id}

@@ -1,4 +1,5 @@
-"""Butterfly mixing across groups: the grid, its axes, and the exact global mean."""
+"""Butterfly mixing across groups: the grid, its axes, and the exact global mean; the cell
+grid of large swarms."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 
 from protocol.averaging.grouping import (
+    Cell,
     butterfly_radices,
+    cell_dims,
+    cell_groups,
     form_groups,
     group_of,
     owners,
@@ -137,3 +141,88 @@ def test_only_clients_keeps_the_groups_as_they_are() -> None:
     groups = form_groups(peers, 0, 0, 2, "random", clients=set(peers))
     assert groups == form_groups(peers, 0, 0, 2, "random")
     assert all(owners(g, set(peers)) == [] for g in groups)
+
+
+# ---- the cell grid of large swarms ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "size", "dims"),
+    [(16, 4, 1), (31, 4, 1), (32, 4, 2), (300, 4, 3), (1024, 4, 4), (10_000, 4, 6), (8, 2, 2)],
+)
+def test_cell_dims_by_hand(n: int, size: int, dims: int) -> None:
+    # the largest d with 2 G^d <= n: a line holds 2G to 2G^2 peers on average
+    assert cell_dims(n, size) == dims
+
+
+def test_a_cell_grid_needs_groups_of_two() -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        cell_dims(100, 1)
+
+
+def test_a_peer_keeps_its_point_while_the_axis_moves() -> None:
+    cells = [Cell.of("peer-07", r, 3, 4, 1024) for r in range(8)]
+    assert [c.axis for c in cells] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert cells[0] == cells[4] and cells[0] != cells[1]
+    for c in cells:  # the digits off the axis are the peer's, whatever the round
+        assert c.holds("peer-07") and c.coords[c.axis] is None
+        others = [d for i, d in enumerate(cells[0].coords) if i != c.axis and i != 0]
+        assert others == [d for i, d in enumerate(c.coords) if i != c.axis and i != 0]
+    assert Cell.of("peer-07", 0, 4, 4, 1024) != cells[0]  # another fragment, another grid
+
+
+def test_peers_share_a_line_exactly_when_their_keys_match() -> None:
+    peers = _names(200)
+    cells = {p: Cell.of(p, 5, 0, 4, 200) for p in peers}
+    for p in peers[:20]:
+        for q in peers:
+            assert cells[p].holds(q) == (cells[p].key == cells[q].key)
+    # 200 peers, d = 3: 16 lines of 12.5 on average
+    assert len({c.key for c in cells.values()}) == 16
+
+
+def test_cell_groups_partition_lines_into_groups_of_at_most_g() -> None:
+    peers = _names(500)
+    groups = cell_groups(peers, 2, 1, 4, 500)
+    assert sorted(p for g in groups for p in g) == sorted(peers)
+    for g in groups:
+        cell = Cell.of(g[0], 2, 1, 4, 500)
+        assert all(cell.holds(p) for p in g)  # a group never leaves its line
+        assert 2 <= len(g) <= 4
+    # the same groups whatever order the peers come in
+    assert cell_groups(list(reversed(peers)), 2, 1, 4, 500) == groups
+
+
+def test_a_line_alone_gives_its_peers_the_groups_the_whole_swarm_does() -> None:
+    # what makes reading one line enough: a node that read only its line's
+    # announcements computes its group as a node that read every announcement
+    peers = _names(300)
+    everyone = cell_groups(peers, 7, 0, 4, 300)
+    for me in peers[:30]:
+        cell = Cell.of(me, 7, 0, 4, 300)
+        line = [p for p in peers if cell.holds(p)]
+        (mine,) = [g for g in cell_groups(line, 7, 0, 4, 300) if me in g]
+        assert mine in everyone
+
+
+def test_clients_on_a_line_join_groups_with_an_owner() -> None:
+    peers = _names(300)
+    clients = set(peers[::3])
+    for g in cell_groups(peers, 1, 0, 4, 300, clients=clients):
+        assert owners(g, clients)
+
+
+def test_cell_groups_bring_a_large_swarm_close_to_the_mean() -> None:
+    # not exact as the butterfly is, but each round cuts the spread by about 1.8
+    # (a random regrouping of the whole swarm, which needs every announcement: 2)
+    peers = _names(1024)
+    gen = torch.Generator().manual_seed(0)
+    start = {p: torch.rand(1, generator=gen) for p in peers}
+    mean = torch.stack(list(start.values())).mean()
+    spread0 = float(torch.stack(list(start.values())).std())
+    values = dict(start)
+    for r in range(10):
+        values = _mix(values, cell_groups(peers, r, 0, 4, 1024))
+    stacked = torch.stack(list(values.values()))
+    assert float(stacked.std()) < spread0 / 200
+    torch.testing.assert_close(stacked.mean(), mean)  # equal weights keep the mean

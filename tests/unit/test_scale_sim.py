@@ -19,7 +19,7 @@ from benchmarks._scale_sim import (
     control_load,
     simulate,
 )
-from protocol.averaging.grouping import form_groups, rounds_to_mix
+from protocol.averaging.grouping import Cell, cell_groups, form_groups, rounds_to_mix
 
 _HERE = (Site("here", 0.0, 0.0),)
 # One site, identical nodes, small fragments: every round is clean and quick.
@@ -248,3 +248,46 @@ def test_groups_that_mix_send_their_global_copies_too() -> None:
     assert one_group == pytest.approx(share * 1e6)  # one group spans the swarm: no mixing
     assert simulate(mixing, 16, 2)["bytes_sent_per_node_round"] == pytest.approx(share * 3e6)
     assert simulate(base, 16, 2)["bytes_sent_per_node_round"] == pytest.approx(share * 1e6)
+
+
+def test_on_the_cell_grid_a_node_reads_its_line_not_the_swarm() -> None:
+    # today's node: above 256 nodes one announcement read returns the node's line of the
+    # grid (2G to 2G^2 peers on average), so what it reads per sync no longer grows with n
+    every = dataclasses.replace(sim.NODE_POLICY, cells_above=None)
+    for n in (1024, 4096, 10_000):
+        line = sim.NODE_POLICY.announcements_read(n, 4)
+        assert 2 * 4 - 1 <= line < 2 * 4**2 and every.announcements_read(n, 4) == n - 1
+    assert sim.NODE_POLICY.announcements_read(256, 4) == 255  # not above cells_above
+    dht = {
+        n: control_load(SimConfig(control=sim.NODE_POLICY), n, 100.0, 1.0)[
+            "dht_bytes_per_node_round"
+        ]
+        for n in (1024, 10_000)
+    }
+    assert dht[10_000] < 1.5 * dht[1024]
+    full = control_load(SimConfig(control=every), 10_000, 100.0, 1.0)["dht_bytes_per_node_round"]
+    assert full > 10 * dht[10_000]
+
+
+def test_the_simulator_groups_within_lines_of_the_protocols_cell_grid() -> None:
+    seen: list[tuple[int, int, list[str]]] = []
+    cfg = dataclasses.replace(_CLEAN, control=ControlPolicy(cells_above=32))
+    run = sim._Run(cfg, 100, 2, seed=0)
+    exchange_view = run._exchange_view
+
+    def spy(r, f, peers, mine, begin, result, failed, cells=None):
+        assert cells == 100  # every node of this clean swarm sees all 100
+        names = [run.sw.names[i] for i in peers]
+        seen.extend((r, f, g) for g in cell_groups(names, r, f, 4, cells))
+        return exchange_view(r, f, peers, mine, begin, result, failed, cells)
+
+    run._exchange_view = spy
+    out = run.run()
+    assert out["included_share"] == 1.0 and not out["mix_exact_butterfly"]
+    for r in (1, 2):  # every node in exactly one group per round
+        members = sorted(p for rr, _, g in seen if rr == r for p in g)
+        assert members == sorted(run.sw.names[:100])
+    for r, f, g in seen:  # each group lies on one line of the protocol's grid
+        line = Cell.of(g[0], r, f, 4, 100)
+        assert all(line.holds(p) for p in g) and len(g) <= 4
+    assert len({Cell.of(g[0], r, f, 4, 100).key for r, f, g in seen if r == 1}) == 4  # G^(dims - 1)

@@ -52,3 +52,9 @@ def test_members_that_hold_different_copies_are_counted() -> None:
     syncs = _syncs(PAIRS)
     syncs["a"][0]["global_digest"] = "another"
     assert butterfly_reach(syncs, group_size=2)["groups_agreeing"] == 3
+
+
+def test_a_swarm_on_the_cell_grid_promises_no_exact_window() -> None:
+    assert butterfly_reach(_syncs(PAIRS), group_size=2, cells_above=4)["rounds_to_mix"] == 2
+    found = butterfly_reach(_syncs(PAIRS), group_size=2, cells_above=3)
+    assert found["rounds_to_mix"] is None and found["windows"] == 0
