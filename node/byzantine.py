@@ -131,6 +131,8 @@ class _BadOwner(FaultInjection):
 class _MaliciousOwner(FaultInjection):
     """Reduces honestly received parts into something that would wreck the model."""
 
+    stream_results = False  # the values it sends are made only at the end
+
     def reduced(self, vector: torch.Tensor) -> torch.Tensor:
         return -10.0 * vector - 1.0
 

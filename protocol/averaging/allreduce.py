@@ -8,7 +8,13 @@ waits until every member's part is in or its deadline passes, reduces what it ha
 result once, and answers every caller with the same bytes. With
 ``AllReduceSettings.stream_reduce`` the owner reduces block by block while the parts
 arrive instead (:mod:`protocol.averaging.streaming`) and at the end only completes
-that reduction, or starts over when the parts it streamed are not the ones kept. Each member assembles the
+that reduction, or starts over when the parts it streamed are not the ones kept. With
+raw float32 results it then also streams the reduced blocks back while the parts still
+arrive (a head without hashes, the body as it is reduced, then a signed trailer that
+names every chunk's hash and the contributors: :mod:`protocol.wire.partwire`); a member
+applies nothing until the trailer checks, and when the owner started over after
+sending blocks, the trailer says ``redo`` and the member fetches the corrected result
+(``atoll.result``). Each member assembles the
 full vector from the reduced parts; an owner uses the decoded bytes it sent, so every
 member ends with bitwise identical values. A client only ever calls out: it sends its
 parts and receives the results on the streams it opened.
@@ -30,9 +36,10 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgpack
 import torch
 
 from protocol.averaging.parts import (
@@ -54,17 +61,36 @@ from protocol.averaging.parts import (
 from protocol.averaging.repair import PartRepair
 from protocol.averaging.streaming import StreamingReduction
 from protocol.errors import ProtocolError
-from protocol.p2p.transport import BufferPool, Lease, Read, Transport
+from protocol.p2p.transport import (
+    BufferPool,
+    Lease,
+    Read,
+    StreamedResponse,
+    Transport,
+    read_frame,
+)
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
-from protocol.wire.partwire import Part, SealedPart, read_part, seal_part
+from protocol.wire.partwire import (
+    MAX_TRAILER_BYTES,
+    Part,
+    SealedPart,
+    StreamHead,
+    chunk_hashes,
+    read_part,
+    seal_part,
+    seal_stream_head,
+    seal_trailer,
+)
 from verification.identity import Identity
 
-__all__ = ["RPC_NAME", "AllReduceService"]
+__all__ = ["RESULT_RPC", "RPC_NAME", "AllReduceService"]
 
 logger = logging.getLogger(__name__)
 
 RPC_NAME = "atoll.part"
+RESULT_RPC = "atoll.result"
+"""A member fetches an owner's signed result after a streamed one said ``redo``."""
 _SESSION_ROUNDS_KEPT = 3
 _PARTS_SHARE = 0.5  # of the time left after the commit phase: owners take parts
 _REPLIES_SHARE = 0.75  # members wait for owners' results; repair gets the rest
@@ -83,6 +109,7 @@ _REFUSED_RESULT = frozenset(
         "truncated",
         "trailing_bytes",
         "bad_chunk",
+        "bad_trailer",
     }
 )
 
@@ -129,6 +156,19 @@ class _Session:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     stream_task: asyncio.Future | None = None
     streamed_share: float = 0.0
+    answerable: asyncio.Event = field(default_factory=asyncio.Event)
+    """Owner side: a member can be answered: the result is signed, or it is streamed."""
+    stream_head: StreamHead | None = None
+    """Owner side: the signed head of the result streamed back while it is reduced."""
+    advanced: asyncio.Event = field(default_factory=asyncio.Event)
+    """Owner side: replaced and set each time more of the streamed result is ready."""
+    final: torch.Tensor | None = None
+    """Owner side: the reduced values, once signed (streamed replies send the rest)."""
+    prefix_used: bool = False
+    """Owner side: the result completes the streamed blocks (else they were given up)."""
+    trailer: bytes = b""
+    redo: bytes = b""
+    """Owner side: the trailers of the streamed result: as signed, and ``redo``."""
 
 
 class AllReduceService:
@@ -170,6 +210,10 @@ class AllReduceService:
         self.repair = PartRepair(self.wire)
         self.pool = BufferPool()
         """Buffers large parts and results are received into, reused round after round."""
+        self.results_streamed = 0
+        """Owners' results this node took as they were reduced (checked by their trailer)."""
+        self.results_redone = 0
+        """Of those, results whose owner gave its streamed blocks up (fetched again)."""
         self._sessions: dict[Exchange, _Session] = {}
         # Rounds in the replay window times fragments and contents, plus the kept history.
         rounds = settings.round_window + _SESSION_ROUNDS_KEPT + 2
@@ -212,7 +256,19 @@ class AllReduceService:
             timeout=self.settings.timeout * 2 + 5.0,
             receive=self._read_part,
         )
+        self.wire.transport.add_handler(
+            RESULT_RPC,
+            self._handle_result,
+            max_request_bytes=1024,
+            timeout=self.settings.timeout + 5,
+        )
         self.repair.register()
+
+    def unregister(self) -> None:
+        """Stop serving (the handlers :meth:`register` added)."""
+        for name in (RPC_NAME, RESULT_RPC):
+            self.wire.transport.remove_handler(name)
+        self.repair.unregister()
 
     # ---- owner side -------------------------------------------------------------------
 
@@ -245,10 +301,12 @@ class AllReduceService:
         kind: str,
         round_window: tuple[int, int],
         dest: torch.Tensor | None = None,
+        trailer: Callable[[], Awaitable[bytes]] | None = None,
     ) -> Lease:
         """A part or result as it arrives: refused on its head (signature, run, kind,
         round window) before any body byte is read, each chunk checked against its hash
-        as it comes. Raw float32 of ``dest``'s size goes straight into ``dest``; any other
+        as it comes (for a result streamed back, against its trailer, read by
+        ``trailer``). Raw float32 of ``dest``'s size goes straight into ``dest``; any other
         body into a pooled buffer, which goes back to the pool with the returned lease
         (whose data is the :class:`Part`)."""
         held: Lease | None = None
@@ -279,6 +337,7 @@ class AllReduceService:
                 kinds=(kind,),
                 round_window=round_window,
                 progress=progress,
+                trailer=trailer,
             )
         except BaseException:
             if followed is not None and followed.streaming is not None:
@@ -344,9 +403,11 @@ class AllReduceService:
                     if stream_plan is None:
                         return
                     streaming.start(stream_plan)
+                    self._start_streamed_result(session, at)
                 hi = streaming.ready()
                 if hi > streaming.upto:
                     await self.wire.compute(streaming.reduce_to, hi)
+                    _advance(session)
         except Exception:  # the reduction proper still runs from scratch
             logger.exception("round %d fragment %d: streamed reduction failed", *at[:2])
             streaming.broken = True
@@ -440,11 +501,97 @@ class AllReduceService:
                 session.full.set()
         return await self._reply(session)
 
-    async def _reply(self, session: _Session) -> list[bytes | memoryview]:
-        """This owner's signed result, once there is one (no longer than its exchange lasts)."""
+    async def _reply(self, session: _Session) -> list[bytes | memoryview] | StreamedResponse:
+        """This owner's signed result, once there is one, or the result streamed back as
+        it is reduced, once that starts (no longer than its exchange lasts)."""
         left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
+        await asyncio.wait_for(session.answerable.wait(), left)
+        if not session.reduced.is_set() and session.stream_head is not None:
+            return self._streamed_reply(session)
         await asyncio.wait_for(session.reduced.wait(), left)
         if session.reply is None:  # dropped once the exchange was over
+            raise ProtocolError("late", "the exchange of that round is over")
+        return session.reply.buffers()
+
+    def _streams_results(self, session: _Session) -> bool:
+        return (
+            self.settings.codec_for(session.content) == "none"
+            and self.faults.stream_results
+            and session.plan is not None
+        )
+
+    def _start_streamed_result(self, session: _Session, at: Exchange) -> None:
+        """Sign the head of the result streamed back from now on (raw float32 only: its
+        bytes are the reduced blocks themselves)."""
+        if not self._streams_results(session):
+            return
+        assert session.plan is not None
+        round_, fragment, content = at
+        me = self.identity.peer_id
+        header = Header("reduced", self.settings.run_id, round_, fragment, session.plan.index, me)
+        codec = {"c": "none", "n": session.numel, "b": self.settings.block_size}
+        session.stream_head = seal_stream_head(
+            self.identity, header, {"content": content, **codec}, session.numel * 4
+        )
+        session.answerable.set()
+
+    def _streamed_reply(self, session: _Session) -> StreamedResponse:
+        """The result as it is reduced: the signed head, each block as soon as it is
+        reduced (the rest from the signed result once there is one), then the trailer:
+        as signed when every block sent is in the result, ``redo`` when the owner gave
+        blocks it had sent up."""
+        head = session.stream_head
+        assert head is not None
+        speculative = 0  # values sent before the result was signed
+
+        async def body() -> AsyncIterator[bytes | memoryview]:
+            nonlocal speculative
+            for buffer in head.buffers():
+                yield buffer
+            sent = 0
+            while sent < session.numel:
+                if session.reduced.is_set():
+                    if session.final is None:
+                        raise ProtocolError("late", "the exchange of that round is over")
+                    yield _raw(session.final[sent:])
+                    return
+                woken = session.advanced
+                streaming = session.streaming
+                upto = streaming.upto if streaming is not None and not streaming.broken else 0
+                if streaming is not None and streaming.out is not None and upto > sent:
+                    yield _raw(streaming.out[sent:upto])
+                    sent = speculative = upto
+                    continue
+                left = session.done_by - time.monotonic()
+                if left <= 0:
+                    raise ProtocolError("late", "the exchange of that round is over")
+                await asyncio.wait_for(woken.wait(), left)
+
+        async def trailer() -> bytes:
+            left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
+            await asyncio.wait_for(session.reduced.wait(), left)
+            if not session.trailer:
+                raise ProtocolError("late", "the exchange of that round is over")
+            signed = session.trailer if session.prefix_used or not speculative else session.redo
+            return self.faults.trailer(signed)
+
+        return StreamedResponse(head.nbytes, body, trailer)
+
+    async def _handle_result(self, peer: str, data: bytes) -> list[bytes | memoryview]:
+        """A member's request for this owner's signed result (after a ``redo``)."""
+        try:
+            round_, fragment, content = msgpack.unpackb(data)
+            key = (int(round_), int(fragment), str(content))
+        except (ValueError, TypeError, msgpack.ExtraData) as exc:
+            raise self.wire.reject("malformed", f"result request: {exc}", peer) from None
+        session = self._sessions.get(key)
+        if session is None or session.plan is None or not session.plan.is_owner:
+            raise ProtocolError("not_in_round", "no result of that exchange here", peer)
+        if peer not in session.plan.group:
+            raise ProtocolError("wrong_part", "not a member of that part's group", peer)
+        left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
+        await asyncio.wait_for(session.reduced.wait(), left)
+        if session.reply is None:
             raise ProtocolError("late", "the exchange of that round is over")
         return session.reply.buffers()
 
@@ -510,8 +657,21 @@ class AllReduceService:
             ]
         meta = self.faults.reduced_meta(meta)
         header = Header("reduced", *_fields(h))
+        hashes = None
+        if session.stream_head is not None:
+            # one pass of hashing for the signed result and the streamed one's trailer
+            hashes = await self.wire.compute(chunk_hashes, enc.payload)
+            signed = {k: v for k, v in meta.items() if k != "content"}
+            session.trailer = seal_trailer(self.identity, session.stream_head, signed, hashes)
+            session.redo = seal_trailer(self.identity, session.stream_head, {}, None)
+            session.final = reduction.vector
+            session.prefix_used = prefix is not None and reduction.vector is prefix.out
         sealed = await self.wire.compute(
-            seal_part, self.identity, header, {**meta, **enc.meta()}, enc.payload
+            functools.partial(seal_part, hashes=hashes),
+            self.identity,
+            header,
+            {**meta, **enc.meta()},
+            enc.payload,
         )
         session.reply = self.faults.reply(sealed)
         session.reply_contributors = list(meta["contributors"])
@@ -520,6 +680,8 @@ class AllReduceService:
         key = (h.round, h.fragment, session.content)
         self.wire.tally(key, sent=session.reply.nbytes * (len(contributions) - 1))
         session.reduced.set()
+        session.answerable.set()
+        _advance(session)
         # the parts are in the result: drop their views so their receive buffers go back
         # to the pool (a retry is recognised by its digest alone)
         session.contributions = {
@@ -785,7 +947,10 @@ class AllReduceService:
         window = (at[0], at[0])
 
         def receive(reader: asyncio.StreamReader, length: int) -> Awaitable[Lease]:
-            return self._read_message(reader.read, length, owner, "reduced", window, dest)
+            def trailer() -> Awaitable[bytes]:
+                return read_frame(reader, MAX_TRAILER_BYTES, owner)
+
+            return self._read_message(reader.read, length, owner, "reduced", window, dest, trailer)
 
         for attempt in (0, 1):
             self.wire.tally(at, sent=request.nbytes)
@@ -795,6 +960,16 @@ class AllReduceService:
                     owner, RPC_NAME, request.buffers(), timeout=timeout, receive=receive
                 )
             except ProtocolError as exc:
+                if exc.reason == "redo":
+                    self.results_redone += 1
+                    # the owner gave up the blocks it had streamed: its signed result
+                    logger.info("round %d fragment %d part %d: owner %s redid its result",
+                                *at[:2], j, owner[:16])  # fmt: skip
+                    fetch = msgpack.packb([at[0], at[1], at[2]])
+                    timeout = max(_MIN_CALL_SECONDS, by - time.monotonic())
+                    return await transport.call_into(
+                        owner, RESULT_RPC, fetch, timeout=timeout, receive=receive
+                    )
                 retry = (
                     exc.reason == "connection_lost" and by - time.monotonic() >= _MIN_CALL_SECONDS
                 )
@@ -833,6 +1008,8 @@ class AllReduceService:
                 self._note_mismatch(at, plan)
             return j, False, []
         reply: Part = lease.data
+        if reply.trailer:
+            self.results_streamed += 1
         try:
             self.wire.tally(at, received=reply.nbytes)
             # decoding checks every value (NaN, inf) and the judge compares norms: off the loop
@@ -927,7 +1104,21 @@ class AllReduceService:
 
 def _drop_reply(session: _Session) -> None:
     session.reply = None
+    session.final = None
     session.streaming = None  # its output was the reply's body
+    _advance(session)
+
+
+def _advance(session: _Session) -> None:
+    """Wake every streamed reply waiting for more of the result (each waits on the event
+    it found, so none can miss a wake-up between looking and waiting)."""
+    woken, session.advanced = session.advanced, asyncio.Event()
+    woken.set()
+
+
+def _raw(values: torch.Tensor) -> memoryview:
+    """The bytes of float32 ``values`` (a view: they must not change until written)."""
+    return memoryview(values.numpy()).cast("B")
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:

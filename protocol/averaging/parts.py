@@ -325,8 +325,14 @@ class FaultInjection:
         """The signed result as it goes on the wire."""
         return sealed
 
+    def trailer(self, frame: bytes) -> bytes:
+        """The trailer of a result streamed back, as it goes on the wire."""
+        return frame
+
     silent: bool = False
     """Announce and commit, then send no part and answer no one (a silent member)."""
+    stream_results: bool = True
+    """As an owner, stream its result back while reducing (when settings allow it)."""
 
 
 def part_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:

@@ -61,6 +61,9 @@ class PartRepair:
             REPAIR_RPC, self._handle, max_request_bytes=s.max_message_bytes, timeout=s.timeout + 5.0
         )
 
+    def unregister(self) -> None:
+        self.wire.transport.remove_handler(REPAIR_RPC)
+
     def _slot(self, key: tuple[Exchange, int]) -> _Repair:
         current = self.wire.current_round
         for old in [k for k in self._repairs if k[0][0] < current - 2]:

@@ -2,7 +2,11 @@
 
 Every call opens its own p2pd stream, so a frame only has to say how long it is.
 A request is ``u64 length | body``; a response is ``u8 status | u64 length | body``,
-where an error body is a msgpack map ``{"reason": str, "detail": str}``. Bodies
+where an error body is a msgpack map ``{"reason": str, "detail": str}``. A
+:class:`StreamedResponse` is written while it is produced: its first frame's length is
+known at the start, its bytes come as they are ready, and one more OK frame (its
+trailer, whose length is not known at the start) follows on the same stream; the
+caller's reader reads that frame itself (:func:`read_frame`). Bodies
 are written in chunks with a drain after each one, so a 256 MiB payload never
 sits in the socket buffer twice. A body is read as its bytes arrive, never into a
 buffer sized by the length a peer announced: a stream that announces 256 MiB and sends
@@ -27,7 +31,7 @@ import contextvars
 import logging
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,6 +55,7 @@ __all__ = [
     "STATUS_OK",
     "Pace",
     "StreamGate",
+    "StreamedResponse",
     "decode_error",
     "encode_error",
     "answer",
@@ -60,6 +65,7 @@ __all__ = [
     "read_lease",
     "read_paced",
     "read_body",
+    "read_frame",
     "read_request_header",
     "read_response_header",
     "serve",
@@ -93,6 +99,21 @@ _SHAPER: Shaper | None = Shaper.from_env()
 Payload = bytes | Sequence[bytes | memoryview]
 """A message to write: one buffer, or several written one after the other (a part's head
 and a view of its tensor body, say), so a sender never joins them into one copy."""
+
+
+@dataclass(frozen=True)
+class StreamedResponse:
+    """A response written while it is produced (an owner's result reduced block by block).
+
+    Attributes:
+        size: bytes of its first frame, all of which ``body`` yields.
+        body: yields the first frame's bytes as they become ready.
+        trailer: returns the second frame's bytes once the first is written.
+    """
+
+    size: int
+    body: Callable[[], AsyncIterator[bytes | memoryview]]
+    trailer: Callable[[], Awaitable[bytes]]
 
 
 def _views(data: Payload) -> list[memoryview]:
@@ -141,6 +162,59 @@ async def _write_shaped(
             writer.write(piece)
             await writer.drain()
     await writer.drain()
+
+
+async def _write_slices(writer: asyncio.StreamWriter, view: memoryview) -> None:
+    step = CHUNK_BYTES if _SHAPER is None else min(CHUNK_BYTES, _SHAPER.slice_bytes)
+    for offset in range(0, view.nbytes, step):
+        piece = view[offset : offset + step]
+        if _SHAPER is not None:
+            await _SHAPER.send(piece.nbytes)
+        writer.write(piece)
+        await writer.drain()
+
+
+async def write_streamed(
+    writer: asyncio.StreamWriter, response: StreamedResponse, name: str, peer: str
+) -> bool:
+    """Write a :class:`StreamedResponse`: its first frame as ``body`` yields it, then its
+    trailer frame. Whether the stream may carry another request: not when the body
+    broke off or came out another length than announced (the stream is then cut short,
+    and the caller sees it end early)."""
+    if _SHAPER is not None:
+        await _SHAPER.delay()
+    await _write_slices(writer, memoryview(_RESPONSE_HEADER.pack(STATUS_OK, response.size)))
+    written = 0
+    try:
+        async for piece in response.body():
+            view = _views(piece)[0]
+            written += view.nbytes
+            if written > response.size:
+                raise RuntimeError(f"body longer than the {response.size} bytes announced")
+            await _write_slices(writer, view)
+        if written != response.size:
+            raise RuntimeError(f"body of {written} bytes, {response.size} announced")
+        trailer = await response.trailer()
+    except Exception as e:
+        logger.warning("rpc %s to %s: streamed answer broke off: %r", name, peer, e)
+        return False
+    frame = _RESPONSE_HEADER.pack(STATUS_OK, len(trailer)) + trailer
+    await _write_slices(writer, memoryview(frame))
+    return True
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int, peer: str | None = None) -> bytes:
+    """The next response frame on a stream, which must be OK and at most ``limit``
+    bytes: a :class:`StreamedResponse`'s trailer, read by the caller's receiver.
+
+    Raises:
+        ProtocolError: ``bad_trailer`` (another status, or too long).
+        asyncio.IncompleteReadError: the stream ended early.
+    """
+    status, length = await read_response_header(reader)
+    if status != STATUS_OK or length > limit:
+        raise ProtocolError("bad_trailer", f"frame ({status}, {length} bytes)", peer)
+    return await read_body(reader, length)
 
 
 async def write_request(writer: asyncio.StreamWriter, data: Payload) -> None:
@@ -678,7 +752,7 @@ async def answer(
     try:
         try:
             response = await handler(peer, request.data)  # type: ignore[arg-type]
-            if not _is_payload(response):
+            if not (_is_payload(response) or isinstance(response, StreamedResponse)):
                 raise TypeError(f"handler returned {type(response).__name__}, not bytes")
         except Exception as e:
             known = isinstance(e, ProtocolError)
@@ -688,6 +762,8 @@ async def answer(
             )
             await write_response(writer, STATUS_ERROR, encode_error(reason, str(e)))
             return True
+        if isinstance(response, StreamedResponse):
+            return await write_streamed(writer, response, name, peer)
         await write_response(writer, STATUS_OK, response)
         return True
     finally:

@@ -56,6 +56,7 @@ __all__ = [
     "Read",
     "Receiver",
     "RequestReader",
+    "StreamedResponse",
     "Transport",
     "TransportConfig",
 ]
@@ -68,10 +69,13 @@ Lease = _framing.Lease
 Read = _framing.Read
 Receiver = _framing.Receiver
 RequestReader = _framing.RequestReader
+StreamedResponse = _framing.StreamedResponse
+read_frame = _framing.read_frame
 
-Handler = Callable[[str, bytes], Awaitable[_framing.Payload]]
+Handler = Callable[[str, bytes], Awaitable[_framing.Payload | _framing.StreamedResponse]]
 """An RPC handler: ``(authenticated caller PeerID, request bytes) -> response``; the
-response is bytes or a sequence of buffers written one after the other."""
+response is bytes, a sequence of buffers written one after the other, or a
+:class:`StreamedResponse` written as it is produced."""
 
 _PROTOCOL_PREFIX = "/atoll/rpc/"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

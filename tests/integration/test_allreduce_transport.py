@@ -8,6 +8,7 @@ hostile client is a real transport sending crafted bytes through ``Transport.cal
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -33,7 +34,6 @@ from protocol.averaging.parts import (
     part_bounds,
     weighted_mean_reducer,
 )
-from protocol.averaging.repair import REPAIR_RPC
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.messages import Header
@@ -87,8 +87,7 @@ def services(swarm: SimpleNamespace) -> Iterator[Callable[..., list[AllReduceSer
 
     yield make
     for service in registered:
-        service.transport.remove_handler(RPC_NAME)
-        service.transport.remove_handler(REPAIR_RPC)
+        service.unregister()
 
 
 def _vectors(n: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -180,6 +179,91 @@ def test_owners_that_reduce_while_parts_arrive_give_the_whole_vector_result(
     # nine owner-exchanges: the members send at once, so early blocks are in from all of
     # them well before the last chunk of the last part
     assert max(streamed) > 0, streamed
+    # and those owners sent their blocks back as they were reduced, each result bound by
+    # its signed trailer (18 results taken in all: 2 per member and fragment)
+    taken = sum(m.results_streamed for m in members)
+    assert 0 < taken <= 18 and all(m.results_redone == 0 for m in members)
+
+
+def _screening_out(victim: str):
+    """A weighted mean that refuses ``victim`` once every part is in (a screening verdict
+    the streamed blocks could not know of)."""
+
+    def reducer(round_, fragment, part, contributions, *, prefix=None, **kw):
+        kept = [c for c in contributions if c.peer != victim]
+        reduction = weighted_mean_reducer(round_, fragment, part, kept, **kw)
+        return dataclasses.replace(reduction, rejected={victim: "screened_out"})
+
+    return reducer
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_that_screens_a_member_out_at_the_end_has_its_streamed_blocks_redone(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    settings = AllReduceSettings(run_id=RUN, codec="none", timeout=20, stream_reduce=True)
+    members = services(settings)[:3]
+    group = [m.identity.peer_id for m in members]
+    victim = group[2]
+    for m in members:  # every owner refuses the third member, but only at the end
+        m.wire.reducer = _screening_out(victim)
+    weights = [1, 2, 3]
+    for fragment in range(3):
+        vectors = _vectors(3, 9 * (1 << 18), seed=40 + fragment)
+        results, _ = _all_reduce(members, group, vectors, weights, fragment=fragment)
+        expected = _weighted_mean(vectors[:2], weights[:2])
+        for r in results:
+            torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+            assert [sorted(c) for c in r.contributors] == [sorted(group[:2])] * 3
+        _assert_bitwise_equal(results)
+    # blocks were sent before the verdict: those members were told to fetch the result
+    assert sum(m.results_redone for m in members) > 0
+    assert all(m.rejected.get("redo", 0) == 0 for m in members)  # not held against anyone
+
+
+class _CorruptTrailer(FaultInjection):
+    """An owner whose streamed result's trailer has one byte changed on the way out."""
+
+    def trailer(self, frame: bytes) -> bytes:
+        flipped = bytearray(frame)
+        flipped[len(flipped) // 2] ^= 0x01
+        return bytes(flipped)
+
+
+@pytest.mark.timeout(120)
+def test_a_streamed_result_whose_trailer_does_not_verify_is_not_applied(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    settings = AllReduceSettings(run_id=RUN, codec="none", timeout=8, stream_reduce=True)
+    everyone = services(settings)
+    everyone[0].faults = _CorruptTrailer()
+    judges = []
+    for member in everyone[1:]:
+        member.wire.judge = _Refusals()
+        judges.append(member.wire.judge)
+    group = [m.identity.peer_id for m in everyone]
+    numel = 12 * (1 << 18)
+    vectors = _vectors(4, numel, seed=12)
+    outs = [torch.full_like(v, float("nan")) for v in vectors]
+    futures = [
+        m.transport.submit(m.run(ROUND, 0, group, v, 1, out=o))
+        for m, v, o in zip(everyone, vectors, outs)
+    ]
+    results = [f.result(60) for f in futures]
+    bad = group[0]
+    lo, hi = PartPlan.of(group[1], group, group, numel, settings.block_size).bounds[0]
+    honest = _weighted_mean(vectors[1:], [1, 1, 1])
+    streamed = 0
+    for r, judge in zip(results[1:], judges):
+        if judge.owners:  # it took the streamed result, which its trailer did not bind
+            assert judge.owners == [(bad, 0, "bad_signature")]
+            streamed += 1
+        # either way the owner's part is repaired among the others, never applied as sent
+        assert r.repaired_parts == [0] and r.fallback_parts == []
+        assert not torch.isnan(r.vector).any()
+        torch.testing.assert_close(r.vector[lo:hi], honest[lo:hi], atol=1e-6, rtol=0)
+    assert streamed > 0
+    _assert_bitwise_equal(results[1:])
 
 
 @pytest.mark.timeout(60)

@@ -15,7 +15,6 @@ import torch
 
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
 from protocol.averaging.parts import AllReduceSettings, PartPlan
-from protocol.averaging.repair import REPAIR_RPC
 from protocol.p2p import _framing, direct
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.partwire import SealedPart
@@ -47,19 +46,24 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("stream_reduce", [False, True], ids=["whole", "streamed"])
 def test_parts_go_direct_where_both_sides_can_and_through_p2pd_otherwise(
-    trio: SimpleNamespace,
+    trio: SimpleNamespace, stream_reduce: bool
 ) -> None:
     a, b, c = trio.transports
     assert a.data_port and b.data_port and c.data_port is None
-    settings = AllReduceSettings(run_id="direct", codec="none", timeout=20)
+    settings = AllReduceSettings(
+        run_id=f"direct-{stream_reduce}", codec="none", timeout=20, stream_reduce=stream_reduce
+    )
     services = [AllReduceService(t, i, settings) for t, i in zip(trio.transports, trio.identities)]
     for service in services:
         service.register()
     try:
         group = [i.peer_id for i in trio.identities]
         gen = torch.Generator().manual_seed(3)
-        vectors = [torch.randn(300_000, generator=gen) for _ in group]
+        # streamed: parts of three 1 MiB blocks, results sent back as they are reduced
+        numel = 9 * (1 << 18) if stream_reduce else 300_000
+        vectors = [torch.randn(numel, generator=gen) for _ in group]
         expected = (sum(v.double() for v in vectors) / 3).float()
         opened = []
         for round_ in (1, 2):
@@ -79,10 +83,12 @@ def test_parts_go_direct_where_both_sides_can_and_through_p2pd_otherwise(
         assert a.calls_by_plane["tcp"] >= 2 and b.calls_by_plane["tcp"] >= 2
         assert a.calls_by_plane["p2pd"] >= 2 and c.calls_by_plane["tcp"] == 0
         assert opened[1] == opened[0]  # the second round reused the first round's connections
+        # a streamed result ends with its trailer frame: the connection stays usable
+        streamed = sum(s.results_streamed for s in services)
+        assert streamed > 0 if stream_reduce else streamed == 0
     finally:
         for s in services:
-            s.transport.remove_handler(RPC_NAME)
-            s.transport.remove_handler(REPAIR_RPC)
+            s.unregister()
 
 
 async def _forget_connections(transport: Transport) -> None:
@@ -232,7 +238,6 @@ def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
         assert [len(s.pool._idle) for s in owners] == [s.pool.allocated for s in owners]
     finally:
         for s in services:
-            s.transport.remove_handler(RPC_NAME)
-            s.transport.remove_handler(REPAIR_RPC)
+            s.unregister()
         for transport in reversed(transports):
             transport.shutdown()

@@ -433,6 +433,31 @@ def test_a_bad_owner_verdict_for_a_part_of_ten_million_values_fits_one_control_m
     assert check_bad_owner({"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
 
 
+def test_a_bad_owner_verdict_works_alike_for_a_result_streamed_back(plane: ControlPlane) -> None:
+    # a result streamed back names its contributors in its signed trailer: head, signature
+    # and trailer are the evidence, kilobytes for 10M values
+    import torch
+
+    from protocol.wire.messages import Header
+    from protocol.wire.partwire import Part, chunk_hashes, seal_stream_head, seal_trailer
+
+    wire = _own_commit(plane, {1: D1})
+    body = torch.zeros(10_000_000).numpy().view("uint8")
+    header = Header("reduced", RUN, 3, 0, 1, CHEAT.peer_id)
+    head = seal_stream_head(CHEAT, header, {"content": "update"}, body.nbytes)
+    signed = {"contributors": [CHEAT.peer_id, ME.peer_id], "digests": [D2, D2], "weights": [1, 1]}
+    trailer = seal_trailer(CHEAT, head, signed, chunk_hashes(body))
+    part = Part(header, {}, memoryview(body), head.head, head.signature, head.digest, trailer)
+    evidence = part.evidence()
+    assert len(evidence) < 4096
+    assert check_bad_owner({"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
+    # the same trailer behind another head, or one byte of it changed, proves nothing
+    flipped = bytearray(evidence)
+    flipped[-10] ^= 0x01
+    with pytest.raises(ProtocolError, match="bad_evidence"):
+        check_bad_owner({"reduced": bytes(flipped), "commit": wire}, CHEAT.peer_id, RUN)
+
+
 def test_the_two_exchanges_of_a_fragment_are_committed_apart(plane: ControlPlane) -> None:
     # a member commits to its update parts and to its global-copy parts of one fragment:
     # two commitments, no equivocation, and each part is checked against its own

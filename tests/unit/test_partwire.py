@@ -233,3 +233,134 @@ def _read_eof_early(wire: bytes) -> None:
         )
 
     asyncio.run(main())
+
+
+# ---- results streamed back: a head without hashes, the body, a signed trailer ----------
+
+
+def _streamed(me: Identity, body: bytes, signed: dict | None = None, redo: bool = False):
+    """(first frame, trailer frame, head) of a result streamed back."""
+    from protocol.wire.partwire import chunk_hashes, seal_stream_head, seal_trailer
+
+    header = Header("reduced", "run", 3, 1, 2, me.peer_id)
+    head = seal_stream_head(me, header, {"content": "update"}, len(body), chunk_bytes=CHUNK)
+    meta = {"contributors": ["a", "b"], "weights": [1.0, 2.0]} if signed is None else signed
+    hashes = None if redo else chunk_hashes(body, CHUNK)
+    trailer = seal_trailer(me, head, meta, hashes)
+    return b"".join(head.buffers()) + body, trailer, head
+
+
+def _read_streamed(first: bytes | bytearray, trailer: bytes | bytearray, **kw):
+    import asyncio
+
+    from protocol.wire.partwire import read_part
+
+    dest = bytearray()
+
+    def into(header, meta, size) -> memoryview:
+        dest.extend(bytes(size))
+        return memoryview(dest)
+
+    async def frame() -> bytes:
+        return bytes(trailer)
+
+    async def main():
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(first))
+        reader.feed_eof()
+        return await read_part(reader.read, len(first), into, max_bytes=MAX, trailer=frame, **kw)
+
+    return asyncio.run(main()), dest
+
+
+def _streamed_reason(first, trailer, **kw) -> str:
+    with pytest.raises(ProtocolError) as info:
+        _read_streamed(first, trailer, **kw)
+    return info.value.reason
+
+
+def test_a_streamed_result_reads_to_its_head_and_trailer_fields(me) -> None:
+    from protocol.wire.partwire import open_evidence
+
+    body = _body()
+    first, trailer, head = _streamed(me, body)
+    part, dest = _read_streamed(first, trailer, expected_sender=me.peer_id, kinds=("reduced",))
+    assert bytes(dest) == body and part.digest == head.digest
+    assert part.meta == {"content": "update", "contributors": ["a", "b"], "weights": [1.0, 2.0]}
+    # head, signature and trailer, without the body: evidence anyone can check
+    evidence = part.evidence()
+    assert len(evidence) < 1000 < len(body)
+    h, meta = open_evidence(evidence, expected_sender=me.peer_id)
+    assert (h.kind, h.round, h.part) == ("reduced", 3, 2) and meta == part.meta
+
+
+def test_the_trailer_binds_every_body_byte_and_the_head(me) -> None:
+    body = _body()
+    first, trailer, _ = _streamed(me, body)
+    start = len(first) - len(body)
+    flipped = bytearray(first)
+    flipped[start + 2 * CHUNK + 5] ^= 0x01
+    swapped = bytearray(first)
+    swapped[start : start + CHUNK], swapped[start + CHUNK : start + 2 * CHUNK] = (
+        first[start + CHUNK : start + 2 * CHUNK],
+        first[start : start + CHUNK],
+    )
+    head_byte = bytearray(first)
+    head_byte[8 + 10] ^= 0x01
+    trailer_byte = bytearray(trailer)
+    trailer_byte[20] ^= 0x01
+    # a trailer signed by the same key for another result (another body, another head)
+    other_first, other_trailer, _ = _streamed(me, _body(2.5))
+    forger = Identity.generate()
+    _, forged, _ = _streamed(forger, body)  # the right hashes, the wrong key
+    for data, tail, reason in [
+        (flipped, trailer, "bad_chunk"),
+        (swapped, trailer, "bad_chunk"),
+        (first, trailer_byte, "bad_signature"),
+        (first, other_trailer, "bad_trailer"),
+        (first, forged, "bad_signature"),
+        (first, trailer[:-1], "bad_signature"),
+        (first, b"", "bad_trailer"),
+    ]:
+        assert _streamed_reason(data, tail) == reason, reason
+    assert _streamed_reason(head_byte, trailer) in {"bad_signature", "malformed"}
+    # a frame of fewer or more bytes than the head signed
+    assert _streamed_reason(first[:-1], trailer) == "truncated"
+    assert _streamed_reason(first + b"\0", trailer) == "trailing_bytes"
+
+
+def test_a_redo_trailer_says_so_and_is_no_evidence(me) -> None:
+    from protocol.wire.partwire import open_evidence
+
+    body = _body()
+    first, redo, _ = _streamed(me, body, redo=True)
+    assert _streamed_reason(first, redo) == "redo"
+    first, trailer, head = _streamed(me, body)
+    evidence = b"".join(head.buffers()[:3]) + len(redo).to_bytes(4, "big") + redo
+    with pytest.raises(ProtocolError) as info:
+        open_evidence(evidence)
+    assert info.value.reason == "redo"
+
+
+def test_a_streamed_result_is_refused_where_a_part_is_due(me) -> None:
+    first, _, _ = _streamed(me, _body())
+    assert _read_reason(first) == "wrong_kind"
+    # nor does a streamed head pass as a part's head, or a part's head as a streamed one
+    wire = _sealed(me, _body())
+    assert _streamed_reason(b"ATS1" + wire[4:], b"x" * 80) == "malformed"
+    assert _reason(b"ATP1" + first[4:]) == "malformed"
+
+
+def test_streamed_heads_and_trailers_refuse_bad_arguments(me) -> None:
+    from protocol.wire.partwire import seal_stream_head, seal_trailer
+
+    header = Header("reduced", "run", 3, 1, 2, me.peer_id)
+    with pytest.raises(ValueError, match="reserved|none of"):
+        seal_stream_head(me, header, {"hashes": []}, 10, chunk_bytes=CHUNK)
+    with pytest.raises(ValueError, match="size"):
+        seal_stream_head(me, header, {}, -1, chunk_bytes=CHUNK)
+    head = seal_stream_head(me, header, {}, 3 * CHUNK, chunk_bytes=CHUNK)
+    with pytest.raises(ValueError, match="hashes for a body"):
+        seal_trailer(me, head, {}, [bytes(32)] * 2)
+    with pytest.raises(ValueError, match="none of"):
+        seal_trailer(me, head, {"redo": False}, [bytes(32)] * 3)
