@@ -127,6 +127,7 @@ class _AtollPeer:
         # the owner side only accepts rounds near the one it is in
         self.service.current_round = round_
         t0 = time.perf_counter()
+        taken = self.service.results_streamed
         run = self.service.run(round_, 0, group, self.own, 1, out=self.out)
         result = self.transport.run(run, _STEP_TIMEOUT)
         seconds = time.perf_counter() - t0
@@ -137,6 +138,8 @@ class _AtollPeer:
             "bytes_sent": result.bytes_sent,
             "reduce_s": result.reduce_seconds,
             "streamed_share": result.streamed_share,
+            # of the others' results, the share taken as they were reduced (with a trailer)
+            "results_streamed": (self.service.results_streamed - taken) / max(1, len(group) - 1),
         }
         timing["receive_buffers"] = self.service.pool.allocated
         return timing, result.vector
@@ -484,6 +487,9 @@ def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
         record["streamed_share"] = statistics.median(
             t["streamed_share"] for row in rows for t in row
         )
+        record["results_streamed_share"] = statistics.mean(
+            t["results_streamed"] for row in rows for t in row
+        )
         # memory a step adds to a peer's process (its own vector, the output and the
         # reference mean are allocated before), per repeat, and how it moved across repeats
         record["rss_step_extra_mb"] = [max(t["rss_step_extra_mb"] for t in row) for row in rows]
@@ -597,8 +603,9 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "atoll_streamed": "the same as atoll with each owner reducing block by block "
             "while the parts arrive (stream_reduce = true); streamed_vs_atoll < 1 is what "
             "that saves, > 1 what it costs; streamed_share: the share of an owner's part "
-            "reduced before its last part was in; reduce_times: an owner's time from its "
-            "last part in to its signed result",
+            "reduced before its last part was in; results_streamed_share: the share of "
+            "results members took as they were reduced, bound by a signed trailer; "
+            "reduce_times: an owner's time from its last part in to its signed result",
             "atoll_verified": "the same with a node's verification layer as reducer and "
             "judge: screening, trimmed mean, reputation and a SQLite audit log per peer; "
             "verified_vs_atoll > 1 is its overhead",

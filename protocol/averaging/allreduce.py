@@ -95,6 +95,7 @@ _SESSION_ROUNDS_KEPT = 3
 _PARTS_SHARE = 0.5  # of the time left after the commit phase: owners take parts
 _REPLIES_SHARE = 0.75  # members wait for owners' results; repair gets the rest
 _MIN_CALL_SECONDS = 0.5
+_FRAME_BYTES = 9  # a response frame's header: status byte, u64 length
 _NO_VALUES = torch.empty(0)
 # refusals of an owner's answer found while reading it (the rest are transport failures)
 _REFUSED_RESULT = frozenset(
@@ -124,6 +125,8 @@ class _Session:
 
     created: float
     content: str = "update"
+    key: Exchange = (0, 0, "update")
+    """``(round, fragment, content)``."""
     plan: PartPlan | None = None
     numel: int = 0
     deadline: float = 0.0
@@ -169,6 +172,8 @@ class _Session:
     trailer: bytes = b""
     redo: bytes = b""
     """Owner side: the trailers of the streamed result: as signed, and ``redo``."""
+    streamed_replies: int = 0
+    """Owner side: members answered with the streamed result (they count their own bytes)."""
 
 
 class AllReduceService:
@@ -275,7 +280,7 @@ class AllReduceService:
     def _session(self, round_: int, fragment: int, content: str) -> _Session:
         key = (round_, fragment, content)
         if key not in self._sessions:
-            self._sessions[key] = _Session(created=time.monotonic(), content=content)
+            self._sessions[key] = _Session(created=time.monotonic(), content=content, key=key)
         horizon = self.current_round - _SESSION_ROUNDS_KEPT
         for old in [k for k in self._sessions if k[0] < horizon]:
             del self._sessions[old]
@@ -541,7 +546,8 @@ class AllReduceService:
         as signed when every block sent is in the result, ``redo`` when the owner gave
         blocks it had sent up."""
         head = session.stream_head
-        assert head is not None
+        assert head is not None and session.plan is not None
+        session.streamed_replies += 1
         speculative = 0  # values sent before the result was signed
 
         async def body() -> AsyncIterator[bytes | memoryview]:
@@ -593,6 +599,7 @@ class AllReduceService:
         await asyncio.wait_for(session.reduced.wait(), left)
         if session.reply is None:
             raise ProtocolError("late", "the exchange of that round is over")
+        self.wire.tally(key, sent=session.reply.nbytes)
         return session.reply.buffers()
 
     async def _reduce_own_part(self, session: _Session, h: Header) -> torch.Tensor:
@@ -678,7 +685,13 @@ class AllReduceService:
         session.reduce_seconds = time.monotonic() - parts_in
         # every other contributor is waiting for this one reply
         key = (h.round, h.fragment, session.content)
-        self.wire.tally(key, sent=session.reply.nbytes * (len(contributions) - 1))
+        # those answered with the streamed result already are sent its head and trailer
+        streamed = session.streamed_replies
+        waiting = max(0, len(contributions) - 1 - streamed)
+        sent = session.reply.nbytes * waiting
+        if streamed and session.stream_head is not None:
+            sent += streamed * (session.stream_head.nbytes + _FRAME_BYTES + len(session.trailer))
+        self.wire.tally(key, sent=sent)
         session.reduced.set()
         session.answerable.set()
         _advance(session)

@@ -175,6 +175,8 @@ def test_owners_that_reduce_while_parts_arrive_give_the_whole_vector_result(
             assert r.complete
             assert torch.equal(r.vector, reference)  # bitwise, streamed or not
             assert 0.0 <= r.streamed_share <= 1.0
+        # every byte one member charged as sent, another charged as received
+        assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
         streamed += [r.streamed_share for r in results]
     # nine owner-exchanges: the members send at once, so early blocks are in from all of
     # them well before the last chunk of the last part
