@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
@@ -59,6 +59,7 @@ from protocol.averaging.parts import (
     weighted_mean_reducer,
 )
 from protocol.averaging.repair import PartRepair
+from protocol.averaging.streamback import StreamedResult
 from protocol.averaging.streaming import StreamingReduction
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import (
@@ -75,12 +76,9 @@ from protocol.wire.partwire import (
     MAX_TRAILER_BYTES,
     Part,
     SealedPart,
-    StreamHead,
     chunk_hashes,
     read_part,
     seal_part,
-    seal_stream_head,
-    seal_trailer,
 )
 from verification.identity import Identity
 
@@ -95,7 +93,6 @@ _SESSION_ROUNDS_KEPT = 3
 _PARTS_SHARE = 0.5  # of the time left after the commit phase: owners take parts
 _REPLIES_SHARE = 0.75  # members wait for owners' results; repair gets the rest
 _MIN_CALL_SECONDS = 0.5
-_FRAME_BYTES = 9  # a response frame's header: status byte, u64 length
 _NO_VALUES = torch.empty(0)
 # refusals of an owner's answer found while reading it (the rest are transport failures)
 _REFUSED_RESULT = frozenset(
@@ -161,19 +158,8 @@ class _Session:
     streamed_share: float = 0.0
     answerable: asyncio.Event = field(default_factory=asyncio.Event)
     """Owner side: a member can be answered: the result is signed, or it is streamed."""
-    stream_head: StreamHead | None = None
-    """Owner side: the signed head of the result streamed back while it is reduced."""
-    advanced: asyncio.Event = field(default_factory=asyncio.Event)
-    """Owner side: replaced and set each time more of the streamed result is ready."""
-    final: torch.Tensor | None = None
-    """Owner side: the reduced values, once signed (streamed replies send the rest)."""
-    prefix_used: bool = False
-    """Owner side: the result completes the streamed blocks (else they were given up)."""
-    trailer: bytes = b""
-    redo: bytes = b""
-    """Owner side: the trailers of the streamed result: as signed, and ``redo``."""
-    streamed_replies: int = 0
-    """Owner side: members answered with the streamed result (they count their own bytes)."""
+    result_stream: StreamedResult | None = None
+    """Owner side: the result sent back while it is reduced (raw float32 only)."""
 
 
 class AllReduceService:
@@ -412,7 +398,8 @@ class AllReduceService:
                 hi = streaming.ready()
                 if hi > streaming.upto:
                     await self.wire.compute(streaming.reduce_to, hi)
-                    _advance(session)
+                    if session.result_stream is not None:
+                        session.result_stream.advance()
         except Exception:  # the reduction proper still runs from scratch
             logger.exception("round %d fragment %d: streamed reduction failed", *at[:2])
             streaming.broken = True
@@ -511,8 +498,10 @@ class AllReduceService:
         it is reduced, once that starts (no longer than its exchange lasts)."""
         left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
         await asyncio.wait_for(session.answerable.wait(), left)
-        if not session.reduced.is_set() and session.stream_head is not None:
-            return self._streamed_reply(session)
+        stream = session.result_stream
+        if not session.reduced.is_set() and stream is not None:
+            return stream.response(functools.partial(_progress, session), session.done_by,
+                                   self.faults.trailer)  # fmt: skip
         await asyncio.wait_for(session.reduced.wait(), left)
         if session.reply is None:  # dropped once the exchange was over
             raise ProtocolError("late", "the exchange of that round is over")
@@ -526,62 +515,17 @@ class AllReduceService:
         )
 
     def _start_streamed_result(self, session: _Session, at: Exchange) -> None:
-        """Sign the head of the result streamed back from now on (raw float32 only: its
-        bytes are the reduced blocks themselves)."""
+        """Sign the head of the result sent back while it is reduced, from now on."""
         if not self._streams_results(session):
             return
         assert session.plan is not None
         round_, fragment, content = at
         me = self.identity.peer_id
         header = Header("reduced", self.settings.run_id, round_, fragment, session.plan.index, me)
-        codec = {"c": "none", "n": session.numel, "b": self.settings.block_size}
-        session.stream_head = seal_stream_head(
-            self.identity, header, {"content": content, **codec}, session.numel * 4
+        session.result_stream = StreamedResult(
+            self.identity, header, content, session.numel, self.settings.block_size
         )
         session.answerable.set()
-
-    def _streamed_reply(self, session: _Session) -> StreamedResponse:
-        """The result as it is reduced: the signed head, each block as soon as it is
-        reduced (the rest from the signed result once there is one), then the trailer:
-        as signed when every block sent is in the result, ``redo`` when the owner gave
-        blocks it had sent up."""
-        head = session.stream_head
-        assert head is not None and session.plan is not None
-        session.streamed_replies += 1
-        speculative = 0  # values sent before the result was signed
-
-        async def body() -> AsyncIterator[bytes | memoryview]:
-            nonlocal speculative
-            for buffer in head.buffers():
-                yield buffer
-            sent = 0
-            while sent < session.numel:
-                if session.reduced.is_set():
-                    if session.final is None:
-                        raise ProtocolError("late", "the exchange of that round is over")
-                    yield _raw(session.final[sent:])
-                    return
-                woken = session.advanced
-                streaming = session.streaming
-                upto = streaming.upto if streaming is not None and not streaming.broken else 0
-                if streaming is not None and streaming.out is not None and upto > sent:
-                    yield _raw(streaming.out[sent:upto])
-                    sent = speculative = upto
-                    continue
-                left = session.done_by - time.monotonic()
-                if left <= 0:
-                    raise ProtocolError("late", "the exchange of that round is over")
-                await asyncio.wait_for(woken.wait(), left)
-
-        async def trailer() -> bytes:
-            left = max(_MIN_CALL_SECONDS, session.done_by - time.monotonic())
-            await asyncio.wait_for(session.reduced.wait(), left)
-            if not session.trailer:
-                raise ProtocolError("late", "the exchange of that round is over")
-            signed = session.trailer if session.prefix_used or not speculative else session.redo
-            return self.faults.trailer(signed)
-
-        return StreamedResponse(head.nbytes, body, trailer)
 
     async def _handle_result(self, peer: str, data: bytes) -> list[bytes | memoryview]:
         """A member's request for this owner's signed result (after a ``redo``)."""
@@ -665,14 +609,13 @@ class AllReduceService:
         meta = self.faults.reduced_meta(meta)
         header = Header("reduced", *_fields(h))
         hashes = None
-        if session.stream_head is not None:
+        stream = session.result_stream
+        if stream is not None:
             # one pass of hashing for the signed result and the streamed one's trailer
             hashes = await self.wire.compute(chunk_hashes, enc.payload)
             signed = {k: v for k, v in meta.items() if k != "content"}
-            session.trailer = seal_trailer(self.identity, session.stream_head, signed, hashes)
-            session.redo = seal_trailer(self.identity, session.stream_head, {}, None)
-            session.final = reduction.vector
-            session.prefix_used = prefix is not None and reduction.vector is prefix.out
+            used = prefix is not None and reduction.vector is prefix.out
+            stream.finish(signed, hashes, reduction.vector, used)
         sealed = await self.wire.compute(
             functools.partial(seal_part, hashes=hashes),
             self.identity,
@@ -685,16 +628,14 @@ class AllReduceService:
         session.reduce_seconds = time.monotonic() - parts_in
         # every other contributor is waiting for this one reply
         key = (h.round, h.fragment, session.content)
-        # those answered with the streamed result already are sent its head and trailer
-        streamed = session.streamed_replies
-        waiting = max(0, len(contributions) - 1 - streamed)
-        sent = session.reply.nbytes * waiting
-        if streamed and session.stream_head is not None:
-            sent += streamed * (session.stream_head.nbytes + _FRAME_BYTES + len(session.trailer))
+        # those answered with the streamed result already get it, head and trailer
+        streamed = stream.replies if stream is not None else 0
+        sent = session.reply.nbytes * max(0, len(contributions) - 1 - streamed)
+        if stream is not None:
+            sent += streamed * stream.reply_bytes
         self.wire.tally(key, sent=sent)
         session.reduced.set()
         session.answerable.set()
-        _advance(session)
         # the parts are in the result: drop their views so their receive buffers go back
         # to the pool (a retry is recognised by its digest alone)
         session.contributions = {
@@ -1117,21 +1058,17 @@ class AllReduceService:
 
 def _drop_reply(session: _Session) -> None:
     session.reply = None
-    session.final = None
     session.streaming = None  # its output was the reply's body
-    _advance(session)
+    if session.result_stream is not None:
+        session.result_stream.drop()
 
 
-def _advance(session: _Session) -> None:
-    """Wake every streamed reply waiting for more of the result (each waits on the event
-    it found, so none can miss a wake-up between looking and waiting)."""
-    woken, session.advanced = session.advanced, asyncio.Event()
-    woken.set()
-
-
-def _raw(values: torch.Tensor) -> memoryview:
-    """The bytes of float32 ``values`` (a view: they must not change until written)."""
-    return memoryview(values.numpy()).cast("B")
+def _progress(session: _Session) -> tuple[torch.Tensor | None, int]:
+    """The owner's streamed reduction so far (see :data:`~protocol.averaging.streamback.Progress`)."""
+    streaming = session.streaming
+    if streaming is None or streaming.broken or streaming.out is None:
+        return None, 0
+    return streaming.out, streaming.upto
 
 
 def _fields(h: Header) -> tuple[str, int, int, int, str]:

@@ -374,16 +374,21 @@ def _split(view: memoryview, peer: str | None) -> tuple[memoryview, bytes, memor
     )
 
 
+def _unpack_signed(data: memoryview | bytes) -> Any:
+    """A head or trailer, under hard msgpack limits (ValueError otherwise)."""
+    return bounded_unpackb(
+        data,
+        max_container=MAX_META_ITEMS + 2**16,
+        max_str_len=max(MAX_NAME_CHARS, 1 << 16),
+        max_items=MAX_META_ITEMS + 2**16,
+    )
+
+
 def _parse_head(
     head: memoryview | bytes, peer: str | None, streamed: bool = False
 ) -> tuple[Header, dict[str, Any]]:
     try:
-        fields = bounded_unpackb(
-            head,
-            max_container=MAX_META_ITEMS + 2**16,
-            max_str_len=max(MAX_NAME_CHARS, 1 << 16),
-            max_items=MAX_META_ITEMS + 2**16,
-        )
+        fields = _unpack_signed(head)
     except ValueError as e:
         raise ProtocolError("malformed", f"part head: {e}", peer) from None
     if not isinstance(fields, list) or len(fields) != 8:
@@ -506,12 +511,7 @@ def open_trailer(data: bytes | memoryview, sender: str, digest: bytes) -> dict[s
     if not verify(sender, _TRAILER_DOMAIN + _trailer_digest(trailer), signature):
         raise ProtocolError("bad_signature", "trailer", sender)
     try:
-        fields = bounded_unpackb(
-            trailer,
-            max_container=MAX_META_ITEMS + 2**16,
-            max_str_len=max(MAX_NAME_CHARS, 1 << 16),
-            max_items=MAX_META_ITEMS + 2**16,
-        )
+        fields = _unpack_signed(trailer)
     except ValueError as e:
         raise ProtocolError("bad_trailer", f"trailer: {e}", sender) from None
     if not (isinstance(fields, list) and len(fields) == 3 and isinstance(fields[2], dict)):
