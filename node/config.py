@@ -232,9 +232,11 @@ class NetworkConfig:
     max_tokens_per_round: int = Field(default=10**9, ge=1)
     stream_reduce: bool = False
     """An owner reduces its part block by block while the parts arrive, instead of once
-    they are all in. It hides the reduction behind the transfer where a core is free
-    for it; on a machine whose cores are all busy during an exchange (the benchmark
-    here: four peers on two cores) it measured 3-24 % slower, so it is off by default."""
+    they are all in, and (for raw float32 results) streams each block of its result back
+    as soon as it is reduced, ending it with a signed trailer. It hides the reduction
+    behind the transfer where a core is free for it; on a machine whose cores are all
+    busy during an exchange (the benchmark here: four peers on two cores) it measured
+    3-24 % slower, so it is off by default."""
     min_peers: int = Field(default=1, ge=1)
     min_peers_timeout: float = Field(default=60.0, gt=0.0)
     registry_seconds: float = Field(default=2.0, gt=0.0)

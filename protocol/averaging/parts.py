@@ -93,7 +93,9 @@ class AllReduceSettings:
     pseudo-gradients); None: ``codec``."""
     stream_reduce: bool = False
     """An owner reduces block by block while the parts arrive, when its reducer has a
-    :data:`Planner` (:mod:`protocol.averaging.streaming`); False: once they are all in."""
+    :data:`Planner` (:mod:`protocol.averaging.streaming`), and sends a raw float32
+    result back as it is reduced (:mod:`protocol.averaging.streamback`); False: once
+    they are all in."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
