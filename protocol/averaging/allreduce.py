@@ -615,7 +615,7 @@ class AllReduceService:
             hashes = await self.wire.compute(chunk_hashes, enc.payload)
             signed = {k: v for k, v in meta.items() if k != "content"}
             used = prefix is not None and reduction.vector is prefix.out
-            stream.finish(signed, hashes, reduction.vector, used)
+            stream.finish(signed, hashes, enc.payload, used)
         sealed = await self.wire.compute(
             functools.partial(seal_part, hashes=hashes),
             self.identity,

@@ -61,7 +61,7 @@ class StreamedResult:
         """Members answered with it."""
         self.done = asyncio.Event()
         """The result is signed (or the exchange is over)."""
-        self._final: torch.Tensor | None = None
+        self._final: memoryview | None = None
         self._prefix_used = False
         self._trailer = b""
         self._redo = b""
@@ -74,13 +74,16 @@ class StreamedResult:
         woken.set()
 
     def finish(
-        self, meta: dict, hashes: list[bytes], final: torch.Tensor, prefix_used: bool
+        self, meta: dict, hashes: list[bytes], final: bytes | memoryview, prefix_used: bool
     ) -> None:
         """The signed result: its fields besides the head's (``meta``), the hashes of its
-        body's chunks, its values, and whether they complete the streamed blocks."""
+        body's chunks, its body (the raw float32 the whole result carries), and whether
+        its values complete the streamed blocks."""
         self._trailer = seal_trailer(self.identity, self.head, meta, hashes)
         self._redo = seal_trailer(self.identity, self.head, {}, None)
-        self._final, self._prefix_used = final, prefix_used
+        view = memoryview(final)
+        self._final = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        self._prefix_used = prefix_used
         self.done.set()
         self.advance()
 
@@ -117,7 +120,7 @@ class StreamedResult:
                 if self.done.is_set():
                     if self._final is None:
                         raise ProtocolError("late", "the exchange of that round is over")
-                    yield _raw(self._final[sent:])
+                    yield self._final[4 * sent :]
                     return
                 woken = self._advanced
                 values, upto = progress()

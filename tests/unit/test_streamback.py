@@ -43,7 +43,8 @@ def _reply_bytes(values: torch.Tensor, used: bool, steps: list[int]) -> tuple[by
         await asyncio.sleep(0.01)
         meta = {"contributors": ["a"], "weights": [1.0]}
         final = values if used else values.clone()
-        stream.finish(meta, chunk_hashes(memoryview(final.numpy()).cast("B")), final, used)
+        body = memoryview(final.numpy()).cast("B")
+        stream.finish(meta, chunk_hashes(body), body, used)
         await asyncio.wait_for(reading, 5)
         return b"".join(pieces), await reply.trailer()
 
