@@ -442,3 +442,62 @@ def test_a_lease_handed_to_a_parsed_message_goes_back_with_it() -> None:
     parsed.release()  # the message goes, and its buffer with it
     again = pool.lease(4096)
     assert pool.allocated == 1 and again.data.nbytes == 4096
+
+
+# ---- responses written while they are produced ---------------------------------------------
+
+
+def _streamed_answer(pieces: list[bytes], size: int, trailer: bytes) -> tuple[bool, bytes]:
+    async def handler(peer: str, data: bytes) -> _framing.StreamedResponse:
+        async def body():
+            for piece in pieces:
+                await asyncio.sleep(0)  # as if each block had just been reduced
+                yield piece
+
+        async def tail() -> bytes:
+            return trailer
+
+        return _framing.StreamedResponse(size, body, tail)
+
+    async def main() -> tuple[bool, bytes]:
+        reader, writer = asyncio.StreamReader(), _Writer()
+        reader.feed_data(_header(2) + b"hi")
+        reusable = await _framing.answer(reader, writer, handler, MiB, "test", "peer", None)
+        return reusable, bytes(writer.data)
+
+    return asyncio.run(main())
+
+
+def test_a_streamed_answer_is_its_frame_then_its_trailer_frame() -> None:
+    reusable, wire = _streamed_answer([b"ab", b"cde", b"f"], 6, b"TRAILER")
+    assert reusable
+    assert wire == struct.pack(">BQ", 0, 6) + b"abcdef" + struct.pack(">BQ", 0, 7) + b"TRAILER"
+
+    async def read() -> tuple[bytes, bytes]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(wire)
+        reader.feed_eof()
+        status, length = await _framing.read_response_header(reader)
+        body = await _framing.read_body(reader, length)
+        return body, await _framing.read_frame(reader, 64, "owner")
+
+    assert asyncio.run(read()) == (b"abcdef", b"TRAILER")
+
+
+@pytest.mark.parametrize("pieces", [[b"abc"], [b"abcdef", b"g"]], ids=["short", "long"])
+def test_a_streamed_answer_of_another_length_is_cut_short(pieces: list[bytes]) -> None:
+    # the frame's length was promised: a body that breaks it ends the stream, no trailer
+    reusable, wire = _streamed_answer(pieces, 6, b"TRAILER")
+    assert not reusable and b"TRAILER" not in wire
+
+
+def test_a_trailer_frame_over_its_limit_or_an_error_frame_is_refused() -> None:
+    async def read(frame: bytes) -> bytes:
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame)
+        reader.feed_eof()
+        return await _framing.read_frame(reader, 4, "owner")
+
+    for frame in (struct.pack(">BQ", 0, 5) + b"12345", struct.pack(">BQ", 1, 2) + b"no"):
+        with pytest.raises(ProtocolError, match="bad_trailer"):
+            asyncio.run(read(frame))
