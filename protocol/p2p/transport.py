@@ -30,7 +30,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -234,6 +234,26 @@ class BootstrapUnreachable(RuntimeError):
     """None of the initial peers could be reached (p2pd refuses to start then)."""
 
 
+def startup_error(exc: BaseException, initial_peers: Sequence[str]) -> Exception | None:
+    """What a failed :meth:`Transport.start` raises for ``exc``: a known failure in the
+    operator's words, or None to raise ``exc`` as it is."""
+    peers = ", ".join(initial_peers)
+    if isinstance(exc, P2PDaemonError) and "bootstrap peers" in str(exc):
+        return BootstrapUnreachable(f"none of the initial peers answered: {peers}")
+    if isinstance(exc, RuntimeError) and "bootstrap failed" in str(exc):
+        # their p2pd answered, their DHT not yet (a bootstrap node still starting)
+        return BootstrapUnreachable(f"none of the initial peers' DHT answered yet: {peers}")
+    if isinstance(exc, DHTValidationError):
+        return NotDialable(
+            f"{exc}: another running node may use this node's identity key (a copied "
+            "data directory; give each node its own), or inbound connections are "
+            "blocked (set network.reachability = 'private')"
+        )
+    if isinstance(exc, (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError)):
+        return RuntimeError(f"transport failed to start: {exc!r}")
+    return None
+
+
 class NotDialable(RuntimeError):
     """A DHT peer could not reach this node back at its peer id while it joined."""
 
@@ -303,18 +323,10 @@ class Transport:
             self._run(self._start(), self.config.startup_timeout * 2)
         except BaseException as e:
             self.shutdown()
-            if isinstance(e, P2PDaemonError) and "bootstrap peers" in str(e):
-                peers = ", ".join(self.config.initial_peers)
-                raise BootstrapUnreachable(f"none of the initial peers answered: {peers}") from e
-            if isinstance(e, DHTValidationError):
-                raise NotDialable(
-                    f"{e}: another running node may use this node's identity key (a copied "
-                    "data directory; give each node its own), or inbound connections are "
-                    "blocked (set network.reachability = 'private')"
-                ) from e
-            if isinstance(e, (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError)):
-                raise RuntimeError(f"transport failed to start: {e!r}") from e
-            raise
+            mapped = startup_error(e, self.config.initial_peers)
+            if mapped is None:
+                raise
+            raise mapped from e
         logger.info(
             "transport up in %.2fs: peer %s at %s",
             time.perf_counter() - started,

@@ -111,6 +111,27 @@ def test_transport_start_errors_exit_2(tmp_path, capsys, monkeypatch) -> None:
     assert "internal error" in _one_line(capsys)
 
 
+def test_a_bootstrap_node_whose_dht_is_not_up_yet_is_tried_again_like_an_absent_one() -> None:
+    # its p2pd answers before its DHT does: hivemind's DHT then gives up at once, which
+    # must read as "not answering yet" (the daemon retries for network.join_timeout),
+    # not as an internal error
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from protocol.p2p.transport import BootstrapUnreachable, startup_error
+
+    peers = ("/ip4/10.0.0.1/tcp/31337/p2p/" + PEER,)
+    dht = RuntimeError(
+        "DHTNode bootstrap failed: none of the initial_peers responded to a ping. "
+        "(set ensure_bootstrap_success=False to ignore)"
+    )
+    daemon = P2PDaemonError("failed to connect to bootstrap peers")
+    for exc in (dht, daemon):
+        mapped = startup_error(exc, peers)
+        assert isinstance(mapped, BootstrapUnreachable) and peers[0] in str(mapped)
+    assert startup_error(RuntimeError("a bug"), peers) is None
+    assert startup_error(KeyError("x"), peers) is None
+
+
 def test_file_problems_name_the_place_and_the_fix(tmp_path) -> None:
     d = tmp_path / "node"
 
