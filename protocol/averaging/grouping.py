@@ -149,9 +149,7 @@ def _form_groups(
     if radices:
         return _butterfly(unique, round_, fragment, radices)
     ordered = sorted(unique, key=lambda p: _rank(round_, fragment, p))
-    count = math.ceil(len(ordered) / group_size)
-    if group_size >= 2 and len(ordered) >= 2 and len(ordered) // count < 2:
-        count = len(ordered) // 2  # a lone peer would average with no one
+    count = _group_count(len(ordered), group_size)
     base, extra = divmod(len(ordered), count)
     groups, start = [], 0
     for g in range(count):
@@ -159,6 +157,15 @@ def _form_groups(
         groups.append(ordered[start : start + size])
         start += size
     return groups
+
+
+def _group_count(n: int, group_size: int) -> int:
+    """Groups for ``n`` peers (``n >= 1``) in groups of at most ``group_size``, never
+    leaving one peer alone when there are two or more."""
+    count = math.ceil(n / group_size)
+    if group_size >= 2 and n >= 2 and n // count < 2:
+        count = n // 2  # a lone peer would average with no one
+    return count
 
 
 def _butterfly(peers: list[str], round_: int, fragment: int, radices: list[int]) -> list[list[str]]:
@@ -286,9 +293,7 @@ def _deal(cell: Cell, line: list[str], round_: int, fragment: int) -> list[list[
         digit = _coords(peer, fragment, cell.group_size, cell.dims)[cell.axis]
         return digit, _rank(round_, fragment, peer)
 
-    count = math.ceil(len(line) / cell.group_size)
-    if len(line) >= 2 and len(line) // count < 2:
-        count = len(line) // 2  # a lone peer would average with no one
+    count = _group_count(len(line), cell.group_size)
     groups: list[list[str]] = [[] for _ in range(count)]
     for i, peer in enumerate(sorted(line, key=place)):
         groups[i % count].append(peer)

@@ -29,10 +29,7 @@ from protocol.wire.messages import Header
 from protocol.wire.partwire import seal_stream_head, seal_trailer
 from verification.identity import Identity
 
-__all__ = ["FRAME_BYTES", "Progress", "StreamedResult"]
-
-FRAME_BYTES = 9
-"""A response frame's header on the wire: status byte, u64 length."""
+__all__ = ["Progress", "StreamedResult"]
 
 Progress = Callable[[], tuple[torch.Tensor | None, int]]
 """The owner's streamed reduction so far: ``(values, upto)``, values ``[:upto]`` final
@@ -95,8 +92,9 @@ class StreamedResult:
 
     @property
     def reply_bytes(self) -> int:
-        """One reply on the wire, trailer included (once finished)."""
-        return self.head.nbytes + FRAME_BYTES + len(self._trailer)
+        """One reply, trailer included (once finished; framing not counted, as for a
+        whole result)."""
+        return self.head.nbytes + len(self._trailer)
 
     def response(
         self,

@@ -172,9 +172,8 @@ class Part:
 
     @property
     def nbytes(self) -> int:
-        """The message's size on the wire."""
-        size = _PREFIX.size + len(self.head) + _SIGNATURE_LEN + self.body.nbytes
-        return size + (_RESPONSE_FRAME + len(self.trailer) if self.trailer else 0)
+        """The message's size, its trailer included (framing not counted)."""
+        return _PREFIX.size + len(self.head) + _SIGNATURE_LEN + self.body.nbytes + len(self.trailer)
 
     def evidence(self) -> bytes:
         """The head and signature (and trailer) without the body: proof of what the
@@ -188,9 +187,6 @@ class Part:
             + _TRAILER_LEN.pack(len(self.trailer))
             + self.trailer
         )
-
-
-_RESPONSE_FRAME = 9  # the trailer's frame header on the wire (status byte, u64 length)
 
 
 @dataclass(frozen=True)
@@ -305,8 +301,7 @@ def seal_trailer(
         ValueError: a reserved or non-str key in ``meta``, hashes that do not cover
             ``head.size`` bytes, or a trailer above :data:`MAX_TRAILER_BYTES`.
     """
-    if not all(isinstance(k, str) for k in meta) or any(k in meta for k in _RESERVED):
-        raise ValueError(f"meta keys must be str and none of {_RESERVED}")
+    _check_meta(meta)
     if hashes is None:
         signed: dict[str, Any] = {"redo": True}
     else:
@@ -323,14 +318,18 @@ def _trailer_digest(trailer: bytes | memoryview) -> bytes:
     return blake3.blake3(_TRAILER_DOMAIN + bytes(trailer)).digest()
 
 
+def _check_meta(meta: dict[str, Any]) -> None:
+    if not all(isinstance(k, str) for k in meta) or any(k in meta for k in _RESERVED):
+        raise ValueError(f"meta keys must be str and none of {_RESERVED}")
+
+
 def _check_seal(identity: Identity, header: Header, meta: dict[str, Any], chunk_bytes: int) -> None:
     if header.sender != identity.peer_id:
         raise ValueError(f"header.sender {header.sender!r} is not this identity")
     problem = header_problem(header)
     if problem:
         raise ValueError(problem)
-    if not all(isinstance(k, str) for k in meta) or any(k in meta for k in _RESERVED):
-        raise ValueError(f"meta keys must be str and none of {_RESERVED}")
+    _check_meta(meta)
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
 
