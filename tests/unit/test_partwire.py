@@ -169,10 +169,10 @@ def test_a_part_read_off_a_stream_lands_in_the_callers_buffer(me) -> None:
     assert part.meta == {"weight": 7, "group": ["a"]}
 
 
-def test_a_stream_is_refused_for_the_same_reasons_as_a_message(me) -> None:
-    body = _body()
-    wire = _sealed(me, body)
-    start = len(wire) - len(body)
+def _tampered(wire: bytes, body_len: int) -> tuple[bytearray, bytearray, bytearray]:
+    """``wire`` with one body byte flipped, its first two chunks swapped, one head byte
+    flipped."""
+    start = len(wire) - body_len
     flipped = bytearray(wire)
     flipped[start + 2 * CHUNK + 5] ^= 0x01
     swapped = bytearray(wire)
@@ -182,6 +182,13 @@ def test_a_stream_is_refused_for_the_same_reasons_as_a_message(me) -> None:
     )
     head = bytearray(wire)
     head[8 + 10] ^= 0x01
+    return flipped, swapped, head
+
+
+def test_a_stream_is_refused_for_the_same_reasons_as_a_message(me) -> None:
+    body = _body()
+    wire = _sealed(me, body)
+    flipped, swapped, head = _tampered(wire, len(body))
     for data, kw, reason in [
         (flipped, {}, "bad_chunk"),
         (swapped, {}, "bad_chunk"),
@@ -297,16 +304,7 @@ def test_a_streamed_result_reads_to_its_head_and_trailer_fields(me) -> None:
 def test_the_trailer_binds_every_body_byte_and_the_head(me) -> None:
     body = _body()
     first, trailer, _ = _streamed(me, body)
-    start = len(first) - len(body)
-    flipped = bytearray(first)
-    flipped[start + 2 * CHUNK + 5] ^= 0x01
-    swapped = bytearray(first)
-    swapped[start : start + CHUNK], swapped[start + CHUNK : start + 2 * CHUNK] = (
-        first[start + CHUNK : start + 2 * CHUNK],
-        first[start : start + CHUNK],
-    )
-    head_byte = bytearray(first)
-    head_byte[8 + 10] ^= 0x01
+    flipped, swapped, head_byte = _tampered(first, len(body))
     trailer_byte = bytearray(trailer)
     trailer_byte[20] ^= 0x01
     # a trailer signed by the same key for another result (another body, another head)
