@@ -67,6 +67,7 @@ from protocol.p2p.transport import (
     Lease,
     Read,
     StreamedResponse,
+    StreamRead,
     Transport,
     read_frame,
 )
@@ -904,7 +905,8 @@ class AllReduceService:
             def trailer() -> Awaitable[bytes]:
                 return read_frame(reader, MAX_TRAILER_BYTES, owner)
 
-            return self._read_message(reader.read, length, owner, "reduced", window, dest, trailer)
+            read = StreamRead(reader)
+            return self._read_message(read, length, owner, "reduced", window, dest, trailer)
 
         for attempt in (0, 1):
             self.wire.tally(at, sent=request.nbytes)

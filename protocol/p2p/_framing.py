@@ -49,6 +49,7 @@ __all__ = [
     "Read",
     "Receiver",
     "RequestReader",
+    "StreamRead",
     "Payload",
     "REMOTE_ADDR",
     "STATUS_ERROR",
@@ -66,6 +67,7 @@ __all__ = [
     "read_paced",
     "read_body",
     "read_frame",
+    "read_into",
     "read_request_header",
     "read_response_header",
     "serve",
@@ -463,7 +465,56 @@ class _Pacer:
 
 
 Read = Callable[[int], Awaitable[bytes]]
-"""Reads up to ``n`` bytes of a stream (``b""`` at its end)."""
+"""Reads up to ``n`` bytes of a stream (``b""`` at its end). A :class:`StreamRead` can
+also read into a caller's buffer (see :func:`read_into`)."""
+
+
+class StreamRead:
+    """A :data:`Read` over a stream reader that can also fill a caller's buffer:
+    straight from the socket when the reader is an :class:`~protocol.p2p._into.IntoReader`
+    (the direct plane's), through ``read`` and one copy otherwise (a p2pd stream).
+
+    Args:
+        reader: the stream.
+        counted: told how many bytes each read took.
+    """
+
+    def __init__(
+        self, reader: asyncio.StreamReader, counted: Callable[[int], None] | None = None
+    ) -> None:
+        self.reader = reader
+        self._counted = counted
+        self._readinto = getattr(reader, "readinto", None)
+
+    async def __call__(self, n: int) -> bytes:
+        chunk = await self.reader.read(n)
+        if self._counted is not None:
+            self._counted(len(chunk))
+        return chunk
+
+    async def into(self, view: memoryview) -> int:
+        """Read up to ``view.nbytes`` bytes into ``view``; how many (0 at the stream's end)."""
+        if self._readinto is not None:
+            n = await self._readinto(view)
+        else:
+            chunk = await self.reader.read(view.nbytes)
+            n = len(chunk)
+            view[:n] = chunk
+        if self._counted is not None:
+            self._counted(n)
+        return n
+
+
+async def read_into(read: Read, view: memoryview) -> int:
+    """Read up to ``view.nbytes`` bytes through ``read`` into ``view``; how many (0 at
+    the stream's end): without a copy when ``read`` is a :class:`StreamRead` over a
+    reader that can, through one copy otherwise."""
+    into = getattr(read, "into", None)
+    if into is not None:
+        return await into(view)  # type: ignore[no-any-return]
+    chunk = await read(view.nbytes)
+    view[: len(chunk)] = chunk
+    return len(chunk)
 
 
 async def read_paced(
@@ -481,16 +532,14 @@ async def read_paced(
     pacer = _Pacer(pace) if pace is not None and pace.min_bytes_per_second > 0 else None
     received = 0
 
-    async def read(n: int) -> bytes:
+    def counted(n: int) -> None:
         nonlocal received
-        chunk = await reader.read(n)
-        received += len(chunk)
+        received += n
         if pacer is not None:
-            pacer.add(len(chunk))
-        return chunk
+            pacer.add(n)
 
     try:
-        return await consume(read)
+        return await consume(StreamRead(reader, counted))
     except asyncio.CancelledError:
         if pacer is None or not pacer.owns_cancel():
             raise
@@ -521,19 +570,21 @@ async def read_body(reader: asyncio.StreamReader, length: int, pace: Pace | None
 
 async def _read_all(read: Read, length: int, into: memoryview | None) -> bytes | memoryview:
     """Exactly ``length`` bytes through ``read``: written into ``into``, or joined."""
-    chunks: list[bytes] = []
     received = 0
+    if into is not None:
+        while received < length:
+            n = await read_into(read, into[received : min(length, received + CHUNK_BYTES)])
+            if not n:
+                raise asyncio.IncompleteReadError(b"", length)
+            received += n
+        return into
+    chunks: list[bytes] = []
     while received < length:
         chunk = await read(min(CHUNK_BYTES, length - received))
         if not chunk:
             raise asyncio.IncompleteReadError(b"".join(chunks), length)
-        if into is None:
-            chunks.append(chunk)
-        else:
-            into[received : received + len(chunk)] = chunk
+        chunks.append(chunk)
         received += len(chunk)
-    if into is not None:
-        return into
     # one copy, as the preallocated buffer had; a single chunk needs none
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for an empty body
 

@@ -40,6 +40,10 @@ by a response frame, exactly as on a p2pd stream (:mod:`protocol.p2p._framing`),
 the same per-peer stream caps, pace and size limits. A connection carries one request
 at a time; a caller opens another for a concurrent call and keeps up to
 ``_IDLE_PER_PEER`` idle ones per peer.
+
+Both ends read through :mod:`protocol.p2p._into`: a part's or result's body goes from
+the socket (from TLS, decrypted) straight into the buffer it is checked and reduced
+in, without the two copies of an ``asyncio.StreamReader``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from typing import Any
 import msgpack
 
 from protocol.errors import ProtocolError
-from protocol.p2p import _framing
+from protocol.p2p import _framing, _into
 from verification.identity import Identity, verify
 
 __all__ = [
@@ -278,7 +282,7 @@ class DirectServer:
         tls: dict[str, Any] = {}
         if self._tls_context is not None:
             tls = {"ssl": self._tls_context, "ssl_handshake_timeout": self.header_timeout}
-        self._server = await asyncio.start_server(self._accept, host, port, **tls)
+        self._server = await _into.start_server(self._accept, host, port, **tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -487,7 +491,7 @@ class DirectClient:
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(
+                _into.open_connection(
                     route.host,
                     route.port,
                     ssl=self._tls_context if route.tls else None,

@@ -56,6 +56,7 @@ __all__ = [
     "Read",
     "Receiver",
     "RequestReader",
+    "StreamRead",
     "StreamedResponse",
     "Transport",
     "TransportConfig",
@@ -69,6 +70,7 @@ Lease = _framing.Lease
 Read = _framing.Read
 Receiver = _framing.Receiver
 RequestReader = _framing.RequestReader
+StreamRead = _framing.StreamRead
 StreamedResponse = _framing.StreamedResponse
 read_frame = _framing.read_frame
 

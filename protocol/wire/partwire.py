@@ -653,7 +653,9 @@ async def read_part(
     """Read a part message of ``length`` bytes from a stream, checking as it comes.
 
     ``read(n)`` returns up to ``n`` of the stream's next bytes (``b""`` at its end):
-    a ``StreamReader``'s ``read``, or a framing's paced reader.
+    a ``StreamReader``'s ``read``, or a framing's paced reader. When ``read`` also has
+    ``into(view)`` (reads up to ``view.nbytes`` bytes into ``view``, returns how many),
+    the body goes through it straight into its destination.
 
     The same checks as :func:`open_part`, in stream order: the head and its signature
     before any body byte is read, the body's length against the signed size before it
@@ -702,12 +704,18 @@ async def read_part(
     chunks = -(-size // chunk)
     computed: list[bytes] = []
     received = checked = 0
+    fill = getattr(read, "into", None)  # reads into a buffer without a copy of its own
     while received < size:
-        piece = await read(min(chunk, size - received))
-        if not piece:
+        window = body[received : received + min(chunk, size - received)]
+        if fill is not None:
+            n = await fill(window)
+        else:
+            piece = await read(window.nbytes)
+            n = len(piece)
+            window[:n] = piece
+        if not n:
             raise asyncio.IncompleteReadError(b"", size - received)
-        body[received : received + len(piece)] = piece
-        received += len(piece)
+        received += n
         while checked < chunks and min((checked + 1) * chunk, size) <= received:
             lo = checked * chunk
             digest_k = blake3.blake3(body[lo : lo + chunk]).digest()
