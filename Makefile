@@ -39,9 +39,10 @@ sysdeps:
 demo: $(STAMP)
 	$(BIN)/atoll swarm --nodes 4 --config configs/local-swarm.toml
 
-# -v: one line per test as it ends, so a long suite shows where it is
+# -v: one line per test as it ends, so a long suite shows where it is; the 30 slowest are
+# listed at the end, to keep the whole suite within its 30 minutes
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest -v -m "not slow"
+	$(BIN)/python -m pytest -v -m "not slow" --durations=30
 
 test-all: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q
