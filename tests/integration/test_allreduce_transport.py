@@ -154,18 +154,26 @@ def test_three_members_weighted_mean(swarm: SimpleNamespace, services: Callable)
     assert all(m.rejected == {} for m in members)
 
 
+STREAMED_NUMEL = 9 * (1 << 18)
+"""Three members' parts of three 1 MiB chunks each: blocks become ready one by one."""
+
+
+def _streaming_members(services: Callable) -> tuple[list, list[str]]:
+    """Three members whose owners reduce while the parts arrive, and their group."""
+    settings = AllReduceSettings(run_id=RUN, codec="none", timeout=20, stream_reduce=True)
+    members = services(settings)[:3]
+    return members, [m.identity.peer_id for m in members]
+
+
 @pytest.mark.timeout(120)
 def test_owners_that_reduce_while_parts_arrive_give_the_whole_vector_result(
     swarm: SimpleNamespace, services: Callable
 ) -> None:
-    settings = AllReduceSettings(run_id=RUN, codec="none", timeout=20, stream_reduce=True)
-    members = services(settings)[:3]
-    group = [m.identity.peer_id for m in members]
+    members, group = _streaming_members(services)
     weights = [1, 2, 3]
     streamed = []
     for fragment in range(3):
-        # parts of three 1 MiB chunks each: blocks become ready one by one
-        vectors = _vectors(3, 9 * (1 << 18), seed=20 + fragment)
+        vectors = _vectors(3, STREAMED_NUMEL, seed=20 + fragment)
         results, _ = _all_reduce(members, group, vectors, weights, fragment=fragment)
         inputs = [
             Contribution(p, v, float(w), bytes(32), w) for p, v, w in zip(group, vectors, weights)
@@ -203,15 +211,13 @@ def _screening_out(victim: str):
 def test_an_owner_that_screens_a_member_out_at_the_end_has_its_streamed_blocks_redone(
     swarm: SimpleNamespace, services: Callable
 ) -> None:
-    settings = AllReduceSettings(run_id=RUN, codec="none", timeout=20, stream_reduce=True)
-    members = services(settings)[:3]
-    group = [m.identity.peer_id for m in members]
+    members, group = _streaming_members(services)
     victim = group[2]
     for m in members:  # every owner refuses the third member, but only at the end
         m.wire.reducer = _screening_out(victim)
     weights = [1, 2, 3]
     for fragment in range(3):
-        vectors = _vectors(3, 9 * (1 << 18), seed=40 + fragment)
+        vectors = _vectors(3, STREAMED_NUMEL, seed=40 + fragment)
         results, _ = _all_reduce(members, group, vectors, weights, fragment=fragment)
         expected = _weighted_mean(vectors[:2], weights[:2])
         for r in results:
@@ -238,23 +244,8 @@ def test_a_streamed_result_whose_trailer_does_not_verify_is_not_applied(
 ) -> None:
     settings = AllReduceSettings(run_id=RUN, codec="none", timeout=8, stream_reduce=True)
     everyone = services(settings)
-    everyone[0].faults = _CorruptTrailer()
-    judges = []
-    for member in everyone[1:]:
-        member.wire.judge = _Refusals()
-        judges.append(member.wire.judge)
-    group = [m.identity.peer_id for m in everyone]
-    numel = 12 * (1 << 18)
-    vectors = _vectors(4, numel, seed=12)
-    outs = [torch.full_like(v, float("nan")) for v in vectors]
-    futures = [
-        m.transport.submit(m.run(ROUND, 0, group, v, 1, out=o))
-        for m, v, o in zip(everyone, vectors, outs)
-    ]
-    results = [f.result(60) for f in futures]
-    bad = group[0]
-    lo, hi = PartPlan.of(group[1], group, group, numel, settings.block_size).bounds[0]
-    honest = _weighted_mean(vectors[1:], [1, 1, 1])
+    run = _with_a_faulty_owner(everyone, _CorruptTrailer(), 12 * (1 << 18), seed=12, wait=60)
+    results, judges, bad, (lo, hi), honest = run
     streamed = 0
     for r, judge in zip(results[1:], judges):
         if judge.owners:  # it took the streamed result, which its trailer did not bind
@@ -406,27 +397,38 @@ class _Refusals(Judge):
         self.owners.append((owner, part, reason))
 
 
-@pytest.mark.timeout(60)
-def test_a_result_whose_bytes_do_not_match_its_signature_is_not_applied(
-    swarm: SimpleNamespace, services: Callable
-) -> None:
-    everyone = services(AllReduceSettings(run_id=RUN, codec="none", timeout=6))
-    everyone[0].faults = _CorruptReply()
+def _with_a_faulty_owner(
+    everyone: list, faults: FaultInjection, numel: int, seed: int, wait: float
+) -> tuple[list, list[_Refusals], str, tuple[int, int], torch.Tensor]:
+    """All four all-reduce into NaN-filled outputs while the first, owner of part 0, has
+    ``faults`` and the others record the owners they refuse. Returns the results, the
+    others' judges, the faulty owner, part 0's bounds and the honest members' mean."""
+    everyone[0].faults = faults
     judges = []
     for member in everyone[1:]:
         member.wire.judge = _Refusals()
         judges.append(member.wire.judge)
     group = [m.identity.peer_id for m in everyone]
-    vectors = _vectors(4, 8_000, seed=11)
+    vectors = _vectors(4, numel, seed=seed)
     outs = [torch.full_like(v, float("nan")) for v in vectors]
     futures = [
         m.transport.submit(m.run(ROUND, 0, group, v, 1, out=o))
         for m, v, o in zip(everyone, vectors, outs)
     ]
-    results = [f.result(30) for f in futures]
-    bad = group[0]
-    lo, hi = PartPlan.of(group[1], group, group, 8_000, everyone[1].settings.block_size).bounds[0]
-    honest = _weighted_mean(vectors[1:], [1, 1, 1])
+    results = [f.result(wait) for f in futures]
+    block = everyone[1].settings.block_size
+    bounds = PartPlan.of(group[1], group, group, numel, block).bounds[0]
+    return results, judges, group[0], bounds, _weighted_mean(vectors[1:], [1, 1, 1])
+
+
+@pytest.mark.timeout(60)
+def test_a_result_whose_bytes_do_not_match_its_signature_is_not_applied(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    everyone = services(AllReduceSettings(run_id=RUN, codec="none", timeout=6))
+    run = _with_a_faulty_owner(everyone, _CorruptReply(), 8_000, seed=11, wait=30)
+    results, judges, bad, (lo, hi), honest = run
+    group = [m.identity.peer_id for m in everyone]
     for r, judge in zip(results[1:], judges):
         # the corrupted part was refused as it arrived and repaired among the other owners
         assert judge.owners == [(bad, 0, "bad_chunk")]
