@@ -137,36 +137,9 @@ def payload_size(data: Payload) -> int:
     return sum(v.nbytes for v in _views(data))
 
 
-async def _write_body(writer: asyncio.StreamWriter, header: bytes, data: Payload) -> None:
-    if _SHAPER is not None:
-        await _write_shaped(writer, header, data, _SHAPER)
-        return
-    writer.write(header)
-    for view in _views(data):
-        for offset in range(0, view.nbytes, CHUNK_BYTES):
-            writer.write(view[offset : offset + CHUNK_BYTES])
-            await writer.drain()  # backpressure: never more than one chunk ahead of the socket
-    await writer.drain()
-
-
-async def _write_shaped(
-    writer: asyncio.StreamWriter, header: bytes, data: Payload, shaper: Shaper
-) -> None:
-    """Like :func:`_write_body` on an emulated link: delay once, then pace each slice."""
-    await shaper.delay()
-    await shaper.send(len(header))
-    writer.write(header)
-    step = min(CHUNK_BYTES, shaper.slice_bytes)
-    for view in _views(data):
-        for offset in range(0, view.nbytes, step):
-            piece = view[offset : offset + step]
-            await shaper.send(len(piece))
-            writer.write(piece)
-            await writer.drain()
-    await writer.drain()
-
-
 async def _write_slices(writer: asyncio.StreamWriter, view: memoryview) -> None:
+    """Write ``view`` a slice at a time, draining after each (never more than one chunk
+    ahead of the socket); on an emulated link each slice is paced at its line rate."""
     step = CHUNK_BYTES if _SHAPER is None else min(CHUNK_BYTES, _SHAPER.slice_bytes)
     for offset in range(0, view.nbytes, step):
         piece = view[offset : offset + step]
@@ -174,6 +147,15 @@ async def _write_slices(writer: asyncio.StreamWriter, view: memoryview) -> None:
             await _SHAPER.send(piece.nbytes)
         writer.write(piece)
         await writer.drain()
+
+
+async def _write_body(writer: asyncio.StreamWriter, header: bytes, data: Payload) -> None:
+    """Write ``header`` then ``data`` (after the link's one-way delay, when emulated)."""
+    if _SHAPER is not None:
+        await _SHAPER.delay()
+    await _write_slices(writer, memoryview(header))
+    for view in _views(data):
+        await _write_slices(writer, view)
 
 
 async def write_streamed(
@@ -573,7 +555,7 @@ async def _read_all(read: Read, length: int, into: memoryview | None) -> bytes |
     received = 0
     if into is not None:
         while received < length:
-            n = await read_into(read, into[received : min(length, received + CHUNK_BYTES)])
+            n = await read_into(read, into[received : received + CHUNK_BYTES])
             if not n:
                 raise asyncio.IncompleteReadError(b"", length)
             received += n
