@@ -154,6 +154,9 @@ class ControlPolicy:
         cells_above: None (every announcement read), or the swarm size above which
             matchmaking reads only the node's line of the cell grid
             (``network.cells_above``).
+        shard_records: None (the registry is one DHT key), or records per registry shard:
+            the operator sets ``network.registry_shards`` to ``ceil(n / shard_records)``
+            and a read fetches every shard (``read = all`` only).
     """
 
     heartbeat_seconds: float = 1.0
@@ -164,6 +167,7 @@ class ControlPolicy:
     paced_above: int | None = None
     commit_gossip_up_to: int | None = None
     cells_above: int | None = None
+    shard_records: int | None = None
 
     def __post_init__(self) -> None:
         rate = self.heartbeat_swarm_rate
@@ -180,6 +184,11 @@ class ControlPolicy:
                 "None or >= 0",
             ),
             ("cells_above", self.cells_above is None or self.cells_above >= 2, "None or >= 2"),
+            (
+                "shard_records",
+                self.shard_records is None or (self.shard_records >= 1 and self.read == "all"),
+                "None, or >= 1 with read = all",
+            ),
         )
         for name, ok, expected in checks:
             _require(ok, f"control.{name}", getattr(self, name), expected)
@@ -197,6 +206,13 @@ class ControlPolicy:
     def registry_interval(self, n: int) -> float:
         """Seconds between one node's registry refreshes in a swarm of ``n``."""
         return self.registry_seconds * self.stretch(n)
+
+    def registry_shards(self, n: int) -> int:
+        """DHT keys the registry of a swarm of ``n`` is split over (a sampled read
+        reads one shard of ``sample`` records)."""
+        if self.read == "sample":
+            return max(1, math.ceil(n / self.sample))
+        return 1 if self.shard_records is None else max(1, math.ceil(n / self.shard_records))
 
     def gossips_commitments(self, n: int) -> bool:
         """Whether every node receives every commitment in a swarm of ``n``."""
@@ -216,10 +232,13 @@ class ControlPolicy:
 CURRENT_POLICY = ControlPolicy()
 """The node before pacing: heartbeat every second, every record read every 2 s, every
 commitment gossiped to every node."""
-NODE_POLICY = ControlPolicy(paced_above=8, commit_gossip_up_to=8, cells_above=256)
+NODE_POLICY = ControlPolicy(
+    paced_above=8, commit_gossip_up_to=8, cells_above=256, shard_records=256
+)
 """Today's node: as :data:`CURRENT_POLICY` up to 8 nodes; above, intervals paced by
 ``n / 8`` and commitments sent to the group only; above 256 nodes matchmaking on the
-cell grid."""
+cell grid and the registry in ``n / 256`` shards (``network.registry_shards`` as the
+README recommends)."""
 ADAPTIVE_POLICY = ControlPolicy(
     heartbeat_swarm_rate=32.0, read="sample", sample=32, commit_gossip_up_to=8, cells_above=256
 )
@@ -399,7 +418,9 @@ def control_load(
     polls = cfg.fragments * (1 + matchmaking_wait_s / (cfg.poll_seconds * policy.stretch(n)))
     per_read = others if policy.read == "all" else min(policy.sample, others)
     per_poll = policy.announcements_read(n, cfg.group_size)
-    rpcs = (refreshes + cfg.fragments) * (hops + replicas) + (refreshes + polls) * hops
+    shards = policy.registry_shards(n)
+    gets = refreshes * (shards if policy.read == "all" else 1) + polls
+    rpcs = (refreshes + cfg.fragments) * (hops + replicas) + gets * hops
     records = refreshes * per_read + polls * per_poll
     payload = replicas * (refreshes * cfg.record_bytes + cfg.fragments * cfg.announce_bytes)
     registry_bytes = per_read * refreshes * cfg.record_bytes
@@ -407,7 +428,6 @@ def control_load(
     issued_bytes = rpcs * cfg.dht_rpc_bytes + payload + registry_bytes + announce_bytes
     # the busiest DHT node: a replica of a registry shard (or of the whole registry),
     # and of a matchmaking key (the swarm's, or one line's), each read by its readers
-    shards = 1 if policy.read == "all" else max(1, math.ceil(n / policy.sample))
     keys_per_node = max(1, math.ceil(shards * replicas / n)) if replicas else 0
     readers = per_poll + 1  # the nodes that read one matchmaking key
     hotspot = (n / shards * registry_bytes * keys_per_node + readers * announce_bytes) / max(

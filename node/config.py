@@ -248,6 +248,12 @@ class NetworkConfig:
     than this both polls, and the time after which a silent peer counts as gone, stretch
     by ``n / base_rate_peers``: every read returns one record per node, so this keeps the
     bytes a node reads per second flat as the swarm grows."""
+    registry_shards: int = Field(default=1, ge=1, le=4096)
+    """DHT keys the registry is split over. Every node reads every record, and the few
+    DHT nodes storing a key serve all of its records to every reader, so in a swarm of
+    ``n`` they serve about ``n^2`` records per refresh; with ``S`` keys each key's
+    holders serve ``1/S`` of that. About ``n / 256`` for a swarm of ``n`` (a node warns
+    when its shards hold more than 512 records each). Must be the same on every node."""
     cells_above: int = Field(default=256, ge=2)
     """Swarm size above which matchmaking no longer reads every announcement: each node
     announces and reads only on its line of a grid (Moshpit SGD's), of ``2G`` to ``2G^2``

@@ -312,6 +312,7 @@ class Node:
             net.request_timeout,
             net.registry_seconds,
             net.base_rate_peers,
+            net.registry_shards,
         )
         self.transport.run(self.peers.ensure_identity_free(), 4 * net.request_timeout + 10)
         self.status.update(force=True, reachability=self.transport.reachability.to_dict())
@@ -803,6 +804,7 @@ class Node:
             tokens=self.trainer.tokens, steps=self.trainer.steps, bytes_sent=self.bytes_sent
         )
         fields["flagged"] = self.verifier.flagged(self.round)
+        fields["live_peers"] = len(self.live_peers())
         fields["load"] = self.load.sample()
         if self.site_group is not None:
             self._share_with_site()

@@ -19,6 +19,10 @@ records:
   process that started later stops.
 * **isolation**: a node that has no live peer and no connection re-dials its initial
   peers, with exponential backoff.
+
+The registry is ``network.registry_shards`` DHT keys (one by default); a node whose
+shards hold more than :data:`SHARD_RECORDS_WARN` records each says so once, because
+the few DHT nodes storing a key serve all of its records to every node.
 """
 
 from __future__ import annotations
@@ -37,13 +41,17 @@ from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
 from verification.identity import Identity
 
-__all__ = ["LIVE_SECONDS", "DuplicateIdentityError", "PeerView"]
+__all__ = ["LIVE_SECONDS", "SHARD_RECORDS_WARN", "DuplicateIdentityError", "PeerView"]
 
 logger = logging.getLogger(__name__)
 
 LIVE_SECONDS = 10.0
 """A registry record older than this is a peer presumed gone (in a swarm of up to
 ``base_rate_peers`` nodes; see :attr:`PeerView.live_seconds`)."""
+
+SHARD_RECORDS_WARN = 512
+"""Records per registry shard above which a node warns, once, that the shards are too
+few for the swarm (``network.registry_shards``, about ``n / 256``)."""
 
 _REDIAL_SECONDS = (2.0, 60.0)  # first and longest wait between re-dials of initial peers
 
@@ -71,6 +79,7 @@ class PeerView:
         request_timeout: deadline of one DHT operation.
         registry_seconds: how often the record is refreshed in a small swarm.
         base_rate_peers: the swarm size above which refreshes stretch (``network.base_rate_peers``).
+        registry_shards: DHT keys the registry is split over (``network.registry_shards``).
     """
 
     def __init__(
@@ -84,6 +93,7 @@ class PeerView:
         request_timeout: float,
         registry_seconds: float,
         base_rate_peers: int = 8,
+        registry_shards: int = 1,
     ) -> None:
         self.transport = transport
         self.identity = identity
@@ -95,6 +105,7 @@ class PeerView:
         self.request_timeout = request_timeout
         self.registry_seconds = registry_seconds
         self.base_rate_peers = base_rate_peers
+        self.shards = registry_shards
         self.instance = secrets.token_hex(8)
         self.started = time.time()
         self.records: dict[str, PeerRecord] = {}
@@ -102,6 +113,7 @@ class PeerView:
         """Set when another process runs with this key (this one must stop)."""
         self._redial = _Redial()
         self._next_refresh = 0.0
+        self._warned_shards = False
 
     # ---- pace --------------------------------------------------------------------------
 
@@ -152,21 +164,44 @@ class PeerView:
                 record,
                 expiration=self.live_seconds,
                 timeout=self.request_timeout,
+                shards=self.shards,
             )
         except ProtocolError as exc:
             logger.debug("registry write failed: %s", exc)
         await self.read()
 
     async def read(self) -> None:
-        """Read the registry and act on what it says (a twin, isolation)."""
+        """Read the registry and act on what it says (a twin, isolation, too few shards)."""
         try:
-            self.records = await matchmaking.read_registry(
-                self.transport, self.run_id, timeout=self.request_timeout
-            )
+            self.records = await self._read_registry()
         except ProtocolError as exc:
             logger.debug("registry read failed: %s", exc)
         self._check_twin(self.records.get(self.me))
+        self._check_shards()
         await self._redial_if_isolated()
+
+    async def _read_registry(self) -> dict[str, PeerRecord]:
+        return await matchmaking.read_registry(
+            self.transport,
+            self.run_id,
+            timeout=self.request_timeout,
+            shards=self.shards,
+            previous=self.records,
+        )
+
+    def _check_shards(self) -> None:
+        count = len(self.records)
+        if self._warned_shards or count <= SHARD_RECORDS_WARN * self.shards:
+            return
+        self._warned_shards = True
+        logger.warning(
+            "the registry holds %d records in %d DHT key(s): the few DHT nodes storing each "
+            "key serve all of its records to every node; set network.registry_shards to "
+            "about %d on every node of the run (a shared setting)",
+            count,
+            self.shards,
+            max(2, count // 256),
+        )
 
     # ---- views ------------------------------------------------------------------------
 
@@ -234,9 +269,7 @@ class PeerView:
 
     async def _own_record(self) -> PeerRecord | None:
         try:
-            records = await matchmaking.read_registry(
-                self.transport, self.run_id, timeout=self.request_timeout
-            )
+            records = await self._read_registry()
         except ProtocolError:
             return None
         self.records = records  # a first view, which also sets the pace

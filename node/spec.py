@@ -93,8 +93,10 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
         "gossip_gamma",
         "mix_codec",
     ),
-    # The group size decides who averages with whom on the butterfly schedule.
-    "network": ("group_size",),
+    # The group size decides who averages with whom on the butterfly schedule; nodes
+    # on other registry keys never see each other, and nodes that matchmake on the
+    # cell grid never meet nodes that read every announcement.
+    "network": ("group_size", "registry_shards", "cells_above"),
     # With commit on, a node refuses parts sent without a commitment, so one node
     # with the control channel or commitments off would have all its work refused.
     "control": ("enabled", "commit"),

@@ -18,15 +18,21 @@ does not sit on that line, so no one can place itself in a group it does not bel
 
 A node also keeps a registry record under ``{run_id}:nodes`` (round, multiaddrs,
 step) refreshed every few seconds; it tells a joining node whom to catch up from
-and tells everyone which peers are alive and should be waited for.
+and tells everyone which peers are alive and should be waited for. Every node reads
+every record, so the few DHT nodes that store one key would serve the whole swarm's
+records to the whole swarm; with ``network.registry_shards = S > 1`` the registry is
+``S`` keys, ``{run_id}:nodes:{S}:{i}``, a record under shard ``i =``
+:func:`registry_shard` of its PeerID, and a read fetches the ``S`` keys at once, so
+each key's holders serve ``1/S`` of the records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from protocol.averaging.grouping import Cell, form_groups, group_of
@@ -44,6 +50,7 @@ __all__ = [
     "group_of",
     "publish_record",
     "read_registry",
+    "registry_shard",
     "voted_out",
 ]
 
@@ -124,8 +131,16 @@ def _mm_key(run_id: str, round_: int, fragment: int, cell: Cell | None = None) -
     return base if cell is None else f"{base}:{cell.key}"
 
 
-def _registry_key(run_id: str) -> str:
-    return f"{run_id}:nodes"
+def registry_shard(peer_id: str, shards: int) -> int:
+    """The shard of a registry of ``shards`` keys that holds ``peer_id``'s record."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    digest = hashlib.sha256(b"atoll/registry\0" + peer_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def _registry_key(run_id: str, shard: int = 0, shards: int = 1) -> str:
+    return f"{run_id}:nodes" if shards == 1 else f"{run_id}:nodes:{shards}:{shard}"
 
 
 async def announce(
@@ -291,8 +306,10 @@ async def publish_record(
     *,
     expiration: float,
     timeout: float,
+    shards: int = 1,
 ) -> bool:
-    """Store this node's signed registry record (``record.peer`` must be this node)."""
+    """Store this node's signed registry record (``record.peer`` must be this node) in
+    its shard of a registry of ``shards`` keys."""
     if record.peer != identity.peer_id:
         raise ValueError("a node publishes only its own registry record")
     header = Header("record", run_id, record.round, 0, 0, identity.peer_id)
@@ -307,8 +324,9 @@ async def publish_record(
         "started": float(record.started),
     }
     value = seal(identity, header, body)
+    key = _registry_key(run_id, registry_shard(identity.peer_id, shards), shards)
     return await transport.dht_store(
-        _registry_key(run_id), identity.peer_id, value, expiration, timeout=timeout, kind="registry"
+        key, identity.peer_id, value, expiration, timeout=timeout, kind="registry"
     )
 
 
@@ -356,16 +374,53 @@ def _record(subkey: str, value: bytes, run_id: str) -> PeerRecord:
 
 
 async def read_registry(
-    transport: Transport, run_id: str, *, timeout: float
+    transport: Transport,
+    run_id: str,
+    *,
+    timeout: float,
+    shards: int = 1,
+    previous: Mapping[str, PeerRecord] | None = None,
 ) -> dict[str, PeerRecord]:
-    """Every node of the run, from their signed registry records (stale ones included)."""
-    found = await transport.dht_get(_registry_key(run_id), timeout=timeout, kind="registry")
+    """Every node of the run, from their signed registry records (stale ones included).
+
+    The ``shards`` keys are read at once. A record found under a shard other than its
+    PeerID's is dropped. For a shard whose read failed the records of ``previous``
+    (an earlier read) from that shard are kept, so one slow DHT lookup does not make
+    a part of the swarm look gone.
+
+    Raises:
+        ProtocolError: every shard's read failed (the first one's error).
+    """
+    found = await asyncio.gather(
+        *(
+            transport.dht_get(_registry_key(run_id, i, shards), timeout=timeout, kind="registry")
+            for i in range(shards)
+        ),
+        return_exceptions=True,
+    )
+    failed = {i for i, got in enumerate(found) if isinstance(got, BaseException)}
+    for got in found:
+        if isinstance(got, BaseException) and not isinstance(got, ProtocolError):
+            raise got
+    if failed and len(failed) == shards:
+        raise next(got for got in found if isinstance(got, ProtocolError))
     out: dict[str, PeerRecord] = {}
-    if not isinstance(found, dict):
-        return out
-    for subkey, value in found.items():
-        try:
-            out[subkey] = _record(subkey, value, run_id)
-        except ProtocolError as exc:
-            logger.info("registry record under %s rejected: %s", subkey[:16], exc)
+    for shard, items in enumerate(found):
+        if not isinstance(items, dict):
+            continue
+        for subkey, value in items.items():
+            if shards > 1 and registry_shard(subkey, shards) != shard:
+                logger.info(
+                    "registry record of %s under shard %d refused: not its shard",
+                    subkey[:16],
+                    shard,
+                )
+                continue
+            try:
+                out[subkey] = _record(subkey, value, run_id)
+            except ProtocolError as exc:
+                logger.info("registry record under %s rejected: %s", subkey[:16], exc)
+    for peer, record in (previous or {}).items():
+        if peer not in out and registry_shard(peer, shards) in failed:
+            out[peer] = record
     return out

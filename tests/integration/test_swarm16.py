@@ -37,6 +37,9 @@ EXTRA = [
     # a member whose commitment reaches the others after their commit phase closed is
     # refused (late_commit): on this loaded machine gossip can take seconds
     "control.commit_seconds=10",
+    # the registry split over 4 DHT keys (network.registry_shards): every node must
+    # still see every other, or matchmaking would not wait for it
+    "network.registry_shards=4",
 ]
 
 
@@ -84,6 +87,13 @@ def test_sixteen_nodes_in_groups_of_four_contribute_mix_and_learn(local_swarm: S
                 for p in part
             }
             assert contributed == ids, (r, f, len(contributed))
+
+    # through the sharded registry every node saw all 15 others
+    seen = {
+        n.index: max(e["live_peers"] for e in read_events(n.data_dir / "events.jsonl", "round"))
+        for n in nodes
+    }
+    assert seen == {n.index: NODES - 1 for n in nodes}, seen
 
     # per the butterfly schedule: after any two consecutive rounds every node's value
     # has reached every other, and group members hold the same global copy

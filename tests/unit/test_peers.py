@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
 import pytest
 
+from node import peers as peers_module
 from node.peers import LIVE_SECONDS, DuplicateIdentityError, PeerView
 from protocol.averaging import matchmaking
+from protocol.errors import ProtocolError
 from protocol.p2p.reachability import Reachability
 from tests.unit._fakes import FakeDHT, FakeTransport
 from verification.identity import Identity
@@ -30,6 +33,7 @@ def _view(dht: FakeDHT, identity: Identity, spec: str = SPEC, **kw) -> PeerView:
         kw.pop("initial_peers", ()),
         request_timeout=1.0,
         registry_seconds=kw.pop("registry_seconds", 0.01),
+        registry_shards=kw.pop("shards", 1),
     )
 
 
@@ -40,10 +44,12 @@ async def _store(dht: FakeDHT, identity: Identity, **fields) -> matchmaking.Peer
         step=fields.pop("step", 10),
         maddrs=(f"/ip4/10.0.0.9/tcp/1/p2p/{identity.peer_id}",),
         updated=fields.pop("updated", time.time()),
-        **{"spec": SPEC, **fields},
+        **{"spec": SPEC, **{k: v for k, v in fields.items() if k != "shards"}},
     )
     transport = FakeTransport(dht, identity.peer_id)
-    await matchmaking.publish_record(transport, identity, RUN, record, expiration=10, timeout=1)
+    await matchmaking.publish_record(
+        transport, identity, RUN, record, expiration=10, timeout=1, shards=fields.get("shards", 1)
+    )
     return record
 
 
@@ -193,3 +199,103 @@ def test_a_refresh_is_due_one_interval_after_the_last() -> None:
     assert not view.due()
     time.sleep(0.25)
     assert view.due()
+
+
+def test_registry_shard_is_stable_in_range_and_spreads_peers() -> None:
+    peers = [Identity.generate().peer_id for _ in range(400)]
+    shards = [matchmaking.registry_shard(p, 8) for p in peers]
+    assert shards == [matchmaking.registry_shard(p, 8) for p in peers]  # the same every time
+    counts = [shards.count(i) for i in range(8)]
+    assert min(counts) >= 25 and max(counts) <= 80, counts  # about 50 each
+    assert {matchmaking.registry_shard(p, 1) for p in peers} == {0}
+    with pytest.raises(ValueError, match="shards must be >= 1"):
+        matchmaking.registry_shard(peers[0], 0)
+
+
+def test_a_sharded_registry_spreads_records_over_its_keys_and_reads_them_all() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    others = [Identity.generate() for _ in range(20)]
+    for peer in others:
+        _publish(dht, peer, shards=4)
+    view = _view(dht, me, shards=4)
+    asyncio.run(view.refresh(view.record(1, 0)))
+    assert view.live() == {p.peer_id for p in others}
+    keys = {f"{RUN}:nodes:4:{i}" for i in range(4)}
+    assert set(dht.data) == keys  # nothing under the unsharded key
+    for i in range(4):
+        held = set(dht.data[f"{RUN}:nodes:4:{i}"])
+        assert held and all(matchmaking.registry_shard(p, 4) == i for p in held)
+    # a node on another shard count reads other keys: it sees no one (a shared setting)
+    single = _view(dht, Identity.generate())
+    asyncio.run(single.read())
+    assert single.live() == set()
+
+
+def test_a_record_under_another_shard_than_its_own_is_refused() -> None:
+    dht, me, intruder = FakeDHT(), Identity.generate(), Identity.generate()
+    record = _publish(dht, intruder, shards=4)
+    own = matchmaking.registry_shard(intruder.peer_id, 4)
+    wrong = (own + 1) % 4
+    dht.data[f"{RUN}:nodes:4:{wrong}"] = dht.data.pop(f"{RUN}:nodes:4:{own}")
+    view = _view(dht, me, shards=4)
+    asyncio.run(view.read())
+    assert intruder.peer_id not in view.records
+    dht.data[f"{RUN}:nodes:4:{own}"] = dht.data.pop(f"{RUN}:nodes:4:{wrong}")
+    asyncio.run(view.read())
+    assert view.records[intruder.peer_id] == record
+
+
+class _FailingShards(FakeTransport):
+    """A DHT whose reads of some keys time out."""
+
+    def __init__(self, dht: FakeDHT, peer_id: str) -> None:
+        super().__init__(dht, peer_id)
+        self.failing: set[str] = set()
+
+    async def dht_get(self, key: str, **kw):
+        if key in self.failing:
+            raise ProtocolError("timeout", f"get {key!r}")
+        return await super().dht_get(key, **kw)
+
+
+def test_a_shard_that_cannot_be_read_keeps_its_last_records() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    others = [Identity.generate() for _ in range(12)]
+    for peer in others:
+        _publish(dht, peer, shards=3)
+    transport = _FailingShards(dht, me.peer_id)
+    view = _view(dht, me, transport=transport, shards=3)
+    asyncio.run(view.read())
+    everyone = {p.peer_id for p in others}
+    assert view.live() == everyone
+    # shard 0's read times out and a peer of shard 1 leaves: shard 0's peers stay known,
+    # the one gone from shard 1 is gone
+    transport.failing = {f"{RUN}:nodes:3:0"}
+    gone = next(p for p in others if matchmaking.registry_shard(p.peer_id, 3) == 1)
+    dht.data[f"{RUN}:nodes:3:1"].pop(gone.peer_id)
+    asyncio.run(view.read())
+    assert view.live() == everyone - {gone.peer_id}
+    # no shard readable: the read fails as a whole and the view is kept
+    transport.failing = {f"{RUN}:nodes:3:{i}" for i in range(3)}
+    with pytest.raises(ProtocolError):
+        asyncio.run(matchmaking.read_registry(transport, RUN, timeout=1, shards=3))
+    asyncio.run(view.read())
+    assert view.live() == everyone - {gone.peer_id}
+
+
+def test_too_few_shards_for_the_swarm_is_said_once(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(peers_module, "SHARD_RECORDS_WARN", 4)
+    dht, me = FakeDHT(), Identity.generate()
+    for _ in range(8):
+        _publish(dht, Identity.generate(), shards=2)
+    view = _view(dht, me, shards=2)
+    with caplog.at_level(logging.WARNING, logger="node.peers"):
+        asyncio.run(view.read())
+        assert not caplog.records  # 8 records in 2 shards: 4 each, not above
+        _publish(dht, Identity.generate(), shards=2)
+        asyncio.run(view.read())
+        asyncio.run(view.read())
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "9 records in 2 DHT key(s)" in warnings[0]
+    assert "network.registry_shards" in warnings[0]

@@ -291,3 +291,28 @@ def test_the_simulator_groups_within_lines_of_the_protocols_cell_grid() -> None:
         line = Cell.of(g[0], r, f, 4, 100)
         assert all(line.holds(p) for p in g) and len(g) <= 4
     assert len({Cell.of(g[0], r, f, 4, 100).key for r, f, g in seen if r == 1}) == 4  # G^(dims - 1)
+
+
+def test_registry_shards_keep_what_its_busiest_holder_serves_flat() -> None:
+    # today's node with network.registry_shards = n / 256: every node still reads every
+    # record (paced), but each shard's holders serve only their shard's readers' share
+    one_key = dataclasses.replace(sim.NODE_POLICY, shard_records=None)
+    assert sim.NODE_POLICY.registry_shards(256) == 1
+    assert sim.NODE_POLICY.registry_shards(10_000) == 40
+    assert one_key.registry_shards(10_000) == 1
+
+    def hotspot(policy: ControlPolicy, n: int) -> float:
+        return control_load(SimConfig(control=policy), n, 100.0, 1.0)["dht_hotspot_bytes_per_round"]
+
+    # (compared above cells_above, where matchmaking keys hold a line each)
+    assert hotspot(one_key, 10_000) > 5 * hotspot(one_key, 1024)  # grows with n
+    assert hotspot(sim.NODE_POLICY, 10_000) < 1.2 * hotspot(sim.NODE_POLICY, 1024)
+    assert hotspot(sim.NODE_POLICY, 10_000) < hotspot(one_key, 10_000) / 20
+    # what a node itself reads is the same either way; it issues more gets, one per shard
+    shard, single = (
+        control_load(SimConfig(control=p), 10_000, 100.0, 1.0) for p in (sim.NODE_POLICY, one_key)
+    )
+    assert shard["dht_records_read_per_node_round"] == single["dht_records_read_per_node_round"]
+    assert shard["dht_rpcs_per_node_round"] > single["dht_rpcs_per_node_round"]
+    with pytest.raises(ValueError, match="shard_records"):
+        ControlPolicy(read="sample", shard_records=256)

@@ -211,6 +211,10 @@ def test_apply_spec_refuses_a_differing_shared_key() -> None:
     )
     with pytest.raises(ConfigError, match=r"run\.seed = 7 .*, model\.n_layer = 4 .*these keys"):
         apply_spec(spec, {"model": {"n_layer": 4}, "run": {"seed": 7}})
+    # nodes on another registry or grid never see or meet the run's other nodes
+    for key, value in (("registry_shards", 4), ("cells_above", 64)):
+        with pytest.raises(ConfigError, match=rf"network\.{key} = {value} differs"):
+            apply_spec(spec, {"network": {key: value}})
 
 
 def test_apply_spec_accepts_equal_and_absent_keys() -> None:
