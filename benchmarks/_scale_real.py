@@ -51,7 +51,11 @@ def _timeout(nodes: int, rounds: int) -> float:
 
 
 def measure(
-    nodes: int, rounds: int, out_dir: pathlib.Path, extra: tuple[str, ...] = ()
+    nodes: int,
+    rounds: int,
+    out_dir: pathlib.Path,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run a real swarm of ``nodes`` nodes for ``rounds`` rounds and measure it.
 
@@ -60,6 +64,7 @@ def measure(
         rounds: rounds every node runs before it exits.
         out_dir: the swarm's directory (node data directories, logs); created.
         extra: more config overrides, applied after :data:`WORKLOAD`.
+        env: extra environment variables for every node (``ATOLL_LINK_SHAPE``, say).
 
     Returns:
         ``nodes``, ``rounds_reached``, ``finished``, ``exit_codes``; per node
@@ -76,7 +81,8 @@ def measure(
         and registry refreshes, grows per round with them); ``bytes_per_fragment_sync``
         and ``seconds_per_fragment_sync`` (one fragment sync of one node, launch to
         applied, both exchanges of a mixing group); ``syncs``, ``syncs_complete``,
-        ``syncs_failed``; ``mix`` (the butterfly
+        ``syncs_failed``; ``included_share`` (of every node's contribution to every
+        fragment of every round, the share found in some group's result); ``mix`` (the butterfly
         schedule's reach, :func:`node.swarm.butterfly_reach`); ``val_bpb_start`` and
         ``val_bpb_end``; ``seconds``; ``config``.
     """
@@ -84,7 +90,12 @@ def measure(
     cfg = load_config(None, overrides)
     directory = pathlib.Path(out_dir)
     spec = swarm.SwarmSpec(
-        nodes=nodes, config_paths=[], overrides=overrides, directory=directory, rounds=rounds
+        nodes=nodes,
+        config_paths=[],
+        overrides=overrides,
+        directory=directory,
+        rounds=rounds,
+        env=dict(env or {}),
     )
     started = time.monotonic()
     procs, finished = swarm.run_to_end(spec, _timeout(nodes, rounds))
@@ -117,6 +128,7 @@ def measure(
         "syncs_failed": sum(
             len(read_events(p.data_dir / "events.jsonl", "sync_failed")) for p in procs
         ),
+        "included_share": _included_share(syncs, nodes, summary["rounds"], cfg.sync.fragments),
         "rounds_to_mix": rounds_to_mix(nodes, cfg.network.group_size),
         "mix": summary["mix"],
         "val_bpb_start": summary["val_bpb_start"],
@@ -124,6 +136,26 @@ def measure(
         "seconds": round(time.monotonic() - started, 1),
         "config": overrides,
     }
+
+
+def _included_share(
+    syncs: list[list[dict[str, Any]]], nodes: int, rounds: int | None, fragments: int
+) -> float | None:
+    """Of the ``nodes x rounds x fragments`` contributions, the share that some group's
+    result holds (a contributor of any part of any sync of that round and fragment)."""
+    if not rounds:
+        return None
+    found: dict[tuple[int, int], set[str]] = {}
+    for per in syncs:
+        for s in per:
+            parts = s.get("contributors") or []
+            found.setdefault((s["round"], s["fragment"]), set()).update(
+                p for part in parts for p in part
+            )
+    counted = sum(
+        len(found.get((r, f), ())) for r in range(1, rounds + 1) for f in range(fragments)
+    )
+    return counted / (nodes * rounds * fragments)
 
 
 def _mean(values: list[float]) -> float | None:

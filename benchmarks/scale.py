@@ -14,16 +14,24 @@ up to 10,000 nodes over a WAN.
    the CPU bound ``n x measured CPU per node and round / 2 cores``: here every node
    shares the same two cores, which the simulator (nodes with hardware of their own)
    does not model.
+   Two checks out of that sample: **link-bound rounds**, the same workload at 4 and 8
+   nodes with every node's uplink shaped to 0.5 Mbit/s and 20 ms one way
+   (``protocol.p2p.shaper``), where the link and not the shared CPU sets the round,
+   against the simulator with the same link and the overhead fitted above; and the
+   **cell grid on real nodes**, 16 nodes in groups of 2 above ``cells_above = 8``
+   (a grid of 3 axes, lines of about 4 peers), its share of contributions in a result
+   and its reach after ``ceil(log_2 16) = 4`` rounds against the simulator's.
 3. **Simulation**: n from 16 to 10,000 (powers of 4, so butterfly groups of 4 stay
    exact, and 10,000, which has a prime factor 5 and falls back to random groups) on the
    default WAN (five regions 3,600-16,000 km apart, 10 Gbit/s per node, 1 % churn per
    round) with the reference model's int8 fragments, under three control-plane
    policies: the node before pacing (``before``), today's node (``node``: intervals
-   stretched by n / 8 above 8 nodes, matchmaking on the cell grid above 256) and
-   bounded sampled registry reads (``sampled``, a design not built).
+   stretched by n / 8 above 8 nodes, matchmaking on the cell grid above 256, the
+   registry in ``n / 256`` shards) and bounded sampled registry reads (``sampled``, a
+   design not built).
 
 Run it with ``python -m benchmarks scale [--quick]``; it writes ``scale.json`` and
-``scale.png``. Quick mode: 6 real rounds per size and 3 simulated rounds (about 8
+``scale.png``. Quick mode: 6 real rounds per size and 3 simulated rounds (about 13
 minutes here); full mode: 10 and 6.
 """
 
@@ -42,6 +50,8 @@ from typing import Any
 
 from benchmarks import _scale_real, _scale_sim
 from benchmarks._common import machine_info
+from protocol.averaging.grouping import cell_dims
+from protocol.p2p.shaper import ENV_VAR
 
 __all__ = ["run"]
 
@@ -52,6 +62,14 @@ _POLICIES = {
     "node": _scale_sim.NODE_POLICY,
     "sampled": _scale_sim.ADAPTIVE_POLICY,
 }
+_SHAPED_SIZES = (4, 8)
+_SHAPE_MBIT, _SHAPE_DELAY_MS = 0.5, 20.0
+_SHAPED_EXTRA = (  # a fragment sync takes seconds on this link: windows to match
+    "network.round_timeout=120",
+    "network.request_timeout=60",
+    "network.matchmaking_seconds=60",
+)
+_CELL_NODES, _CELL_GROUP, _CELL_ABOVE = 16, 2, 8
 _TARGET_ROUND_ERROR = 0.20
 _CORES = 2  # this machine's, which every real node shares
 _LOOPBACK = _scale_sim.Site("loopback", 0.0, 0.0)
@@ -157,6 +175,67 @@ def _check(real: dict[int, dict[str, Any]], constants: dict, rounds: int) -> dic
     return {"sync_overhead_s": overhead, "fitted_at": smallest, "sizes": rows}
 
 
+def _link_check(
+    shaped: dict[int, dict[str, Any]], constants: dict, overhead: float, rounds: int
+) -> dict[str, Any]:
+    """Real rounds on shaped uplinks against the simulator with the same links.
+
+    Here the link sets the round, not the CPU the nodes share (``cpu_bound_seconds``
+    below the real round says so), so the simulator's protocol timing is what is
+    checked, with the sync overhead fitted on the unshaped runs' smallest size.
+    """
+    rows = {}
+    for n, r in shaped.items():
+        if not r.get("round_seconds_mean"):
+            continue
+        cfg = dataclasses.replace(
+            _local_config(r, constants),
+            sync_overhead_s=overhead,
+            upload_gbit=_SHAPE_MBIT / 1000,
+            local_one_way_s=_SHAPE_DELAY_MS / 1000,
+        )
+        sim = _scale_sim.simulate(cfg, n, rounds)
+        cpu = _cpu_per_node_round(r)
+        error = sim["round_seconds_mean"] / r["round_seconds_mean"] - 1.0
+        rows[n] = {
+            "real_round_seconds": r["round_seconds_mean"],
+            "sim_round_seconds": sim["round_seconds_mean"],
+            "cpu_bound_seconds": n * cpu / _CORES if cpu is not None else None,
+            "error": error,
+            "within_target": abs(error) <= _TARGET_ROUND_ERROR,
+            "real_bytes_per_node_round": statistics.fmean(r["bytes_per_round"]),
+            "sim_bytes_per_node_round": sim["bytes_sent_per_node_round"],
+            "syncs_complete": f"{r['syncs_complete']}/{r['syncs']}",
+        }
+    return {"uplink_mbit": _SHAPE_MBIT, "one_way_ms": _SHAPE_DELAY_MS, "sizes": rows}
+
+
+def _cell_check(real: dict[str, Any], constants: dict, overhead: float, rounds: int) -> dict:
+    """The cell grid on real nodes against the simulator's grid of the same swarm."""
+    cfg = dataclasses.replace(
+        _local_config(real, constants),
+        group_size=_CELL_GROUP,
+        sync_overhead_s=overhead,
+        control=dataclasses.replace(_scale_sim.NODE_POLICY, cells_above=_CELL_ABOVE),
+    )
+    sim = _scale_sim.simulate(cfg, _CELL_NODES, rounds)
+    mix = real.get("mix") or {}
+    return {
+        "nodes": _CELL_NODES,
+        "group_size": _CELL_GROUP,
+        "cells_above": _CELL_ABOVE,
+        "dims": cell_dims(_CELL_NODES, _CELL_GROUP),
+        "window": mix.get("window"),
+        "real_included_share": real.get("included_share"),
+        "sim_included_share": sim["included_share"],
+        "real_reach_share": mix.get("reach_share"),
+        "sim_reach_share": sim["reach_share"],
+        "sim_mix_rounds": sim["mix_rounds"],
+        "syncs_complete": f"{real.get('syncs_complete')}/{real.get('syncs')}",
+        "real_round_seconds": real.get("round_seconds_mean"),
+    }
+
+
 def _wan(constants: dict, overhead: float | None, rounds: int) -> dict[str, Any]:
     """Every simulated size under every policy on the default WAN."""
     base = dataclasses.replace(
@@ -194,7 +273,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.8))
     real = report["real"]
     check = report["calibration"]["sizes"]
     ns = sorted(int(n) for n in check)
@@ -202,6 +281,11 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     ax.plot(ns, [check[n]["real_round_seconds"] for n in ns], "o-", label="real")
     ax.plot(ns, [check[n]["model_round_seconds"] for n in ns], "s--", label="model")
     ax.plot(ns, [check[n]["protocol_bound_seconds"] for n in ns], ":", label="simulator alone")
+    link = report["calibration"].get("link_check", {}).get("sizes", {})
+    if link:
+        ls = sorted(int(n) for n in link)
+        ax.plot(ls, [link[n]["real_round_seconds"] for n in ls], "^-", label="real, shaped")
+        ax.plot(ls, [link[n]["sim_round_seconds"] for n in ls], "v--", label="simulator, shaped")
     ax.set_title("round seconds here (2 shared cores)", fontsize=9)
     ax.set_xlabel("nodes")
     ax.legend(fontsize=7)
@@ -223,6 +307,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     for ax, key, title in (
         (axes[2], "control_cpu_s_per_node_round", "simulated WAN: control CPU s per node-round"),
         (axes[3], "dht_bytes_per_node_round", "simulated WAN: DHT bytes per node-round"),
+        (axes[4], "dht_hotspot_bytes_per_round", "simulated WAN: busiest DHT node, bytes/round"),
     ):
         for name, rows in sims.items():
             xs = sorted(rows)
@@ -239,37 +324,57 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _say(kind: str, n: int, r: dict[str, Any]) -> None:
+    print(
+        f"scale {kind} n={n}: {r['rounds_reached']} rounds, {r['round_seconds_mean']}s/round",
+        file=sys.stderr,
+    )
+
+
 def run(quick: bool, out_dir: pathlib.Path) -> dict:
     """Runs the real swarms, calibrates, simulates, and writes ``scale.json``/``.png``.
 
     Returns:
         The report: ``real`` (per size, :func:`benchmarks._scale_real.measure`'s
-        figures), ``calibration`` (constants, the fitted sync overhead, and per size the
-        real and simulated round time and bytes per node), ``simulated`` (per policy and
+        figures), ``shaped`` and ``cells`` (the same for the link-bound and the
+        cell-grid runs), ``calibration`` (constants, the fitted sync overhead, per size
+        the real and simulated round time and bytes per node, ``link_check`` and
+        ``cell_check``), ``simulated`` (per policy and
         size, :func:`benchmarks._scale_sim.simulate`'s figures), ``date``, ``machine``.
     """
     real_rounds, sim_rounds = (6, 3) if quick else (10, 6)
     started = time.monotonic()
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="atoll-scale-"))
     real: dict[int, dict[str, Any]] = {}
+    shaped: dict[int, dict[str, Any]] = {}
+    shape = {ENV_VAR: f"mbit={_SHAPE_MBIT},delay_ms={_SHAPE_DELAY_MS}"}
+    cells_extra = (f"network.group_size={_CELL_GROUP}", f"network.cells_above={_CELL_ABOVE}")
     try:
         for n in _REAL_SIZES:
             real[n] = _scale_real.measure(n, real_rounds, scratch / f"n{n}")
-            print(
-                f"scale real n={n}: {real[n]['rounds_reached']} rounds, "
-                f"{real[n]['round_seconds_mean']}s/round",
-                file=sys.stderr,
+            _say("real", n, real[n])
+        for n in _SHAPED_SIZES:
+            shaped[n] = _scale_real.measure(
+                n, real_rounds, scratch / f"shaped{n}", _SHAPED_EXTRA, env=shape
             )
+            _say("shaped", n, shaped[n])
+        cells = _scale_real.measure(_CELL_NODES, real_rounds, scratch / "cells", cells_extra)
+        _say("cells", _CELL_NODES, cells)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     constants = _calibration(real)
     calibration = {"constants": constants, **_check(real, constants, sim_rounds)}
+    overhead = calibration["sync_overhead_s"]
+    calibration["link_check"] = _link_check(shaped, constants, overhead, sim_rounds)
+    calibration["cell_check"] = _cell_check(cells, constants, overhead, real_rounds)
     report = {
         "benchmark": "scale",
         "quick": quick,
         "real_rounds": real_rounds,
         "sim_rounds": sim_rounds,
         "real": {n: {k: v for k, v in r.items() if k != "config"} for n, r in real.items()},
+        "shaped": {n: {k: v for k, v in r.items() if k != "config"} for n, r in shaped.items()},
+        "cells": {k: v for k, v in cells.items() if k != "config"},
         "workload": real[_REAL_SIZES[0]]["config"],
         "calibration": calibration,
         "simulated": _wan(constants, calibration["sync_overhead_s"], sim_rounds),
@@ -283,7 +388,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             "commitment gossiped to every node; node: the same up to 8 nodes, above it "
             "intervals stretched by n/8 and commitments sent to the group only, and above "
             "256 nodes matchmaking on the cell grid (a node reads its line's announcements "
-            "only); sampled: as node, with at most 32 heartbeats a second swarm-wide and "
+            "only) and the registry in n/256 shards (network.registry_shards); sampled: as node, with at most 32 heartbeats a second swarm-wide and "
             "registry reads of at most 32 records (not built)",
             "wan": "five regions 3,600-16,000 km apart (5 us/km one way), 10 Gbit/s per "
             "node, 1 % churn per round, the reference model's int8 fragments",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -381,11 +382,14 @@ def butterfly_reach(
         syncs: per node (PeerID) its ``sync`` events.
         group_size: ``network.group_size``.
         cells_above: ``network.cells_above``: a larger swarm groups on the cell grid,
-            which promises no exact window (``rounds_to_mix`` is then None).
+            which promises no exact window (``rounds_to_mix`` is then None, and the
+            windows checked are ``ceil(log_G n)`` rounds long).
 
     Returns:
-        ``rounds_to_mix``; ``windows`` checked and ``windows_mixed`` (every node reached
-        every other); ``groups`` (distinct groups of a round and fragment whose members
+        ``rounds_to_mix``; ``window`` (rounds per window checked); ``windows`` checked
+        and ``windows_mixed`` (every node reached every other); ``reach_share`` (the
+        mean share of (source, holder) pairs reached at a window's end, None without
+        a window); ``groups`` (distinct groups of a round and fragment whose members
         all synced completely) and ``groups_agreeing`` (their members hold the same
         global copy of the fragment afterwards; with outer momentum they differ by
         each member's history).
@@ -393,16 +397,20 @@ def butterfly_reach(
     peers = sorted(syncs)
     cells = cells_above is not None and len(peers) > cells_above
     d = None if cells else rounds_to_mix(len(peers), group_size)
+    span = d
+    if cells and group_size >= 2:
+        span = max(1, math.ceil(math.log(len(peers)) / math.log(group_size) - 1e-9))
     held: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     for peer, events in syncs.items():
         for e in events:
             held.setdefault((e["round"], e["fragment"]), {})[peer] = e
-    out: dict[str, Any] = {"rounds_to_mix": d, "windows": 0, "windows_mixed": 0}
+    out: dict[str, Any] = {"rounds_to_mix": d, "window": span, "windows": 0, "windows_mixed": 0}
     rounds = sorted({r for r, _ in held})
     fragments = sorted({f for _, f in held})
+    shares: list[float] = []
     for f in fragments:
-        for start in rounds if d else []:
-            window = range(start, start + d)
+        for start in rounds if span else []:
+            window = range(start, start + span)
             if not all((r, f) in held for r in window):
                 continue
             reach = {p: {p} for p in peers}
@@ -410,6 +418,8 @@ def butterfly_reach(
                 reach = {p: _reached(p, held[(r, f)].get(p), reach) for p in peers}
             out["windows"] += 1
             out["windows_mixed"] += all(len(reach[p]) == len(peers) for p in peers)
+            shares.append(sum(len(reach[p] & set(peers)) for p in peers) / len(peers) ** 2)
+    out["reach_share"] = sum(shares) / len(shares) if shares else None
     groups = agreeing = 0
     for records in held.values():
         seen: dict[tuple[str, ...], set[str]] = {}

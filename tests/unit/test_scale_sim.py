@@ -316,3 +316,56 @@ def test_registry_shards_keep_what_its_busiest_holder_serves_flat() -> None:
     assert shard["dht_rpcs_per_node_round"] > single["dht_rpcs_per_node_round"]
     with pytest.raises(ValueError, match="shard_records"):
         ControlPolicy(read="sample", shard_records=256)
+
+
+def _real_like(n: int, round_seconds: float) -> dict:
+    """What benchmarks._scale_real.measure reports, reduced to what the checks read."""
+    return {
+        "round_seconds_mean": round_seconds,
+        "step_seconds": 0.05,
+        "bytes_per_round": [300_000.0] * n,
+        "load_mean": {
+            "node_cpu_s_per_round": 0.3,
+            "p2pd_cpu_s_per_round": 0.2,
+            "dht_cpu_s_per_round": 0.1,
+            "control_cpu_s_per_round": 0.4,
+        },
+        "syncs": 2 * n,
+        "syncs_complete": 2 * n,
+    }
+
+
+def test_the_link_check_simulates_the_shaped_link_and_flags_a_miss() -> None:
+    from benchmarks import scale
+
+    constants = {"fragment_bytes": 50_000.0, "mix_bytes": 90_000.0}
+    plain = scale._local_config(_real_like(8, 1.0), constants)
+    unshaped = sim.simulate(dataclasses.replace(plain, sync_overhead_s=0.3), 8, 3)
+    guess = scale._link_check({8: _real_like(8, 1.0)}, constants, 0.3, 3)["sizes"][8]
+    # 0.5 Mbit/s uplinks: each round's ~330 kB take seconds more than on loopback
+    link_seconds = unshaped["bytes_sent_per_node_round"] * 8 / 0.5e6
+    assert guess["sim_round_seconds"] > unshaped["round_seconds_mean"] + 0.8 * link_seconds
+    assert guess["cpu_bound_seconds"] == pytest.approx(8 * 1.0 / 2)
+    matched = scale._link_check({8: _real_like(8, guess["sim_round_seconds"])}, constants, 0.3, 3)[
+        "sizes"
+    ][8]
+    assert matched["within_target"] and abs(matched["error"]) < 1e-9
+    missed = scale._link_check(
+        {8: _real_like(8, 2 * guess["sim_round_seconds"])}, constants, 0.3, 3
+    )["sizes"][8]
+    assert not missed["within_target"] and missed["error"] == pytest.approx(-0.5)
+
+
+def test_the_cell_check_compares_the_real_grid_with_the_simulated_one() -> None:
+    from benchmarks import scale
+
+    real = {
+        **_real_like(16, 10.0),
+        "included_share": 0.9,
+        "mix": {"window": 4, "reach_share": 0.7},
+    }
+    found = scale._cell_check(real, {"fragment_bytes": 50_000.0}, 0.3, 6)
+    assert (found["nodes"], found["group_size"], found["dims"]) == (16, 2, 3)
+    assert (found["real_included_share"], found["real_reach_share"]) == (0.9, 0.7)
+    assert found["sim_mix_rounds"] == 4  # ceil(log_2 16): the grid promises no exact mix
+    assert 0 < found["sim_reach_share"] <= 1 and 0 < found["sim_included_share"] <= 1

@@ -33,12 +33,14 @@ def test_two_rounds_of_pairs_mix_four_nodes() -> None:
     found = butterfly_reach(_syncs(PAIRS), group_size=2)
     assert found["rounds_to_mix"] == 2
     assert (found["windows"], found["windows_mixed"]) == (1, 1)
+    assert found["reach_share"] == 1.0
     assert (found["groups"], found["groups_agreeing"]) == (4, 4)
 
 
 def test_the_same_pairs_twice_do_not_mix() -> None:
     found = butterfly_reach(_syncs({1: PAIRS[1], 2: PAIRS[1]}), group_size=2)
     assert (found["windows"], found["windows_mixed"]) == (1, 0)
+    assert found["reach_share"] == 0.5  # each node holds itself and its partner: 8 of 16
 
 
 def test_a_node_that_missed_a_sync_breaks_the_window_and_its_group() -> None:
@@ -57,4 +59,8 @@ def test_members_that_hold_different_copies_are_counted() -> None:
 def test_a_swarm_on_the_cell_grid_promises_no_exact_window() -> None:
     assert butterfly_reach(_syncs(PAIRS), group_size=2, cells_above=4)["rounds_to_mix"] == 2
     found = butterfly_reach(_syncs(PAIRS), group_size=2, cells_above=3)
-    assert found["rounds_to_mix"] is None and found["windows"] == 0
+    # no exact window: windows of ceil(log_2 4) = 2 rounds are followed for their reach
+    assert found["rounds_to_mix"] is None and found["window"] == 2
+    assert (found["windows"], found["reach_share"]) == (1, 1.0)
+    found = butterfly_reach(_syncs({1: PAIRS[1], 2: PAIRS[1]}), group_size=2, cells_above=3)
+    assert found["reach_share"] == 0.5
