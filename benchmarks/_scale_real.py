@@ -67,7 +67,7 @@ def measure(
         env: extra environment variables for every node (``ATOLL_LINK_SHAPE``, say).
 
     Returns:
-        ``nodes``, ``rounds_reached``, ``finished``, ``exit_codes``; per node
+        ``nodes``, ``peer_ids``, ``rounds_reached``, ``finished``, ``exit_codes``; per node
         (lists in node order) ``bytes_per_round`` (what its syncs sent) and the
         :mod:`node.load` figures per round (``dht_ops_per_round``,
         ``dht_bytes_per_round``, ``dht_payload_bytes_per_round``,
@@ -108,6 +108,7 @@ def measure(
     figures = {k: v for k, v in summary.items() if k.endswith("_per_round")}
     return {
         "nodes": nodes,
+        "peer_ids": [p.status.get("peer_id") for p in procs],
         "group_size": cfg.network.group_size,
         "rounds": rounds,
         "rounds_reached": summary["rounds"],

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -474,14 +474,20 @@ class _Swarm:
     link_free: np.ndarray  # when its last exchange or served state ended
 
     @classmethod
-    def create(cls, cfg: SimConfig, capacity: int, rng: np.random.Generator) -> _Swarm:
+    def create(
+        cls,
+        cfg: SimConfig,
+        capacity: int,
+        rng: np.random.Generator,
+        names: Sequence[str] = (),
+    ) -> _Swarm:
         weights = np.array([s.weight for s in cfg.sites])
         site = rng.choice(len(cfg.sites), size=capacity, p=weights / weights.sum())
         step = cfg.step_seconds * rng.lognormal(0.0, cfg.step_spread, capacity)
         up = cfg.upload_gbit * 1e9 / 8 * rng.lognormal(0.0, cfg.bandwidth_spread, capacity)
         down = cfg.download_gbit * 1e9 / 8 * rng.lognormal(0.0, cfg.bandwidth_spread, capacity)
         return cls(
-            names=[f"p{i:05d}" for i in range(capacity)],
+            names=[*names, *(f"p{i:05d}" for i in range(len(names), capacity))],
             site=site,
             step=step,
             up=up,
@@ -658,12 +664,14 @@ _TALLIES = ("exchange", "repair", "resync", "node_rounds", "contributions", "inc
 class _Run:
     """One simulation: the swarm, its round loop and its tallies."""
 
-    def __init__(self, cfg: SimConfig, n: int, rounds: int, seed: int) -> None:
+    def __init__(
+        self, cfg: SimConfig, n: int, rounds: int, seed: int, names: Sequence[str] = ()
+    ) -> None:
         self.cfg, self.n, self.rounds = cfg, n, rounds
         self.rng = np.random.default_rng(seed)
         self.joins = self.rng.binomial(n, cfg.churn, size=rounds)
         capacity = n + int(self.joins.sum())
-        self.sw = _Swarm.create(cfg, capacity, self.rng)
+        self.sw = _Swarm.create(cfg, capacity, self.rng, names)
         self.sw.present[:n] = self.sw.active[:n] = True
         self.index = {name: i for i, name in enumerate(self.sw.names)}
         self.next_slot = n
@@ -937,8 +945,13 @@ class _Run:
         }
 
 
-def simulate(cfg: SimConfig, n: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+def simulate(
+    cfg: SimConfig, n: int, rounds: int, seed: int = 0, names: Sequence[str] = ()
+) -> dict[str, Any]:
     """Simulate ``rounds`` rounds of ``n`` nodes; the same seed gives the same result.
+
+    ``names`` are the first nodes' PeerIDs (a real swarm's, to form its very groups);
+    the others are named ``p00000``, ``p00001``, ...
 
     Returns a JSON-ready dict: bytes sent per node and round (exchange, repair and
     served state), round wall time (mean and p95 over nodes that finished the round),
@@ -948,12 +961,14 @@ def simulate(cfg: SimConfig, n: int, rounds: int, seed: int = 0) -> dict[str, An
     fits) and :func:`control_load` at the simulated round time.
 
     Raises:
-        ValueError: ``n < 1`` or ``rounds < 1``.
+        ValueError: ``n < 1``, ``rounds < 1``, more ``names`` than ``n`` or a name twice.
     """
     _check_n(n)
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds = {rounds!r}: expected at least 1 round")
-    return _Run(cfg, n, rounds, seed).run()
+    if len(names) > n or len(set(names)) != len(names):
+        raise ValueError(f"names: expected at most n = {n} distinct names, got {len(names)}")
+    return _Run(cfg, n, rounds, seed, list(names)).run()
 
 
 CALIBRATION_KEYS: dict[str, str] = {

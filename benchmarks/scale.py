@@ -20,7 +20,11 @@ up to 10,000 nodes over a WAN.
    against the simulator with the same link and the overhead fitted above; and the
    **cell grid on real nodes**, 16 nodes in groups of 2 above ``cells_above = 8``
    (a grid of 3 axes, lines of about 4 peers), its share of contributions in a result
-   and its reach after ``ceil(log_2 16) = 4`` rounds against the simulator's.
+   and its reach after ``ceil(log_2 16) = 4`` rounds against the simulator's on the
+   same PeerIDs (so on the same grid), and the simulator's reach under 20 other sets
+   of PeerIDs. Last,
+   the 4, 8 and 16 nodes again on 20-s wall-clock rounds (``load_table``): what the
+   DHT and the control plane cost a node per round, comparable across sizes.
 3. **Simulation**: n from 16 to 10,000 (powers of 4, so butterfly groups of 4 stay
    exact, and 10,000, which has a prime factor 5 and falls back to random groups) on the
    default WAN (five regions 3,600-16,000 km apart, 10 Gbit/s per node, 1 % churn per
@@ -31,8 +35,8 @@ up to 10,000 nodes over a WAN.
    design not built).
 
 Run it with ``python -m benchmarks scale [--quick]``; it writes ``scale.json`` and
-``scale.png``. Quick mode: 6 real rounds per size and 3 simulated rounds (about 13
-minutes here); full mode: 10 and 6.
+``scale.png``. Quick mode: 6 real rounds per size (4 of 20 s for the load table) and 3
+simulated rounds (about 14 minutes here); full mode: 10 (6) and 6.
 """
 
 from __future__ import annotations
@@ -69,7 +73,20 @@ _SHAPED_EXTRA = (  # a fragment sync takes seconds on this link: windows to matc
     "network.request_timeout=60",
     "network.matchmaking_seconds=60",
 )
-_CELL_NODES, _CELL_GROUP, _CELL_ABOVE = 16, 2, 8
+_CELL_NODES, _CELL_GROUP, _CELL_ABOVE, _CELL_LAYOUTS = 16, 2, 8, 20
+_WALLCLOCK = ("sync.trigger='seconds'", "sync.round_seconds=20", "network.matchmaking_seconds=5")
+"""Rounds of 20 s on the wall clock, so that what a node spends per round compares
+across sizes (with step-triggered rounds here rounds lengthen with the shared CPU)."""
+_LOAD_KEYS = (
+    "dht_ops_per_round",
+    "dht_payload_bytes_per_round",
+    "dht_bytes_per_round",
+    "dht_cpu_s_per_round",
+    "control_messages_per_round",
+    "control_bytes_per_round",
+    "control_cpu_s_per_round",
+    "p2pd_cpu_s_per_round",
+)
 _TARGET_ROUND_ERROR = 0.20
 _CORES = 2  # this machine's, which every real node shares
 _LOOPBACK = _scale_sim.Site("loopback", 0.0, 0.0)
@@ -218,7 +235,19 @@ def _cell_check(real: dict[str, Any], constants: dict, overhead: float, rounds: 
         sync_overhead_s=overhead,
         control=dataclasses.replace(_scale_sim.NODE_POLICY, cells_above=_CELL_ABOVE),
     )
-    sim = _scale_sim.simulate(cfg, _CELL_NODES, rounds)
+    ids = [p for p in real.get("peer_ids") or () if p]
+    sim = _scale_sim.simulate(cfg, _CELL_NODES, rounds, names=ids)
+    # where peers fall on the grid decides how far a contribution gets: the same
+    # swarm's reach under other PeerIDs
+    layouts = [
+        _scale_sim.simulate(
+            cfg,
+            _CELL_NODES,
+            rounds,
+            names=[f"layout{k}-peer{i}" for i in range(_CELL_NODES)],
+        )["reach_share"]
+        for k in range(_CELL_LAYOUTS)
+    ]
     mix = real.get("mix") or {}
     return {
         "nodes": _CELL_NODES,
@@ -228,11 +257,32 @@ def _cell_check(real: dict[str, Any], constants: dict, overhead: float, rounds: 
         "window": mix.get("window"),
         "real_included_share": real.get("included_share"),
         "sim_included_share": sim["included_share"],
-        "real_reach_share": mix.get("reach_share"),
+        # the simulator follows fragment 0 (each fragment has a grid of its own)
+        "real_reach_share": (mix.get("reach_by_fragment") or {}).get(0),
+        "real_reach_by_fragment": mix.get("reach_by_fragment"),
         "sim_reach_share": sim["reach_share"],
+        "sim_same_peers": len(ids) == _CELL_NODES,
+        "sim_reach_other_layouts": {
+            "layouts": len(layouts),
+            "mean": statistics.fmean(layouts),
+            "min": min(layouts),
+            "max": max(layouts),
+        },
         "sim_mix_rounds": sim["mix_rounds"],
         "syncs_complete": f"{real.get('syncs_complete')}/{real.get('syncs')}",
         "real_round_seconds": real.get("round_seconds_mean"),
+    }
+
+
+def _load_table(wallclock: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per size, the means per node and 20-s round of what the DHT and control plane
+    cost a node, and its syncs."""
+    return {
+        n: {
+            **{k: (r.get("load_mean") or {}).get(k) for k in _LOAD_KEYS},
+            "syncs_complete": f"{r.get('syncs_complete')}/{r.get('syncs')}",
+        }
+        for n, r in wallclock.items()
     }
 
 
@@ -337,12 +387,13 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     Returns:
         The report: ``real`` (per size, :func:`benchmarks._scale_real.measure`'s
         figures), ``shaped`` and ``cells`` (the same for the link-bound and the
-        cell-grid runs), ``calibration`` (constants, the fitted sync overhead, per size
+        cell-grid runs), ``load_table`` (per size, DHT and control-plane cost per
+        node and 20-s round), ``calibration`` (constants, the fitted sync overhead, per size
         the real and simulated round time and bytes per node, ``link_check`` and
         ``cell_check``), ``simulated`` (per policy and
         size, :func:`benchmarks._scale_sim.simulate`'s figures), ``date``, ``machine``.
     """
-    real_rounds, sim_rounds = (6, 3) if quick else (10, 6)
+    real_rounds, sim_rounds, wall_rounds = (6, 3, 4) if quick else (10, 6, 6)
     started = time.monotonic()
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="atoll-scale-"))
     real: dict[int, dict[str, Any]] = {}
@@ -360,6 +411,10 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             _say("shaped", n, shaped[n])
         cells = _scale_real.measure(_CELL_NODES, real_rounds, scratch / "cells", cells_extra)
         _say("cells", _CELL_NODES, cells)
+        wallclock = {}
+        for n in _REAL_SIZES:
+            wallclock[n] = _scale_real.measure(n, wall_rounds, scratch / f"wall{n}", _WALLCLOCK)
+            _say("20-s rounds", n, wallclock[n])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     constants = _calibration(real)
@@ -375,6 +430,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         "real": {n: {k: v for k, v in r.items() if k != "config"} for n, r in real.items()},
         "shaped": {n: {k: v for k, v in r.items() if k != "config"} for n, r in shaped.items()},
         "cells": {k: v for k, v in cells.items() if k != "config"},
+        "load_table": _load_table(wallclock),
         "workload": real[_REAL_SIZES[0]]["config"],
         "calibration": calibration,
         "simulated": _wan(constants, calibration["sync_overhead_s"], sim_rounds),

@@ -389,7 +389,8 @@ def butterfly_reach(
         ``rounds_to_mix``; ``window`` (rounds per window checked); ``windows`` checked
         and ``windows_mixed`` (every node reached every other); ``reach_share`` (the
         mean share of (source, holder) pairs reached at a window's end, None without
-        a window); ``groups`` (distinct groups of a round and fragment whose members
+        a window) and ``reach_by_fragment`` (the same per fragment: on the cell grid
+        each fragment has a grid of its own); ``groups`` (distinct groups of a round and fragment whose members
         all synced completely) and ``groups_agreeing`` (their members hold the same
         global copy of the fragment afterwards; with outer momentum they differ by
         each member's history).
@@ -407,7 +408,7 @@ def butterfly_reach(
     out: dict[str, Any] = {"rounds_to_mix": d, "window": span, "windows": 0, "windows_mixed": 0}
     rounds = sorted({r for r, _ in held})
     fragments = sorted({f for _, f in held})
-    shares: list[float] = []
+    shares: dict[int, list[float]] = {}
     for f in fragments:
         for start in rounds if span else []:
             window = range(start, start + span)
@@ -418,8 +419,11 @@ def butterfly_reach(
                 reach = {p: _reached(p, held[(r, f)].get(p), reach) for p in peers}
             out["windows"] += 1
             out["windows_mixed"] += all(len(reach[p]) == len(peers) for p in peers)
-            shares.append(sum(len(reach[p] & set(peers)) for p in peers) / len(peers) ** 2)
-    out["reach_share"] = sum(shares) / len(shares) if shares else None
+            share = sum(len(reach[p] & set(peers)) for p in peers) / len(peers) ** 2
+            shares.setdefault(f, []).append(share)
+    every = [x for per in shares.values() for x in per]
+    out["reach_share"] = sum(every) / len(every) if every else None
+    out["reach_by_fragment"] = {f: sum(per) / len(per) for f, per in shares.items()}
     groups = agreeing = 0
     for records in held.values():
         seen: dict[tuple[str, ...], set[str]] = {}

@@ -390,7 +390,10 @@ async def read_registry(
 
     Raises:
         ProtocolError: every shard's read failed (the first one's error).
+        ValueError: ``shards < 1``.
     """
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
     found = await asyncio.gather(
         *(
             transport.dht_get(_registry_key(run_id, i, shards), timeout=timeout, kind="registry")

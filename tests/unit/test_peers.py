@@ -210,6 +210,9 @@ def test_registry_shard_is_stable_in_range_and_spreads_peers() -> None:
     assert {matchmaking.registry_shard(p, 1) for p in peers} == {0}
     with pytest.raises(ValueError, match="shards must be >= 1"):
         matchmaking.registry_shard(peers[0], 0)
+    transport = FakeTransport(FakeDHT(), peers[0])
+    with pytest.raises(ValueError, match="shards must be >= 1"):
+        asyncio.run(matchmaking.read_registry(transport, RUN, timeout=1, shards=0))
 
 
 def test_a_sharded_registry_spreads_records_over_its_keys_and_reads_them_all() -> None:

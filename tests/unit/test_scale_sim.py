@@ -20,6 +20,7 @@ from benchmarks._scale_sim import (
     simulate,
 )
 from protocol.averaging.grouping import Cell, cell_groups, form_groups, rounds_to_mix
+from verification.identity import Identity
 
 _HERE = (Site("here", 0.0, 0.0),)
 # One site, identical nodes, small fragments: every round is clean and quick.
@@ -362,10 +363,65 @@ def test_the_cell_check_compares_the_real_grid_with_the_simulated_one() -> None:
     real = {
         **_real_like(16, 10.0),
         "included_share": 0.9,
-        "mix": {"window": 4, "reach_share": 0.7},
+        "mix": {"window": 4, "reach_share": 0.8, "reach_by_fragment": {0: 0.7, 1: 0.9}},
     }
     found = scale._cell_check(real, {"fragment_bytes": 50_000.0}, 0.3, 6)
     assert (found["nodes"], found["group_size"], found["dims"]) == (16, 2, 3)
     assert (found["real_included_share"], found["real_reach_share"]) == (0.9, 0.7)
     assert found["sim_mix_rounds"] == 4  # ceil(log_2 16): the grid promises no exact mix
     assert 0 < found["sim_reach_share"] <= 1 and 0 < found["sim_included_share"] <= 1
+
+
+def test_the_load_table_takes_each_sizes_means_per_node_and_round() -> None:
+    from benchmarks import scale
+
+    real = {n: {**_real_like(n, 20.0), "syncs": 8 * n, "syncs_complete": 8 * n - 1} for n in (4, 8)}
+    real[8]["load_mean"] = {**real[8]["load_mean"], "dht_ops_per_round": 14.0}
+    table = scale._load_table(real)
+    assert set(table) == {4, 8}
+    assert table[8]["dht_ops_per_round"] == 14.0 and table[4]["dht_ops_per_round"] is None
+    assert table[4]["control_cpu_s_per_round"] == 0.4
+    assert table[8]["syncs_complete"] == "63/64"
+
+
+def test_a_simulation_can_run_on_a_real_swarms_peer_ids(monkeypatch) -> None:
+    # the cell grid places peers by their PeerIDs: given the real ones, the simulator
+    # forms the real swarm's groups; other names give another grid and another reach
+    cfg = dataclasses.replace(_CLEAN, group_size=2, control=ControlPolicy(cells_above=8))
+    ids = [Identity.generate().peer_id for _ in range(16)]
+    seen: list[list[str]] = []
+    original = sim.cell_schedule
+
+    def spy(names, r, f, g, cells):
+        groups = original(names, r, f, g, cells)
+        seen.extend(groups)
+        return groups
+
+    monkeypatch.setattr(sim, "cell_schedule", spy)
+    sim.simulate(cfg, 16, 2, names=ids)
+    assert seen and {p for g in seen for p in g} == set(ids)
+    with pytest.raises(ValueError, match="names"):
+        sim.simulate(cfg, 16, 2, names=ids + ["one-more"])
+    with pytest.raises(ValueError, match="names"):
+        sim.simulate(cfg, 16, 2, names=[ids[0], ids[0]])
+
+
+def test_the_simulators_reach_on_the_grid_is_the_swarm_summarys_on_the_same_groups() -> None:
+    # a clean run (no churn, every member in its group's result): the simulator's reach
+    # on given PeerIDs equals what node.swarm.butterfly_reach computes from sync events
+    # of the same groups, fragment 0, windows of ceil(log_2 16) = 4 rounds
+    from node.swarm import butterfly_reach
+
+    ids = [Identity.generate().peer_id for _ in range(16)]
+    cfg = dataclasses.replace(_CLEAN, group_size=2, control=ControlPolicy(cells_above=8))
+    simulated = sim.simulate(cfg, 16, 6, names=ids)
+    syncs: dict[str, list[dict]] = {p: [] for p in ids}
+    for r in range(1, 7):
+        for group in cell_groups(ids, r, 0, 2, 16):
+            for p in group:
+                syncs[p].append(
+                    {"round": r, "fragment": 0, "group": group, "contributors": [group]}
+                )
+    real = butterfly_reach(syncs, group_size=2, cells_above=8)
+    assert real["window"] == simulated["mix_rounds"] == 4
+    assert real["reach_by_fragment"][0] == pytest.approx(simulated["reach_share"])
