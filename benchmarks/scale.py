@@ -22,9 +22,9 @@ up to 10,000 nodes over a WAN.
    (a grid of 3 axes, lines of about 4 peers), its share of contributions in a result
    and its reach after ``ceil(log_2 16) = 4`` rounds against the simulator's on the
    same PeerIDs (so on the same grid), and the simulator's reach under 20 other sets
-   of PeerIDs. Last,
-   the 4, 8 and 16 nodes again on 20-s wall-clock rounds (``load_table``): what the
-   DHT and the control plane cost a node per round, comparable across sizes.
+   of PeerIDs. Last, the 4, 8 and 16 nodes again on 20-s wall-clock rounds
+   (``load_table``): what the DHT and the control plane cost a node per round,
+   comparable across sizes.
 3. **Simulation**: n from 16 to 10,000 (powers of 4, so butterfly groups of 4 stay
    exact, and 10,000, which has a prime factor 5 and falls back to random groups) on the
    default WAN (five regions 3,600-16,000 km apart, 10 Gbit/s per node, 1 % churn per
