@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -201,8 +202,23 @@ def test_a_refresh_is_due_one_interval_after_the_last() -> None:
     assert view.due()
 
 
+def _fixed_identities(count: int, shards: int) -> list[Identity]:
+    """``count`` identities from fixed seeds, every one of ``shards`` shards holding at
+    least two (the same ones on every run: no test depends on luck)."""
+    found: list[Identity] = []
+    for i in range(10_000):
+        identity = Identity.from_seed(hashlib.sha256(f"peer {i}".encode()).digest())
+        found.append(identity)
+        per = [0] * shards
+        for x in found:
+            per[matchmaking.registry_shard(x.peer_id, shards)] += 1
+        if len(found) >= count and min(per) >= 2:
+            return found
+    raise AssertionError("no fixed identities cover every shard")
+
+
 def test_registry_shard_is_stable_in_range_and_spreads_peers() -> None:
-    peers = [Identity.generate().peer_id for _ in range(400)]
+    peers = [x.peer_id for x in _fixed_identities(400, 8)]
     shards = [matchmaking.registry_shard(p, 8) for p in peers]
     assert shards == [matchmaking.registry_shard(p, 8) for p in peers]  # the same every time
     counts = [shards.count(i) for i in range(8)]
@@ -217,7 +233,7 @@ def test_registry_shard_is_stable_in_range_and_spreads_peers() -> None:
 
 def test_a_sharded_registry_spreads_records_over_its_keys_and_reads_them_all() -> None:
     dht, me = FakeDHT(), Identity.generate()
-    others = [Identity.generate() for _ in range(20)]
+    others = _fixed_identities(20, 4)
     for peer in others:
         _publish(dht, peer, shards=4)
     view = _view(dht, me, shards=4)
@@ -263,7 +279,7 @@ class _FailingShards(FakeTransport):
 
 def test_a_shard_that_cannot_be_read_keeps_its_last_records() -> None:
     dht, me = FakeDHT(), Identity.generate()
-    others = [Identity.generate() for _ in range(12)]
+    others = _fixed_identities(12, 3)
     for peer in others:
         _publish(dht, peer, shards=3)
     transport = _FailingShards(dht, me.peer_id)

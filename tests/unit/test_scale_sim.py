@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import pytest
@@ -384,11 +385,17 @@ def test_the_load_table_takes_each_sizes_means_per_node_and_round() -> None:
     assert table[8]["syncs_complete"] == "63/64"
 
 
+def _fixed_ids(count: int) -> list[str]:
+    """PeerIDs from fixed seeds: the same grid on every run."""
+    seeds = (hashlib.sha256(f"sim peer {i}".encode()).digest() for i in range(count))
+    return [Identity.from_seed(seed).peer_id for seed in seeds]
+
+
 def test_a_simulation_can_run_on_a_real_swarms_peer_ids(monkeypatch) -> None:
     # the cell grid places peers by their PeerIDs: given the real ones, the simulator
     # forms the real swarm's groups; other names give another grid and another reach
     cfg = dataclasses.replace(_CLEAN, group_size=2, control=ControlPolicy(cells_above=8))
-    ids = [Identity.generate().peer_id for _ in range(16)]
+    ids = _fixed_ids(16)
     seen: list[list[str]] = []
     original = sim.cell_schedule
 
@@ -412,7 +419,7 @@ def test_the_simulators_reach_on_the_grid_is_the_swarm_summarys_on_the_same_grou
     # of the same groups, fragment 0, windows of ceil(log_2 16) = 4 rounds
     from node.swarm import butterfly_reach
 
-    ids = [Identity.generate().peer_id for _ in range(16)]
+    ids = _fixed_ids(16)
     cfg = dataclasses.replace(_CLEAN, group_size=2, control=ControlPolicy(cells_above=8))
     simulated = sim.simulate(cfg, 16, 6, names=ids)
     syncs: dict[str, list[dict]] = {p: [] for p in ids}
