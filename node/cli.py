@@ -594,14 +594,46 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    data_dir = Path(args.data_dir).expanduser()
+    if args.format == "hf":
+        from node.handoff import export_hf
+
+        done = export_hf(data_dir, Path(args.out), args.round, force=args.force)
+        print(
+            f"wrote {done['path']}: a {done['model_type']} model of {done['tensors']} tensors "
+            f"and its tokenizer, the global parameters of round {done['round']} (run "
+            f"{done['run_id'] or '?'}, from {done['checkpoint']}); load it with "
+            f"AutoModelForCausalLM.from_pretrained({done['path']!r})"
+        )
+        return 0
     from node.export import export_model
 
-    done = export_model(Path(args.data_dir).expanduser(), Path(args.out), args.round)
+    done = export_model(data_dir, Path(args.out), args.round)
     print(
         f"wrote {done['path']}: {done['tensors']} tensors, the global parameters of round "
         f"{done['round']} (run {done['run_id'] or '?'}, from {done['checkpoint']}; global "
         f"state digest {done['global_digest'][:16] or 'not recorded'})"
     )
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from node.handoff import sample
+
+    text, source = sample(
+        Path(args.data_dir).expanduser(),
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        round_=args.round,
+    )
+    print(
+        f"# round {source['round']} of run {source['run_id'] or '?'} ({source['checkpoint']})",
+        file=sys.stderr,
+    )
+    print(f"{args.prompt}{text}")
     return 0
 
 
@@ -649,16 +681,81 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
-    from node.data import prepare_shards
+    import signal
 
+    from node.prepare import Interrupted, prepare
+
+    if args.vocab_size is not None and not args.train_tokenizer:
+        raise ValueError("--vocab-size is the size of a tokenizer to train: add --train-tokenizer")
+    if args.train_tokenizer and args.vocab_size is None:
+        raise ValueError("--train-tokenizer needs --vocab-size N (e.g. 8192)")
+    if args.workers < 1:
+        raise ValueError("--workers must be >= 1")
+    if not args.piece_mb > 0:
+        raise ValueError("--piece-mb must be > 0")
     out = Path(args.out).expanduser()
-    meta = prepare_shards(args.paths, out, args.val_fraction)
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    with _progress_bar("tokenizing", "documents") as progress:
+        try:
+            meta = prepare(
+                args.paths,
+                out,
+                tokenizer=args.tokenizer,
+                train_vocab=args.vocab_size if args.train_tokenizer else None,
+                field=args.field,
+                column=args.column,
+                eos=args.eos,
+                val_fraction=args.val_fraction,
+                workers=args.workers,
+                piece_mb=args.piece_mb,
+                force=args.force,
+                progress=progress,
+            )
+        except Interrupted as exc:
+            print(f"atoll: {exc}", file=sys.stderr)
+            return 130
+    per = meta.get("bytes_per_token", 1.0)
+    tok = meta.get("tokenizer") or {}
+    what = (
+        "bytes"
+        if tok.get("digest") == "bytes"
+        else f"vocabulary {meta['vocab_size']}, {per:.2f} bytes per token; tokenizer in "
+        f"{out / 'tokenizer'}"
+    )
     print(
         f"wrote {out}: {meta['train_tokens']} train and {meta['val_tokens']} validation "
-        f"tokens ({meta['dtype']}) from {meta['files']} files; train on them with "
+        f"tokens ({meta['dtype']}, {what}) from {meta['files']} files; train on them with "
         f"--set data.shards={json.dumps(str(out))}"
     )
     return 0
+
+
+class _progress_bar:  # noqa: N801 - used as a context manager, like a function
+    """A rich progress bar on stderr when it is a terminal, else nothing; the object it
+    yields is called with (done, total)."""
+
+    def __init__(self, what: str, unit: str) -> None:
+        self.what, self.unit = what, unit
+        self.bar: Any = None
+
+    def __enter__(self) -> Any:
+        if not sys.stderr.isatty():
+            return None
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self.bar = Progress(console=Console(file=sys.stderr), transient=True)
+        self.bar.start()
+        task = self.bar.add_task(f"{self.what} ({self.unit})", total=None)
+        return lambda done, total: self.bar.update(task, completed=done, total=total)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -701,12 +798,14 @@ def _private_dir(directory: Path) -> None:
 def _cmd_spec_create(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from node.bindings import bind
     from node.spec import create_spec, write_spec
     from protocol.p2p.addrs import with_peer_id
     from verification.errors import VerificationError
     from verification.identity import Identity
 
-    cfg = load_config(args.config, args.overrides)
+    # the spec binds what the model config, first weights and tokenizer hold
+    cfg = bind(load_config(args.config, args.overrides))
     key = Path(args.key) if args.key else Path(args.data_dir).expanduser() / "identity.key"
     created = not key.exists()
     try:
@@ -930,14 +1029,45 @@ def _parser() -> argparse.ArgumentParser:
         op.set_defaults(func=_cmd_operator)
 
     export = sub.add_parser(
-        "export", help="write the agreed global parameters of a checkpoint to safetensors"
+        "export",
+        help="write the agreed global parameters of a checkpoint: a from_pretrained folder "
+        "(--format hf) or one safetensors file",
     )
     export.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
-    export.add_argument("--out", required=True, help="the .safetensors file to write")
+    export.add_argument(
+        "--out", required=True, help="the folder (--format hf) or .safetensors file to write"
+    )
+    export.add_argument(
+        "--format",
+        choices=("atoll", "hf"),
+        default="atoll",
+        help="hf: a folder transformers loads (config, model.safetensors, tokenizer); "
+        "atoll: the parameters under the model's own names (default)",
+    )
     export.add_argument(
         "--round", type=int, default=None, help="the checkpoint of this round (default newest)"
     )
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
     export.set_defaults(func=_cmd_export)
+
+    smp = sub.add_parser(
+        "sample", help="print a continuation of a prompt from the agreed global parameters"
+    )
+    smp.add_argument("--data-dir", default=".atoll/node", help="the node's data directory")
+    smp.add_argument("--prompt", default="", help="the text to continue")
+    smp.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (default 100)")
+    smp.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0: the likeliest token",
+    )
+    smp.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens")
+    smp.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    smp.add_argument(
+        "--round", type=int, default=None, help="the checkpoint of this round (default newest)"
+    )
+    smp.set_defaults(func=_cmd_sample)
 
     pl = sub.add_parser(
         "plan", help="bytes, link time and utilization of a run's syncs, before starting it"
@@ -995,19 +1125,62 @@ def _parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser(
         "prepare",
-        help="write text files as byte-token shards (train.bin, val.bin, meta.json) "
-        "for data.shards",
+        help="tokenize text, .jsonl or .parquet files into shards (train.bin, val.bin, "
+        "meta.json) for data.shards",
+        description="Without a tokenizer, text files are copied as bytes (the byte model's "
+        "tokens); with --tokenizer or --train-tokenizer, or from .jsonl/.parquet, each "
+        "document is tokenized and ends with the tokenizer's EOS token. An interrupted "
+        "prepare resumes when the same command runs again.",
     )
     prepare.add_argument(
-        "paths", nargs="+", metavar="PATH", help="text files or globs (quote ** globs)"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="files or globs (quote ** globs): text (a document each), .jsonl, .parquet",
     )
     prepare.add_argument("--out", required=True, help="directory to write the shards to")
     prepare.add_argument(
         "--val-fraction",
         type=float,
         default=0.1,
-        help="share of files (by a hash of their path) held out for validation",
+        help="share held out for validation (files by a hash of their path as bytes, "
+        "documents by a hash of their text)",
     )
+    prepare.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="a tokenizer.json or a tokenizer folder (loaded offline)",
+    )
+    prepare.add_argument(
+        "--train-tokenizer",
+        action="store_true",
+        help="train a byte-level BPE on the corpus (saved in OUT/tokenizer)",
+    )
+    prepare.add_argument(
+        "--vocab-size", type=int, default=None, metavar="N", help="tokens of the BPE to train"
+    )
+    prepare.add_argument("--field", default="text", help="the text field of .jsonl lines")
+    prepare.add_argument("--column", default="text", help="the text column of .parquet files")
+    prepare.add_argument(
+        "--eos",
+        default=None,
+        metavar="TOKEN",
+        help="the end-of-document token (default: the tokenizer's)",
+    )
+    prepare.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, min(8, os.cpu_count() or 1)),
+        help="tokenizing processes (default: the cores, at most 8)",
+    )
+    prepare.add_argument(
+        "--piece-mb",
+        type=float,
+        default=16.0,
+        help="MiB of text per unit of work: what an interruption can lose (default 16)",
+    )
+    prepare.add_argument("--force", action="store_true", help="replace shards already in --out")
     prepare.set_defaults(func=_cmd_data_prepare)
 
     keygen = sub.add_parser("keygen", help="create this node's Ed25519 identity key")

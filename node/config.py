@@ -86,16 +86,61 @@ class RunConfig:
 
 @dataclass(frozen=True, config=_STRICT)
 class ModelConfig:
-    """The reference byte-level GPT, or any ``package.module:function`` factory."""
+    """The model: the reference byte-level GPT (``arch = "byte"``), a Hugging Face causal
+    LM (``arch = "hf"``: a shipped ``preset``, an ``hf_config`` file or an ``init_from``
+    checkpoint folder, built with ``transformers``, offline), or any
+    ``package.module:function`` factory."""
 
+    arch: Literal["byte", "hf"] = "byte"
+    preset: str = ""
+    """``arch = "hf"``: a shipped model config (``atoll models`` lists them)."""
+    hf_config: str = ""
+    """``arch = "hf"``: a local ``config.json`` of a Hugging Face causal LM."""
+    init_from: str = ""
+    """``arch = "hf"``: a local Hugging Face checkpoint folder (its ``config.json`` and
+    ``*.safetensors``) to start from instead of random weights: continued pretraining."""
+    config_digest: str = ""
+    """SHA-256 of the Hugging Face model config (``preset``, ``hf_config`` or
+    ``init_from``'s), filled in at start; a run spec binds it."""
+    init_digest: str = ""
+    """SHA-256 of ``init_from``'s weight files, filled in at start; a run spec binds it."""
     factory: str = ""
     n_layer: int = Field(default=2, ge=1, le=64)
     n_embd: int = Field(default=128, ge=8, le=8192)
     n_head: int = Field(default=4, ge=1, le=128)
-    context: int = Field(default=128, ge=8, le=8192)
+    context: int = Field(default=128, ge=8, le=131072)
+    """Tokens per training window (for ``arch = "hf"`` at most the model's
+    ``max_position_embeddings``)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    vocab_size: int = Field(default=256, ge=2, le=65536)
-    """Tokens the model knows: 256 for bytes; a pre-tokenized corpus may need more."""
+    vocab_size: int = Field(default=0, ge=0, le=2**32)
+    """Tokens the model knows; 0 (unset): 256 for the byte model, else the tokenizer's
+    (from ``data.shards``' ``meta.json``) with a preset, the config's with ``hf_config``
+    or ``init_from``."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_size == 1:
+            raise ValueError("model.vocab_size = 1: a model needs at least 2 tokens (0: unset)")
+        sources = [k for k in ("preset", "hf_config", "init_from") if getattr(self, k)]
+        if self.arch == "byte":
+            if sources or self.config_digest or self.init_digest:
+                named = sources[0] if sources else "config_digest"
+                raise ValueError(
+                    f"model.{named} is for a Hugging Face model: set model.arch = 'hf'"
+                )
+            return
+        if self.factory:
+            raise ValueError("model.factory with model.arch = 'hf': use one or the other")
+        if not sources:
+            raise ValueError(
+                "model.arch = 'hf' needs model.preset, model.hf_config or model.init_from"
+            )
+        if len(sources) > 1:
+            raise ValueError(
+                f"model.{sources[0]} and model.{sources[1]} both set: a model comes from one "
+                "of them (init_from brings its own config.json)"
+            )
+        if self.init_digest and not self.init_from:
+            raise ValueError("model.init_digest binds model.init_from's weights: set init_from")
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -111,6 +156,9 @@ class DataConfig:
     shards: str = ""
     site: int = Field(default=0, ge=0)
     sites: int = Field(default=1, ge=1, le=1_000_000)
+    tokenizer_digest: str = ""
+    """SHA-256 of the tokenizer the tokens were made with (``bytes`` for bytes), filled
+    in at start from ``data.shards``' ``meta.json``; a run spec binds it."""
 
     def __post_init__(self) -> None:
         if self.site >= self.sites:
@@ -143,6 +191,14 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16`` runs forward and loss under autocast; weights, gradients, optimizer
     state, pseudo-gradients and outer steps stay float32."""
+    grad_accum: int = Field(default=1, ge=1, le=4096)
+    """Micro-batches of ``data.batch_size`` windows whose gradients add up to one inner
+    step (a step trains on ``grad_accum * batch_size`` windows)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them:
+    less memory, about a third more compute."""
+    compile: bool = False
+    """Compile the model with ``torch.compile`` (the first steps take longer)."""
 
     def __post_init__(self) -> None:
         if self.sharding == "fsdp" and self.optimizer in ("muon", "soap"):

@@ -28,6 +28,7 @@ import torch
 
 from node import catchup
 from node.admin import AdminInbox, Command
+from node.bindings import bind
 from node.byzantine import make_behaviour, training_data
 from node.checkpoint import load_latest, save_checkpoint
 from node.clock import SecondsClock
@@ -35,9 +36,10 @@ from node.clock import agree as agree_clock
 from node.config import AtollConfig, allreduce_settings, exchange_settings, transport_config
 from node.controlplane import COMMIT_RPC, ControlPlane
 from node.data import BatchStream, load_data, validation_batches
-from node.load import LoadMeter
+from node.handoff import workload_record
+from node.load import LoadMeter, memory_per_param
 from node.metrics import EventLog, StatusWriter, recent_events
-from node.model import build_model
+from node.model import build_model, vocab_of
 from node.monitor import Monitor
 from node.outer import OuterOptimizer, sync_schedule
 from node.peers import DuplicateIdentityError, PeerView
@@ -107,6 +109,7 @@ class Node:
         spec: RunSpec | None = None,
         site: SiteRank | None = None,
     ) -> None:
+        cfg = bind(cfg)  # digests of the model config, first weights and tokenizer
         self.cfg = cfg
         self.site = site
         self.site_group: SiteGroup | None = None
@@ -222,13 +225,18 @@ class Node:
             self.device = self.site.device(cfg.run.device)
             self.site_group = SiteGroup(self.site, self.device, cfg.train.sharding)
             key = self.site_group.agree_key(key)
-        corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
+        corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
+        self.bytes_per_token = corpus.bytes_per_token
+        # what a checkpoint needs to be exported and sampled elsewhere (node.handoff)
+        self.workload = workload_record(cfg, corpus.tokenizer)
         # under FSDP the node's full copies (local, global, eval) live in CPU memory
         home = torch.device("cpu") if self._sharded() else self.device
         self.model = build_model(cfg.model, seed=cfg.run.seed).to(home)
         self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(home)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
-        self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
+        # beside a GPU the outer state stays float32 in pinned host memory
+        pin = self.device.type == "cuda"
+        self.outer = OuterOptimizer(self.model, self.plan, cfg.outer, pin=pin)
         train = training_data(self.byzantine, rank_data(cfg, corpus.train, self.site), cfg.run.seed)
         stream = BatchStream(
             train, cfg.data.batch_size, cfg.model.context, stream_key(key, self.site)
@@ -250,6 +258,7 @@ class Node:
                 block_size=cfg.sync.block_size,
                 stochastic=cfg.sync.stochastic_rounding,
                 generator=torch.Generator().manual_seed(f + 1),
+                pin_memory=pin,
             )
             for f in range(len(self.plan))
         ]
@@ -806,6 +815,7 @@ class Node:
         fields["flagged"] = self.verifier.flagged(self.round)
         fields["live_peers"] = len(self.live_peers())
         fields["load"] = self.load.sample()
+        fields.update(memory_per_param(self.plan.numel, self.device))
         if self.site_group is not None:
             self._share_with_site()
             digests = self.site_group.digests(self.site_module)
@@ -834,7 +844,7 @@ class Node:
     def _evaluate_global(self) -> float:
         """Validation bits per byte of the global parameters (what the swarm agreed on)."""
         self.outer.write_globals(self.eval_model)
-        return evaluate(self.eval_model, self.val_batches, self.device)
+        return evaluate(self.eval_model, self.val_batches, self.device, self.bytes_per_token)
 
     def _checkpoint(self) -> None:
         if getattr(self, "_checkpointed_round", None) == self.round:
@@ -858,6 +868,7 @@ class Node:
             "inner": None if self._sharded() else self.trainer.optimizer.state_dict(),
             "steps": self.trainer.steps,
             "tokens": self.trainer.tokens,
+            "workload": self.workload,
         }
         info = save_checkpoint(
             self.data_dir / "checkpoints", self.round, state, keep=self.cfg.run.keep_checkpoints

@@ -8,31 +8,40 @@ that has the file. Each node samples training windows from its own deterministic
 stream (seeded by run seed and node key); validation batches are fixed so that every
 node and every method reports comparable bits per byte.
 
-At site scale the corpus does not fit in memory: ``atoll data prepare`` writes it once
-as token shards (:func:`prepare_shards`: ``train.bin`` and ``val.bin``, flat
-little-endian ``uint8`` or ``uint16`` tokens, and ``meta.json``), and nodes read them
-through memory maps (:func:`load_shards`, ``data.shards = DIR``), so only the windows
-a node samples are ever paged in. Slice ``data.site`` of ``data.sites`` of the train
+At site scale the corpus does not fit in memory: ``atoll data prepare``
+(:mod:`node.prepare`) writes it once as token shards (``train.bin`` and ``val.bin``,
+flat little-endian ``uint8``, ``uint16`` or ``uint32`` tokens, and ``meta.json``), and
+nodes read them through memory maps (:func:`load_shards`, ``data.shards = DIR``), so
+only the windows a node samples are ever paged in. ``meta.json`` also says how many
+bytes of text a validation token stands for, so validation loss is reported in bits
+per byte whatever the tokenizer (:func:`bits_per_byte`). Slice ``data.site`` of ``data.sites`` of the train
 tokens (:func:`slice_bounds`) is this node's: contiguous slices, disjoint, covering
 the corpus.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import math
 import sysconfig
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from node.config import DataConfig
+from node.sources import (
+    BYTES_DIGEST,
+    SHARD_DTYPES,
+    SHARDS_FORMAT,
+    DataError,
+    is_val,
+    user_files,
+)
 
 __all__ = [
     "SHARDS_FORMAT",
@@ -43,37 +52,38 @@ __all__ = [
     "load_corpus",
     "load_data",
     "load_shards",
-    "prepare_shards",
+    "read_meta",
     "site_slice",
     "slice_bounds",
     "stdlib_files",
     "validation_batches",
 ]
 
-SHARDS_FORMAT = "atoll-tokens/1"
-"""``meta.json``'s ``format``: flat little-endian token files, one per split."""
-_SHARD_DTYPES = {"uint8": (np.uint8, 256), "uint16": (np.uint16, 65536)}
-_COPY_BYTES = 1 << 22
-
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-class DataError(ValueError):
-    """The corpus is empty, unreadable or too small for the model's context."""
+_TOKEN_DTYPES = (torch.uint8, torch.uint16, torch.uint32)
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """Train and validation tokens as flat ``uint8`` (bytes) or ``uint16`` tensors
-    (memory-mapped when read from shards)."""
+    """Train and validation tokens as flat ``uint8`` (bytes), ``uint16`` or ``uint32``
+    tensors (memory-mapped when read from shards).
+
+    Attributes:
+        bytes_per_token: bytes of text per validation token (1 for bytes).
+        tokenizer: ``meta.json``'s tokenizer entry (its ``digest`` is ``"bytes"`` for
+            bytes), and ``folder``: where the tokenizer files are, if any.
+    """
 
     train: torch.Tensor
     val: torch.Tensor
     files: int
+    bytes_per_token: float = 1.0
+    tokenizer: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        assert self.train.dtype in (torch.uint8, torch.uint16)
+        assert self.train.dtype in _TOKEN_DTYPES
         assert self.val.dtype == self.train.dtype
+        assert self.bytes_per_token > 0
 
 
 def stdlib_files() -> list[tuple[str, Path]]:
@@ -89,32 +99,6 @@ def stdlib_files() -> list[tuple[str, Path]]:
     return out
 
 
-def _user_files(patterns: tuple[str, ...]) -> list[tuple[str, Path]]:
-    out: dict[str, Path] = {}
-    for pattern in patterns:
-        expanded = Path(pattern).expanduser()
-        matches = sorted(glob.glob(str(expanded), recursive=True))
-        files = [Path(m) for m in matches if Path(m).is_file()]
-        if not files:
-            if glob.has_magic(str(expanded)):
-                why, fix = "", "check the directory and the pattern"
-            elif expanded.exists():
-                why, fix = " (it is not a regular file)", "name files or a glob of files"
-            else:
-                why, fix = " (it does not exist)", "check the path"
-            if not expanded.is_absolute():
-                fix += f" (a relative path starts from {Path.cwd()})"
-            raise DataError(f"data.paths: {pattern!r} matches no readable file{why}; {fix}")
-        for f in files:
-            out[f.as_posix()] = f
-    return sorted(out.items())
-
-
-def _is_val(rel: str, fraction: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
-    return h / 2**64 < fraction
-
-
 def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -125,8 +109,13 @@ def _read(path: Path) -> bytes:
         ) from None
 
 
-def load_data(cfg: DataConfig, context: int, vocab_size: int = 256) -> Corpus:
-    """The configured corpus: token shards (``data.shards``) or text files."""
+def load_data(cfg: DataConfig, context: int, vocab_size: int = 0) -> Corpus:
+    """The configured corpus: token shards (``data.shards``) or text files.
+
+    Args:
+        vocab_size: the model's vocabulary (0: 256, the byte model's).
+    """
+    vocab_size = vocab_size or 256
     if cfg.shards:
         return load_shards(cfg.shards, context, vocab_size)
     if vocab_size < 256:
@@ -147,7 +136,7 @@ def load_corpus(cfg: DataConfig, context: int) -> Corpus:
     Raises:
         DataError: no files, unreadable files, or too little text for one window.
     """
-    files = _user_files(cfg.paths) if cfg.paths else stdlib_files()
+    files = user_files(cfg.paths) if cfg.paths else stdlib_files()
     if cfg.max_files:
         files = files[: cfg.max_files]
     if not files:
@@ -155,7 +144,7 @@ def load_corpus(cfg: DataConfig, context: int) -> Corpus:
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
     for rel, path in files:
-        (val_parts if _is_val(rel, cfg.val_fraction) else train_parts).append(_read(path))
+        (val_parts if is_val(rel, cfg.val_fraction) else train_parts).append(_read(path))
     if not train_parts or not val_parts:
         # Too few files for a by-file split: split the bytes instead, tail to validation.
         blob = b"".join(train_parts + val_parts)
@@ -175,86 +164,14 @@ def load_corpus(cfg: DataConfig, context: int) -> Corpus:
             )
     train = torch.frombuffer(bytearray(splits["train"]), dtype=torch.uint8)
     val = torch.frombuffer(bytearray(splits["validation"]), dtype=torch.uint8)
-    return Corpus(train=train, val=val, files=len(files))
+    return Corpus(train=train, val=val, files=len(files), tokenizer={"digest": BYTES_DIGEST})
 
 
-def prepare_shards(patterns: Sequence[str], out: Path, val_fraction: float = 0.1) -> dict:
-    """Write the text files ``patterns`` name as byte-token shards in ``out``.
-
-    Files are split into train and validation by the same hash of their path as
-    :func:`load_corpus`, and copied file by file (the corpus is never held in memory).
-    Returns what ``meta.json`` says.
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """The checked ``meta.json`` of a shards folder (``data.shards``).
 
     Raises:
-        DataError: no files, unreadable files, or too little text for a validation split.
-    """
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"val fraction {val_fraction}: expected a number between 0 and 1")
-    files = _user_files(tuple(patterns))
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.bin", "val": out / "val.bin"}
-    sizes = {"train": 0, "val": 0}
-    with paths["train"].open("wb") as train, paths["val"].open("wb") as val:
-        for rel, path in files:
-            split = "val" if _is_val(rel, val_fraction) else "train"
-            sizes[split] += _append(path, train if split == "train" else val)
-    if sizes["val"] == 0 or sizes["train"] == 0:
-        # Too few files for a by-file split: the tail of the bytes goes to validation.
-        _split_tail(paths, sizes, val_fraction)
-    if min(sizes.values()) == 0:
-        raise DataError(
-            f"{sum(sizes.values())} bytes of text in {len(files)} file(s): too little for "
-            "a train and a validation split"
-        )
-    meta = {
-        "format": SHARDS_FORMAT,
-        "dtype": "uint8",
-        "vocab_size": 256,
-        "train_tokens": sizes["train"],
-        "val_tokens": sizes["val"],
-        "files": len(files),
-        "val_fraction": val_fraction,
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
-def _append(path: Path, sink: object) -> int:
-    written = 0
-    try:
-        with path.open("rb") as source:
-            while chunk := source.read(_COPY_BYTES):
-                sink.write(chunk)  # type: ignore[attr-defined]
-                written += len(chunk)
-    except OSError as exc:
-        raise DataError(f"cannot read corpus file {path} ({exc.strerror})") from None
-    return written
-
-
-def _split_tail(paths: dict[str, Path], sizes: dict[str, int], val_fraction: float) -> None:
-    """Move everything into train.bin, then its last ``val_fraction`` into val.bin."""
-    if sizes["val"]:
-        with paths["train"].open("ab") as train, paths["val"].open("rb") as val:
-            while chunk := val.read(_COPY_BYTES):
-                train.write(chunk)
-    total = sizes["train"] + sizes["val"]
-    cut = int(total * (1.0 - val_fraction))
-    with paths["train"].open("r+b") as train, paths["val"].open("wb") as val:
-        train.seek(cut)
-        while chunk := train.read(_COPY_BYTES):
-            val.write(chunk)
-        train.truncate(cut)
-    sizes["train"], sizes["val"] = cut, total - cut
-
-
-def load_shards(directory: str | Path, context: int, vocab_size: int) -> Corpus:
-    """Memory-map the shards :func:`prepare_shards` (or any tool writing the same
-    layout) left in ``directory``.
-
-    Raises:
-        DataError: a missing or malformed ``meta.json``, a shard whose size does not
-            match it, tokens the model's vocabulary cannot hold, or a split shorter than
-            one window.
+        DataError: a missing or malformed ``meta.json``.
     """
     root = Path(directory).expanduser()
     where = f"data.shards = {str(directory)!r}"
@@ -269,12 +186,36 @@ def load_shards(directory: str | Path, context: int, vocab_size: int) -> Corpus:
     if not isinstance(meta, dict) or meta.get("format") != SHARDS_FORMAT:
         raise DataError(f"{where}: meta.json is not {SHARDS_FORMAT!r} shards")
     dtype_name = meta.get("dtype")
-    if dtype_name not in _SHARD_DTYPES:
-        raise DataError(f"{where}: dtype {dtype_name!r}, expected uint8 or uint16")
-    dtype, limit = _SHARD_DTYPES[dtype_name]
+    if dtype_name not in SHARD_DTYPES:
+        raise DataError(f"{where}: dtype {dtype_name!r}, expected uint8, uint16 or uint32")
+    limit = SHARD_DTYPES[dtype_name]
     vocab = meta.get("vocab_size", limit)
     if not isinstance(vocab, int) or not 2 <= vocab <= limit:
         raise DataError(f"{where}: vocab_size {vocab!r} does not fit {dtype_name}")
+    tokenizer = meta.get("tokenizer", {"digest": BYTES_DIGEST})
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("digest"), str):
+        raise DataError(f"{where}: meta.json's tokenizer entry has no digest")
+    per_token = meta.get("bytes_per_token", 1.0)
+    if not isinstance(per_token, (int, float)) or not per_token > 0:
+        raise DataError(f"{where}: bytes_per_token {per_token!r} is not a positive number")
+    return meta
+
+
+def load_shards(directory: str | Path, context: int, vocab_size: int) -> Corpus:
+    """Memory-map the shards ``atoll data prepare`` (or any tool writing the same
+    layout) left in ``directory``.
+
+    Raises:
+        DataError: a missing or malformed ``meta.json``, a shard whose size does not
+            match it, tokens the model's vocabulary cannot hold, or a split shorter than
+            one window.
+    """
+    root = Path(directory).expanduser()
+    where = f"data.shards = {str(directory)!r}"
+    meta = read_meta(directory)
+    dtype_name = meta["dtype"]
+    dtype = np.dtype(dtype_name).newbyteorder("<")
+    vocab = meta.get("vocab_size", SHARD_DTYPES[dtype_name])
     if vocab > vocab_size:
         raise DataError(
             f"{where}: tokens go up to {vocab - 1} but model.vocab_size = {vocab_size}; "
@@ -290,7 +231,7 @@ def load_shards(directory: str | Path, context: int, vocab_size: int) -> Corpus:
             size = path.stat().st_size
         except OSError:
             raise DataError(f"{where}: {path.name} is missing") from None
-        if size != tokens * np.dtype(dtype).itemsize:
+        if size != tokens * dtype.itemsize:
             raise DataError(
                 f"{where}: {path.name} holds {size} bytes, meta.json says {tokens} "
                 f"{dtype_name} tokens"
@@ -300,12 +241,21 @@ def load_shards(directory: str | Path, context: int, vocab_size: int) -> Corpus:
                 f"{where}: the {name} split has {tokens} tokens, fewer than one window of "
                 f"model.context + 1 = {context + 1}"
             )
-        mapped = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+        mapped = np.memmap(path, dtype=dtype, mode="r")
         with warnings.catch_warnings():  # read-only on purpose: nothing writes to it
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             splits[name] = torch.from_numpy(mapped)
     files = meta.get("files", 0)
-    return Corpus(splits["train"], splits["val"], files if isinstance(files, int) else 0)
+    tokenizer = dict(meta.get("tokenizer", {"digest": BYTES_DIGEST}))
+    if tokenizer.get("folder"):
+        tokenizer["folder"] = str(root / str(tokenizer["folder"]))
+    return Corpus(
+        splits["train"],
+        splits["val"],
+        files if isinstance(files, int) else 0,
+        bytes_per_token=float(meta.get("bytes_per_token", 1.0)),
+        tokenizer=tokenizer,
+    )
 
 
 def slice_bounds(tokens: int, index: int, count: int) -> tuple[int, int]:
@@ -358,7 +308,7 @@ class BatchStream:
         self.generator = torch.Generator().manual_seed(_seed_from("batches", key))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next batch as int64 ``(B, T)`` inputs and targets (shifted by one byte)."""
+        """The next batch as int64 ``(B, T)`` inputs and targets (shifted by one token)."""
         high = self.data.numel() - self.context - 1
         starts = torch.randint(0, high + 1, (self.batch_size,), generator=self.generator)
         offsets = torch.arange(self.context + 1)
@@ -385,6 +335,7 @@ def validation_batches(
     return BatchStream(val, batch_size, context, "validation").fixed_batches(count)
 
 
-def bits_per_byte(mean_nats: float) -> float:
-    """Convert a mean cross-entropy over bytes (nats) into bits per byte."""
-    return mean_nats / math.log(2)
+def bits_per_byte(mean_nats: float, bytes_per_token: float = 1.0) -> float:
+    """Convert a mean cross-entropy per token (nats) into bits per byte of text:
+    ``nats per token / bytes per token / ln 2``, comparable across tokenizers."""
+    return mean_nats / bytes_per_token / math.log(2)

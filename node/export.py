@@ -19,10 +19,17 @@ from typing import Any
 
 import torch
 
-from node.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from node.checkpoint import CheckpointInfo, list_checkpoints, load_checkpoint, load_latest
 from protocol.averaging.fragments import Fragment, FragmentPlan, plan_fragments
 
-__all__ = ["FORMAT", "export_model", "parameters_digest"]
+__all__ = [
+    "FORMAT",
+    "checkpoint_metadata",
+    "export_model",
+    "global_tensors",
+    "load_state",
+    "parameters_digest",
+]
 
 FORMAT = "atoll-global-v1"
 
@@ -62,28 +69,33 @@ def parameters_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def export_model(data_dir: Path, out: Path, round_: int | None = None) -> dict[str, Any]:
-    """Write the global parameters of the newest valid checkpoint (or of ``round_``) to
-    ``out`` in safetensors format; returns what was written.
+def load_state(data_dir: Path, round_: int | None = None) -> tuple[CheckpointInfo, dict[str, Any]]:
+    """The newest valid checkpoint of a node's data directory (or that of ``round_``).
 
     Raises:
-        ValueError: no checkpoint (of that round), or one that does not match its plan.
+        ValueError: no checkpoint (of that round).
         CheckpointError: the checkpoint of ``round_`` is damaged.
     """
-    from safetensors.torch import save_file
-
     folder = Path(data_dir) / "checkpoints"
     if round_ is None:
         found = load_latest(folder)
         if found is None:
             raise ValueError(f"no valid checkpoint in {folder}")
-        info, state = found
-    else:
-        matches = [c for c in list_checkpoints(folder) if c.round == round_]
-        if not matches:
-            kept = ", ".join(str(c.round) for c in list_checkpoints(folder)) or "none"
-            raise ValueError(f"no checkpoint of round {round_} in {folder} (kept: {kept})")
-        info, state = matches[0], load_checkpoint(matches[0].path)
+        return found
+    matches = [c for c in list_checkpoints(folder) if c.round == round_]
+    if not matches:
+        kept = ", ".join(str(c.round) for c in list_checkpoints(folder)) or "none"
+        raise ValueError(f"no checkpoint of round {round_} in {folder} (kept: {kept})")
+    return matches[0], load_checkpoint(matches[0].path)
+
+
+def global_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A checkpoint's model state with the global parameters in place of the local ones,
+    under the model's own names (see the module docstring).
+
+    Raises:
+        ValueError: a checkpoint that does not match its fragment plan.
+    """
     plan = _plan(state)
     model: dict[str, torch.Tensor] = state["model"]
     tensors: dict[str, torch.Tensor] = {}
@@ -103,14 +115,25 @@ def export_model(data_dir: Path, out: Path, round_: int | None = None) -> dict[s
         # global value too; anything else (buffers) is the node's own
         twin = by_storage.get(value.untyped_storage().data_ptr())
         tensors[name] = (tensors[twin] if twin else value).detach().contiguous().clone()
+    return tensors
+
+
+def export_model(data_dir: Path, out: Path, round_: int | None = None) -> dict[str, Any]:
+    """Write the global parameters of the newest valid checkpoint (or of ``round_``) to
+    ``out`` in safetensors format; returns what was written.
+
+    Raises:
+        ValueError: no checkpoint (of that round), or one that does not match its plan.
+        CheckpointError: the checkpoint of ``round_`` is damaged.
+    """
+    from safetensors.torch import save_file
+
+    info, state = load_state(data_dir, round_)
+    tensors = global_tensors(state)
     metadata = {
         "format": FORMAT,
         "parameters_sha256": parameters_digest(tensors),
-        "round": str(state["round"]),
-        "run_id": str(state.get("run_id", "")),
-        "global_digest": str(state.get("global_digest", "")),
-        "plan": str(state["plan"]),
-        "checkpoint": info.path.name,
+        **checkpoint_metadata(info, state),
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,3 +141,14 @@ def export_model(data_dir: Path, out: Path, round_: int | None = None) -> dict[s
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, out)
     return {"path": str(out), "tensors": len(tensors), **metadata}
+
+
+def checkpoint_metadata(info: CheckpointInfo, state: dict[str, Any]) -> dict[str, str]:
+    """Where exported parameters come from: round, run, global digest, plan, file."""
+    return {
+        "round": str(state["round"]),
+        "run_id": str(state.get("run_id", "")),
+        "global_digest": str(state.get("global_digest", "")),
+        "plan": str(state["plan"]),
+        "checkpoint": info.path.name,
+    }

@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["LoadMeter", "per_round"]
+__all__ = ["LoadMeter", "memory_per_param", "per_round"]
 
 
 class _Role:
@@ -149,4 +149,28 @@ def per_round(samples: dict[int, dict[str, Any]]) -> dict[str, float] | None:
     for name, path in _FIGURES.items():
         end = _value(samples[last], path)
         out[name] = (end - _value(samples[first], path)) / rounds if rounds else end / last
+    return out
+
+
+def memory_per_param(params: int, device: Any = None) -> dict[str, float | None]:
+    """Memory per model parameter: this process's resident host memory now and at its
+    peak, and the peak device memory torch allocated (None on the CPU).
+
+    A float32 model with AdamW needs 16 bytes per parameter (weights, gradients, two
+    moments); what a node holds beyond that is its outer state and buffers.
+    """
+    import resource
+
+    params = max(1, params)
+    rss = psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    out: dict[str, float | None] = {
+        "host_bytes_per_param": round(rss / params, 2),
+        "host_peak_bytes_per_param": round(peak / params, 2),
+        "device_bytes_per_param": None,
+    }
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        out["device_bytes_per_param"] = round(torch.cuda.max_memory_allocated(device) / params, 2)
     return out

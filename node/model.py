@@ -1,11 +1,12 @@
-"""The reference workload: a small byte-level GPT, or any user factory.
+"""The models a node trains: a small byte-level GPT, a Hugging Face causal LM, or any
+user factory.
 
 The built-in model reads bytes (vocabulary 256; ``model.vocab_size`` for a corpus of
-other tokens) and predicts the next one; its
-default size trains visibly on two CPU cores in minutes. ``model.factory =
-"package.module:function"`` replaces it with any ``nn.Module`` whose forward maps
-``(B, T)`` int64 tokens to ``(B, T, vocab)`` logits; the function receives the
-:class:`~node.config.ModelConfig`.
+other tokens) and predicts the next one; its default size trains visibly on two CPU
+cores in minutes. ``model.arch = "hf"`` builds a ``transformers`` causal LM instead
+(:mod:`node.hf`). ``model.factory = "package.module:function"`` replaces both with any
+``nn.Module`` whose forward maps ``(B, T)`` int64 tokens to ``(B, T, vocab)`` logits;
+the function receives the :class:`~node.config.ModelConfig`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,17 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from node.config import ModelConfig
 
-__all__ = ["VOCAB_SIZE", "ByteGPT", "build_model"]
+__all__ = [
+    "VOCAB_SIZE",
+    "ByteGPT",
+    "build_model",
+    "enable_activation_checkpointing",
+    "vocab_of",
+]
 
 VOCAB_SIZE = 256
 """Bytes: the default ``model.vocab_size``."""
@@ -56,12 +64,14 @@ class ByteGPT(nn.Module):
             raise ValueError(
                 f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})"
             )
+        vocab = cfg.vocab_size or VOCAB_SIZE
         self.context = cfg.context
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.checkpointing = False
+        self.tok = nn.Embedding(vocab, cfg.n_embd)
         self.pos = nn.Embedding(cfg.context, cfg.n_embd)
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.n_embd, vocab, bias=False)
         self.apply(self._init)
         # GPT-2 scales residual projections by depth so the residual stream stays O(1).
         for name, p in self.named_parameters():
@@ -85,8 +95,26 @@ class ByteGPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
+
+    def enable_activation_checkpointing(self) -> None:
+        self.checkpointing = True
+
+
+def vocab_of(cfg: ModelConfig) -> int:
+    """How many tokens the configured model knows (``model.vocab_size``, or the
+    architecture's own: 256 bytes, a Hugging Face config's ``vocab_size``)."""
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    if cfg.arch == "hf":
+        from node.hf import load_config_dict
+
+        return int(load_config_dict(cfg)["vocab_size"])
+    return VOCAB_SIZE
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
@@ -98,6 +126,10 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if cfg.arch == "hf":
+            from node.hf import build_hf
+
+            return build_hf(cfg)
         if not cfg.factory:
             return ByteGPT(cfg)
         module_name, sep, func_name = cfg.factory.partition(":")
@@ -113,3 +145,18 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
                 f"model.factory = {cfg.factory!r} returned {type(model).__name__}, not nn.Module"
             )
         return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute ``model``'s blocks in the backward pass (``train.activation_checkpointing``).
+
+    Raises:
+        ValueError: a factory model that does not offer it.
+    """
+    enable = getattr(model, "enable_activation_checkpointing", None)
+    if enable is None:
+        raise ValueError(
+            f"train.activation_checkpointing: {type(model).__name__} does not offer it (a "
+            "factory model can define enable_activation_checkpointing())"
+        )
+    enable()

@@ -80,6 +80,16 @@ def metrics_of(state: State) -> Iterator[Metric]:
         "Validation bits per byte of the global parameters at the last evaluated round.",
         _number(state, "val_bpb"),
     )
+    yield from _gauge(
+        "atoll_host_bytes_per_parameter",
+        "Resident host memory of the node's process per model parameter, at the last round.",
+        _number(state, "host_bytes_per_param"),
+    )
+    yield from _gauge(
+        "atoll_device_bytes_per_parameter",
+        "Peak device (GPU) memory allocated per model parameter, at the last round.",
+        _number(state, "device_bytes_per_param"),
+    )
     yield from _counter(
         "atoll_sent_bytes",
         "Bytes of parts, results and repairs sent.",

@@ -71,20 +71,50 @@ def sync_schedule(inner_steps: int, fragments: int) -> dict[int, list[int]]:
 class OuterOptimizer:
     """Global copies of every fragment and one outer optimizer per fragment.
 
+    The outer state (global copies, outer momentum) is float32 in CPU memory whatever
+    device trains: beside a GPU's model it stays off the GPU, in pinned (page-locked)
+    memory with ``pin``, so copies between it and the device run at full speed.
+
     Args:
         model: the local model; its current values become the initial global values.
         plan: the fragment plan of ``model``.
         cfg: outer optimizer settings.
+        pin: keep the outer state in pinned memory (needs CUDA).
     """
 
-    def __init__(self, model: nn.Module, plan: FragmentPlan, cfg: OuterConfig) -> None:
+    def __init__(
+        self, model: nn.Module, plan: FragmentPlan, cfg: OuterConfig, pin: bool = False
+    ) -> None:
         self.plan = plan
         self.cfg = cfg
+        self.pin = pin
         params = dict(model.named_parameters())
         self.globals = [
-            nn.Parameter(plan.flatten(params, f), requires_grad=True) for f in range(len(plan))
+            nn.Parameter(self._pinned(plan.flatten(params, f)), requires_grad=True)
+            for f in range(len(plan))
         ]
         self.optimizers = [make_outer_optimizer([g], cfg) for g in self.globals]
+        self._pin_state()
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if self.pin and not t.is_pinned() else t
+
+    def _pin_state(self) -> None:
+        """Momentum buffers in pinned memory too, made before the first step where the
+        optimizer would make them itself (SGD's first step sets the buffer to the
+        gradient, as a zero buffer stepped once does)."""
+        if not self.pin:
+            return
+        for g, opt in zip(self.globals, self.optimizers):
+            state = opt.state[g]
+            if isinstance(opt, torch.optim.SGD) and opt.defaults.get("momentum"):
+                buf = state.get("momentum_buffer")
+                state["momentum_buffer"] = (
+                    self._pinned(buf) if buf is not None else self._pinned(torch.zeros_like(g))
+                )
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.numel() == g.numel():
+                    state[key] = self._pinned(value)
 
     def local_vector(self, model: nn.Module, fragment: int) -> torch.Tensor:
         """A copy of the fragment's local values, flat."""
@@ -241,3 +271,4 @@ class OuterOptimizer:
                 g.copy_(value)
         for opt, st in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(st)
+        self._pin_state()

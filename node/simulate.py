@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from node.bindings import bind
 from node.config import AtollConfig
 from node.data import BatchStream, load_data, site_slice, validation_batches
-from node.model import build_model
+from node.model import build_model, vocab_of
 from node.outer import OuterOptimizer, sync_schedule
 from node.trainer import InnerTrainer, evaluate
 from protocol.averaging.fragments import plan_fragments
@@ -76,10 +77,11 @@ def simulate(
     """
     if replicas < 1 or rounds < 1:
         raise ValueError("replicas and rounds must be >= 1")
+    cfg = bind(cfg)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     device = resolve_device(cfg.run.device)
-    corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
+    corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
     train = site_slice(corpus.train, cfg.data.site, cfg.data.sites, cfg.model.context)
     base = build_model(cfg.model, seed=cfg.run.seed).to(device)
     models = [build_model(cfg.model, seed=cfg.run.seed).to(device) for _ in range(replicas)]
@@ -117,7 +119,7 @@ def simulate(
 
     def score() -> float:
         outers[0].write_globals(scored)
-        return evaluate(scored, val_batches, device)
+        return evaluate(scored, val_batches, device, corpus.bytes_per_token)
 
     start = time.perf_counter()
     bpb_start = score()

@@ -356,14 +356,16 @@ def _to_cpu(value: Any) -> Any:
 
 def run_follower(cfg: Any, site: SiteRank) -> int:
     """A follower rank: train in step with the leader until it stops; an exit code."""
+    from node.bindings import bind
     from node.data import BatchStream, load_data
-    from node.model import build_model
+    from node.model import build_model, vocab_of
     from node.trainer import InnerTrainer
 
+    cfg = bind(cfg)  # the leader's model: the vocabulary a preset takes from the data
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     device = site.device(cfg.run.device)
-    corpus = load_data(cfg.data, cfg.model.context, cfg.model.vocab_size)
+    corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
     group = SiteGroup(site, device, cfg.train.sharding)
     try:
         key = group.agree_key(None)

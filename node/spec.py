@@ -71,8 +71,11 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     # The run's name, and the seed the model is initialised from: nodes must start
     # from the same weights or averaging mixes unrelated models.
     "run": ("run_id", "seed"),
-    # The architecture: parameters must line up tensor by tensor on every node.
-    "model": _keys(ModelConfig),
+    # The architecture: parameters must line up tensor by tensor on every node. Paths
+    # are each node's own; what they hold is bound by digest (node.bindings).
+    "model": tuple(k for k in _keys(ModelConfig) if k not in ("hf_config", "init_from")),
+    # Tokens must mean the same on every node: the tokenizer is bound by digest.
+    "data": ("tokenizer_digest",),
     # Every group member applies the outer step to the same global values; another
     # lr or momentum would make the members' copies of the global model drift apart.
     "outer": _keys(OuterConfig),
@@ -516,7 +519,10 @@ def _parse_shared(shared: Any, fail: Callable[[str], SpecError]) -> dict[str, di
     for section, keys in SHARED_KEYS.items():
         for key in keys:
             if key not in shared.get(section, {}):
-                raise fail(f"shared.{section}.{key} is missing")
+                raise fail(
+                    f"shared.{section}.{key} is missing (a spec made by another atoll "
+                    "release: make it again with `atoll spec create`)"
+                )
     return {
         section: {key: _canonical(shared[section][key]) for key in keys}
         for section, keys in SHARED_KEYS.items()

@@ -1,14 +1,16 @@
 """The inner loop: local optimizer steps on this node's data, and evaluation.
 
-Read top to bottom: :meth:`InnerTrainer.step` takes one batch, computes the
-next-byte cross-entropy (under bf16 autocast with ``train.precision = "bf16"``), clips
-the gradient, and steps AdamW at the learning rate of a linear-warmup + cosine
-schedule. :func:`evaluate` reports bits per byte on fixed validation batches, always
-in float32 so that every node's figures compare.
+Read top to bottom: :meth:`InnerTrainer.step` takes ``train.grad_accum`` batches,
+computes the next-token cross-entropy of each (under bf16 autocast with
+``train.precision = "bf16"``) and adds up their gradients, clips the gradient, and
+steps AdamW at the learning rate of a linear-warmup + cosine schedule. :func:`evaluate`
+reports bits per byte of text on fixed validation batches, always in float32 so that
+every node's figures compare.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from torch import nn
 
 from node.config import TrainConfig
 from node.data import BatchStream, bits_per_byte
+from node.model import enable_activation_checkpointing
 
 __all__ = [
     "InnerTrainer",
@@ -147,6 +150,9 @@ class InnerTrainer:
         device: where to compute.
         ranks: processes training in step on batches of the same size (a site under
             torch.distributed): the tokens counted per step are this many batches'.
+
+    Raises:
+        ValueError: ``train.activation_checkpointing`` for a model without it.
     """
 
     def __init__(
@@ -157,6 +163,10 @@ class InnerTrainer:
         device: torch.device | str = "cpu",
         ranks: int = 1,
     ) -> None:
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(getattr(model, "module", model))  # DDP's inside
+        if cfg.compile:
+            model.compile()  # in place: parameter names and the optimizer's view unchanged
         self.model = model
         self.ranks = ranks
         self.cfg = cfg
@@ -168,29 +178,43 @@ class InnerTrainer:
         self.tokens = 0
 
     def step(self) -> StepResult:
-        """One optimizer step on the next batch."""
+        """One optimizer step on the next ``train.grad_accum`` batches."""
         lr = lr_at(self.steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = self.stream.next()
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
         self.model.train()
-        # bf16: forward and loss under autocast; the weights, their gradients and the
-        # optimizer state stay float32 (the master copy)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = self.model(inputs)
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
-            )
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        accum = self.cfg.grad_accum
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for micro in range(accum):
+            inputs, targets = self.stream.next()
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            # under DDP only the last micro-batch's backward all-reduces the gradients
+            last = micro == accum - 1
+            sync = (
+                contextlib.nullcontext()
+                if last or not hasattr(self.model, "no_sync")
+                else self.model.no_sync()
+            )
+            with sync:
+                # bf16: forward and loss under autocast; the weights, their gradients and
+                # the optimizer state stay float32 (the master copy)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    logits = self.model(inputs)
+                    loss = F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+                    )
+                (loss / accum if accum > 1 else loss).backward()
+            total += loss.detach()
+            tokens += targets.numel()
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.steps += 1
-        tokens = targets.numel() * self.ranks
+        tokens *= self.ranks
         self.tokens += tokens
-        return StepResult(loss=float(loss.detach()), tokens=tokens, lr=lr)
+        return StepResult(loss=float(total) / accum, tokens=tokens, lr=lr)
 
 
 @torch.no_grad()
@@ -198,8 +222,10 @@ def evaluate(
     model: nn.Module,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device | str = "cpu",
+    bytes_per_token: float = 1.0,
 ) -> float:
-    """Mean validation loss over ``batches``, in bits per byte."""
+    """Mean validation loss over ``batches``, in bits per byte of text (``bytes_per_token``:
+    the text a token stands for, from the shards' ``meta.json``; 1 for bytes)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -211,4 +237,4 @@ def evaluate(
         total += float(loss)
         count += targets.numel()
     model.train(was_training)
-    return bits_per_byte(total / max(1, count))
+    return bits_per_byte(total / max(1, count), bytes_per_token)

@@ -354,6 +354,8 @@ class ErrorFeedback:
         block_size: values per scale for int8/int4.
         stochastic: use stochastic rounding (int8/int4 only).
         generator: CPU generator for the rounding noise.
+        pin_memory: keep the residual in pinned (page-locked) CPU memory, beside a
+            GPU's model (needs CUDA).
 
     Attributes:
         residual: flat float32 CPU tensor of the carried error, or ``None``
@@ -367,6 +369,7 @@ class ErrorFeedback:
         block_size: int = 256,
         stochastic: bool = False,
         generator: torch.Generator | None = None,
+        pin_memory: bool = False,
     ) -> None:
         _check_codec(codec)
         _check_block_size(block_size)
@@ -376,6 +379,7 @@ class ErrorFeedback:
         self.block_size = block_size
         self.stochastic = stochastic
         self.generator = generator
+        self.pin_memory = pin_memory
         self.residual: torch.Tensor | None = None
 
     def encode(self, x: torch.Tensor) -> Encoded:
@@ -401,6 +405,8 @@ class ErrorFeedback:
             )
         else:
             target = flat + self.residual
+        if self.pin_memory and not target.is_pinned():
+            target = target.pin_memory()
         enc = encode(
             target,
             self.codec,

@@ -17,10 +17,10 @@ from node.data import (
     load_corpus,
     load_data,
     load_shards,
-    prepare_shards,
     site_slice,
     slice_bounds,
 )
+from node.prepare import prepare
 
 
 def _files(tmp_path: Path, n: int = 40) -> Path:
@@ -43,7 +43,7 @@ def _mapped_from(t: torch.Tensor, path: Path) -> bool:
 
 def test_prepared_shards_hold_the_same_split_as_the_text_corpus(tmp_path: Path) -> None:
     src = _files(tmp_path)
-    meta = prepare_shards([str(src / "*.txt")], tmp_path / "sh", val_fraction=0.2)
+    meta = prepare([str(src / "*.txt")], tmp_path / "sh", val_fraction=0.2)
     shards = load_shards(tmp_path / "sh", context=16, vocab_size=256)
     text = load_corpus(DataConfig(paths=(str(src / "*.txt"),), val_fraction=0.2), 16)
     assert torch.equal(shards.train, text.train) and torch.equal(shards.val, text.val)
@@ -55,7 +55,7 @@ def test_prepared_shards_hold_the_same_split_as_the_text_corpus(tmp_path: Path) 
 
 def test_a_single_file_is_split_by_its_tail(tmp_path: Path) -> None:
     (tmp_path / "one.txt").write_bytes(bytes(range(256)) * 40)
-    meta = prepare_shards([str(tmp_path / "one.txt")], tmp_path / "sh", val_fraction=0.25)
+    meta = prepare([str(tmp_path / "one.txt")], tmp_path / "sh", val_fraction=0.25)
     assert meta["val_tokens"] == 10240 - int(10240 * 0.75)
     shards = load_shards(tmp_path / "sh", 16, 256)
     whole = torch.cat([shards.train, shards.val])
@@ -102,7 +102,7 @@ def test_uint16_shards_need_a_vocabulary_that_holds_them(tmp_path: Path) -> None
 def test_broken_shards_are_a_clear_error(tmp_path: Path, damage: str, message: str) -> None:
     (tmp_path / "a.txt").write_text("x" * 4000)
     root = tmp_path / "sh"
-    prepare_shards([str(tmp_path / "a.txt")], root)
+    prepare([str(tmp_path / "a.txt")], root)
     meta = json.loads((root / "meta.json").read_text())
     if damage == "no_meta":
         (root / "meta.json").unlink()

@@ -1,0 +1,612 @@
+"""``atoll data prepare``: a corpus of documents into token shards a node memory-maps.
+
+Two ways in:
+
+* **Bytes** (no tokenizer, text files only): every file is copied as it is, split into
+  train and validation by a hash of its path, as ``data.paths`` reads them
+  (:func:`prepare_bytes`).
+* **Documents** (:func:`prepare_documents`): text files (one document each), ``.jsonl``
+  (one per line, ``--field``) and ``.parquet`` (one per row, ``--column``), read from
+  local files through ``datasets``, in path order and then row order. Each document is
+  tokenized with the given tokenizer (``--tokenizer``) or one trained on the corpus
+  (``--train-tokenizer``, saved in ``DIR/tokenizer``), ends with the tokenizer's EOS
+  token, and goes to train or validation by a hash of its text (so a document and its
+  exact copies always land on the same side). Tokens are ``uint16`` up to 65,536
+  tokens, else ``uint32``.
+
+Documents are tokenized in pieces of about ``piece_mb`` MiB of text by worker processes;
+each finished piece is written to ``DIR/.prepare/`` with its counts, and only when all
+are done are they joined into ``train.bin`` and ``val.bin`` and ``meta.json`` written
+(last, atomically). An interrupted prepare therefore resumes where it stopped when the
+same command runs again; one of other inputs or settings is refused, saying how to
+start over. ``meta.json`` records the tokenizer's digest and the text's bytes per
+validation token, so validation bits per byte compare across tokenizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from node.sources import BYTES_DIGEST, SHARDS_FORMAT, DataError, is_val, user_files
+
+__all__ = ["Interrupted", "prepare", "prepare_bytes", "prepare_documents"]
+
+_COPY_BYTES = 1 << 22
+_WORK = ".prepare"
+_JOB_VERSION = 1
+_TOKENIZER_TEXT_BYTES = 1 << 30
+"""A tokenizer is trained on at most this much of the train split's text."""
+_SNIFF_BYTES = 1 << 16
+
+Progress = Callable[[int, int], None]
+"""Called with (documents done, documents in all) as pieces finish."""
+
+
+class Interrupted(Exception):
+    """A prepare stopped by Ctrl-C or SIGTERM; what was finished is kept."""
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".json")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def prepare(
+    patterns: Sequence[str],
+    out: Path,
+    *,
+    tokenizer: str | None = None,
+    train_vocab: int | None = None,
+    field: str = "text",
+    column: str = "text",
+    eos: str | None = None,
+    val_fraction: float = 0.1,
+    workers: int = 1,
+    piece_mb: float = 16.0,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Write the corpus ``patterns`` name as shards in ``out``; returns ``meta.json``.
+
+    Bytes when no tokenizer is named and every input is a text file, else documents.
+
+    Raises:
+        DataError: bad inputs, options or an unfinished prepare of another job, in one
+            line naming the file or option.
+        Interrupted: stopped by a signal (run the same command again to resume).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"--val-fraction {val_fraction}: expected a number between 0 and 1")
+    if tokenizer and train_vocab:
+        raise DataError("--tokenizer and --train-tokenizer: use one or the other")
+    files = user_files(tuple(patterns), key="atoll data prepare")
+    _claim(out, force)
+    if not tokenizer and not train_vocab and all(_kind(p) == "text" for _, p in files):
+        return prepare_bytes(files, out, val_fraction)
+    return prepare_documents(
+        files,
+        out,
+        _Job(
+            tokenizer=tokenizer,
+            train_vocab=train_vocab,
+            field=field,
+            column=column,
+            eos=eos,
+            val_fraction=val_fraction,
+            piece_bytes=max(1, int(piece_mb * 2**20)),
+        ),
+        workers=workers,
+        progress=progress,
+    )
+
+
+def _claim(out: Path, force: bool) -> None:
+    """``out`` is ours to write: new, an unfinished prepare, or ``force``."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file; choose a folder")
+    if (out / "meta.json").exists():
+        if not force:
+            raise DataError(
+                f"--out {out} already holds shards (meta.json); choose another folder or "
+                "pass --force to replace them"
+            )
+        for name in ("meta.json", "train.bin", "val.bin"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "tokenizer", ignore_errors=True)
+        shutil.rmtree(out / _WORK, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+# ---- bytes --------------------------------------------------------------------------------
+
+
+def prepare_bytes(files: list[tuple[str, Path]], out: Path, val_fraction: float) -> dict:
+    """Copy text files as byte tokens, split by a hash of their path (as
+    :func:`node.data.load_corpus` splits them), file by file (never all in memory)."""
+    paths = {"train": out / "train.bin", "val": out / "val.bin"}
+    sizes = {"train": 0, "val": 0}
+    with paths["train"].open("wb") as train, paths["val"].open("wb") as val:
+        for rel, path in files:
+            split = "val" if is_val(rel, val_fraction) else "train"
+            sizes[split] += _append(path, train if split == "train" else val)
+    if sizes["val"] == 0 or sizes["train"] == 0:
+        # Too few files for a by-file split: the tail of the bytes goes to validation.
+        _split_tail(paths, sizes, val_fraction, 1)
+    if min(sizes.values()) == 0:
+        raise DataError(
+            f"{sum(sizes.values())} bytes of text in {len(files)} file(s): too little for "
+            "a train and a validation split"
+        )
+    meta = {
+        "format": SHARDS_FORMAT,
+        "dtype": "uint8",
+        "vocab_size": 256,
+        "train_tokens": sizes["train"],
+        "val_tokens": sizes["val"],
+        "train_bytes": sizes["train"],
+        "val_bytes": sizes["val"],
+        "bytes_per_token": 1.0,
+        "files": len(files),
+        "val_fraction": val_fraction,
+        "split": "file",
+        "tokenizer": {"digest": BYTES_DIGEST},
+    }
+    _write_json(out / "meta.json", meta)
+    return meta
+
+
+def _append(path: Path, sink: Any) -> int:
+    written = 0
+    try:
+        with path.open("rb") as source:
+            while chunk := source.read(_COPY_BYTES):
+                sink.write(chunk)
+                written += len(chunk)
+    except OSError as exc:
+        raise DataError(f"cannot read corpus file {path} ({exc.strerror})") from None
+    return written
+
+
+def _split_tail(
+    paths: dict[str, Path], sizes: dict[str, int], val_fraction: float, itemsize: int
+) -> None:
+    """Move everything into train.bin, then its last ``val_fraction`` of tokens into
+    val.bin (``sizes`` in bytes, cut on a token boundary)."""
+    if sizes["val"]:
+        with paths["train"].open("ab") as train, paths["val"].open("rb") as val:
+            while chunk := val.read(_COPY_BYTES):
+                train.write(chunk)
+    total = sizes["train"] + sizes["val"]
+    cut = int(total // itemsize * (1.0 - val_fraction)) * itemsize
+    with paths["train"].open("r+b") as train, paths["val"].open("wb") as val:
+        train.seek(cut)
+        while chunk := train.read(_COPY_BYTES):
+            val.write(chunk)
+        train.truncate(cut)
+    sizes["train"], sizes["val"] = cut, total - cut
+
+
+# ---- documents ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Job:
+    tokenizer: str | None
+    train_vocab: int | None
+    field: str
+    column: str
+    eos: str | None
+    val_fraction: float
+    piece_bytes: int
+
+
+def prepare_documents(
+    files: list[tuple[str, Path]],
+    out: Path,
+    job: _Job,
+    workers: int = 1,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The documents pipeline (see the module docstring); returns ``meta.json``."""
+    from node.tokenizer import load_tokenizer
+
+    work = out / _WORK
+    given = load_tokenizer(job.tokenizer, job.eos) if job.tokenizer else None
+    _resume_or_start(work, _identity(files, job, given.digest if given else None))
+    docs = _documents(files, job, work / "cache")
+    tok = _tokenizer(job, given, docs, out, work)
+    dtype = "uint16" if tok.vocab_size <= 65536 else "uint32"
+    setup = _WorkerSetup(
+        tokenizer_json=str(out / "tokenizer" / "tokenizer.json") if tok.eos_id is not None else "",
+        eos_id=tok.eos_id,
+        val_fraction=job.val_fraction,
+        dtype=dtype,
+        folder=str(work),
+    )
+    counts = _tokenize_all(docs, job.piece_bytes, setup, workers, progress)
+    documents = {k: sum(c[k] for c in counts) for k in ("train_docs", "val_docs", "empty")}
+    if not documents["train_docs"] + documents["val_docs"]:
+        raise DataError(f"the inputs hold only empty documents ({documents['empty']})")
+    meta = _join(out, work, counts, dtype, job.val_fraction)
+    meta.update(
+        vocab_size=tok.vocab_size,
+        files=len(files),
+        documents=documents,
+        tokenizer={**tok.meta(), "folder": "tokenizer" if tok.eos_id is not None else None},
+    )
+    _write_json(out / "meta.json", meta)
+    shutil.rmtree(work, ignore_errors=True)
+    return meta
+
+
+def _identity(files: list[tuple[str, Path]], job: _Job, tokenizer: str | None) -> dict[str, Any]:
+    """What makes two prepares the same job: the inputs as they are now, and the settings."""
+    inputs = []
+    for rel, path in files:
+        st = path.stat()
+        inputs.append([rel, st.st_size, st.st_mtime_ns])
+    return {
+        "version": _JOB_VERSION,
+        "inputs": inputs,
+        "field": job.field,
+        "column": job.column,
+        "tokenizer": tokenizer,
+        "train_vocab": job.train_vocab,
+        "val_fraction": job.val_fraction,
+        "piece_bytes": job.piece_bytes,
+    }
+
+
+def _resume_or_start(work: Path, identity: dict[str, Any]) -> None:
+    path = work / "job.json"
+    if path.exists():
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):
+            found = None
+        if found != identity:
+            raise DataError(
+                f"{work} holds an unfinished prepare of other inputs or settings: run that "
+                f"command again to finish it, or remove {work} to start this one"
+            )
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    _write_json(path, identity)
+
+
+class _Documents:
+    """The corpus's documents, in order, read through ``datasets`` (memory-mapped Arrow)."""
+
+    def __init__(self, parts: list[tuple[str, Any, str]]) -> None:
+        self.parts = parts  # (file or files, dataset, its text column)
+        self.count = sum(len(ds) for _, ds, _ in parts)
+
+    def __iter__(self) -> Iterator[str]:
+        for where, ds, key in self.parts:
+            row = 0
+            for batch in ds.iter(batch_size=1024):
+                for text in batch[key]:
+                    if not isinstance(text, str):
+                        raise DataError(
+                            f"{where}: row {row + 1}: {key!r} is {type(text).__name__}, not text"
+                        )
+                    row += 1
+                    yield text
+
+
+def _documents(files: list[tuple[str, Path]], job: _Job, cache: Path) -> _Documents:
+    """Every input's documents; broken inputs stop here, each named in one line.
+
+    Runs of text files are read in one ``datasets`` call (a corpus may be many small
+    files); each ``.jsonl`` or ``.parquet`` file in a call of its own, so an error
+    names its file."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    parts: list[tuple[str, Any, str]] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            ds = _load("text", run, cache, sample_by="document")
+            parts.append((run[0] if len(run) == 1 else f"{len(run)} text files", ds, "text"))
+            run.clear()
+
+    for _, path in files:
+        kind = _kind(path)
+        if kind == "text":
+            _check_text(path)
+            run.append(str(path))
+            continue
+        flush()
+        key, what, option = (
+            (job.field, "field", "--field")
+            if kind == "json"
+            else (job.column, "column", "--column")
+        )
+        ds = _load(kind, [str(path)], cache)
+        if key not in ds.column_names:
+            raise DataError(
+                f"{path}: no {key!r} {what} (it has "
+                f"{', '.join(map(repr, ds.column_names)) or 'none'}); name it with {option}"
+            )
+        parts.append((str(path), ds.select_columns([key]), key))
+    flush()
+    docs = _Documents(parts)
+    if docs.count == 0:
+        raise DataError("the inputs hold no documents")
+    return docs
+
+
+def _check_text(path: Path) -> None:
+    """A text input must be UTF-8 text: refuse binary files before reading them whole."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(_COPY_BYTES):
+                if b"\0" in chunk:
+                    raise DataError(f"{path}: a binary file, not text (it holds NUL bytes)")
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text (a byte sequence cannot be decoded)") from None
+    except OSError as exc:
+        raise DataError(f"cannot read corpus file {path} ({exc.strerror})") from None
+
+
+def _load(kind: str, paths: list[str], cache: Path, **kwargs: Any) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(
+            kind, data_files=paths, split="train", cache_dir=str(cache), **kwargs
+        )
+    except Exception as exc:  # datasets wraps what went wrong in its own errors
+        cause = exc.__cause__ or exc
+        what = {"json": "JSON lines", "parquet": "a parquet file", "text": "text"}[kind]
+        detail = " ".join(str(cause).split())[:200]
+        raise DataError(f"{paths[0]}: cannot be read as {what} ({detail})") from None
+
+
+def _tokenizer(job: _Job, given: Any, docs: _Documents, out: Path, work: Path) -> Any:
+    """The tokenizer of the job, saved in ``out/tokenizer`` (bytes: none saved)."""
+    from node.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
+    folder = out / "tokenizer"
+    if given is not None:
+        tok = given
+    elif job.train_vocab:
+        trained = work / "trained.json"
+        if (folder / "tokenizer.json").exists() and trained.exists():
+            return load_tokenizer(folder)  # trained before the interruption
+        tok = train_tokenizer(_train_texts(docs, job.val_fraction), job.train_vocab)
+    else:
+        return _BytesTokenizer()
+    shutil.rmtree(folder, ignore_errors=True)
+    save_tokenizer(tok, folder)
+    _write_json(work / "trained.json", {"digest": tok.digest})
+    return tok
+
+
+def _train_texts(docs: _Documents, val_fraction: float) -> Iterator[str]:
+    seen = 0
+    for text in docs:
+        if text and not is_val(text, val_fraction):
+            yield text
+            seen += len(text)
+            if seen >= _TOKENIZER_TEXT_BYTES:
+                return
+
+
+class _BytesTokenizer:
+    """Documents as UTF-8 bytes, no EOS: tokens for the byte model."""
+
+    vocab_size = 256
+    eos_id = None
+
+    def meta(self) -> dict[str, Any]:
+        return {"digest": BYTES_DIGEST, "eos_token": None, "eos_id": None, "vocab_size": 256}
+
+
+@dataclass(frozen=True)
+class _WorkerSetup:
+    tokenizer_json: str
+    eos_id: int | None
+    val_fraction: float
+    dtype: str
+    folder: str
+
+
+_worker: dict[str, Any] = {}
+
+
+def _load_worker(setup: _WorkerSetup) -> None:
+    _worker["setup"] = setup
+    _worker["tok"] = None
+    if setup.tokenizer_json:
+        from tokenizers import Tokenizer
+
+        _worker["tok"] = Tokenizer.from_file(setup.tokenizer_json)
+
+
+def _init_pool_worker(setup: _WorkerSetup) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool
+    _load_worker(setup)
+
+
+def _tokenize_piece(index: int, texts: list[str]) -> dict[str, int]:
+    """Tokenize one piece into ``piece-N.{train,val}.bin``; its counts go to
+    ``piece-N.json``, written last, so a piece with a json is whole."""
+    setup: _WorkerSetup = _worker["setup"]
+    tok = _worker["tok"]
+    kept = [t for t in texts if t]
+    if tok is not None:
+        ids = [e.ids for e in tok.encode_batch(kept, add_special_tokens=False)]
+    else:
+        ids = [list(t.encode("utf-8")) for t in kept]
+    counts = {"index": index, "empty": len(texts) - len(kept)}
+    for split in ("train", "val"):
+        counts.update({f"{split}_docs": 0, f"{split}_tokens": 0, f"{split}_bytes": 0})
+    arrays: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    for text, doc in zip(kept, ids):
+        if setup.eos_id is not None:
+            doc.append(setup.eos_id)
+        split = "val" if is_val(text, setup.val_fraction) else "train"
+        arrays[split].append(np.asarray(doc, dtype=setup.dtype))
+        counts[f"{split}_docs"] += 1
+        counts[f"{split}_tokens"] += len(doc)
+        counts[f"{split}_bytes"] += len(text.encode("utf-8"))
+    folder = Path(setup.folder)
+    for split, parts in arrays.items():
+        data = np.concatenate(parts) if parts else np.zeros(0, dtype=setup.dtype)
+        tmp = folder / f".piece-{index:06d}.{split}.tmp"
+        data.astype(np.dtype(setup.dtype).newbyteorder("<"), copy=False).tofile(tmp)
+        os.replace(tmp, folder / f"piece-{index:06d}.{split}.bin")
+    _write_json(folder / f"piece-{index:06d}.json", counts)
+    return counts
+
+
+def _pieces(docs: _Documents, piece_bytes: int) -> Iterator[tuple[int, list[str]]]:
+    index, batch, size = 0, [], 0
+    for text in docs:
+        batch.append(text)
+        size += len(text)
+        if size >= piece_bytes:
+            yield index, batch
+            index, batch, size = index + 1, [], 0
+    if batch:
+        yield index, batch
+
+
+def _done(folder: Path, index: int) -> dict[str, int] | None:
+    try:
+        counts = json.loads((folder / f"piece-{index:06d}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return counts if isinstance(counts, dict) and counts.get("index") == index else None
+
+
+def _tokenize_all(
+    docs: _Documents,
+    piece_bytes: int,
+    setup: _WorkerSetup,
+    workers: int,
+    progress: Progress | None,
+) -> list[dict[str, int]]:
+    """Every piece's counts, in order: finished pieces read back, the rest tokenized,
+    by ``workers`` processes with at most two pieces each in flight (bounded memory)."""
+    from collections import deque
+
+    folder = Path(setup.folder)
+    counts: dict[int, dict[str, int]] = {}
+    done_docs = 0
+
+    def finished(c: dict[str, int], n: int) -> None:
+        nonlocal done_docs
+        counts[c["index"]] = c
+        done_docs += n
+        if progress:
+            progress(done_docs, docs.count)
+
+    pool = None
+    inflight: deque[tuple[Any, int]] = deque()
+    try:
+        if workers <= 1:
+            _load_worker(setup)
+        for index, texts in _pieces(docs, piece_bytes):
+            found = _done(folder, index)
+            if found is not None:
+                finished(found, len(texts))
+            elif workers <= 1:
+                finished(_tokenize_piece(index, texts), len(texts))
+            else:
+                if pool is None:
+                    pool = multiprocessing.get_context("spawn").Pool(
+                        workers, initializer=_init_pool_worker, initargs=(setup,)
+                    )
+                inflight.append((pool.apply_async(_tokenize_piece, (index, texts)), len(texts)))
+                while len(inflight) >= 2 * workers:
+                    result, n = inflight.popleft()
+                    finished(result.get(), n)
+        while inflight:
+            result, n = inflight.popleft()
+            finished(result.get(), n)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted with {len(counts)} pieces of text tokenized; run the same command "
+            "again to resume"
+        ) from None
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        _worker.clear()
+    return [counts[i] for i in sorted(counts)]
+
+
+def _join(
+    out: Path, work: Path, counts: list[dict[str, int]], dtype: str, val_fraction: float
+) -> dict[str, Any]:
+    """Join the pieces, in order, into train.bin and val.bin."""
+    paths = {"train": out / "train.bin", "val": out / "val.bin"}
+    sizes = {}
+    for split, path in paths.items():
+        with path.open("wb") as sink:
+            for c in counts:
+                _append(work / f"piece-{c['index']:06d}.{split}.bin", sink)
+        sizes[split] = path.stat().st_size
+    itemsize = np.dtype(dtype).itemsize
+    tokens = {s: sum(c[f"{s}_tokens"] for c in counts) for s in paths}
+    text_bytes = {s: sum(c[f"{s}_bytes"] for c in counts) for s in paths}
+    split_rule = "document"
+    if not tokens["train"] or not tokens["val"]:
+        # Too few documents for a by-document split: the tail of the tokens is held out.
+        _split_tail(paths, sizes, val_fraction, itemsize)
+        per = sum(text_bytes.values()) / max(1, sum(tokens.values()))
+        tokens = {s: sizes[s] // itemsize for s in paths}
+        text_bytes = {s: round(tokens[s] * per) for s in paths}
+        split_rule = "tail"
+    if not tokens["train"] or not tokens["val"]:
+        raise DataError(
+            f"{sum(tokens.values())} tokens in all: too little for a train and a validation split"
+        )
+    return {
+        "format": SHARDS_FORMAT,
+        "dtype": dtype,
+        "train_tokens": tokens["train"],
+        "val_tokens": tokens["val"],
+        "train_bytes": text_bytes["train"],
+        "val_bytes": text_bytes["val"],
+        "bytes_per_token": text_bytes["val"] / tokens["val"],
+        "val_fraction": val_fraction,
+        "split": split_rule,
+    }
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(json.dumps(value, indent=2) + "\n")
+        f.flush()
+        with contextlib.suppress(OSError):
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
