@@ -130,10 +130,8 @@ class ModelConfig:
             return
         if self.factory:
             raise ValueError("model.factory with model.arch = 'hf': use one or the other")
-        if not sources:
-            raise ValueError(
-                "model.arch = 'hf' needs model.preset, model.hf_config or model.init_from"
-            )
+        # none set is refused where the model is built (node.hf): a run spec carries
+        # the shared preset, or only the digest of a config file each node names
         if len(sources) > 1:
             raise ValueError(
                 f"model.{sources[0]} and model.{sources[1]} both set: a model comes from one "

@@ -80,6 +80,10 @@ def load_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         ConfigError: an unknown preset, a missing or malformed file, or a vocabulary
             size that ``init_from``'s weights cannot take.
     """
+    if not (cfg.preset or cfg.hf_config or cfg.init_from):
+        raise ConfigError(
+            "config error: model.arch = 'hf' needs model.preset, model.hf_config or model.init_from"
+        )
     if cfg.preset:
         if cfg.preset not in PRESETS:
             raise ConfigError(

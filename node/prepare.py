@@ -165,7 +165,7 @@ def prepare_bytes(files: list[tuple[str, Path]], out: Path, val_fraction: float)
         "split": "file",
         "tokenizer": {"digest": BYTES_DIGEST},
     }
-    _write_json(out / "meta.json", meta)
+    _write_json(out / "meta.json", meta, durable=True)
     return meta
 
 
@@ -248,7 +248,7 @@ def prepare_documents(
         documents=documents,
         tokenizer={**tok.meta(), "folder": "tokenizer" if tok.eos_id is not None else None},
     )
-    _write_json(out / "meta.json", meta)
+    _write_json(out / "meta.json", meta, durable=True)
     shutil.rmtree(work, ignore_errors=True)
     return meta
 
@@ -334,6 +334,8 @@ def _documents(files: list[tuple[str, Path]], job: _Job, cache: Path) -> _Docume
             run.append(str(path))
             continue
         flush()
+        if path.stat().st_size == 0:
+            continue  # an empty file holds no documents
         key, what, option = (
             (job.field, "field", "--field")
             if kind == "json"
@@ -381,7 +383,7 @@ def _load(kind: str, paths: list[str], cache: Path, **kwargs: Any) -> Any:
     except Exception as exc:  # datasets wraps what went wrong in its own errors
         cause = exc.__cause__ or exc
         what = {"json": "JSON lines", "parquet": "a parquet file", "text": "text"}[kind]
-        detail = " ".join(str(cause).split())[:200]
+        detail = " ".join(str(cause).split())[:200] or type(cause).__name__
         raise DataError(f"{paths[0]}: cannot be read as {what} ({detail})") from None
 
 
@@ -400,7 +402,8 @@ def _tokenizer(job: _Job, given: Any, docs: _Documents, out: Path, work: Path) -
     else:
         return _BytesTokenizer()
     shutil.rmtree(folder, ignore_errors=True)
-    save_tokenizer(tok, folder)
+    source = job.tokenizer if given is not None and Path(job.tokenizer).is_dir() else None
+    save_tokenizer(tok, folder, source)
     _write_json(work / "trained.json", {"digest": tok.digest})
     return tok
 
@@ -602,11 +605,13 @@ def _join(
     }
 
 
-def _write_json(path: Path, value: Any) -> None:
+def _write_json(path: Path, value: Any, durable: bool = False) -> None:
+    """Write whole or not at all (a temporary file renamed); ``durable``: on disk too."""
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
         f.write(json.dumps(value, indent=2) + "\n")
-        f.flush()
-        with contextlib.suppress(OSError):
-            os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            with contextlib.suppress(OSError):
+                os.fsync(f.fileno())
     os.replace(tmp, path)

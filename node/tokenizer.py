@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,13 +101,14 @@ def _info(backend: Any, eos_token: str | None, where: str) -> TokenizerInfo:
 
 
 def load_tokenizer(path: str | Path, eos: str | None = None) -> TokenizerInfo:
-    """A ``tokenizer.json`` file or a tokenizer folder, loaded offline.
+    """A ``tokenizer.json`` file or a tokenizer folder, loaded offline (by the
+    ``tokenizers`` library alone: no model hub, no ``transformers``).
 
     Args:
         path: the file or folder.
-        eos: the end-of-document token; by default the folder's ``eos_token``, or for
-            a bare ``tokenizer.json`` the first of ``<|endoftext|>``, ``</s>``,
-            ``<|end_of_text|>``, ``<eos>`` it holds.
+        eos: the end-of-document token; by default the folder's ``eos_token``
+            (``tokenizer_config.json``), or the first of ``<|endoftext|>``, ``</s>``,
+            ``<|end_of_text|>``, ``<eos>`` among its special tokens.
 
     Raises:
         TokenizerError: a missing path, a file that is not a tokenizer, a slow-only
@@ -116,29 +118,35 @@ def load_tokenizer(path: str | Path, eos: str | None = None) -> TokenizerInfo:
 
     root = Path(path).expanduser()
     where = f"tokenizer {root}"
+    file = root
     if root.is_dir():
-        if not (root / "tokenizer.json").is_file():
+        file = root / "tokenizer.json"
+        if not file.is_file():
             raise TokenizerError(
                 f"{where}: no tokenizer.json in the folder (a fast tokenizer is needed; "
                 "save it with a recent transformers, which writes tokenizer.json)"
             )
-        from transformers import AutoTokenizer
-
-        try:
-            hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise TokenizerError(f"{where}: {str(exc).splitlines()[0]}") from None
-        backend = getattr(hf, "backend_tokenizer", None)
-        if backend is None:
-            raise TokenizerError(f"{where}: not a fast tokenizer")
-        return _info(backend, eos or hf.eos_token or _find_eos(backend, where), where)
-    if not root.exists():
+        eos = eos or _config_eos(root / "tokenizer_config.json", where)
+    elif not root.exists():
         raise TokenizerError(f"{where}: no such file or folder")
     try:
-        backend = Tokenizer.from_file(str(root))
+        backend = Tokenizer.from_file(str(file))
     except Exception as exc:  # the Rust side raises plain Exception
         raise TokenizerError(f"{where}: not a tokenizer.json ({str(exc)[:120]})") from None
     return _info(backend, eos or _find_eos(backend, where), where)
+
+
+def _config_eos(path: Path, where: str) -> str | None:
+    """``eos_token`` of a ``tokenizer_config.json`` (a string or an added-token dict)."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise TokenizerError(f"{where}: cannot read tokenizer_config.json ({exc})") from None
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _find_eos(backend: Any, where: str) -> str:
@@ -200,13 +208,30 @@ def _byte_char(b: int) -> str:
     return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
 
 
-def save_tokenizer(tok: TokenizerInfo, folder: Path) -> None:
-    """Write ``tok`` as a folder ``AutoTokenizer.from_pretrained`` loads offline."""
-    from transformers import PreTrainedTokenizerFast
+def save_tokenizer(tok: TokenizerInfo, folder: Path, source: str | Path | None = None) -> None:
+    """Write ``tok`` as a folder ``AutoTokenizer.from_pretrained`` loads offline:
+    ``tokenizer.json`` and a ``tokenizer_config.json`` naming the EOS token (the source
+    folder's, if ``tok`` came from one, with the rest of its settings kept).
 
+    Raises:
+        TokenizerError: a source ``tokenizer_config.json`` that cannot be read.
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    special = {"eos_token": tok.eos_token} if tok.eos_token else {}
-    PreTrainedTokenizerFast(tokenizer_object=tok.backend, **special).save_pretrained(str(folder))
+    config: dict[str, Any] = {}
+    given = Path(source).expanduser() / "tokenizer_config.json" if source else None
+    if given is not None and given.is_file():
+        try:
+            config = json.loads(given.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"tokenizer {source}: bad tokenizer_config.json ({exc})") from None
+        special = Path(source).expanduser() / "special_tokens_map.json"
+        if special.is_file():
+            shutil.copyfile(special, folder / special.name)
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    if tok.eos_token is not None:
+        config["eos_token"] = tok.eos_token
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def read_files(folder: Path) -> dict[str, str]:
