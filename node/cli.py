@@ -605,6 +605,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
             f"{done['run_id'] or '?'}, from {done['checkpoint']}); load it with "
             f"AutoModelForCausalLM.from_pretrained({done['path']!r})"
         )
+        if done["auto_tokenizer"]:
+            print(
+                f"note: AutoTokenizer.from_pretrained picks {done['auto_tokenizer']} for a "
+                f"{done['model_type']} model, which splits text its own way; load the tokenizer "
+                f"the model was trained with by PreTrainedTokenizerFast.from_pretrained"
+                f"({done['path']!r})"
+            )
         return 0
     from node.export import export_model
 

@@ -155,6 +155,7 @@ def export_hf(
         lm.config.save_pretrained(str(tmp))
         lm.generation_config.save_pretrained(str(tmp))
         _save_tokenizer(record, tok, tmp)
+        auto = _auto_tokenizer_class(tmp, tok)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -164,8 +165,26 @@ def export_hf(
         "path": str(out),
         "tensors": len(tensors),
         "model_type": lm.config.model_type,
+        "auto_tokenizer": auto,
         **metadata,
     }
+
+
+_PROBE = "Atoll's probe: naïve cafe\u0301, 12345 + 3.5e-6\n    def f(x):\n\treturn x  # ok\r\n"
+"""Text that tokenizer pipelines split differently (digit runs, spaces before a line,
+decomposed accents)."""
+
+
+def _auto_tokenizer_class(folder: Path, tok: Any) -> str | None:
+    """None when ``AutoTokenizer.from_pretrained(folder)`` encodes as the model was
+    trained; else the class it picks. (transformers gives some model types, Qwen2 among
+    them, their own tokenizer class, which keeps the vocabulary but splits text its own
+    way.)"""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    same = auto(_PROBE, add_special_tokens=False).input_ids == tok.encode(_PROBE)
+    return None if same else type(auto).__name__
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -68,3 +68,17 @@ def test_the_meter_counts_dht_kinds_control_traffic_and_helper_cpu() -> None:
     # the role's process is replaced (a restart): its totals are kept, not lost
     pids["dht"] = None
     assert meter.sample()["dht"]["cpu_s"] >= first["dht"]["cpu_s"]
+
+
+def test_memory_per_parameter_reports_this_process_and_no_device_on_the_cpu() -> None:
+    import psutil
+    import torch
+
+    from node.load import memory_per_param
+
+    rss = psutil.Process().memory_info().rss
+    got = memory_per_param(1000, torch.device("cpu"))
+    assert got["device_bytes_per_param"] is None
+    assert 0.5 * rss / 1000 < got["host_bytes_per_param"] < 2 * rss / 1000
+    assert got["host_peak_bytes_per_param"] >= got["host_bytes_per_param"] * 0.9
+    assert memory_per_param(0)["host_bytes_per_param"] > 1e6  # no division by zero

@@ -31,6 +31,8 @@ STATE = {
     "sidecar_restarts": 1,
     "control_dropped": {"malformed": 4},
     "checkpoint_age_seconds": 12.5,
+    "host_bytes_per_param": 41.5,
+    "device_bytes_per_param": None,
 }
 
 
@@ -67,6 +69,9 @@ def test_metrics_follow_prometheus_conventions_and_the_snapshot(served) -> None:
     assert got[("atoll_inner_steps_total", ())] == 420
     assert got[("atoll_tokens_per_second", ())] == 1234.5
     assert got[("atoll_val_bits_per_byte", ())] == 3.25
+    assert got[("atoll_host_bytes_per_parameter", ())] == 41.5
+    # on the CPU there is no device memory to report
+    assert not any(name == "atoll_device_bytes_per_parameter" for name, _ in got)
     assert got[("atoll_sent_bytes_total", ())] == 1000
     assert got[("atoll_received_bytes_total", ())] == 2000
     assert got[("atoll_syncs_total", (("outcome", "partial"),))] == 1

@@ -120,3 +120,55 @@ def test_outer_schedule_settings_are_checked():
         OuterConfig(lr_schedule="cosine")
     with pytest.raises((ValueError, ValidationError), match="nesterov and sgd only"):
         OuterConfig(optimizer="Adam", momentum_warmup=2)
+
+
+class _PinLedger:
+    """Stands in for CUDA's page-locked memory (there is no GPU here): records which
+    storages were pinned."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.storages: set[int] = set()
+        ledger = self
+
+        def pin_memory(t: torch.Tensor) -> torch.Tensor:
+            out = t.detach().clone()
+            ledger.storages.add(out.untyped_storage().data_ptr())
+            return out
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(
+            torch.Tensor,
+            "is_pinned",
+            lambda t: t.untyped_storage().data_ptr() in ledger.storages,
+        )
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.storages
+
+
+def test_beside_a_gpu_the_outer_state_stays_in_pinned_host_memory(monkeypatch) -> None:
+    from protocol.wire.codec import ErrorFeedback
+
+    ledger = _PinLedger(monkeypatch)
+    model, same = Toy(), Toy()
+    plan = plan_fragments(model, 1)
+    pinned = OuterOptimizer(model, plan, OuterConfig(momentum=0.9), pin=True)
+    plain = OuterOptimizer(same, plan, OuterConfig(momentum=0.9))
+    g = pinned.globals[0]
+    assert ledger.holds(g) and g.dtype == torch.float32 and g.device.type == "cpu"
+    buffer = pinned.optimizers[0].state[g]["momentum_buffer"]
+    assert ledger.holds(buffer)
+    for step in (torch.tensor([0.5, -0.5]), torch.tensor([0.1, 0.2])):
+        pinned.apply(model, 0, step)
+        plain.apply(same, 0, step)
+    # the same numbers as state torch makes itself, in the same (pinned) buffer
+    assert torch.equal(pinned.globals[0].detach(), plain.globals[0].detach())
+    assert pinned.optimizers[0].state[g]["momentum_buffer"] is buffer
+    fresh = OuterOptimizer(Toy(), plan, OuterConfig(momentum=0.9), pin=True)
+    fresh.load_state_dict(plain.state_dict())  # a checkpoint read back is pinned again
+    assert ledger.holds(fresh.optimizers[0].state[fresh.globals[0]]["momentum_buffer"])
+    assert torch.equal(fresh.globals[0].detach(), plain.globals[0].detach())
+    feedback = ErrorFeedback("int8", pin_memory=True)
+    feedback.encode(torch.randn(1000))
+    assert ledger.holds(feedback.residual)
+    assert not ledger.holds(plain.globals[0])
