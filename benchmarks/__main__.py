@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "sites": "benchmarks.sites",
     "scale": "benchmarks.scale",
     "cuda_site": "benchmarks.cuda_site",
+    "models": "benchmarks.models",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""
 
@@ -87,6 +88,14 @@ def _summary(name: str, report: dict, seconds: float) -> str:
             if gap is not None:
                 parts.append(f"{e['label'].split(',')[0]} {gap:+.1f}%")
         line += " | gap to DDP: " + "; ".join(parts)
+    elif name == "models":
+        t, m = report.get("throughput", {}), report.get("memory", {})
+        gap = report.get("convergence", {}).get("gap_percent_mean")
+        line += (
+            f" | node/bare tokens/s {t.get('ratio') or float('nan'):.3f}; "
+            f"{m.get('beyond_bytes_per_param') or float('nan'):.1f} B/param beyond a bare loop; "
+            f"4 nodes vs DDP {gap if gap is not None else float('nan'):+.1f}%"
+        )
     elif name == "mixing":
         parts = []
         for n, r in results.items():

@@ -47,16 +47,27 @@ class StateSnapshot:
 
     @classmethod
     def take(
-        cls, round_: int, plan_digest: str, outer: OuterOptimizer, steps: int = 0
+        cls,
+        round_: int,
+        plan_digest: str,
+        outer: OuterOptimizer,
+        steps: int = 0,
+        copy_tensors: bool = True,
     ) -> StateSnapshot:
+        """The state of ``outer`` now; ``copy_tensors=False`` refers to its live tensors
+        (for :meth:`StateServer.publish` at once, which copies them into its replies)."""
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().clone() if copy_tensors else t.detach()
+
         momentum = []
         for opt in outer.optimizers:
             buf = next(iter(opt.state.values()), {}).get("momentum_buffer")
-            momentum.append(None if buf is None else buf.detach().clone())
+            momentum.append(None if buf is None else own(buf))
         return cls(
             round=round_,
             plan_digest=plan_digest,
-            globals=tuple(outer.global_vector(f) for f in range(len(outer.globals))),
+            globals=tuple(own(g) for g in outer.globals),
             momentum=tuple(momentum),
             steps=steps,
         )
@@ -76,10 +87,11 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 
 
 def state_digest(globals_: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> str:
-    """Hex sha256 over every fragment's global values, in fragment order."""
+    """Hex sha256 over every fragment's global values, in fragment order (hashed in
+    place: a float32 CPU vector is not copied)."""
     h = hashlib.sha256()
     for g in globals_:
-        h.update(g.detach().float().contiguous().cpu().numpy().tobytes())
+        h.update(g.detach().float().contiguous().cpu().numpy().data)
     return h.hexdigest()
 
 

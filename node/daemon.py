@@ -232,7 +232,6 @@ class Node:
         # under FSDP the node's full copies (local, global, eval) live in CPU memory
         home = torch.device("cpu") if self._sharded() else self.device
         self.model = build_model(cfg.model, seed=cfg.run.seed).to(home)
-        self.eval_model = build_model(cfg.model, seed=cfg.run.seed).to(home)
         self.plan = plan_fragments(self.model, cfg.sync.fragments)
         # beside a GPU the outer state stays float32 in pinned host memory
         pin = self.device.type == "cuda"
@@ -837,14 +836,20 @@ class Node:
         )
 
     def _snapshot(self) -> catchup.StateSnapshot:
+        # the live tensors: publish copies them into its replies before anything steps
         return catchup.StateSnapshot.take(
-            self.round, self.plan.digest(), self.outer, self.trainer.steps
+            self.round, self.plan.digest(), self.outer, self.trainer.steps, copy_tensors=False
         )
 
     def _evaluate_global(self) -> float:
         """Validation bits per byte of the global parameters (what the swarm agreed on)."""
-        self.outer.write_globals(self.eval_model)
-        return evaluate(self.eval_model, self.val_batches, self.device, self.bytes_per_token)
+        return evaluate(
+            self.model,
+            self.val_batches,
+            self.device,
+            self.bytes_per_token,
+            params=self.outer.global_params(),
+        )
 
     def _checkpoint(self) -> None:
         if getattr(self, "_checkpointed_round", None) == self.round:
@@ -863,7 +868,8 @@ class Node:
             "plan": self.plan.digest(),
             "layout": [[list(f.names), [list(s) for s in f.shapes]] for f in self.plan.fragments],
             "model": self.model.state_dict(),
-            "outer": self.outer.state_dict(),
+            # written before anything steps again: the live tensors, not a second copy
+            "outer": self.outer.state_dict(copy_tensors=False),
             # under FSDP each rank holds the state of its own shard: not kept
             "inner": None if self._sharded() else self.trainer.optimizer.state_dict(),
             "steps": self.trainer.steps,

@@ -234,6 +234,14 @@ class OuterOptimizer:
         local = self.plan.flatten(params, fragment)
         self.plan.write(params, fragment, local + self.globals[fragment].detach() - before)
 
+    def global_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter's global value by name, as views of the global copies (for
+        evaluating them without a second model: :func:`node.trainer.evaluate`)."""
+        out: dict[str, torch.Tensor] = {}
+        for f, g in enumerate(self.globals):
+            out.update(self.plan.views(g.detach(), f))
+        return out
+
     def write_globals(self, model: nn.Module) -> None:
         """Load every fragment's global value into ``model`` (e.g. to evaluate it)."""
         params = dict(model.named_parameters())
@@ -254,7 +262,15 @@ class OuterOptimizer:
         with torch.no_grad():
             self.globals[fragment].copy_(value)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy_tensors: bool = True) -> dict[str, Any]:
+        """Global copies and optimizer states; ``copy_tensors=False`` hands out the live
+        tensors (for a checkpoint written before anything steps again: no second copy
+        of the outer state in memory)."""
+        if not copy_tensors:
+            return {
+                "globals": [g.detach() for g in self.globals],
+                "optimizers": [o.state_dict() for o in self.optimizers],
+            }
         return {
             "globals": [g.detach().clone() for g in self.globals],
             "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],

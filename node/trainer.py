@@ -223,14 +223,26 @@ def evaluate(
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device | str = "cpu",
     bytes_per_token: float = 1.0,
+    params: dict[str, torch.Tensor] | None = None,
 ) -> float:
     """Mean validation loss over ``batches``, in bits per byte of text (``bytes_per_token``:
-    the text a token stands for, from the shards' ``meta.json``; 1 for bytes)."""
+    the text a token stands for, from the shards' ``meta.json``; 1 for bytes).
+
+    Args:
+        params: values to evaluate ``model`` at instead of its own (by name, e.g. views
+            of the global copies: :meth:`node.outer.OuterOptimizer.global_params`), so
+            no second copy of the model is needed.
+    """
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    if params is not None:
+        params = {k: v.to(device) for k, v in params.items()}
     for inputs, targets in batches:
-        logits = model(inputs.to(device))
+        if params is None:
+            logits = model(inputs.to(device))
+        else:
+            logits = torch.func.functional_call(model, params, (inputs.to(device),))
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.to(device).reshape(-1), reduction="sum"
         )

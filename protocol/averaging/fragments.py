@@ -68,6 +68,16 @@ class FragmentPlan:
         frag = self.fragments[index]
         return torch.cat([params[n].detach().reshape(-1).float().cpu() for n in frag.names])
 
+    def views(self, vector: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
+        """The tensors of fragment ``index`` as views into its flat ``vector`` (no copy)."""
+        frag = self.fragments[index]
+        out, offset = {}, 0
+        for name, shape in zip(frag.names, frag.shapes):
+            n = _numel(shape)
+            out[name] = vector[offset : offset + n].view(shape)
+            offset += n
+        return out
+
     def write(self, params: Mapping[str, torch.Tensor], index: int, vector: torch.Tensor) -> None:
         """Write a flat vector back into the tensors of fragment ``index``, in place.
 

@@ -1,0 +1,493 @@
+"""Real models on real data: Atoll nodes training Hugging Face Llama models on BPE shards,
+against bare training loops of the same model.
+
+The corpus is the standard library's ``.py`` files, prepared once per run with
+``atoll data prepare --train-tokenizer`` (a byte-level BPE of :data:`_VOCAB` tokens).
+
+1. **Throughput** (llama-tiny): two nodes side by side, one thread each, wall-clock
+   rounds (syncs of int8 parts with commitments and verification, evaluation and a
+   checkpoint every round: the whole daemon), against two bare loops side by side
+   (the same ``transformers`` model, batch, AdamW and thread count, nothing else). A
+   node's tokens per second are its tokens over its whole training time (busy and
+   idle); a bare loop's over its timed steps. Quick: one pair of runs; full: three,
+   alternating, medians. Goal: the node at 0.95 or more of the bare loop.
+2. **Memory** (llama-tiny, gpt2-small and llama-150m: the largest preset that fits two
+   copies plus their optimizers in this machine's 24 GiB; llama-1b would need about
+   40 GB): the peak resident memory of one node's process against that of a bare loop
+   of the same model, optimizer and batch, per parameter. The slope between the
+   presets is what a node holds per parameter beyond the model and its inner optimizer
+   (outer state, error feedback, the state it serves to joining peers); the intercept
+   is its fixed cost (hivemind, the control channel's client). Goal: 20 bytes per
+   parameter or less.
+3. **Convergence**: four nodes (H inner steps per round, int8) against DDP of four
+   ranks (gloo, an fp32 gradient all-reduce every step) at equal tokens, the same
+   inner optimizer and schedule, scored in bits per byte on the same validation
+   batches. Quick: one seed; full: three.
+4. **CUDA**: where a GPU is present, llama-150m in bf16 against a bare loop (tokens/s,
+   and MFU from ``6 * params`` FLOPs per token over the device's bf16 peak);
+   otherwise the report says none was lent.
+
+Run ``python -m benchmarks models [--quick]``; writes ``models.json`` and ``models.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from benchmarks._common import free_port, gloo_group, machine_info, run_ranks
+from node.config import load_config
+
+__all__ = ["run"]
+
+_VOCAB = 2048
+_THREADS = 1
+_TRAIN = [
+    "model.arch='hf'",
+    "model.preset='llama-tiny'",
+    "model.context=128",
+    "data.batch_size=8",
+    "train.lr=3e-3",
+    "train.warmup_steps=10",
+    f"run.threads={_THREADS}",
+]
+_NODE = [
+    "sync.fragments=2",
+    "sync.codec='int8'",
+    "train.eval_batches=4",
+    "network.matchmaking_seconds=3",
+    "network.round_timeout=10",
+]
+_MEMORY_PRESETS = ("llama-tiny", "gpt2-small", "llama-150m")
+_MEMORY_STEPS = 4
+_GPU_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+# ---- bare loops -------------------------------------------------------------------------
+
+
+def _bare_worker(rank: int, overrides: list[str], steps: int, seconds: float, results: Any) -> None:
+    """A plain loop: the model, AdamW, cross-entropy, clipping; nothing of a node's.
+    ``steps`` untimed warm-up steps, then steps for ``seconds``."""
+    import resource
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from node.data import BatchStream, load_shards
+    from node.model import build_model, vocab_of
+
+    cfg = load_config(None, overrides)
+    torch.set_num_threads(cfg.run.threads or 1)
+    corpus = load_shards(cfg.data.shards, cfg.model.context, vocab_of(cfg.model))
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1
+    )
+    stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("bare", rank))
+
+    def step() -> int:
+        inputs, targets = stream.next()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        return targets.numel()
+
+    for _ in range(steps):
+        step()
+    tokens, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        tokens += step()
+    elapsed = time.perf_counter() - started
+    results.put(
+        {
+            "rank": rank,
+            "tokens_per_second": tokens / elapsed if seconds > 0 else None,
+            "params": sum(p.numel() for p in model.parameters()),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+    )
+
+
+def _bare(overrides: list[str], ranks: int, steps: int, seconds: float) -> list[dict[str, Any]]:
+    reports, codes = run_ranks(
+        _bare_worker,
+        [(overrides, steps, seconds)] * ranks,
+        expected=ranks,
+        timeout=900.0 + seconds,
+        grace=20,
+    )
+    if len(reports) < ranks:
+        raise RuntimeError(f"bare loop failed: exit codes {codes}")
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+# ---- nodes --------------------------------------------------------------------------------
+
+
+def _swarm(overrides: list[str], nodes: int, rounds: int, where: pathlib.Path) -> list[dict]:
+    """Run real nodes to the end; each node's status and round events."""
+    from node import swarm
+    from node.metrics import read_events
+
+    spec = swarm.SwarmSpec(
+        nodes=nodes, config_paths=[], overrides=overrides, directory=where, rounds=rounds
+    )
+    procs, finished = swarm.run_to_end(spec, timeout=600.0 + 120.0 * rounds)
+    out = []
+    for n in procs:
+        events = read_events(n.data_dir / "events.jsonl")
+        out.append(
+            {
+                "exit_code": n.proc.returncode,
+                "finished": finished,
+                "status": n.status,
+                "rounds": [e for e in events if e["event"] == "round"],
+            }
+        )
+    return out
+
+
+def _node_throughput(shards: pathlib.Path, rounds: int, where: pathlib.Path) -> dict[str, Any]:
+    overrides = [
+        *_TRAIN,
+        *_NODE,
+        f"data.shards={json.dumps(str(shards))}",
+        "sync.trigger='seconds'",
+        "sync.round_seconds=20",
+        "train.total_steps=100000",
+    ]
+    nodes = _swarm(overrides, 2, rounds, where)
+    rates = []
+    for n in nodes:
+        st = n["status"]
+        wall = st.get("busy_seconds", 0.0) + st.get("idle_seconds", 0.0)
+        rates.append(st.get("tokens", 0) / wall if wall else None)
+    return {
+        "tokens_per_second": rates,
+        "exit_codes": [n["exit_code"] for n in nodes],
+        "busy_share": [
+            n["status"].get("busy_seconds", 0.0)
+            / max(1e-9, n["status"].get("busy_seconds", 0.0) + n["status"].get("idle_seconds", 0.0))
+            for n in nodes
+        ],
+        "rounds": [len(n["rounds"]) for n in nodes],
+    }
+
+
+def _throughput(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, Any]:
+    bare_overrides = [*_TRAIN, f"data.shards={json.dumps(str(shards))}"]
+    pairs = 1 if quick else 3
+    bare_runs, node_runs = [], []
+    for i in range(pairs):  # alternating, so drift in the machine's load hits both
+        bare = _bare(bare_overrides, 2, steps=5, seconds=60.0)
+        bare_runs.append([r["tokens_per_second"] for r in bare])
+        node_runs.append(_node_throughput(shards, 4, work / f"throughput-{i}"))
+    bare_median = statistics.median(x for run in bare_runs for x in run)
+    node_values = [x for run in node_runs for x in run["tokens_per_second"] if x]
+    node_median = statistics.median(node_values) if node_values else None
+    ratio = node_median / bare_median if node_median else None
+    return {
+        "preset": "llama-tiny",
+        "threads_per_process": _THREADS,
+        "bare_tokens_per_second": bare_runs,
+        "node_runs": node_runs,
+        "bare_median": bare_median,
+        "node_median": node_median,
+        "ratio": ratio,
+        "goal": 0.95,
+        "meets_goal": ratio is not None and ratio >= 0.95,
+    }
+
+
+# ---- memory -------------------------------------------------------------------------------
+
+
+def _memory(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, Any]:
+    rows = []
+    for preset in _MEMORY_PRESETS:
+        overrides = [
+            *_TRAIN,
+            f"model.preset='{preset}'",
+            "data.batch_size=4",
+            f"data.shards={json.dumps(str(shards))}",
+            "run.threads=2",
+        ]
+        bare = _bare(overrides, 1, steps=_MEMORY_STEPS, seconds=0.0)[0]
+        node_overrides = [
+            *overrides,
+            *_NODE,
+            "sync.trigger='steps'",
+            f"sync.inner_steps={_MEMORY_STEPS // 2}",
+            "train.eval_batches=2",
+        ]
+        node = _swarm(node_overrides, 1, 2, work / f"memory-{preset}")[0]
+        params = bare["params"]
+        last = node["rounds"][-1] if node["rounds"] else {}
+        node_peak = last.get("host_peak_bytes_per_param", 0.0) * params
+        rows.append(
+            {
+                "preset": preset,
+                "params": params,
+                "bare_peak_rss_bytes": bare["peak_rss_bytes"],
+                "node_peak_rss_bytes": node_peak or None,
+                "node_exit_code": node["exit_code"],
+                "beyond_per_param": (node_peak - bare["peak_rss_bytes"]) / params
+                if node_peak
+                else None,
+            }
+        )
+    ok = [r for r in rows if r["node_peak_rss_bytes"]]
+    slope = intercept = None
+    if len(ok) >= 2:
+        xs = [r["params"] for r in ok]
+        ys = [r["node_peak_rss_bytes"] - r["bare_peak_rss_bytes"] for r in ok]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        intercept = my - slope * mx
+    return {
+        "presets": rows,
+        "beyond_bytes_per_param": slope,
+        "fixed_bytes": intercept,
+        "goal_bytes_per_param": 20.0,
+        "meets_goal": slope is not None and slope <= 20.0,
+        "not_run": {"llama-1b": "about 40 GB for a node and a bare loop; this machine has 24 GiB"},
+    }
+
+
+# ---- convergence --------------------------------------------------------------------------
+
+_CONV_NODES = 4
+
+
+def _ddp_worker(rank: int, port: int, overrides: list[str], steps: int, results: Any) -> None:
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from node.data import BatchStream, load_shards, validation_batches
+    from node.model import build_model, vocab_of
+    from node.trainer import evaluate, lr_at, make_inner_optimizer
+
+    cfg = load_config(None, overrides)
+    torch.set_num_threads(1)
+    with gloo_group(port, rank, _CONV_NODES, timeout_s=600) as dist:
+        corpus = load_shards(cfg.data.shards, cfg.model.context, vocab_of(cfg.model))
+        model = build_model(cfg.model, seed=cfg.run.seed)
+        ddp = DistributedDataParallel(model)
+        optimizer = make_inner_optimizer(model, cfg.train)
+        stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("ddp", rank))
+        val = validation_batches(
+            corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
+        )
+        start = evaluate(model, val, bytes_per_token=corpus.bytes_per_token) if rank == 0 else None
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg.train)
+            inputs, targets = stream.next()
+            logits = ddp(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+        dist.barrier()
+        if rank == 0:
+            end = evaluate(model, val, bytes_per_token=corpus.bytes_per_token)
+            results.put(
+                {
+                    "val_bpb_start": start,
+                    "val_bpb_end": end,
+                    "tokens": steps * targets.numel() * _CONV_NODES,
+                }
+            )
+
+
+def _convergence(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, Any]:
+    inner, rounds = 20, 5
+    steps = inner * rounds
+    entries = []
+    for seed in range(1 if quick else 3):
+        overrides = [
+            *_TRAIN,
+            f"data.shards={json.dumps(str(shards))}",
+            f"run.seed={seed}",
+            f"train.total_steps={steps}",
+            "train.eval_batches=8",
+        ]
+        port = free_port()
+        reports, codes = run_ranks(
+            _ddp_worker,
+            [(port, overrides, steps)] * _CONV_NODES,
+            expected=1,
+            timeout=1800.0,
+            grace=20,
+        )
+        ddp = reports[0] if reports else {"error": f"exit codes {codes}"}
+        node_overrides = [*overrides, *_NODE, "sync.trigger='steps'", f"sync.inner_steps={inner}"]
+        nodes = _swarm(node_overrides, _CONV_NODES, rounds, work / f"convergence-{seed}")
+        finals = [n["rounds"][-1].get("val_bpb") for n in nodes if n["rounds"]]
+        digests = {n["rounds"][-1].get("global_digest") for n in nodes if n["rounds"]}
+        atoll = {
+            "val_bpb_start": nodes[0]["status"].get("val_bpb_start"),
+            "val_bpb_end": statistics.fmean(finals) if finals else None,
+            "tokens": sum(n["status"].get("tokens", 0) for n in nodes),
+            "bytes_sent_per_node": [n["status"].get("bytes_sent", 0) for n in nodes],
+            "params_agree": len(digests) == 1,
+            "exit_codes": [n["exit_code"] for n in nodes],
+            "history": [
+                {"round": r["round"], "val_bpb": r.get("val_bpb"), "tokens": r.get("tokens")}
+                for r in nodes[0]["rounds"]
+            ],
+        }
+        gap = None
+        if atoll["val_bpb_end"] and ddp.get("val_bpb_end"):
+            gap = 100.0 * (atoll["val_bpb_end"] / ddp["val_bpb_end"] - 1.0)
+        entries.append({"seed": seed, "ddp": ddp, "atoll": atoll, "gap_percent": gap})
+    gaps = [e["gap_percent"] for e in entries if e["gap_percent"] is not None]
+    return {
+        "nodes": _CONV_NODES,
+        "inner_steps": inner,
+        "rounds": rounds,
+        "entries": entries,
+        "gap_percent_mean": statistics.fmean(gaps) if gaps else None,
+    }
+
+
+# ---- CUDA ---------------------------------------------------------------------------------
+
+
+def _cuda(shards: pathlib.Path, work: pathlib.Path) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device on this machine (none was lent for this run)"}
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in _GPU_BF16_TFLOPS.items() if k in name), None)
+    overrides = [
+        "model.arch='hf'",
+        "model.preset='llama-150m'",
+        "model.context=1024",
+        "data.batch_size=16",
+        "train.precision='bf16'",
+        "run.device='cuda'",
+        "run.threads=4",
+        f"data.shards={json.dumps(str(shards))}",
+    ]
+    bare = _bare(overrides, 1, steps=5, seconds=60.0)[0]
+    node = _swarm(
+        [*overrides, *_NODE, "sync.trigger='seconds'", "sync.round_seconds=30"], 1, 3, work / "cuda"
+    )[0]
+    st = node["status"]
+    wall = st.get("busy_seconds", 0.0) + st.get("idle_seconds", 0.0)
+    node_rate = st.get("tokens", 0) / wall if wall else None
+
+    def mfu(rate: float | None) -> float | None:
+        return 6 * bare["params"] * rate / (peak * 1e12) if rate and peak else None
+
+    return {
+        "device": name,
+        "params": bare["params"],
+        "bare_tokens_per_second": bare["tokens_per_second"],
+        "node_tokens_per_second": node_rate,
+        "ratio": node_rate / bare["tokens_per_second"] if node_rate else None,
+        "bare_mfu": mfu(bare["tokens_per_second"]),
+        "node_mfu": mfu(node_rate),
+        "device_bytes_per_param": (node["rounds"][-1] if node["rounds"] else {}).get(
+            "device_bytes_per_param"
+        ),
+    }
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+def _prepare(work: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]]:
+    from node.data import stdlib_files
+    from node.prepare import prepare
+
+    out = work / "shards"
+    meta = prepare([str(p) for _, p in stdlib_files()], out, train_vocab=_VOCAB, workers=2)
+    return out, {
+        k: meta[k] for k in ("train_tokens", "val_tokens", "bytes_per_token", "vocab_size")
+    }
+
+
+def run(quick: bool, out_dir: pathlib.Path) -> dict[str, Any]:
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-models-"))
+    started = time.time()
+    try:
+        shards, corpus = _prepare(work)
+        report: dict[str, Any] = {
+            "benchmark": "models",
+            "quick": quick,
+            "machine": machine_info(),
+            "corpus": corpus,
+            "command": f"python -m benchmarks models{' --quick' if quick else ''}",
+        }
+        report["throughput"] = _throughput(shards, quick, work)
+        report["memory"] = _memory(shards, quick, work)
+        report["convergence"] = _convergence(shards, quick, work)
+        report["cuda"] = _cuda(shards, work)
+        report["seconds"] = time.time() - started
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (out_dir / "models.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out_dir / "models.png")
+    return report
+
+
+def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
+    t = report["throughput"]
+    a.bar(
+        ["bare loop", "Atoll node"],
+        [t["bare_median"] or 0, t["node_median"] or 0],
+        color=["#999", "#2a7"],
+    )
+    a.set_title(f"llama-tiny tokens/s per process (ratio {t['ratio'] or float('nan'):.3f})")
+    m = report["memory"]["presets"]
+    names = [r["preset"] for r in m]
+    b.bar(names, [r["beyond_per_param"] or 0 for r in m], color="#27a")
+    b.axhline(20, color="#a22", linestyle="--", label="goal: 20 B/param")
+    slope = report["memory"]["beyond_bytes_per_param"]
+    b.set_title(f"host bytes/param beyond a bare loop (slope {slope or float('nan'):.1f})")
+    b.legend()
+    for e in report["convergence"]["entries"]:
+        hist = e["atoll"]["history"]
+        c.plot(
+            [h["tokens"] * report["convergence"]["nodes"] for h in hist],
+            [h["val_bpb"] for h in hist],
+            marker="o",
+            label=f"4 nodes, seed {e['seed']}",
+        )
+        if e["ddp"].get("val_bpb_end"):
+            c.scatter(
+                [e["ddp"]["tokens"]],
+                [e["ddp"]["val_bpb_end"]],
+                marker="x",
+                s=80,
+                label=f"DDP end, seed {e['seed']}",
+            )
+    c.set_xlabel("tokens (all nodes)")
+    c.set_ylabel("validation bits per byte")
+    c.set_title("4 nodes against DDP at equal tokens")
+    c.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
