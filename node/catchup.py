@@ -3,9 +3,10 @@
 At the end of every round a node snapshots its global copy of every fragment and
 the outer optimizer's momentum, and signs the snapshot's digest into the DHT under
 ``{run_id}:digest:{round}``. A node that joins (or falls behind) downloads the
-newest snapshot over the ``atoll.state`` RPC one fragment per request, spreading the
-fragments over the peers of that round; every chunk is a signed envelope whose round,
-fragment plan, sizes and digest are checked, the assembled state must hash to the
+newest snapshot over the ``atoll.state`` RPC, each fragment in chunks of at most
+:data:`CHUNK_VALUES` values (so a fragment of any size fits the wire's message cap),
+spreading the fragments over the peers of that round; every chunk is a signed
+envelope whose round, fragment plan, sizes and digest are checked, the assembled state must hash to the
 digest, and at least k peers (``trust.state_signers``, capped by how many peers are
 live) must have signed that digest before anything is loaded. Momentum travels as raw float32 bytes, never pickled; optimizers without a
 ``momentum_buffer`` start their state afresh on the joining node.
@@ -25,7 +26,7 @@ from protocol.averaging.fragments import FragmentPlan
 from protocol.averaging.matchmaking import PeerRecord
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
-from protocol.wire.messages import Header, open_envelope, seal
+from protocol.wire.messages import Envelope, Header, open_envelope, seal
 from verification.identity import Identity
 
 __all__ = ["StateServer", "StateSnapshot", "attested", "download", "fetch_state", "state_digest"]
@@ -33,6 +34,10 @@ __all__ = ["StateServer", "StateSnapshot", "attested", "download", "fetch_state"
 logger = logging.getLogger(__name__)
 
 RPC_NAME = "atoll.state"
+
+CHUNK_VALUES = 4 * 2**20
+"""Values of a fragment per state reply: 16 MiB of global values and as much momentum,
+well inside the 64 MiB a signed message may hold."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class StateServer:
         self.identity = identity
         self.run_id = run_id
         self._lock = threading.Lock()
-        self._replies: list[bytes] = []
+        self._replies: list[list[bytes]] = []  # by fragment, by chunk
         self._round = -1
 
     def register(self) -> None:
@@ -116,18 +121,24 @@ class StateServer:
     def publish(self, snapshot: StateSnapshot) -> str:
         """Serve ``snapshot`` from now on; return its digest."""
         digest = state_digest(snapshot.globals)
-        replies = []
+        replies: list[list[bytes]] = []
         for f, value in enumerate(snapshot.globals):
             m = snapshot.momentum[f]
-            body = {
-                "plan": snapshot.plan_digest,
-                "steps": int(snapshot.steps),
-                "digest": digest,
-                "global": _to_bytes(value),
-                "momentum": None if m is None else _to_bytes(m),
-            }
-            header = Header("state", self.run_id, snapshot.round, f, 0, self.identity.peer_id)
-            replies.append(seal(self.identity, header, body))
+            count = max(1, -(-value.numel() // CHUNK_VALUES))
+            chunks = []
+            for c in range(count):
+                cut = slice(c * CHUNK_VALUES, (c + 1) * CHUNK_VALUES)
+                body = {
+                    "plan": snapshot.plan_digest,
+                    "steps": int(snapshot.steps),
+                    "digest": digest,
+                    "chunks": count,
+                    "global": _to_bytes(value[cut]),
+                    "momentum": None if m is None else _to_bytes(m[cut]),
+                }
+                header = Header("state", self.run_id, snapshot.round, f, c, self.identity.peer_id)
+                chunks.append(seal(self.identity, header, body))
+            replies.append(chunks)
         with self._lock:
             self._replies, self._round = replies, snapshot.round
         return digest
@@ -153,10 +164,10 @@ class StateServer:
             replies = self._replies
         if not replies:
             raise ProtocolError("no_state", "this node has no completed round yet", peer)
-        f = env.header.fragment
-        if not 0 <= f < len(replies):
-            raise ProtocolError("wrong_part", f"no fragment {f}", peer)
-        return replies[f]
+        f, c = env.header.fragment, env.header.part
+        if not 0 <= f < len(replies) or not 0 <= c < len(replies[f]):
+            raise ProtocolError("wrong_part", f"no chunk {c} of fragment {f}", peer)
+        return replies[f][c]
 
 
 async def attested(
@@ -211,41 +222,50 @@ async def fetch_state(
     if not peers:
         raise ProtocolError("no_peer", "no peer to take the state from")
     chunks = []
-    for f in range(len(sizes)):
+    for f, size in enumerate(sizes):
         peer = peers[f % len(peers)]
-        header = Header("state_req", run_id, 0, f, 0, identity.peer_id)
-        reply = await transport.call(
-            peer,
-            RPC_NAME,
-            seal(identity, header, {}),
-            timeout=timeout,
-            max_response_bytes=max_bytes,
-        )
-        env = open_envelope(
-            reply, max_bytes=max_bytes, expected_sender=peer, run_id=run_id, kinds=("state",)
-        )
-        if env.header.fragment != f:
-            raise ProtocolError("wrong_part", f"asked for fragment {f}", peer)
-        chunks.append((peer, env))
-    rounds = {env.header.round for _, env in chunks}
-    digests = {env.body.get("digest") for _, env in chunks}
+        first = await _state_chunk(transport, identity, run_id, peer, f, 0, timeout, max_bytes)
+        count = first.body.get("chunks", 1)
+        expected = max(1, -(-size // CHUNK_VALUES))
+        if count != expected:
+            raise ProtocolError("malformed", f"{count!r} chunks for {size} values", peer)
+        parts = [first]
+        for c in range(1, count):
+            parts.append(
+                await _state_chunk(transport, identity, run_id, peer, f, c, timeout, max_bytes)
+            )
+        chunks.append((peer, parts))
+    rounds = {env.header.round for _, parts in chunks for env in parts}
+    digests = {env.body.get("digest") for _, parts in chunks for env in parts}
     if len(rounds) != 1 or len(digests) != 1:
         raise ProtocolError("mixed_state", "peers served different rounds or states")
     round_, digest = rounds.pop(), digests.pop()
     if round_ < min_round:
         raise ProtocolError("stale_round", f"state of round {round_} < {min_round}")
     globals_, momentum, steps = [], [], 0
-    for (peer, env), size in zip(chunks, sizes):
-        body = env.body
-        if body.get("plan") != plan_digest:
-            raise ProtocolError("wrong_model", "the peer's fragment plan differs from ours", peer)
-        globals_.append(_tensor(body.get("global"), size, peer))
-        raw_m = body.get("momentum")
-        momentum.append(None if raw_m is None else _tensor(raw_m, size, peer))
-        s = body.get("steps", 0)
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            raise ProtocolError("malformed", "steps must be a non-negative integer", peer)
-        steps = max(steps, s)
+    for (peer, parts), size in zip(chunks, sizes):
+        values, moments = [], []
+        for c, env in enumerate(parts):
+            body = env.body
+            if body.get("plan") != plan_digest:
+                raise ProtocolError(
+                    "wrong_model", "the peer's fragment plan differs from ours", peer
+                )
+            n = min(CHUNK_VALUES, size - c * CHUNK_VALUES)
+            values.append(_tensor(body.get("global"), n, peer))
+            raw_m = body.get("momentum")
+            moments.append(None if raw_m is None else _tensor(raw_m, n, peer))
+            s = body.get("steps", 0)
+            if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+                raise ProtocolError("malformed", "steps must be a non-negative integer", peer)
+            steps = max(steps, s)
+        globals_.append(torch.cat(values) if len(values) > 1 else values[0])
+        if all(m is None for m in moments):
+            momentum.append(None)
+        elif any(m is None for m in moments):
+            raise ProtocolError("malformed", "momentum in some chunks only", peer)
+        else:
+            momentum.append(torch.cat(moments) if len(moments) > 1 else moments[0])
     if state_digest(globals_) != digest:
         raise ProtocolError("bad_digest", "the assembled state does not match its digest")
     attestations = await attested(transport, run_id, round_, timeout=timeout)
@@ -259,6 +279,29 @@ async def fetch_state(
         *(round_, len({p for p, _ in chunks}), have),
     )
     return StateSnapshot(round_, plan_digest, tuple(globals_), tuple(momentum), steps)
+
+
+async def _state_chunk(
+    transport: Transport,
+    identity: Identity,
+    run_id: str,
+    peer: str,
+    fragment: int,
+    chunk: int,
+    timeout: float,
+    max_bytes: int,
+) -> Envelope:
+    """Chunk ``chunk`` of fragment ``fragment`` of ``peer``'s state, opened and checked."""
+    header = Header("state_req", run_id, 0, fragment, chunk, identity.peer_id)
+    reply = await transport.call(
+        peer, RPC_NAME, seal(identity, header, {}), timeout=timeout, max_response_bytes=max_bytes
+    )
+    env = open_envelope(
+        reply, max_bytes=max_bytes, expected_sender=peer, run_id=run_id, kinds=("state",)
+    )
+    if env.header.fragment != fragment or env.header.part != chunk:
+        raise ProtocolError("wrong_part", f"asked for chunk {chunk} of fragment {fragment}", peer)
+    return env
 
 
 def _tensor(raw: object, size: int, peer: str) -> torch.Tensor:
@@ -310,7 +353,8 @@ def download(
             max_bytes=max_bytes,
         )
         try:
-            return transport.run(fetching, timeout * (len(sizes) + 1) + 5), peers
+            calls = sum(max(1, -(-n // CHUNK_VALUES)) for n in sizes)
+            return transport.run(fetching, timeout * (calls + 1) + 5), peers
         except (ProtocolError, TimeoutError) as exc:
             logger.warning("catch-up from %s failed: %s", ", ".join(p[:12] for p in peers), exc)
     return None

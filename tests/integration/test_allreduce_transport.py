@@ -834,3 +834,25 @@ def test_catch_up_spreads_fragments_and_refuses_mixed_states(
         assert info.value.reason == "mixed_state"
     finally:
         swarm.transports[2].remove_handler(STATE_RPC)
+
+
+@pytest.mark.timeout(60)
+def test_catch_up_takes_a_large_fragment_in_chunks(
+    swarm: SimpleNamespace, state_server: StateServer, outer: OuterOptimizer, monkeypatch
+) -> None:
+    from node import catchup
+
+    monkeypatch.setattr(catchup, "CHUNK_VALUES", 1000)  # fragments of thousands of values
+    digest = outer.plan.digest()
+    sizes = [f.numel for f in outer.plan.fragments]
+    assert min(sizes) > 3000
+    snapshot = StateSnapshot.take(9, digest, outer)
+    _publish(swarm, state_server, snapshot)
+    got = _fetch(swarm, digest, sizes, 9)
+    for mine, theirs in zip(snapshot.globals + snapshot.momentum, got.globals + got.momentum):
+        assert theirs is not None and torch.equal(mine, theirs)
+    # a server whose chunks do not cover a fragment as the client counts them is refused
+    monkeypatch.setattr(catchup, "CHUNK_VALUES", 2000)
+    with pytest.raises(ProtocolError) as info:
+        _fetch(swarm, digest, sizes, 9)
+    assert info.value.reason == "malformed"
