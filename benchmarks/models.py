@@ -16,9 +16,10 @@ The corpus is the standard library's ``.py`` files, prepared once per run with
    40 GB): the peak resident memory of one node's process against that of a bare loop
    of the same model, optimizer and batch, per parameter. The slope between the
    presets is what a node holds per parameter beyond the model and its inner optimizer
-   (outer state, error feedback, the state it serves to joining peers); the intercept
-   is its fixed cost (hivemind, the control channel's client). Goal: 20 bytes per
-   parameter or less.
+   (the outer state and error feedback; the state it serves to joining peers is read
+   from a file), measured over one round of 8 fragments that sync one after another;
+   the intercept is its fixed cost (hivemind, the control channel's client). Goal: 20
+   bytes per parameter or less.
 3. **Convergence**: four nodes (H inner steps per round, int8) against DDP of four
    ranks (gloo, an fp32 gradient all-reduce every step) at equal tokens, the same
    inner optimizer and schedule, scored in bits per byte on the same validation
@@ -66,7 +67,9 @@ _NODE = [
     "network.round_timeout=10",
 ]
 _MEMORY_PRESETS = ("llama-tiny", "gpt2-small", "llama-150m")
-_MEMORY_STEPS = 4
+_MEMORY_STEPS = 8
+"""Inner steps of the memory runs: one round of 8 fragments, one sync launched per step
+(as a run of H >= F staggers them)."""
 _GPU_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
@@ -228,11 +231,12 @@ def _memory(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, 
         node_overrides = [
             *overrides,
             *_NODE,
+            "sync.fragments=8",
             "sync.trigger='steps'",
-            f"sync.inner_steps={_MEMORY_STEPS // 2}",
+            f"sync.inner_steps={_MEMORY_STEPS}",
             "train.eval_batches=2",
         ]
-        node = _swarm(node_overrides, 1, 2, work / f"memory-{preset}")[0]
+        node = _swarm(node_overrides, 1, 1, work / f"memory-{preset}")[0]
         params = bare["params"]
         last = node["rounds"][-1] if node["rounds"] else {}
         node_peak = last.get("host_peak_bytes_per_param", 0.0) * params

@@ -1,7 +1,8 @@
 """Catching up: serve this node's last completed global state, and take a peer's.
 
 At the end of every round a node snapshots its global copy of every fragment and
-the outer optimizer's momentum, and signs the snapshot's digest into the DHT under
+the outer optimizer's momentum into a file it serves from (no second copy in
+memory), and signs the snapshot's digest into the DHT under
 ``{run_id}:digest:{round}``. A node that joins (or falls behind) downloads the
 newest snapshot over the ``atoll.state`` RPC, each fragment in chunks of at most
 :data:`CHUNK_VALUES` values (so a fragment of any size fits the wire's message cap),
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -87,8 +90,9 @@ class StateSnapshot:
                 opt.state[param]["momentum_buffer"] = buf.clone()
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().float().contiguous().cpu().numpy().tobytes()
+def _raw(t: torch.Tensor) -> memoryview:
+    """A float32 CPU vector's bytes, without a copy."""
+    return t.detach().float().contiguous().cpu().numpy().data
 
 
 def state_digest(globals_: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> str:
@@ -96,7 +100,7 @@ def state_digest(globals_: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> str
     place: a float32 CPU vector is not copied)."""
     h = hashlib.sha256()
     for g in globals_:
-        h.update(g.detach().float().contiguous().cpu().numpy().data)
+        h.update(_raw(g))
     return h.hexdigest()
 
 
@@ -104,16 +108,44 @@ def _digest_key(run_id: str, round_: int) -> str:
     return f"{run_id}:digest:{round_}"
 
 
-class StateServer:
-    """Serves the newest snapshot, one fragment per request, to peers that ask."""
+@dataclass(frozen=True)
+class _Served:
+    """The snapshot a node serves: its values in a file of its own, read on request."""
 
-    def __init__(self, transport: Transport, identity: Identity, run_id: str) -> None:
+    round: int
+    plan_digest: str
+    steps: int
+    digest: str
+    fd: int
+    layout: tuple[tuple[int, int, int | None], ...]  # per fragment: values, offset, momentum's
+
+
+class StateServer:
+    """Serves the newest snapshot, in chunks of a fragment, to peers that ask.
+
+    The snapshot's values are written to a file in ``folder`` (float32, each fragment's
+    global values and then its momentum) and read back chunk by chunk as peers ask, so
+    serving costs the node no memory per parameter; the file of the previous round is
+    removed once a newer one is served.
+
+    Args:
+        transport: where peers ask (``atoll.state``).
+        identity: signs every chunk.
+        run_id: the run's id.
+        folder: where the state file lives (a node's data directory's ``state``).
+    """
+
+    def __init__(self, transport: Transport, identity: Identity, run_id: str, folder: Path) -> None:
         self.transport = transport
         self.identity = identity
         self.run_id = run_id
+        self.folder = Path(folder)
         self._lock = threading.Lock()
-        self._replies: list[list[bytes]] = []  # by fragment, by chunk
-        self._round = -1
+        self._served: _Served | None = None
+        self._retired: _Served | None = None  # kept open for requests still reading it
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob("state-*.bin"):  # left by an earlier run
+            stale.unlink(missing_ok=True)
 
     def register(self) -> None:
         self.transport.add_handler(RPC_NAME, self._handle, max_request_bytes=4096)
@@ -121,27 +153,42 @@ class StateServer:
     def publish(self, snapshot: StateSnapshot) -> str:
         """Serve ``snapshot`` from now on; return its digest."""
         digest = state_digest(snapshot.globals)
-        replies: list[list[bytes]] = []
-        for f, value in enumerate(snapshot.globals):
-            m = snapshot.momentum[f]
-            count = max(1, -(-value.numel() // CHUNK_VALUES))
-            chunks = []
-            for c in range(count):
-                cut = slice(c * CHUNK_VALUES, (c + 1) * CHUNK_VALUES)
-                body = {
-                    "plan": snapshot.plan_digest,
-                    "steps": int(snapshot.steps),
-                    "digest": digest,
-                    "chunks": count,
-                    "global": _to_bytes(value[cut]),
-                    "momentum": None if m is None else _to_bytes(m[cut]),
-                }
-                header = Header("state", self.run_id, snapshot.round, f, c, self.identity.peer_id)
-                chunks.append(seal(self.identity, header, body))
-            replies.append(chunks)
+        path = self.folder / f"state-{snapshot.round:08d}.bin"
+        tmp = path.with_suffix(".tmp")
+        layout, offset = [], 0
+        with tmp.open("wb") as f:
+            for value, m in zip(snapshot.globals, snapshot.momentum):
+                n = value.numel()
+                f.write(_raw(value))
+                moment = None
+                if m is not None:
+                    moment = offset + 4 * n
+                    f.write(_raw(m))
+                layout.append((n, offset, moment))
+                offset += 4 * n * (1 if m is None else 2)
+        os.replace(tmp, path)
+        served = _Served(
+            snapshot.round,
+            snapshot.plan_digest,
+            int(snapshot.steps),
+            digest,
+            os.open(path, os.O_RDONLY),
+            tuple(layout),
+        )
+        path.unlink()  # the open descriptor keeps it readable; nothing is left behind
         with self._lock:
-            self._replies, self._round = replies, snapshot.round
+            retired, self._retired, self._served = self._retired, self._served, served
+        if retired is not None:
+            os.close(retired.fd)
         return digest
+
+    def close(self) -> None:
+        """Stop serving and let go of the state files."""
+        with self._lock:
+            served = [s for s in (self._served, self._retired) if s is not None]
+            self._served = self._retired = None
+        for s in served:
+            os.close(s.fd)
 
     async def attest(self, round_: int, digest: str, *, timeout: float) -> bool:
         """Sign ``digest`` as this node's global state after ``round_``, in the DHT."""
@@ -161,13 +208,29 @@ class StateServer:
             data, max_bytes=4096, expected_sender=peer, run_id=self.run_id, kinds=("state_req",)
         )
         with self._lock:
-            replies = self._replies
-        if not replies:
+            served = self._served
+        if served is None:
             raise ProtocolError("no_state", "this node has no completed round yet", peer)
         f, c = env.header.fragment, env.header.part
-        if not 0 <= f < len(replies) or not 0 <= c < len(replies[f]):
+        if not 0 <= f < len(served.layout):
+            raise ProtocolError("wrong_part", f"no fragment {f}", peer)
+        n, offset, moment = served.layout[f]
+        count = max(1, -(-n // CHUNK_VALUES))
+        if not 0 <= c < count:
             raise ProtocolError("wrong_part", f"no chunk {c} of fragment {f}", peer)
-        return replies[f][c]
+        lo, hi = c * CHUNK_VALUES, min(n, (c + 1) * CHUNK_VALUES)
+        body = {
+            "plan": served.plan_digest,
+            "steps": served.steps,
+            "digest": served.digest,
+            "chunks": count,
+            "global": os.pread(served.fd, 4 * (hi - lo), offset + 4 * lo),
+            "momentum": None
+            if moment is None
+            else os.pread(served.fd, 4 * (hi - lo), moment + 4 * lo),
+        }
+        header = Header("state", self.run_id, served.round, f, c, self.identity.peer_id)
+        return seal(self.identity, header, body)
 
 
 async def attested(

@@ -371,7 +371,9 @@ class Node:
             self.events,
             self.device,
         )
-        self.state_server = catchup.StateServer(self.transport, self.identity, cfg.run.run_id)
+        self.state_server = catchup.StateServer(
+            self.transport, self.identity, cfg.run.run_id, self.data_dir / "state"
+        )
         self.state_server.register()
         self.load = LoadMeter(
             lambda: dict(self.transport.dht_usage) if self.transport else {},
@@ -549,6 +551,8 @@ class Node:
             attempt("closing the control channel", self.control.close)
         if self.transport is not None:
             attempt("stopping the transport", self.transport.shutdown)
+        if hasattr(self, "state_server"):
+            attempt("closing the served state", self.state_server.close)
         if hasattr(self, "verifier"):
             attempt("closing the audit log", self.verifier.close)
         if hasattr(self, "status"):

@@ -36,7 +36,7 @@ from protocol.averaging.parts import (
 )
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport, TransportConfig
-from protocol.wire.messages import Header
+from protocol.wire.messages import Header, seal
 from protocol.wire.partwire import SealedPart, seal_part
 from verification.identity import Identity
 
@@ -709,11 +709,12 @@ def outer() -> OuterOptimizer:
 
 
 @pytest.fixture
-def state_server(swarm: SimpleNamespace) -> Iterator[StateServer]:
-    server = StateServer(swarm.transports[0], swarm.identities[0], RUN)
+def state_server(swarm: SimpleNamespace, tmp_path) -> Iterator[StateServer]:
+    server = StateServer(swarm.transports[0], swarm.identities[0], RUN, tmp_path / "state")
     server.register()
     yield server
     swarm.transports[0].remove_handler(STATE_RPC)
+    server.close()
 
 
 def _fetch(
@@ -811,11 +812,11 @@ def test_catch_up_without_momentum(swarm: SimpleNamespace, state_server: StateSe
 
 @pytest.mark.timeout(60)
 def test_catch_up_spreads_fragments_and_refuses_mixed_states(
-    swarm: SimpleNamespace, state_server: StateServer, outer: OuterOptimizer
+    swarm: SimpleNamespace, state_server: StateServer, outer: OuterOptimizer, tmp_path
 ) -> None:
     digest = outer.plan.digest()
     sizes = [f.numel for f in outer.plan.fragments]
-    other = StateServer(swarm.transports[2], swarm.identities[2], RUN)
+    other = StateServer(swarm.transports[2], swarm.identities[2], RUN, tmp_path / "other")
     other.register()
     try:
         snapshot = StateSnapshot.take(7, digest, outer)
@@ -834,10 +835,11 @@ def test_catch_up_spreads_fragments_and_refuses_mixed_states(
         assert info.value.reason == "mixed_state"
     finally:
         swarm.transports[2].remove_handler(STATE_RPC)
+        other.close()
 
 
 @pytest.mark.timeout(60)
-def test_catch_up_takes_a_large_fragment_in_chunks(
+def test_catch_up_takes_a_large_fragment_in_chunks_from_the_file_it_was_published_to(
     swarm: SimpleNamespace, state_server: StateServer, outer: OuterOptimizer, monkeypatch
 ) -> None:
     from node import catchup
@@ -846,13 +848,24 @@ def test_catch_up_takes_a_large_fragment_in_chunks(
     digest = outer.plan.digest()
     sizes = [f.numel for f in outer.plan.fragments]
     assert min(sizes) > 3000
-    snapshot = StateSnapshot.take(9, digest, outer)
-    _publish(swarm, state_server, snapshot)
+    kept = StateSnapshot.take(9, digest, outer)  # copies, to compare with
+    # published from the live tensors, which then move on: what is served stays round 9's
+    _publish(swarm, state_server, StateSnapshot.take(9, digest, outer, copy_tensors=False))
+    for f in range(len(sizes)):
+        outer.step(f, torch.ones(sizes[f]))
     got = _fetch(swarm, digest, sizes, 9)
-    for mine, theirs in zip(snapshot.globals + snapshot.momentum, got.globals + got.momentum):
+    for mine, theirs in zip(kept.globals + kept.momentum, got.globals + got.momentum):
         assert theirs is not None and torch.equal(mine, theirs)
-    # a server whose chunks do not cover a fragment as the client counts them is refused
-    monkeypatch.setattr(catchup, "CHUNK_VALUES", 2000)
-    with pytest.raises(ProtocolError) as info:
-        _fetch(swarm, digest, sizes, 9)
-    assert info.value.reason == "malformed"
+    assert not any(state_server.folder.iterdir())  # served from an unlinked file
+    with pytest.raises(ProtocolError) as info:  # a chunk past the fragment's end
+        header = Header("state_req", RUN, 0, 0, 99, swarm.identities[1].peer_id)
+        swarm.transports[1].run(
+            swarm.transports[1].call(
+                swarm.transports[0].peer_id,
+                STATE_RPC,
+                seal(swarm.identities[1], header, {}),
+                timeout=10,
+            ),
+            15,
+        )
+    assert info.value.reason == "remote_error" and "wrong_part" in info.value.detail

@@ -52,7 +52,9 @@ def test_two_llama_nodes_on_bpe_shards_train_agree_and_export(
     assert syncs and all(s["complete"] and len(s["group"]) == 2 for s in syncs)
     # what the swarm agreed on, as a from_pretrained folder
     out = tmp_path / "export"
-    assert main(["export", "--format", "hf", "--data-dir", str(node.data_dir), "--out", str(out)]) == 0
+    assert (
+        main(["export", "--format", "hf", "--data-dir", str(node.data_dir), "--out", str(out)]) == 0
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from node.handoff import global_model
