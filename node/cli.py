@@ -662,9 +662,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.params is not None:
         params = parse_count(args.params)
     else:
+        import torch
+
+        from node.bindings import bind
         from node.model import build_model
 
-        params = sum(p.numel() for p in build_model(cfg.model).parameters())
+        model_cfg = bind(cfg).model  # a preset's vocabulary: the tokenizer's
+        with torch.device("meta"):  # counted, not allocated: a 1B model costs nothing
+            model = build_model(model_cfg)
+        params = sum(p.numel() for p in model.parameters())
     sync = cfg.sync
     inp = PlanInput(
         params=params,

@@ -118,12 +118,12 @@ def _claim(out: Path, force: bool) -> None:
     """``out`` is ours to write: new, an unfinished prepare, or ``force``."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file; choose a folder")
-    if (out / "meta.json").exists():
-        if not force:
-            raise DataError(
-                f"--out {out} already holds shards (meta.json); choose another folder or "
-                "pass --force to replace them"
-            )
+    if (out / "meta.json").exists() and not force:
+        raise DataError(
+            f"--out {out} already holds shards (meta.json); choose another folder or "
+            "pass --force to replace them"
+        )
+    if force:  # start over: finished shards and unfinished work alike
         for name in ("meta.json", "train.bin", "val.bin"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
@@ -281,7 +281,7 @@ def _resume_or_start(work: Path, identity: dict[str, Any]) -> None:
         if found != identity:
             raise DataError(
                 f"{work} holds an unfinished prepare of other inputs or settings: run that "
-                f"command again to finish it, or remove {work} to start this one"
+                "command again to finish it, or pass --force to start this one"
             )
         return
     work.mkdir(parents=True, exist_ok=True)

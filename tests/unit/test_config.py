@@ -77,6 +77,21 @@ def test_shipped_configs_validate():
     for path in files:
         cfg = load_config(path)
         assert cfg.run.run_id
+    # the real-model configs name presets that build (counted on the meta device)
+    import torch
+
+    from node.model import build_model
+
+    from node.hf import load_config_dict
+
+    for name in ("llama-tiny", "llama-150m", "llama-1b"):
+        cfg = load_config(root / f"{name}.toml")
+        assert cfg.model.arch == "hf" and cfg.model.preset == name
+        assert cfg.model.context <= load_config_dict(cfg.model)["max_position_embeddings"]
+        if name != "llama-1b":  # (building even its meta tensors takes seconds)
+            with torch.device("meta"):
+                params = sum(p.numel() for p in build_model(cfg.model).parameters())
+            assert params > {"llama-tiny": 3e6, "llama-150m": 1.4e8}[name]
     local = load_config(root / "local-swarm.toml")
     assert local.sync.trigger == "seconds" and local.sync.codec == "int8"
     # every round's syncs (and their deadlines) fit inside the round

@@ -214,6 +214,12 @@ def test_an_interrupted_prepare_resumes_without_redoing_finished_pieces(
     total = len(list(prep._pieces(prep._Documents([("x", _rows(DOCS), "text")]), 20971)))
     assert total > 10 and sorted(calls) == list(range(5, total))
     assert _shards(tmp_path / "out") == _shards(tmp_path / "whole")
+    # --force starts another job over whatever the folder holds
+    calls.clear()
+    with pytest.raises(prep.Interrupted):
+        prep.prepare(patterns, tmp_path / "again", progress=stop_after_five, **options)
+    meta = prep.prepare(patterns, tmp_path / "again", tokenizer=str(tokenizer_dir), force=True)
+    assert meta["train_tokens"] == _shards(tmp_path / "whole")[2]["train_tokens"]
 
 
 def _rows(docs: list[str]):
