@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "benchmarks.scale",
     "cuda_site": "benchmarks.cuda_site",
     "models": "benchmarks.models",
+    "partitions": "benchmarks.partitions",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir)``."""
 

@@ -3,7 +3,9 @@
 At the end of every round a node snapshots its global copy of every fragment and
 the outer optimizer's momentum into a file it serves from (no second copy in
 memory), and signs the snapshot's digest into the DHT under
-``{run_id}:digest:{round}``. A node that joins (or falls behind) downloads the
+``{run_id}:digest:{round}``, with its standing (settled, unsettled or joining: which
+state a swarm converges on after a round that went wrong is decided from these,
+:func:`node.agreement.swarm_state`). A node that joins (or falls behind) downloads the
 newest snapshot over the ``atoll.state`` RPC, each fragment in chunks of at most
 :data:`CHUNK_VALUES` values (so a fragment of any size fits the wire's message cap),
 spreading the fragments over the peers of that round; every chunk is a signed
@@ -32,11 +34,22 @@ from protocol.p2p.transport import Transport
 from protocol.wire.messages import Envelope, Header, open_envelope, seal
 from verification.identity import Identity
 
-__all__ = ["StateServer", "StateSnapshot", "attested", "download", "fetch_state", "state_digest"]
+__all__ = [
+    "STANDINGS",
+    "StateServer",
+    "StateSnapshot",
+    "attested",
+    "download",
+    "fetch_state",
+    "state_digest",
+]
 
 logger = logging.getLogger(__name__)
 
 RPC_NAME = "atoll.state"
+
+STANDINGS = ("settled", "unsettled", "joining")
+"""What a node's signed state digest says of the state (:meth:`StateServer.attest`)."""
 
 CHUNK_VALUES = 4 * 2**20
 """Values of a fragment per state reply: 16 MiB of global values and as much momentum,
@@ -190,10 +203,22 @@ class StateServer:
         for s in served:
             os.close(s.fd)
 
-    async def attest(self, round_: int, digest: str, *, timeout: float) -> bool:
-        """Sign ``digest`` as this node's global state after ``round_``, in the DHT."""
+    async def attest(
+        self, round_: int, digest: str, *, timeout: float, standing: str = "settled"
+    ) -> bool:
+        """Sign ``digest`` as this node's global state after ``round_``, in the DHT (a
+        later signature for the same round replaces it).
+
+        Args:
+            standing: one of :data:`STANDINGS`: ``settled`` (the round went well),
+                ``unsettled`` (this node lost a sync of the round and is about to take
+                the swarm's state), ``joining`` (its state is not the swarm's yet: it
+                says it is here, and its digest is never taken).
+        """
+        if standing not in STANDINGS:
+            raise ValueError(f"standing {standing!r}: expected one of {', '.join(STANDINGS)}")
         header = Header("digest", self.run_id, round_, 0, 0, self.identity.peer_id)
-        value = seal(self.identity, header, {"digest": digest})
+        value = seal(self.identity, header, {"digest": digest, "standing": standing})
         return await self.transport.dht_store(
             _digest_key(self.run_id, round_),
             self.identity.peer_id,
@@ -235,10 +260,11 @@ class StateServer:
 
 async def attested(
     transport: Transport, run_id: str, round_: int, *, timeout: float
-) -> dict[str, set[str]]:
-    """``{digest: signers}`` of the signed state digests peers stored for ``round_``."""
+) -> dict[str, dict[str, str]]:
+    """``{digest: {signer: standing}}`` of the signed state digests peers stored for
+    ``round_`` (see :data:`STANDINGS`)."""
     found = await transport.dht_get(_digest_key(run_id, round_), timeout=timeout, kind="digest")
-    out: dict[str, set[str]] = {}
+    out: dict[str, dict[str, str]] = {}
     for signer, value in (found or {}).items() if isinstance(found, dict) else []:
         try:
             env = open_envelope(
@@ -252,9 +278,11 @@ async def attested(
         except ProtocolError as exc:
             logger.info("state digest under %s refused: %s", signer[:16], exc)
             continue
-        digest = env.body.get("digest")
-        if isinstance(digest, str):
-            out.setdefault(digest, set()).add(signer)
+        digest, standing = env.body.get("digest"), env.body.get("standing")
+        if isinstance(digest, str) and standing in STANDINGS:
+            out.setdefault(digest, {})[signer] = standing
+        else:
+            logger.info("state digest under %s refused: malformed body", signer[:16])
     return out
 
 
@@ -270,17 +298,19 @@ async def fetch_state(
     signers: int,
     timeout: float,
     max_bytes: int,
+    digest: str | None = None,
 ) -> StateSnapshot:
     """Download a snapshot fragment by fragment, spread over ``peers``, and check it.
 
-    All fragments must come from the same round and carry the same state digest, the
-    assembled globals must hash to that digest, and at least ``signers`` peers must
-    have signed that digest for that round in the DHT.
+    All fragments must come from the same round and carry the same state digest (when
+    ``digest`` is given, that one), the assembled globals must hash to that digest, and
+    at least ``signers`` peers must have signed that digest for that round in the DHT.
 
     Raises:
         ProtocolError: unreachable peers, bad signatures, another run or model, wrong
-            sizes, non-finite values, mixed rounds, a digest that does not match, too
-            few signers, or a round older than ``min_round``.
+            sizes, non-finite values, mixed rounds, another state than ``digest``, a
+            digest that does not match, too few signers, or a round older than
+            ``min_round``.
     """
     if not peers:
         raise ProtocolError("no_peer", "no peer to take the state from")
@@ -302,7 +332,10 @@ async def fetch_state(
     digests = {env.body.get("digest") for _, parts in chunks for env in parts}
     if len(rounds) != 1 or len(digests) != 1:
         raise ProtocolError("mixed_state", "peers served different rounds or states")
-    round_, digest = rounds.pop(), digests.pop()
+    round_, served = rounds.pop(), digests.pop()
+    if digest is not None and served != digest:
+        raise ProtocolError("other_state", f"served state {str(served)[:12]}, not {digest[:12]}")
+    digest = served
     if round_ < min_round:
         raise ProtocolError("stale_round", f"state of round {round_} < {min_round}")
     globals_, momentum, steps = [], [], 0
@@ -332,7 +365,7 @@ async def fetch_state(
     if state_digest(globals_) != digest:
         raise ProtocolError("bad_digest", "the assembled state does not match its digest")
     attestations = await attested(transport, run_id, round_, timeout=timeout)
-    have = len(attestations.get(digest, set()))
+    have = sum(1 for s in attestations.get(digest, {}).values() if s != "joining")
     if have < signers:
         raise ProtocolError(
             "unattested", f"{have} of {signers} required peers signed the state of round {round_}"
@@ -387,8 +420,10 @@ def download(
     signers: int,
     timeout: float,
     max_bytes: int,
+    digest: str | None = None,
 ) -> tuple[StateSnapshot, list[str]] | None:
-    """Take the newest state ``sources`` (newest round first) offer, on this thread.
+    """Take the newest state ``sources`` (newest round first) offer, on this thread
+    (with ``digest``: that state only).
 
     First the fragments are spread over every peer of the newest round; then each of
     the first three sources alone, in case one of them serves something else. Every
@@ -414,6 +449,7 @@ def download(
             signers=signers,
             timeout=timeout,
             max_bytes=max_bytes,
+            digest=digest,
         )
         try:
             calls = sum(max(1, -(-n // CHUNK_VALUES)) for n in sizes)

@@ -493,6 +493,11 @@ def _print_network(status: dict[str, Any]) -> None:
     warning = status.get("control_warning")
     if warning:
         print(f"WARNING: {warning}")
+    if status.get("alone_syncs"):
+        print(
+            f"WARNING: {status['alone_syncs']} sync(s) averaged alone while peers were live; "
+            f"last: {status.get('alone_warning')}"
+        )
 
 
 def _node_data(data_dir: str) -> Path:

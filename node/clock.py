@@ -9,9 +9,16 @@ node waits for another.
 
 How the clock is agreed (:func:`agree`): a run spec carries ``t0`` and its clock is the
 run's. Without one, the first node of a run stores a signed manifest
-``{t0, round_seconds, spec}`` in the DHT under ``{run_id}:manifest``; every later node
-with the same shared settings reads it and uses the same numbers (the earliest
-manifest of those settings wins over local config; other settings' are ignored).
+``{t0, round_seconds, spec}`` in the DHT under ``{run_id}:manifest``, and every later
+node with the same shared settings takes the clock from it. Anyone can write a
+manifest there, so a node takes one only from a signer it trusts: the keys in
+``run.clock_signers``, or else the nodes it joins through (the PeerIDs of its initial
+peers), and itself (a restart); and only with the run's round length
+(``sync.round_seconds``, a shared setting). Every other manifest is refused, its
+reason logged once. A node that takes a clock signs it again under its own key, so
+the nodes that join through it trust it in turn. Of the manifests it trusts, the
+earliest ``t0`` wins. Public swarms should use a run spec: its creator's signature is
+the clock's.
 Clocks are assumed synchronised to NTP level (tens of milliseconds): skew shifts
 when a node announces a sync by that much, and the matchmaking window
 (``network.matchmaking_seconds``) absorbs it.
@@ -23,14 +30,14 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
 from protocol.wire.messages import Header, open_envelope, seal
 from verification.identity import Identity
 
-__all__ = ["SecondsClock", "agree"]
+__all__ = ["ClockSettings", "SecondsClock", "agree"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,82 +91,126 @@ class SecondsClock:
         return math.ceil(time.time() + lead)
 
 
+@dataclass(frozen=True)
+class ClockSettings:
+    """How a node agrees the round clock (built by :func:`node.config.clock_settings`).
+
+    Attributes:
+        run_id: the run.
+        spec: digest of the run spec (or shared settings) this node runs.
+        round_seconds: the run's round length; a manifest with another is refused.
+        fragments: fragments of the model (syncs per round).
+        signers: PeerIDs whose manifests this node takes (besides its own).
+        spec_t0: the run spec's ``t0``: when given, it is the clock, and the DHT is
+            not consulted.
+        wait: how long to look for a trusted manifest before starting a clock (0 for
+            the first node of a swarm).
+        lead: how far ahead of now a new clock starts.
+        timeout: deadline of one DHT operation.
+    """
+
+    run_id: str
+    spec: str
+    round_seconds: float
+    fragments: int
+    signers: frozenset[str] = field(default_factory=frozenset)
+    spec_t0: float | None = None
+    wait: float = 0.0
+    lead: float = 2.0
+    timeout: float = 10.0
+
+
 def _key(run_id: str) -> str:
     return f"{run_id}:manifest"
 
 
 async def _read(
-    transport: Transport, run_id: str, spec: str, timeout: float
+    transport: Transport, settings: ClockSettings, me: str, refused: dict[str, str]
 ) -> tuple[float, float, str] | None:
-    """The earliest valid manifest of ``run_id`` and ``spec``: ``(t0, length, signer)``."""
-    found = await transport.dht_get(_key(run_id), timeout=timeout, kind="clock")
+    """The earliest trusted manifest of the run: ``(t0, length, signer)``; manifests
+    refused for the first time are logged (``refused``: signer -> reason, so far)."""
+    found = await transport.dht_get(_key(settings.run_id), timeout=settings.timeout, kind="clock")
     clocks = []
     for signer, value in found.items() if isinstance(found, dict) else []:
         try:
-            env = open_envelope(
-                value,
-                max_bytes=_MANIFEST_BYTES,
-                expected_sender=signer,
-                run_id=run_id,
-                kinds=("manifest",),
-            )
-            t0, length = env.body.get("t0"), env.body.get("round_seconds")
-            if env.body.get("spec", "") != spec:
-                raise ProtocolError("spec_mismatch", "a manifest of other shared settings")
-            if isinstance(t0, float) and isinstance(length, float) and length > 0:
-                clocks.append((t0, length, signer))
+            clocks.append((*_check(value, signer, settings, me), signer))
         except ProtocolError as exc:
-            logger.info("manifest under %s refused: %s", signer[:16], exc)
+            reason = str(exc)
+            if refused.get(signer) != reason:
+                refused[signer] = reason
+                logger.warning("round clock under %s refused: %s", signer, reason)
     return min(clocks) if clocks else None
 
 
-async def agree(
-    transport: Transport,
-    identity: Identity,
-    run_id: str,
-    spec: str,
-    round_seconds: float,
-    fragments: int,
-    *,
-    spec_t0: float | None = None,
-    wait: float = 0.0,
-    lead: float = 2.0,
-    timeout: float = 10.0,
-) -> SecondsClock:
-    """The run's round clock.
+def _check(value: object, signer: str, settings: ClockSettings, me: str) -> tuple[float, float]:
+    """``(t0, round_seconds)`` of a manifest this node may take.
 
-    Args:
-        spec: digest of the run spec (or shared settings) this node runs.
-        spec_t0: the run spec's ``t0``: when given, it is the clock, and the DHT is
-            not consulted.
-        wait: how long to look for another node's manifest before starting a clock
-            (0 for the first node of a swarm).
-        lead: how far ahead of now a new clock starts.
-        timeout: deadline of one DHT operation.
+    Raises:
+        ProtocolError: a bad signature or body, another spec, another round length, or a
+            signer this node does not trust.
     """
-    if spec_t0 is not None:
-        logger.info("round clock from the run spec: t0 %.1f", spec_t0)
-        return SecondsClock(spec_t0, round_seconds, fragments)
-    deadline = time.monotonic() + wait
-    while True:
-        found = await _read(transport, run_id, spec, timeout)
-        if found is not None:
-            t0, length, signer = found
-            logger.info("round clock from %s: t0 %.1f, %.1fs rounds", signer[:16], t0, length)
-            return SecondsClock(t0, length, fragments)
-        if time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(_POLL_SECONDS)
-    t0 = float(SecondsClock.start_time(round_seconds, lead=lead))
-    body = {"t0": t0, "round_seconds": float(round_seconds), "spec": spec}
-    header = Header("manifest", run_id, 0, 0, 0, identity.peer_id)
+    env = open_envelope(
+        value,
+        max_bytes=_MANIFEST_BYTES,
+        expected_sender=signer,
+        run_id=settings.run_id,
+        kinds=("manifest",),
+    )
+    t0, length = env.body.get("t0"), env.body.get("round_seconds")
+    if env.body.get("spec", "") != settings.spec:
+        raise ProtocolError("spec_mismatch", "a manifest of other shared settings", signer)
+    if not isinstance(t0, float) or not math.isfinite(t0):
+        raise ProtocolError("malformed", f"t0 {t0!r} is not a time", signer)
+    if not isinstance(length, float) or not math.isclose(length, settings.round_seconds):
+        raise ProtocolError(
+            "wrong_round_seconds",
+            f"{length!r} s rounds, but the run's sync.round_seconds is {settings.round_seconds:g}",
+            signer,
+        )
+    if signer != me and signer not in settings.signers:
+        raise ProtocolError(
+            "untrusted_signer",
+            "not a clock signer this node trusts (its initial peers, or run.clock_signers)",
+            signer,
+        )
+    return t0, length
+
+
+async def _sign(
+    transport: Transport, identity: Identity, settings: ClockSettings, t0: float
+) -> None:
+    """Store this node's manifest of the clock ``t0`` (the nodes joining through it trust it)."""
+    body = {"t0": t0, "round_seconds": float(settings.round_seconds), "spec": settings.spec}
+    header = Header("manifest", settings.run_id, 0, 0, 0, identity.peer_id)
     await transport.dht_store(
-        _key(run_id),
+        _key(settings.run_id),
         identity.peer_id,
         seal(identity, header, body),
         _MANIFEST_SECONDS,
-        timeout=timeout,
+        timeout=settings.timeout,
         kind="clock",
     )
-    logger.info("started the round clock: t0 %.1f, %.1fs rounds", t0, round_seconds)
-    return SecondsClock(t0, round_seconds, fragments)
+
+
+async def agree(transport: Transport, identity: Identity, settings: ClockSettings) -> SecondsClock:
+    """The run's round clock (see the module docstring)."""
+    if settings.spec_t0 is not None:
+        logger.info("round clock from the run spec: t0 %.1f", settings.spec_t0)
+        return SecondsClock(settings.spec_t0, settings.round_seconds, settings.fragments)
+    deadline = time.monotonic() + settings.wait
+    refused: dict[str, str] = {}
+    while True:
+        found = await _read(transport, settings, identity.peer_id, refused)
+        if found is not None:
+            t0, length, signer = found
+            logger.info("round clock from %s: t0 %.1f, %.1fs rounds", signer[:16], t0, length)
+            if signer != identity.peer_id:
+                await _sign(transport, identity, settings, t0)
+            return SecondsClock(t0, length, settings.fragments)
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(_POLL_SECONDS)
+    t0 = float(SecondsClock.start_time(settings.round_seconds, lead=settings.lead))
+    await _sign(transport, identity, settings, t0)
+    logger.info("started the round clock: t0 %.1f, %.1fs rounds", t0, settings.round_seconds)
+    return SecondsClock(t0, settings.round_seconds, settings.fragments)

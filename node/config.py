@@ -21,6 +21,7 @@ from pydantic.dataclasses import dataclass
 from verification.policy import TrustPolicy
 
 if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
+    from node.clock import ClockSettings
     from protocol.averaging.exchange import ExchangeSettings
     from protocol.averaging.parts import AllReduceSettings
     from protocol.p2p.transport import TransportConfig
@@ -43,6 +44,7 @@ __all__ = [
     "SyncConfig",
     "TrainConfig",
     "allreduce_settings",
+    "clock_settings",
     "exchange_settings",
     "load_config",
     "load_config_data",
@@ -74,6 +76,19 @@ class RunConfig:
     checkpoint_every: int = Field(default=1, ge=1)
     keep_checkpoints: int = Field(default=3, ge=1)
     eval_every: int = Field(default=1, ge=1)
+    clock_signers: tuple[str, ...] = ()
+    """Without a run spec: the PeerIDs whose round-clock manifests this node takes
+    (empty: the nodes it joins through, its initial peers)."""
+
+    @field_validator("clock_signers")
+    @classmethod
+    def _signers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from verification.policy import is_peer_id
+
+        for peer in value:
+            if not is_peer_id(peer):
+                raise ValueError(f"{peer!r} is not a PeerID (12D3KooW...)")
+        return value
 
     @field_validator("device")
     @classmethod
@@ -624,4 +639,30 @@ def exchange_settings(cfg: AtollConfig, spec: str, fragments: int) -> ExchangeSe
         request_timeout=net.request_timeout,
         base_rate_peers=net.base_rate_peers,
         cells_above=net.cells_above,
+    )
+
+
+def clock_settings(
+    cfg: AtollConfig,
+    spec: str,
+    fragments: int,
+    initial_peers: tuple[str, ...],
+    spec_t0: float | None,
+) -> ClockSettings:
+    """How the node agrees its round clock: whose manifests it trusts (``run.clock_signers``,
+    else its initial peers), the run's round length, how long it looks for one."""
+    from node.clock import ClockSettings
+
+    net = cfg.network
+    joined = {m.rpartition("/p2p/")[2] for m in initial_peers if "/p2p/" in m}
+    return ClockSettings(
+        run_id=cfg.run.run_id,
+        spec=spec,
+        round_seconds=cfg.sync.round_seconds,
+        fragments=fragments,
+        signers=frozenset(cfg.run.clock_signers or joined),
+        spec_t0=spec_t0,
+        wait=10.0 if initial_peers else 0.0,
+        lead=2 * net.registry_seconds + 1,
+        timeout=net.request_timeout,
     )

@@ -392,6 +392,13 @@ class ControlPlane(Commitments):
             **self.counters,
         }
 
+    def heard(self) -> dict[str, dict[str, Any]]:
+        """Peers whose heartbeat arrived within five heartbeats, with what it said."""
+        window = 5 * self.heartbeat_interval + 5
+        now = time.time()
+        with self._lock:
+            return {p: dict(info) for p, info in self._peers.items() if now - info["seen"] < window}
+
     def silence(self, live: set[str], now: float | None = None) -> str | None:
         """A warning when this node hears none of the ``live`` peers on the channel.
 
@@ -402,9 +409,7 @@ class ControlPlane(Commitments):
         :data:`SILENCE_GRACE_SECONDS` of hearing none of them.
         """
         now = time.monotonic() if now is None else now
-        window = 5 * self.heartbeat_interval + 5
-        with self._lock:
-            heard = {p for p, info in self._peers.items() if time.time() - info["seen"] < window}
+        heard = set(self.heard())
         if not live or heard & live:
             self._quiet_since = None
             return None
@@ -612,6 +617,7 @@ class ControlPlane(Commitments):
                 "device",
                 "reachable",
                 "spec",
+                "digest",
             )
         }
         info["seen"] = time.time()

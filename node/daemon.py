@@ -28,12 +28,19 @@ import torch
 
 from node import catchup
 from node.admin import AdminInbox, Command
+from node.agreement import AgreementWatch, swarm_state
 from node.bindings import bind
 from node.byzantine import make_behaviour, training_data
 from node.checkpoint import load_latest, save_checkpoint
 from node.clock import SecondsClock
 from node.clock import agree as agree_clock
-from node.config import AtollConfig, allreduce_settings, exchange_settings, transport_config
+from node.config import (
+    AtollConfig,
+    allreduce_settings,
+    clock_settings,
+    exchange_settings,
+    transport_config,
+)
 from node.controlplane import COMMIT_RPC, ControlPlane
 from node.data import BatchStream, load_data, validation_batches
 from node.handoff import workload_record
@@ -51,6 +58,7 @@ from node.trainer import InnerTrainer, evaluate, make_inner_optimizer
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments
+from protocol.errors import ProtocolError
 from protocol.p2p.transport import BootstrapUnreachable, NotDialable, Transport
 from protocol.wire import codec as codecs
 from verification.identity import Identity
@@ -131,6 +139,9 @@ class Node:
         self.train_started = time.monotonic()
         self._warned_at = -1e9
         self._refused: dict[str, str] = {}  # peers refused during this run, and why
+        self.agreement = AgreementWatch()  # this node's global digest against its peers'
+        self._global_digest: tuple[int, str] | None = None  # (round, digest) last published
+        self.alone_syncs = 0  # syncs averaged alone while peers were live
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -321,6 +332,7 @@ class Node:
             net.registry_seconds,
             net.base_rate_peers,
             net.registry_shards,
+            heard=self._heard,
         )
         self.transport.run(self.peers.ensure_identity_free(), 4 * net.request_timeout + 10)
         self.status.update(force=True, reachability=self.transport.reachability.to_dict())
@@ -438,19 +450,63 @@ class Node:
         if self.initial_peers:
             self._catch_up(min_round=self.round + 1)
 
-    def _resync(self, r: int) -> bool:
-        """Take the swarm's state of round ``r`` (peers may be a moment behind: retry)."""
-        deadline = time.monotonic() + max(5.0, self.cfg.network.round_timeout)
-        while not self.stop_event.is_set():
-            if self._catch_up(min_round=r, rebase=True):
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
-        return False
+    def _take_swarm_state(self, r: int, digest: str, joining: bool) -> str:
+        """After a round that went wrong, take the swarm's state of round ``r`` if it is
+        not this node's own (``digest``); return the digest this node holds now.
 
-    def _catch_up(self, min_round: int, rebase: bool = False) -> bool:
-        """Take the newest global state from a live peer at ``min_round`` or later.
+        The node signs its digest as unsettled (or joining), waits until every live peer
+        has signed one for the round (at most ``max(5, network.round_timeout)`` s), and
+        takes :func:`node.agreement.swarm_state` of the signatures: every node that lost
+        a sync picks the same state, so none waits on another that is re-syncing too.
+        """
+        assert self.transport is not None
+        net = self.cfg.network
+        standing = "joining" if joining else "unsettled"
+        self.transport.run(
+            self.state_server.attest(r, digest, timeout=net.request_timeout, standing=standing),
+            net.request_timeout + 5,
+        )
+        deadline = time.monotonic() + max(5.0, net.round_timeout)
+        signed: dict[str, dict[str, str]] = {}
+        while not self.stop_event.is_set():
+            expected = self.live_peers() | self._heard()
+            try:
+                signed = self.transport.run(
+                    catchup.attested(
+                        self.transport, self.cfg.run.run_id, r, timeout=net.request_timeout
+                    ),
+                    net.request_timeout + 5,
+                )
+            except (ProtocolError, TimeoutError) as exc:
+                logger.info("round %d: signed states unreadable: %s", r, exc)
+            signers = {p for who in signed.values() for p in who}
+            if expected <= signers or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        target = swarm_state(signed)
+        if target is None or target == digest:
+            logger.info("round %d: this node's state is the swarm's", r)
+            return digest
+        holders = sorted(p for p, s in signed[target].items() if s != "joining")
+        while not self.stop_event.is_set():
+            if self._catch_up(min_round=r, rebase=True, digest=target, holders=holders):
+                logger.warning("round %d: took the swarm's state from a peer", r)
+                return self.state_server.publish(self._snapshot())
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        logger.warning("round %d: could not take the swarm's state from any peer", r)
+        return digest
+
+    def _catch_up(
+        self,
+        min_round: int,
+        rebase: bool = False,
+        digest: str | None = None,
+        holders: list[str] | None = None,
+    ) -> bool:
+        """Take the newest global state from a live peer at ``min_round`` or later (with
+        ``digest``: that state, from ``holders``).
 
         With ``rebase`` this node's unsynced local work is kept: each fragment's local
         copy moves by the same amount as its global copy, so the work is contributed at
@@ -464,12 +520,13 @@ class Node:
             self.transport,
             self.identity,
             self.cfg.run.run_id,
-            self.peers.sources(min_round),
+            self.peers.sources(min_round) if holders is None else self.peers.among(holders),
             self.plan,
             min_round=min_round,
             signers=max(1, min(self.cfg.trust.state_signers, len(self.peers.live()))),
             timeout=net.request_timeout,
             max_bytes=int(net.max_message_mb * 2**20),
+            digest=digest,
         )
         if found is None:
             return False
@@ -493,21 +550,16 @@ class Node:
     def _agree_clock(self) -> SecondsClock:
         """The run's round clock (:func:`node.clock.agree`)."""
         assert self.transport is not None
-        cfg, net = self.cfg, self.cfg.network
-        wait = 10.0 if self.initial_peers else 0.0
-        agreeing = agree_clock(
-            self.transport,
-            self.identity,
-            cfg.run.run_id,
+        settings = clock_settings(
+            self.cfg,
             self.spec_digest,
-            cfg.sync.round_seconds,
             len(self.plan),
-            spec_t0=self.spec.t0 if self.spec is not None else None,
-            wait=wait,
-            lead=2 * net.registry_seconds + 1,
-            timeout=net.request_timeout,
+            self.initial_peers,
+            self.spec.t0 if self.spec is not None else None,
         )
-        return self.transport.run(agreeing, wait + 3 * net.request_timeout + 10)
+        net = self.cfg.network
+        agreeing = agree_clock(self.transport, self.identity, settings)
+        return self.transport.run(agreeing, settings.wait + 4 * net.request_timeout + 10)
 
     def _wait_for_peers(self) -> None:
         net = self.cfg.network
@@ -784,8 +836,17 @@ class Node:
             return None
         self.bytes_sent += record["bytes_sent"]
         self.status.update(peers=len(record["group"]), bytes_sent=self.bytes_sent)
-        if len(record["group"]) == 1 and self.live_peers():
-            logger.warning("round %d fragment %d: averaged alone", pending.round, pending.fragment)
+        others = self.live_peers() | self._heard()
+        if len(record["group"]) == 1 and others:
+            # peers are live (in the registry, or heard on the control channel): this
+            # node is cut off from their exchanges; it takes their state at round end
+            self.alone_syncs += 1
+            warning = (
+                f"round {pending.round} fragment {pending.fragment}: averaged alone while "
+                f"{len(others)} peer(s) are live"
+            )
+            logger.warning("%s", warning)
+            self.status.update(alone_syncs=self.alone_syncs, alone_warning=warning)
             return None
         if record["fallback_parts"] and self.live_peers():
             # Parts kept at local values drift from the swarm: take its state at round end.
@@ -795,17 +856,20 @@ class Node:
     def _end_round(self, r: int, resync: bool) -> None:
         self.round = r
         self._pull_from_site()
-        if resync and self.exchange.settings.mixes(len(self.live_peers()) + 1):
+        mixing = self.exchange.settings.mixes(len(self.live_peers()) + 1)
+        apart = None if mixing else self.agreement.check(r)
+        if apart is not None:
+            logger.warning("round %d: %s: taking the swarm's state", r, apart)
+            resync = True
+        digest = self.state_server.publish(self._snapshot())
+        if resync and mixing:
             # Global copies differ across the swarm by design: there is no one state to
             # take; the next rounds' mixing pulls this node's copy back in.
             logger.info("round %d: no re-sync while groups mix weights", r)
-        elif resync and self.live_peers():
-            if self._resync(r):
-                logger.warning("round %d: this node's global copy lagged; re-synced from a peer", r)
-            else:
-                logger.warning("round %d: could not re-sync from any peer", r)
-        digest = self.state_server.publish(self._snapshot())
+        elif resync and (self.live_peers() or self._heard()):
+            digest = self._take_swarm_state(r, digest, joining=r < self.join_round)
         self._global_digest = (self.round, digest)
+        self.agreement.own(self.round, digest)
         self.transport.submit(
             self.state_server.attest(self.round, digest, timeout=self.cfg.network.request_timeout)
         )
@@ -863,7 +927,7 @@ class Node:
         # the audit rows and standings of the rounds in the checkpoint go to disk first
         if not self.verifier.flush():
             logger.warning("audit log: queued rows not written within 30 s of a checkpoint")
-        signed = getattr(self, "_global_digest", (None, ""))
+        signed = self._global_digest or (None, "")
         state = {
             "round": self.round,
             "run_id": self.cfg.run.run_id,
@@ -891,6 +955,14 @@ class Node:
     def live_peers(self) -> set[str]:
         """Peers of this run and spec whose registry record is fresh (this node excluded)."""
         return self.peers.live() if self.peers is not None else set()
+
+    def _heard(self) -> set[str]:
+        """Peers of this run whose heartbeats the control channel hears now (another view
+        of who is live than the registry's, over other connections)."""
+        if self.control is None:
+            return set()
+        heard = self.control.heard()
+        return {p for p, info in heard.items() if info.get("spec") == self.spec_digest}
 
     def _control_traffic(self) -> dict[str, int]:
         channel = self.control.channel if self.control is not None else None
@@ -968,6 +1040,8 @@ class Node:
             "device": str(getattr(self, "device", "")),
             "reachable": reachability.reachable if reachability else True,
             "spec": self.spec_digest,
+            # the global state after the last round, which peers compare with theirs
+            "digest": list(self._global_digest) if self._global_digest else None,
         }
 
     def _record(self) -> Any:
@@ -1040,6 +1114,8 @@ class Node:
             "helper_pids": self._helper_pids(),
         }
         if self.control is not None:
+            for peer, info in self.control.heard().items():
+                self.agreement.heard(peer, info.get("digest"))
             swarm = self.control.swarm()
             fields.update(control_addrs=self.control.addrs, swarm=swarm)
             warning = self.control.silence(live)

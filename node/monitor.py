@@ -80,6 +80,11 @@ def metrics_of(state: State) -> Iterator[Metric]:
         "Validation bits per byte of the global parameters at the last evaluated round.",
         _number(state, "val_bpb"),
     )
+    yield from _counter(
+        "atoll_alone_syncs",
+        "Fragment syncs this node averaged alone while peers were live (cut off from them).",
+        _number(state, "alone_syncs"),
+    )
     yield from _gauge(
         "atoll_host_bytes_per_parameter",
         "Resident host memory of the node's process per model parameter, at the last round.",

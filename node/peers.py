@@ -17,8 +17,12 @@ records:
   see whether that record is still being refreshed (a node restarting after a crash
   leaves one behind that is not) and refuses to start if it is; while running, the
   process that started later stops.
-* **isolation**: a node that has no live peer and no connection re-dials its initial
-  peers, with exponential backoff.
+* **cut off**: a node whose registry view is empty, or holds under half of the peers
+  its control channel hears, re-joins the DHT (hivemind drops a peer from its routing
+  table when a request to it fails, so a link that went down and came back can leave
+  a node with connections but no routes): it dials its initial peers and every peer
+  it has seen, pings them into its routing table and looks up its neighbours again,
+  with exponential backoff.
 
 The registry is ``network.registry_shards`` DHT keys (one by default); a node whose
 shards hold more than :data:`SHARD_RECORDS_WARN` records each says so once, because
@@ -53,7 +57,8 @@ SHARD_RECORDS_WARN = 512
 """Records per registry shard above which a node warns, once, that the shards are too
 few for the swarm (``network.registry_shards``, about ``n / 256``)."""
 
-_REDIAL_SECONDS = (2.0, 60.0)  # first and longest wait between re-dials of initial peers
+_REDIAL_SECONDS = (2.0, 60.0)  # first and longest wait between re-joins of the DHT
+_REJOIN_KNOWN = 8  # peers seen before that a re-join dials, besides the initial peers
 
 
 class DuplicateIdentityError(ValueError):
@@ -80,6 +85,9 @@ class PeerView:
         registry_seconds: how often the record is refreshed in a small swarm.
         base_rate_peers: the swarm size above which refreshes stretch (``network.base_rate_peers``).
         registry_shards: DHT keys the registry is split over (``network.registry_shards``).
+        heard: the peers this node's control channel hears (another view of who is
+            live, through another connection), for telling a cut-off DHT apart from
+            an empty swarm.
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class PeerView:
         registry_seconds: float,
         base_rate_peers: int = 8,
         registry_shards: int = 1,
+        heard: Callable[[], set[str]] = set,
     ) -> None:
         self.transport = transport
         self.identity = identity
@@ -111,7 +120,9 @@ class PeerView:
         self.records: dict[str, PeerRecord] = {}
         self.conflict: str | None = None
         """Set when another process runs with this key (this one must stop)."""
+        self.heard = heard
         self._redial = _Redial()
+        self._known: dict[str, tuple[str, ...]] = {}  # every peer seen, and where
         self._next_refresh = 0.0
         self._warned_shards = False
 
@@ -176,9 +187,12 @@ class PeerView:
             self.records = await self._read_registry()
         except ProtocolError as exc:
             logger.debug("registry read failed: %s", exc)
+        for peer, rec in self.records.items():
+            if peer != self.me and rec.spec == self.spec and rec.maddrs:
+                self._known[peer] = tuple(rec.maddrs)
         self._check_twin(self.records.get(self.me))
         self._check_shards()
-        await self._redial_if_isolated()
+        await self._rejoin_if_cut_off()
 
     async def _read_registry(self) -> dict[str, PeerRecord]:
         return await matchmaking.read_registry(
@@ -241,6 +255,20 @@ class PeerView:
             key=lambda r: (-r.round, r.peer),
         )
 
+    def among(self, peers: Sequence[str]) -> list[PeerRecord]:
+        """Records to fetch state from ``peers`` by (every peer that signed a state: the
+        dialable ones in the registry as it shows them, the others by PeerID alone, for
+        p2pd to route), in the order given."""
+        fresh = self.fresh()
+        out = []
+        for p in peers:
+            rec = fresh.get(p)
+            if rec is None:
+                out.append(PeerRecord(peer=p, round=0, step=0, maddrs=(), updated=0.0))
+            elif rec.reachable:
+                out.append(replace(rec, round=0))  # one round for all: spread over them
+        return out
+
     # ---- one key, two processes -------------------------------------------------------
 
     async def ensure_identity_free(self, clock: Callable[[], float] = time.time) -> None:
@@ -295,15 +323,23 @@ class PeerView:
 
     # ---- isolation --------------------------------------------------------------------
 
-    async def _redial_if_isolated(self) -> None:
-        if not self.initial_peers or self.live():
+    def cut_off(self) -> str | None:
+        """Why this node's registry view looks cut off from the swarm, or None: no live
+        peer while it has someone to re-join through, or fewer than half of the peers
+        its control channel hears."""
+        live, heard = self.live(), self.heard() - {self.me}
+        if not live and (self.initial_peers or self._known):
+            return f"the registry shows no live peer (the control channel hears {len(heard)})"
+        if heard and len(live) < len(heard) / 2:
+            return (
+                f"the registry shows {len(live)} live peers, the control channel hears {len(heard)}"
+            )
+        return None
+
+    async def _rejoin_if_cut_off(self) -> None:
+        why = self.cut_off()
+        if why is None:
             self._redial = _Redial()
-            return
-        try:
-            connected = await self.transport.connected_peers()
-        except Exception:  # a daemon hiccup: try again at the next refresh
-            return
-        if connected:
             return
         now = time.monotonic()
         if now < self._redial.next_at:
@@ -311,12 +347,21 @@ class PeerView:
         self._redial.attempts += 1
         wait = min(_REDIAL_SECONDS[1], _REDIAL_SECONDS[0] * 2 ** (self._redial.attempts - 1))
         self._redial.next_at = now + wait
+        # the initial peers, and a few peers seen before: the ones heard now first
+        heard = self.heard()
+        known = sorted(self._known, key=lambda p: (p not in heard, p))[:_REJOIN_KNOWN]
+        targets = list(self.initial_peers)
+        for peer in known:
+            targets += [m if "/p2p/" in m else f"{m}/p2p/{peer}" for m in self._known[peer]]
+        targets = [m for m in dict.fromkeys(targets) if not m.endswith(f"/p2p/{self.me}")]
         logger.warning(
-            "no peers left; re-dialling the initial peers (attempt %d, next in %.0f s)",
+            "%s: re-joining the DHT through %d address(es) (attempt %d, next in %.0f s)",
+            why,
+            len(targets),
             self._redial.attempts,
             wait,
         )
-        joined = await self.transport.rejoin(self.initial_peers, self.request_timeout)
+        joined = await self.transport.rejoin(targets, self.request_timeout)
         if joined:
-            logger.info("re-joined the swarm through %d initial peer(s)", joined)
+            logger.info("re-joined the DHT through %d peer address(es)", joined)
             self._redial = replace(self._redial, next_at=now + _REDIAL_SECONDS[0])

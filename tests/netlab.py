@@ -278,6 +278,12 @@ class NetLab:
                 "rate", f"{rate_bit}bit", "burst", str(burst), "latency", "50ms",
             )  # fmt: skip
 
+    def set_link(self, host: Host, up: bool) -> None:
+        """Pull ``host``'s cable, or plug it back: its link's far end goes down or up, so
+        the host keeps its address and routes and its packets go nowhere meanwhile."""
+        ns, dev = self._links_of(host)[-1]
+        _cmd("ip", "-n", ns, "link", "set", dev, "up" if up else "down")
+
     def unshape(self, host: Host) -> None:
         """Remove a cap set by ``shape``."""
         for ns, dev in self._links_of(host):

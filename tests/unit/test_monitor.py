@@ -31,6 +31,7 @@ STATE = {
     "sidecar_restarts": 1,
     "control_dropped": {"malformed": 4},
     "checkpoint_age_seconds": 12.5,
+    "alone_syncs": 2,
     "host_bytes_per_param": 41.5,
     "device_bytes_per_param": None,
 }
@@ -84,6 +85,7 @@ def test_metrics_follow_prometheus_conventions_and_the_snapshot(served) -> None:
     assert got[("atoll_sidecar_restarts_total", ())] == 1
     assert got[("atoll_control_dropped_total", (("reason", "malformed"),))] == 4
     assert got[("atoll_checkpoint_age_seconds", ())] == 12.5
+    assert got[("atoll_alone_syncs_total", ())] == 2
     info = (("peer_id", "12D3KooWme"), ("run_id", "r"), ("version", "0.1.0"))
     assert got[("atoll_info", info)] == 1
     # every scrape reads the node anew

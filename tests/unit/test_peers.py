@@ -154,10 +154,34 @@ def test_isolated_node_redials_initial_peers_with_backoff() -> None:
     transport.rejoin_answers = 0
     asyncio.run(refreshes(1))
     assert len(transport.rejoins) == 2 and view._redial.attempts == 2
-    transport.connected = ["somebody"]  # connected again: nothing to do
+    # connections without routes (a link that went down and came back): still cut off
+    transport.connected = ["somebody"]
     view._redial.next_at = 0.0
     asyncio.run(refreshes(1))
-    assert len(transport.rejoins) == 2
+    assert len(transport.rejoins) == 3
+
+
+def test_a_node_whose_registry_shows_fewer_peers_than_its_control_channel_hears_rejoins() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    seen, lost, other = Identity.generate(), Identity.generate(), Identity.generate()
+    transport = FakeTransport(dht, me.peer_id)
+    heard: set[str] = set()
+    view = _view(dht, me, transport=transport)
+    view.heard = lambda: heard
+    _publish(dht, seen)
+    asyncio.run(view.refresh(view.record(1, 0)))
+    assert transport.rejoins == [] and view.cut_off() is None
+    heard.update({seen.peer_id, lost.peer_id, other.peer_id})  # 1 of 3 in the registry
+    view._redial.next_at = 0.0
+    asyncio.run(view.refresh(view.record(1, 0)))
+    assert "the registry shows 1 live peers, the control channel hears 3" in view.cut_off()
+    # it dials the peers it has seen (their registry addresses), having no initial peers
+    assert transport.rejoins == [[f"/ip4/10.0.0.9/tcp/1/p2p/{seen.peer_id}"]]
+    _publish(dht, lost)
+    _publish(dht, other)
+    view._redial.next_at = 0.0
+    asyncio.run(view.refresh(view.record(1, 0)))
+    assert view.cut_off() is None and len(transport.rejoins) == 1 and view._redial.attempts == 0
 
 
 def test_a_node_with_live_peers_or_no_initial_peers_never_redials() -> None:

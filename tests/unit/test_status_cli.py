@@ -75,6 +75,8 @@ def test_status_shows_reachability_spec_refused_peers_and_warnings(
         "live_peers": 3,
         "refused_peers": {"12D3KooWother": "spec_mismatch: runs spec 0123, this node runs abab"},
         "control_warning": "the control channel hears none of the 3 live peers",
+        "alone_syncs": 4,
+        "alone_warning": "round 3 fragment 1: averaged alone while 2 peer(s) are live",
         "swarm": {
             "peers": {
                 "12D3KooWpeer": {"round": 3, "step": 9, "reachable": False, "last_seen_s": 1.0}
@@ -88,6 +90,7 @@ def test_status_shows_reachability_spec_refused_peers_and_warnings(
     assert f"run spec {'ab' * 6}; live peers 3" in out
     assert "refused peer 12D3KooWother: spec_mismatch" in out
     assert "WARNING: the control channel hears none" in out
+    assert "WARNING: 4 sync(s) averaged alone while peers were live; last: round 3" in out
     assert "no (client)" in out
 
 
