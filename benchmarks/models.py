@@ -10,7 +10,12 @@ The corpus is the standard library's ``.py`` files, prepared once per run with
    (the same ``transformers`` model, batch, AdamW and thread count, nothing else). A
    node's tokens per second are its tokens over its whole training time (busy and
    idle); a bare loop's over its timed steps. Quick: one pair of runs; full: three,
-   alternating, medians. Goal: the node at 0.95 or more of the bare loop.
+   alternating, medians. Goal: the node at 0.95 or more of the bare loop. Beside it,
+   where the difference goes: the share of a node's training time spent outside inner
+   steps (syncs applied, evaluation, checkpoints), the CPU its helper processes (p2pd,
+   the DHT, the control sidecar) took from the two cores, and one node with no peer
+   run *at the same time* as one bare loop (one core each, so the machine's drift
+   hits both): what the daemon costs an inner step when there is no sync to run.
 2. **Memory** (llama-tiny, gpt2-small and llama-150m: the largest preset that fits two
    copies plus their optimizers in this machine's 24 GiB; llama-1b would need about
    40 GB): the peak resident memory of one node's process against that of a bare loop
@@ -176,13 +181,15 @@ def _node_throughput(shards: pathlib.Path, rounds: int, where: pathlib.Path) -> 
         "train.total_steps=100000",
     ]
     nodes = _swarm(overrides, 2, rounds, where)
-    rates = []
+    rates, helpers = [], []
     for n in nodes:
         st = n["status"]
         wall = st.get("busy_seconds", 0.0) + st.get("idle_seconds", 0.0)
         rates.append(st.get("tokens", 0) / wall if wall else None)
+        helpers.append(_helper_share(n["rounds"]))
     return {
         "tokens_per_second": rates,
+        "helper_cpu_share": helpers,
         "exit_codes": [n["exit_code"] for n in nodes],
         "busy_share": [
             n["status"].get("busy_seconds", 0.0)
@@ -191,6 +198,69 @@ def _node_throughput(shards: pathlib.Path, rounds: int, where: pathlib.Path) -> 
         ],
         "rounds": [len(n["rounds"]) for n in nodes],
     }
+
+
+def _helper_share(rounds: list[dict]) -> float | None:
+    """CPU seconds a node's p2pd, DHT process and sidecar took per second, between its
+    first and last round events (from their ``load`` counters)."""
+    if len(rounds) < 2:
+        return None
+    first, last = rounds[0], rounds[-1]
+
+    def helpers(e: dict) -> float:
+        load = e.get("load") or {}
+        return (
+            load.get("p2pd_cpu_s", 0.0)
+            + load.get("dht", {}).get("cpu_s", 0.0)
+            + load.get("control", {}).get("cpu_s", 0.0)
+        )
+
+    seconds = last["t"] - first["t"]
+    return (helpers(last) - helpers(first)) / seconds if seconds > 0 else None
+
+
+def _side_by_side(shards: pathlib.Path, work: pathlib.Path) -> dict[str, Any]:
+    """One node with no peer and one bare loop at the same time, one core each."""
+    import threading
+
+    overrides = [
+        *_TRAIN,
+        *_NODE,
+        f"data.shards={json.dumps(str(shards))}",
+        "sync.trigger='seconds'",
+        f"sync.round_seconds={_ROUND_SECONDS}",
+        "train.total_steps=100000",
+        "network.min_peers=1",
+    ]
+    out: dict[str, Any] = {}
+    node = threading.Thread(
+        target=lambda: out.update(nodes=_swarm(overrides, 1, 2, work / "side-by-side")),
+        daemon=True,
+    )
+    node.start()
+    time.sleep(_ROUND_SECONDS / 2)  # the node is up and training
+    bare = _bare([*_TRAIN, f"data.shards={json.dumps(str(shards))}"], 1, 5, _ROUND_SECONDS)
+    node.join(timeout=600.0 + 240.0)
+    st = out.get("nodes", [{}])[0].get("status", {})
+    busy = st.get("busy_seconds", 0.0)
+    node_rate = st.get("tokens", 0) / busy if busy else None
+    bare_rate = bare[0]["tokens_per_second"]
+    return {
+        "node_tokens_per_busy_second": node_rate,
+        "bare_tokens_per_second": bare_rate,
+        "ratio": node_rate / bare_rate if node_rate and bare_rate else None,
+    }
+
+
+def _pair_ratios(bare_runs: list[list[float]], node_runs: list[dict]) -> list[float]:
+    """Node over bare tokens/s of each pair of runs made one after the other (the
+    machine's drift between pairs cancels out of these)."""
+    out = []
+    for bare, node in zip(bare_runs, node_runs):
+        rates = [x for x in node["tokens_per_second"] if x]
+        if bare and rates:
+            out.append(statistics.fmean(rates) / statistics.fmean(bare))
+    return out
 
 
 def _throughput(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, Any]:
@@ -205,6 +275,9 @@ def _throughput(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[s
     node_values = [x for run in node_runs for x in run["tokens_per_second"] if x]
     node_median = statistics.median(node_values) if node_values else None
     ratio = node_median / bare_median if node_median else None
+    pairs = _pair_ratios(bare_runs, node_runs)
+    busy = [b for run in node_runs for b in run["busy_share"]]
+    helpers = [h for run in node_runs for h in run["helper_cpu_share"] if h is not None]
     return {
         "preset": "llama-tiny",
         "threads_per_process": _THREADS,
@@ -214,8 +287,13 @@ def _throughput(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[s
         "bare_median": bare_median,
         "node_median": node_median,
         "ratio": ratio,
+        "pair_ratios": pairs,
+        "pair_ratio_median": statistics.median(pairs) if pairs else None,
         "goal": 0.95,
         "meets_goal": ratio is not None and ratio >= 0.95,
+        "outside_steps_share": 1.0 - statistics.median(busy) if busy else None,
+        "helper_cores_share": statistics.median(helpers) if helpers else None,
+        "side_by_side": _side_by_side(shards, work),
     }
 
 
