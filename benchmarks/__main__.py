@@ -16,6 +16,7 @@ import importlib
 import pathlib
 import sys
 import time
+from typing import Any
 
 __all__ = ["BENCHMARKS", "TAKES_LONG", "TAKES_NETNS", "TAKES_STEPS", "main"]
 
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    failed = []
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
         since = time.time() - 1.0  # file mtimes can lag the clock by a tick
@@ -195,7 +197,34 @@ def main(argv: list[str] | None = None) -> int:
         print(_summary(name, report, time.perf_counter() - started))
         for path in _written(args.out, name, since):
             print(f"  wrote {path}")
+        errors = failures(report)
+        if errors:
+            failed.append(name)
+            print(f"{name}: {len(errors)} measurement(s) failed:", file=sys.stderr)
+            for where, message in errors[:10]:
+                print(f"  {where}: {message[:300]}", file=sys.stderr)
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (see above)", file=sys.stderr)
+        return 1
     return 0
+
+
+def failures(report: Any, where: str = "") -> list[tuple[str, str]]:
+    """Every measurement of ``report`` that failed: ``(path, message)`` for each
+    ``"error"`` key holding a message (a number under that name is a measured error)."""
+    out: list[tuple[str, str]] = []
+    if isinstance(report, dict):
+        for key, value in report.items():
+            if key == "error" and isinstance(value, str):
+                out.append((where or "/", value))
+            elif key == "errors" and isinstance(value, dict) and value:
+                out += [(f"{where}/errors/{k}", str(v)) for k, v in value.items()]
+            else:
+                out += failures(value, f"{where}/{key}")
+    elif isinstance(report, list):
+        for i, value in enumerate(report):
+            out += failures(value, f"{where}[{i}]")
+    return out
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import blake3
@@ -46,7 +46,6 @@ from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
-    Contribution,
     Judge,
     Reduction,
     part_bounds,
@@ -115,12 +114,10 @@ class _TimedVerifier(Verifier):
             target = getattr(self, owner)
             setattr(target, method, clock.wrap("sqlite_s", getattr(target, method)))
 
-    def reduce(
-        self, round_: int, fragment: int, part: int, contributions: Sequence[Contribution]
-    ) -> Reduction:
+    def reduce(self, *args: Any, **kwargs: Any) -> Reduction:
         t0 = time.perf_counter()
         try:
-            return super().reduce(round_, fragment, part, contributions)
+            return super().reduce(*args, **kwargs)
         finally:
             self.clock.add("reduce_s", time.perf_counter() - t0)
 

@@ -176,3 +176,38 @@ def test_the_long_mode_runs_the_quick_sweeps_picks(tmp_path):
     read = _picks_from(tmp_path / "p.json")
     assert read["other"] == soap  # the best seed-0 score besides AdamW
     assert plan_seeds(read, long=True) == [ddp, adamw, soap]  # H=250 not picked; no codecs
+
+
+def test_the_models_benchmark_counts_helper_cpu_between_the_first_and_last_round():
+    from benchmarks.models import _helper_share
+
+    def event(t: float, p2pd: float, dht: float, control: float) -> dict:
+        return {
+            "t": t,
+            "load": {"p2pd_cpu_s": p2pd, "dht": {"cpu_s": dht}, "control": {"cpu_s": control}},
+        }
+
+    rounds = [event(100.0, 1.0, 0.5, 2.0), event(130.0, 1.0, 0.5, 2.0), event(160.0, 1.6, 0.8, 2.9)]
+    assert _helper_share(rounds) == pytest.approx((0.6 + 0.3 + 0.9) / 60.0)
+    assert _helper_share(rounds[:1]) is None
+
+
+def test_a_failed_measurement_fails_the_run_and_a_measured_error_does_not():
+    report = {
+        "cells": [{"median_s": 0.5}, {"error": "TypeError: reduce() got an unexpected keyword"}],
+        "calibration": {"sizes": {"4": {"error": -0.012}}},
+        "errors": {"seed 1": "rank 0 reported nothing"},
+    }
+    found = bench_cli.failures(report)
+    assert ("/cells[1]", "TypeError: reduce() got an unexpected keyword") in found
+    assert ("/errors/seed 1", "rank 0 reported nothing") in found
+    assert len(found) == 2
+    assert bench_cli.failures({"calibration": {"error": 0.1}, "errors": {}}) == []
+
+
+def test_the_models_benchmark_compares_each_node_run_with_the_bare_run_beside_it():
+    from benchmarks.models import _pair_ratios
+
+    bare = [[100.0, 110.0], [200.0, 200.0]]
+    nodes = [{"tokens_per_second": [105.0, 105.0]}, {"tokens_per_second": [190.0, None]}]
+    assert _pair_ratios(bare, nodes) == pytest.approx([1.0, 0.95])
