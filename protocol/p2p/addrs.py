@@ -21,6 +21,7 @@ __all__ = [
     "interface_addresses",
     "is_loopback",
     "is_wildcard",
+    "peer_ids",
     "publishable",
     "tcp_maddr",
     "tcp_port",
@@ -78,6 +79,11 @@ def tcp_maddr(host: str, port: int) -> str:
     """``/ip4/HOST/tcp/PORT`` (or ``/ip6/...``)."""
     family = "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
     return f"/{family}/{host}/tcp/{port}"
+
+
+def peer_ids(maddrs: Iterable[str]) -> list[str]:
+    """The PeerIDs named by ``/p2p/<id>`` multiaddrs, in order, once each (others are skipped)."""
+    return list(dict.fromkeys(m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m))
 
 
 def with_peer_id(maddr: str, peer_id: str) -> str:

@@ -12,28 +12,15 @@ Finding the port: the caller asks the peer once, over p2pd (RPC ``atoll.direct``
 its data port, and dials it at the address of its p2pd connection to that peer, never
 at an address the peer names, so a peer cannot point others' connections elsewhere.
 
-Opening a connection (each frame ``u16 length | msgpack``, at most 1 KiB)::
-
-    caller -> callee   [1, caller PeerID, callee PeerID, caller nonce]
-    callee -> caller   [callee nonce, callee's signature of DOMAIN_CALLEE + transcript]
-    caller -> callee   [caller's signature of DOMAIN_CALLER + transcript]
-
-where the transcript is both nonces (32 random bytes each), both PeerIDs and, on an
-encrypted connection, the SHA-256 of the callee's TLS certificate. An Ed25519 PeerID
-holds its public key, so each side checks the other's signature against the PeerID the
-swarm knows: a callee that is not the peer the caller meant, or a caller whose key
-does not match the PeerID it claims, is refused and the connection closed; fresh
-nonces on both sides make a recorded handshake useless.
-
-Encryption is optional (``data_plane = "tls"``): the callee then speaks TLS 1.3 with a
-certificate it makes for itself at start-up (no CA: nothing outside the swarm vouches
-for it). The handshake above runs inside TLS and binds it: the callee signs its own
-certificate's hash and the caller signs the hash of the certificate it was shown, so a
-machine in the middle, which must show the caller a certificate of its own, fails both
-checks. A node that asks for TLS calls a peer whose port speaks plain TCP through p2pd
-instead (p2pd encrypts), never in the clear; a node on plain ``tcp`` calling a TLS
-port speaks TLS. On plain ``tcp`` nothing after the handshake is encrypted: parts and
-results are signed end to end, not secret.
+Opening a connection, each side proves its node key in a signed handshake
+(:mod:`protocol.p2p._handshake`): a callee that is not the peer the caller meant, or a
+caller whose key does not match the PeerID it claims, is refused and the connection
+closed. Encryption is optional (``data_plane = "tls"``): TLS 1.3 with a certificate
+the callee makes for itself, bound to the signed handshake. A node that asks for TLS
+calls a peer whose port speaks plain TCP through p2pd instead (p2pd encrypts), never
+in the clear; a node on plain ``tcp`` calling a TLS port speaks TLS. On plain ``tcp``
+nothing after the handshake is encrypted: parts and results are signed end to end,
+not secret.
 
 Then each request is ``u8 name length | name`` followed by a request frame, answered
 by a response frame, exactly as on a p2pd stream (:mod:`protocol.p2p._framing`), with
@@ -50,13 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import hashlib
 import logging
-import os
 import ssl
 import struct
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,10 +49,22 @@ import msgpack
 
 from protocol.errors import ProtocolError
 from protocol.p2p import _framing, _into
-from verification.identity import Identity, verify
+from protocol.p2p._handshake import (
+    DOMAIN_CALLEE,
+    DOMAIN_CALLER,
+    VERSION,
+    answer_hello,
+    client_tls,
+    open_hello,
+    server_tls,
+)
+from verification.identity import Identity
 
 __all__ = [
+    "DOMAIN_CALLEE",
+    "DOMAIN_CALLER",
     "RPC_NAME",
+    "VERSION",
     "DirectClient",
     "DirectServer",
     "DirectUnavailable",
@@ -82,12 +77,6 @@ logger = logging.getLogger(__name__)
 
 RPC_NAME = "atoll.direct"
 """The p2pd RPC that tells a caller this node's data port."""
-VERSION = 1
-DOMAIN_CALLEE = b"atoll/direct/v1/callee\0"
-DOMAIN_CALLER = b"atoll/direct/v1/caller\0"
-_NONCE_BYTES = 32
-_MAX_HELLO_BYTES = 1024
-_HELLO = struct.Struct(">H")
 _NAME = struct.Struct(">B")
 _IDLE_PER_PEER = 4
 _CLIENT_IDLE_SECONDS = 30.0  # a caller reuses a connection idle for less than this...
@@ -143,100 +132,6 @@ def decode_port(data: bytes) -> tuple[int, bool]:
     return port, tls
 
 
-def _transcript(
-    nonce_caller: bytes, nonce_callee: bytes, caller: str, callee: str, channel: bytes
-) -> bytes:
-    """What both sides sign; ``channel`` is the callee's certificate hash under TLS."""
-    return nonce_caller + nonce_callee + caller.encode() + b"\0" + callee.encode() + b"\0" + channel
-
-
-def _server_tls() -> tuple[ssl.SSLContext, bytes]:
-    """A TLS 1.3 server context with a fresh self-signed certificate, and its SHA-256.
-
-    The certificate only carries a key for TLS; who the callee is, the signed handshake
-    says (it binds this hash)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "atoll-direct")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=3650))
-        .sign(key, hashes.SHA256())
-    )
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    # load_cert_chain reads files only: a private folder, removed as soon as it is read
-    with tempfile.TemporaryDirectory(prefix="atoll-tls-") as folder:
-        cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
-        with open(cert_path, "wb") as f:
-            f.write(cert.public_bytes(serialization.Encoding.PEM))
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(
-                key.private_bytes(
-                    serialization.Encoding.PEM,
-                    serialization.PrivateFormat.PKCS8,
-                    serialization.NoEncryption(),
-                )
-            )
-        context.load_cert_chain(cert_path, key_path)
-    return context, hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).digest()
-
-
-def _client_tls() -> ssl.SSLContext:
-    """TLS 1.3 without a CA: the signed handshake checks the certificate instead."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    return context
-
-
-def _peer_certificate_hash(writer: asyncio.StreamWriter) -> bytes:
-    ssl_object = writer.get_extra_info("ssl_object")
-    if ssl_object is None:
-        return b""
-    der = ssl_object.getpeercert(binary_form=True)
-    if not der:
-        raise ProtocolError("malformed", "TLS callee showed no certificate")
-    return hashlib.sha256(der).digest()
-
-
-async def _write_hello(writer: asyncio.StreamWriter, fields: list) -> None:
-    body = msgpack.packb(fields, use_bin_type=True)
-    writer.write(_HELLO.pack(len(body)) + body)
-    await writer.drain()
-
-
-async def _read_hello(reader: asyncio.StreamReader, count: int) -> list:
-    (length,) = _HELLO.unpack(await reader.readexactly(_HELLO.size))
-    if length > _MAX_HELLO_BYTES:
-        raise ProtocolError("malformed", f"handshake frame of {length} bytes")
-    try:
-        fields = msgpack.unpackb(await reader.readexactly(length), raw=False, max_bin_len=128)
-    except (ValueError, msgpack.UnpackException, TypeError):
-        raise ProtocolError("malformed", "unreadable handshake frame") from None
-    if not isinstance(fields, list) or len(fields) != count:
-        raise ProtocolError("malformed", "handshake frame of the wrong shape")
-    return fields
-
-
-def _bytes_field(value: object, size: int, what: str) -> bytes:
-    if not isinstance(value, bytes) or len(value) != size:
-        raise ProtocolError("malformed", f"{what} must be {size} bytes")
-    return value
-
-
 class DirectServer:
     """The callee side: accepts connections on the data port and serves RPCs on them.
 
@@ -278,13 +173,23 @@ class DirectServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 picks a free port); returns the port."""
         if self.tls:
-            self._tls_context, self._certificate_hash = _server_tls()
+            self._tls_context, self._certificate_hash = server_tls()
         tls: dict[str, Any] = {}
         if self._tls_context is not None:
             tls = {"ssl": self._tls_context, "ssl_handshake_timeout": self.header_timeout}
         self._server = await _into.start_server(self._accept, host, port, **tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    def port_handler(self) -> Callable[[str, bytes], Awaitable[bytes]]:
+        """The ``atoll.direct`` handler (served through p2pd): tells a caller this
+        server's port, once it listens."""
+        answer = encode_port(self.port, tls=self.tls)
+
+        async def tell_port(peer: str, request: bytes) -> bytes:
+            return answer
+
+        return tell_port
 
     async def close(self) -> None:
         """Stop listening and end every connection."""
@@ -308,7 +213,8 @@ class DirectServer:
         self._connections.add(task)
         remote = writer.get_extra_info("peername") or ("?", 0)
         try:
-            peer = await asyncio.wait_for(self._handshake(reader, writer), self.header_timeout)
+            handshake = answer_hello(self.identity, reader, writer, self._certificate_hash)
+            peer = await asyncio.wait_for(handshake, self.header_timeout)
             _framing.REMOTE_ADDR.set(_maddr(remote[0], remote[1]))
             await self._serve(peer, reader, writer)
         except ProtocolError as e:
@@ -328,23 +234,6 @@ class DirectServer:
 
     def _count(self, reason: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
-
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
-        version, caller, callee, nonce_caller = await _read_hello(reader, 4)
-        if version != VERSION:
-            raise ProtocolError("bad_version", f"direct handshake version {version!r}")
-        if not isinstance(caller, str) or not isinstance(callee, str) or len(caller) > 128:
-            raise ProtocolError("malformed", "PeerIDs must be strings")
-        if callee != self.identity.peer_id:
-            raise ProtocolError("wrong_peer", f"this node is not {callee[:16]}")
-        nonce_caller = _bytes_field(nonce_caller, _NONCE_BYTES, "nonce")
-        nonce_callee = os.urandom(_NONCE_BYTES)
-        transcript = _transcript(nonce_caller, nonce_callee, caller, callee, self._certificate_hash)
-        await _write_hello(writer, [nonce_callee, self.identity.sign(DOMAIN_CALLEE + transcript)])
-        (signature,) = await _read_hello(reader, 1)
-        if not verify(caller, DOMAIN_CALLER + transcript, signature):
-            raise ProtocolError("bad_signature", f"caller's key does not match {caller[:16]}")
-        return caller
 
     async def _serve(
         self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -408,7 +297,7 @@ class DirectClient:
     def __init__(self, identity: Identity, require_tls: bool = False) -> None:
         self.identity = identity
         self.require_tls = require_tls
-        self._tls_context = _client_tls()
+        self._tls_context = client_tls()
         self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
         self.opened = 0
         """Connections opened so far (reuse keeps this near one per peer)."""
@@ -502,28 +391,13 @@ class DirectClient:
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as e:
             raise DirectUnavailable(f"{route.host}:{route.port}: {e!r}") from None
         try:
-            await asyncio.wait_for(self._handshake(peer, reader, writer), _CONNECT_SECONDS)
+            handshake = open_hello(self.identity, peer, reader, writer)
+            await asyncio.wait_for(handshake, _CONNECT_SECONDS)
         except (ProtocolError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             writer.close()
             raise DirectUnavailable(f"{route.host}:{route.port}: handshake: {e!r}") from None
         self.opened += 1
         return reader, writer
-
-    async def _handshake(
-        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        me = self.identity.peer_id
-        nonce_caller = os.urandom(_NONCE_BYTES)
-        await _write_hello(writer, [VERSION, me, peer, nonce_caller])
-        nonce_callee, signature = await _read_hello(reader, 2)
-        nonce_callee = _bytes_field(nonce_callee, _NONCE_BYTES, "nonce")
-        # the certificate this connection was shown: the callee signs the one it holds
-        transcript = _transcript(
-            nonce_caller, nonce_callee, me, peer, _peer_certificate_hash(writer)
-        )
-        if not verify(peer, DOMAIN_CALLEE + transcript, signature):
-            raise ProtocolError("bad_signature", f"the callee is not {peer[:16]}", peer)
-        await _write_hello(writer, [self.identity.sign(DOMAIN_CALLER + transcript)])
 
     def close(self) -> None:
         """Close every idle connection."""

@@ -17,18 +17,28 @@ so its length is a pure function of ``(numel, codec, block_size)``
 (:func:`encoded_size`) and can be checked before anything is parsed. Decoding
 treats the payload as untrusted peer data and raises :class:`CodecError` on
 anything a correct encoder would not produce.
+
+The int8/int4 kernels live in :mod:`protocol.wire._blockwise`, the tensor-to-bytes
+helpers in :mod:`protocol.wire._tensorbytes`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from protocol.errors import ProtocolError
+from protocol.wire import _blockwise
+from protocol.wire._tensorbytes import (
+    CodecError,
+    all_finite,
+    as_flat_f32,
+    from_bytes,
+    require_finite,
+    to_bytes,
+    view_bytes,
+)
 
 __all__ = [
     "CODECS",
@@ -43,22 +53,12 @@ __all__ = [
     "ready_values",
 ]
 
-if sys.byteorder != "little":
-    # Payloads are produced by viewing tensor memory as bytes; a big-endian host would
-    # silently emit the wrong wire format instead of failing.
-    raise ImportError("protocol.wire.codec requires a little-endian host")
-
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 MAX_BLOCK_SIZE = 2**20
 
-_QMAX = {"int8": 127, "int4": 7}
 _BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2}
 _HALF_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _WIRE_KEYS = frozenset({"c", "n", "b", "p"})
-
-
-class CodecError(ProtocolError):
-    """An encoded tensor from a peer that is malformed, inconsistent or out of range."""
 
 
 @dataclass(frozen=True)
@@ -186,20 +186,20 @@ def encode(
     """
     _check_codec(codec)
     _check_block_size(block_size)
-    if stochastic and codec not in _QMAX:
+    if stochastic and codec not in _blockwise.QMAX:
         raise ValueError(f"stochastic rounding is only implemented for int8/int4, not {codec}")
-    flat = _as_flat_f32(x)
+    flat = as_flat_f32(x)
     if codec == "none":
-        _require_finite(flat)
-        payload = _to_bytes(flat) if copy else _view_bytes(flat)
+        require_finite(flat)
+        payload = to_bytes(flat) if copy else view_bytes(flat)
     elif codec in _HALF_DTYPE:
         half = flat.to(_HALF_DTYPE[codec])
-        if not _all_finite(half):
-            _require_finite(flat)
+        if not all_finite(half):
+            require_finite(flat)
             raise ValueError(f"input has values beyond the {codec} range")
-        payload = _to_bytes(half)
+        payload = to_bytes(half)
     else:
-        payload = _encode_blockwise(flat, codec, block_size, stochastic, generator)
+        payload = _blockwise.encode(flat, codec, block_size, stochastic, generator)
     return Encoded(codec=codec, numel=flat.numel(), block_size=block_size, payload=payload)
 
 
@@ -226,14 +226,14 @@ def decode(enc: Encoded, *, expected_numel: int | None = None, copy: bool = True
     _validate(enc)
     if expected_numel is not None and enc.numel != expected_numel:
         raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
-    raw = _from_bytes(enc.payload)
+    raw = from_bytes(enc.payload)
     if enc.codec == "none":
         out = (raw.clone() if copy else raw).view(torch.float32)
     elif enc.codec in _HALF_DTYPE:
         out = raw.clone().view(_HALF_DTYPE[enc.codec]).float()
     else:
-        return _decode_blockwise(raw, enc.codec, enc.numel, enc.block_size)
-    if not _all_finite(out):
+        return _blockwise.decode(raw, enc.codec, enc.numel, enc.block_size)
+    if not all_finite(out):
         raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
     return out
 
@@ -258,14 +258,14 @@ def decode_with_norm(
     if enc.codec not in ("none", *_HALF_DTYPE):
         out = decode(enc, copy=copy)
         return out, _norm_of_finite(out)
-    raw = _from_bytes(enc.payload)
+    raw = from_bytes(enc.payload)
     if enc.codec == "none":
         out = (raw.clone() if copy else raw).view(torch.float32)
     else:
         out = raw.clone().view(_HALF_DTYPE[enc.codec]).float()
     norm = float(torch.linalg.vector_norm(out))
     if not math.isfinite(norm):
-        if not _all_finite(out):
+        if not all_finite(out):
             raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
         norm = _norm_of_finite(out)
     return out, norm
@@ -297,7 +297,7 @@ def decode_range(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
     """
     if not 0 <= lo <= hi <= enc.numel:
         raise ValueError(f"range {lo}:{hi} of {enc.numel} values")
-    raw = _from_bytes(enc.payload)
+    raw = from_bytes(enc.payload)
     if enc.codec in _BYTES_PER_VALUE:
         width = _BYTES_PER_VALUE[enc.codec]
         piece = raw[lo * width : hi * width]
@@ -305,33 +305,10 @@ def decode_range(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
             out = piece.view(torch.float32)
         else:
             out = piece.clone().view(_HALF_DTYPE[enc.codec]).float()
-        if not _all_finite(out):
+        if not all_finite(out):
             raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
         return out
-    if lo == hi:
-        return torch.empty(0, dtype=torch.float32)
-    qmax, b = _QMAX[enc.codec], enc.block_size
-    n_blocks = -(-enc.numel // b)
-    first, last = lo // b, (hi - 1) // b
-    scale = raw[4 * first : 4 * (last + 1)].clone().view(torch.float32)
-    if bool(torch.signbit(scale).any()) or not bool(torch.isfinite(scale * qmax).all()):
-        raise CodecError("bad_scale", f"{enc.codec} scale is negative, non-finite or too large")
-    body = raw[4 * n_blocks :]
-    if enc.codec == "int8":
-        codes = body[lo:hi].view(torch.int8)
-        if int(codes.min()) == -128:
-            raise CodecError("bad_code", "int8 code -128 is outside [-127, 127]")
-    else:
-        packed = body[lo // 2 : (hi + 1) // 2]
-        nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=1).view(-1)
-        if hi == enc.numel and enc.numel % 2 and int(nibbles[-1]) != 0:
-            raise CodecError("bad_code", "int4 padding nibble is not zero")
-        nibbles = nibbles[lo % 2 : lo % 2 + hi - lo]
-        if int(nibbles.min()) == 0:
-            raise CodecError("bad_code", "int4 nibble 0 (code -8) is outside [-7, 7]")
-        codes = nibbles.view(torch.int8).sub(8)
-    index = torch.arange(lo, hi) // b - first
-    return codes.to(torch.float32) * scale.index_select(0, index)
+    return _blockwise.decode_range(raw, enc.codec, enc.numel, enc.block_size, lo, hi)
 
 
 def _norm_of_finite(t: torch.Tensor) -> float:
@@ -373,7 +350,7 @@ class ErrorFeedback:
     ) -> None:
         _check_codec(codec)
         _check_block_size(block_size)
-        if stochastic and codec not in _QMAX:
+        if stochastic and codec not in _blockwise.QMAX:
             raise ValueError(f"stochastic rounding is only implemented for int8/int4, not {codec}")
         self.codec = codec
         self.block_size = block_size
@@ -395,7 +372,7 @@ class ErrorFeedback:
             ValueError: if the numel changed since the last encode, or as
                 :func:`encode` does; the residual is left unchanged then.
         """
-        flat = _as_flat_f32(x)
+        flat = as_flat_f32(x)
         if self.residual is None:
             target = flat.clone()
         elif self.residual.numel() != flat.numel():
@@ -461,125 +438,3 @@ def _validate(enc: Encoded, *, max_numel: int | None = None) -> None:
             "size_mismatch",
             f"{enc.codec} payload for {enc.numel} values is {have} bytes, expected {want}",
         )
-
-
-def _as_flat_f32(x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"expected a floating-point tensor, got {x.dtype}")
-    return x.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    # aminmax propagates NaN and inf in one pass; torch.isfinite(t).all() is several
-    # times slower on CPU and dominated the cost of the cheap codecs.
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return math.isfinite(lo.item()) and math.isfinite(hi.item())
-
-
-def _require_finite(flat: torch.Tensor) -> None:
-    if not _all_finite(flat):
-        bad = int((~torch.isfinite(flat)).sum())
-        raise ValueError(f"cannot encode a tensor with {bad} non-finite value(s) (inf or NaN)")
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    # Viewing as uint8 first keeps numpy away from dtypes it lacks (bfloat16).
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _view_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy())
-
-
-def _from_bytes(payload: bytes | bytearray | memoryview) -> torch.Tensor:
-    if not memoryview(payload).nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        # bytes are read-only; every caller copies or only reads, so the warning is noise.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=torch.uint8)
-
-
-def _as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Views ``flat`` as ``(n_blocks, block_size)``, zero-padding a partial last block."""
-    pad = -flat.numel() % block_size
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    return flat.view(-1, block_size)
-
-
-def _encode_blockwise(
-    flat: torch.Tensor,
-    codec: str,
-    block_size: int,
-    stochastic: bool,
-    generator: torch.Generator | None,
-) -> bytes:
-    n = flat.numel()
-    qmax = _QMAX[codec]
-    blocks = _as_blocks(flat, block_size)
-    # aminmax avoids materializing |x|, and it propagates NaN and inf, so checking the
-    # n / block_size block maxima covers the whole input.
-    lo, hi = torch.aminmax(blocks, dim=1)
-    # abs_ turns the -0.0 of an all-zero block into the +0.0 that decode requires.
-    absmax = torch.maximum(lo.neg_(), hi).abs_()
-    if not bool(torch.isfinite(absmax).all()):
-        _require_finite(flat)
-    scale = absmax / qmax
-    # Near float32 max, qmax * scale can round up to inf; step the scale down one ulp so
-    # decode never overflows (the clamp below absorbs the tiny excess in the codes).
-    overflow = torch.isinf(scale * qmax)
-    if bool(overflow.any()):
-        scale = torch.where(overflow, torch.nextafter(scale, torch.zeros_like(scale)), scale)
-    # An all-zero block (or one whose scale underflows) divides by 1 and yields zero codes.
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = blocks / safe.unsqueeze(1)
-    if stochastic:
-        q = torch.floor(y)
-        # y - floor(y) is exact in float32, so P(round up) equals the fractional part.
-        noise = torch.rand(y.shape, generator=generator, dtype=torch.float32)
-        q += noise < y.sub_(q)
-    else:
-        q = y.round_()
-    codes = q.clamp_(-qmax, qmax).view(-1)[:n].to(torch.int8)
-    if codec == "int4":
-        codes = _pack_int4(codes)
-    return _to_bytes(scale) + _to_bytes(codes)
-
-
-def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    nibbles = (codes + 8).to(torch.uint8)
-    if nibbles.numel() % 2:
-        nibbles = torch.nn.functional.pad(nibbles, (0, 1))
-    return nibbles[0::2] | (nibbles[1::2] << 4)
-
-
-def _decode_blockwise(raw: torch.Tensor, codec: str, n: int, block_size: int) -> torch.Tensor:
-    qmax = _QMAX[codec]
-    n_blocks = -(-n // block_size)
-    scale = raw[: 4 * n_blocks].clone().view(torch.float32)
-    # signbit also catches -0.0 and negative NaN: a correct encoder never emits them.
-    if bool(torch.signbit(scale).any()) or not bool(torch.isfinite(scale * qmax).all()):
-        raise CodecError("bad_scale", f"{codec} scale is negative, non-finite or too large")
-    body = raw[4 * n_blocks :]
-    if n == 0:
-        return torch.empty(0, dtype=torch.float32)
-    if codec == "int8":
-        codes = body.view(torch.int8)
-        if int(codes.min()) == -128:
-            raise CodecError("bad_code", "int8 code -128 is outside [-127, 127]")
-    else:
-        nibbles = torch.stack((body & 0x0F, body >> 4), dim=1).view(-1)
-        if n % 2 and int(nibbles[n]) != 0:
-            raise CodecError("bad_code", "int4 padding nibble is not zero")
-        nibbles = nibbles[:n]
-        if int(nibbles.min()) == 0:
-            raise CodecError("bad_code", "int4 nibble 0 (code -8) is outside [-7, 7]")
-        codes = nibbles.view(torch.int8).sub_(8)
-    # int8 times float32 promotes to float32 in the same pass as the scaling.
-    values = _as_blocks(codes, block_size) * scale.unsqueeze(1)
-    return values.view(-1)[:n].clone() if n % block_size else values.view(-1)

@@ -48,6 +48,7 @@ __all__ = [
     "envelope_digest",
     "header_problem",
     "open_envelope",
+    "parse_signed_frame",
     "seal",
     "signing_payload",
     "verify_signed",
@@ -190,7 +191,7 @@ def envelope_digest(data: bytes) -> bytes:
     Raises:
         ProtocolError: ``malformed`` bytes.
     """
-    signed, _ = _parse_outer(bytes(data), None)
+    signed, _ = parse_signed_frame(bytes(data), PROTOCOL_VERSION)
     return hashlib.sha256(signed).digest()
 
 
@@ -237,7 +238,9 @@ def open_envelope(
 
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     fast = _split_outer(view)
-    signed, signature = fast if fast is not None else _parse_outer(bytes(data), peer)
+    signed, signature = (
+        fast if fast is not None else parse_signed_frame(bytes(data), PROTOCOL_VERSION, peer)
+    )
     header, body = _parse_signed(signed, peer)
     if expected_sender is not None and header.sender != expected_sender:
         raise ProtocolError(
@@ -281,7 +284,19 @@ def _split_outer(view: memoryview) -> tuple[memoryview, bytes] | None:
     return view[start:end], bytes(view[end + 2 :])
 
 
-def _parse_outer(data: bytes, peer: str | None) -> tuple[bytes, bytes]:
+def parse_signed_frame(data: bytes, version: int, peer: str | None = None) -> tuple[bytes, bytes]:
+    """Split a signed frame ``msgpack([version, signed, signature])`` (an envelope, or a
+    control message of :mod:`protocol.control.frames`) into its signed bytes and its
+    signature, with hard msgpack limits; the signature is not checked here.
+
+    Args:
+        data: the wire bytes.
+        version: the only version accepted.
+        peer: named in the error, when known.
+
+    Raises:
+        ProtocolError: ``malformed``, or ``bad_version`` for a frame of another version.
+    """
     try:
         outer = bounded_unpackb(data, max_container=16, max_str_len=MAX_NAME_CHARS)
     except ValueError as e:
@@ -292,8 +307,8 @@ def _parse_outer(data: bytes, peer: str | None) -> tuple[bytes, bytes]:
     # mismatch rather than as garbage.
     if type(outer[0]) is not int:
         raise ProtocolError("malformed", "version is not an int", peer)
-    if outer[0] != PROTOCOL_VERSION:
-        raise ProtocolError("bad_version", f"version {outer[0]}, expected {PROTOCOL_VERSION}", peer)
+    if outer[0] != version:
+        raise ProtocolError("bad_version", f"version {outer[0]}, expected {version}", peer)
     if len(outer) != _OUTER_LEN:
         raise ProtocolError("malformed", f"outer frame has {len(outer)} items, expected 3", peer)
     _, signed, signature = outer

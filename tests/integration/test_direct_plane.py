@@ -15,7 +15,7 @@ import torch
 
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
 from protocol.averaging.parts import AllReduceSettings, PartPlan
-from protocol.p2p import _framing, direct
+from protocol.p2p import _frames, direct
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.partwire import SealedPart
 from verification.identity import Identity
@@ -109,14 +109,15 @@ def test_a_data_port_answered_by_another_key_falls_back_to_p2pd(trio: SimpleName
         # a believes b's data port is a's own (and holds no open connection to b): the
         # port answers with a's key, not b's
         a.run(_forget_connections(a), 5)
-        a._routes[b.peer_id] = (direct.Route("127.0.0.1", a.data_port), time.monotonic() + 600)
+        wrong = direct.Route("127.0.0.1", a.data_port)
+        a._caller.routes[b.peer_id] = (wrong, time.monotonic() + 600)
         before = dict(a.calls_by_plane)
         answer = a.run(a.call(b.peer_id, "atoll.test_echo", b"hello", timeout=10), 15)
         assert answer == b"hello" and served == [a.peer_id]
         assert a.calls_by_plane["p2pd"] == before["p2pd"] + 1
         assert a.calls_by_plane["tcp"] == before["tcp"]
         assert a._direct_server.refused.get("wrong_peer", 0) >= 1
-        assert a._routes[b.peer_id][0] is None  # not tried again for a while
+        assert a._caller.routes[b.peer_id][0] is None  # not tried again for a while
     finally:
         b.remove_handler("atoll.test_echo")
 
@@ -168,7 +169,7 @@ async def _stall_mid_part(
     reader, writer = await client._connect(owner, direct.Route("127.0.0.1", port))
     wire = b"".join(bytes(b) for b in request.buffers())
     name = RPC_NAME.encode()
-    writer.write(bytes([len(name)]) + name + _framing._REQUEST_HEADER.pack(len(wire)))
+    writer.write(bytes([len(name)]) + name + _frames._REQUEST_HEADER.pack(len(wire)))
     writer.write(wire[: len(wire) - request.body.nbytes // 2])
     await writer.drain()
     await asyncio.sleep(hold)
@@ -211,7 +212,7 @@ def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
         client = direct.DirectClient(identities[3])
         stalls = []
         for j, (lo, hi) in enumerate(plan.bounds[:3]):
-            request = frozen._request((1, 0, "update"), plan, j, vectors[3][lo:hi], 1)
+            request = frozen.member.request((1, 0, "update"), plan, j, vectors[3][lo:hi], 1)
             stall = _stall_mid_part(client, group[j], transports[j].data_port, request, timeout + 3)
             stalls.append(frozen.transport.submit(stall))
         started = time.monotonic()

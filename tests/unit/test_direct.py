@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from protocol.errors import ProtocolError
-from protocol.p2p import _framing, direct
+from protocol.p2p import _framing, _handshake, direct
 from verification.identity import Identity
 
 SERVER = Identity.from_seed(b"s" * 32)
@@ -224,12 +224,12 @@ class _Relay:
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> int:
-        context = direct._server_tls()[0] if self.intercept else None
+        context = _handshake.server_tls()[0] if self.intercept else None
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=context)
         return self._server.sockets[0].getsockname()[1]
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tls = {"ssl": direct._client_tls(), "server_hostname": ""} if self.intercept else {}
+        tls = {"ssl": _handshake.client_tls(), "server_hostname": ""} if self.intercept else {}
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target, **tls)
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:

@@ -66,6 +66,27 @@ async def _echo(peer: str, data: bytes) -> bytes:
     return data
 
 
+class _WatchedReader(asyncio.StreamReader):
+    """A stream reader that counts the ``read`` calls made on it (a body read waiting
+    for bytes has made one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    async def read(self, n: int = -1) -> bytes:
+        self.reads += 1
+        return await super().read(n)
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Yield to the loop until ``condition`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
 def _serve(
     stream: tuple[Any, asyncio.StreamReader, _Writer],
     *,
@@ -131,15 +152,16 @@ def test_read_body_early_eof() -> None:
 
 def test_announced_256_mib_with_nothing_sent_allocates_nothing() -> None:
     async def main() -> int:
-        reader = asyncio.StreamReader()
+        reader = _WatchedReader()
         reader.feed_data(_header(256 * MiB))  # then silence
         stream = (SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "a"), addr=None),)
         stream += (reader, _Writer())
+        silent = _WatchedReader()
         tracemalloc.start()
         try:
-            body = asyncio.ensure_future(_framing.read_body(asyncio.StreamReader(), 256 * MiB))
+            body = asyncio.ensure_future(_framing.read_body(silent, 256 * MiB))
             served = _serve(stream, limit=256 * MiB)  # no pace: held until the handler timeout
-            await asyncio.sleep(0.3)
+            await _until(lambda: silent.reads > 0 and reader.reads > 0)  # both wait for bytes
             assert not body.done() and not served.done()
             peak = tracemalloc.get_traced_memory()[1]
         finally:
@@ -188,7 +210,7 @@ def test_a_request_its_reader_refuses_is_answered_and_the_rest_drained_before_cl
         serving = asyncio.ensure_future(
             _framing.serve(stream, _echo, MiB, "test", 10.0, receive=refuse)
         )
-        await asyncio.sleep(0.2)
+        await _until(lambda: bool(stream[2].data) or stream[2].closed)
         answered_while_open = bool(stream[2].data) and not stream[2].closed
         stream[1].feed_data(b"z" * 99_000)
         stream[1].feed_eof()  # the caller hangs up once it has read the refusal
@@ -210,7 +232,7 @@ def test_streams_over_the_caps_are_answered_busy_unread() -> None:
     async def main() -> dict[str, Any]:
         silent = [_stream("a"), _stream("a"), _stream("b")]
         held = [_serve(s, gate=gate) for s in silent]  # headers never come: held open
-        await asyncio.sleep(0.05)
+        await _until(lambda: gate.open == 3)
         assert gate.open == 3 and gate.open_from("a") == 2
         over_peer, over_total = _stream("a"), _stream("c")
         for stream in (over_peer, over_total):
@@ -336,9 +358,9 @@ def test_steady_body_above_the_floor_is_served() -> None:
 
 def test_cancellation_by_others_is_not_mistaken_for_slowness() -> None:
     async def main() -> None:
-        reader = asyncio.StreamReader()
+        reader = _WatchedReader()
         task = asyncio.ensure_future(_framing.read_body(reader, 100, FAST_PACE))
-        await asyncio.sleep(0.05)
+        await _until(lambda: reader.reads > 0)  # the paced read has started, well within its window
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from protocol.p2p import _framing, _into, direct
+from protocol.p2p import _framing, _handshake, _into
 from protocol.wire.messages import Header
 from protocol.wire.partwire import read_part, seal_part
 from verification.identity import Identity
@@ -43,9 +44,9 @@ async def _pair(
     extra: dict[str, Any] = {}
     client: dict[str, Any] = {}
     if tls:
-        context, _ = direct._server_tls()
+        context, _ = _handshake.server_tls()
         extra = {"ssl": context}
-        client = {"ssl": direct._client_tls(), "server_hostname": ""}
+        client = {"ssl": _handshake.client_tls(), "server_hostname": ""}
     server = await _into.start_server(connected, "127.0.0.1", 0, **extra)
     port = server.sockets[0].getsockname()[1]
     loop = asyncio.get_running_loop()
@@ -100,9 +101,14 @@ def test_a_body_lands_in_the_callers_buffer_with_the_stream_order_kept(tls: bool
 
 def test_bytes_buffered_before_readinto_come_first_and_none_are_lost() -> None:
     async def main() -> bytes:
+        CountingReader.buffered = 0
         reader, writer, server = await _pair(_frames)
         try:
-            await asyncio.sleep(0.3)  # part of the body is buffered by now
+            # wait, boundedly, until part of the body went through the reader's own buffer
+            deadline = time.monotonic() + 10
+            while CountingReader.buffered <= len(b"HEAD"):
+                assert time.monotonic() < deadline, "nothing was buffered"
+                await asyncio.sleep(0.005)
             out = bytearray()
             piece = memoryview(bytearray(100_000))
             while True:
@@ -205,7 +211,7 @@ def test_a_part_read_through_a_stream_read_is_checked_as_through_read() -> None:
 
 def test_tls_errors_still_surface_as_ssl_errors() -> None:
     async def main() -> None:
-        context, _ = direct._server_tls()
+        context, _ = _handshake.server_tls()
         server = await _into.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=context)
         port = server.sockets[0].getsockname()[1]
         strict = ssl.create_default_context()  # verifies certificates: refuses the self-signed

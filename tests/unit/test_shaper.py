@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from protocol.p2p import _framing
+from protocol.p2p import _frames, _framing
 from protocol.p2p.shaper import ENV_VAR, LinkShape, Shaper
 
 
@@ -93,7 +93,7 @@ def test_from_env() -> None:
 
 def test_framing_has_no_shaper_by_default() -> None:
     # the test run does not set the variable: the transport takes the unshaped path
-    assert _framing._SHAPER is None
+    assert _frames._SHAPER is None
 
 
 # ---- pacing schedule -------------------------------------------------------------------
@@ -189,7 +189,7 @@ def test_shaped_frames_are_byte_identical(monkeypatch: pytest.MonkeyPatch) -> No
 
     fake = FakeTime()
     shape = LinkShape(delay_s=0.01, bandwidth_bps=80e6)  # 10 MB/s
-    monkeypatch.setattr(_framing, "_SHAPER", _shaper(shape, fake))
+    monkeypatch.setattr(_frames, "_SHAPER", _shaper(shape, fake))
     shaped = _Writer()
     asyncio.run(_framing.write_response(shaped, _framing.STATUS_OK, payload))
 
