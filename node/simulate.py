@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from node.outer import OuterOptimizer, sync_schedule
 from node.trainer import InnerTrainer, evaluate
 from protocol.averaging.fragments import plan_fragments
 from protocol.wire import codec as codecs
+from verification import aggregators
 
 __all__ = ["resolve_device", "simulate", "weighted_mean"]
 
@@ -53,14 +55,126 @@ def resolve_device(name: str) -> torch.device:
 
 
 def weighted_mean(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """Mean of ``vectors`` weighted by ``weights`` (need not sum to one)."""
-    total = float(sum(weights))
-    if total <= 0:
+    """Mean of ``vectors`` weighted by ``weights`` (need not sum to one): the all-reduce's
+    own weighted mean (:func:`verification.aggregators.weighted_mean`).
+
+    Raises:
+        ValueError: the weights do not have a positive sum (no replica trained).
+    """
+    if float(sum(weights)) <= 0:
         raise ValueError("weights must have a positive sum")
-    out = torch.zeros_like(vectors[0])
-    for v, w in zip(vectors, weights):
-        out.add_(v, alpha=w / total)
-    return out
+    return aggregators.weighted_mean(vectors, weights)
+
+
+@dataclass
+class _Pending:
+    """A fragment's averaged pseudo-gradient waiting to be applied."""
+
+    step: int
+    """The inner step its sync was launched at."""
+    fragment: int
+    averaged: torch.Tensor
+    sent_from: list[torch.Tensor]
+    """Each replica's local copy of the fragment it came from (empty: applied as is)."""
+
+
+class _Simulation:
+    """``replicas`` DiLoCo replicas of one config, trained and synced in this process."""
+
+    def __init__(self, cfg: AtollConfig, replicas: int, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
+        train = site_slice(self.corpus.train, cfg.data.site, cfg.data.sites, cfg.model.context)
+        base = build_model(cfg.model, seed=cfg.run.seed).to(device)
+        self.models = [
+            build_model(cfg.model, seed=cfg.run.seed).to(device) for _ in range(replicas)
+        ]
+        self.plan = plan_fragments(base, cfg.sync.fragments)
+        self.outers = [OuterOptimizer(m, self.plan, cfg.outer) for m in self.models]
+        self.trainers = [
+            InnerTrainer(
+                m,
+                cfg.train,
+                BatchStream(train, cfg.data.batch_size, cfg.model.context, (cfg.run.seed, i)),
+                device,
+            )
+            for i, m in enumerate(self.models)
+        ]
+        self.feedback = [
+            [_error_feedback(cfg, i, f) for f in range(len(self.plan))] for i in range(replicas)
+        ]
+        self.val_batches = validation_batches(
+            self.corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
+        )
+        self.schedule = sync_schedule(cfg.sync.inner_steps, len(self.plan))
+        # What is scored is the global copy (the averaged model every replica agrees on,
+        # the one a node evaluates and a user keeps), loaded into a model of its own.
+        self.scored = build_model(cfg.model, seed=cfg.run.seed).to(device)
+        self.payload_bytes = 0
+        """Bytes one replica sent, over every sync so far."""
+
+    def score(self) -> float:
+        """The global copy's validation bits per byte."""
+        self.outers[0].write_globals(self.scored)
+        return evaluate(self.scored, self.val_batches, self.device, self.corpus.bytes_per_token)
+
+    def round(self, r: int) -> list[float]:
+        """Train and sync every replica through round ``r``; returns the inner losses."""
+        sync = self.cfg.sync
+        round_tokens = [0] * len(self.trainers)
+        losses = []
+        pending: list[_Pending] = []
+        for step in range(1, sync.inner_steps + 1):
+            for i, trainer in enumerate(self.trainers):
+                result = trainer.step()
+                round_tokens[i] += result.tokens
+                losses.append(result.loss)
+            for f in self.schedule.get(step, []):
+                pending.append(self._sync(step, f, round_tokens))
+            due = [p for p in pending if step - p.step >= sync.tau or step == sync.inner_steps]
+            for p in due:  # a round ends with every sync applied, as on a node
+                pending.remove(p)
+                self._apply(p, r)
+        return losses
+
+    def _sync(self, step: int, f: int, round_tokens: list[int]) -> _Pending:
+        """Every replica's pseudo-gradient of fragment ``f`` through the codec, averaged
+        by the tokens each trained this round."""
+        sync = self.cfg.sync
+        decoded, sent_from = [], []
+        for i, model in enumerate(self.models):
+            pg = self.outers[i].pseudo_gradient(model, f)
+            enc = (
+                self.feedback[i][f].encode(pg)
+                if sync.error_feedback
+                else codecs.encode(pg, sync.codec, block_size=sync.block_size)
+            )
+            if i == 0:
+                self.payload_bytes += len(enc.payload)
+            decoded.append(codecs.decode(enc, expected_numel=pg.numel()))
+            if sync.tau or sync.alpha:
+                sent_from.append(self.outers[i].local_vector(model, f))
+        averaged = weighted_mean(decoded, [float(t) for t in round_tokens])
+        return _Pending(step, f, averaged.to(self.device), sent_from)
+
+    def _apply(self, p: _Pending, r: int) -> None:
+        """Every replica's outer step with ``p``, merging the steps taken meanwhile."""
+        for i, model in enumerate(self.models):
+            if p.sent_from:
+                self.outers[i].step(p.fragment, p.averaged, r)
+                self.outers[i].merge_local(model, p.fragment, self.cfg.sync.alpha, p.sent_from[i])
+            else:
+                self.outers[i].apply(model, p.fragment, p.averaged, r)
+
+
+def _error_feedback(cfg: AtollConfig, replica: int, fragment: int) -> codecs.ErrorFeedback:
+    return codecs.ErrorFeedback(
+        cfg.sync.codec,
+        block_size=cfg.sync.block_size,
+        stochastic=cfg.sync.stochastic_rounding,
+        generator=torch.Generator().manual_seed(cfg.run.seed * 1000 + replica * 31 + fragment),
+    )
 
 
 def simulate(
@@ -81,94 +195,18 @@ def simulate(
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     device = resolve_device(cfg.run.device)
-    corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
-    train = site_slice(corpus.train, cfg.data.site, cfg.data.sites, cfg.model.context)
-    base = build_model(cfg.model, seed=cfg.run.seed).to(device)
-    models = [build_model(cfg.model, seed=cfg.run.seed).to(device) for _ in range(replicas)]
-    plan = plan_fragments(base, cfg.sync.fragments)
-    outers = [OuterOptimizer(m, plan, cfg.outer) for m in models]
-    trainers = [
-        InnerTrainer(
-            m,
-            cfg.train,
-            BatchStream(train, cfg.data.batch_size, cfg.model.context, (cfg.run.seed, i)),
-            device,
-        )
-        for i, m in enumerate(models)
-    ]
-    feedback = [
-        [
-            codecs.ErrorFeedback(
-                cfg.sync.codec,
-                block_size=cfg.sync.block_size,
-                stochastic=cfg.sync.stochastic_rounding,
-                generator=torch.Generator().manual_seed(cfg.run.seed * 1000 + i * 31 + f),
-            )
-            for f in range(len(plan))
-        ]
-        for i in range(replicas)
-    ]
-    val_batches = validation_batches(
-        corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
-    )
-    schedule = sync_schedule(cfg.sync.inner_steps, len(plan))
-
-    # What is scored is the global copy (the averaged model every replica agrees on, the
-    # one a node evaluates and a user keeps), loaded into a model of its own.
-    scored = build_model(cfg.model, seed=cfg.run.seed).to(device)
-
-    def score() -> float:
-        outers[0].write_globals(scored)
-        return evaluate(scored, val_batches, device, corpus.bytes_per_token)
-
+    sim = _Simulation(cfg, replicas, device)
     start = time.perf_counter()
-    bpb_start = score()
+    bpb_start = sim.score()
     history: list[dict[str, Any]] = [{"round": 0, "val_bpb": bpb_start, "tokens": 0}]
-    payload_bytes = 0
     if progress:
         progress(dict(history[0], seconds=0.0, loss=float("nan")))
-    tau, alpha = cfg.sync.tau, cfg.sync.alpha
     for r in range(1, rounds + 1):
-        round_tokens = [0] * replicas
-        losses = []
-        # (step launched, fragment, averaged pseudo-gradient, local copies it came from)
-        pending: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]] = []
-        for step in range(1, cfg.sync.inner_steps + 1):
-            for i, trainer in enumerate(trainers):
-                result = trainer.step()
-                round_tokens[i] += result.tokens
-                losses.append(result.loss)
-            for f in schedule.get(step, []):
-                decoded, sent_from = [], []
-                for i, model in enumerate(models):
-                    pg = outers[i].pseudo_gradient(model, f)
-                    enc = (
-                        feedback[i][f].encode(pg)
-                        if cfg.sync.error_feedback
-                        else codecs.encode(pg, cfg.sync.codec, block_size=cfg.sync.block_size)
-                    )
-                    if i == 0:
-                        payload_bytes += len(enc.payload)
-                    decoded.append(codecs.decode(enc, expected_numel=pg.numel()))
-                    if tau or alpha:
-                        sent_from.append(outers[i].local_vector(model, f))
-                avg = weighted_mean(decoded, [float(t) for t in round_tokens])
-                pending.append((step, f, avg.to(device), sent_from))
-            due = [p for p in pending if step - p[0] >= tau or step == cfg.sync.inner_steps]
-            for p in due:  # a round ends with every sync applied, as on a node
-                pending.remove(p)
-                _, f, avg, sent_from = p
-                for i, model in enumerate(models):
-                    if sent_from:
-                        outers[i].step(f, avg, r)
-                        outers[i].merge_local(model, f, alpha, sent_from[i])
-                    else:
-                        outers[i].apply(model, f, avg, r)
-        bpb = score()
+        losses = sim.round(r)
         entry = {
             "round": r,
-            "val_bpb": bpb,
-            "tokens": sum(t.tokens for t in trainers),
+            "val_bpb": sim.score(),
+            "tokens": sum(t.tokens for t in sim.trainers),
             "loss": sum(losses) / len(losses),
             "seconds": time.perf_counter() - start,
         }
@@ -179,13 +217,13 @@ def simulate(
         "replicas": replicas,
         "rounds": rounds,
         "inner_steps": cfg.sync.inner_steps,
-        "fragments": len(plan),
+        "fragments": len(sim.plan),
         "codec": cfg.sync.codec,
-        "params": plan.numel,
+        "params": sim.plan.numel,
         "val_bpb_start": bpb_start,
         "val_bpb_end": history[-1]["val_bpb"],
         "tokens": history[-1]["tokens"],
-        "payload_bytes_per_replica": payload_bytes,
+        "payload_bytes_per_replica": sim.payload_bytes,
         "seconds": time.perf_counter() - start,
         "history": history,
         "device": str(device),

@@ -9,6 +9,11 @@ Inputs are assumed screened (finite, right length, see ``verification.screening`
 All work is vectorised over coordinates; the only Python loops run over inputs or
 iterations, never over the entries of a vector.
 
+:func:`weighted_mean` is the one weighted mean of the code base: the ``mean``
+aggregator, Multi-Krum, the all-reduce's default reducer
+(:func:`protocol.averaging.parts.weighted_mean_reducer`) and the single-process
+reference (:mod:`node.simulate`) all combine rows through it, so they agree bitwise.
+
 :func:`max_share_weights` implements the policy "no single peer may carry more than a
 given share of an aggregate", which weighted aggregators need because token counts are
 claims, not facts.
@@ -23,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verification.sorting import coordinate_median, middle, sorted_rows
+
 __all__ = [
     "AGGREGATORS",
     "COORDINATEWISE",
@@ -36,6 +43,7 @@ __all__ = [
     "median",
     "multi_krum",
     "trimmed_mean",
+    "weighted_mean",
 ]
 
 
@@ -102,100 +110,29 @@ def _weights(weights: Sequence[float], n: int, like: torch.Tensor) -> torch.Tens
     return w.to(dtype=like.dtype, device=like.device)
 
 
-def _weighted_mean(stacked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return w @ stacked
+def weighted_mean(rows: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``sum_i (w_i / sum_j w_j) * rows[i]``, summed in place in input order.
 
-
-# torch.sort along dim 0 sorts every column on its own and costs 7-30x what a sorting
-# network of elementwise minimum/maximum costs for up to 32 rows (measured with one
-# thread, 16k-2.5M columns); past that the comparator count grows as n log^2 n.
-_NETWORK_MAX_ROWS = 32
-
-
-@functools.cache
-def _merge_exchange(n: int) -> tuple[tuple[int, int], ...]:
-    """Comparators ``(i, j)``, ``i < j``, of a sorting network for ``n`` inputs.
-
-    Batcher's merge exchange (Knuth, The Art of Computer Programming vol. 3, 5.2.2,
-    Algorithm M), which works for any ``n``: 5 comparators for 4 inputs, 19 for 8.
-    """
-    pairs: list[tuple[int, int]] = []
-    if n < 2:
-        return ()
-    t = (n - 1).bit_length()
-    p = 1 << (t - 1)
-    while p > 0:
-        q, r, d = 1 << (t - 1), 0, p
-        while True:
-            pairs += [(i, i + d) for i in range(n - d) if i & p == r]
-            if q == p:
-                break
-            d, q, r = q - p, q >> 1, p
-        p >>= 1
-    return tuple(pairs)
-
-
-def sorted_rows(matrix: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The rows of ``matrix.sort(dim=0).values``, fresh tensors, by a sorting network.
-
-    Minimum and maximum select values without arithmetic, so the rows are exactly
-    the sorted values, infinities included. NaN is the exception: sort places it last
-    and min/max spread it, so a matrix holding one goes through ``torch.sort``. A sum
-    catches a NaN in one pass (it is NaN or infinite then); only a matrix whose sum is
-    not finite is scanned for one.
+    Each coordinate is computed on its own from the same coordinate of every row, so
+    the mean of a block of the rows is bitwise that block of the whole mean (an owner
+    reduces block by block as parts arrive, :mod:`protocol.averaging.streaming`).
 
     Args:
-        matrix: an ``(n, ...)`` tensor with ``n >= 1``, or its rows (one shape and
-            dtype), which saves stacking them.
+        rows: tensors of one shape and dtype (not checked here; the ``mean``
+            aggregator checks its inputs first).
+        weights: one per row; a negative weight counts as zero, and when every
+            weight is zero the rows count equally.
 
     Returns:
-        ``n`` tensors shaped like a row, in ascending order per coordinate.
+        A new tensor shaped like ``rows[0]``.
     """
-    rows = list(matrix)  # a tensor iterates over its rows
-    n = len(rows)
-    if n == 1:
-        return [rows[0].clone()]
-    if n > _NETWORK_MAX_ROWS or (rows[0].is_floating_point() and _has_nan(matrix)):
-        return list(torch.stack(rows).sort(dim=0).values)
-    for i, j in _merge_exchange(n):
-        rows[i], rows[j] = torch.minimum(rows[i], rows[j]), torch.maximum(rows[i], rows[j])
-    return rows
-
-
-def _has_nan(matrix: torch.Tensor | Sequence[torch.Tensor]) -> bool:
-    # one pass in the common case: the sum of finite values is finite
-    if isinstance(matrix, torch.Tensor):
-        total = float(matrix.sum())
-    else:
-        total = sum(float(row.sum()) for row in matrix)
-    if math.isfinite(total):
-        return False
-    return any(bool(row.isnan().any()) for row in matrix)
-
-
-def _middle(ordered: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The median of sorted rows: the middle one, or the mean of the two middle ones."""
-    n = len(ordered)
-    if n % 2 == 1:
-        return ordered[n // 2]
-    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-
-
-def coordinate_median(matrix: torch.Tensor) -> torch.Tensor:
-    """Median over dim 0; for an even row count, the mean of the two middle values.
-
-    ``torch.median`` returns the lower of the two middle values, which biases every
-    coordinate downwards for even counts; averaging the pair is the textbook median.
-
-    Args:
-        matrix: an ``(n, ...)`` tensor with ``n >= 1``.
-
-    Returns:
-        A tensor shaped like ``matrix[0]``.
-    """
-    if matrix.shape[0] == 0:
-        raise ValueError("median of zero rows")
-    return _middle(sorted_rows(matrix))
+    clipped = [max(0.0, w) for w in weights]
+    total, n = sum(clipped), len(clipped)
+    shares = [w / total for w in clipped] if total > 0 else [1.0 / n] * n
+    out = torch.zeros_like(rows[0])
+    for row, share in zip(rows, shares):
+        out.add_(row, alpha=share)
+    return out
 
 
 def _krum_scores(stacked: torch.Tensor, f: int) -> torch.Tensor:
@@ -235,9 +172,9 @@ def mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggregate
     Returns:
         The weighted mean; every input is listed as used.
     """
-    stacked = _stack(vectors)
-    w = _weights(weights, len(vectors), stacked)
-    return Aggregate(_weighted_mean(stacked, w), list(range(len(vectors))))
+    rows = _rows(vectors)
+    _weights(weights, len(rows), rows[0])
+    return Aggregate(weighted_mean(rows, weights), list(range(len(rows))))
 
 
 def median(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggregate:
@@ -256,7 +193,7 @@ def median(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggrega
     """
     rows = _rows(vectors)
     _weights(weights, len(rows), rows[0])
-    return Aggregate(_middle(sorted_rows(rows)), list(range(len(rows))))
+    return Aggregate(middle(sorted_rows(rows)), list(range(len(rows))))
 
 
 def trimmed_mean(
@@ -290,7 +227,7 @@ def trimmed_mean(
         return Aggregate(_mean_rows(rows), used)
     ordered = sorted_rows(rows)
     if n - 2 * cut <= 0:
-        return Aggregate(_middle(ordered), used)
+        return Aggregate(middle(ordered), used)
     return Aggregate(_mean_rows(ordered[cut : n - cut]), used)
 
 
@@ -406,8 +343,8 @@ def multi_krum(
     count = min(n, max(1, n - f if m is None else m))
     order = torch.argsort(_krum_scores(stacked, f), stable=True)
     chosen = sorted(int(i) for i in order[:count])
-    w = _weights([weights[i] for i in chosen], count, stacked)
-    return Aggregate(_weighted_mean(stacked[chosen], w), chosen)
+    kept = [weights[i] for i in chosen]
+    return Aggregate(weighted_mean([stacked[i] for i in chosen], kept), chosen)
 
 
 # --- registry ----------------------------------------------------------------

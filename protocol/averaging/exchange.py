@@ -24,8 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +31,13 @@ import torch
 from protocol.averaging import grouping, matchmaking
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.grouping import Layout
+from protocol.averaging.matchmaking import MatchmakingSettings
 from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
 from verification.identity import Identity
 
-__all__ = ["ExchangeSettings", "Exchanged", "FragmentExchange"]
+__all__ = ["ExchangeOutcome", "ExchangeSettings", "FragmentExchange"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +86,22 @@ class ExchangeSettings:
         """Whether a swarm of ``swarm_size`` nodes matchmakes on the cell grid."""
         return swarm_size > self.cells_above and self.largest_group >= 2
 
+    @property
+    def matchmaking(self) -> MatchmakingSettings:
+        """What announcing and waiting for the peers' announcements takes of these."""
+        return MatchmakingSettings(
+            run_id=self.run_id,
+            spec=self.spec,
+            wait_seconds=self.matchmaking_seconds,
+            expiration=self.announce_expiration,
+            request_timeout=self.request_timeout,
+            base_rate_peers=self.base_rate_peers,
+        )
+
 
 @dataclass
-class Exchanged:
-    """What one exchange produced.
+class ExchangeOutcome:
+    """What one exchange of a fragment produced.
 
     Attributes:
         group: the members, in group order.
@@ -112,11 +123,11 @@ class FragmentExchange:
     """Runs the exchanges of one node.
 
     Args:
-        transport: the node's transport (DHT for announcements).
+        transport: the node's transport (DHT for announcements; whether peers can dial
+            this node is read from its reachability at each exchange).
         identity: the node's key (signs announcements).
         allreduce: the node's all-reduce service.
         settings: see :class:`ExchangeSettings`.
-        reachable: whether peers can dial this node now (read at each exchange).
     """
 
     def __init__(
@@ -125,13 +136,11 @@ class FragmentExchange:
         identity: Identity,
         allreduce: AllReduceService,
         settings: ExchangeSettings,
-        reachable: Callable[[], bool] = lambda: True,
     ) -> None:
         self.transport = transport
         self.identity = identity
         self.allreduce = allreduce
         self.settings = settings
-        self.reachable = reachable
 
     async def run(
         self,
@@ -143,7 +152,7 @@ class FragmentExchange:
         expected: set[str],
         excludes: set[str],
         deadline: float | None = None,
-    ) -> Exchanged:
+    ) -> ExchangeOutcome:
         """Exchange ``fragment`` for ``round_``, all of it over by ``deadline``.
 
         Args:
@@ -164,52 +173,78 @@ class FragmentExchange:
         cell = None
         if s.cells(swarm):
             cell = grouping.Cell.of(me, round_, fragment, s.largest_group, swarm)
-            expected = {p for p in expected if cell.holds(p)}
-        announced = await matchmaking.gather(
-            self.transport,
-            self.identity,
-            s.run_id,
-            round_,
-            fragment,
-            weight,
-            expected=expected,
-            deadline=time.monotonic() + s.matchmaking_seconds,
-            expiration=s.announce_expiration,
-            timeout=s.request_timeout,
-            excludes=excludes,
-            reachable=self.reachable(),
-            spec=s.spec,
-            base_rate_peers=s.base_rate_peers,
-            cell=cell,
-        )
-        refused = {
-            p: f"spec_mismatch: announces spec {a.spec[:12] or '(none)'}, this node runs {s.spec[:12]}"
-            for p, a in announced.items()
-            if a.spec != s.spec
-        }
+        announced = await self._announced(round_, fragment, weight, expected, excludes, cell)
+        refused = self._other_specs(announced)
         same = {p: a for p, a in announced.items() if p not in refused}
         peers = set(same) - matchmaking.voted_out(same)
         clients = {p for p in peers if not same[p].reachable}
-        if cell is None:
-            group = grouping.group_of(
-                me, peers, round_, fragment, s.largest_group, s.layout, clients=clients
-            )
-        else:
-            lines = grouping.cell_groups(
-                peers | {me}, round_, fragment, s.largest_group, swarm, clients
-            )
-            group = next(g for g in lines if me in g)
+        group = self._group(peers, clients, round_, fragment, swarm, cell)
         owners = grouping.owners(group, clients)
         if not owners:
             raise ProtocolError("no_owner", "nobody in this node's group can be dialled")
         run = functools.partial(self.allreduce.run, owners=owners, deadline=deadline)
         if cell is None and not s.mixes(len(peers | {me})):
             result = await run(round_, fragment, group, contribution, weight)
-            return Exchanged(group, result, None, refused)
+            return ExchangeOutcome(group, result, None, refused)
         line = cell.key if cell is not None else None
         # Every member's global copy counts the same, whatever its token count.
         result, mixed = await asyncio.gather(
             run(round_, fragment, group, contribution, weight),
             run(round_, fragment, group, weights, 1, content="weights"),
         )
-        return Exchanged(group, result, mixed, refused, line)
+        return ExchangeOutcome(group, result, mixed, refused, line)
+
+    async def _announced(
+        self,
+        round_: int,
+        fragment: int,
+        weight: int,
+        expected: set[str],
+        excludes: set[str],
+        cell: grouping.Cell | None,
+    ) -> dict[str, matchmaking.Announcement]:
+        """Announce this node, then gather the announcements of the expected peers (of
+        those on this node's line, with a cell) until they are in or matchmaking is over."""
+        if cell is not None:
+            expected = {p for p in expected if cell.holds(p)}
+        return await matchmaking.gather(
+            self.transport,
+            self.identity,
+            self.settings.matchmaking,
+            round_,
+            fragment,
+            weight,
+            expected=expected,
+            excludes=excludes,
+            reachable=self.transport.reachability.reachable,
+            cell=cell,
+        )
+
+    def _other_specs(self, announced: dict[str, matchmaking.Announcement]) -> dict[str, str]:
+        """Announcers running another spec than this node, with why they are refused."""
+        spec = self.settings.spec
+        return {
+            p: f"spec_mismatch: announces spec {a.spec[:12] or '(none)'}, this node runs {spec[:12]}"
+            for p, a in announced.items()
+            if a.spec != spec
+        }
+
+    def _group(
+        self,
+        peers: set[str],
+        clients: set[str],
+        round_: int,
+        fragment: int,
+        swarm: int,
+        cell: grouping.Cell | None,
+    ) -> list[str]:
+        """This node's group among the announced ``peers`` (on its line, with a cell)."""
+        s, me = self.settings, self.identity.peer_id
+        if cell is None:
+            return grouping.group_of(
+                me, peers, round_, fragment, s.largest_group, s.layout, clients=clients
+            )
+        lines = grouping.cell_groups(
+            peers | {me}, round_, fragment, s.largest_group, swarm, clients
+        )
+        return next(g for g in lines if me in g)

@@ -43,6 +43,7 @@ from verification.identity import Identity
 
 __all__ = [
     "Announcement",
+    "MatchmakingSettings",
     "PeerRecord",
     "announce",
     "form_groups",
@@ -222,72 +223,105 @@ async def read_announcements(
     return out
 
 
+@dataclass(frozen=True)
+class MatchmakingSettings:
+    """How this node announces and how long it waits for its peers' announcements
+    (:meth:`protocol.averaging.exchange.ExchangeSettings.matchmaking` builds it).
+
+    Attributes:
+        run_id: the run.
+        spec: digest of the run spec this node runs.
+        wait_seconds: how long to wait for expected peers' announcements.
+        expiration: seconds an announcement stays in the DHT.
+        request_timeout: deadline of one DHT operation.
+        base_rate_peers: peers above which announcement reads are spaced out
+            (``network.base_rate_peers``).
+    """
+
+    run_id: str
+    spec: str = ""
+    wait_seconds: float = 3.0
+    expiration: float = 60.0
+    request_timeout: float = 10.0
+    base_rate_peers: int = 8
+
+
 async def gather(
     transport: Transport,
     identity: Identity,
-    run_id: str,
+    settings: MatchmakingSettings,
     round_: int,
     fragment: int,
     tokens: int,
     *,
     expected: Iterable[str],
-    deadline: float,
-    expiration: float,
-    timeout: float,
     excludes: Iterable[str] = (),
     reachable: bool = True,
-    spec: str = "",
-    base_rate_peers: int = 8,
     cell: Cell | None = None,
 ) -> dict[str, Announcement]:
-    """Announce, then read announcements until every expected peer is there or ``deadline``.
+    """Announce, then read announcements until every expected peer is there or
+    ``settings.wait_seconds`` have passed.
 
-    A read returns every announcement under the key, so with more than ``base_rate_peers``
-    peers expected the reads are spaced by ``0.2 s * peers / base_rate_peers`` rather than
-    0.2 s: the bytes a waiting node reads per second stay flat as the swarm grows. With a
-    ``cell`` only that line's announcements are written and read (``expected`` should
-    then hold only peers on it).
+    A read returns every announcement under the key, so with more than
+    ``settings.base_rate_peers`` peers expected the reads are spaced by
+    ``0.2 s * peers / base_rate_peers`` rather than 0.2 s: the bytes a waiting node reads
+    per second stay flat as the swarm grows. With a ``cell`` only that line's
+    announcements are written and read (``expected`` should then hold only peers on it).
 
     Args:
         expected: peers believed alive (from the registry); the wait ends as soon as all
             of them have announced.
         excludes: peers this node votes to leave out of the round (see :func:`voted_out`).
         reachable: whether others can dial this node (it owns no part otherwise).
-        spec: digest of the run spec this node runs.
         cell: this node's line of the cell grid, in a swarm too large to read whole.
-        deadline: ``time.monotonic()`` value after which the current view is used.
-        base_rate_peers: see above (``network.base_rate_peers``).
 
     Returns:
         The announced peers, this node included (filtering them is the caller's).
     """
+    s = settings
+    deadline = time.monotonic() + s.wait_seconds
     await announce(
         transport,
         identity,
-        run_id,
+        s.run_id,
         round_,
         fragment,
         tokens,
-        expiration=expiration,
-        timeout=timeout,
+        expiration=s.expiration,
+        timeout=s.request_timeout,
         excludes=excludes,
         reachable=reachable,
-        spec=spec,
+        spec=s.spec,
         cell=cell,
     )
     want = set(expected) | {identity.peer_id}
-    me = Announcement(identity.peer_id, tokens, frozenset(excludes), reachable, spec)
-    seen: dict[str, Announcement] = {identity.peer_id: me}
-    poll = _POLL_SECONDS * max(1.0, len(want) / base_rate_peers)
+    me = Announcement(identity.peer_id, tokens, frozenset(excludes), reachable, s.spec)
+    seen = {identity.peer_id: me}
+    return await _read_until(transport, s, round_, fragment, want, seen, deadline, cell)
+
+
+async def _read_until(
+    transport: Transport,
+    s: MatchmakingSettings,
+    round_: int,
+    fragment: int,
+    want: set[str],
+    seen: dict[str, Announcement],
+    deadline: float,
+    cell: Cell | None,
+) -> dict[str, Announcement]:
+    """Read announcements into ``seen`` until it holds ``want`` or ``deadline`` passes
+    (reads spaced out as :func:`gather` says)."""
+    poll = _POLL_SECONDS * max(1.0, len(want) / s.base_rate_peers)
     while True:
         remaining = deadline - time.monotonic()
         try:
             found = await read_announcements(
                 transport,
-                run_id,
+                s.run_id,
                 round_,
                 fragment,
-                timeout=max(0.5, min(timeout, remaining)),
+                timeout=max(0.5, min(s.request_timeout, remaining)),
                 cell=cell,
             )
             seen.update(found)

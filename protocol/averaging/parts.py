@@ -1,52 +1,51 @@
 """What an all-reduce exchanges, and the hooks the node plugs into it.
 
-Shared by the butterfly exchange (:mod:`protocol.averaging.allreduce`) and the repair of a
-part whose owner failed (:mod:`protocol.averaging.repair`):
+Shared by the butterfly all-reduce (:mod:`protocol.averaging.allreduce`: its owner and
+member sides) and the repair of a part whose owner failed (:mod:`protocol.averaging.repair`):
 
 * settings and plain records: :class:`AllReduceSettings`, :class:`AllReduceResult`,
   and the verification layer's :class:`~verification.records.Contribution` and
   :class:`~verification.records.Reduction` (re-exported);
-* what an exchange averages (:data:`Content`: members' updates, or their global
-  copies when groups mix weights);
+* what an all-reduce averages (:data:`Content`: members' updates, or their global
+  copies when groups mix weights) and how one is named (:data:`AllReduceKey`);
 * how a fragment is cut: :func:`part_bounds` and :class:`PartPlan` (which members
   own which part; clients own none);
+* the default reducer, a token-weighted mean (:func:`weighted_mean_reducer`, and its
+  :data:`Planner` for reducing while parts arrive);
 * the three hooks a node plugs in: :class:`Judge` (trust decisions),
-  :class:`Commitments` (the commit phase) and :class:`FaultInjection` (tests only);
-* :class:`PartExchange`, the state both sides of an exchange share: the transport,
-  the key, the counters and the one place a part is decoded or refused.
+  :class:`Commitments` (the commit phase) and :class:`FaultInjection` (tests only).
+
+What the sides of one node's all-reduce share at run time (transport, key, counters,
+the one place a part is decoded or refused) is
+:class:`~protocol.averaging.context.AllReduceContext`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args
+from typing import Literal, get_args
 
 import torch
 
-from protocol.errors import ProtocolError
-from protocol.p2p.transport import Transport
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
-from protocol.wire.partwire import Part, SealedPart, open_part, seal_part
+from protocol.wire.partwire import SealedPart, seal_part
+from verification.aggregators import weighted_mean
 from verification.identity import Identity
 from verification.records import Contribution, Prefix, Reduction, StreamPlan
 
 __all__ = [
     "CONTENTS",
+    "AllReduceKey",
     "AllReduceResult",
     "AllReduceSettings",
     "Commitments",
     "Content",
     "Contribution",
-    "Exchange",
     "FaultInjection",
     "Judge",
-    "PartExchange",
     "PartPlan",
     "Planner",
     "Prefix",
@@ -58,10 +57,6 @@ __all__ = [
     "weighted_mean_reducer",
 ]
 
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
 Content = Literal["update", "weights"]
 """What an exchange of a fragment averages: ``update``, the members' pseudo-gradients
 (weighted by tokens); ``weights``, their global copies (weighted alike), which groups
@@ -70,9 +65,10 @@ in a round; every part, result, repair and commitment names its content (signed)
 each has its own sessions, commitments and screening history."""
 CONTENTS: tuple[str, ...] = get_args(Content)
 
-Exchange = tuple[int, int, str]
-"""``(round, fragment, content)``: one exchange, as sessions, repairs and byte counts
-are keyed."""
+AllReduceKey = tuple[int, int, str]
+"""``(round, fragment, content)``: one all-reduce, as sessions, repairs and byte counts
+are keyed (a fragment's exchange in a round that mixes runs two: ``update`` and
+``weights``)."""
 
 
 @dataclass(frozen=True)
@@ -121,32 +117,17 @@ Planner = Callable[[int, Sequence[tuple[str, float]], str], StreamPlan | None]
 reduce block by block while the parts arrive, for the reducer it goes with."""
 
 
-def _mean_weights(weights: Sequence[float]) -> tuple[float, ...]:
-    clipped = [max(0.0, w) for w in weights]
-    total = sum(clipped)
-    if total <= 0:
-        return tuple(1.0 / len(clipped) for _ in clipped)
-    return tuple(w / total for w in clipped)
-
-
-def _weighted_sum(rows: Sequence[torch.Tensor], alphas: Sequence[float]) -> torch.Tensor:
-    out = torch.zeros_like(rows[0])
-    for row, alpha in zip(rows, alphas):
-        out.add_(row, alpha=alpha)
-    return out
-
-
 def weighted_mean_plan(
     round_: int, members: Sequence[tuple[str, float]], content: str = "update"
 ) -> StreamPlan | None:
     """:data:`Planner` of :func:`weighted_mean_reducer` (every member, its weight)."""
     if not members:
         return None
-    alphas = _mean_weights([w for _, w in members])
+    weights = tuple(float(w) for _, w in members)
     return StreamPlan(
         tuple(p for p, _ in members),
-        tuple(float(w) for _, w in members),
-        functools.partial(_weighted_sum, alphas=alphas),
+        weights,
+        functools.partial(weighted_mean, weights=weights),
     )
 
 
@@ -159,18 +140,19 @@ def weighted_mean_reducer(
     content: str = "update",
     prefix: Prefix | None = None,
 ) -> Reduction:
-    """Token-weighted mean (plain mean when every weight is zero)."""
+    """Token-weighted mean (plain mean when every weight is zero):
+    :func:`verification.aggregators.weighted_mean` of the contributions, in order."""
     peers = [c.peer for c in contributions]
-    alphas = _mean_weights([c.weight for c in contributions])
+    weights = [c.weight for c in contributions]
     if prefix is not None and (
         tuple(peers) == prefix.plan.peers
-        and tuple(float(c.weight) for c in contributions) == prefix.plan.weights
+        and tuple(float(w) for w in weights) == prefix.plan.weights
     ):
         if prefix.upto < prefix.out.numel():
             rest = [c.vector[prefix.upto :] for c in contributions]
-            prefix.out[prefix.upto :] = _weighted_sum(rest, alphas)
+            prefix.out[prefix.upto :] = weighted_mean(rest, weights)
         return Reduction(prefix.out, peers)
-    return Reduction(_weighted_sum([c.vector for c in contributions], alphas), peers)
+    return Reduction(weighted_mean([c.vector for c in contributions], weights), peers)
 
 
 class Judge:
@@ -429,146 +411,3 @@ class PartPlan:
     @property
     def is_owner(self) -> bool:
         return self.index >= 0
-
-
-class PartExchange:
-    """What the owner side, the member side and repair share for one node.
-
-    Args:
-        transport: the node's transport.
-        identity: the node's key (signs every message).
-        settings: encoding, limits and deadlines.
-        reducer: how an owner combines contributions.
-        judge: trust decisions (refusals and their cost, plausibility of results).
-    """
-
-    def __init__(
-        self,
-        transport: Transport,
-        identity: Identity,
-        settings: AllReduceSettings,
-        reducer: Reducer,
-        judge: Judge,
-    ) -> None:
-        self.transport = transport
-        self.identity = identity
-        self.settings = settings
-        self.reducer = reducer
-        self.judge = judge
-        self.current_round = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.rejected: dict[str, int] = {}
-        # Bytes per (round, fragment): two exchanges in flight at once (a fragment and
-        # its weight mix) must not count each other's traffic.
-        self._ledger: dict[Exchange, list[int]] = {}
-        # Hashing, decoding and reducing run off the event loop in one worker thread:
-        # the loop keeps reading streams meanwhile, and a single thread keeps the
-        # allocator's per-thread arenas (each holds on to a freed part) to one.
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atoll-parts")
-
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the exchange's worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
-
-    def tally(
-        self, at: Exchange | None, sent: int = 0, received: int = 0, totals: bool = True
-    ) -> None:
-        """Count bytes: in this node's totals, and (``at`` given) against the exchange
-        ``(round, fragment, content)``; ``totals=False`` charges the exchange only."""
-        if totals:
-            self.bytes_sent += sent
-            self.bytes_received += received
-        if at is None:
-            return
-        entry = self._ledger.setdefault(at, [0, 0])
-        entry[0] += sent
-        entry[1] += received
-
-    def traffic(self, at: Exchange) -> tuple[int, int]:
-        """Bytes sent and received for the exchange ``(round, fragment, content)`` so far."""
-        sent, received = self._ledger.get(at, (0, 0))
-        return sent, received
-
-    def forget_before(self, round_: int) -> None:
-        """Drop the byte counts of rounds before ``round_``."""
-        for old in [k for k in self._ledger if k[0] < round_]:
-            del self._ledger[old]
-
-    def reject(
-        self,
-        reason: str,
-        detail: str,
-        peer: str,
-        round_: int | None = None,
-        fragment: int | None = None,
-    ) -> ProtocolError:
-        """Count and report a refusal of ``peer``'s message; returns the error to raise."""
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        try:
-            self.judge.on_refusal(peer, round_, fragment, reason)
-        except Exception:  # bookkeeping must never change what the protocol answers
-            logger.exception("judge failed on a refusal from %s", peer)
-        return ProtocolError(reason, detail, peer)
-
-    def decode(self, part: Part, numel: int, peer: str) -> Contribution:
-        """A member's signed part (or repair message) as a :class:`Contribution`; its
-        vector is a view of the received bytes when the codec allows (no copy).
-
-        Raises:
-            ProtocolError: bad data (refused and reported) or a bad weight.
-        """
-        at = (part.header.round, part.header.fragment)
-        try:
-            enc = codecs.Encoded.from_meta(part.meta, part.body, max_numel=numel)
-            # the norm is the finiteness check of raw values: screening gets it for free
-            vector, norm = codecs.decode_with_norm(enc, expected_numel=numel, copy=False)
-        except ProtocolError as exc:
-            raise self.reject(exc.reason, exc.detail, peer, *at) from None
-        weight = part.meta.get("weight")
-        if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-            raise self.reject("malformed", "weight must be a non-negative integer", peer, *at)
-        return Contribution(
-            peer=peer,
-            vector=vector,
-            weight=float(min(weight, self.settings.max_tokens)),
-            digest=part.digest,
-            tokens=weight,
-            norm=norm,
-        )
-
-    def encode(self, values: torch.Tensor, content: str) -> codecs.Encoded:
-        """``values`` in the codec of ``content``; a ``none`` payload is a view of
-        ``values`` (keep them unchanged until the message is sent)."""
-        s = self.settings
-        return codecs.encode(values, s.codec_for(content), block_size=s.block_size, copy=False)
-
-    def content_of(self, part: Part, peer: str) -> str:
-        """What ``part`` says it averages (signed with it).
-
-        Raises:
-            ProtocolError: ``malformed`` (refused and reported) when it names none of
-                :data:`CONTENTS`.
-        """
-        content = part.meta.get("content")
-        if content not in CONTENTS:
-            h = part.header
-            raise self.reject("malformed", f"content {content!r}", peer, h.round, h.fragment)
-        return str(content)
-
-    async def open(self, data: bytes, peer: str, **checks: object) -> Part:
-        """Open a part message from ``peer`` off the event loop (hashing a body takes
-        milliseconds per megabyte; the loop keeps reading other streams meanwhile).
-
-        Raises:
-            ProtocolError: as :func:`~protocol.wire.partwire.open_part`.
-        """
-        opening = functools.partial(
-            open_part,
-            data,
-            max_bytes=self.settings.max_message_bytes,
-            expected_sender=peer,
-            run_id=self.settings.run_id,
-            **checks,  # type: ignore[arg-type]
-        )
-        return await self.compute(opening)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.averaging.parts import Contribution, Exchange, PartExchange
+from protocol.averaging.context import AllReduceContext
+from protocol.averaging.parts import AllReduceKey, Contribution
 from protocol.errors import ProtocolError
 from protocol.wire.messages import Header
 from protocol.wire.partwire import SealedPart, seal_part
@@ -47,74 +48,75 @@ class _Repair:
 
 
 class PartRepair:
-    """The repair exchange of one node; shares its :class:`~protocol.averaging.parts.PartExchange`
-    (transport, key, counters, refusals) with the node's all-reduce."""
+    """The repair of parts whose owner failed, for one node; shares its
+    :class:`~protocol.averaging.context.AllReduceContext` (transport, key, counters,
+    refusals) with the node's all-reduce."""
 
-    def __init__(self, wire: PartExchange) -> None:
-        self.wire = wire
-        self._repairs: dict[tuple[Exchange, int], _Repair] = {}
-        """Keyed by the exchange and the part."""
+    def __init__(self, context: AllReduceContext) -> None:
+        self.context = context
+        self._repairs: dict[tuple[AllReduceKey, int], _Repair] = {}
+        """Keyed by the all-reduce and the part."""
 
     def register(self) -> None:
-        s = self.wire.settings
-        self.wire.transport.add_handler(
+        s = self.context.settings
+        self.context.transport.add_handler(
             REPAIR_RPC, self._handle, max_request_bytes=s.max_message_bytes, timeout=s.timeout + 5.0
         )
 
     def unregister(self) -> None:
-        self.wire.transport.remove_handler(REPAIR_RPC)
+        self.context.transport.remove_handler(REPAIR_RPC)
 
-    def _slot(self, key: tuple[Exchange, int]) -> _Repair:
-        current = self.wire.current_round
+    def _slot(self, key: tuple[AllReduceKey, int]) -> _Repair:
+        current = self.context.current_round
         for old in [k for k in self._repairs if k[0][0] < current - 2]:
             del self._repairs[old]
         return self._repairs.setdefault(key, _Repair())
 
     async def _handle(self, peer: str, data: bytes) -> list[bytes | memoryview]:
-        svc = self.wire
+        ctx = self.context
         try:
-            env = await svc.open(
+            env = await ctx.open(
                 data,
                 peer,
                 kinds=("repair",),
-                round_window=(max(0, svc.current_round - 1), svc.current_round + 1),
+                round_window=(max(0, ctx.current_round - 1), ctx.current_round + 1),
             )
         except ProtocolError as exc:
-            raise svc.reject(exc.reason, exc.detail, peer) from None
+            raise ctx.reject(exc.reason, exc.detail, peer) from None
         h = env.header
         at = (h.round, h.fragment)
-        blocked = svc.judge.blocks(peer, h.round)
+        blocked = ctx.judge.blocks(peer, h.round)
         if blocked:
-            raise svc.reject(blocked, "refused by this node's trust policy", peer, *at)
+            raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)
         if (
-            h.fragment >= svc.settings.fragments
-            or len(self._repairs) > 4 * svc.settings.fragments * 8
+            h.fragment >= ctx.settings.fragments
+            or len(self._repairs) > 4 * ctx.settings.fragments * 8
         ):
-            raise svc.reject("busy", "no such repair", peer, *at)
-        content = svc.content_of(env, peer)
-        exchange = (h.round, h.fragment, content)
-        slot = self._slot((exchange, h.part))
+            raise ctx.reject("busy", "no such repair", peer, *at)
+        content = ctx.content_of(env, peer)
+        key = (h.round, h.fragment, content)
+        slot = self._slot((key, h.part))
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(slot.decided.wait(), svc.settings.timeout)
+            await asyncio.wait_for(slot.decided.wait(), ctx.settings.timeout)
         if not slot.ready.is_set():
             why = "it took the owner's result" if slot.accepted else "it does not repair that part"
             raise ProtocolError("not_in_repair", f"this node does not repair: {why}", peer)
         if env.meta.get("group") != slot.group or peer not in (slot.group or ()):
-            raise svc.reject("group_mismatch", "repair from outside the group", peer, *at)
+            raise ctx.reject("group_mismatch", "repair from outside the group", peer, *at)
         known = slot.contributions.get(peer)
         if known is not None:
             # Both sides call each other; the answer to this node's own call may have
             # brought the same contribution already. Anything else is equivocation.
             if known.digest != env.digest:
-                raise svc.reject("equivocation", "two different repair messages", peer, *at)
+                raise ctx.reject("equivocation", "two different repair messages", peer, *at)
         else:
             numel = next(iter(slot.contributions.values())).vector.numel()
-            slot.contributions[peer] = svc.decode(env, numel, peer)
+            slot.contributions[peer] = ctx.decode(env, numel, peer)
         assert slot.reply is not None  # set before ready
-        svc.tally(exchange, sent=slot.reply.nbytes, received=len(data))
+        ctx.tally(key, sent=slot.reply.nbytes, received=len(data))
         return slot.reply.buffers()
 
-    def accepted(self, at: Exchange, part: int) -> None:
+    def accepted(self, at: AllReduceKey, part: int) -> None:
         """This node took the owner's result for ``part``: it will not repair it, and
         says so at once to members that ask."""
         slot = self._slot((at, part))
@@ -123,7 +125,7 @@ class PartRepair:
 
     async def run(
         self,
-        at: Exchange,
+        at: AllReduceKey,
         part: int,
         group: list[str],
         owner: str,
@@ -137,25 +139,25 @@ class PartRepair:
         Returns:
             The reduced values and who is in them, or None when no other member joined.
         """
-        svc = self.wire
-        me = svc.identity.peer_id
+        ctx = self.context
+        me = ctx.identity.peer_id
         round_, fragment, content = at
-        enc = svc.encode(values, content)
-        header = Header("repair", svc.settings.run_id, round_, fragment, part, me)
+        enc = ctx.encode(values, content)
+        header = Header("repair", ctx.settings.run_id, round_, fragment, part, me)
         meta = {"content": content, "group": group, "weight": int(weight), **enc.meta()}
-        reply = seal_part(svc.identity, header, meta, enc.payload)
+        reply = seal_part(ctx.identity, header, meta, enc.payload)
         slot = self._slot((at, part))
         slot.group, slot.reply = group, reply
         # Every member uses the decoded bytes it sent, exactly as the others will see them.
-        own = await svc.open(reply.to_bytes(), me)
-        slot.contributions[me] = svc.decode(own, values.numel(), me)
+        own = await ctx.open(reply.to_bytes(), me)
+        slot.contributions[me] = ctx.decode(own, values.numel(), me)
         slot.ready.set()
         slot.decided.set()
         others = [p for p in group if p not in (me, owner)]
         if deadline is None:
-            deadline = time.monotonic() + svc.settings.timeout
+            deadline = time.monotonic() + ctx.settings.timeout
         await asyncio.gather(
-            *(self._exchange(p, reply, slot, deadline, values.numel(), at) for p in others)
+            *(self._call_member(p, reply, slot, deadline, values.numel(), at) for p in others)
         )
         if len(slot.contributions) < 2:
             return None
@@ -169,42 +171,43 @@ class PartRepair:
             )
             return None
         ordered = [slot.contributions[p] for p in sorted(slot.contributions)]
-        reduction = svc.reducer(round_, fragment, part, ordered, shared=True, content=content)
+        reduction = ctx.reducer(round_, fragment, part, ordered, shared=True, content=content)
         logger.info(
             "round %d fragment %d part %d repaired without owner %s from %d members",
             *(round_, fragment, part, owner[:16], len(ordered)),
         )
         return reduction.vector, list(reduction.used)
 
-    async def _exchange(
+    async def _call_member(
         self,
         peer: str,
         request: SealedPart,
         slot: _Repair,
         deadline: float,
         numel: int,
-        at: Exchange,
+        at: AllReduceKey,
     ) -> None:
-        svc = self.wire
-        svc.tally(at, sent=request.nbytes)
+        """Send this node's repair message to ``peer`` and take its own from the answer."""
+        ctx = self.context
+        ctx.tally(at, sent=request.nbytes)
         try:
-            reply = await svc.transport.call(
+            reply = await ctx.transport.call(
                 peer, REPAIR_RPC, request.buffers(), timeout=max(0.5, deadline - time.monotonic())
             )
-            svc.tally(at, received=len(reply))
-            env = await svc.open(reply, peer, kinds=("repair",))
+            ctx.tally(at, received=len(reply))
+            env = await ctx.open(reply, peer, kinds=("repair",))
             if (
-                svc.content_of(env, peer) != at[2]
+                ctx.content_of(env, peer) != at[2]
                 or (env.header.round, env.header.fragment) != at[:2]
             ):
-                raise svc.reject(
+                raise ctx.reject(
                     "wrong_part", "a repair message of another exchange", peer, *at[:2]
                 )
             known = slot.contributions.get(peer)
             if known is None:
-                slot.contributions[peer] = svc.decode(env, numel, peer)
+                slot.contributions[peer] = ctx.decode(env, numel, peer)
             elif known.digest != env.digest:
-                svc.reject("equivocation", "two different repair messages", peer)
+                ctx.reject("equivocation", "two different repair messages", peer)
         except ProtocolError as exc:
             if "not_in_repair" in exc.detail:
                 slot.declined.add(peer)

@@ -153,7 +153,7 @@ class StreamingReduction:
                 out[lo:end] = plan.combine(rows)
                 lo = end
         except (ProtocolError, ValueError, RuntimeError) as exc:
-            # the member's part is refused in full once it is in (wire.decode); here the
+            # the member's part is refused in full once it is in (context.decode); here the
             # speculative blocks are simply given up
             logger.info("streamed reduction given up at value %d: %s", lo, exc)
             self.broken = True

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from node.catchup import RPC_NAME as STATE_RPC
-from node.catchup import StateServer, StateSnapshot, fetch_state
+from node.catchup import CatchUpSettings, StateServer, StateSnapshot, fetch_state
 from node.config import ModelConfig, OuterConfig
 from node.model import build_model
 from node.outer import OuterOptimizer
@@ -214,7 +214,7 @@ def test_an_owner_that_screens_a_member_out_at_the_end_has_its_streamed_blocks_r
     members, group = _streaming_members(services)
     victim = group[2]
     for m in members:  # every owner refuses the third member, but only at the end
-        m.wire.reducer = _screening_out(victim)
+        m.context.reducer = _screening_out(victim)
     weights = [1, 2, 3]
     for fragment in range(3):
         vectors = _vectors(3, STREAMED_NUMEL, seed=40 + fragment)
@@ -406,8 +406,8 @@ def _with_a_faulty_owner(
     everyone[0].faults = faults
     judges = []
     for member in everyone[1:]:
-        member.wire.judge = _Refusals()
-        judges.append(member.wire.judge)
+        member.context.judge = _Refusals()
+        judges.append(member.context.judge)
     group = [m.identity.peer_id for m in everyone]
     vectors = _vectors(4, numel, seed=seed)
     outs = [torch.full_like(v, float("nan")) for v in vectors]
@@ -457,7 +457,7 @@ def test_silent_member_costs_only_its_contribution_within_the_deadline(
             missing.append((peer, part))
 
     for m in everyone[:3]:
-        m.wire.judge = Recorder()
+        m.context.judge = Recorder()
     group = [m.identity.peer_id for m in everyone]
     vectors = _vectors(4, 4_000, seed=14)
     weights = [1, 2, 3, 4]
@@ -729,14 +729,12 @@ def _fetch(
     coro = fetch_state(
         client,
         identity,
-        RUN,
+        CatchUpSettings(RUN, timeout=10, max_bytes=16 * MiB),
         peers or [swarm.transports[0].peer_id],
         plan_digest=plan_digest,
         sizes=sizes,
         min_round=min_round,
         signers=signers,
-        timeout=10,
-        max_bytes=16 * MiB,
     )
     return client.run(coro, 15)
 

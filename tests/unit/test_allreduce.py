@@ -82,7 +82,7 @@ def test_an_owner_refuses_a_forged_part_on_its_head_before_any_body_byte() -> No
         stream = _stream(sender.peer_id)
         stream[1].feed_data(struct.pack(">Q", length) + wire)  # no body, no EOF
         serving = _framing.serve(
-            stream, handler, 1 << 30, "atoll.part", 5.0, receive=service._read_part
+            stream, handler, 1 << 30, "atoll.part", 5.0, receive=service.owner.read_part
         )
         await asyncio.wait_for(serving, 3)
         status, reply = stream[2].response()

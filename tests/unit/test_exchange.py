@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from protocol.averaging import grouping, matchmaking
 from protocol.averaging.exchange import ExchangeSettings, FragmentExchange
 from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
+from protocol.p2p.reachability import Reachability
 from tests.unit._fakes import FakeDHT, FakeTransport
 from verification.identity import Identity
 
@@ -54,8 +54,9 @@ def _exchange(dht: FakeDHT, group_size: int = 4, reachable: bool = True, **kw):
     settings = ExchangeSettings(
         RUN, SPEC, fragments=2, group_size=group_size, matchmaking_seconds=0.3, **kw
     )
-    transport = FakeTransport(dht, ME.peer_id)
-    return FragmentExchange(transport, ME, allreduce, settings, lambda: reachable), allreduce
+    dialled = Reachability("public" if reachable else "private")
+    transport = FakeTransport(dht, ME.peer_id, reachability=dialled)
+    return FragmentExchange(transport, ME, allreduce, settings), allreduce
 
 
 def _run(exchange: FragmentExchange, expected: set[str]):
@@ -133,19 +134,10 @@ def test_announcement_reads_are_spaced_out_as_the_swarm_grows(
     monkeypatch.setattr(matchmaking.asyncio, "sleep", sleep)
     transport = FakeTransport(FakeDHT(), ME.peer_id)
     peers = {f"peer{i}" for i in range(expected)}
-    gathering = matchmaking.gather(
-        transport,
-        ME,
-        RUN,
-        1,
-        0,
-        100,
-        expected=peers,
-        deadline=time.monotonic() + 30,
-        expiration=60,
-        timeout=1,
-        base_rate_peers=8,
+    settings = matchmaking.MatchmakingSettings(
+        RUN, wait_seconds=30, expiration=60, request_timeout=1, base_rate_peers=8
     )
+    gathering = matchmaking.gather(transport, ME, settings, 1, 0, 100, expected=peers)
     with pytest.raises(_Polled):
         asyncio.run(gathering)
     assert waits == [pytest.approx(poll)]

@@ -1,0 +1,276 @@
+"""What the owner side, the member side and repair of one node's all-reduce share.
+
+One :class:`AllReduceContext` per node holds the transport, the key, the settings, the
+hooks the node plugs in (reducer, judge, fault injection, commitments), the byte and refusal counters, the worker thread that hashes,
+decodes and reduces off the event loop, and the pool large bodies are received into.
+It is also the one place a part (or an owner's result) is read, decoded or refused:
+every refusal is counted and reported to the judge here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from protocol.averaging.parts import (
+    CONTENTS,
+    AllReduceKey,
+    AllReduceSettings,
+    Commitments,
+    Contribution,
+    FaultInjection,
+    Judge,
+    Reducer,
+)
+from protocol.errors import ProtocolError
+from protocol.p2p.transport import BufferPool, Lease, Read, Transport
+from protocol.wire import codec as codecs
+from protocol.wire.messages import Header
+from protocol.wire.partwire import Part, open_part, read_part
+from verification.identity import Identity
+
+__all__ = ["AllReduceContext", "Follow", "Follower", "part_weight"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Follower(Protocol):
+    """What follows a part's body as it arrives (the owner's streamed reduction)."""
+
+    def arrived(self, peer: str, nbytes: int) -> None:
+        """The first ``nbytes`` of ``peer``'s body are in and checked."""
+
+    def detach(self, peer: str) -> None:
+        """``peer``'s body will not be read any further (refused, or its stream broke)."""
+
+
+Follow = Callable[[Header, dict, str, memoryview], Follower | None]
+"""``(header, meta, sender, body buffer) -> Follower | None``: who follows a part whose
+head is checked and whose body is about to be read into ``body buffer``."""
+
+
+def part_weight(meta: dict) -> int | None:
+    """The token weight a part's meta claims, or None when it is not a non-negative int."""
+    weight = meta.get("weight")
+    if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+        return None
+    return weight
+
+
+class AllReduceContext:
+    """What the owner side, the member side and repair share for one node.
+
+    Args:
+        transport: the node's transport.
+        identity: the node's key (signs every message).
+        settings: encoding, limits and deadlines.
+        reducer: how an owner combines contributions.
+        judge: trust decisions (refusals and their cost, plausibility of results).
+        faults: how this node acts (honest unless a fault is injected, for tests).
+        commitments: the commit phase, or None (parts are sent at once).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        identity: Identity,
+        settings: AllReduceSettings,
+        reducer: Reducer,
+        judge: Judge,
+        faults: FaultInjection | None = None,
+        commitments: Commitments | None = None,
+    ) -> None:
+        self.transport = transport
+        self.identity = identity
+        self.settings = settings
+        self.reducer = reducer
+        self.judge = judge
+        self.faults = faults or FaultInjection()
+        self.commitments = commitments
+        self.current_round = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.rejected: dict[str, int] = {}
+        self.pool = BufferPool()
+        """Buffers large parts and results are received into, reused round after round."""
+        # Bytes per all-reduce: two in flight at once (a fragment and its weight mix)
+        # must not count each other's traffic.
+        self._ledger: dict[AllReduceKey, list[int]] = {}
+        # Hashing, decoding and reducing run off the event loop in one worker thread:
+        # the loop keeps reading streams meanwhile, and a single thread keeps the
+        # allocator's per-thread arenas (each holds on to a freed part) to one.
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atoll-parts")
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the all-reduce's worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    # ---- counters ---------------------------------------------------------------------
+
+    def tally(
+        self, at: AllReduceKey | None, sent: int = 0, received: int = 0, totals: bool = True
+    ) -> None:
+        """Count bytes: in this node's totals, and (``at`` given) against the all-reduce
+        ``(round, fragment, content)``; ``totals=False`` charges the all-reduce only."""
+        if totals:
+            self.bytes_sent += sent
+            self.bytes_received += received
+        if at is None:
+            return
+        entry = self._ledger.setdefault(at, [0, 0])
+        entry[0] += sent
+        entry[1] += received
+
+    def traffic(self, at: AllReduceKey) -> tuple[int, int]:
+        """Bytes sent and received for the all-reduce ``(round, fragment, content)`` so far."""
+        sent, received = self._ledger.get(at, (0, 0))
+        return sent, received
+
+    def forget_before(self, round_: int) -> None:
+        """Drop the byte counts of rounds before ``round_``."""
+        for old in [k for k in self._ledger if k[0] < round_]:
+            del self._ledger[old]
+
+    def reject(
+        self,
+        reason: str,
+        detail: str,
+        peer: str,
+        round_: int | None = None,
+        fragment: int | None = None,
+    ) -> ProtocolError:
+        """Count and report a refusal of ``peer``'s message; returns the error to raise."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        try:
+            self.judge.on_refusal(peer, round_, fragment, reason)
+        except Exception:  # bookkeeping must never change what the protocol answers
+            logger.exception("judge failed on a refusal from %s", peer)
+        return ProtocolError(reason, detail, peer)
+
+    # ---- parts ------------------------------------------------------------------------
+
+    def decode(self, part: Part, numel: int, peer: str) -> Contribution:
+        """A member's signed part (or repair message) as a :class:`Contribution`; its
+        vector is a view of the received bytes when the codec allows (no copy).
+
+        Raises:
+            ProtocolError: bad data (refused and reported) or a bad weight.
+        """
+        at = (part.header.round, part.header.fragment)
+        try:
+            enc = codecs.Encoded.from_meta(part.meta, part.body, max_numel=numel)
+            # the norm is the finiteness check of raw values: screening gets it for free
+            vector, norm = codecs.decode_with_norm(enc, expected_numel=numel, copy=False)
+        except ProtocolError as exc:
+            raise self.reject(exc.reason, exc.detail, peer, *at) from None
+        weight = part_weight(part.meta)
+        if weight is None:
+            raise self.reject("malformed", "weight must be a non-negative integer", peer, *at)
+        return Contribution(
+            peer=peer,
+            vector=vector,
+            weight=float(min(weight, self.settings.max_tokens)),
+            digest=part.digest,
+            tokens=weight,
+            norm=norm,
+        )
+
+    def encode(self, values: torch.Tensor, content: str) -> codecs.Encoded:
+        """``values`` in the codec of ``content``; a ``none`` payload is a view of
+        ``values`` (keep them unchanged until the message is sent)."""
+        s = self.settings
+        return codecs.encode(values, s.codec_for(content), block_size=s.block_size, copy=False)
+
+    def content_of(self, part: Part, peer: str) -> str:
+        """What ``part`` says it averages (signed with it).
+
+        Raises:
+            ProtocolError: ``malformed`` (refused and reported) when it names none of
+                :data:`~protocol.averaging.parts.CONTENTS`.
+        """
+        content = part.meta.get("content")
+        if content not in CONTENTS:
+            h = part.header
+            raise self.reject("malformed", f"content {content!r}", peer, h.round, h.fragment)
+        return str(content)
+
+    async def open(self, data: bytes, peer: str, **checks: object) -> Part:
+        """Open a part message from ``peer`` off the event loop (hashing a body takes
+        milliseconds per megabyte; the loop keeps reading other streams meanwhile).
+
+        Raises:
+            ProtocolError: as :func:`~protocol.wire.partwire.open_part`.
+        """
+        opening = functools.partial(
+            open_part,
+            data,
+            max_bytes=self.settings.max_message_bytes,
+            expected_sender=peer,
+            run_id=self.settings.run_id,
+            **checks,  # type: ignore[arg-type]
+        )
+        return await self.compute(opening)
+
+    async def read_message(
+        self,
+        read: Read,
+        length: int,
+        sender: str,
+        kind: str,
+        round_window: tuple[int, int],
+        dest: torch.Tensor | None = None,
+        trailer: Callable[[], Awaitable[bytes]] | None = None,
+        follow: Follow | None = None,
+    ) -> Lease:
+        """A part or result as it arrives: refused on its head (signature, run, kind,
+        round window) before any body byte is read, each chunk checked against its hash
+        as it comes (for a result streamed back, against its trailer, read by
+        ``trailer``). Raw float32 of ``dest``'s size goes straight into ``dest``; any other
+        body into a pooled buffer, which goes back to the pool with the returned lease
+        (whose data is the :class:`~protocol.wire.partwire.Part`). ``follow`` names who
+        follows a pooled body as its checked chunks come in."""
+        held: Lease | None = None
+        followed: Follower | None = None
+
+        def into(header: Header, meta: dict, size: int) -> memoryview:
+            nonlocal held, followed
+            if dest is not None and meta.get("c") == "none" and size == dest.numel() * 4:
+                return memoryview(dest.numpy()).cast("B")
+            held = self.pool.lease(size)
+            if follow is not None:
+                followed = follow(header, meta, sender, held.data)
+            return held.data  # type: ignore[no-any-return]
+
+        def progress(nbytes: int) -> None:
+            if followed is not None:
+                followed.arrived(sender, nbytes)
+
+        try:
+            part = await read_part(
+                read,
+                length,
+                into,
+                max_bytes=self.settings.max_message_bytes,
+                expected_sender=sender,
+                run_id=self.settings.run_id,
+                kinds=(kind,),
+                round_window=round_window,
+                progress=progress,
+                trailer=trailer,
+            )
+        except BaseException:
+            if followed is not None:
+                followed.detach(sender)  # before its buffer can be handed to anyone else
+            if held is not None:
+                held.release()
+            raise
+        # a pooled body goes back to the pool with the part
+        return held.handed_to(part) if held is not None else Lease(part)

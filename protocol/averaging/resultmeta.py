@@ -1,0 +1,95 @@
+"""The signed fields of an owner's reduced result: who is in it, and on what inputs.
+
+An owner signs, beside its result's codec fields, what the result is of
+(``content``), its ``contributors`` in the order it reduced them, their capped
+``weights``, the ``digests`` of the signed parts it took from them, the members it left
+out with why (``rejected``) and, with a commit phase, each contributor's signed
+commitment as it holds it (``commits``). :func:`result_fields` writes them;
+:func:`trailer_fields` is what the trailer of a result streamed back signs (its head
+names the content only); :func:`read_result` is the one reader, checking what a member
+relies on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.errors import ProtocolError
+from verification.records import Contribution
+
+__all__ = ["ResultFields", "read_result", "result_fields", "trailer_fields"]
+
+_HEAD_FIELDS = ("content",)
+"""The result's own fields a streamed result's head names (known before it is reduced)."""
+
+
+@dataclass(frozen=True)
+class ResultFields:
+    """A reduced result's fields as a member reads them.
+
+    Attributes:
+        contributors: the members in the result, in the order the owner reduced them.
+        weights: their weights as the owner used them.
+        digests: the digest of each contributor's signed part (one per contributor).
+        rejected: members the owner left out, with why (as signed; only looked up).
+    """
+
+    contributors: list[str]
+    weights: list[float]
+    digests: list[bytes]
+    rejected: dict
+
+
+def result_fields(
+    content: str,
+    kept: Sequence[Contribution],
+    rejected: dict[str, str],
+    commits: list[bytes] | None = None,
+) -> dict[str, Any]:
+    """The fields an owner signs for a result reduced from ``kept`` (in that order);
+    ``commits`` only when the exchange has a commit phase."""
+    meta: dict[str, Any] = {
+        "content": content,
+        "contributors": [c.peer for c in kept],
+        "weights": [c.weight for c in kept],
+        "digests": [c.digest for c in kept],
+        "rejected": rejected,
+    }
+    if commits is not None:
+        meta["commits"] = commits
+    return meta
+
+
+def trailer_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """What the trailer of a result streamed back signs: every field its head does not."""
+    return {k: v for k, v in meta.items() if k not in _HEAD_FIELDS}
+
+
+def read_result(meta: dict[str, Any], owner: str) -> ResultFields:
+    """The fields of ``owner``'s result, checked.
+
+    Raises:
+        ProtocolError: ``malformed`` contributors (not a list of PeerIDs), weights (not
+            non-negative numbers) or digests (not one bytes per contributor).
+    """
+    peers = meta.get("contributors")
+    if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+        raise ProtocolError("malformed", "contributors must be a list of PeerIDs", owner)
+    weights = meta.get("weights", [])
+    if not isinstance(weights, list) or not all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights
+    ):
+        raise ProtocolError("malformed", "weights must be non-negative numbers", owner)
+    digests = meta.get("digests", [])
+    if not (
+        isinstance(digests, list)
+        and len(digests) == len(peers)
+        and all(isinstance(d, bytes) for d in digests)
+    ):
+        raise ProtocolError("malformed", "digests must name one input per contributor", owner)
+    rejected = meta.get("rejected", {})
+    return ResultFields(
+        peers, [float(w) for w in weights], digests, rejected if isinstance(rejected, dict) else {}
+    )
