@@ -36,6 +36,7 @@ from verification.identity import Identity
 
 __all__ = [
     "STANDINGS",
+    "CatchUpSettings",
     "StateServer",
     "StateSnapshot",
     "attested",
@@ -54,6 +55,22 @@ STANDINGS = ("settled", "unsettled", "joining")
 CHUNK_VALUES = 4 * 2**20
 """Values of a fragment per state reply: 16 MiB of global values and as much momentum,
 well inside the 64 MiB a signed message may hold."""
+
+
+@dataclass(frozen=True)
+class CatchUpSettings:
+    """How a node takes a peer's state (built by :func:`node.settings.catchup_settings`
+    from ``[run]`` and ``[network]``).
+
+    Attributes:
+        run_id: the run whose state is taken.
+        timeout: deadline of one state request, in seconds (``network.request_timeout``).
+        max_bytes: largest state reply accepted, in bytes (``network.max_message_mb``).
+    """
+
+    run_id: str
+    timeout: float = 30.0
+    max_bytes: int = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -289,15 +306,13 @@ async def attested(
 async def fetch_state(
     transport: Transport,
     identity: Identity,
-    run_id: str,
+    settings: CatchUpSettings,
     peers: list[str],
     *,
     plan_digest: str,
     sizes: list[int],
     min_round: int,
     signers: int,
-    timeout: float,
-    max_bytes: int,
     digest: str | None = None,
 ) -> StateSnapshot:
     """Download a snapshot fragment by fragment, spread over ``peers``, and check it.
@@ -316,55 +331,18 @@ async def fetch_state(
         raise ProtocolError("no_peer", "no peer to take the state from")
     chunks = []
     for f, size in enumerate(sizes):
-        peer = peers[f % len(peers)]
-        first = await _state_chunk(transport, identity, run_id, peer, f, 0, timeout, max_bytes)
-        count = first.body.get("chunks", 1)
-        expected = max(1, -(-size // CHUNK_VALUES))
-        if count != expected:
-            raise ProtocolError("malformed", f"{count!r} chunks for {size} values", peer)
-        parts = [first]
-        for c in range(1, count):
-            parts.append(
-                await _state_chunk(transport, identity, run_id, peer, f, c, timeout, max_bytes)
-            )
-        chunks.append((peer, parts))
-    rounds = {env.header.round for _, parts in chunks for env in parts}
-    digests = {env.body.get("digest") for _, parts in chunks for env in parts}
-    if len(rounds) != 1 or len(digests) != 1:
-        raise ProtocolError("mixed_state", "peers served different rounds or states")
-    round_, served = rounds.pop(), digests.pop()
-    if digest is not None and served != digest:
-        raise ProtocolError("other_state", f"served state {str(served)[:12]}, not {digest[:12]}")
-    digest = served
-    if round_ < min_round:
-        raise ProtocolError("stale_round", f"state of round {round_} < {min_round}")
+        peer = peers[f % len(peers)]  # the fragments are spread over the peers
+        chunks.append((peer, await _fragment(transport, identity, settings, peer, f, size)))
+    round_, digest = _served(chunks, min_round, digest)
     globals_, momentum, steps = [], [], 0
     for (peer, parts), size in zip(chunks, sizes):
-        values, moments = [], []
-        for c, env in enumerate(parts):
-            body = env.body
-            if body.get("plan") != plan_digest:
-                raise ProtocolError(
-                    "wrong_model", "the peer's fragment plan differs from ours", peer
-                )
-            n = min(CHUNK_VALUES, size - c * CHUNK_VALUES)
-            values.append(_tensor(body.get("global"), n, peer))
-            raw_m = body.get("momentum")
-            moments.append(None if raw_m is None else _tensor(raw_m, n, peer))
-            s = body.get("steps", 0)
-            if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-                raise ProtocolError("malformed", "steps must be a non-negative integer", peer)
-            steps = max(steps, s)
-        globals_.append(torch.cat(values) if len(values) > 1 else values[0])
-        if all(m is None for m in moments):
-            momentum.append(None)
-        elif any(m is None for m in moments):
-            raise ProtocolError("malformed", "momentum in some chunks only", peer)
-        else:
-            momentum.append(torch.cat(moments) if len(moments) > 1 else moments[0])
+        values, moments, served_steps = _assemble(parts, size, plan_digest, peer)
+        globals_.append(values)
+        momentum.append(moments)
+        steps = max(steps, served_steps)
     if state_digest(globals_) != digest:
         raise ProtocolError("bad_digest", "the assembled state does not match its digest")
-    attestations = await attested(transport, run_id, round_, timeout=timeout)
+    attestations = await attested(transport, settings.run_id, round_, timeout=settings.timeout)
     have = sum(1 for s in attestations.get(digest, {}).values() if s != "joining")
     if have < signers:
         raise ProtocolError(
@@ -377,20 +355,82 @@ async def fetch_state(
     return StateSnapshot(round_, plan_digest, tuple(globals_), tuple(momentum), steps)
 
 
+async def _fragment(
+    transport: Transport,
+    identity: Identity,
+    settings: CatchUpSettings,
+    peer: str,
+    f: int,
+    size: int,
+) -> list[Envelope]:
+    """Every chunk of fragment ``f`` (``size`` values), from ``peer``."""
+    first = await _state_chunk(transport, identity, settings, peer, f, 0)
+    count = first.body.get("chunks", 1)
+    expected = max(1, -(-size // CHUNK_VALUES))
+    if count != expected:
+        raise ProtocolError("malformed", f"{count!r} chunks for {size} values", peer)
+    parts = [first]
+    for c in range(1, count):
+        parts.append(await _state_chunk(transport, identity, settings, peer, f, c))
+    return parts
+
+
+def _served(
+    chunks: list[tuple[str, list[Envelope]]], min_round: int, digest: str | None
+) -> tuple[int, str]:
+    """The one round and state digest every chunk was served for."""
+    rounds = {env.header.round for _, parts in chunks for env in parts}
+    digests = {env.body.get("digest") for _, parts in chunks for env in parts}
+    if len(rounds) != 1 or len(digests) != 1:
+        raise ProtocolError("mixed_state", "peers served different rounds or states")
+    round_, served = rounds.pop(), digests.pop()
+    if digest is not None and served != digest:
+        raise ProtocolError("other_state", f"served state {str(served)[:12]}, not {digest[:12]}")
+    if round_ < min_round:
+        raise ProtocolError("stale_round", f"state of round {round_} < {min_round}")
+    return round_, served
+
+
+def _assemble(
+    parts: list[Envelope], size: int, plan_digest: str, peer: str
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """One fragment's global values, momentum (None when served without) and the steps
+    its chunks say, checked."""
+    values, moments, steps = [], [], 0
+    for c, env in enumerate(parts):
+        body = env.body
+        if body.get("plan") != plan_digest:
+            raise ProtocolError("wrong_model", "the peer's fragment plan differs from ours", peer)
+        n = min(CHUNK_VALUES, size - c * CHUNK_VALUES)
+        values.append(_tensor(body.get("global"), n, peer))
+        raw_m = body.get("momentum")
+        moments.append(None if raw_m is None else _tensor(raw_m, n, peer))
+        s = body.get("steps", 0)
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ProtocolError("malformed", "steps must be a non-negative integer", peer)
+        steps = max(steps, s)
+    value = torch.cat(values) if len(values) > 1 else values[0]
+    if all(m is None for m in moments):
+        return value, None, steps
+    if any(m is None for m in moments):
+        raise ProtocolError("malformed", "momentum in some chunks only", peer)
+    return value, torch.cat(moments) if len(moments) > 1 else moments[0], steps
+
+
 async def _state_chunk(
     transport: Transport,
     identity: Identity,
-    run_id: str,
+    settings: CatchUpSettings,
     peer: str,
     fragment: int,
     chunk: int,
-    timeout: float,
-    max_bytes: int,
 ) -> Envelope:
     """Chunk ``chunk`` of fragment ``fragment`` of ``peer``'s state, opened and checked."""
+    run_id, max_bytes = settings.run_id, settings.max_bytes
     header = Header("state_req", run_id, 0, fragment, chunk, identity.peer_id)
+    request = seal(identity, header, {})
     reply = await transport.call(
-        peer, RPC_NAME, seal(identity, header, {}), timeout=timeout, max_response_bytes=max_bytes
+        peer, RPC_NAME, request, timeout=settings.timeout, max_response_bytes=max_bytes
     )
     env = open_envelope(
         reply, max_bytes=max_bytes, expected_sender=peer, run_id=run_id, kinds=("state",)
@@ -412,14 +452,12 @@ def _tensor(raw: object, size: int, peer: str) -> torch.Tensor:
 def download(
     transport: Transport,
     identity: Identity,
-    run_id: str,
+    settings: CatchUpSettings,
     sources: list[PeerRecord],
     plan: FragmentPlan,
     *,
     min_round: int,
     signers: int,
-    timeout: float,
-    max_bytes: int,
     digest: str | None = None,
 ) -> tuple[StateSnapshot, list[str]] | None:
     """Take the newest state ``sources`` (newest round first) offer, on this thread
@@ -441,19 +479,17 @@ def download(
         fetching = fetch_state(
             transport,
             identity,
-            run_id,
+            settings,
             peers,
             plan_digest=plan.digest(),
             sizes=sizes,
             min_round=min_round,
             signers=signers,
-            timeout=timeout,
-            max_bytes=max_bytes,
             digest=digest,
         )
         try:
             calls = sum(max(1, -(-n // CHUNK_VALUES)) for n in sizes)
-            return transport.run(fetching, timeout * (calls + 1) + 5), peers
+            return transport.run(fetching, settings.timeout * (calls + 1) + 5), peers
         except (ProtocolError, TimeoutError) as exc:
             logger.warning("catch-up from %s failed: %s", ", ".join(p[:12] for p in peers), exc)
     return None

@@ -93,7 +93,7 @@ class SecondsClock:
 
 @dataclass(frozen=True)
 class ClockSettings:
-    """How a node agrees the round clock (built by :func:`node.config.clock_settings`).
+    """How a node agrees the round clock (built by :func:`node.settings.clock_settings`).
 
     Attributes:
         run_id: the run.

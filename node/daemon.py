@@ -5,7 +5,7 @@ the lifecycle; the parts do the work: :class:`~node.trainer.InnerTrainer` (inner
 steps), :class:`~node.syncer.Syncer` (a fragment's sync),
 :class:`~protocol.averaging.exchange.FragmentExchange` (matchmaking, groups, all-reduce),
 :class:`~node.peers.PeerView` (who else is in the run), :class:`~verification.verifier.Verifier`
-(trust) and :class:`~node.controlplane.ControlPlane` (heartbeats, commitments,
+(trust) and :class:`~protocol.control.plane.ControlPlane` (heartbeats, commitments,
 verdicts). The training loop is synchronous; every network exchange is a coroutine
 handed to the transport's loop with a deadline, so a slow or vanished peer costs at
 most that deadline.
@@ -37,11 +37,13 @@ from node.clock import agree as agree_clock
 from node.config import (
     AtollConfig,
     allreduce_settings,
+    catchup_settings,
     clock_settings,
+    control_settings,
     exchange_settings,
+    peer_view_settings,
     transport_config,
 )
-from node.controlplane import COMMIT_RPC, ControlPlane
 from node.data import BatchStream, load_data, validation_batches
 from node.handoff import workload_record
 from node.load import LoadMeter, memory_per_param
@@ -58,6 +60,7 @@ from node.trainer import InnerTrainer, evaluate, make_inner_optimizer
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments
+from protocol.control.plane import ControlPlane
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import BootstrapUnreachable, NotDialable, Transport
 from protocol.wire import codec as codecs
@@ -324,14 +327,7 @@ class Node:
         self.peers = PeerView(
             self.transport,
             self.identity,
-            key_file,
-            cfg.run.run_id,
-            self.spec_digest,
-            self.initial_peers,
-            net.request_timeout,
-            net.registry_seconds,
-            net.base_rate_peers,
-            net.registry_shards,
+            peer_view_settings(cfg, key_file, self.spec_digest, self.initial_peers),
             heard=self._heard,
         )
         self.transport.run(self.peers.ensure_identity_free(), 4 * net.request_timeout + 10)
@@ -342,19 +338,15 @@ class Node:
         self.admin = AdminInbox(self.data_dir, self._operator)
         if cfg.control.enabled:
             self.control = ControlPlane(
-                cfg.control,
-                cfg.run.run_id,
+                control_settings(cfg, key_file, self.data_dir),
                 self.identity,
-                key_file,
-                self.data_dir,
+                self.transport,
                 self.verifier,
                 self.events,
                 self._vitals,
                 __version__,
-                listen_host=net.host,
             )
             self.control.start()
-            self._serve_commitments()
         self.allreduce = AllReduceService(
             self.transport,
             self.identity,
@@ -363,7 +355,7 @@ class Node:
             planner=self.verifier.stream_plan,
             judge=self.verifier,
             faults=make_behaviour(self.byzantine, seed=cfg.run.seed),
-            commitments=self.control if cfg.control.commit else None,
+            commitments=self.control.commitments if self.control and cfg.control.commit else None,
         )
         self.allreduce.register()
         self.exchange = FragmentExchange(
@@ -371,7 +363,6 @@ class Node:
             self.identity,
             self.allreduce,
             exchange_settings(cfg, self.spec_digest, len(self.plan)),
-            reachable=lambda: self.transport.reachability.reachable,
         )
         self.syncer = Syncer(
             cfg,
@@ -403,22 +394,6 @@ class Node:
             ranks=self.site.world if self.site is not None else 1,
             helper_pids=self._helper_pids(),
         )
-
-    def _serve_commitments(self) -> None:
-        """Commitments also go straight to the group, over the transport (see
-        :mod:`node.controlplane`)."""
-        assert self.control is not None and self.transport is not None
-        transport = self.transport
-        self.transport.add_handler(
-            COMMIT_RPC,
-            self.control.receive_commit,
-            max_request_bytes=int(self.cfg.control.max_message_kb * 1024),
-        )
-
-        async def send(peer: str, wire: bytes, timeout: float) -> Any:
-            return await transport.call(peer, COMMIT_RPC, wire, timeout=timeout)
-
-        self.control.send_direct = send
 
     def _resume(self) -> None:
         """Resume from the newest valid checkpoint, else take the swarm's state if it has one."""
@@ -519,13 +494,11 @@ class Node:
         found = catchup.download(
             self.transport,
             self.identity,
-            self.cfg.run.run_id,
+            catchup_settings(self.cfg),
             self.peers.sources(min_round) if holders is None else self.peers.among(holders),
             self.plan,
             min_round=min_round,
             signers=max(1, min(self.cfg.trust.state_signers, len(self.peers.live()))),
-            timeout=net.request_timeout,
-            max_bytes=int(net.max_message_mb * 2**20),
             digest=digest,
         )
         if found is None:

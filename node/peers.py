@@ -45,7 +45,13 @@ from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
 from verification.identity import Identity
 
-__all__ = ["LIVE_SECONDS", "SHARD_RECORDS_WARN", "DuplicateIdentityError", "PeerView"]
+__all__ = [
+    "LIVE_SECONDS",
+    "SHARD_RECORDS_WARN",
+    "DuplicateIdentityError",
+    "PeerView",
+    "PeerViewSettings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +77,40 @@ class _Redial:
     next_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class PeerViewSettings:
+    """Where a node's registry record goes and how often it is refreshed (built by
+    :func:`node.settings.peer_view_settings` from ``[run]`` and ``[network]``).
+
+    Attributes:
+        run_id: the run.
+        spec: digest of the run spec (or shared settings) this node runs.
+        key_file: where the node's key lives (named in the duplicate-identity error).
+        initial_peers: multiaddrs re-dialled when every peer is lost.
+        request_timeout: deadline of one DHT operation, in seconds.
+        registry_seconds: how often the record is refreshed in a small swarm, in seconds.
+        base_rate_peers: the swarm size above which refreshes stretch
+            (``network.base_rate_peers``).
+        registry_shards: DHT keys the registry is split over (``network.registry_shards``).
+    """
+
+    run_id: str
+    spec: str
+    key_file: Path
+    initial_peers: tuple[str, ...] = ()
+    request_timeout: float = 30.0
+    registry_seconds: float = 2.0
+    base_rate_peers: int = 8
+    registry_shards: int = 1
+
+
 class PeerView:
     """This node's record in the registry and what it knows of the others.
 
     Args:
         transport: the node's transport.
         identity: the node's key.
-        key_file: where the key lives (named in the duplicate-identity error).
-        run_id: the run.
-        spec: digest of the run spec (or shared settings) this node runs.
-        initial_peers: multiaddrs re-dialled when every peer is lost.
-        request_timeout: deadline of one DHT operation.
-        registry_seconds: how often the record is refreshed in a small swarm.
-        base_rate_peers: the swarm size above which refreshes stretch (``network.base_rate_peers``).
-        registry_shards: DHT keys the registry is split over (``network.registry_shards``).
+        settings: the run, the spec, the registry's pace and shards.
         heard: the peers this node's control channel hears (another view of who is
             live, through another connection), for telling a cut-off DHT apart from
             an empty swarm.
@@ -94,27 +120,15 @@ class PeerView:
         self,
         transport: Transport,
         identity: Identity,
-        key_file: Path,
-        run_id: str,
-        spec: str,
-        initial_peers: Sequence[str],
-        request_timeout: float,
-        registry_seconds: float,
-        base_rate_peers: int = 8,
-        registry_shards: int = 1,
+        settings: PeerViewSettings,
         heard: Callable[[], set[str]] = set,
     ) -> None:
         self.transport = transport
         self.identity = identity
+        self.settings = settings
         self.me = identity.peer_id
-        self.key_file = key_file
-        self.run_id = run_id
-        self.spec = spec
-        self.initial_peers = list(initial_peers)
-        self.request_timeout = request_timeout
-        self.registry_seconds = registry_seconds
-        self.base_rate_peers = base_rate_peers
-        self.shards = registry_shards
+        self.spec = settings.spec
+        self.shards = settings.registry_shards
         self.instance = secrets.token_hex(8)
         self.started = time.time()
         self.records: dict[str, PeerRecord] = {}
@@ -131,12 +145,12 @@ class PeerView:
     @property
     def stretch(self) -> float:
         """``max(1, n / base_rate_peers)`` for the ``n`` nodes with a record in the registry."""
-        return max(1.0, len(self.records.keys() | {self.me}) / self.base_rate_peers)
+        return max(1.0, len(self.records.keys() | {self.me}) / self.settings.base_rate_peers)
 
     @property
     def interval(self) -> float:
         """Seconds between two refreshes of the record and the view."""
-        return self.registry_seconds * self.stretch
+        return self.settings.registry_seconds * self.stretch
 
     @property
     def live_seconds(self) -> float:
@@ -171,10 +185,10 @@ class PeerView:
             await matchmaking.publish_record(
                 self.transport,
                 self.identity,
-                self.run_id,
+                self.settings.run_id,
                 record,
                 expiration=self.live_seconds,
-                timeout=self.request_timeout,
+                timeout=self.settings.request_timeout,
                 shards=self.shards,
             )
         except ProtocolError as exc:
@@ -197,8 +211,8 @@ class PeerView:
     async def _read_registry(self) -> dict[str, PeerRecord]:
         return await matchmaking.read_registry(
             self.transport,
-            self.run_id,
-            timeout=self.request_timeout,
+            self.settings.run_id,
+            timeout=self.settings.request_timeout,
             shards=self.shards,
             previous=self.records,
         )
@@ -316,7 +330,7 @@ class PeerView:
     def _twin_message(self, rec: PeerRecord) -> str:
         where = ", ".join(rec.maddrs[:2]) or "an unknown address"
         return (
-            f"another node is running with the identity key {self.key_file} "
+            f"another node is running with the identity key {self.settings.key_file} "
             f"(PeerID {self.me}, at {where}): every node needs its own key; give this one "
             "its own data directory, or run `atoll keygen --force` in it"
         )
@@ -328,7 +342,7 @@ class PeerView:
         peer while it has someone to re-join through, or fewer than half of the peers
         its control channel hears."""
         live, heard = self.live(), self.heard() - {self.me}
-        if not live and (self.initial_peers or self._known):
+        if not live and (self.settings.initial_peers or self._known):
             return f"the registry shows no live peer (the control channel hears {len(heard)})"
         if heard and len(live) < len(heard) / 2:
             return (
@@ -350,7 +364,7 @@ class PeerView:
         # the initial peers, and a few peers seen before: the ones heard now first
         heard = self.heard()
         known = sorted(self._known, key=lambda p: (p not in heard, p))[:_REJOIN_KNOWN]
-        targets = list(self.initial_peers)
+        targets = list(self.settings.initial_peers)
         for peer in known:
             targets += [m if "/p2p/" in m else f"{m}/p2p/{peer}" for m in self._known[peer]]
         targets = [m for m in dict.fromkeys(targets) if not m.endswith(f"/p2p/{self.me}")]
@@ -361,7 +375,7 @@ class PeerView:
             self._redial.attempts,
             wait,
         )
-        joined = await self.transport.rejoin(targets, self.request_timeout)
+        joined = await self.transport.rejoin(targets, self.settings.request_timeout)
         if joined:
             logger.info("re-joined the DHT through %d peer address(es)", joined)
             self._redial = replace(self._redial, next_at=now + _REDIAL_SECONDS[0])

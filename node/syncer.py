@@ -40,7 +40,7 @@ import torch
 from node.config import AtollConfig
 from node.metrics import EventLog
 from node.outer import OuterOptimizer
-from protocol.averaging.exchange import Exchanged, FragmentExchange
+from protocol.averaging.exchange import ExchangeOutcome, FragmentExchange
 from protocol.wire import codec as codecs
 
 __all__ = ["Pending", "Syncer", "staleness_weight"]
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 _DEADLINE_SLACK_SECONDS = 5.0  # an exchange past its deadline is wound up within this
 
-Submit = Callable[[Coroutine[Any, Any, Exchanged]], concurrent.futures.Future]
+Submit = Callable[[Coroutine[Any, Any, ExchangeOutcome]], concurrent.futures.Future]
 """Runs a coroutine on the transport's loop (:meth:`protocol.p2p.transport.Transport.submit`)."""
 
 
@@ -171,7 +171,7 @@ class Syncer:
         f = pending.fragment
         try:
             wait = max(0.0, pending.deadline - time.monotonic()) + _DEADLINE_SLACK_SECONDS
-            done: Exchanged = pending.future.result(wait)
+            done: ExchangeOutcome = pending.future.result(wait)
         except Exception as exc:  # any failure of the exchange: nothing to apply
             pending.future.cancel()
             self.missed[f] += 1

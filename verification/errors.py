@@ -1,4 +1,8 @@
-"""Errors raised when a peer's contribution or claim does not hold up."""
+"""The one error for bytes, keys or claims from a peer that do not hold up.
+
+Protocol code raises it under the name :class:`~protocol.errors.ProtocolError` (the same
+class), so a refusal by a wire parser and one by a verification rule are caught alike.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ __all__ = ["VerificationError"]
 
 
 class VerificationError(Exception):
-    """A signature, key or contribution that fails verification.
+    """A message, signature, key, contribution or claim that fails verification.
 
     Args:
         reason: short machine-friendly reason, e.g. ``"bad_signature"``.

@@ -1,1 +1,2 @@
-"""The GossipSub control channel: the node-side channel, its signed frames and the py-libp2p sidecar process."""
+"""The control plane: heartbeats, round commitments and verdicts over a GossipSub channel
+(:mod:`~protocol.control.plane`), its signed frames and the py-libp2p sidecar process."""

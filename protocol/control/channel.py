@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -32,28 +30,27 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from protocol.control import _process
+from protocol.control._process import STOP_TIMEOUT_S, kill, reap
 from protocol.control.frames import (
-    DEFAULT_MAX_CONTROL_BYTES,
-    MAX_CONTROL_BYTES,
     ControlMessage,
     open_control,
     read_frame,
     sign_control,
     write_frame,
 )
+from protocol.control.settings import ChannelSettings
 from protocol.errors import ProtocolError
 from protocol.p2p.addrs import expand_wildcard, publishable, with_peer_id
 from verification.identity import Identity
 
-__all__ = ["ControlChannel", "ControlChannelError", "OnMessage"]
+__all__ = ["ChannelSettings", "ControlChannel", "ControlChannelError", "OnMessage"]
 
 logger = logging.getLogger(__name__)
 
 OnMessage = Callable[[str, ControlMessage], None]
 """Called on the channel's thread with ``(topic, message)`` for each verified message."""
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-_STOP_TIMEOUT_S = 5.0
 _RESTART_BACKOFF_S = (0.5, 10.0)  # first and longest wait before a restart
 _STABLE_AFTER_S = 30.0  # a sidecar that lived this long resets the backoff
 _SEEN_CAPACITY = 16384
@@ -78,33 +75,20 @@ class ControlChannel:
 
     def __init__(
         self,
-        key_file: Path,
+        settings: ChannelSettings,
         identity: Identity,
-        run: str,
         topics: Sequence[str],
         on_message: OnMessage,
-        *,
-        max_bytes: int,
-        restart: bool,
-        listen_host: str,
-        port: int,
-        announce_maddrs: Sequence[str],
-        ready_timeout: float,
-        max_age_s: float | None,
-        log_path: Path | None,
     ) -> None:
-        self._key_file = key_file
+        self.settings = settings
+        self._key_file = Path(settings.key_file)
         self._identity = identity
-        self._run = run
         self._topics = tuple(dict.fromkeys(topics))
         self._on_message = on_message
-        self._max_bytes = max_bytes
-        self._restart = restart
-        self._listen_host = listen_host
-        self._port = port
-        self._announce = [with_peer_id(a, identity.peer_id) for a in announce_maddrs]
-        self._ready_timeout = ready_timeout
-        self._max_age_s = max_age_s
+        self._restart = settings.restart  # off for good once a sidecar reports another key
+        self._port = settings.port  # the port picked first, reused by a restarted sidecar
+        self._announce = [with_peer_id(a, identity.peer_id) for a in settings.announce_maddrs]
+        log_path = settings.log_path
         self._log_file: IO[bytes] | None = open(log_path, "ab") if log_path else None  # noqa: SIM115
 
         self._lock = threading.Lock()  # guards the state below
@@ -132,54 +116,31 @@ class ControlChannel:
     @classmethod
     def start(
         cls,
-        identity_key_file: Path,
-        run: str,
+        settings: ChannelSettings,
         topics: Sequence[str],
         on_message: OnMessage,
         *,
         identity: Identity | None = None,
-        max_bytes: int = DEFAULT_MAX_CONTROL_BYTES,
-        restart: bool = True,
-        listen_host: str = "127.0.0.1",
-        port: int = 0,
-        announce_maddrs: Sequence[str] = (),
-        ready_timeout: float = 30.0,
-        max_age_s: float | None = None,
-        log_path: Path | None = None,
     ) -> ControlChannel:
         """Start the sidecar and wait until it listens and has joined ``topics``.
 
         Args:
-            identity_key_file: the node's libp2p private-key file (see
-                :meth:`~verification.identity.Identity.save`).
-            run: the run id; messages of other runs are refused.
+            settings: the sidecar's key file, run, caps, address and timeouts.
             topics: the GossipSub topics to join; namespace them by run if several
                 runs may share peers.
             on_message: called with ``(topic, message)`` for each verified message
                 from another node, on the channel's own thread; keep it short.
-            identity: the node's identity, loaded from ``identity_key_file`` if
+            identity: the node's identity, loaded from ``settings.key_file`` if
                 omitted; it signs what :meth:`publish` sends.
-            max_bytes: the cap on one control message, sent or received.
-            restart: whether to restart the sidecar when it dies.
-            listen_host: the IP address to listen on (``0.0.0.0``: every interface).
-            port: the TCP port to listen on; 0 picks a free one (and a restarted
-                sidecar reuses the port picked first, where it can).
-            announce_maddrs: where peers should dial the sidecar, when that differs
-                from where it listens (a forwarded port on a public address).
-            ready_timeout: seconds to wait for the sidecar to be ready.
-            max_age_s: when set, refuse messages whose timestamp is further than
-                this from the local clock.
-            log_path: file the sidecar's log is appended to; its stderr is this
-                process's stderr if omitted.
 
         Returns:
             The running channel.
 
         Raises:
-            ValueError: for bad arguments, or a key file that is not ``identity``'s.
+            ValueError: for bad topics, or a key file that is not ``identity``'s.
             ControlChannelError: if the sidecar does not become ready.
         """
-        key_file = Path(identity_key_file)
+        key_file = Path(settings.key_file)
         file_identity = Identity.load(key_file)
         if identity is None:
             identity = file_identity
@@ -189,26 +150,10 @@ class ControlChannel:
             )
         if not topics or not all(isinstance(t, str) and t for t in topics):
             raise ValueError("topics must be one or more non-empty strs")
-        if not 1024 <= max_bytes <= MAX_CONTROL_BYTES:
-            raise ValueError(f"max_bytes must be in [1024, {MAX_CONTROL_BYTES}], got {max_bytes}")
-        channel = cls(
-            key_file,
-            identity,
-            run,
-            topics,
-            on_message,
-            max_bytes=max_bytes,
-            restart=restart,
-            listen_host=listen_host,
-            port=port,
-            announce_maddrs=announce_maddrs,
-            ready_timeout=ready_timeout,
-            max_age_s=max_age_s,
-            log_path=log_path,
-        )
+        channel = cls(settings, identity, topics, on_message)
         channel._thread.start()
-        if not channel._first_ready.wait(ready_timeout + _STOP_TIMEOUT_S):
-            channel._start_error = f"not ready within {ready_timeout:.0f} s"
+        if not channel._first_ready.wait(settings.ready_timeout + STOP_TIMEOUT_S):
+            channel._start_error = f"not ready within {settings.ready_timeout:.0f} s"
         if channel._start_error is not None:
             channel.close()
             raise ControlChannelError(f"control sidecar failed to start: {channel._start_error}")
@@ -234,7 +179,7 @@ class ControlChannel:
         if self._announce:
             return list(self._announce)
         with self._lock:
-            return publishable(expand_wildcard(self._addrs), self._listen_host)
+            return publishable(expand_wildcard(self._addrs), self.settings.listen_host)
 
     @property
     def restarts(self) -> int:
@@ -276,7 +221,10 @@ class ControlChannel:
                 raise ControlChannelError("the control channel is closed")
             seq = self._seq
             self._seq += 1
-        return sign_control(self._identity, self._run, topic, seq, body, max_bytes=self._max_bytes)
+        settings = self.settings
+        return sign_control(
+            self._identity, settings.run, topic, seq, body, max_bytes=settings.max_bytes
+        )
 
     def publish_signed(self, topic: str, data: bytes) -> bool:
         """Broadcast a message made by :meth:`sign`; returns as :meth:`publish` does."""
@@ -339,7 +287,7 @@ class ControlChannel:
             result["sidecar_pid"] = None if self._proc is None else self._proc.pid
             return result
 
-    def close(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the sidecar (asking first, killing after ``timeout``) and reap it."""
         with self._lock:
             if self._closed:
@@ -360,7 +308,7 @@ class ControlChannel:
             with self._lock:
                 proc = self._proc
             if proc is not None:
-                _kill(proc)
+                kill(proc)
             self._thread.join(timeout)
         if self._log_file is not None:
             self._log_file.close()
@@ -395,18 +343,8 @@ class ControlChannel:
 
     def _serve_one(self, port: int) -> str | None:
         """Run one sidecar until it exits; returns why it failed to start, if it did."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")])
-        )
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "protocol.control.sidecar"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self._log_file,
-                env=env,
-            )
+            proc = _process.spawn(self._log_file)
         except OSError as e:
             return f"cannot spawn: {e}"
         with self._lock:
@@ -423,35 +361,22 @@ class ControlChannel:
             with self._lock:
                 self._proc = None
                 self._live = None
-            _reap(proc, timeout=_STOP_TIMEOUT_S)
+            reap(proc, timeout=STOP_TIMEOUT_S)
 
     def _handshake(self, proc: subprocess.Popen[bytes], port: int) -> str | None:
+        settings = self.settings
         start = {
             "op": "start",
             "key_file": str(self._key_file),
-            "listen_host": self._listen_host,
+            "listen_host": settings.listen_host,
             "port": port,
-            "run": self._run,
+            "run": settings.run,
             "topics": list(self._topics),
-            "max_bytes": self._max_bytes,
+            "max_bytes": settings.max_bytes,
         }
-        # A sidecar that is not ready in time is killed, which ends the read below.
-        timer = threading.Timer(self._ready_timeout, _kill, (proc,))
-        timer.daemon = True
-        timer.start()
-        try:
-            self._write(proc, start)
-            frame = read_frame(proc.stdout)  # type: ignore[arg-type]
-        except (OSError, ValueError) as e:
-            return f"handshake failed: {e}"
-        finally:
-            timer.cancel()
-        if not isinstance(frame, dict) or frame.get("ev") != "ready":
-            if isinstance(frame, dict) and frame.get("ev") == "error":
-                return str(frame.get("error"))
-            if not timer.is_alive() and proc.poll() is not None and frame is None:
-                return f"no ready event within {self._ready_timeout:.0f} s (see the sidecar log)"
-            return "no ready event (see the sidecar log)"
+        frame, error = _process.greet(proc, start, settings.ready_timeout, self._write)
+        if frame is None:
+            return error
         if frame.get("peer_id") != self._identity.peer_id:
             self._restart = False  # the same key file will give the same wrong answer
             return f"sidecar reports {frame.get('peer_id')}, expected {self._identity.peer_id}"
@@ -461,7 +386,7 @@ class ControlChannel:
             self._live = proc
             self._peer_id = frame["peer_id"]
             self._addrs = addrs
-            self._port = _tcp_port(addrs) or self._port
+            self._port = _process.tcp_port(addrs) or self._port
             known = list(self._known_addrs)
             known += [a for seen in self._peer_addrs.values() for a in seen if a not in known]
             if restarted:
@@ -478,7 +403,7 @@ class ControlChannel:
                 frame = read_frame(proc.stdout)  # type: ignore[arg-type]
             except (OSError, ValueError) as e:
                 logger.error("corrupt frame from control sidecar %d: %s", proc.pid, e)
-                _kill(proc)
+                kill(proc)
                 return
             if frame is None:
                 return
@@ -494,7 +419,8 @@ class ControlChannel:
             with self._stats_changed:
                 self._last_stats = frame
                 self._stats_count += 1
-                self._remember_peers(frame.get("peer_addrs"))
+                # where connected peers listen, so a restarted sidecar can dial them
+                _process.remember(self._peer_addrs, frame.get("peer_addrs"), _REMEMBERED_PEERS)
                 self._stats_changed.notify_all()
         elif kind == "log":
             level = logging.getLevelName(str(frame.get("level", "info")).upper())
@@ -503,18 +429,6 @@ class ControlChannel:
             )
         elif kind == "error":
             logger.error("control sidecar error: %s", frame.get("error"))
-
-    def _remember_peers(self, peer_addrs: Any) -> None:
-        """Keep where connected peers listen, so a restarted sidecar can dial them."""
-        if not isinstance(peer_addrs, dict):
-            return
-        for peer, addrs in peer_addrs.items():
-            usable = [a for a in addrs if isinstance(a, str)][:8] if isinstance(addrs, list) else []
-            if usable:
-                self._peer_addrs[peer] = usable
-                self._peer_addrs.move_to_end(peer)
-        while len(self._peer_addrs) > _REMEMBERED_PEERS:
-            self._peer_addrs.popitem(last=False)
 
     def _deliver(self, frame: dict[str, Any]) -> None:
         topic, data, source = frame.get("topic"), frame.get("data"), frame.get("from")
@@ -525,8 +439,9 @@ class ControlChannel:
             self._drop("malformed", source, f"bad message frame on topic {topic!r}")
             return
         try:
+            settings = self.settings
             message = open_control(
-                data, self._run, topic, self._max_bytes, max_age_s=self._max_age_s
+                data, settings.run, topic, settings.max_bytes, max_age_s=settings.max_age_s
             )
         except ProtocolError as e:
             self._drop(e.reason, source, e.detail)
@@ -576,30 +491,3 @@ class ControlChannel:
     def _write(self, proc: subprocess.Popen[bytes], frame: dict[str, Any]) -> None:
         with self._write_lock:
             write_frame(proc.stdin, frame)  # type: ignore[arg-type]
-
-
-def _tcp_port(addrs: Sequence[str]) -> int | None:
-    for addr in addrs:
-        parts = addr.split("/")
-        if "tcp" in parts:
-            with contextlib.suppress(IndexError, ValueError):
-                return int(parts[parts.index("tcp") + 1])
-    return None
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(OSError):
-        proc.kill()
-
-
-def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """Wait for ``proc`` to exit, killing it after ``timeout`` seconds."""
-    with contextlib.suppress(OSError, ValueError):
-        proc.stdin.close()  # type: ignore[union-attr]
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        proc.wait()
-    with contextlib.suppress(OSError, ValueError):
-        proc.stdout.close()  # type: ignore[union-attr]

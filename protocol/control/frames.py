@@ -23,9 +23,10 @@ The second half of the module is the pipe framing between a node and its
 sidecar process (:mod:`protocol.control.sidecar`): each frame is a big-endian u32
 length followed by that many bytes of msgpack.
 
-This module imports only the standard library, msgpack and
-:mod:`verification.identity`, because the sidecar process must not import
-hivemind or torch (py-libp2p and hivemind cannot share an interpreter).
+The outer frame is parsed by :func:`protocol.wire.messages.parse_signed_frame`, the
+parser envelopes use. This module imports only the standard library, msgpack,
+:mod:`protocol.wire.messages` and :mod:`verification`, because the sidecar process must
+not import hivemind or torch (py-libp2p and hivemind cannot share an interpreter).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import msgpack
 
 from protocol.errors import ProtocolError
 from protocol.wire._limits import bounded_unpackb, count_items, reject_ext
+from protocol.wire.messages import parse_signed_frame
 from verification.errors import VerificationError
 from verification.identity import Identity, public_key_from_peer_id, verify
 
@@ -57,6 +59,7 @@ __all__ = [
     "open_control",
     "read_frame",
     "sign_control",
+    "topic_name",
     "verify_control",
     "write_frame",
 ]
@@ -79,6 +82,12 @@ _SIGNATURE_LEN = 64
 _MAX_SEQ = 2**63 - 1
 _FIELDS = ("v", "run", "topic", "sender", "ts", "seq", "body")
 _FRAME_HEADER = struct.Struct(">I")
+
+
+def topic_name(run: str, topic: str) -> str:
+    """The GossipSub topic of ``topic`` (``heartbeat``, ``commit``, ``verdict``) in
+    ``run``: runs never share a topic."""
+    return f"atoll/{run}/{topic}"
 
 
 @dataclass(frozen=True)
@@ -328,22 +337,7 @@ def _decode_frame(payload: bytes) -> Any:
 
 
 def _parse_outer(data: bytes) -> tuple[bytes, bytes]:
-    try:
-        outer = bounded_unpackb(data, max_container=16, max_str_len=MAX_NAME_CHARS)
-    except ValueError as e:
-        raise ProtocolError("malformed", f"outer frame: {e}") from None
-    if not isinstance(outer, list) or not outer:
-        raise ProtocolError("malformed", "outer frame is not a non-empty array")
-    # The version comes first so that a future layout reads as a version mismatch.
-    if type(outer[0]) is not int:
-        raise ProtocolError("malformed", "version is not an int")
-    if outer[0] != CONTROL_VERSION:
-        raise ProtocolError("bad_version", f"version {outer[0]}, expected {CONTROL_VERSION}")
-    if len(outer) != 3:
-        raise ProtocolError("malformed", f"outer frame has {len(outer)} items, expected 3")
-    _, signed, signature = outer
-    if not isinstance(signed, bytes) or not isinstance(signature, bytes):
-        raise ProtocolError("malformed", "signed payload and signature must be binary")
+    signed, signature = parse_signed_frame(data, CONTROL_VERSION)
     if len(signature) != _SIGNATURE_LEN:
         raise ProtocolError("malformed", f"signature is {len(signature)} bytes, expected 64")
     return signed, signature

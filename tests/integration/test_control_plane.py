@@ -9,10 +9,9 @@ import time
 import msgpack
 import pytest
 
-from node.controlplane import topic_name
 from node.metrics import read_events
-from protocol.control.channel import ControlChannel
-from protocol.control.frames import CONTROL_VERSION, sign_control
+from protocol.control.channel import ChannelSettings, ControlChannel
+from protocol.control.frames import CONTROL_VERSION, sign_control, topic_name
 from tests.integration.conftest import alive, wait_until
 from verification.audit import AuditLog
 from verification.identity import Identity
@@ -109,7 +108,7 @@ def test_verdicts_are_checked_forged_ones_cost_nothing_and_a_proven_one_bans(loc
     topic = topic_name(RUN, "verdict")
     commit = topic_name(RUN, "commit")
     with ControlChannel.start(
-        tmp_path / "forger.key", RUN, [topic], lambda *_: None, identity=forger
+        ChannelSettings(tmp_path / "forger.key", RUN), [topic], lambda *_: None, identity=forger
     ) as channel:
         channel.connect([a for n in nodes for a in n.status["control_addrs"]])
         assert wait_until(lambda: len(channel.stats(refresh=True).get("peers", [])) == 3, 30)

@@ -19,7 +19,7 @@ import msgpack
 import psutil
 import pytest
 
-from protocol.control.channel import ControlChannel, ControlChannelError
+from protocol.control.channel import ChannelSettings, ControlChannel, ControlChannelError
 from protocol.control.frames import (
     MAX_FRAME_BYTES,
     ControlMessage,
@@ -171,7 +171,9 @@ def start_node(tmp_path: Path) -> Iterator[Callable[[], Node]]:
         key_file = tmp_path / f"key-{len(channels)}"
         identity.save(key_file)
         inbox = Inbox()
-        channel = ControlChannel.start(key_file, RUN, [TOPIC], inbox, identity=identity)
+        channel = ControlChannel.start(
+            ChannelSettings(key_file, RUN), [TOPIC], inbox, identity=identity
+        )
         channels.append(channel)
         pids.add(channel.sidecar_pid)  # type: ignore[arg-type]
         return identity, channel, inbox
@@ -405,8 +407,9 @@ def test_malformed_libp2p_input_does_not_take_the_sidecar_down(
 PARENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from protocol.control.channel import ControlChannel
-    channel = ControlChannel.start(sys.argv[1], "run-1", ["t"], lambda topic, message: None)
+    from protocol.control.channel import ChannelSettings, ControlChannel
+    settings = ChannelSettings(sys.argv[1], "run-1")
+    channel = ControlChannel.start(settings, ["t"], lambda topic, message: None)
     print(channel.sidecar_pid, flush=True)
     time.sleep(120)
     """
@@ -446,9 +449,12 @@ def test_start_failure_is_reported(tmp_path: Path) -> None:
     identity = Identity.generate()
     identity.save(tmp_path / "key")
     with pytest.raises(ValueError, match="holds"):
-        ControlChannel.start(tmp_path / "key", RUN, [TOPIC], Inbox(), identity=ALICE)
+        ControlChannel.start(
+            ChannelSettings(tmp_path / "key", RUN), [TOPIC], Inbox(), identity=ALICE
+        )
     with pytest.raises(ControlChannelError, match="listen_host"):
-        ControlChannel.start(tmp_path / "key", RUN, [TOPIC], Inbox(), listen_host="not-an-ip")
+        settings = ChannelSettings(tmp_path / "key", RUN, listen_host="not-an-ip")
+        ControlChannel.start(settings, [TOPIC], Inbox())
 
 
 def test_sidecar_and_client_keep_their_imports_apart() -> None:

@@ -1,4 +1,4 @@
-"""The node's control plane without a network: commitments, equivocation, verdicts."""
+"""A node's control plane without a network: commitments, equivocation, verdicts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from node.config import ControlConfig
-from node.controlplane import ControlPlane, check_bad_owner, check_equivocation, topic_name
-from protocol.control.frames import open_control, sign_control
+from protocol.control.commitments import _Commit
+from protocol.control.frames import open_control, sign_control, topic_name
+from protocol.control.heartbeats import SILENCE_GRACE_SECONDS
+from protocol.control.plane import ControlPlane
+from protocol.control.settings import ChannelSettings, ControlSettings
+from protocol.control.verdicts import check_verdict, result_commit
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.policy import TrustPolicy
@@ -43,26 +47,39 @@ def _commit(
     return _signed(identity, "commit", body, seq)
 
 
+class _Transport:
+    """What the plane asks of a transport: it sends each commitment through ``send``."""
+
+    def __init__(self, send) -> None:
+        self.send = send
+
+    def add_handler(self, *args, **kwargs) -> None:
+        pass
+
+    async def call(self, peer: str, name: str, data: bytes, timeout: float) -> bytes:
+        return await self.send(peer, data, timeout)
+
+
 @pytest.fixture
-def plane(tmp_path: Path):
+def make_plane(tmp_path: Path):
     verifier = Verifier(TrustPolicy(), tmp_path / "atoll.db", ME.peer_id)
-    cp = ControlPlane(
-        ControlConfig(commit_seconds=0.2),
-        RUN,
-        ME,
-        tmp_path / "identity.key",
-        tmp_path,
-        verifier,
-        None,
-        lambda: {"round": 0},
-        "test",
-    )
-    yield cp
+
+    def make(transport: _Transport | None = None) -> ControlPlane:
+        channel = ChannelSettings(tmp_path / "identity.key", RUN, log_path=tmp_path / "sidecar.log")
+        settings = ControlSettings(channel, commit_seconds=0.2)
+        return ControlPlane(settings, ME, transport, verifier, None, lambda: {"round": 0}, "test")
+
+    yield make
     verifier.close()
 
 
+@pytest.fixture
+def plane(make_plane) -> ControlPlane:
+    return make_plane()
+
+
 def _check(cp: ControlPlane, *args) -> str | None:
-    return asyncio.run(cp.check(*args))
+    return asyncio.run(cp.commitments.check(*args))
 
 
 def _deliver(cp: ControlPlane, topic: str, wire: bytes) -> None:
@@ -71,8 +88,11 @@ def _deliver(cp: ControlPlane, topic: str, wire: bytes) -> None:
 
 
 def test_equivocation_evidence_checks_out() -> None:
-    assert check_equivocation(
-        [_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D2}, seq=2)], CHEAT.peer_id, RUN
+    assert check_verdict(
+        "equivocation",
+        [_commit(CHEAT, {0: D1}), _commit(CHEAT, {0: D2}, seq=2)],
+        CHEAT.peer_id,
+        RUN,
     ) == (3, 0)
 
 
@@ -90,7 +110,7 @@ def test_equivocation_evidence_checks_out() -> None:
 )
 def test_evidence_that_does_not_prove_equivocation_is_refused(evidence, why: str) -> None:
     with pytest.raises(ProtocolError, match=why) as info:
-        check_equivocation(evidence, CHEAT.peer_id, RUN)
+        check_verdict("equivocation", evidence, CHEAT.peer_id, RUN)
     assert info.value.reason == "bad_evidence"
 
 
@@ -132,11 +152,11 @@ def test_an_owner_takes_only_parts_committed_in_time(plane: ControlPlane) -> Non
 def test_the_commit_phase_waits_for_the_group_but_not_forever(plane: ControlPlane) -> None:
     group = [ME.peer_id, OTHER.peer_id]
     started = time.monotonic()
-    asyncio.run(plane.commit(3, 0, group, {1: D1}))  # OTHER never commits: bounded wait
+    asyncio.run(plane.commitments.commit(3, 0, group, {1: D1}))  # OTHER never commits: bounded wait
     assert 0.2 <= time.monotonic() - started < 2.0
     _deliver(plane, "commit", _commit(OTHER, {0: D2}, round_=5))
     started = time.monotonic()
-    asyncio.run(plane.commit(5, 0, group, {1: D1}))
+    asyncio.run(plane.commitments.commit(5, 0, group, {1: D1}))
     assert time.monotonic() - started < 0.2  # everyone committed: no wait
     assert _check(plane, ME.peer_id, 5, 0, 1, D1, time.monotonic()) is None
 
@@ -199,10 +219,10 @@ def _result(
 
 def _own_commit(plane: ControlPlane, digests: dict[int, bytes]) -> bytes:
     """This node's commitment, signed and recorded as publish_commit would."""
-    from node.controlplane import _Commit
-
     wire = _commit(ME, digests)
-    plane._commits[(ME.peer_id, 3, 0, "update")] = _Commit(dict(digests), time.monotonic(), wire)
+    plane.commitments._commits[(ME.peer_id, 3, 0, "update")] = _Commit(
+        dict(digests), time.monotonic(), wire
+    )
     return wire
 
 
@@ -210,17 +230,24 @@ def test_an_owner_that_misstates_this_nodes_input_is_proven_bad(plane: ControlPl
     wire = _own_commit(plane, {1: D1})
     honest = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D1])
     assert (
-        plane.check_result(CHEAT.peer_id, 3, 0, 1, honest, [CHEAT.peer_id, ME.peer_id], [D2, D1])
+        plane.commitments.check_result(
+            CHEAT.peer_id, 3, 0, 1, honest, [CHEAT.peer_id, ME.peer_id], [D2, D1]
+        )
         is None
     )
     lying = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2])
     assert (
-        plane.check_result(CHEAT.peer_id, 3, 0, 1, lying, [CHEAT.peer_id, ME.peer_id], [D2, D2])
+        plane.commitments.check_result(
+            CHEAT.peer_id, 3, 0, 1, lying, [CHEAT.peer_id, ME.peer_id], [D2, D2]
+        )
         == "bad_owner"
     )
     assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}
     # and the evidence convinces anyone
-    assert check_bad_owner({"reduced": lying, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
+    assert check_verdict("bad_owner", {"reduced": lying, "commit": wire}, CHEAT.peer_id, RUN) == (
+        3,
+        0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -258,7 +285,7 @@ def test_an_owner_that_misstates_this_nodes_input_is_proven_bad(plane: ControlPl
 def test_bad_owner_evidence_that_does_not_check_out_is_refused(plane, make, why: str) -> None:
     wire = _own_commit(plane, {1: D1})
     with pytest.raises(ProtocolError, match=why) as info:
-        check_bad_owner(make(wire), CHEAT.peer_id, RUN)
+        check_verdict("bad_owner", make(wire), CHEAT.peer_id, RUN)
     assert info.value.reason == "bad_evidence"
 
 
@@ -281,7 +308,7 @@ def test_an_owner_result_holding_the_commitment_it_used_defeats_a_framer(
 ) -> None:
     # A large swarm: commitments are not gossiped, so this node never saw the cheat's
     # commitment; the owner's result holds the one it relied on (D2).
-    plane.resize(4 * plane.cfg.base_rate_peers)
+    plane.resize(4 * plane.settings.base_rate_peers)
     used = _commit(CHEAT, {1: D2})
     owner = OTHER
     result = _result(owner, [owner.peer_id, CHEAT.peer_id], [D1, D2], commits=[b"", used])
@@ -291,7 +318,7 @@ def test_an_owner_result_holding_the_commitment_it_used_defeats_a_framer(
         "evidence": {"reduced": result, "commit": _commit(CHEAT, {1: D1}, seq=2)},
     }
     # on its face the evidence holds (the result names D2, the commitment shown says D1)
-    assert check_bad_owner(framing["evidence"], owner.peer_id, RUN) == (3, 0)
+    assert check_verdict("bad_owner", framing["evidence"], owner.peer_id, RUN) == (3, 0)
     _deliver(plane, "verdict", _signed(CHEAT, "verdict", framing, seq=3))
     assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}  # the framer, not the owner
 
@@ -299,7 +326,7 @@ def test_an_owner_result_holding_the_commitment_it_used_defeats_a_framer(
 def test_an_owner_whose_own_result_contradicts_the_commitment_it_holds_is_convicted(
     plane: ControlPlane,
 ) -> None:
-    plane.resize(4 * plane.cfg.base_rate_peers)
+    plane.resize(4 * plane.settings.base_rate_peers)
     committed = _commit(ME, {1: D1})
     # the owner holds ME's commitment to D1 and still names D2 for ME
     lying = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2], commits=[b"", committed])
@@ -313,17 +340,15 @@ def test_an_owner_whose_own_result_contradicts_the_commitment_it_holds_is_convic
 
 
 def test_embedded_commitments_are_read_only_from_a_well_formed_result() -> None:
-    from node.controlplane import embedded_commit
-
     used = _commit(CHEAT, {1: D2})
     two = [OTHER.peer_id, CHEAT.peer_id]
-    assert embedded_commit(_result(OTHER, two, [D1, D2], commits=[b"", used]), CHEAT.peer_id) == (
+    assert result_commit(_result(OTHER, two, [D1, D2], commits=[b"", used]), CHEAT.peer_id) == (
         used
     )
-    assert embedded_commit(_result(OTHER, two, [D1, D2]), CHEAT.peer_id) is None  # none held
-    assert embedded_commit(_result(OTHER, two, [D1, D2], commits=[used]), CHEAT.peer_id) is None
-    assert embedded_commit(_result(OTHER, two, [D1, D2], commits=[b"", b""]), CHEAT.peer_id) is None
-    assert embedded_commit(b"junk", CHEAT.peer_id) is None
+    assert result_commit(_result(OTHER, two, [D1, D2]), CHEAT.peer_id) is None  # none held
+    assert result_commit(_result(OTHER, two, [D1, D2], commits=[used]), CHEAT.peer_id) is None
+    assert result_commit(_result(OTHER, two, [D1, D2], commits=[b"", b""]), CHEAT.peer_id) is None
+    assert result_commit(b"junk", CHEAT.peer_id) is None
 
 
 def test_commitments_are_gossiped_only_in_a_small_swarm(plane: ControlPlane) -> None:
@@ -339,21 +364,21 @@ def test_commitments_are_gossiped_only_in_a_small_swarm(plane: ControlPlane) -> 
 
     plane.channel = Channel()  # type: ignore[assignment]
     try:
-        plane.resize(plane.cfg.base_rate_peers)
-        assert plane.gossips_commitments
-        assert asyncio.run(plane.publish_commit(3, 0, {0: D1}))
+        plane.resize(plane.settings.base_rate_peers)
+        assert plane.pace.gossips_commitments
+        assert asyncio.run(plane.commitments.publish_commit(3, 0, {0: D1}))
         assert published == [topic_name(RUN, "commit")]
-        plane.resize(plane.cfg.base_rate_peers + 1)
-        assert not plane.gossips_commitments
-        wire = asyncio.run(plane.publish_commit(4, 0, {0: D1}))
+        plane.resize(plane.settings.base_rate_peers + 1)
+        assert not plane.pace.gossips_commitments
+        wire = asyncio.run(plane.commitments.publish_commit(4, 0, {0: D1}))
         assert published == [topic_name(RUN, "commit")]  # not gossiped this time
         # still signed and held: sent to the group and named in results
-        assert wire and plane.evidence(ME.peer_id, 4, 0) == wire
+        assert wire and plane.commitments.evidence(ME.peer_id, 4, 0) == wire
     finally:
         plane.channel = None
 
 
-def test_without_gossip_a_failed_direct_commitment_is_sent_again(plane: ControlPlane) -> None:
+def test_without_gossip_a_failed_direct_commitment_is_sent_again(make_plane) -> None:
     calls: list[str] = []
 
     async def flaky(peer: str, wire: bytes, timeout: float) -> bytes:
@@ -362,19 +387,17 @@ def test_without_gossip_a_failed_direct_commitment_is_sent_again(plane: ControlP
             raise ConnectionError("stream reset")
         return b""
 
-    plane.send_direct = flaky
-    plane.resize(4 * plane.cfg.base_rate_peers)
-    asyncio.run(plane._send_one(OTHER.peer_id, b"wire"))
+    plane = make_plane(_Transport(flaky))
+    plane.resize(4 * plane.settings.base_rate_peers)
+    asyncio.run(plane.commitments._send_one(OTHER.peer_id, b"wire"))
     assert calls == [OTHER.peer_id, OTHER.peer_id]
     calls.clear()
     plane.resize(1)  # with gossip, the gossip copy is the fallback: one try
-    asyncio.run(plane._send_one(OTHER.peer_id, b"wire"))
+    asyncio.run(plane.commitments._send_one(OTHER.peer_id, b"wire"))
     assert calls == [OTHER.peer_id]
 
 
 def test_silence_warns_only_after_the_grace_period_and_stops_when_heard(plane) -> None:
-    from node.controlplane import SILENCE_GRACE_SECONDS
-
     live = {OTHER.peer_id}
     assert plane.silence(set(), now=0.0) is None  # nobody to hear
     assert plane.silence(live, now=100.0) is None  # quiet, but only just
@@ -429,8 +452,10 @@ def test_a_bad_owner_verdict_for_a_part_of_ten_million_values_fits_one_control_m
     assert len(verdict) < ControlConfig().max_message_kb * 1024
     # and whoever receives it can check it
     received = open_control(verdict, RUN, topic_name(RUN, "verdict")).body["evidence"]
-    assert check_bad_owner(received, CHEAT.peer_id, RUN) == (3, 0)
-    assert check_bad_owner({"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
+    assert check_verdict("bad_owner", received, CHEAT.peer_id, RUN) == (3, 0)
+    assert check_verdict(
+        "bad_owner", {"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN
+    ) == (3, 0)
 
 
 def test_a_bad_owner_verdict_works_alike_for_a_result_streamed_back(plane: ControlPlane) -> None:
@@ -450,12 +475,14 @@ def test_a_bad_owner_verdict_works_alike_for_a_result_streamed_back(plane: Contr
     part = Part(header, {}, memoryview(body), head.head, head.signature, head.digest, trailer)
     evidence = part.evidence()
     assert len(evidence) < 4096
-    assert check_bad_owner({"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN) == (3, 0)
+    assert check_verdict(
+        "bad_owner", {"reduced": evidence, "commit": wire}, CHEAT.peer_id, RUN
+    ) == (3, 0)
     # the same trailer behind another head, or one byte of it changed, proves nothing
     flipped = bytearray(evidence)
     flipped[-10] ^= 0x01
     with pytest.raises(ProtocolError, match="bad_evidence"):
-        check_bad_owner({"reduced": bytes(flipped), "commit": wire}, CHEAT.peer_id, RUN)
+        check_verdict("bad_owner", {"reduced": bytes(flipped), "commit": wire}, CHEAT.peer_id, RUN)
 
 
 def test_the_two_exchanges_of_a_fragment_are_committed_apart(plane: ControlPlane) -> None:
@@ -468,10 +495,11 @@ def test_the_two_exchanges_of_a_fragment_are_committed_apart(plane: ControlPlane
     assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, closed, "update") is None
     assert _check(plane, OTHER.peer_id, 3, 0, 0, D2, closed, "weights") is None
     assert _check(plane, OTHER.peer_id, 3, 0, 0, D2, closed, "update") == "commit_mismatch"
-    assert plane.committed(OTHER.peer_id, 3, 0, "weights")
-    assert not plane.committed(CHEAT.peer_id, 3, 0, "weights")
+    assert plane.commitments.committed(OTHER.peer_id, 3, 0, "weights")
+    assert not plane.commitments.committed(CHEAT.peer_id, 3, 0, "weights")
     with pytest.raises(ProtocolError, match="different exchanges"):
-        check_equivocation(
+        check_verdict(
+            "equivocation",
             [_commit(OTHER, {0: D1}), _commit(OTHER, {0: D2}, seq=2, content="weights")],
             OTHER.peer_id,
             RUN,
@@ -485,24 +513,24 @@ def test_a_commitment_must_say_what_it_commits_to(plane: ControlPlane, content) 
         body["content"] = content
     _deliver(plane, "commit", _signed(OTHER, "commit", body))
     assert plane.counters["malformed"] == 1
-    assert not plane.committed(OTHER.peer_id, 3, 0)
+    assert not plane.commitments.committed(OTHER.peer_id, 3, 0)
 
 
 def test_bad_owner_evidence_must_be_about_the_committed_content(plane: ControlPlane) -> None:
     wire = _own_commit(plane, {1: D1})  # an update commitment
     weights = _result(CHEAT, [CHEAT.peer_id, ME.peer_id], [D2, D2], content="weights")
     with pytest.raises(ProtocolError, match="another exchange"):
-        check_bad_owner({"reduced": weights, "commit": wire}, CHEAT.peer_id, RUN)
+        check_verdict("bad_owner", {"reduced": weights, "commit": wire}, CHEAT.peer_id, RUN)
 
 
 def test_heartbeats_and_the_commit_phase_stretch_in_a_large_swarm(plane: ControlPlane) -> None:
-    cfg = plane.cfg
+    cfg = plane.settings
     for nodes in (1, 4, cfg.base_rate_peers):  # small swarms: exactly the base pace
         plane.resize(nodes)
-        assert plane.heartbeat_interval == cfg.heartbeat_seconds
+        assert plane.pace.heartbeat_interval == cfg.heartbeat_seconds
         assert plane.commit_window == cfg.commit_seconds
     plane.resize(4 * cfg.base_rate_peers)
-    assert plane.heartbeat_interval == 4 * cfg.heartbeat_seconds
+    assert plane.pace.heartbeat_interval == 4 * cfg.heartbeat_seconds
     assert plane.commit_window == 4 * cfg.commit_seconds
 
 
@@ -510,8 +538,8 @@ def test_a_commitment_sent_directly_counts_and_its_gossip_copy_is_no_equivocatio
     plane: ControlPlane,
 ) -> None:
     wire = _commit(OTHER, {0: D1})
-    asyncio.run(plane.receive_commit(OTHER.peer_id, wire))
-    assert plane.committed(OTHER.peer_id, 3, 0)
+    asyncio.run(plane.commitments.receive_commit(OTHER.peer_id, wire))
+    assert plane.commitments.committed(OTHER.peer_id, 3, 0)
     _deliver(plane, "commit", wire)  # the same message, later, by gossip
     assert plane.verifier.flagged(4) == {}
     assert _check(plane, OTHER.peer_id, 3, 0, 0, D1, time.monotonic() + 1) is None
@@ -519,13 +547,13 @@ def test_a_commitment_sent_directly_counts_and_its_gossip_copy_is_no_equivocatio
 
 def test_a_commitment_sent_directly_must_be_signed_by_the_caller(plane: ControlPlane) -> None:
     with pytest.raises(ProtocolError, match="sender_mismatch"):
-        asyncio.run(plane.receive_commit(CHEAT.peer_id, _commit(OTHER, {0: D1})))
-    assert not plane.committed(OTHER.peer_id, 3, 0)
+        asyncio.run(plane.commitments.receive_commit(CHEAT.peer_id, _commit(OTHER, {0: D1})))
+    assert not plane.commitments.committed(OTHER.peer_id, 3, 0)
     with pytest.raises(ProtocolError):
-        asyncio.run(plane.receive_commit(OTHER.peer_id, b"\x93garbage"))
+        asyncio.run(plane.commitments.receive_commit(OTHER.peer_id, b"\x93garbage"))
 
 
-def test_commit_sends_the_signed_commitment_to_every_other_member(plane: ControlPlane) -> None:
+def test_commit_sends_the_signed_commitment_to_every_other_member(make_plane) -> None:
     class Channel:
         def sign(self, topic: str, body: object) -> bytes:
             return sign_control(ME, RUN, topic, 1, body)
@@ -539,11 +567,11 @@ def test_commit_sends_the_signed_commitment_to_every_other_member(plane: Control
         sent.append((peer, wire))
         return b""
 
+    plane = make_plane(_Transport(send))
     plane.channel = Channel()  # type: ignore[assignment]
-    plane.send_direct = send
 
     async def commit() -> None:
-        await plane.commit(3, 0, [ME.peer_id, OTHER.peer_id, CHEAT.peer_id], {0: D1})
+        await plane.commitments.commit(3, 0, [ME.peer_id, OTHER.peer_id, CHEAT.peer_id], {0: D1})
         await asyncio.sleep(0)  # the sends run in the background
 
     asyncio.run(commit())
@@ -568,6 +596,6 @@ def test_a_node_dials_a_bounded_set_of_peers_and_keeps_it(plane: ControlPlane) -
     many = {f"peer{i}": [addr(i)] for i in range(40)}
     plane.dial(many)
     plane.dial(many)
-    assert len(dialled) == plane.cfg.dial_peers  # at most dial_peers, once each
+    assert len(dialled) == plane.settings.dial_peers  # at most dial_peers, once each
     assert {addr(i) for i in range(5)} <= set(dialled)  # the ones dialled stay chosen
     plane.channel = None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from node import peers as peers_module
-from node.peers import LIVE_SECONDS, DuplicateIdentityError, PeerView
+from node.peers import LIVE_SECONDS, DuplicateIdentityError, PeerView, PeerViewSettings
 from protocol.averaging import matchmaking
 from protocol.errors import ProtocolError
 from protocol.p2p.reachability import Reachability
@@ -25,17 +25,16 @@ SPEC = "s" * 64
 
 def _view(dht: FakeDHT, identity: Identity, spec: str = SPEC, **kw) -> PeerView:
     transport = kw.pop("transport", None) or FakeTransport(dht, identity.peer_id)
-    return PeerView(
-        transport,
-        identity,
-        Path("/data/identity.key"),
+    settings = PeerViewSettings(
         RUN,
         spec,
-        kw.pop("initial_peers", ()),
+        Path("/data/identity.key"),
+        tuple(kw.pop("initial_peers", ())),
         request_timeout=1.0,
         registry_seconds=kw.pop("registry_seconds", 0.01),
         registry_shards=kw.pop("shards", 1),
     )
+    return PeerView(transport, identity, settings)
 
 
 async def _store(dht: FakeDHT, identity: Identity, **fields) -> matchmaking.PeerRecord:

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node import cli, swarm
+from node import swarm
 from node.checkpoint import load_latest, save_checkpoint
-from node.cli import main
+from node.cli import errors, main, operating, running
 from node.config import DataConfig, load_config
 from node.data import DataError, load_corpus
 from node.metrics import EventLog, StatusWriter
@@ -46,7 +46,7 @@ def test_initial_peers_follow_the_config_rules(tmp_path, capsys, peer, needle) -
 
 def test_initial_peers_with_a_peer_id_pass() -> None:
     good = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"
-    assert cli._initial_peers([good]) == (good,)
+    assert running.initial_peers([good]) == (good,)
 
 
 def test_an_unexpected_error_is_one_line_exit_1_traceback_at_debug(
@@ -55,7 +55,7 @@ def test_an_unexpected_error_is_one_line_exit_1_traceback_at_debug(
     def boom(args) -> int:
         raise KeyError("boom")
 
-    monkeypatch.setattr(cli, "_cmd_status", boom)
+    monkeypatch.setattr(operating, "cmd_status", boom)
     with caplog.at_level(logging.DEBUG):
         assert main(["status", "--data-dir", str(tmp_path)]) == 1
     line = _one_line(capsys)
@@ -78,7 +78,7 @@ def test_known_errors_exit_2(tmp_path, capsys, monkeypatch, exc) -> None:
     def fail(args) -> int:
         raise exc
 
-    monkeypatch.setattr(cli, "_cmd_status", fail)
+    monkeypatch.setattr(operating, "cmd_status", fail)
     assert main(["status", "--data-dir", str(tmp_path)]) == 2
     _one_line(capsys)
 
@@ -99,14 +99,14 @@ def test_transport_start_errors_exit_2(tmp_path, capsys, monkeypatch) -> None:
         def fail(args, exc=exc) -> int:
             raise exc
 
-        monkeypatch.setattr(cli, "_cmd_status", fail)
+        monkeypatch.setattr(operating, "cmd_status", fail)
         assert main(["status", "--data-dir", str(tmp_path)]) == 2
         assert needle in _one_line(capsys)
 
     def bug(args) -> int:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cli, "_cmd_status", bug)
+    monkeypatch.setattr(operating, "cmd_status", bug)
     assert main(["status", "--data-dir", str(tmp_path)]) == 1  # not a start-up error
     assert "internal error" in _one_line(capsys)
 
@@ -136,7 +136,7 @@ def test_file_problems_name_the_place_and_the_fix(tmp_path) -> None:
     d = tmp_path / "node"
 
     def line(code: int, name: Path | None, data_dir: Path | None = d) -> str:
-        return cli._file_problem(OSError(code, os.strerror(code), name), data_dir)
+        return errors.file_problem(OSError(code, os.strerror(code), name), data_dir)
 
     assert line(errno.EROFS, d / "events.jsonl") == (
         f"cannot write to the data directory {d} (read-only file system); "

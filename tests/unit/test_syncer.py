@@ -15,7 +15,7 @@ from node.config import AtollConfig
 from node.metrics import EventLog, read_events
 from node.outer import OuterOptimizer
 from node.syncer import Syncer, staleness_weight
-from protocol.averaging.exchange import Exchanged
+from protocol.averaging.exchange import ExchangeOutcome
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
@@ -39,7 +39,7 @@ class FakeExchange:
 
     async def run(
         self, r, f, weight, contribution, weights, expected, excludes, deadline
-    ) -> Exchanged:
+    ) -> ExchangeOutcome:
         self.calls.append(
             (r, f, weight, contribution.clone(), weights.clone(), expected, excludes, deadline)
         )
@@ -50,7 +50,7 @@ class FakeExchange:
         mixed = None
         if self.mixed is not None:
             mixed = AllReduceResult(self.mixed, group, [group], [], owners=group)
-        return Exchanged(group, result, mixed, dict(self.refused))
+        return ExchangeOutcome(group, result, mixed, dict(self.refused))
 
 
 def _submit(coro) -> concurrent.futures.Future:

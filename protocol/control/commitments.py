@@ -1,0 +1,340 @@
+"""Round commitments: what each member of an exchange signed it would send, before it sent.
+
+Before an exchange a member signs the digests of its parts for ``(round, fragment,
+content)`` and sends that commitment straight to each member of its group (RPC
+:data:`COMMIT_RPC` over the node's transport); in a swarm of up to
+``control.base_rate_peers`` nodes it is also gossiped on the ``commit`` topic, so every
+node holds every commitment. Above that it is not (every node receiving every
+commitment would grow with the swarm), and an owner puts the commitments it relied on
+into its signed result instead: that is what lets anyone tell a framed owner from a bad
+one (:mod:`verification.evidence`).
+
+An owner takes a part only if its sender committed to exactly that digest before the
+owner's own commit phase closed. Two different signed commitments from one peer for the
+same exchange are proof of equivocation, and this node convicts on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from protocol.averaging.parts import CONTENTS, Commitments
+from protocol.control.channel import ControlChannel
+from protocol.control.frames import (
+    CONTROL_VERSION,
+    DEFAULT_MAX_CONTROL_BYTES,
+    ControlMessage,
+    open_control,
+    topic_name,
+)
+from protocol.control.heartbeats import Pace
+from protocol.control.settings import ControlSettings
+from protocol.errors import ProtocolError
+from verification.evidence import SignedCommit, misstated
+
+__all__ = [
+    "COMMIT_RPC",
+    "CommitmentStore",
+    "Convict",
+    "SendDirect",
+    "commit_fields",
+    "open_commit",
+]
+
+logger = logging.getLogger(__name__)
+
+COMMIT_RPC = "atoll.commit"
+"""The RPC a member's signed commitment is sent to its group members through."""
+
+SendDirect = Callable[[str, bytes, float], Awaitable[Any]]
+"""Sends a signed commitment to a peer's :data:`COMMIT_RPC`: ``(peer, bytes, timeout)``."""
+
+Convict = Callable[[str, int, int, str, Any, bool], None]
+"""``(peer, round, fragment, kind, evidence, publish)``: act on proof that ``peer``
+cheated, and publish the verdict when ``publish``."""
+
+_ROUNDS_KEPT = 4  # commitments older than this many rounds are forgotten
+_MAX_COMMITS = 65536
+_POLL_SECONDS = 0.02
+_OVERTAKE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class _Commit:
+    digests: dict[int, bytes]
+    received: float  # this node's time.monotonic() when it arrived
+    wire: bytes  # the signed message itself: evidence if the sender equivocates
+
+
+def commit_fields(body: Any) -> tuple[int, int, str, dict[int, bytes]]:
+    """``(round, fragment, content, {part: digest})`` of a commitment's body.
+
+    Raises:
+        ProtocolError: ``malformed``: not a commitment.
+    """
+    if not isinstance(body, dict):
+        raise ProtocolError("malformed", "commitment body is not a map")
+    r, f, pairs = body.get("round"), body.get("fragment"), body.get("digests")
+    content = body.get("content")
+    if not (isinstance(r, int) and isinstance(f, int) and r >= 0 and f >= 0):
+        raise ProtocolError("malformed", "commitment round and fragment must be integers")
+    if content not in CONTENTS:
+        raise ProtocolError("malformed", f"commitment content {content!r}")
+    if not isinstance(pairs, list):
+        raise ProtocolError("malformed", "commitment digests must be a list")
+    digests: dict[int, bytes] = {}
+    for pair in pairs:
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and isinstance(pair[0], int)
+            and isinstance(pair[1], bytes)
+            and len(pair[1]) == 32
+        ):
+            raise ProtocolError("malformed", "a commitment digest is not [part, 32 bytes]")
+        digests[pair[0]] = pair[1]
+    return r, f, str(content), digests
+
+
+def open_commit(data: bytes, run: str, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES) -> SignedCommit:
+    """Check a signed commitment (its signature, run, topic and body) from its bytes.
+
+    Raises:
+        ProtocolError: as :func:`~protocol.control.frames.open_control`, or ``malformed``.
+    """
+    msg = open_control(data, run, topic_name(run, "commit"), max_bytes)
+    r, f, content, digests = commit_fields(msg.body)
+    return SignedCommit(msg.sender, r, f, content, digests, bytes(data))
+
+
+def _wire(msg: ControlMessage) -> bytes:
+    return msgpack.packb([CONTROL_VERSION, msg.raw_signed, msg.signature], use_bin_type=True)
+
+
+class CommitmentStore(Commitments):
+    """This node's commitments and those it received, for the commit phase of its
+    exchanges (the :class:`~protocol.averaging.parts.Commitments` an all-reduce takes).
+
+    Args:
+        settings: the control plane's settings (run, message cap).
+        me: this node's PeerID.
+        pace: the commit window, and whether commitments are gossiped.
+        channel: returns the control channel, None while there is none.
+        blocks: why this node does not deal with a peer at a round (None: it does);
+            the commit phase does not wait for a blocked peer.
+        convict: acts on proof that a peer cheated.
+        send_direct: sends a commitment to a peer's :data:`COMMIT_RPC`; None sends
+            none directly.
+    """
+
+    def __init__(
+        self,
+        settings: ControlSettings,
+        me: str,
+        pace: Pace,
+        channel: Callable[[], ControlChannel | None],
+        blocks: Callable[[str, int], str | None],
+        convict: Convict,
+        send_direct: SendDirect | None = None,
+    ) -> None:
+        self.settings = settings
+        self.me = me
+        self.pace = pace
+        self.send_direct = send_direct
+        self._channel = channel
+        self._blocks = blocks
+        self._convict = convict
+        self._lock = threading.Lock()
+        self._commits: dict[tuple[str, int, int, str], _Commit] = {}
+        self._newest = 0
+        self._sending: set[asyncio.Task] = set()
+
+    # ---- this node's commitments ------------------------------------------------------
+
+    async def commit(
+        self,
+        round_: int,
+        fragment: int,
+        group: Sequence[str],
+        digests: dict[int, bytes],
+        content: str = "update",
+    ) -> None:
+        wire = await self.publish_commit(round_, fragment, digests, content)
+        self._send_to_group(group, wire)
+        others = [p for p in group if p != self.me and not self._blocks(p, round_)]
+        deadline = time.monotonic() + self.pace.commit_window
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all((p, round_, fragment, content) in self._commits for p in others):
+                    return
+            await asyncio.sleep(_POLL_SECONDS)
+        logger.info(
+            "round %d fragment %d (%s): commit phase closed without %s",
+            round_,
+            fragment,
+            content,
+            [p[:12] for p in others if (p, round_, fragment, content) not in self._commits],
+        )
+
+    def _send_to_group(self, group: Sequence[str], wire: bytes) -> None:
+        """Send the signed commitment to every other member, in the background."""
+        if self.send_direct is None or not wire:
+            return
+        for peer in group:
+            if peer != self.me:
+                task = asyncio.ensure_future(self._send_one(peer, wire))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+
+    async def _send_one(self, peer: str, wire: bytes) -> None:
+        assert self.send_direct is not None
+        # without a gossip copy the direct one is the only one: try it twice
+        attempts = 1 if self.pace.gossips_commitments else 2
+        deadline = time.monotonic() + self.pace.commit_window
+        for attempt in range(attempts):
+            try:
+                await self.send_direct(peer, wire, max(0.1, deadline - time.monotonic()))
+                return
+            except Exception as exc:
+                logger.debug("control: commitment to %s not sent directly: %s", peer[:16], exc)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+    async def publish_commit(
+        self, round_: int, fragment: int, digests: dict[int, bytes], content: str = "update"
+    ) -> bytes:
+        """Publish (and record) this node's commitment for ``(round, fragment, content)``;
+        returns the signed message (empty without a channel)."""
+        body = {
+            "round": round_,
+            "fragment": fragment,
+            "content": content,
+            "digests": [[j, d] for j, d in sorted(digests.items())],
+        }
+        wire = b""
+        channel = self._channel()
+        if channel is not None:
+            topic = topic_name(self.settings.run_id, "commit")
+            wire = channel.sign(topic, body)
+            if self.pace.gossips_commitments and not channel.publish_signed(topic, wire):
+                logger.debug("control: sidecar down, commitment not gossiped")
+        with self._lock:
+            self._commits[(self.me, round_, fragment, content)] = _Commit(
+                dict(digests), time.monotonic(), wire
+            )
+        return wire
+
+    # ---- commitments received ---------------------------------------------------------
+
+    async def receive_commit(self, peer: str, data: bytes) -> bytes:
+        """Serve :data:`COMMIT_RPC`: a group member's signed commitment, sent directly.
+
+        Raises:
+            ProtocolError: the message is not a valid commitment signed by ``peer``
+                (the authenticated caller).
+        """
+        run = self.settings.run_id
+        msg = open_control(data, run, topic_name(run, "commit"), self.settings.max_bytes)
+        if msg.sender != peer:
+            raise ProtocolError("sender_mismatch", f"a commitment signed by {msg.sender}", peer)
+        if msg.sender != self.me:
+            self.receive(msg)
+        return b""
+
+    def receive(self, msg: ControlMessage) -> None:
+        """Record a commitment from the channel or sent directly; a second one from the
+        same sender for the same exchange that differs convicts it of equivocation.
+
+        Raises:
+            ProtocolError: ``malformed``: the body is not a commitment.
+        """
+        r, f, content, digests = commit_fields(msg.body)
+        key = (msg.sender, r, f, content)
+        new = _Commit(digests, time.monotonic(), _wire(msg))
+        with self._lock:
+            old = self._commits.get(key)
+            if old is None:
+                self._commits[key] = new
+                self._forget_old(r)
+                return
+        if old.digests != digests and old.wire:
+            evidence = [old.wire, new.wire]
+            self._convict(msg.sender, r, f, "equivocation", evidence, True)
+
+    def _forget_old(self, r: int) -> None:
+        """Drop commitments from rounds long past (called with the lock held)."""
+        if r <= self._newest and len(self._commits) < _MAX_COMMITS:
+            return
+        self._newest = max(self._newest, r)
+        for key in [k for k in self._commits if k[1] < self._newest - _ROUNDS_KEPT]:
+            del self._commits[key]
+
+    # ---- the owner's and the member's checks ---------------------------------------------
+
+    async def check(
+        self,
+        peer: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        digest: bytes,
+        closed_at: float,
+        content: str = "update",
+    ) -> str | None:
+        key = (peer, round_, fragment, content)
+        # A commitment travels by gossip and its part by a direct stream, so a part sent
+        # right after a (late) commitment can overtake it: wait a moment to tell a late
+        # commitment from none at all. Either way the part is refused.
+        deadline = time.monotonic() + _OVERTAKE_SECONDS
+        while True:
+            with self._lock:
+                rec = self._commits.get(key)
+            if rec is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(_POLL_SECONDS)
+        if rec is None:
+            return "uncommitted"
+        if rec.received > closed_at:
+            return "late_commit"
+        if rec.digests.get(part) != digest:
+            return "commit_mismatch"
+        return None
+
+    def committed(self, peer: str, round_: int, fragment: int, content: str = "update") -> bool:
+        with self._lock:
+            return (peer, round_, fragment, content) in self._commits
+
+    def evidence(self, peer: str, round_: int, fragment: int, content: str = "update") -> bytes:
+        with self._lock:
+            rec = self._commits.get((peer, round_, fragment, content))
+        return rec.wire if rec is not None else b""
+
+    def check_result(
+        self,
+        owner: str,
+        round_: int,
+        fragment: int,
+        part: int,
+        reply: bytes,
+        contributors: Sequence[str],
+        digests: Sequence[bytes],
+        content: str = "update",
+    ) -> str | None:
+        with self._lock:
+            rec = self._commits.get((self.me, round_, fragment, content))
+        committed = rec.digests if rec is not None else None
+        if not misstated(self.me, committed, part, contributors, digests):
+            return None
+        assert rec is not None
+        if rec.wire:
+            evidence = {"reduced": reply, "commit": rec.wire}
+            self._convict(owner, round_, fragment, "bad_owner", evidence, True)
+        return "bad_owner"
