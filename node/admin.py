@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from node.files import atomic_write
 from verification.identity import public_key_from_peer_id
 
 __all__ = ["ADMIN_DIR", "OPS", "AdminInbox", "Command", "submit"]
@@ -71,12 +72,6 @@ class Command:
         return cls(fields["op"], fields["peer"], fields["reason"])
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def submit(data_dir: Path, command: Command, timeout: float = 20.0) -> dict[str, Any]:
     """Hand ``command`` to the node running in ``data_dir`` and wait for its outcome.
 
@@ -91,7 +86,7 @@ def submit(data_dir: Path, command: Command, timeout: float = 20.0) -> dict[str,
     folder = Path(data_dir) / ADMIN_DIR
     folder.mkdir(parents=True, exist_ok=True)
     name = f"{time.time_ns()}-{os.getpid()}"
-    _write_atomically(folder / f"{name}.json", command.to_json())
+    atomic_write(folder / f"{name}.json", command.to_json(), durable=False)
     done = folder / f"{name}.done"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -136,6 +131,6 @@ class AdminInbox:
             except ValueError as exc:
                 answer = {"ok": False, "error": str(exc)}
                 logger.warning("operator command %s refused: %s", request.name, exc)
-            _write_atomically(request.with_suffix(".done"), json.dumps(answer).encode())
+            atomic_write(request.with_suffix(".done"), json.dumps(answer).encode(), durable=False)
             taking.unlink(missing_ok=True)
         return taken

@@ -24,15 +24,15 @@ import contextlib
 import hashlib
 import io
 import logging
-import os
 import re
-import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from node.files import atomic_file
 
 __all__ = [
     "CheckpointError",
@@ -115,13 +115,10 @@ def save_checkpoint(directory: Path, round: int, state: dict, *, keep: int = 3) 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"ckpt-{round:08d}.pt"
-    fd, tmp_name = tempfile.mkstemp(
-        prefix=f"{_TMP_PREFIX}{round:08d}-", suffix=_TMP_SUFFIX, dir=directory
-    )
-    tmp = Path(tmp_name)
     writer: _HashingWriter | None = None
     try:
-        with os.fdopen(fd, "wb") as f:
+        prefix = f"{_TMP_PREFIX}{round:08d}-"
+        with atomic_file(final, prefix=prefix, suffix=_TMP_SUFFIX, perms=0o600) as f:
             # Stream the payload straight to disk, hashing on the way, so a large
             # state is not held in memory a second time as bytes.
             f.write(MAGIC + bytes(_DIGEST_SIZE))
@@ -130,19 +127,13 @@ def save_checkpoint(directory: Path, round: int, state: dict, *, keep: int = 3) 
             digest = writer.sha256.digest()
             f.seek(len(MAGIC))
             f.write(digest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
     except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         # torch.save reports a failed write (a full disk) as a RuntimeError of its own;
         # the caller gets the OSError, naming the checkpoint it could not write.
-        cause = exc if isinstance(exc, OSError) else writer.error if writer else None
-        if cause is not None and cause.errno and (cause is not exc or not cause.filename):
+        cause = writer.error if writer and not isinstance(exc, OSError) else None
+        if cause is not None and cause.errno:
             raise OSError(cause.errno, cause.strerror, str(final)) from exc
         raise
-    _fsync_dir(directory)
     info = CheckpointInfo(path=final, round=round, digest=digest.hex())
     logger.info("checkpoint round %d written to %s (sha256 %s)", round, final, info.digest[:16])
     _prune(directory, keep, final)
@@ -272,20 +263,6 @@ def _read_header(f: io.BufferedIOBase, path: Path) -> bytes:
     if header[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{path}: not an Atoll checkpoint (bad magic)")
     return header[len(MAGIC) :]
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not supported on every platform (Windows).
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _check_loadable(obj: Any, where: str) -> None:

@@ -10,15 +10,15 @@ lines, and read back tolerantly so a crash mid-line loses only that line.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from node.files import atomic_write
 
 __all__ = ["EventLog", "StatusWriter", "read_events", "read_status"]
 
@@ -81,21 +81,9 @@ class StatusWriter:
                 self._last_write = now
 
     def _write(self, text: str) -> None:
-        fd, tmp_name = tempfile.mkstemp(
-            prefix=f".{self.path.name}-", suffix=".tmp", dir=self.path.parent
-        )
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            # No fsync: this is a live view, rewritten constantly; only the rename
-            # must be atomic so a reader never sees a torn file.
-            os.replace(tmp_name, self.path)
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
-            if isinstance(exc, OSError) and exc.errno and not exc.filename:  # a full disk
-                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
-            raise
+        # Not durable: this is a live view, rewritten constantly; only the rename must
+        # be atomic so a reader never sees a torn file.
+        atomic_write(self.path, text, durable=False, perms=0o600, prefix=f".{self.path.name}-")
 
 
 def read_status(path: Path) -> dict | None:

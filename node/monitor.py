@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -30,132 +31,178 @@ logger = logging.getLogger(__name__)
 State = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class _Family:
+    """One metric family: its name, kind, help text and where a snapshot holds it.
+
+    ``key`` names a number of the snapshot, or with ``label`` a ``{label: number}``
+    table of it; a tuple of ``(label, key)`` gathers several numbers into one family.
+    """
+
+    name: str
+    kind: str
+    help: str
+    key: str | tuple[tuple[str, str], ...] = ""
+    label: str | None = None
+
+
+_FAMILIES: tuple[_Family, ...] = (
+    _Family("atoll_info", "info", "Always 1; labels name the node."),
+    _Family("atoll_round", "gauge", "The outer round this node works on.", "round"),
+    _Family("atoll_inner_steps", "counter", "Inner steps trained.", "step"),
+    _Family("atoll_tokens", "counter", "Tokens trained on.", "tokens"),
+    _Family(
+        "atoll_tokens_per_second", "gauge", "Tokens per second of training time.", "throughput"
+    ),
+    _Family("atoll_train_loss", "gauge", "Loss of the last inner step.", "loss"),
+    _Family(
+        "atoll_val_bits_per_byte",
+        "gauge",
+        "Validation bits per byte of the global parameters at the last evaluated round.",
+        "val_bpb",
+    ),
+    _Family(
+        "atoll_alone_syncs",
+        "counter",
+        "Fragment syncs this node averaged alone while peers were live (cut off from them).",
+        "alone_syncs",
+    ),
+    _Family(
+        "atoll_host_bytes_per_parameter",
+        "gauge",
+        "Resident host memory of the node's process per model parameter, at the last round.",
+        "host_bytes_per_param",
+    ),
+    _Family(
+        "atoll_device_bytes_per_parameter",
+        "gauge",
+        "Peak device (GPU) memory allocated per model parameter, at the last round.",
+        "device_bytes_per_param",
+    ),
+    _Family(
+        "atoll_sent_bytes", "counter", "Bytes of parts, results and repairs sent.", "bytes_sent"
+    ),
+    _Family(
+        "atoll_received_bytes",
+        "counter",
+        "Bytes of parts, results and repairs received.",
+        "bytes_received",
+    ),
+    _Family(
+        "atoll_syncs",
+        "counter",
+        "Fragment syncs by outcome (complete, partial: some parts kept local values, failed).",
+        "syncs",
+        label="outcome",
+    ),
+    _Family(
+        "atoll_refused_messages",
+        "counter",
+        "Messages from peers refused, by reason.",
+        "refused",
+        label="reason",
+    ),
+    _Family(
+        "atoll_peers",
+        "gauge",
+        "Peers this node knows, by source.",
+        (("dht", "live_peers"), ("control", "control_peers")),
+        label="source",
+    ),
+    _Family(
+        "atoll_peer_reputation",
+        "reputation",
+        "Reputation of each peer judged, in [0, 1].",
+        "reputations",
+    ),
+    _Family(
+        "atoll_peer_standing",
+        "standing",
+        "1 for each peer's standing (ok, quarantined, banned).",
+        "reputations",
+    ),
+    _Family(
+        "atoll_sidecar_restarts",
+        "counter",
+        "Restarts of the control sidecar.",
+        "sidecar_restarts",
+    ),
+    _Family(
+        "atoll_control_dropped",
+        "counter",
+        "Control messages dropped, by reason.",
+        "control_dropped",
+        label="reason",
+    ),
+    _Family(
+        "atoll_checkpoint_age_seconds",
+        "gauge",
+        "Seconds since this node's last checkpoint.",
+        "checkpoint_age_seconds",
+    ),
+)
+"""Every family ``/metrics`` serves, in the order it serves them."""
+
+
+def metrics_of(state: State) -> Iterator[Metric]:
+    """The metric families of one snapshot of a node (absent values are left out)."""
+    for family in _FAMILIES:
+        yield from _BUILDERS[family.kind](family, state)
+
+
 def _number(state: State, key: str) -> float | None:
     value = state.get(key)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
-    if value is not None:
-        yield GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float | None) -> Iterator[Metric]:
-    if value is not None:
-        yield CounterMetricFamily(name, doc, value=value)
-
-
-def _labelled(kind: type, name: str, doc: str, label: str, values: dict) -> Iterator[Metric]:
-    family = kind(name, doc, labels=[label])
-    for key, value in sorted(values.items()):
-        family.add_metric([str(key)], float(value))
-    yield family
-
-
-def metrics_of(state: State) -> Iterator[Metric]:
-    """The metric families of one snapshot of a node (absent values are left out)."""
-    info = GaugeMetricFamily(
-        "atoll_info", "Always 1; labels name the node.", labels=["version", "peer_id", "run_id"]
-    )
-    info.add_metric(
-        [
-            str(state.get("version", "")),
-            str(state.get("peer_id", "")),
-            str(state.get("run_id", "")),
-        ],
-        1.0,
-    )
-    yield info
-    yield from _gauge("atoll_round", "The outer round this node works on.", _number(state, "round"))
-    yield from _counter("atoll_inner_steps", "Inner steps trained.", _number(state, "step"))
-    yield from _counter("atoll_tokens", "Tokens trained on.", _number(state, "tokens"))
-    yield from _gauge(
-        "atoll_tokens_per_second",
-        "Tokens per second of training time.",
-        _number(state, "throughput"),
-    )
-    yield from _gauge("atoll_train_loss", "Loss of the last inner step.", _number(state, "loss"))
-    yield from _gauge(
-        "atoll_val_bits_per_byte",
-        "Validation bits per byte of the global parameters at the last evaluated round.",
-        _number(state, "val_bpb"),
-    )
-    yield from _counter(
-        "atoll_alone_syncs",
-        "Fragment syncs this node averaged alone while peers were live (cut off from them).",
-        _number(state, "alone_syncs"),
-    )
-    yield from _gauge(
-        "atoll_host_bytes_per_parameter",
-        "Resident host memory of the node's process per model parameter, at the last round.",
-        _number(state, "host_bytes_per_param"),
-    )
-    yield from _gauge(
-        "atoll_device_bytes_per_parameter",
-        "Peak device (GPU) memory allocated per model parameter, at the last round.",
-        _number(state, "device_bytes_per_param"),
-    )
-    yield from _counter(
-        "atoll_sent_bytes",
-        "Bytes of parts, results and repairs sent.",
-        _number(state, "bytes_sent"),
-    )
-    yield from _counter(
-        "atoll_received_bytes",
-        "Bytes of parts, results and repairs received.",
-        _number(state, "bytes_received"),
-    )
-    yield from _labelled(
-        CounterMetricFamily,
-        "atoll_syncs",
-        "Fragment syncs by outcome (complete, partial: some parts kept local values, failed).",
-        "outcome",
-        state.get("syncs") or {},
-    )
-    yield from _labelled(
-        CounterMetricFamily,
-        "atoll_refused_messages",
-        "Messages from peers refused, by reason.",
-        "reason",
-        state.get("refused") or {},
-    )
-    peers = GaugeMetricFamily("atoll_peers", "Peers this node knows, by source.", labels=["source"])
-    for source, key in (("dht", "live_peers"), ("control", "control_peers")):
-        value = _number(state, key)
+def _numbers(family: _Family, state: State) -> Iterator[Metric]:
+    """A gauge or counter: one number, or one per label."""
+    kind = GaugeMetricFamily if family.kind == "gauge" else CounterMetricFamily
+    if family.label is None:
+        value = _number(state, str(family.key))
         if value is not None:
-            peers.add_metric([source], value)
-    yield peers
-    reputations = state.get("reputations") or {}
-    score = GaugeMetricFamily(
-        "atoll_peer_reputation", "Reputation of each peer judged, in [0, 1].", labels=["peer"]
-    )
-    standing = GaugeMetricFamily(
-        "atoll_peer_standing",
-        "1 for each peer's standing (ok, quarantined, banned).",
-        labels=["peer", "standing"],
-    )
-    for peer, rep in sorted(reputations.items()):
-        score.add_metric([peer], float(rep.get("score", 0.0)))
-        standing.add_metric([peer, str(rep.get("status", "ok"))], 1.0)
-    yield score
-    yield standing
-    yield from _counter(
-        "atoll_sidecar_restarts",
-        "Restarts of the control sidecar.",
-        _number(state, "sidecar_restarts"),
-    )
-    yield from _labelled(
-        CounterMetricFamily,
-        "atoll_control_dropped",
-        "Control messages dropped, by reason.",
-        "reason",
-        state.get("control_dropped") or {},
-    )
-    yield from _gauge(
-        "atoll_checkpoint_age_seconds",
-        "Seconds since this node's last checkpoint.",
-        _number(state, "checkpoint_age_seconds"),
-    )
+            yield kind(family.name, family.help, value=value)
+        return
+    metric = kind(family.name, family.help, labels=[family.label])
+    if isinstance(family.key, tuple):
+        for label, key in family.key:
+            value = _number(state, key)
+            if value is not None:
+                metric.add_metric([label], value)
+    else:
+        for label, value in sorted((state.get(family.key) or {}).items()):
+            metric.add_metric([str(label)], float(value))
+    yield metric
+
+
+def _info(family: _Family, state: State) -> Iterator[Metric]:
+    labels = ["version", "peer_id", "run_id"]
+    metric = GaugeMetricFamily(family.name, family.help, labels=labels)
+    metric.add_metric([str(state.get(label, "")) for label in labels], 1.0)
+    yield metric
+
+
+def _reputation(family: _Family, state: State) -> Iterator[Metric]:
+    metric = GaugeMetricFamily(family.name, family.help, labels=["peer"])
+    for peer, rep in sorted((state.get(str(family.key)) or {}).items()):
+        metric.add_metric([peer], float(rep.get("score", 0.0)))
+    yield metric
+
+
+def _standing(family: _Family, state: State) -> Iterator[Metric]:
+    metric = GaugeMetricFamily(family.name, family.help, labels=["peer", "standing"])
+    for peer, rep in sorted((state.get(str(family.key)) or {}).items()):
+        metric.add_metric([peer, str(rep.get("status", "ok"))], 1.0)
+    yield metric
+
+
+_BUILDERS: dict[str, Callable[[_Family, State], Iterator[Metric]]] = {
+    "gauge": _numbers,
+    "counter": _numbers,
+    "info": _info,
+    "reputation": _reputation,
+    "standing": _standing,
+}
 
 
 def _page() -> bytes:

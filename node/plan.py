@@ -120,42 +120,49 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "transfer_seconds": transfer,
         "sync_seconds": sync,
     }
-    if inp.trigger == "steps":
-        compute = inp.inner_steps * inp.step_seconds
-        hidden = inp.tau * inp.step_seconds
-        wait = max(0.0, sync - hidden)
-        utilization = compute / (compute + inp.fragments * wait)
-        if wait == 0:
-            smallest = 1
-        else:  # H s / (H s + F wait) >= u  <=>  H >= u F wait / ((1 - u) s)
-            target = TARGET_UTILIZATION
-            need = target * inp.fragments * wait / ((1 - target) * inp.step_seconds)
-            smallest = max(1, math.ceil(need - 1e-9))
-        out.update(
-            round_seconds=compute + inp.fragments * wait,
-            overlap=min(1.0, hidden / sync) if sync > 0 else 1.0,
-            wait_seconds_per_sync=wait,
-            utilization=utilization,
-            fits=True,
-            smallest_inner_steps=smallest,
-        )
-    else:
-        round_seconds = inp.round_seconds or inp.inner_steps * inp.step_seconds
-        budget = round_seconds * (1 - _MARGIN)
-        fits = sync <= budget
-        smallest_round = sync / (1 - _MARGIN)
-        out.update(
-            round_seconds=round_seconds,
-            overlap=1.0 if fits else budget / sync,
-            wait_seconds_per_sync=0.0,
-            # nodes never wait on the wall clock; a sync that does not fit fails, and its
-            # work waits for the next one (nothing is lost, but nothing is averaged)
-            utilization=1.0 if fits else 0.0,
-            fits=fits,
-            smallest_round_seconds=smallest_round,
-            smallest_inner_steps=max(1, math.ceil(smallest_round / inp.step_seconds - 1e-9)),
-        )
+    out.update(_steps_timing(inp, sync) if inp.trigger == "steps" else _seconds_timing(inp, sync))
     return out
+
+
+def _steps_timing(inp: PlanInput, sync: float) -> dict[str, Any]:
+    """A round of H inner steps: F syncs, each hidden behind tau steps or waited on."""
+    compute = inp.inner_steps * inp.step_seconds
+    hidden = inp.tau * inp.step_seconds
+    wait = max(0.0, sync - hidden)
+    utilization = compute / (compute + inp.fragments * wait)
+    if wait == 0:
+        smallest = 1
+    else:  # H s / (H s + F wait) >= u  <=>  H >= u F wait / ((1 - u) s)
+        target = TARGET_UTILIZATION
+        need = target * inp.fragments * wait / ((1 - target) * inp.step_seconds)
+        smallest = max(1, math.ceil(need - 1e-9))
+    return {
+        "round_seconds": compute + inp.fragments * wait,
+        "overlap": min(1.0, hidden / sync) if sync > 0 else 1.0,
+        "wait_seconds_per_sync": wait,
+        "utilization": utilization,
+        "fits": True,
+        "smallest_inner_steps": smallest,
+    }
+
+
+def _seconds_timing(inp: PlanInput, sync: float) -> dict[str, Any]:
+    """A round of fixed wall time: a sync fits in it, with a margin, or fails."""
+    round_seconds = inp.round_seconds or inp.inner_steps * inp.step_seconds
+    budget = round_seconds * (1 - _MARGIN)
+    fits = sync <= budget
+    smallest_round = sync / (1 - _MARGIN)
+    return {
+        "round_seconds": round_seconds,
+        "overlap": 1.0 if fits else budget / sync,
+        "wait_seconds_per_sync": 0.0,
+        # nodes never wait on the wall clock; a sync that does not fit fails, and its
+        # work waits for the next one (nothing is lost, but nothing is averaged)
+        "utilization": 1.0 if fits else 0.0,
+        "fits": fits,
+        "smallest_round_seconds": smallest_round,
+        "smallest_inner_steps": max(1, math.ceil(smallest_round / inp.step_seconds - 1e-9)),
+    }
 
 
 def describe(result: dict[str, Any]) -> str:

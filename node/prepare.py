@@ -4,15 +4,15 @@ Two ways in:
 
 * **Bytes** (no tokenizer, text files only): every file is copied as it is, split into
   train and validation by a hash of its path, as ``data.paths`` reads them
-  (:func:`prepare_bytes`).
+  (:func:`prepare_bytes`, :mod:`node.prepare_shards`).
 * **Documents** (:func:`prepare_documents`): text files (one document each), ``.jsonl``
   (one per line, ``--field``) and ``.parquet`` (one per row, ``--column``), read from
-  local files through ``datasets``, in path order and then row order. Each document is
-  tokenized with the given tokenizer (``--tokenizer``) or one trained on the corpus
-  (``--train-tokenizer``, saved in ``DIR/tokenizer``), ends with the tokenizer's EOS
-  token, and goes to train or validation by a hash of its text (so a document and its
-  exact copies always land on the same side). Tokens are ``uint16`` up to 65,536
-  tokens, else ``uint32``.
+  local files through ``datasets`` (:mod:`node.prepare_inputs`), in path order and then
+  row order. Each document is tokenized with the given tokenizer (``--tokenizer``) or
+  one trained on the corpus (``--train-tokenizer``, saved in ``DIR/tokenizer``), ends
+  with the tokenizer's EOS token, and goes to train or validation by a hash of its text
+  (so a document and its exact copies always land on the same side). Tokens are
+  ``uint16`` up to 65,536 tokens, else ``uint32``.
 
 Documents are tokenized in pieces of about ``piece_mb`` MiB of text by worker processes;
 each finished piece is written to ``DIR/.prepare/`` with its counts, and only when all
@@ -25,10 +25,8 @@ validation token, so validation bits per byte compare across tokenizers.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
-import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,16 +35,17 @@ from typing import Any
 
 import numpy as np
 
-from node.sources import BYTES_DIGEST, SHARDS_FORMAT, DataError, is_val, user_files
+from node.files import atomic_file, atomic_write
+from node.prepare_inputs import Part, file_kind, read_parts
+from node.prepare_shards import join_pieces, prepare_bytes
+from node.sources import BYTES_DIGEST, DataError, is_val, user_files
 
 __all__ = ["Interrupted", "prepare", "prepare_bytes", "prepare_documents"]
 
-_COPY_BYTES = 1 << 22
 _WORK = ".prepare"
 _JOB_VERSION = 1
 _TOKENIZER_TEXT_BYTES = 1 << 30
 """A tokenizer is trained on at most this much of the train split's text."""
-_SNIFF_BYTES = 1 << 16
 
 Progress = Callable[[int, int], None]
 """Called with (documents done, documents in all) as pieces finish."""
@@ -54,15 +53,6 @@ Progress = Callable[[int, int], None]
 
 class Interrupted(Exception):
     """A prepare stopped by Ctrl-C or SIGTERM; what was finished is kept."""
-
-
-def _kind(path: Path) -> str:
-    name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".json")):
-        return "json"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return "text"
 
 
 def prepare(
@@ -95,7 +85,7 @@ def prepare(
         raise DataError("--tokenizer and --train-tokenizer: use one or the other")
     files = user_files(tuple(patterns), key="atoll data prepare")
     _claim(out, force)
-    if not tokenizer and not train_vocab and all(_kind(p) == "text" for _, p in files):
+    if not tokenizer and not train_vocab and all(file_kind(p) == "text" for _, p in files):
         return prepare_bytes(files, out, val_fraction)
     return prepare_documents(
         files,
@@ -129,75 +119,6 @@ def _claim(out: Path, force: bool) -> None:
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
         shutil.rmtree(out / _WORK, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-
-
-# ---- bytes --------------------------------------------------------------------------------
-
-
-def prepare_bytes(files: list[tuple[str, Path]], out: Path, val_fraction: float) -> dict:
-    """Copy text files as byte tokens, split by a hash of their path (as
-    :func:`node.data.load_corpus` splits them), file by file (never all in memory)."""
-    paths = {"train": out / "train.bin", "val": out / "val.bin"}
-    sizes = {"train": 0, "val": 0}
-    with paths["train"].open("wb") as train, paths["val"].open("wb") as val:
-        for rel, path in files:
-            split = "val" if is_val(rel, val_fraction) else "train"
-            sizes[split] += _append(path, train if split == "train" else val)
-    if sizes["val"] == 0 or sizes["train"] == 0:
-        # Too few files for a by-file split: the tail of the bytes goes to validation.
-        _split_tail(paths, sizes, val_fraction, 1)
-    if min(sizes.values()) == 0:
-        raise DataError(
-            f"{sum(sizes.values())} bytes of text in {len(files)} file(s): too little for "
-            "a train and a validation split"
-        )
-    meta = {
-        "format": SHARDS_FORMAT,
-        "dtype": "uint8",
-        "vocab_size": 256,
-        "train_tokens": sizes["train"],
-        "val_tokens": sizes["val"],
-        "train_bytes": sizes["train"],
-        "val_bytes": sizes["val"],
-        "bytes_per_token": 1.0,
-        "files": len(files),
-        "val_fraction": val_fraction,
-        "split": "file",
-        "tokenizer": {"digest": BYTES_DIGEST},
-    }
-    _write_json(out / "meta.json", meta, durable=True)
-    return meta
-
-
-def _append(path: Path, sink: Any) -> int:
-    written = 0
-    try:
-        with path.open("rb") as source:
-            while chunk := source.read(_COPY_BYTES):
-                sink.write(chunk)
-                written += len(chunk)
-    except OSError as exc:
-        raise DataError(f"cannot read corpus file {path} ({exc.strerror})") from None
-    return written
-
-
-def _split_tail(
-    paths: dict[str, Path], sizes: dict[str, int], val_fraction: float, itemsize: int
-) -> None:
-    """Move everything into train.bin, then its last ``val_fraction`` of tokens into
-    val.bin (``sizes`` in bytes, cut on a token boundary)."""
-    if sizes["val"]:
-        with paths["train"].open("ab") as train, paths["val"].open("rb") as val:
-            while chunk := val.read(_COPY_BYTES):
-                train.write(chunk)
-    total = sizes["train"] + sizes["val"]
-    cut = int(total // itemsize * (1.0 - val_fraction)) * itemsize
-    with paths["train"].open("r+b") as train, paths["val"].open("wb") as val:
-        train.seek(cut)
-        while chunk := train.read(_COPY_BYTES):
-            val.write(chunk)
-        train.truncate(cut)
-    sizes["train"], sizes["val"] = cut, total - cut
 
 
 # ---- documents ----------------------------------------------------------------------------
@@ -241,7 +162,7 @@ def prepare_documents(
     documents = {k: sum(c[k] for c in counts) for k in ("train_docs", "val_docs", "empty")}
     if not documents["train_docs"] + documents["val_docs"]:
         raise DataError(f"the inputs hold only empty documents ({documents['empty']})")
-    meta = _join(out, work, counts, dtype, job.val_fraction)
+    meta = join_pieces(out, work, counts, dtype, job.val_fraction)
     meta.update(
         vocab_size=tok.vocab_size,
         files=len(files),
@@ -291,7 +212,7 @@ def _resume_or_start(work: Path, identity: dict[str, Any]) -> None:
 class _Documents:
     """The corpus's documents, in order, read through ``datasets`` (memory-mapped Arrow)."""
 
-    def __init__(self, parts: list[tuple[str, Any, str]]) -> None:
+    def __init__(self, parts: list[Part]) -> None:
         self.parts = parts  # (file or files, dataset, its text column)
         self.count = sum(len(ds) for _, ds, _ in parts)
 
@@ -309,82 +230,11 @@ class _Documents:
 
 
 def _documents(files: list[tuple[str, Path]], job: _Job, cache: Path) -> _Documents:
-    """Every input's documents; broken inputs stop here, each named in one line.
-
-    Runs of text files are read in one ``datasets`` call (a corpus may be many small
-    files); each ``.jsonl`` or ``.parquet`` file in a call of its own, so an error
-    names its file."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    parts: list[tuple[str, Any, str]] = []
-    run: list[str] = []
-
-    def flush() -> None:
-        if run:
-            ds = _load("text", run, cache, sample_by="document")
-            parts.append((run[0] if len(run) == 1 else f"{len(run)} text files", ds, "text"))
-            run.clear()
-
-    for _, path in files:
-        kind = _kind(path)
-        if kind == "text":
-            _check_text(path)
-            run.append(str(path))
-            continue
-        flush()
-        if path.stat().st_size == 0:
-            continue  # an empty file holds no documents
-        key, what, option = (
-            (job.field, "field", "--field")
-            if kind == "json"
-            else (job.column, "column", "--column")
-        )
-        ds = _load(kind, [str(path)], cache)
-        if key not in ds.column_names:
-            raise DataError(
-                f"{path}: no {key!r} {what} (it has "
-                f"{', '.join(map(repr, ds.column_names)) or 'none'}); name it with {option}"
-            )
-        parts.append((str(path), ds.select_columns([key]), key))
-    flush()
-    docs = _Documents(parts)
+    """Every input's documents (:func:`node.prepare_inputs.read_parts`)."""
+    docs = _Documents(read_parts(files, job.field, job.column, cache))
     if docs.count == 0:
         raise DataError("the inputs hold no documents")
     return docs
-
-
-def _check_text(path: Path) -> None:
-    """A text input must be UTF-8 text: refuse binary files before reading them whole."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        with path.open("rb") as f:
-            while chunk := f.read(_COPY_BYTES):
-                if b"\0" in chunk:
-                    raise DataError(f"{path}: a binary file, not text (it holds NUL bytes)")
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: not UTF-8 text (a byte sequence cannot be decoded)") from None
-    except OSError as exc:
-        raise DataError(f"cannot read corpus file {path} ({exc.strerror})") from None
-
-
-def _load(kind: str, paths: list[str], cache: Path, **kwargs: Any) -> Any:
-    import datasets
-
-    try:
-        return datasets.load_dataset(
-            kind, data_files=paths, split="train", cache_dir=str(cache), **kwargs
-        )
-    except Exception as exc:  # datasets wraps what went wrong in its own errors
-        cause = exc.__cause__ or exc
-        what = {"json": "JSON lines", "parquet": "a parquet file", "text": "text"}[kind]
-        detail = " ".join(str(cause).split())[:200] or type(cause).__name__
-        raise DataError(f"{paths[0]}: cannot be read as {what} ({detail})") from None
 
 
 def _tokenizer(job: _Job, given: Any, docs: _Documents, out: Path, work: Path) -> Any:
@@ -481,9 +331,8 @@ def _tokenize_piece(index: int, texts: list[str]) -> dict[str, int]:
     folder = Path(setup.folder)
     for split, parts in arrays.items():
         data = np.concatenate(parts) if parts else np.zeros(0, dtype=setup.dtype)
-        tmp = folder / f".piece-{index:06d}.{split}.tmp"
-        data.astype(np.dtype(setup.dtype).newbyteorder("<"), copy=False).tofile(tmp)
-        os.replace(tmp, folder / f"piece-{index:06d}.{split}.bin")
+        with atomic_file(folder / f"piece-{index:06d}.{split}.bin", durable=False) as f:
+            data.astype(np.dtype(setup.dtype).newbyteorder("<"), copy=False).tofile(f)
     _write_json(folder / f"piece-{index:06d}.json", counts)
     return counts
 
@@ -566,52 +415,6 @@ def _tokenize_all(
     return [counts[i] for i in sorted(counts)]
 
 
-def _join(
-    out: Path, work: Path, counts: list[dict[str, int]], dtype: str, val_fraction: float
-) -> dict[str, Any]:
-    """Join the pieces, in order, into train.bin and val.bin."""
-    paths = {"train": out / "train.bin", "val": out / "val.bin"}
-    sizes = {}
-    for split, path in paths.items():
-        with path.open("wb") as sink:
-            for c in counts:
-                _append(work / f"piece-{c['index']:06d}.{split}.bin", sink)
-        sizes[split] = path.stat().st_size
-    itemsize = np.dtype(dtype).itemsize
-    tokens = {s: sum(c[f"{s}_tokens"] for c in counts) for s in paths}
-    text_bytes = {s: sum(c[f"{s}_bytes"] for c in counts) for s in paths}
-    split_rule = "document"
-    if not tokens["train"] or not tokens["val"]:
-        # Too few documents for a by-document split: the tail of the tokens is held out.
-        _split_tail(paths, sizes, val_fraction, itemsize)
-        per = sum(text_bytes.values()) / max(1, sum(tokens.values()))
-        tokens = {s: sizes[s] // itemsize for s in paths}
-        text_bytes = {s: round(tokens[s] * per) for s in paths}
-        split_rule = "tail"
-    if not tokens["train"] or not tokens["val"]:
-        raise DataError(
-            f"{sum(tokens.values())} tokens in all: too little for a train and a validation split"
-        )
-    return {
-        "format": SHARDS_FORMAT,
-        "dtype": dtype,
-        "train_tokens": tokens["train"],
-        "val_tokens": tokens["val"],
-        "train_bytes": text_bytes["train"],
-        "val_bytes": text_bytes["val"],
-        "bytes_per_token": text_bytes["val"] / tokens["val"],
-        "val_fraction": val_fraction,
-        "split": split_rule,
-    }
-
-
 def _write_json(path: Path, value: Any, durable: bool = False) -> None:
     """Write whole or not at all (a temporary file renamed); ``durable``: on disk too."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(json.dumps(value, indent=2) + "\n")
-        if durable:
-            f.flush()
-            with contextlib.suppress(OSError):
-                os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(value, indent=2) + "\n", durable=durable)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import functools
 import hashlib
 import math
 import os
@@ -31,13 +30,20 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import msgpack
 import tomli_w
-from pydantic import TypeAdapter, ValidationError
 
-from node.config import AtollConfig, ConfigError, ModelConfig, OuterConfig, build_config
+from node.config import AtollConfig, ConfigError, build_config
+from node.files import atomic_write
+from node.shared_settings import (
+    SHARED_KEYS,
+    canonical,
+    same_value,
+    settings_digest,
+    shared_settings,
+)
 from protocol.wire.messages import PROTOCOL_VERSION
 from verification.identity import Identity, verify
 from verification.policy import is_peer_id
@@ -63,54 +69,7 @@ SPEC_VERSION = 1
 """Layout version of the spec file and of :meth:`RunSpec.signed_bytes`."""
 
 
-def _keys(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-SHARED_KEYS: dict[str, tuple[str, ...]] = {
-    # The run's name, and the seed the model is initialised from: nodes must start
-    # from the same weights or averaging mixes unrelated models.
-    "run": ("run_id", "seed"),
-    # The architecture: parameters must line up tensor by tensor on every node. Paths
-    # are each node's own; what they hold is bound by digest (node.bindings).
-    "model": tuple(k for k in _keys(ModelConfig) if k not in ("hf_config", "init_from")),
-    # Tokens must mean the same on every node: the tokenizer is bound by digest.
-    "data": ("tokenizer_digest",),
-    # Every group member applies the outer step to the same global values; another
-    # lr or momentum would make the members' copies of the global model drift apart.
-    "outer": _keys(OuterConfig),
-    # When and how fragments are exchanged: the round clock, the fragment plan, the
-    # wire codec and the averaging schedule must agree or exchanges never meet or
-    # cannot be decoded. tau and alpha (how late results merge locally) stay local.
-    "sync": (
-        "trigger",
-        "inner_steps",
-        "round_seconds",
-        "fragments",
-        "codec",
-        "block_size",
-        "error_feedback",
-        "stochastic_rounding",
-        "averaging",
-        "layout",
-        "gossip_gamma",
-        "mix_codec",
-    ),
-    # The group size decides who averages with whom on the butterfly schedule; nodes
-    # on other registry keys never see each other, and nodes that matchmake on the
-    # cell grid never meet nodes that read every announcement.
-    "network": ("group_size", "registry_shards", "cells_above"),
-    # With commit on, a node refuses parts sent without a commitment, so one node
-    # with the control channel or commitments off would have all its work refused.
-    "control": ("enabled", "commit"),
-    # Each part of a fragment is reduced by one member for the whole group; the
-    # robustness a run promises holds only if every part uses the same rule.
-    "trust": ("aggregator",),
-}
-"""The settings every node of a run must share: ``{section: (key, ...)}``."""
-
 _SIGN_DOMAIN = b"atoll/spec/v1\0"
-_SETTINGS_DOMAIN = b"atoll/settings/v1\0"
 _SIGNATURE_LEN = 64
 _T0_LEAD_SECONDS = 60.0
 _HEAD_KEYS = ("version", "run_id", "protocol", "creator", "created", "t0", "bootstrap", "signature")
@@ -158,7 +117,7 @@ class RunSpec:
             "bootstrap": self.bootstrap,
             "shared": self.shared,
         }
-        return msgpack.packb(_canonical(fields), use_bin_type=True)
+        return msgpack.packb(canonical(fields), use_bin_type=True)
 
     @property
     def digest(self) -> str:
@@ -227,7 +186,7 @@ def create_spec(
         created=datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         t0=t0,
         bootstrap=peers,
-        shared=_shared_settings(cfg),
+        shared=shared_settings(cfg),
         signature=b"",
     )
     signature = identity.sign(_signing_payload(unsigned.signed_bytes()))
@@ -235,7 +194,7 @@ def create_spec(
 
 
 def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
-    """Write ``spec`` as TOML, atomically (temporary file, fsync, rename).
+    """Write ``spec`` as TOML, atomically (:func:`node.files.atomic_write`).
 
     Raises:
         SpecError: if ``path`` exists and ``force`` is false, or it cannot be written.
@@ -261,21 +220,12 @@ def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
         "# Any edit breaks the signature; to change a setting, create a new spec.\n\n"
     )
     text = header + tomli_w.dumps({"spec": head, "shared": spec.shared})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if force:
-            os.replace(tmp, path)
-        else:
-            _publish_new(tmp, path)
+        atomic_write(path, text, perms=0o644, prefix=f".{path.name}.{os.getpid()}.", replace=force)
+    except FileExistsError:
+        raise SpecError(f"run spec {path}: already exists (use --force to replace it)") from None
     except OSError as exc:
         raise SpecError(f"run spec {path}: cannot write: {exc.strerror or exc}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def read_spec(path: str | Path) -> RunSpec:
@@ -351,7 +301,7 @@ def apply_spec(spec: RunSpec, data: dict[str, Any]) -> AtollConfig:
         for section, keys in SHARED_KEYS.items()
         for key in keys
         if key in tables.get(section, {})
-        and not _same(section, key, tables[section][key], spec.shared[section][key])
+        and not same_value(section, key, tables[section][key], spec.shared[section][key])
     ]
     if differing:
         which = "the key" if len(differing) == 1 else "these keys"
@@ -364,33 +314,6 @@ def apply_spec(spec: RunSpec, data: dict[str, Any]) -> AtollConfig:
     if spec.bootstrap and "initial_peers" not in tables.get("network", {}):
         tables.setdefault("network", {})["initial_peers"] = list(spec.bootstrap)
     return build_config(tables)
-
-
-def settings_digest(cfg: AtollConfig) -> str:
-    """Hex SHA-256 of ``cfg``'s shared settings, for nodes started without a spec.
-
-    Two configs get the same digest exactly when every key of :data:`SHARED_KEYS`
-    has the same value; local settings (``train.lr``, ``run.data_dir``...) do not count.
-    """
-    payload = msgpack.packb(_canonical(_shared_settings(cfg)), use_bin_type=True)
-    return hashlib.sha256(_SETTINGS_DOMAIN + payload).hexdigest()
-
-
-def _shared_settings(cfg: AtollConfig) -> dict[str, dict[str, Any]]:
-    data = cfg.to_dict()
-    return {
-        section: {key: _canonical(data[section][key]) for key in keys}
-        for section, keys in SHARED_KEYS.items()
-    }
-
-
-def _canonical(value: Any) -> Any:
-    """Dicts with sorted keys and lists for tuples, at every level: one msgpack encoding."""
-    if isinstance(value, dict):
-        return {key: _canonical(value[key]) for key in sorted(value)}
-    if isinstance(value, (list, tuple)):
-        return [_canonical(item) for item in value]
-    return value
 
 
 def _signing_payload(signed_bytes: bytes) -> bytes:
@@ -414,39 +337,6 @@ def _bootstrap_problem(maddr: Any) -> str | None:
         f"bootstrap address {maddr!r} is not a multiaddr ending in /p2p/<peer id>, "
         "e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
     )
-
-
-def _publish_new(tmp: Path, path: Path) -> None:
-    """Rename ``tmp`` to ``path`` unless ``path`` exists (a hard link fails if it does)."""
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        raise SpecError(f"run spec {path}: already exists (use --force to replace it)") from None
-    except OSError:
-        # Some filesystems have no hard links: check, then rename.
-        if path.exists():
-            raise SpecError(
-                f"run spec {path}: already exists (use --force to replace it)"
-            ) from None
-        os.replace(tmp, path)
-
-
-@functools.cache
-def _adapter(section: str, key: str) -> TypeAdapter:
-    """Validates one config key's value alone, with its type and bounds."""
-    table = AtollConfig.__pydantic_fields__[section].annotation
-    field = table.__pydantic_fields__[key]
-    kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-    return TypeAdapter(kind)
-
-
-def _same(section: str, key: str, ours: Any, theirs: Any) -> bool:
-    """Whether two values of a key are equal once validated (``20`` and ``20.0`` are)."""
-    adapter = _adapter(section, key)
-    try:
-        return adapter.validate_python(ours) == adapter.validate_python(theirs)
-    except ValidationError:
-        return False
 
 
 def _parse(doc: dict[str, Any], fail: Callable[[str], SpecError]) -> RunSpec:
@@ -524,6 +414,6 @@ def _parse_shared(shared: Any, fail: Callable[[str], SpecError]) -> dict[str, di
                     "release: make it again with `atoll spec create`)"
                 )
     return {
-        section: {key: _canonical(shared[section][key]) for key in keys}
+        section: {key: canonical(shared[section][key]) for key in keys}
         for section, keys in SHARED_KEYS.items()
     }

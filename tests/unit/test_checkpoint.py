@@ -210,7 +210,7 @@ def test_failed_replace_leaves_no_partial_file(tmp_path, monkeypatch):
     def crash(src, dst):
         raise OSError("simulated crash before rename")
 
-    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         save_checkpoint(tmp_path, 2, {"w": torch.arange(20.0)})
     monkeypatch.undo()
@@ -290,6 +290,6 @@ def test_temp_file_lives_in_target_directory(tmp_path, monkeypatch):
         seen.append((os.path.dirname(src), os.path.dirname(dst)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", spy)
+    monkeypatch.setattr(os, "replace", spy)
     save_checkpoint(tmp_path, 1, {"round": 1})
     assert seen == [(str(tmp_path), str(tmp_path))]

@@ -8,7 +8,8 @@ import logging
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
-from node import cli
+from node.cli import logs
+from node.cli.commands import atoll_parser
 
 
 def _record(msg: str, exc: bool = False) -> logging.LogRecord:
@@ -24,14 +25,14 @@ def _record(msg: str, exc: bool = False) -> logging.LogRecord:
 
 
 def test_json_lines_carry_time_level_logger_message_and_exception() -> None:
-    line = cli._formatter("json").format(_record("peer %s refused"))
+    line = logs.formatter("json").format(_record("peer %s refused"))
     entry = json.loads(line)
     assert entry["level"] == "warning" and entry["logger"] == "node.daemon"
     assert entry["message"] == "peer x refused" and isinstance(entry["t"], float)
-    with_exc = json.loads(cli._formatter("json").format(_record("failed %s", exc=True)))
+    with_exc = json.loads(logs.formatter("json").format(_record("failed %s", exc=True)))
     assert "RuntimeError: boom" in with_exc["exc"]
     assert (
-        cli._formatter("text")
+        logs.formatter("text")
         .format(_record("peer %s refused"))
         .endswith(" node.daemon: peer x refused")
     )
@@ -39,7 +40,7 @@ def test_json_lines_carry_time_level_logger_message_and_exception() -> None:
 
 def test_a_node_logs_to_data_dir_node_log_rotated_unless_told_not_to(tmp_path: Path) -> None:
     args = argparse.Namespace(log_file=None, log_format="json")
-    handler = cli._log_file(args, tmp_path / "node")
+    handler = logs.log_file(args, tmp_path / "node")
     assert isinstance(handler, RotatingFileHandler)
     try:
         assert handler.maxBytes == 10 * 2**20 and handler.backupCount == 3
@@ -50,9 +51,9 @@ def test_a_node_logs_to_data_dir_node_log_rotated_unless_told_not_to(tmp_path: P
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
-    assert cli._log_file(argparse.Namespace(log_file="-", log_format="text"), tmp_path) is None
+    assert logs.log_file(argparse.Namespace(log_file="-", log_format="text"), tmp_path) is None
 
 
 def test_run_accepts_the_log_options() -> None:
-    args = cli._parser().parse_args(["--log-format", "json", "run", "--log-file", "/tmp/x.log"])
+    args = atoll_parser().parse_args(["--log-format", "json", "run", "--log-file", "/tmp/x.log"])
     assert (args.log_format, args.log_file) == ("json", "/tmp/x.log")

@@ -24,7 +24,8 @@ from node.metrics import StatusWriter
 from node.model import build_model
 from node.monitor import metrics_of
 from node.trainer import InnerTrainer
-from protocol.averaging.parts import AllReduceSettings, PartExchange
+from protocol.averaging.context import AllReduceContext
+from protocol.averaging.parts import AllReduceSettings
 from protocol.errors import ProtocolError
 from tests.unit.test_syncer import FakeExchange, _syncer
 from verification.policy import TrustPolicy
@@ -54,7 +55,7 @@ def node(tmp_path: Path):
         model, TrainConfig(lr=1e-2, warmup_steps=1, total_steps=10), BatchStream(data, 2, 8, "k")
     )
     syncer, _, _ = _syncer(tmp_path, FakeExchange(averaged=torch.zeros(4)))
-    allreduce = PartExchange(None, None, AllReduceSettings(run_id="r"), None, _Judge())  # type: ignore[arg-type]
+    allreduce = AllReduceContext(None, None, AllReduceSettings(run_id="r"), None, _Judge())  # type: ignore[arg-type]
     verifier = Verifier(TrustPolicy(), tmp_path / "atoll.db", "12D3KooWme")
     stand_in = _StandIn(
         cfg=cfg,

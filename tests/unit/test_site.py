@@ -175,7 +175,7 @@ def test_a_swarm_of_sites_starts_each_node_under_torchrun_with_its_share_of_core
 
 
 def test_the_swarm_says_whether_every_sites_ranks_agreed() -> None:
-    from node.swarm import _ranks_agree
+    from node.swarm_report import _ranks_agree
 
     def node(*agree: bool) -> tuple:
         return (None, {}, {r: {"ranks": 2, "ranks_agree": a} for r, a in enumerate(agree)})

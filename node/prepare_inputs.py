@@ -1,0 +1,113 @@
+"""The inputs of ``atoll data prepare``: what kind each file is, and its documents.
+
+Text files hold one document each, ``.jsonl`` files one per line (a field), ``.parquet``
+files one per row (a column). They are read through ``datasets`` (memory-mapped Arrow),
+runs of text files in one call and every other file in a call of its own, so a broken
+input stops the prepare with one line naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from node.sources import DataError
+
+__all__ = ["Part", "file_kind", "read_parts"]
+
+_READ_BYTES = 1 << 22
+
+Part = tuple[str, Any, str]
+"""One read of the corpus: (the file or files it holds, the dataset, its text column)."""
+
+
+def file_kind(path: Path) -> str:
+    """``json`` (JSON lines), ``parquet`` or ``text``, by the file's name."""
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".json")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def read_parts(files: list[tuple[str, Path]], field: str, column: str, cache: Path) -> list[Part]:
+    """Every input's documents, in path order; broken inputs stop here, each named in
+    one line.
+
+    Runs of text files are read in one ``datasets`` call (a corpus may be many small
+    files); each ``.jsonl`` or ``.parquet`` file in a call of its own, so an error
+    names its file.
+
+    Args:
+        files: ``(posix path, path)`` of every input (:func:`node.sources.user_files`).
+        field: the text field of ``.jsonl`` lines.
+        column: the text column of ``.parquet`` files.
+        cache: the ``datasets`` cache folder.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    parts: list[Part] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            ds = _load("text", run, cache, sample_by="document")
+            parts.append((run[0] if len(run) == 1 else f"{len(run)} text files", ds, "text"))
+            run.clear()
+
+    for _, path in files:
+        kind = file_kind(path)
+        if kind == "text":
+            _check_text(path)
+            run.append(str(path))
+            continue
+        flush()
+        if path.stat().st_size == 0:
+            continue  # an empty file holds no documents
+        key, what, option = (
+            (field, "field", "--field") if kind == "json" else (column, "column", "--column")
+        )
+        ds = _load(kind, [str(path)], cache)
+        if key not in ds.column_names:
+            raise DataError(
+                f"{path}: no {key!r} {what} (it has "
+                f"{', '.join(map(repr, ds.column_names)) or 'none'}); name it with {option}"
+            )
+        parts.append((str(path), ds.select_columns([key]), key))
+    flush()
+    return parts
+
+
+def _check_text(path: Path) -> None:
+    """A text input must be UTF-8 text: refuse binary files before reading them whole."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(_READ_BYTES):
+                if b"\0" in chunk:
+                    raise DataError(f"{path}: a binary file, not text (it holds NUL bytes)")
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text (a byte sequence cannot be decoded)") from None
+    except OSError as exc:
+        raise DataError(f"cannot read corpus file {path} ({exc.strerror})") from None
+
+
+def _load(kind: str, paths: list[str], cache: Path, **kwargs: Any) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(
+            kind, data_files=paths, split="train", cache_dir=str(cache), **kwargs
+        )
+    except Exception as exc:  # datasets wraps what went wrong in its own errors
+        cause = exc.__cause__ or exc
+        what = {"json": "JSON lines", "parquet": "a parquet file", "text": "text"}[kind]
+        detail = " ".join(str(cause).split())[:200] or type(cause).__name__
+        raise DataError(f"{paths[0]}: cannot be read as {what} ({detail})") from None
