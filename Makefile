@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup sysdeps demo test test-all test-fast lint bench clean
+.PHONY: setup sysdeps demo test test-all test-fast lint bench docs clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks all --quick
+
+# The docs site on http://127.0.0.1:8000, rebuilt on every change (mkdocs.yml, docs/).
+# make test builds it with --strict (tests/unit/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .atoll .artifacts

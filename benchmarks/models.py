@@ -44,6 +44,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -543,6 +544,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict[str, Any]:
         report["convergence"] = _convergence(shards, quick, work)
         report["cuda"] = _cuda(shards, work)
         report["seconds"] = time.time() - started
+        report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     (out_dir / "models.json").write_text(json.dumps(report, indent=2) + "\n")

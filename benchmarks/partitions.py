@@ -21,6 +21,7 @@ import pathlib
 import random
 import tempfile
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 from benchmarks._common import machine_info
@@ -81,6 +82,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict[str, Any]:
         "runs": runs,
         "passed": sum(r["passed"] for r in runs),
         "of": len(runs),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     (out_dir / "partitions.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out_dir / "partitions.png")

@@ -183,7 +183,7 @@ class SwitchingPeer:
 
     def step(self, repeat: int, infos: list[dict]) -> tuple[dict, torch.Tensor]:
         mode = _mode(repeat)
-        self.service.wire.reducer, self.service.wire.judge = self.modes[mode]
+        self.service.context.reducer, self.service.context.judge = self.modes[mode]
         clock = self.clocks[mode]
         before, rejected = dict(clock.seconds), Counter(self.service.rejected)
         round_ = repeat + 1
