@@ -8,8 +8,8 @@ line naming the key, the value given and what was expected::
 
     config error: sync.codec = 'avg': expected one of none, fp16, bf16, int8, int4
 
-The sections, and the builders of each component's settings object
-(:mod:`node.settings`), are importable from here too.
+The builders of each component's settings object from a validated config are in
+:mod:`node.settings`.
 """
 
 from __future__ import annotations
@@ -25,15 +25,6 @@ from pydantic.dataclasses import dataclass
 
 from node.config_network import ControlConfig, MetricsConfig, NetworkConfig, SyncConfig
 from node.config_training import DataConfig, ModelConfig, OuterConfig, RunConfig, TrainConfig
-from node.settings import (
-    allreduce_settings,
-    catchup_settings,
-    clock_settings,
-    control_settings,
-    exchange_settings,
-    peer_view_settings,
-    transport_config,
-)
 from verification.policy import TrustPolicy
 
 if sys.version_info >= (3, 11):
@@ -53,17 +44,10 @@ __all__ = [
     "RunConfig",
     "SyncConfig",
     "TrainConfig",
-    "allreduce_settings",
     "build_config",
-    "catchup_settings",
-    "clock_settings",
-    "control_settings",
-    "exchange_settings",
     "load_config",
     "load_config_data",
     "parse_overrides",
-    "peer_view_settings",
-    "transport_config",
 ]
 
 _STRICT = ConfigDict(extra="forbid")

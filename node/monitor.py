@@ -3,7 +3,7 @@
 ``GET /`` serves the swarm health page (``node/web/index.html``: the node's progress,
 the peers it hears with their reputation and standing, bits/byte per round, recent
 violations; it reads the JSON below). ``GET /metrics`` serves the Prometheus text format (``prometheus_client``), built at
-each scrape from one snapshot of the node (:meth:`node.daemon.Node.monitor_state`);
+each scrape from one snapshot of the node (:meth:`node.reporter.Reporter.monitor_state`);
 ``GET /api/v1/state`` serves the same snapshot as JSON. Names follow Prometheus'
 conventions: an ``atoll_`` prefix, base units (seconds, bytes), ``_total`` on counters.
 The server runs in its own daemon threads and only reads; a slow or broken scraper

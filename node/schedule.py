@@ -104,6 +104,10 @@ class Schedule(Protocol):
         """Whether syncs of round ``r`` are skipped (the node is joining)."""
         ...
 
+    def ended(self, round_: int) -> None:
+        """A round ended; the node's last finished round is now ``round_``."""
+        ...
+
 
 class StepSchedule:
     """``sync.trigger = "steps"``: ``inner_steps`` inner steps a round.
@@ -133,9 +137,9 @@ class StepSchedule:
     def skips(self, r: int) -> bool:
         return False
 
-    def next_round(self) -> None:
-        """The round ended: count steps of the next one."""
-        self._round += 1
+    def ended(self, round_: int) -> None:
+        """Count the steps of the round after ``round_``."""
+        self._round = round_ + 1
         self._step = 0
 
 
@@ -166,6 +170,9 @@ class WallSchedule:
 
     def skips(self, r: int) -> bool:
         return r < self.join_round
+
+    def ended(self, round_: int) -> None:
+        pass  # the clock, not the round count, says when syncs are due
 
     def behind(self, round_: int) -> int:
         """Rounds the clock is ahead of ``round_`` when that is more than a node can be

@@ -34,8 +34,6 @@ import datetime
 import hashlib
 import logging
 import os
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,14 +42,13 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "NoSite",
     "SiteFailed",
     "SiteGroup",
+    "SiteLeader",
     "SiteRank",
-    "die_with_parent",
     "params_digest",
     "rank_data",
-    "run_follower",
-    "site_command",
     "stream_key",
 ]
 
@@ -315,24 +312,101 @@ class SiteGroup:
             ) from exc
 
 
-def die_with_parent(signum: int) -> None:
-    """Have the kernel send ``signum`` to this process when its parent (torchrun's
-    agent) dies, so no rank outlives its site (Linux; elsewhere nothing is done).
+class SiteLeader:
+    """The leader's side of a site, as the node's training sees it: the ranks take its
+    parameters when they changed outside an inner step, and under FSDP it gathers the
+    full values of the shards before it reads its model.
 
-    torchrun starts each rank in a session of its own: an agent killed outright would
-    otherwise leave its ranks running."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+    Args:
+        group: the site's process group.
+        model: the node's full model (the leader's copy; in CPU memory under FSDP).
+        trained: what the ranks train: ``model`` itself under DDP, its shards under FSDP.
+    """
 
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    if libc.prctl(pr_set_pdeathsig, signum, 0, 0, 0) != 0:
-        logger.warning("cannot ask to be stopped with torchrun's agent (prctl failed)")
-        return
-    if os.getppid() != parent:  # the agent died before the request took effect
-        os.kill(os.getpid(), signum)
+    def __init__(self, group: SiteGroup, model: nn.Module, trained: nn.Module) -> None:
+        self.group = group
+        self.model = model
+        self.trained = trained
+        self.changed = True  # the model changed outside an inner step: the ranks take it
+        self.ahead = False  # under FSDP: the shards trained past self.model
+
+    @property
+    def sharded(self) -> bool:
+        return self.group.sharded
+
+    def step(self, trainer: Any) -> Any:
+        """One inner step on every rank (DDP all-reduces in it); the trainer's result."""
+        self.share()
+        self.group.step(trainer.steps)
+        result = self.group.guard(trainer.step)
+        self.ahead = self.group.sharded
+        return result
+
+    def share(self) -> None:
+        """The ranks take the leader's parameters if they changed since the last inner
+        step (a sync applied, a re-sync, a catch-up)."""
+        if self.changed:
+            self.group.share_params(self.model, self.trained)
+            self.changed = False
+
+    def pull(self, stopping: bool) -> None:
+        """Under FSDP, before the node reads its model: the full values of the shards.
+        Not while ``stopping`` (torchrun is stopping the ranks: nothing to gather from)."""
+        if not self.ahead or stopping:
+            return
+        if not (self.group.stopped or self.group.broken):
+            self.group.gather(self.model, self.trained)
+            self.ahead = False
+
+    def agree(self) -> tuple[int, bool]:
+        """How many ranks there are, and whether they hold the leader's parameters."""
+        self.share()
+        digests = self.group.digests(self.trained)
+        agree = len(set(digests)) == 1
+        if self.group.sharded:  # and the shards make up the leader's full copy
+            agree = agree and digests[0] == params_digest(self.model)
+        return len(digests), agree
+
+    def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.group.share_optimizer(optimizer)
+
+    def stop(self) -> None:
+        self.group.stop()
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class NoSite:
+    """A node without a site: it trains its model itself, and there is nothing to keep
+    in step (the same interface as :class:`SiteLeader`)."""
+
+    sharded = False
+
+    def __init__(self) -> None:
+        self.changed = False  # nothing to share, ever
+
+    def step(self, trainer: Any) -> Any:
+        return trainer.step()
+
+    def share(self) -> None:
+        pass
+
+    def pull(self, stopping: bool) -> None:
+        pass
+
+    def agree(self) -> None:
+        """No ranks to compare."""
+        return None
+
+    def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def params_digest(model: nn.Module) -> str:
@@ -354,33 +428,6 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def run_follower(cfg: Any, site: SiteRank) -> int:
-    """A follower rank: train in step with the leader until it stops; an exit code."""
-    from node.bindings import bind
-    from node.data import BatchStream, load_data
-    from node.model import build_model, vocab_of
-    from node.trainer import InnerTrainer
-
-    cfg = bind(cfg)  # the leader's model: the vocabulary a preset takes from the data
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    device = site.device(cfg.run.device)
-    corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
-    group = SiteGroup(site, device, cfg.train.sharding)
-    try:
-        key = group.agree_key(None)
-        model = build_model(cfg.model, seed=cfg.run.seed).to(device)
-        own = rank_data(cfg, corpus.train, site)
-        stream = BatchStream(own, cfg.data.batch_size, cfg.model.context, stream_key(key, site))
-        trained = group.wrap(model)
-        trainer = InnerTrainer(trained, cfg.train, stream, device, ranks=site.world)
-        steps = group.follow(model, trainer)
-        logger.info("rank %d: stopped by the leader after %d inner steps", site.rank, steps)
-        return 0
-    finally:
-        group.close()
-
-
 def rank_data(cfg: Any, train: torch.Tensor, site: SiteRank | None) -> torch.Tensor:
     """This process's slice of the train tokens: slice ``data.site`` of ``data.sites``,
     and within it this rank's share (:meth:`SiteRank.slice_of`); a view, nothing read."""
@@ -395,38 +442,3 @@ def rank_data(cfg: Any, train: torch.Tensor, site: SiteRank | None) -> torch.Ten
 def stream_key(key: str, site: SiteRank | None) -> object:
     """What keys this process's batch stream: the node's PeerID, and its rank in a site."""
     return key if site is None else (key, site.rank)
-
-
-def site_command(argv: Sequence[str], nproc: int) -> list[str]:
-    """The torchrun command that runs ``atoll ARGV`` (an ``atoll run`` with
-    ``--nproc-per-node``) as a site of ``nproc`` ranks on this machine.
-
-    torchrun does not restart the ranks itself (``--max-restarts=0``): a site that lost
-    a rank stops, and is started again as a whole (by its service manager), resuming
-    from its checkpoint. (Restarted in place, the new ranks hung while forming their
-    gloo group in tests here.)"""
-    if nproc < 1:
-        raise ValueError("--nproc-per-node must be >= 1")
-    rest: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--nproc-per-node":
-            skip = True
-            continue
-        if arg.startswith("--nproc-per-node="):
-            continue
-        rest.append(arg)
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
-        "-m",
-        "node.cli",
-        *rest,
-    ]

@@ -24,8 +24,14 @@ from typing import Any
 import psutil
 
 from node.config import AtollConfig
-from node.metrics import read_status
-from node.swarm_report import butterfly_reach, dump_json, format_summary, render_table, summarize
+from node.swarm_report import (
+    SwarmProcess,
+    butterfly_reach,
+    dump_json,
+    format_summary,
+    render_table,
+    summarize,
+)
 
 __all__ = [
     "QUICK_WORKLOAD",
@@ -94,20 +100,6 @@ class SwarmSpec:
     def extra_args_byzantine(self) -> set[int]:
         """Indices of nodes started with ``--byzantine``."""
         return {i for i, args in self.extra_args.items() if "--byzantine" in args}
-
-
-@dataclass
-class SwarmProcess:
-    """One launched node."""
-
-    index: int
-    data_dir: Path
-    proc: subprocess.Popen
-    log: Any
-
-    @property
-    def status(self) -> dict[str, Any]:
-        return read_status(self.data_dir / "status.json") or {}
 
 
 def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str]) -> list[str]:

@@ -9,18 +9,40 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from node.config import AtollConfig
 from node.load import per_round
-from node.metrics import read_events
+from node.metrics import read_events, read_status
 from protocol.averaging.grouping import rounds_to_mix
 
-if TYPE_CHECKING:
-    from node.swarm import SwarmProcess
+__all__ = [
+    "SwarmProcess",
+    "butterfly_reach",
+    "dump_json",
+    "format_summary",
+    "render_table",
+    "summarize",
+]
 
-__all__ = ["butterfly_reach", "dump_json", "format_summary", "render_table", "summarize"]
+
+@dataclass
+class SwarmProcess:
+    """One launched node of a local swarm."""
+
+    index: int
+    data_dir: Path
+    proc: subprocess.Popen
+    log: Any
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return read_status(self.data_dir / "status.json") or {}
+
 
 _Held = dict[tuple[int, int], dict[str, dict[str, Any]]]
 """Per (round, fragment): each node's sync event."""

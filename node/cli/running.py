@@ -82,7 +82,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, overrides)
     peers = initial_peers(args.initial_peers)
-    from node.site import SiteRank, die_with_parent, run_follower, site_command
+    from node.site import SiteRank
+    from node.site_process import die_with_parent, run_follower, site_command
 
     site = SiteRank.from_env()
     if site is not None:

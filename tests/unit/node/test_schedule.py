@@ -30,7 +30,7 @@ def test_steps_stagger_fragments_over_the_round_and_take_every_result_at_its_end
     for _ in range(4):
         fresh.due(0.0)
     assert fresh.ready(_pending(step=6), steps=6)
-    schedule.next_round()
+    schedule.ended(5)
     assert [schedule.due(0.0) for _ in range(2)] == [[], [(6, 0)]]
     assert not schedule.skips(6)
 

@@ -6,12 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from node.config import (
-    catchup_settings,
-    control_settings,
-    load_config,
-    peer_view_settings,
-)
+from node.config import load_config
+from node.settings import catchup_settings, control_settings, peer_view_settings
 
 KEY = Path("/data/identity.key")
 BOOT = "/ip4/10.0.0.2/tcp/1/p2p/boot"

@@ -1,0 +1,243 @@
+"""The training loop: inner steps, and each fragment's sync when the schedule says.
+
+One loop serves both triggers of ``sync.trigger`` through a
+:class:`~node.schedule.Schedule`: after every inner step it starts the syncs that are
+due, applies the results that are ready, and ends each round whose fragments are all
+done (:meth:`node.rounds.Rounds.end`). Every network exchange runs on the transport's
+loop with a deadline, so a slow or vanished peer costs at most that deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from node.config import AtollConfig
+from node.metrics import EventLog, StatusWriter
+from node.parts import Network, Progress, Training
+from node.rounds import Rounds
+from node.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
+from node.syncer import Pending
+
+__all__ = ["TrainingLoop", "exchange_budget"]
+
+logger = logging.getLogger(__name__)
+
+
+def exchange_budget(cfg: AtollConfig, commit_window: float | None) -> float:
+    """Seconds one exchange may take: matchmaking, the commit phase and the all-reduce
+    (``network.round_timeout``); on the wall clock, never past the fragment's next sync,
+    so a silent or vanished peer cannot make an exchange outlast its round.
+
+    Args:
+        commit_window: the control plane's commit window, when it runs.
+    """
+    budget = cfg.network.matchmaking_seconds + cfg.network.round_timeout
+    if cfg.control.commit:
+        budget += commit_window if commit_window is not None else cfg.control.commit_seconds
+    if cfg.sync.trigger == "seconds":
+        length = cfg.sync.round_seconds
+        budget = min(budget, length - max(0.5, 0.05 * length))
+    return budget
+
+
+class TrainingLoop:
+    """Train until ``run.max_rounds`` rounds are done or the node stops.
+
+    Args:
+        cfg: the node's configuration.
+        progress: where the training stands.
+        training: the model, its optimizers and the site.
+        network: the swarm side.
+        rounds: what happens when a round ends.
+        logs: the status file and the event log.
+        stop: set when the node is stopping.
+    """
+
+    def __init__(
+        self,
+        cfg: AtollConfig,
+        progress: Progress,
+        training: Training,
+        network: Network,
+        rounds: Rounds,
+        logs: tuple[StatusWriter, EventLog],
+        stop: threading.Event,
+    ) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.training = training
+        self.network = network
+        self.rounds = rounds
+        self.status, self.events = logs
+        self.stop = stop
+        self.fragments = len(training.plan)
+
+    def run(self, schedule: Schedule) -> None:
+        """The loop, then what follows the last round (the site's ranks stopped, and
+        lingering while a peer is behind)."""
+        site = self.training.site
+        self.status.update(force=True, state="training")
+        self.progress.train_started = time.monotonic()
+        # the ranks start from the leader's state (resumed or taken from the swarm)
+        site.share_optimizer(self.training.trainer.optimizer)
+        self._loop(schedule)
+        if not self.stop.is_set():
+            site.pull(stopping=False)  # the final checkpoint holds what the ranks trained
+            site.stop()  # on a signal, torchrun stops the ranks itself
+        self._linger()
+
+    def _loop(self, schedule: Schedule) -> None:
+        book = SyncBook.of(self.fragments)
+        wall = schedule if isinstance(schedule, WallSchedule) else None
+        if wall is not None:
+            self._place(wall, book)
+        max_rounds, trainer = self.cfg.run.max_rounds, self.training.trainer
+        while not self.stop.is_set():
+            if max_rounds and self.progress.round >= max_rounds:
+                break
+            self._step(book)
+            if wall is not None and wall.behind(self.progress.round):
+                self._fell_behind(wall, book)  # frozen, suspended or cut off for a while
+            for r, f in schedule.due(time.time()):
+                if schedule.skips(r) or f in book.pending:
+                    # Joining, or the previous sync of f is still in flight: skip this one;
+                    # the work stays in the local copy and is folded into the next sync.
+                    self._skip(book, r, f)
+                    continue
+                book.launched(f, self._launch(r, f, book.tokens_since[f]))
+            for f, p in list(book.pending.items()):
+                if schedule.ready(p, trainer.steps):
+                    del book.pending[f]
+                    book.finished(p.round, f, ok=self._apply(p) is not None)
+            while book.complete(self.progress.round + 1, self.fragments):
+                r = self.progress.round + 1
+                went_wrong = book.close(r)
+                joining = schedule.skips(r)
+                self.rounds.end(r, resync=went_wrong or joining, joining=joining)
+                schedule.ended(self.progress.round)
+        for p in book.clear():
+            p.future.cancel()  # the interrupted round is abandoned; the last checkpoint stands
+
+    def _skip(self, book: SyncBook, r: int, f: int) -> None:
+        """Fragment ``f`` of round ``r`` is not exchanged: its work goes into the next
+        sync, and the round's state is taken from the swarm when it ends."""
+        self.network.syncer.missed[f] += 1
+        book.finished(r, f, ok=False)
+
+    def _step(self, book: SyncBook) -> None:
+        """One inner step, stretched by ``run.slowdown``; counts busy time."""
+        started = time.monotonic()
+        trainer, progress = self.training.trainer, self.progress
+        result = self.training.site.step(trainer)
+        if self.cfg.run.slowdown > 1.0:
+            # Stand in for slower hardware: the extra time is compute time, not idle.
+            time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))
+        progress.busy += time.monotonic() - started
+        book.trained(result.tokens)
+        wall = time.monotonic() - progress.train_started
+        self.status.update(
+            step=trainer.steps,
+            loss=result.loss,
+            round=progress.round,
+            tokens=trainer.tokens,
+            busy_seconds=progress.busy,
+            idle_seconds=max(0.0, wall - progress.busy),
+        )
+
+    def _launch(self, r: int, f: int, tokens: int) -> Pending:
+        """Start the sync of fragment ``f`` for round ``r`` with the tokens trained for it."""
+        self.rounds.pull()
+        verifier = self.network.verifier
+        verifier.round = max(verifier.round, r)
+        # Wait for every live peer, suspects included: they count in everyone's view of
+        # the round, and whether they are left out is decided by vote (voted_out).
+        expected = self.network.live_peers()
+        excludes = verifier.excluded(list(expected), r)
+        control = self.network.control
+        budget = exchange_budget(self.cfg, control.commit_window if control else None)
+        steps = self.training.trainer.steps
+        return self.network.syncer.launch(r, f, tokens, steps, expected, excludes, budget)
+
+    def _apply(self, pending: Pending) -> dict[str, Any] | None:
+        """Apply a finished sync; None when it failed or averaged alone while peers live."""
+        self.rounds.pull()
+        network, progress = self.network, self.progress
+        record = network.syncer.apply(pending, self.training.trainer.steps)
+        self.training.site.changed = True
+        if record is None:
+            return None
+        progress.bytes_sent += record["bytes_sent"]
+        self.status.update(peers=len(record["group"]), bytes_sent=progress.bytes_sent)
+        others = network.live_peers() | network.heard()
+        if len(record["group"]) == 1 and others:
+            # peers are live (in the registry, or heard on the control channel): this
+            # node is cut off from their exchanges; it takes their state at round end
+            progress.alone_syncs += 1
+            warning = (
+                f"round {pending.round} fragment {pending.fragment}: averaged alone while "
+                f"{len(others)} peer(s) are live"
+            )
+            logger.warning("%s", warning)
+            self.status.update(alone_syncs=progress.alone_syncs, alone_warning=warning)
+            return None
+        if record["fallback_parts"] and network.live_peers():
+            # Parts kept at local values drift from the swarm: take its state at round end.
+            return None
+        return record
+
+    def _place(self, wall: WallSchedule, book: SyncBook) -> None:
+        """Where this node comes in on the wall clock, from the state round it holds."""
+        held = self.progress.round
+        place = wall.place(held, lead=self.cfg.network.matchmaking_seconds)
+        self.progress.round = place.round_
+        if place.joins is None:
+            return
+        if place.contributes_from is not None:
+            self.events.write(
+                "join", round=place.joins, state_round=held, contributes_from=place.contributes_from
+            )
+            return
+        for f in place.skipped:
+            self._skip(book, place.joins, f)
+        self.events.write(
+            "join", round=place.joins, state_round=held, from_fragment=place.from_fragment
+        )
+
+    def _fell_behind(self, wall: WallSchedule, book: SyncBook) -> None:
+        """Rounds went by without this node (it was frozen, suspended or cut off): drop
+        what is in flight, take the swarm's newest state, keeping the local work, and
+        come in again as a joining node does. Parts it sent late were refused by their
+        owners at no cost to it."""
+        behind = wall.behind(self.progress.round)
+        logger.warning("%d rounds behind the swarm's clock: re-joining", behind)
+        self.events.write("behind", round=self.progress.round, rounds=behind)
+        for p in book.clear():
+            p.future.cancel()
+        self.rounds.catch_up(min_round=self.progress.round + 1, rebase=True)
+        self._place(wall, book)
+
+    def _linger(self) -> None:
+        """After the last round, stay reachable while a live peer is still behind
+        (bounded by how long its last sync may take): a peer whose last sync failed
+        re-syncs from the swarm's state, and it can only take it from running nodes."""
+        if self.stop.is_set() or not self.cfg.run.max_rounds:
+            return
+        net = self.cfg.network
+        # as long as a lagging peer's last sync can take (see _apply), and no longer
+        deadline = time.monotonic() + net.matchmaking_seconds + 3 * net.round_timeout
+        self.status.update(force=True, state="lingering", round=self.progress.round)
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if not self.network.peers.behind(self.progress.round):
+                return
+            self.stop.wait(0.5)
+
+
+def schedule_of(cfg: AtollConfig, round_: int, clock: Any = None) -> Schedule:
+    """The schedule of ``sync.trigger`` for a node whose last finished round is ``round_``
+    (``clock``: the run's round clock, for ``seconds``)."""
+    if cfg.sync.trigger == "seconds":
+        return WallSchedule(clock, cfg.sync.tau)
+    return StepSchedule(cfg.sync.inner_steps, cfg.sync.fragments, cfg.sync.tau, round_)

@@ -1,0 +1,387 @@
+"""The parts of a running node, each group built at once by one builder.
+
+:func:`build_training` makes what trains (the model, its fragment plan, the outer
+optimizer, the inner trainer, the site's ranks) and :func:`start_network` starts what
+talks to the swarm (transport, peer view, verifier, control plane, all-reduce, syncer,
+state server), in that order. :class:`Progress` is where the training stands, shared
+by the training loop (:mod:`node.loop`), the round's end (:mod:`node.rounds`) and the
+reports (:mod:`node.reporter`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from node import catchup
+from node.admin import AdminInbox, Command
+from node.byzantine import make_behaviour, training_data
+from node.config import AtollConfig
+from node.data import BatchStream, load_data, validation_batches
+from node.handoff import workload_record
+from node.load import LoadMeter
+from node.metrics import EventLog
+from node.model import build_model, vocab_of
+from node.outer import OuterOptimizer
+from node.peers import PeerView
+from node.settings import (
+    allreduce_settings,
+    control_settings,
+    exchange_settings,
+    peer_view_settings,
+)
+from node.simulate import resolve_device
+from node.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
+from node.syncer import Syncer
+from node.trainer import InnerTrainer, evaluate
+from protocol.averaging.allreduce import AllReduceService
+from protocol.averaging.exchange import FragmentExchange
+from protocol.averaging.fragments import FragmentPlan, plan_fragments
+from protocol.control.plane import ControlPlane
+from protocol.p2p.transport import Transport
+from protocol.wire import codec as codecs
+from verification.identity import Identity
+from verification.verifier import Verifier
+
+__all__ = [
+    "Hearing",
+    "Network",
+    "NetworkInputs",
+    "Progress",
+    "Training",
+    "apply_operator",
+    "build_training",
+    "start_network",
+]
+
+
+@dataclass
+class Progress:
+    """Where a node's training stands.
+
+    Attributes:
+        round: the last round this node finished.
+        busy: seconds spent in inner steps.
+        bytes_sent: bytes this node's syncs sent.
+        alone_syncs: syncs averaged alone while peers were live.
+        train_started: when training began (``time.monotonic``).
+        global_digest: ``(round, digest)`` of the global state last published.
+        checkpointed_round: the round of the newest checkpoint written by this process.
+        checkpoint_time: when it was written (``time.time``).
+    """
+
+    round: int = 0
+    busy: float = 0.0
+    bytes_sent: int = 0
+    alone_syncs: int = 0
+    train_started: float = field(default_factory=time.monotonic)
+    global_digest: tuple[int, str] | None = None
+    checkpointed_round: int | None = None
+    checkpoint_time: float | None = None
+
+
+@dataclass
+class Training:
+    """What trains: built by :func:`build_training`.
+
+    Attributes:
+        device: where inner steps run.
+        model: the node's model (in CPU memory under FSDP, the shards on the devices).
+        plan: its fragments.
+        outer: global copies, outer momentum and the outer step.
+        trainer: inner steps.
+        feedback: each fragment's codec and error-feedback residual.
+        val_batches: the validation windows.
+        bytes_per_token: of the validation text, for bits per byte.
+        workload: what a checkpoint needs to be exported and sampled elsewhere.
+        site: the site's ranks (:class:`~node.site.SiteLeader`), or :class:`~node.site.NoSite`.
+    """
+
+    device: torch.device
+    model: nn.Module
+    plan: FragmentPlan
+    outer: OuterOptimizer
+    trainer: InnerTrainer
+    feedback: list[codecs.ErrorFeedback]
+    val_batches: list[Any]
+    bytes_per_token: float
+    workload: dict[str, Any]
+    site: SiteLeader | NoSite
+
+    def evaluate_global(self) -> float:
+        """Validation bits per byte of the global parameters (what the swarm agreed on)."""
+        return evaluate(
+            self.model,
+            self.val_batches,
+            self.device,
+            self.bytes_per_token,
+            params=self.outer.global_params(),
+        )
+
+
+def build_training(
+    cfg: AtollConfig, key: str, site: SiteRank | None, byzantine: str | None
+) -> Training:
+    """The model, its plan, the outer and inner optimizers and the data stream.
+
+    Args:
+        cfg: the node's configuration.
+        key: the node's PeerID, which keys its batch stream.
+        site: this process's rank when the node is a site's leader.
+        byzantine: a fault-injection mode (tests and benchmarks only).
+    """
+    group: SiteGroup | None = None
+    if site is None:
+        device = resolve_device(cfg.run.device)
+    else:
+        # the site's leader: its ranks train in step with it (node.site)
+        device = site.device(cfg.run.device)
+        group = SiteGroup(site, device, cfg.train.sharding)
+        key = group.agree_key(key)
+    try:
+        return _training(cfg, key, site, byzantine, device, group)
+    except BaseException:
+        if group is not None:
+            group.close()  # the caller holds none of it yet
+        raise
+
+
+def _training(
+    cfg: AtollConfig,
+    key: str,
+    site: SiteRank | None,
+    byzantine: str | None,
+    device: torch.device,
+    group: SiteGroup | None,
+) -> Training:
+    sharded = group is not None and group.sharded
+    corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
+    # under FSDP the node's full copies (local, global, eval) live in CPU memory
+    model = build_model(cfg.model, seed=cfg.run.seed).to(torch.device("cpu") if sharded else device)
+    plan = plan_fragments(model, cfg.sync.fragments)
+    pin = device.type == "cuda"  # beside a GPU the outer state is pinned host memory
+    train = training_data(byzantine, rank_data(cfg, corpus.train, site), cfg.run.seed)
+    stream = BatchStream(train, cfg.data.batch_size, cfg.model.context, stream_key(key, site))
+    leader: SiteLeader | NoSite = NoSite()
+    trained, ranks = model, 1
+    if group is not None:
+        module = build_model(cfg.model, seed=cfg.run.seed).to(device) if sharded else model
+        trained, ranks = group.wrap(module), group.site.world
+        leader = SiteLeader(group, model, module)
+    return Training(
+        device=device,
+        model=model,
+        plan=plan,
+        outer=OuterOptimizer(model, plan, cfg.outer, pin=pin),
+        trainer=InnerTrainer(trained, cfg.train, stream, device, ranks=ranks),
+        feedback=[
+            codecs.ErrorFeedback(
+                cfg.sync.codec,
+                block_size=cfg.sync.block_size,
+                stochastic=cfg.sync.stochastic_rounding,
+                generator=torch.Generator().manual_seed(f + 1),
+                pin_memory=pin,
+            )
+            for f in range(len(plan))
+        ],
+        val_batches=validation_batches(
+            corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
+        ),
+        bytes_per_token=corpus.bytes_per_token,
+        workload=workload_record(cfg, corpus.tokenizer),
+        site=leader,
+    )
+
+
+class Hearing:
+    """Peers of this run and spec whose heartbeats the control channel hears now:
+    another view of who is live than the registry's, over other connections. Empty
+    until the channel is attached (and always, without a control plane)."""
+
+    def __init__(self, spec_digest: str) -> None:
+        self.spec_digest = spec_digest
+        self.control: ControlPlane | None = None
+
+    def __call__(self) -> set[str]:
+        if self.control is None:
+            return set()
+        heard = self.control.heard()
+        return {p for p, info in heard.items() if info.get("spec") == self.spec_digest}
+
+
+@dataclass
+class Network:
+    """What talks to the swarm: started by :func:`start_network`."""
+
+    transport: Transport
+    peers: PeerView
+    hearing: Callable[[], set[str]]
+    verifier: Verifier
+    admin: AdminInbox
+    control: ControlPlane | None
+    allreduce: AllReduceService
+    exchange: FragmentExchange
+    syncer: Syncer
+    state_server: catchup.StateServer
+    load: LoadMeter
+
+    def live_peers(self) -> set[str]:
+        """Peers of this run and spec whose registry record is fresh (this node excluded)."""
+        return self.peers.live()
+
+    def heard(self) -> set[str]:
+        """Peers heard on the control channel now (:class:`Hearing`)."""
+        return self.hearing()
+
+    def record(self, round_: int, steps: int) -> Any:
+        """This node's registry record."""
+        control = self.control.addrs if self.control else ()
+        return self.peers.record(round_, steps, control)
+
+    def helper_pids(self) -> list[int]:
+        """Processes this node started besides itself (p2pd, DHT, control sidecar)."""
+        pids = list(self.transport.helper_pids)
+        if self.control is not None and self.control.sidecar_pid:
+            pids.append(self.control.sidecar_pid)
+        return pids
+
+    def control_traffic(self) -> dict[str, int]:
+        return control_traffic(self.control)
+
+
+def control_traffic(control: ControlPlane | None) -> dict[str, int]:
+    """Bytes and messages by kind on the control channel so far."""
+    channel = control.channel if control is not None else None
+    return channel.stats().get("traffic", {}) if channel is not None else {}
+
+
+@dataclass(frozen=True)
+class NetworkInputs:
+    """What :func:`start_network` takes besides the config and the started transport."""
+
+    identity: Identity
+    data_dir: Path
+    spec_digest: str
+    initial_peers: tuple[str, ...]
+    byzantine: str | None
+    version: str
+
+
+def start_network(
+    cfg: AtollConfig,
+    transport: Transport,
+    inputs: NetworkInputs,
+    training: Training,
+    events: EventLog,
+    vitals: Callable[[], dict[str, Any]],
+) -> Network:
+    """Everything on top of a started transport, started in order: the peer view (and
+    the check that no other process runs with this key), the verifier, the operator's
+    inbox, the control plane, the all-reduce, the fragment exchange, the syncer and the
+    catch-up state server."""
+    net, key_file, identity = cfg.network, inputs.data_dir / "identity.key", inputs.identity
+    hearing = Hearing(inputs.spec_digest)
+    view = peer_view_settings(cfg, key_file, inputs.spec_digest, inputs.initial_peers)
+    peers = PeerView(transport, identity, view, heard=hearing)
+    transport.run(peers.ensure_identity_free(), 4 * net.request_timeout + 10)
+    verifier = Verifier(cfg.trust, inputs.data_dir / "atoll.db", identity.peer_id, events)
+    control: ControlPlane | None = None
+    try:
+        if cfg.control.enabled:
+            settings = control_settings(cfg, key_file, inputs.data_dir)
+            control = ControlPlane(
+                settings, identity, transport, verifier, events, vitals, inputs.version
+            )
+            control.start()
+            hearing.control = control
+        return _swarm_side(cfg, transport, inputs, training, events, peers, verifier, control)
+    except BaseException:
+        # what started here is stopped here: the caller holds none of it yet
+        if control is not None:
+            control.close()
+        verifier.close()
+        raise
+
+
+def _swarm_side(
+    cfg: AtollConfig,
+    transport: Transport,
+    inputs: NetworkInputs,
+    training: Training,
+    events: EventLog,
+    peers: PeerView,
+    verifier: Verifier,
+    control: ControlPlane | None,
+) -> Network:
+    """The all-reduce, the fragment exchange, the syncer and the state server."""
+    identity = inputs.identity
+    admin = AdminInbox(inputs.data_dir, partial(apply_operator, verifier, control))
+    commitments = control.commitments if control is not None and cfg.control.commit else None
+    allreduce = AllReduceService(
+        transport,
+        identity,
+        allreduce_settings(cfg, len(training.plan)),
+        reducer=verifier.reduce,
+        planner=verifier.stream_plan,
+        judge=verifier,
+        faults=make_behaviour(inputs.byzantine, seed=cfg.run.seed),
+        commitments=commitments,
+    )
+    allreduce.register()
+    settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))
+    exchange = FragmentExchange(transport, identity, allreduce, settings)
+    syncer = Syncer(
+        cfg,
+        training.model,
+        training.outer,
+        training.feedback,
+        exchange,
+        transport.submit,
+        events,
+        training.device,
+    )
+    state_server = catchup.StateServer(
+        transport, identity, cfg.run.run_id, inputs.data_dir / "state"
+    )
+    state_server.register()
+    return Network(
+        transport=transport,
+        peers=peers,
+        hearing=peers.heard,
+        verifier=verifier,
+        admin=admin,
+        control=control,
+        allreduce=allreduce,
+        exchange=exchange,
+        syncer=syncer,
+        state_server=state_server,
+        load=_load_meter(transport, control),
+    )
+
+
+def _load_meter(transport: Transport, control: ControlPlane | None) -> LoadMeter:
+    """What the node's helper processes cost: DHT and control traffic, their CPU."""
+    return LoadMeter(
+        lambda: dict(transport.dht_usage),
+        partial(control_traffic, control),
+        lambda: {
+            "p2pd": transport.p2pd_pid,
+            "dht": transport.dht_pid,
+            "sidecar": control.sidecar_pid if control else None,
+        },
+    )
+
+
+def apply_operator(verifier: Verifier, control: ControlPlane | None, command: Command) -> dict:
+    """Apply one ``atoll ban`` / ``atoll pardon`` command; the peer's standing after it."""
+    standing = verifier.operator(command.op, command.peer, command.reason)
+    if command.op == "pardon" and control is not None:
+        control.pardoned(command.peer)  # new proof of a new offence counts again
+    return standing

@@ -1,0 +1,186 @@
+"""The training loop over a schedule: which syncs start with which tokens, which
+results are applied, and how each round ends (on stand-ins for the trainer, the syncer
+and the round's end: the loop's own decisions are what is tested)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from node.config import load_config
+from node.loop import TrainingLoop, exchange_budget
+from node.metrics import EventLog, StatusWriter
+from node.parts import Progress, Training
+from node.schedule import StepSchedule
+from node.site import NoSite
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+        self.optimizer = None
+
+    def step(self) -> Any:
+        self.steps += 1
+        self.tokens += 4
+        return SimpleNamespace(tokens=4, loss=1.0)
+
+
+class _Syncer:
+    def __init__(self, fragments: int) -> None:
+        self.missed = [0] * fragments
+        self.refused: dict[str, str] = {}
+        self.launched: list[tuple[int, int, int]] = []
+        self.group = ["me", "peer"]
+        self.fail: set[tuple[int, int]] = set()
+
+    def launch(self, r: int, f: int, tokens: int, steps: int, *rest: Any) -> Any:
+        self.launched.append((r, f, tokens))
+        future: Future = Future()
+        future.set_result(None)
+        return SimpleNamespace(round=r, fragment=f, step=steps, future=future)
+
+    def apply(self, pending: Any, steps: int) -> dict[str, Any] | None:
+        if (pending.round, pending.fragment) in self.fail:
+            return None
+        return {"bytes_sent": 10, "group": list(self.group), "fallback_parts": 0}
+
+
+class _Rounds:
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.ended: list[tuple[int, bool, bool]] = []
+
+    def pull(self) -> None:
+        pass
+
+    def end(self, r: int, resync: bool, joining: bool) -> None:
+        self.progress.round = r
+        self.ended.append((r, resync, joining))
+
+
+def _loop(tmp_path: Path, fragments: int, max_rounds: int, **overrides: Any) -> Any:
+    cfg = load_config(None, [f"run.max_rounds={max_rounds}"])
+    progress = Progress()
+    training = Training(
+        device=torch.device("cpu"),
+        model=None,  # type: ignore[arg-type]
+        plan=[None] * fragments,  # type: ignore[arg-type]
+        outer=None,  # type: ignore[arg-type]
+        trainer=_Trainer(),  # type: ignore[arg-type]
+        feedback=[],
+        val_batches=[],
+        bytes_per_token=1.0,
+        workload={},
+        site=NoSite(),
+    )
+    syncer = _Syncer(fragments)
+    network = SimpleNamespace(
+        syncer=syncer,
+        verifier=SimpleNamespace(round=0, excluded=lambda peers, r: set()),
+        live_peers=lambda: {"peer"},
+        heard=set,
+        control=None,
+        peers=SimpleNamespace(behind=lambda r: False),
+    )
+    rounds = _Rounds(progress)
+    logs = (StatusWriter(tmp_path / "status.json"), EventLog(tmp_path / "events.jsonl"))
+    loop = TrainingLoop(cfg, progress, training, network, rounds, logs, threading.Event())  # type: ignore[arg-type]
+    return SimpleNamespace(loop=loop, syncer=syncer, rounds=rounds, progress=progress, cfg=cfg)
+
+
+class _Scripted:
+    """A schedule that hands out syncs by step, and takes results after ``tau`` steps."""
+
+    def __init__(self, script: dict[int, list[tuple[int, int]]], tau: int) -> None:
+        self.script = script
+        self.tau = tau
+        self.step = 0
+
+    def due(self, now: float) -> list[tuple[int, int]]:
+        self.step += 1
+        return self.script.get(self.step, [])
+
+    def ready(self, pending: Any, steps: int) -> bool:
+        return steps - pending.step >= self.tau
+
+    def skips(self, r: int) -> bool:
+        return False
+
+    def ended(self, round_: int) -> None:
+        pass
+
+
+def test_steps_rounds_sync_every_fragment_with_the_tokens_trained_for_it(tmp_path) -> None:
+    t = _loop(tmp_path, fragments=2, max_rounds=2)
+    t.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
+    # fragment 0 after step 2, fragment 1 after step 4, 4 tokens a step
+    assert t.syncer.launched == [(1, 0, 8), (1, 1, 16), (2, 0, 16), (2, 1, 16)]
+    assert t.rounds.ended == [(1, False, False), (2, False, False)]
+    assert t.progress.bytes_sent == 40 and t.progress.busy > 0
+
+
+def test_a_failed_sync_makes_its_round_take_the_swarms_state(tmp_path) -> None:
+    t = _loop(tmp_path, fragments=2, max_rounds=2)
+    t.syncer.fail = {(2, 1)}
+    t.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
+    assert t.rounds.ended == [(1, False, False), (2, True, False)]
+
+
+def test_a_sync_averaged_alone_while_peers_are_live_counts_and_goes_wrong(tmp_path) -> None:
+    t = _loop(tmp_path, fragments=1, max_rounds=1)
+    t.syncer.group = ["me"]
+    t.loop.run(StepSchedule(inner_steps=2, fragments=1, tau=1, round_=0))
+    assert t.progress.alone_syncs == 1
+    assert t.rounds.ended == [(1, True, False)]
+
+
+def test_a_sync_due_while_the_last_one_is_in_flight_is_skipped(tmp_path) -> None:
+    t = _loop(tmp_path, fragments=1, max_rounds=1)
+    # step 1 starts round 1's sync; step 2 hands out another while it is in flight
+    t.loop.run(_Scripted({1: [(1, 0)], 2: [(1, 0)]}, tau=2))
+    assert t.syncer.launched == [(1, 0, 4)]
+    assert t.syncer.missed == [1]  # its work goes into the next sync
+    assert t.rounds.ended == [(1, True, False)]
+
+
+def test_a_stopped_loop_abandons_its_round(tmp_path) -> None:
+    t = _loop(tmp_path, fragments=1, max_rounds=5)
+    t.loop.stop.set()
+    t.loop.run(StepSchedule(inner_steps=2, fragments=1, tau=1, round_=0))
+    assert t.syncer.launched == [] and t.rounds.ended == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["network.matchmaking_seconds=3", "network.round_timeout=20"], 23.0),
+        (
+            [
+                "network.matchmaking_seconds=3",
+                "network.round_timeout=20",
+                "sync.trigger='seconds'",
+                "sync.round_seconds=10",
+            ],
+            9.5,  # never past the fragment's next sync
+        ),
+    ],
+)
+def test_an_exchange_never_outlasts_its_budget(overrides: list[str], expected: float) -> None:
+    cfg = load_config(None, [*overrides, "control.commit=false"])
+    assert exchange_budget(cfg, None) == pytest.approx(expected)
+
+
+def test_the_commit_window_is_part_of_the_budget() -> None:
+    cfg = load_config(None, ["network.matchmaking_seconds=3", "network.round_timeout=20"])
+    assert cfg.control.commit  # the default
+    base = cfg.network.matchmaking_seconds + cfg.network.round_timeout
+    assert exchange_budget(cfg, 4.0) == pytest.approx(base + 4.0)
+    assert exchange_budget(cfg, None) == pytest.approx(base + cfg.control.commit_seconds)
