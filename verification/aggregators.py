@@ -361,8 +361,8 @@ AGGREGATORS: dict[str, Callable[..., Aggregate]] = {
 COORDINATEWISE = frozenset({"mean", "median", "trimmed_mean"})
 """Aggregators whose values ``lo:hi`` depend only on the inputs' values ``lo:hi`` and
 that use every input: run on a block of the inputs they give that block of the
-result, bitwise (``tests/unit/test_aggregators.py`` checks it), so an owner can reduce
-block by block as parts arrive. The others need whole vectors (distances, a centre)."""
+result, bitwise (``tests/unit/verification/test_aggregators.py`` checks it), so an
+owner can reduce block by block as parts arrive. The others need whole vectors (distances, a centre)."""
 
 # Parameters a config may set, with their kind; ``center`` is a tensor, so only
 # direct callers of centered_clip pass it.

@@ -302,6 +302,15 @@ def screen(candidates: Sequence[Candidate], cfg: ScreeningConfig) -> list[Verdic
     return verdicts
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor, a_norm: float, b_norm: float) -> float:
+    """The cosine between two finite, non-zero vectors of the same shape, given their norms."""
+    dtype = torch.promote_types(b.dtype, torch.float32)
+    dot = float(torch.dot(a.reshape(-1).to(dtype), b.reshape(-1).to(dtype)))
+    if not math.isfinite(dot):  # finite values whose products overflow float32
+        dot = float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()))
+    return dot / (a_norm * b_norm)
+
+
 def check_reduced(
     reduced: torch.Tensor,
     own: torch.Tensor,
@@ -356,11 +365,7 @@ def check_reduced(
             f"reduced norm {reduced_norm:.4g} > {max_ratio:g} x own norm {own_norm:.4g}",
         )
     if reduced_norm > _TINY and own_norm > _TINY:
-        dtype = torch.promote_types(own.dtype, torch.float32)
-        dot = float(torch.dot(reduced.reshape(-1).to(dtype), own.reshape(-1).to(dtype)))
-        if not math.isfinite(dot):  # finite values whose products overflow float32
-            dot = float(torch.dot(reduced.reshape(-1).double(), own.reshape(-1).double()))
-        cosine = dot / (reduced_norm * own_norm)
+        cosine = _cosine(reduced, own, reduced_norm, own_norm)
         if cosine < min_cosine:
             return Verdict(
                 "", False, "owner_direction", f"cosine {cosine:.3f} < {min_cosine:g} with own part"

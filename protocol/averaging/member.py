@@ -384,9 +384,7 @@ class PartMember:
         round_, fragment, content = at
         if env.header.fragment != fragment or env.header.part != part:
             raise ProtocolError("wrong_part", "reduced result for another part", owner)
-        if env.meta.get("content") != content:
-            raise ProtocolError("wrong_part", f"a result of {env.meta.get('content')!r}", owner)
-        fields = read_result(env.meta, owner)
+        fields = read_result(env.meta, owner, content)
         me = self.context.identity.peer_id
         if me not in fields.contributors and me not in fields.rejected:
             # Signed before this node's part arrived (a late part): the result stands for

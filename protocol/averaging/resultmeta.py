@@ -4,22 +4,35 @@ An owner signs, beside its result's codec fields, what the result is of
 (``content``), its ``contributors`` in the order it reduced them, their capped
 ``weights``, the ``digests`` of the signed parts it took from them, the members it left
 out with why (``rejected``) and, with a commit phase, each contributor's signed
-commitment as it holds it (``commits``). :func:`result_fields` writes them;
-:func:`trailer_fields` is what the trailer of a result streamed back signs (its head
-names the content only); :func:`read_result` is the one reader, checking what a member
-relies on.
+commitment as it holds it (``commits``). This module is the one place that knows these
+fields: :func:`result_fields` writes them; :func:`head_fields` and
+:func:`trailer_fields` are what the head and the trailer of a result streamed back sign;
+:func:`read_result` reads them for a member, checking what it relies on, and
+:func:`signed_result` reads them as evidence, as signed, for the rules of proof
+(:mod:`verification.evidence`, which judge records and never parse a result).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol.errors import ProtocolError
+from verification.evidence import SignedResult
 from verification.records import Contribution
 
-__all__ = ["ResultFields", "read_result", "result_fields", "trailer_fields"]
+if TYPE_CHECKING:
+    from protocol.wire.messages import Header
+
+__all__ = [
+    "ResultFields",
+    "head_fields",
+    "read_result",
+    "result_fields",
+    "signed_result",
+    "trailer_fields",
+]
 
 _HEAD_FIELDS = ("content",)
 """The result's own fields a streamed result's head names (known before it is reduced)."""
@@ -62,18 +75,27 @@ def result_fields(
     return meta
 
 
+def head_fields(content: str) -> dict[str, Any]:
+    """The result's own fields the head of a result streamed back signs (the trailer
+    signs the rest, once the result is reduced)."""
+    return {"content": content}
+
+
 def trailer_fields(meta: dict[str, Any]) -> dict[str, Any]:
     """What the trailer of a result streamed back signs: every field its head does not."""
     return {k: v for k, v in meta.items() if k not in _HEAD_FIELDS}
 
 
-def read_result(meta: dict[str, Any], owner: str) -> ResultFields:
-    """The fields of ``owner``'s result, checked.
+def read_result(meta: dict[str, Any], owner: str, content: str) -> ResultFields:
+    """The fields of ``owner``'s result of ``content``, checked.
 
     Raises:
-        ProtocolError: ``malformed`` contributors (not a list of PeerIDs), weights (not
-            non-negative numbers) or digests (not one bytes per contributor).
+        ProtocolError: ``wrong_part``: a result of another content; ``malformed``
+            contributors (not a list of PeerIDs), weights (not non-negative numbers) or
+            digests (not one bytes per contributor).
     """
+    if meta.get("content") != content:
+        raise ProtocolError("wrong_part", f"a result of {meta.get('content')!r}", owner)
     peers = meta.get("contributors")
     if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
         raise ProtocolError("malformed", "contributors must be a list of PeerIDs", owner)
@@ -92,4 +114,20 @@ def read_result(meta: dict[str, Any], owner: str) -> ResultFields:
     rejected = meta.get("rejected", {})
     return ResultFields(
         peers, [float(w) for w in weights], digests, rejected if isinstance(rejected, dict) else {}
+    )
+
+
+def signed_result(header: Header, meta: dict[str, Any]) -> SignedResult:
+    """What the result with ``header`` and ``meta`` (its signature checked) says it
+    reduced, as evidence: the values as signed, their shapes left to the rules of proof
+    (an owner is answerable for a malformed result it signed)."""
+    return SignedResult(
+        owner=header.sender,
+        round=header.round,
+        fragment=header.fragment,
+        part=header.part,
+        content=meta.get("content"),
+        contributors=meta.get("contributors"),
+        digests=meta.get("digests"),
+        commits=meta.get("commits"),
     )

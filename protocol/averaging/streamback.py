@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from protocol.averaging.resultmeta import head_fields
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import StreamedResponse
 from protocol.wire.messages import Header
@@ -51,7 +52,7 @@ class StreamedResult:
         self, identity: Identity, header: Header, content: str, numel: int, block_size: int
     ) -> None:
         codec = {"c": "none", "n": numel, "b": block_size}
-        self.head = seal_stream_head(identity, header, {"content": content, **codec}, numel * 4)
+        self.head = seal_stream_head(identity, header, {**head_fields(content), **codec}, numel * 4)
         self.identity = identity
         self.numel = numel
         self.replies = 0

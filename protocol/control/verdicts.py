@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from protocol.averaging.resultmeta import signed_result
 from protocol.control.commitments import CommitmentStore, open_commit
 from protocol.control.frames import ControlMessage
 from protocol.errors import ProtocolError
@@ -52,16 +53,7 @@ def open_result(
     h, meta = open_evidence(reduced, expected_sender=expected_sender)
     if run is not None and (h.run_id != run or h.kind != "reduced"):
         raise ProtocolError("wrong_kind", f"a {h.kind!r} of run {h.run_id!r}")
-    return SignedResult(
-        owner=h.sender,
-        round=h.round,
-        fragment=h.fragment,
-        part=h.part,
-        content=meta.get("content"),
-        contributors=meta.get("contributors"),
-        digests=meta.get("digests"),
-        commits=meta.get("commits"),
-    )
+    return signed_result(h, meta)
 
 
 def result_commit(reduced: bytes, contributor: str) -> bytes | None:
