@@ -1,7 +1,15 @@
 """Command line of the benchmarks: ``python -m benchmarks NAME|all [--quick] [--out DIR]``.
 
-Each benchmark is a module with ``run(quick: bool, out_dir: Path) -> dict`` that
-writes its JSON and PNG files into ``out_dir``; register it in :data:`BENCHMARKS`.
+Each benchmark is a module with ``run(quick: bool, out_dir: Path, smoke: bool = False)
+-> dict`` that writes its JSON and PNG files into ``out_dir``; register it in
+:data:`BENCHMARKS`. ``--smoke`` passes ``smoke=True`` to every one: the same code path
+at the smallest sizes that still go through it (2 nodes or peers, 1 or 2 short rounds,
+tiny tensors), so that a change that breaks a benchmark shows in seconds rather than at
+its next real run; the figures mean nothing. ``make test`` runs each one so
+(``tests/unit/benchmarks/test_smoke.py``, ``tests/integration/test_benchmark_smoke.py``)
+and asserts the report has no :func:`failures` and renders in the docs' tables. Smoke
+results never go to ``benchmarks/results``: without ``--out`` they go to a new
+temporary folder, and ``--out benchmarks/results`` is refused.
 ``--steps N`` is passed on as ``run(..., steps=N)`` to the benchmarks in
 :data:`TAKES_STEPS` only, which also define ``steps_problem(steps) -> str | None``;
 ``--netns`` as ``run(..., netns=True)`` to those in :data:`TAKES_NETNS` only, ``--long``
@@ -15,10 +23,11 @@ import argparse
 import importlib
 import pathlib
 import sys
+import tempfile
 import time
 from typing import Any
 
-__all__ = ["BENCHMARKS", "TAKES_LONG", "TAKES_NETNS", "TAKES_STEPS", "main"]
+__all__ = ["BENCHMARKS", "TAKES_LONG", "TAKES_NETNS", "TAKES_STEPS", "failures", "main"]
 
 BENCHMARKS: dict[str, str] = {
     "codec": "benchmarks.codec",
@@ -35,7 +44,7 @@ BENCHMARKS: dict[str, str] = {
     "models": "benchmarks.models",
     "partitions": "benchmarks.partitions",
 }
-"""Benchmark name -> module that defines ``run(quick, out_dir)``."""
+"""Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""
 
 TAKES_STEPS = frozenset({"convergence"})
 """Benchmarks whose ``run`` takes ``steps`` (training steps per worker)."""
@@ -47,6 +56,7 @@ TAKES_NETNS = frozenset({"wan"})
 """Benchmarks whose ``run`` takes ``netns`` (workers on network namespaces, tbf links)."""
 
 _DEFAULT_OUT = pathlib.Path("benchmarks/results")
+_RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def _summary(name: str, report: dict, seconds: float) -> str:
@@ -121,15 +131,25 @@ def _written(out_dir: pathlib.Path, name: str, since: float) -> list[pathlib.Pat
     return sorted(p for p in found if p.is_file() and p.stat().st_mtime >= since)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the named benchmark (or every one) and prints a summary and the files written."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Run benchmarks; each writes NAME.json and NAME.png into --out.",
     )
     parser.add_argument("name", help=f"one of {', '.join(BENCHMARKS)}, or all")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
-    parser.add_argument("--out", type=pathlib.Path, default=_DEFAULT_OUT, help="output folder")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help=f"output folder (default {_DEFAULT_OUT}; with --smoke a new temporary folder)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest sizes that go through each benchmark's code path: a check "
+        "that it runs, not a measurement",
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -147,7 +167,24 @@ def main(argv: list[str] | None = None) -> int:
         help="each worker in its own network namespace, links capped by tbf (needs root), "
         f"for {', '.join(sorted(TAKES_NETNS))} only",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _misused(args: argparse.Namespace, names: list[str]) -> str | None:
+    """Why a flag does not apply to the benchmarks named, or None."""
+    for flag, given, takers in (
+        ("--steps", args.steps is not None, TAKES_STEPS),
+        ("--long", args.long, TAKES_LONG),
+        ("--netns", args.netns, TAKES_NETNS),
+    ):
+        if given and not set(names) <= takers:
+            return f"{flag} applies to {', '.join(sorted(takers))} only, not {args.name}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the named benchmark (or every one) and prints a summary and the files written."""
+    args = _parser().parse_args(argv)
     if args.name == "all":
         names = list(BENCHMARKS)
     elif args.name in BENCHMARKS:
@@ -156,24 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         known = ", ".join([*BENCHMARKS, "all"])
         print(f"unknown benchmark {args.name!r}: expected one of {known}", file=sys.stderr)
         return 2
-    if args.steps is not None and not set(names) <= TAKES_STEPS:
-        print(
-            f"--steps applies to {', '.join(sorted(TAKES_STEPS))} only, not {args.name}",
-            file=sys.stderr,
-        )
+    misused = _misused(args, names)
+    if misused:
+        print(misused, file=sys.stderr)
         return 2
-    if args.long and not set(names) <= TAKES_LONG:
-        print(
-            f"--long applies to {', '.join(sorted(TAKES_LONG))} only, not {args.name}",
-            file=sys.stderr,
-        )
+    out = _out_dir(args.out, args.smoke)
+    if out is None:
+        print(f"--smoke never writes to {_DEFAULT_OUT}: give another --out", file=sys.stderr)
         return 2
-    if args.netns and not set(names) <= TAKES_NETNS:
-        print(
-            f"--netns applies to {', '.join(sorted(TAKES_NETNS))} only, not {args.name}",
-            file=sys.stderr,
-        )
-        return 2
+    if args.smoke:
+        print(f"smoke results go to {out}", file=sys.stderr)
     failed = []
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
@@ -186,16 +215,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {problem}", file=sys.stderr)
                 return 2
             extra["steps"] = args.steps
-        if args.netns:
-            extra["netns"] = True
-        if args.long:
-            extra["long"] = True
-        report = module.run(args.quick, args.out, **extra)
+        for flag in ("netns", "long", "smoke"):
+            if getattr(args, flag):
+                extra[flag] = True
+        report = module.run(args.quick, out, **extra)
         if report.get("skipped"):
             print(f"{name}: skipped: {report['skipped']}", file=sys.stderr)
             continue
         print(_summary(name, report, time.perf_counter() - started))
-        for path in _written(args.out, name, since):
+        for path in _written(out, name, since):
             print(f"  wrote {path}")
         errors = failures(report)
         if errors:
@@ -207,6 +235,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {', '.join(failed)} (see above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _out_dir(out: pathlib.Path | None, smoke: bool) -> pathlib.Path | None:
+    """Where a run writes: ``out``, else the results folder or, for a smoke run, a new
+    temporary folder; None for a smoke run aimed into the results folder."""
+    if not smoke:
+        return out or _DEFAULT_OUT
+    if out is None:
+        return pathlib.Path(tempfile.mkdtemp(prefix="atoll-smoke-"))
+    if out.resolve().is_relative_to(_RESULTS):
+        return None
+    return out
 
 
 def failures(report: Any, where: str = "") -> list[tuple[str, str]]:

@@ -1,7 +1,8 @@
 """All-reduce benchmark: Atoll's butterfly all-reduce against hivemind and gloo.
 
 Four peers average N float32 values, each peer in its own spawned process on
-127.0.0.1, for three implementations run one after the other in the same call:
+127.0.0.1, for three implementations run one after the other in the same call
+(``smoke``: two peers, 20,000 values, one repeat):
 
 * ``atoll``: :class:`protocol.averaging.allreduce.AllReduceService` over :class:`Transport`
   (codec ``none``, signed parts); the group is given, so there is no matchmaking.
@@ -46,6 +47,7 @@ from benchmarks._common import free_port, gloo_group, machine_info
 __all__ = ["alternate", "run"]
 
 _PEERS = 4
+_SMOKE_PEERS = 2
 _TOLERANCE = 1e-5
 _SETUP_TIMEOUT = 120.0  # starting p2pd, a DHT and the peer in a cold interpreter on a busy box
 _STEP_TIMEOUT = 300.0
@@ -173,6 +175,7 @@ class _HivemindPeer:
         from hivemind.compression import NoCompression
 
         self.own = own
+        peers = opts["peers"]
         self.dht = hivemind.DHT(
             initial_peers=list(opts.get("initial_peers", ())),
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -184,8 +187,8 @@ class _HivemindPeer:
             self.dht,
             start=True,
             prefix="bench",
-            target_group_size=_PEERS,
-            min_group_size=_PEERS,
+            target_group_size=peers,
+            min_group_size=peers,
             # generous: on two busy cores a peer may declare itself late
             min_matchmaking_time=10.0,
             request_timeout=5.0,
@@ -225,9 +228,10 @@ class _HivemindPeer:
 class _GlooPeer:
     def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
         self.own = own
+        self.peers = opts["peers"]
         self._group = contextlib.ExitStack()
         self.dist = self._group.enter_context(
-            gloo_group(opts["port"], index, _PEERS, timeout_s=_SETUP_TIMEOUT)
+            gloo_group(opts["port"], index, self.peers, timeout_s=_SETUP_TIMEOUT)
         )
         self.info = {}
 
@@ -235,7 +239,7 @@ class _GlooPeer:
         x = self.own.clone()  # all_reduce works in place
         t0 = time.perf_counter()
         self.dist.all_reduce(x)
-        x /= _PEERS
+        x /= self.peers
         return {"seconds": time.perf_counter() - t0}, x
 
     def close(self) -> None:
@@ -268,11 +272,11 @@ def _vector(n: int, index: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(index))
 
 
-def _reference_mean(n: int) -> torch.Tensor:
+def _reference_mean(n: int, peers: int) -> torch.Tensor:
     total = torch.zeros(n, dtype=torch.float64)
-    for i in range(_PEERS):
+    for i in range(peers):
         total += _vector(n, i)
-    return (total / _PEERS).float()
+    return (total / peers).float()
 
 
 class _RssSampler:
@@ -323,7 +327,7 @@ def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
         # a peer may average other vectors than _vector's (it then says what it expects)
         reference = getattr(peer, "reference", None)
         if reference is None:
-            reference = _reference_mean(n)
+            reference = _reference_mean(n, opts["peers"])
         baseline = sampler.rss()
         conn.send(("ready", peer.info))
         while conn.poll(_SETUP_TIMEOUT + _STEP_TIMEOUT):
@@ -368,11 +372,11 @@ def _receive(conn: Any, proc: mp.Process, timeout: float, expect: str) -> tuple:
 
 
 class _Swarm:
-    """The four peer processes of one (method, n) measurement and everything they start."""
+    """The peer processes of one (method, n) measurement and everything they start."""
 
-    def __init__(self, method: str, n: int, tmp: str) -> None:
-        self.method, self.n = method, n
-        self.opts: dict = {"tmp": tmp, "port": free_port()}
+    def __init__(self, method: str, n: int, tmp: str, peers: int = _PEERS) -> None:
+        self.method, self.n, self.peers = method, n, peers
+        self.opts: dict = {"tmp": tmp, "port": free_port(), "peers": peers}
         self.ctx = mp.get_context("spawn")  # never fork a parent that may hold threads
         self.procs: list[mp.Process] = []
         self.conns: list[Any] = []
@@ -398,10 +402,10 @@ class _Swarm:
             first = _receive(self.conns[0], self.procs[0], _SETUP_TIMEOUT, "ready")[1]
             self.opts["initial_peers"] = first["maddrs"]
             self.infos.append(first)
-            for i in range(1, _PEERS):
+            for i in range(1, self.peers):
                 self._spawn(i)
         else:
-            for i in range(_PEERS):
+            for i in range(self.peers):
                 self._spawn(i)
         for conn, proc in list(zip(self.conns, self.procs))[len(self.infos) :]:
             self.infos.append(_receive(conn, proc, _SETUP_TIMEOUT, "ready")[1])
@@ -453,10 +457,10 @@ def _summarize(times: list[float], n: int) -> dict:
     return {"times": times, "median_s": median, "throughput_MBps": 4 * n / median / 1e6}
 
 
-def _measure(method: str, n: int, repeats: int, tmp: str) -> dict:
+def _measure(method: str, n: int, repeats: int, tmp: str, peers: int = _PEERS) -> dict:
     """Runs one warm-up and ``repeats`` timed all-reduces of ``n`` values with ``method``."""
     record: dict[str, Any] = {"n": n}
-    swarm = _Swarm(method, n, tmp)
+    swarm = _Swarm(method, n, tmp, peers)
     try:
         t0 = time.perf_counter()
         swarm.start()
@@ -512,7 +516,7 @@ def _ratio(slow: dict, fast: dict, key: str = "median_s") -> float | None:
     return None
 
 
-def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
+def _plot(results: dict, sizes: list[int], peers: int, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -538,7 +542,7 @@ def _plot(results: dict, sizes: list[int], path: pathlib.Path) -> None:
             ax.annotate(f"{y:.2f}s" if y else "n/a", (x, y), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(sizes)), [f"{n / 1e6:g}M float32" for n in sizes])
     ax.set_ylabel("median seconds per all-reduce (slowest peer)")
-    ax.set_title(f"{_PEERS}-peer average on 127.0.0.1, one process per peer")
+    ax.set_title(f"{peers}-peer average on 127.0.0.1, one process per peer")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -566,12 +570,13 @@ def _ratios(results: dict) -> dict:
     }
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Times a 4-peer float32 average with Atoll, hivemind and gloo, side by side.
 
     Args:
         quick: 10M values and 3 repeats instead of 10M and 50M values with 5 repeats.
         out_dir: folder for ``allreduce.json`` and ``allreduce.png``; created if missing.
+        smoke: 2 peers, 20,000 values, 1 repeat: a check that every method runs.
 
     Returns:
         The dict written to ``allreduce.json``: per method and size the repeat times
@@ -579,17 +584,19 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         against the true mean, and the ratios of hivemind's and gloo's medians to Atoll's.
         A method that could not run has an ``error`` instead of times.
     """
-    sizes = [10_000_000] if quick else [10_000_000, 50_000_000]
-    repeats = 3 if quick else 5
+    sizes = [20_000] if smoke else [10_000_000] if quick else [10_000_000, 50_000_000]
+    repeats = 1 if smoke else 3 if quick else 5
+    peers = _SMOKE_PEERS if smoke else _PEERS
     results: dict[str, dict[str, dict]] = {m: {} for m in _METHODS}
     with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
         for n in sizes:
             for method in _METHODS:
-                results[method][str(n)] = _measure(method, n, repeats, tmp)
+                results[method][str(n)] = _measure(method, n, repeats, tmp, peers)
     report = {
         "benchmark": "allreduce",
         "quick": quick,
-        "peers": _PEERS,
+        "smoke": smoke,
+        "peers": peers,
         "repeats": repeats,
         "tolerance": _TOLERANCE,
         "results": results,
@@ -630,7 +637,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "allreduce.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(results, sizes, out_dir / "allreduce.png")
+    _plot(results, sizes, peers, out_dir / "allreduce.png")
     return report
 
 

@@ -51,6 +51,10 @@ sweep at that length would cost twenty quick runs; the picks are the short run's
 **Full mode** (neither flag): the default reference model, 3000 steps, the quick
 mode's plan (many hours on two cores).
 
+**Smoke** (``--smoke``): the quick model, 2 workers, 10 steps, one candidate of each
+kind (DDP, AdamW at H=2, the islands recipe at H=5) and seed 0: the same code path in
+seconds, figures that mean nothing.
+
 Every finished run is appended to ``<name>-runs.jsonl`` in the output folder, so an
 interrupted benchmark resumes where it stopped; the file is removed with the report
 written.
@@ -71,7 +75,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -82,9 +86,6 @@ from node.config import load_config
 __all__ = ["ddp_equivalent_step", "plan_seeds", "run", "setting_overrides", "steps_problem"]
 
 _WORKERS = 4
-_RING_SHARE = (
-    2 * (_WORKERS - 1) / _WORKERS
-)  # share of a vector one worker sends in a ring/butterfly all-reduce
 _FP32_BYTES = 4
 _TARGET_GAP_PERCENT = 1.0
 _TARGET_BYTES_RATIO = 1000.0
@@ -93,6 +94,8 @@ _CODECS = ("none", "int8", "int4")
 _SWEEP_CODEC = "int8"
 _SEEDS = (0, 1, 2)
 _EVAL_BATCHES = 128
+_SMOKE_EVAL_BATCHES = 2
+_SMOKE_STEPS = 10
 _DDP_LRS = (3e-3, 6e-3, 1.2e-2)
 _INNER_LRS = (1.5e-3, 3e-3, 6e-3)
 _OPTIMIZERS = ("adamw", "muon", "soap")
@@ -155,12 +158,48 @@ _QUICK_MODEL = [
 ]
 _QUICK_FILES = "data.max_files=300"  # quick: 3.5 MB of training bytes, 1.2 passes at 2000 steps
 _LONG_FILES = "data.max_files=0"  # long: all 28.6 MB, under one pass at 10,000 steps
+_SMOKE_FILES = "data.max_files=30"  # smoke: enough for 10 steps and 2 held-out batches
 _QUICK_STEPS = 500
 _LONG_STEPS = 10_000
 _FULL_STEPS = 3000
 # The quick model has 87k parameters: a second intra-op thread buys little, and on a
 # shared box an oversubscribed OpenMP pool made steps 10-20x slower when measured here.
-_SIM_THREADS = {"quick": 1, "long": 1, "full": 2}
+_SIM_THREADS = {"quick": 1, "long": 1, "full": 2, "smoke": 1}
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """What the sweep tries and the seeds run: the quick and full modes' grid, or a
+    smoke run's single candidates."""
+
+    workers: int = _WORKERS
+    inner_steps: tuple[int, ...] = _INNER_STEPS
+    ddp_lrs: tuple[float, ...] = _DDP_LRS
+    inner_lrs: tuple[float, ...] = _INNER_LRS
+    optimizers: tuple[str, ...] = _OPTIMIZERS
+    outer: tuple[str, ...] = field(default_factory=lambda: tuple(_OUTER))
+    seeds: tuple[int, ...] = _SEEDS
+    edge_steps: int = _EDGE_STEPS
+    islands_inner_steps: int | None = None  # None: the recipe's
+
+    @property
+    def ring_share(self) -> float:
+        """Share of a vector one worker sends in a ring or butterfly all-reduce."""
+        return 2 * (self.workers - 1) / self.workers
+
+
+_GRID = _Grid()
+_SMOKE_GRID = _Grid(
+    workers=2,
+    inner_steps=(2,),
+    ddp_lrs=(6e-3,),
+    inner_lrs=(3e-3,),
+    optimizers=("adamw",),
+    outer=("nesterov lr 0.7, momentum 0.5",),
+    seeds=(0,),
+    edge_steps=0,
+    islands_inner_steps=5,
+)
 
 
 @dataclass(frozen=True)
@@ -184,14 +223,19 @@ class Setting:
         return f"{self.optimizer} H={self.inner_steps} {self.codec} lr {self.lr:g}, {self.outer}"
 
 
+def _eval_batches(mode: str) -> int:
+    return _SMOKE_EVAL_BATCHES if mode == "smoke" else _EVAL_BATCHES
+
+
 def _base(mode: str, steps: int) -> list[str]:
+    files = {"quick": [_QUICK_FILES], "smoke": [_SMOKE_FILES], "long": [_LONG_FILES]}
     return [
         "run.run_id='bench-convergence'",
         "run.device='cpu'",  # DDP runs on gloo/CPU; both methods on the same device
         f"train.total_steps={steps}",
-        f"train.eval_batches={_EVAL_BATCHES}",
-        *(_QUICK_MODEL if mode in ("quick", "long") else []),
-        *([_QUICK_FILES] if mode == "quick" else [_LONG_FILES] if mode == "long" else []),
+        f"train.eval_batches={_eval_batches(mode)}",
+        *(_QUICK_MODEL if mode in ("quick", "long", "smoke") else []),
+        *files.get(mode, []),
     ]
 
 
@@ -226,7 +270,9 @@ def setting_overrides(setting: Setting, mode: str, steps: int, seed: int) -> lis
     if setting.method == "ddp":
         return [*out, f"train.lr={setting.lr!r}", f"train.optimizer='{setting.optimizer}'"]
     if setting.islands:
-        return [*out, *_islands_overrides(), "sync.trigger='steps'"]
+        # the recipe's H, or a smoke run's shorter one
+        islands = [f"sync.inner_steps={setting.inner_steps}"]
+        return [*out, *_islands_overrides(), *islands, "sync.trigger='steps'"]
     rounds = steps // setting.inner_steps
     return [
         *out,
@@ -244,9 +290,16 @@ def setting_overrides(setting: Setting, mode: str, steps: int, seed: int) -> lis
 
 
 def _ddp_worker(
-    rank: int, port: int, overrides: list[str], steps: int, eval_every: int, results: Any
+    rank: int,
+    port: int,
+    overrides: list[str],
+    steps: int,
+    eval_every: int,
+    workers: int,
+    results: Any,
 ) -> None:
-    """One DDP rank: ``steps`` steps on its own stream; rank 0 evaluates and reports."""
+    """One DDP rank of ``workers``: ``steps`` steps on its own stream; rank 0 evaluates
+    and reports."""
     import torch.nn.functional as F
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
@@ -257,7 +310,8 @@ def _ddp_worker(
 
     torch.set_num_threads(1)
     cfg = load_config(None, overrides)
-    with gloo_group(port, rank, _WORKERS, timeout_s=300) as dist:
+    ring_share = _Grid(workers=workers).ring_share
+    with gloo_group(port, rank, workers, timeout_s=300) as dist:
         corpus = load_corpus(cfg.data, cfg.model.context)
         model = build_model(cfg.model, seed=cfg.run.seed)
         ddp = DistributedDataParallel(model)
@@ -280,7 +334,7 @@ def _ddp_worker(
                     {
                         "step": step,
                         "tokens": step * tokens_per_step,
-                        "bytes_sent": step * params * _FP32_BYTES * _RING_SHARE,
+                        "bytes_sent": step * params * _FP32_BYTES * ring_share,
                         "val_bpb": evaluate(model, val),
                         "seconds": time.monotonic() - started,
                     }
@@ -300,7 +354,7 @@ def _ddp_worker(
             optimizer.step()
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 record(step + 1)
-        digests: list[Any] = [None] * _WORKERS
+        digests: list[Any] = [None] * workers
         dist.all_gather_object(digests, params_digest(model))
         if rank == 0:
             results.put(
@@ -313,12 +367,12 @@ def _ddp_worker(
             )
 
 
-def _run_ddp(overrides: list[str], steps: int, eval_every: int) -> dict[str, Any]:
-    """Four DDP ranks as spawned processes; always joined, terminated or killed."""
+def _run_ddp(overrides: list[str], steps: int, eval_every: int, workers: int) -> dict[str, Any]:
+    """DDP ranks as spawned processes; always joined, terminated or killed."""
     port = free_port()
     reports, exit_codes = run_ranks(
         _ddp_worker,
-        [(port, overrides, steps, eval_every)] * _WORKERS,
+        [(port, overrides, steps, eval_every, workers)] * workers,
         expected=1,  # rank 0 reports for all
         timeout=300.0 + steps * 1.0,
         grace=30,
@@ -334,8 +388,10 @@ def _run_ddp(overrides: list[str], steps: int, eval_every: int) -> dict[str, Any
 # ---- Atoll, through the single-process reference --------------------------------------
 
 
-def _run_atoll(overrides: list[str], steps: int, threads: int, label: str) -> dict[str, Any]:
-    """One simulated DiLoCo run of ``steps / H`` rounds with 4 replicas."""
+def _run_atoll(
+    overrides: list[str], steps: int, threads: int, label: str, grid: _Grid
+) -> dict[str, Any]:
+    """One simulated DiLoCo run of ``steps / H`` rounds with a replica per worker."""
     from node.simulate import simulate
 
     cfg = load_config(None, [*overrides, f"run.threads={threads}"])
@@ -351,14 +407,14 @@ def _run_atoll(overrides: list[str], steps: int, threads: int, label: str) -> di
                 flush=True,
             )
 
-    result = simulate(cfg, replicas=_WORKERS, rounds=rounds, progress=progress)
-    bytes_per_round = result["payload_bytes_per_replica"] / rounds * _RING_SHARE
+    result = simulate(cfg, replicas=grid.workers, rounds=rounds, progress=progress)
+    bytes_per_round = result["payload_bytes_per_replica"] / rounds * grid.ring_share
     # Every codec's encoded size depends only on the element count, so every round
     # sends the same bytes.
     history = [
         {
             "step": h["round"] * inner_steps,
-            "tokens": h["tokens"] // _WORKERS,
+            "tokens": h["tokens"] // grid.workers,
             "bytes_sent": h["round"] * bytes_per_round,
             "val_bpb": h["val_bpb"],
         }
@@ -368,18 +424,21 @@ def _run_atoll(overrides: list[str], steps: int, threads: int, label: str) -> di
         "params": result["params"],
         "fragments": result["fragments"],
         "val_bpb_end": result["val_bpb_end"],
-        "bytes_sent_per_worker": result["payload_bytes_per_replica"] * _RING_SHARE,
+        "bytes_sent_per_worker": result["payload_bytes_per_replica"] * grid.ring_share,
         "seconds": result["seconds"],
         "history": history,
     }
 
 
-def _train(setting: Setting, mode: str, steps: int, seed: int, eval_every: int) -> dict:
+def _train(
+    setting: Setting, mode: str, steps: int, seed: int, eval_every: int, grid: _Grid
+) -> dict:
     overrides = setting_overrides(setting, mode, steps, seed)
     if setting.method == "ddp":
-        result = _run_ddp(overrides, steps, eval_every)
+        result = _run_ddp(overrides, steps, eval_every, grid.workers)
     else:
-        result = _run_atoll(overrides, steps, _SIM_THREADS[mode], f"{setting.label} seed {seed}")
+        label = f"{setting.label} seed {seed}"
+        result = _run_atoll(overrides, steps, _SIM_THREADS[mode], label, grid)
     print(
         f"convergence {setting.label} seed {seed}: "
         f"val_bpb {result.get('val_bpb_end', float('nan')):.4f} "
@@ -438,6 +497,7 @@ def _summarize(
     runs: dict[int, dict[str, Any]],
     ddp_runs: dict[int, dict[str, Any]],
     steps: int,
+    workers: int = _WORKERS,
 ) -> dict[str, Any]:
     """Mean and spread over seeds; gaps and DDP-equivalent steps paired by seed."""
     ok = {s: r for s, r in runs.items() if "error" not in r}
@@ -477,7 +537,7 @@ def _summarize(
         else f"{len(equivalents) - len(reached)} seed(s) ended below DDP's final bits per byte"
     )
     if entry["ddp_equivalent_steps"] and entry["ddp_equivalent_steps"]["mean"] is not None:
-        entry["worth_ddp_workers"] = _WORKERS * entry["ddp_equivalent_steps"]["mean"] / steps
+        entry["worth_ddp_workers"] = workers * entry["ddp_equivalent_steps"]["mean"] / steps
     gap = entry["gap_to_ddp_percent"]["mean"]
     ratio = entry.get("bytes_ratio_ddp_over_atoll")
     entry["meets_target"] = (
@@ -502,10 +562,10 @@ def _best(results: dict[Setting, dict[int, dict]], keep: Any) -> Setting | None:
     return min(scored)[2] if scored else None
 
 
-def plan_seeds(picks: dict[str, Setting], long: bool) -> list[Setting]:
+def plan_seeds(picks: dict[str, Setting], long: bool, grid: _Grid = _GRID) -> list[Setting]:
     """What runs at every seed: the picks, and in quick/full mode the codecs and islands."""
     out = [picks["ddp"]]
-    for h in _LONG_INNER_STEPS if long else _INNER_STEPS:
+    for h in _LONG_INNER_STEPS if long else grid.inner_steps:
         adamw = picks.get(f"adamw H={h}")
         if adamw is None:
             continue
@@ -516,19 +576,22 @@ def plan_seeds(picks: dict[str, Setting], long: bool) -> list[Setting]:
     if long and "other" in picks:
         out.append(picks["other"])
     if not long:
-        out.append(Setting("atoll", lr=0.0, inner_steps=_islands_inner_steps(), islands=True))
+        h = grid.islands_inner_steps or _islands_inner_steps()
+        out.append(Setting("atoll", lr=0.0, inner_steps=h, islands=True))
     return out
 
 
-def _extend(best: Setting, results: dict[Setting, dict[int, dict]], train: Any) -> Setting:
+def _extend(
+    best: Setting, results: dict[Setting, dict[int, dict]], train: Any, edge_steps: int
+) -> Setting:
     """While the best lr lies on an edge of those tried for its setting, try one more
-    past it (twice or half), up to :data:`_EDGE_STEPS` times; returns the best."""
+    past it (twice or half), up to ``edge_steps`` times; returns the best."""
 
     def score(s: Setting) -> float:
         r = results[s][0]
         return r["val_bpb_end"] if "error" not in r else math.inf
 
-    for _ in range(_EDGE_STEPS):
+    for _ in range(edge_steps):
         tried = sorted(s.lr for s in results if replace(s, lr=0.0) == replace(best, lr=0.0))
         if best.lr == tried[-1]:
             candidate = replace(best, lr=best.lr * 2)
@@ -543,29 +606,29 @@ def _extend(best: Setting, results: dict[Setting, dict[int, dict]], train: Any) 
     return best
 
 
-def _sweep(train: Any, results: dict[Setting, dict[int, dict]]) -> dict[str, Setting]:
+def _sweep(train: Any, results: dict[Setting, dict[int, dict]], grid: _Grid) -> dict[str, Setting]:
     """Seed 0 of every candidate; returns the picks (best DDP; best per H per optimizer)."""
-    for optimizer in _OPTIMIZERS:
-        for lr in _DDP_LRS:
+    for optimizer in grid.optimizers:
+        for lr in grid.ddp_lrs:
             train(Setting("ddp", lr=lr, optimizer=optimizer), 0)
     best = _best(results, lambda s: s.method == "ddp")
     if best is None:
         errors = [r[0].get("error") for s, r in results.items() if s.method == "ddp"]
         raise RuntimeError(f"every DDP run of the sweep failed: {errors}")
-    picks = {"ddp": _extend(best, results, train)}
-    for h in _INNER_STEPS:
-        for outer in _OUTER:
-            for lr in _INNER_LRS:
+    picks = {"ddp": _extend(best, results, train, grid.edge_steps)}
+    for h in grid.inner_steps:
+        for outer in grid.outer:
+            for lr in grid.inner_lrs:
                 train(Setting("atoll", lr, "adamw", h, _SWEEP_CODEC, outer), 0)
         best = _best(results, lambda s, h=h: s.optimizer == "adamw" and s.inner_steps == h)
-        picks[f"adamw H={h}"] = best = _extend(best, results, train)
-        for optimizer in _OPTIMIZERS[1:]:
-            for lr in _INNER_LRS:
+        picks[f"adamw H={h}"] = best = _extend(best, results, train, grid.edge_steps)
+        for optimizer in grid.optimizers[1:]:
+            for lr in grid.inner_lrs:
                 train(Setting("atoll", lr, optimizer, h, _SWEEP_CODEC, best.outer), 0)
             found = _best(
                 results, lambda s, h=h, o=optimizer: s.optimizer == o and s.inner_steps == h
             )
-            picks[f"{optimizer} H={h}"] = _extend(found, results, train)
+            picks[f"{optimizer} H={h}"] = _extend(found, results, train, grid.edge_steps)
     return picks
 
 
@@ -662,7 +725,8 @@ def _plot(report: dict[str, Any], curves: dict[str, list[dict]], path: pathlib.P
     bars.grid(True, axis="x", alpha=0.3)
     bars.legend(fontsize=7)
     fig.suptitle(
-        f"{_WORKERS} workers, {report['total_steps']} steps each, {len(_SEEDS)} seeds "
+        f"{report['workers']} workers, {report['total_steps']} steps each, "
+        f"{len(report['seeds'])} seeds "
         f"({report['params']:,} parameters, {report['mode']} mode, each method at its best lr)",
         fontsize=10,
     )
@@ -671,9 +735,9 @@ def _plot(report: dict[str, Any], curves: dict[str, list[dict]], path: pathlib.P
     plt.close(fig)
 
 
-def steps_problem(steps: int) -> str | None:
+def steps_problem(steps: int, grid: _Grid = _GRID) -> str | None:
     """Why ``steps`` cannot be a run's length (every H must run whole rounds), or None."""
-    lengths = sorted({*_INNER_STEPS, _islands_inner_steps()})
+    lengths = sorted({*grid.inner_steps, grid.islands_inner_steps or _islands_inner_steps()})
     if steps < 1 or any(steps % h for h in lengths):
         return (
             f"steps = {steps}: expected a positive multiple of "
@@ -683,7 +747,13 @@ def steps_problem(steps: int) -> str | None:
     return None
 
 
-def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool = False) -> dict:
+def run(
+    quick: bool,
+    out_dir: pathlib.Path,
+    steps: int | None = None,
+    long: bool = False,
+    smoke: bool = False,
+) -> dict:
     """Sweeps, then trains the picks over three seeds, then writes the report and plot.
 
     Args:
@@ -693,6 +763,8 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
         steps: steps per worker instead of the mode's default; a multiple of every H.
         long: the quick model, 10,000 steps, the whole corpus, the picks of the quick
             report in ``out_dir`` (no sweep); writes ``convergence-long.*``.
+        smoke: 2 workers, 10 steps, one candidate of each kind, seed 0: a check that it
+            runs (see the module docstring).
 
     Returns:
         The dict written to the JSON: ``picks`` (best setting per method), ``sweep``
@@ -705,15 +777,18 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
         ValueError: ``steps`` is not a positive multiple of every H.
         FileNotFoundError: long mode without the quick report in ``out_dir``.
     """
-    mode = "long" if long else "quick" if quick else "full"
+    mode = "long" if long else "smoke" if smoke else "quick" if quick else "full"
+    grid = _SMOKE_GRID if smoke else _GRID
     if steps is None:
-        steps = {"quick": _QUICK_STEPS, "long": _LONG_STEPS, "full": _FULL_STEPS}[mode]
-    problem = steps_problem(steps)
+        steps = {"quick": _QUICK_STEPS, "long": _LONG_STEPS, "full": _FULL_STEPS}.get(
+            mode, _SMOKE_STEPS
+        )
+    problem = steps_problem(steps, grid)
     if problem:
         raise ValueError(problem)
     out_dir = pathlib.Path(out_dir)
     name = "convergence-long" if long else "convergence"
-    eval_every = min(_INNER_STEPS) if not long else 2 * min(_INNER_STEPS)
+    eval_every = min(grid.inner_steps) if not long else 2 * min(_INNER_STEPS)
     cfg = load_config(None, _base(mode, steps))
     started = time.monotonic()
     threads_before = torch.get_num_threads()
@@ -730,7 +805,7 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
             if key in done:
                 runs[seed] = done[key]
             else:
-                runs[seed] = _train(setting, mode, steps, seed, eval_every)
+                runs[seed] = _train(setting, mode, steps, seed, eval_every, grid)
                 out_dir.mkdir(parents=True, exist_ok=True)
                 with journal.open("a") as f:
                     f.write(json.dumps({"key": key, "result": runs[seed]}) + "\n")
@@ -740,16 +815,16 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
         if long:
             picks = _picks_from(out_dir / _PICKS)
         else:
-            picks = _sweep(train, results)
+            picks = _sweep(train, results, grid)
             _write_picks(out_dir / _PICKS, picks, results)
-        for seed in _SEEDS:
-            for s in plan_seeds(picks, long):
+        for seed in grid.seeds:
+            for s in plan_seeds(picks, long, grid):
                 train(s, seed)
     finally:
         torch.set_num_threads(threads_before)
-    planned = plan_seeds(picks, long)
+    planned = plan_seeds(picks, long, grid)
     ddp_runs = results[picks["ddp"]]
-    entries = [_summarize(s, results[s], ddp_runs, steps) for s in planned]
+    entries = [_summarize(s, results[s], ddp_runs, steps, grid.workers) for s in planned]
     sweep = [
         {"label": s.label, "setting": s.__dict__, "val_bpb_end_seed0": r[0].get("val_bpb_end")}
         for s, r in results.items()
@@ -764,8 +839,9 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
         "benchmark": "convergence",
         "mode": mode,
         "quick": quick,
-        "workers": _WORKERS,
-        "seeds": list(_SEEDS),
+        "smoke": smoke,
+        "workers": grid.workers,
+        "seeds": list(grid.seeds),
         "total_steps": steps,
         "tokens_per_worker": steps * cfg.data.batch_size * cfg.model.context,
         "params": next(
@@ -774,7 +850,7 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
         ),
         "model": cfg.to_dict()["model"],
         "data": {"batch_size": cfg.data.batch_size, "max_files": cfg.data.max_files},
-        "eval_batches": _EVAL_BATCHES,
+        "eval_batches": _eval_batches(mode),
         "picks": {k: v.__dict__ for k, v in picks.items()},
         "entries": entries,
         "sweep": sweep,
@@ -793,9 +869,10 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
         "runs_meeting_target": [e["label"] for e in entries if e.get("meets_target")],
         "seconds": round(time.monotonic() - started, 1),
         "notes": {
-            "ddp_bytes": f"steps * params * 4 * 2*({_WORKERS}-1)/{_WORKERS}: fp32 gradients, "
+            "ddp_bytes": f"steps * params * 4 * 2*({grid.workers}-1)/{grid.workers}: fp32 "
+            "gradients, "
             "ring all-reduce (each worker sends 2(n-1)/n of the vector per step)",
-            "atoll_bytes": f"payload_bytes_per_replica * 2*({_WORKERS}-1)/{_WORKERS}: one "
+            "atoll_bytes": f"payload_bytes_per_replica * 2*({grid.workers}-1)/{grid.workers}: one "
             "replica's encoded pseudo-gradients over all rounds (codec payload only, no "
             "message headers or signatures), times the share a butterfly all-reduce "
             "member sends; an estimate, not a measurement on the wire",
@@ -810,7 +887,7 @@ def run(quick: bool, out_dir: pathlib.Path, steps: int | None = None, long: bool
             "picks": "the lowest seed-0 final bits per byte of each method's sweep"
             + (" (long mode: the quick report's picks)" if long else ""),
             "data": "worker i of seed s reads BatchStream(train, batch, context, (s, i)) in "
-            f"both methods; validation: the same {_EVAL_BATCHES} held-out batches for every "
+            f"both methods; validation: the same {_eval_batches(mode)} held-out batches for every "
             "method and seed",
             "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[mode]}",
         },

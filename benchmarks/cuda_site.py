@@ -7,7 +7,8 @@ one-process CPU node, for a few rounds of the quick workload. It records each no
 tokens per second, bits per byte, and whether the swarm and the site's ranks agree.
 Without CUDA it reports ``skipped`` and writes nothing.
 
-``python -m benchmarks cuda_site [--quick]`` writes ``cuda_site.json``.
+``python -m benchmarks cuda_site [--quick]`` writes ``cuda_site.json`` (``--smoke``: 1
+round of 2 inner steps).
 """
 
 from __future__ import annotations
@@ -42,25 +43,27 @@ _OVERRIDES = [
 ]
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Node 0: 2 ranks on CUDA in bf16; node 1: the CPU. Returns what ``cuda_site.json``
-    holds: per node its device, precision, ranks, tokens per second and bits per byte."""
+    holds: per node its device, precision, ranks, tokens per second and bits per byte
+    (``smoke``: 1 round of 2 inner steps, a check that it runs)."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine"}
-    rounds = 3 if quick else 8
+    rounds = 1 if smoke else 3 if quick else 8
+    overrides = [*_OVERRIDES, *(["sync.inner_steps=2"] if smoke else [])]
     gpu = ["--nproc-per-node", "2", "--set", "run.device='cuda'", "--set", "train.precision='bf16'"]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-cuda-site-") as tmp:
         spec = swarm.SwarmSpec(
             nodes=2,
             config_paths=[],
-            overrides=list(_OVERRIDES),
+            overrides=overrides,
             directory=pathlib.Path(tmp),
             rounds=rounds,
             extra_args={0: gpu, 1: ["--set", "run.device='cpu'"]},
         )
         nodes, finished = swarm.run_to_end(spec, timeout=240.0 + 30.0 * rounds)
-        summary = swarm.summarize(nodes, load_config(None, _OVERRIDES))
+        summary = swarm.summarize(nodes, load_config(None, overrides))
         per_node: list[dict[str, Any]] = []
         for n, setup in zip(nodes, ("cuda bf16, 2 ranks", "cpu fp32, 1 process")):
             status = n.status
@@ -80,6 +83,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     report = {
         "benchmark": "cuda_site",
         "quick": quick,
+        "smoke": smoke,
         "rounds": summary["rounds"],
         "finished": finished,
         "params_agree": summary["params_agree"],

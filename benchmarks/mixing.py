@@ -28,7 +28,8 @@ n = 2 one group of 2 is the whole swarm, so the two configurations are the same 
 run once.
 
 Run it with ``python -m benchmarks mixing [--quick]`` (quick: 4 rounds per swarm;
-full: 8 rounds); it writes ``mixing.json`` and ``mixing.png`` into the output folder.
+full: 8 rounds; ``--smoke``: n = 2 only, 2 rounds of 2 inner steps); it writes
+``mixing.json`` and ``mixing.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ __all__ = ["run"]
 _GROUP = 2
 _QUICK_SIZES = (2, 4, 8)
 _FULL_SIZES = (2, 4, 8, 16)
+_SMOKE_SIZES = (2,)
+_SMOKE_ROUNDS = 2  # a round's time is the span from the one before
+_SMOKE = ("sync.inner_steps=2", "network.matchmaking_seconds=5")
 # A node is a trainer, a DHT process and a p2pd: beyond four per core on this tiny
 # model the rounds measure the CPU queue, not the protocol.
 _NODES_PER_CORE = 4
@@ -209,10 +213,15 @@ def _node_rounds(
 
 
 def _run_swarm(
-    n: int, group_size: int, rounds: int, directory: pathlib.Path, timeout: float
+    n: int,
+    group_size: int,
+    rounds: int,
+    directory: pathlib.Path,
+    timeout: float,
+    workload: list[str],
 ) -> dict[str, Any]:
     """``n`` nodes with groups of ``group_size`` to their end (or ``timeout``)."""
-    overrides = [*_WORKLOAD, f"network.group_size={group_size}", f"run.eval_every={rounds}"]
+    overrides = [*workload, f"network.group_size={group_size}", f"run.eval_every={rounds}"]
     spec = swarm.SwarmSpec(
         nodes=n, config_paths=[], overrides=overrides, directory=directory, rounds=rounds
     )
@@ -274,12 +283,12 @@ def _round(value: float | None) -> float | None:
 # ---- sizes and derived numbers -----------------------------------------------------------
 
 
-def _sizes(quick: bool) -> tuple[list[int], dict[str, str]]:
+def _sizes(quick: bool, smoke: bool = False) -> tuple[list[int], dict[str, str]]:
     """Swarm sizes this machine holds, and why the others were left out."""
     cores = os.cpu_count() or 1
     memory = psutil.virtual_memory().total / 2**30
     limit = min(cores * _NODES_PER_CORE, int(memory / _GIB_PER_NODE))
-    sizes = _QUICK_SIZES if quick else _FULL_SIZES
+    sizes = _SMOKE_SIZES if smoke else _QUICK_SIZES if quick else _FULL_SIZES
     skipped = {
         str(n): f"{n} nodes exceed {_NODES_PER_CORE} per core on {cores} cores "
         f"or {_GIB_PER_NODE:g} GiB each of {memory:.0f} GiB"
@@ -415,24 +424,29 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 # ---- entry point -------------------------------------------------------------------------
 
 
-def _measure(n: int, rounds: int, directory: pathlib.Path) -> dict[str, dict[str, Any]]:
+def _measure(
+    n: int, rounds: int, directory: pathlib.Path, workload: list[str]
+) -> dict[str, dict[str, Any]]:
     """Both configurations at ``n`` nodes (one run when a group of 2 is the whole swarm)."""
     out: dict[str, dict[str, Any]] = {}
     for key, group_size in (("butterfly", _GROUP), ("allreduce", n)):
         if n <= _GROUP and out:
             out[key] = {**out["butterfly"], "same_run_as": "butterfly"}
             continue
-        out[key] = _attempts(n, group_size, rounds, directory / f"n{n}-{key}")
+        out[key] = _attempts(n, group_size, rounds, directory / f"n{n}-{key}", workload)
     return out
 
 
-def _attempts(n: int, group_size: int, rounds: int, directory: pathlib.Path) -> dict[str, Any]:
+def _attempts(
+    n: int, group_size: int, rounds: int, directory: pathlib.Path, workload: list[str]
+) -> dict[str, Any]:
     """One swarm; started a second time if a node fails to come up (a busy machine)."""
     timeout = 150.0 + 10.0 * n + rounds * (40.0 + 5.0 * n)
     started, failures = time.monotonic(), []
     for attempt in range(2):
         try:
-            record = _run_swarm(n, group_size, rounds, directory / f"try{attempt}", timeout)
+            where = directory / f"try{attempt}"
+            record = _run_swarm(n, group_size, rounds, where, timeout, workload)
             break
         except Exception as e:  # one broken swarm must not cost the others
             record = {"error": f"{type(e).__name__}: {e}", "nodes": n, "group_size": group_size}
@@ -454,40 +468,43 @@ def _log_tail(message: str, lines: int = 8) -> list[str]:
     return []
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Measures bytes and time per round of butterfly mixing and a swarm-wide all-reduce.
 
     Args:
         quick: n = 2, 4, 8 and 4 rounds per swarm (about 4 minutes on 2 cores);
             otherwise n up to 16 where the machine holds it, and 8 rounds.
         out_dir: folder for ``mixing.json`` and ``mixing.png``; created if missing.
+        smoke: n = 2 only, 2 rounds of 2 inner steps: a check that it runs.
 
     Returns:
         The dict written to ``mixing.json``: ``results`` (per n: ``butterfly`` and
         ``allreduce`` runs with per-node, per-round records, and ``derived`` bytes to a
         full mix), ``model``, ``config``, ``skipped``, ``notes``, ``date`` and ``machine``.
     """
-    rounds = 4 if quick else 8
-    sizes, skipped = _sizes(quick)
-    cfg = load_config(None, _WORKLOAD)
+    rounds = _SMOKE_ROUNDS if smoke else 4 if quick else 8
+    sizes, skipped = _sizes(quick, smoke)
+    workload = [*_WORKLOAD, *(_SMOKE if smoke else ())]
+    cfg = load_config(None, workload)
     model = _model_bytes(cfg)
     started = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-mixing-") as tmp:
         for n in sizes:
-            runs = _measure(n, rounds, pathlib.Path(tmp))
+            runs = _measure(n, rounds, pathlib.Path(tmp), workload)
             a, b = runs["butterfly"], runs["allreduce"]
             runs["derived"] = _derived(n, a, b, model)
             results[str(n)] = runs
     report = {
         "benchmark": "mixing",
         "quick": quick,
+        "smoke": smoke,
         "rounds": rounds,
         "sizes": sizes,
         "skipped": skipped,
         "model": model,
         "config": {
-            "workload": _WORKLOAD,
+            "workload": workload,
             "codec": cfg.sync.codec,
             "mix_codec": cfg.sync.mix_codec,
             "fragments": cfg.sync.fragments,

@@ -34,6 +34,9 @@ The corpus is the standard library's ``.py`` files, prepared once per run with
    otherwise the report says none was lent.
 
 Run ``python -m benchmarks models [--quick]``; writes ``models.json`` and ``models.png``.
+A smoke run (``--smoke``) goes through every part at the smallest sizes: 40 files and a
+512-token BPE, 1 round of 8 s per throughput swarm, llama-tiny alone for memory (so no
+slope), 2 nodes against 2 DDP ranks for 1 round of 2 steps.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -80,6 +84,50 @@ _MEMORY_PRESETS = ("llama-tiny", "gpt2-small", "llama-150m")
 _MEMORY_STEPS = 8
 """Inner steps of the memory runs: one round of 8 fragments, one sync launched per step
 (as a run of H >= F staggers them)."""
+_CONV_NODES = 4
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How much of each part one run measures."""
+
+    pairs: int  # throughput: bare and node runs, one after the other
+    seeds: int  # convergence
+    round_seconds: float = _ROUND_SECONDS
+    bare_seconds: float = 90.0
+    throughput_rounds: int = 3
+    side_rounds: int = 2
+    memory_presets: tuple[str, ...] = _MEMORY_PRESETS
+    conv_nodes: int = _CONV_NODES
+    conv_inner: int = 20
+    conv_rounds: int = 5
+    vocab: int = _VOCAB
+    files: int | None = None  # of the standard library's, for the corpus; None: all
+    cuda_seconds: float = 60.0  # the bare loop's on a GPU; the node's rounds take half
+    cuda_rounds: int = 3
+
+
+def _plan(quick: bool, smoke: bool) -> _Plan:
+    if smoke:
+        return _Plan(
+            pairs=1,
+            seeds=1,
+            round_seconds=8.0,
+            bare_seconds=2.0,
+            throughput_rounds=1,
+            side_rounds=1,
+            memory_presets=("llama-tiny",),
+            conv_nodes=2,
+            conv_inner=2,
+            conv_rounds=1,
+            vocab=512,
+            files=40,
+            cuda_seconds=16.0,
+            cuda_rounds=1,
+        )
+    return _Plan(pairs=1, seeds=1) if quick else _Plan(pairs=3, seeds=3)
+
+
 _GPU_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
@@ -172,16 +220,16 @@ def _swarm(overrides: list[str], nodes: int, rounds: int, where: pathlib.Path) -
     return out
 
 
-def _node_throughput(shards: pathlib.Path, rounds: int, where: pathlib.Path) -> dict[str, Any]:
+def _node_throughput(shards: pathlib.Path, plan: _Plan, where: pathlib.Path) -> dict[str, Any]:
     overrides = [
         *_TRAIN,
         *_NODE,
         f"data.shards={json.dumps(str(shards))}",
         "sync.trigger='seconds'",
-        f"sync.round_seconds={_ROUND_SECONDS}",
+        f"sync.round_seconds={plan.round_seconds:g}",
         "train.total_steps=100000",
     ]
-    nodes = _swarm(overrides, 2, rounds, where)
+    nodes = _swarm(overrides, 2, plan.throughput_rounds, where)
     rates, helpers = [], []
     for n in nodes:
         st = n["status"]
@@ -220,7 +268,7 @@ def _helper_share(rounds: list[dict]) -> float | None:
     return (helpers(last) - helpers(first)) / seconds if seconds > 0 else None
 
 
-def _side_by_side(shards: pathlib.Path, work: pathlib.Path) -> dict[str, Any]:
+def _side_by_side(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, Any]:
     """One node with no peer and one bare loop at the same time, one core each."""
     import threading
 
@@ -229,18 +277,20 @@ def _side_by_side(shards: pathlib.Path, work: pathlib.Path) -> dict[str, Any]:
         *_NODE,
         f"data.shards={json.dumps(str(shards))}",
         "sync.trigger='seconds'",
-        f"sync.round_seconds={_ROUND_SECONDS}",
+        f"sync.round_seconds={plan.round_seconds:g}",
         "train.total_steps=100000",
         "network.min_peers=1",
     ]
     out: dict[str, Any] = {}
+    where = work / "side-by-side"
     node = threading.Thread(
-        target=lambda: out.update(nodes=_swarm(overrides, 1, 2, work / "side-by-side")),
+        target=lambda: out.update(nodes=_swarm(overrides, 1, plan.side_rounds, where)),
         daemon=True,
     )
     node.start()
-    time.sleep(_ROUND_SECONDS / 2)  # the node is up and training
-    bare = _bare([*_TRAIN, f"data.shards={json.dumps(str(shards))}"], 1, 5, _ROUND_SECONDS)
+    time.sleep(plan.round_seconds / 2)  # the node is up and training
+    bare_overrides = [*_TRAIN, f"data.shards={json.dumps(str(shards))}"]
+    bare = _bare(bare_overrides, 1, 5, plan.round_seconds)
     node.join(timeout=600.0 + 240.0)
     st = out.get("nodes", [{}])[0].get("status", {})
     busy = st.get("busy_seconds", 0.0)
@@ -264,14 +314,13 @@ def _pair_ratios(bare_runs: list[list[float]], node_runs: list[dict]) -> list[fl
     return out
 
 
-def _throughput(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, Any]:
+def _throughput(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, Any]:
     bare_overrides = [*_TRAIN, f"data.shards={json.dumps(str(shards))}"]
-    pairs = 1 if quick else 3
     bare_runs, node_runs = [], []
-    for i in range(pairs):  # alternating, so drift in the machine's load hits both
-        bare = _bare(bare_overrides, 2, steps=5, seconds=90.0)
+    for i in range(plan.pairs):  # alternating, so drift in the machine's load hits both
+        bare = _bare(bare_overrides, 2, steps=5, seconds=plan.bare_seconds)
         bare_runs.append([r["tokens_per_second"] for r in bare])
-        node_runs.append(_node_throughput(shards, 3, work / f"throughput-{i}"))
+        node_runs.append(_node_throughput(shards, plan, work / f"throughput-{i}"))
     bare_median = statistics.median(x for run in bare_runs for x in run)
     node_values = [x for run in node_runs for x in run["tokens_per_second"] if x]
     node_median = statistics.median(node_values) if node_values else None
@@ -282,7 +331,7 @@ def _throughput(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[s
     return {
         "preset": "llama-tiny",
         "threads_per_process": _THREADS,
-        "round_seconds": _ROUND_SECONDS,
+        "round_seconds": plan.round_seconds,
         "bare_tokens_per_second": bare_runs,
         "node_runs": node_runs,
         "bare_median": bare_median,
@@ -294,16 +343,16 @@ def _throughput(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[s
         "meets_goal": ratio is not None and ratio >= 0.95,
         "outside_steps_share": 1.0 - statistics.median(busy) if busy else None,
         "helper_cores_share": statistics.median(helpers) if helpers else None,
-        "side_by_side": _side_by_side(shards, work),
+        "side_by_side": _side_by_side(shards, plan, work),
     }
 
 
 # ---- memory -------------------------------------------------------------------------------
 
 
-def _memory(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, Any]:
+def _memory(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, Any]:
     rows = []
-    for preset in _MEMORY_PRESETS:
+    for preset in plan.memory_presets:
         overrides = [
             *_TRAIN,
             f"model.preset='{preset}'",
@@ -356,10 +405,10 @@ def _memory(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, 
 
 # ---- convergence --------------------------------------------------------------------------
 
-_CONV_NODES = 4
 
-
-def _ddp_worker(rank: int, port: int, overrides: list[str], steps: int, results: Any) -> None:
+def _ddp_worker(
+    rank: int, port: int, overrides: list[str], steps: int, nodes: int, results: Any
+) -> None:
     import torch.nn.functional as F
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
@@ -371,7 +420,7 @@ def _ddp_worker(rank: int, port: int, overrides: list[str], steps: int, results:
 
     cfg = bind(load_config(None, overrides))
     torch.set_num_threads(1)
-    with gloo_group(port, rank, _CONV_NODES, timeout_s=600) as dist:
+    with gloo_group(port, rank, nodes, timeout_s=600) as dist:
         corpus = load_shards(cfg.data.shards, cfg.model.context, vocab_of(cfg.model))
         model = build_model(cfg.model, seed=cfg.run.seed)
         ddp = DistributedDataParallel(model)
@@ -398,16 +447,16 @@ def _ddp_worker(rank: int, port: int, overrides: list[str], steps: int, results:
                 {
                     "val_bpb_start": start,
                     "val_bpb_end": end,
-                    "tokens": steps * targets.numel() * _CONV_NODES,
+                    "tokens": steps * targets.numel() * nodes,
                 }
             )
 
 
-def _convergence(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[str, Any]:
-    inner, rounds = 20, 5
+def _convergence(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, Any]:
+    inner, rounds, count = plan.conv_inner, plan.conv_rounds, plan.conv_nodes
     steps = inner * rounds
     entries = []
-    for seed in range(1 if quick else 3):
+    for seed in range(plan.seeds):
         overrides = [
             *_TRAIN,
             f"data.shards={json.dumps(str(shards))}",
@@ -418,14 +467,14 @@ def _convergence(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[
         port = free_port()
         reports, codes = run_ranks(
             _ddp_worker,
-            [(port, overrides, steps)] * _CONV_NODES,
+            [(port, overrides, steps, count)] * count,
             expected=1,
             timeout=1800.0,
             grace=20,
         )
         ddp = reports[0] if reports else {"error": f"exit codes {codes}"}
         node_overrides = [*overrides, *_NODE, "sync.trigger='steps'", f"sync.inner_steps={inner}"]
-        nodes = _swarm(node_overrides, _CONV_NODES, rounds, work / f"convergence-{seed}")
+        nodes = _swarm(node_overrides, count, rounds, work / f"convergence-{seed}")
         finals = [n["rounds"][-1].get("val_bpb") for n in nodes if n["rounds"]]
         digests = {n["rounds"][-1].get("global_digest") for n in nodes if n["rounds"]}
         atoll = {
@@ -446,7 +495,7 @@ def _convergence(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[
         entries.append({"seed": seed, "ddp": ddp, "atoll": atoll, "gap_percent": gap})
     gaps = [e["gap_percent"] for e in entries if e["gap_percent"] is not None]
     return {
-        "nodes": _CONV_NODES,
+        "nodes": count,
         "inner_steps": inner,
         "rounds": rounds,
         "entries": entries,
@@ -457,7 +506,7 @@ def _convergence(shards: pathlib.Path, quick: bool, work: pathlib.Path) -> dict[
 # ---- CUDA ---------------------------------------------------------------------------------
 
 
-def _cuda(shards: pathlib.Path, work: pathlib.Path) -> dict[str, Any]:
+def _cuda(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine (none was lent for this run)"}
     name = torch.cuda.get_device_name(0)
@@ -472,10 +521,9 @@ def _cuda(shards: pathlib.Path, work: pathlib.Path) -> dict[str, Any]:
         "run.threads=4",
         f"data.shards={json.dumps(str(shards))}",
     ]
-    bare = _bare(overrides, 1, steps=5, seconds=60.0)[0]
-    node = _swarm(
-        [*overrides, *_NODE, "sync.trigger='seconds'", "sync.round_seconds=30"], 1, 3, work / "cuda"
-    )[0]
+    bare = _bare(overrides, 1, steps=5, seconds=plan.cuda_seconds)[0]
+    on_clock = ["sync.trigger='seconds'", f"sync.round_seconds={plan.cuda_seconds / 2:g}"]
+    node = _swarm([*overrides, *_NODE, *on_clock], 1, plan.cuda_rounds, work / "cuda")[0]
     st = node["status"]
     wall = st.get("busy_seconds", 0.0) + st.get("idle_seconds", 0.0)
     node_rate = st.get("tokens", 0) / wall if wall else None
@@ -500,12 +548,13 @@ def _cuda(shards: pathlib.Path, work: pathlib.Path) -> dict[str, Any]:
 # ---- the run ------------------------------------------------------------------------------
 
 
-def _prepare(work: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]]:
+def _prepare(work: pathlib.Path, plan: _Plan) -> tuple[pathlib.Path, dict[str, Any]]:
     from node.data import stdlib_files
     from node.prepare import prepare
 
     out = work / "shards"
-    meta = prepare(_utf8(stdlib_files()), out, train_vocab=_VOCAB, workers=2)
+    files = _utf8(stdlib_files()[: plan.files])
+    meta = prepare(files, out, train_vocab=plan.vocab, workers=2)
     return out, {
         k: meta[k] for k in ("train_tokens", "val_tokens", "bytes_per_token", "vocab_size")
     }
@@ -525,24 +574,31 @@ def _utf8(files: list[tuple[str, pathlib.Path]]) -> list[str]:
     return kept
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict[str, Any]:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+    """Throughput, memory, convergence and (with a GPU) CUDA; writes ``models.json`` and
+    ``models.png`` into ``out_dir``. ``quick``: one pair of throughput runs and one seed;
+    ``smoke``: the smallest sizes, a check that it runs (see the module docstring)."""
+    plan = _plan(quick, smoke)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-models-"))
     started = time.time()
     try:
-        shards, corpus = _prepare(work)
+        shards, corpus = _prepare(work, plan)
         report: dict[str, Any] = {
             "benchmark": "models",
             "quick": quick,
+            "smoke": smoke,
             "machine": machine_info(),
             "corpus": corpus,
-            "command": f"python -m benchmarks models{' --quick' if quick else ''}",
+            "command": "python -m benchmarks models"
+            + (" --quick" if quick else "")
+            + (" --smoke" if smoke else ""),
         }
-        report["throughput"] = _throughput(shards, quick, work)
-        report["memory"] = _memory(shards, quick, work)
-        report["convergence"] = _convergence(shards, quick, work)
-        report["cuda"] = _cuda(shards, work)
+        report["throughput"] = _throughput(shards, plan, work)
+        report["memory"] = _memory(shards, plan, work)
+        report["convergence"] = _convergence(shards, plan, work)
+        report["cuda"] = _cuda(shards, plan, work)
         report["seconds"] = time.time() - started
         report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     finally:
@@ -579,7 +635,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
             [h["tokens"] * report["convergence"]["nodes"] for h in hist],
             [h["val_bpb"] for h in hist],
             marker="o",
-            label=f"4 nodes, seed {e['seed']}",
+            label=f"{report['convergence']['nodes']} nodes, seed {e['seed']}",
         )
         if e["ddp"].get("val_bpb_end"):
             c.scatter(
@@ -591,7 +647,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
             )
     c.set_xlabel("tokens (all nodes)")
     c.set_ylabel("validation bits per byte")
-    c.set_title("4 nodes against DDP at equal tokens")
+    c.set_title(f"{report['convergence']['nodes']} nodes against DDP at equal tokens")
     c.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -10,8 +10,8 @@ two rounds or more after its link came back. Reported per run: those rounds, the
 it was late for, rounds where the stable nodes disagreed, exit codes, and the syncs
 the flapping node averaged alone.
 
-Run ``python -m benchmarks partitions [--quick]`` (quick: 3 runs; full: 10; about 3
-minutes a run); writes ``partitions.json`` and ``partitions.png``.
+Run ``python -m benchmarks partitions [--quick]`` (quick: 3 runs; full: 10; ``--smoke``:
+1; about 3 minutes a run); writes ``partitions.json`` and ``partitions.png``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from benchmarks._common import machine_info
 __all__ = ["run"]
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict[str, Any]:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+    """Repeats the flapping-link run (``smoke``: once) and writes the report and figure;
+    ``{"skipped": reason}`` where no network lab can be built."""
     from node.metrics import read_events
     from tests.integration.test_partitions import FLAP_SECONDS, OFFSETS, flap_run, judge
     from tests.netlab import NetLab, cleanup_stale, netlab_available
@@ -40,7 +42,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict[str, Any]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = []
-    for i in range(3 if quick else 10):
+    for i in range(1 if smoke else 3 if quick else 10):
         cleanup_stale()
         with NetLab() as lab, tempfile.TemporaryDirectory(prefix="atoll-flap-") as root:
             started = time.time()
@@ -77,6 +79,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict[str, Any]:
     report = {
         "benchmark": "partitions",
         "quick": quick,
+        "smoke": smoke,
         "machine": machine_info(),
         "command": f"python -m benchmarks partitions{' --quick' if quick else ''}",
         "runs": runs,

@@ -12,8 +12,10 @@ which should be zero: a defence that quarantines honest peers is not a defence.
 Swarms run one after another, each in a fresh directory, and are always stopped.
 Quick mode (about 10 minutes on two idle cores) runs three modes against three aggregators
 for 1 Byzantine node of 5; full mode runs every mode against every aggregator, for 1
-of 5 and for 2 of 8. Run it with ``python -m benchmarks robustness [--quick]``; it
-writes ``robustness.json`` and ``robustness.png`` into the output folder.
+of 5 and for 2 of 8. A smoke run (``--smoke``) runs one clean and one attacked swarm of
+2 nodes (1 Byzantine, ``scale``, trimmed mean with screening) for 1 round of 2 inner
+steps. Run it with ``python -m benchmarks robustness [--quick]``; it writes
+``robustness.json`` and ``robustness.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from node.swarm import QUICK_WORKLOAD
 __all__ = ["run"]
 
 _ROUNDS = 3
+_SMOKE_ROUNDS = 1
 # The tiny workload the integration tests use too.
 _SMALL = [
     "run.run_id='bench-robustness'",
@@ -48,8 +51,15 @@ _SMALL = [
     "network.round_timeout=8",
     "network.request_timeout=8",
 ]
+# Rounds of a few steps, so that a smoke run's swarm ends within seconds of its start.
+_SMOKE = [
+    "sync.trigger='steps'",
+    "sync.inner_steps=2",
+    "network.matchmaking_seconds=2",
+    "network.round_timeout=6",
+]
 # A swarm with a quarantined node waits out deadlines; twice the slowest seen is ample.
-_SWARM_TIMEOUT = {5: 300.0, 8: 600.0}
+_SWARM_TIMEOUT = {2: 180.0, 5: 300.0, 8: 600.0}
 _FLAGS = ("quarantined", "banned")
 _COLOR_CAP = 2.0
 
@@ -96,6 +106,8 @@ class _Setting:
 
     nodes: int
     byzantine: int
+    rounds: int = _ROUNDS
+    extra: tuple[str, ...] = ()  # overrides after the workload's
     clean: dict[str, dict] = field(default_factory=dict)
 
     @property
@@ -119,7 +131,12 @@ def _run_swarm(
     setting: _Setting, agg: _Aggregator, mode: str | None, base: pathlib.Path, index: int
 ) -> dict[str, Any]:
     """One swarm: ``mode`` on the Byzantine nodes (None: a clean run)."""
-    overrides = [*_SMALL, f"network.group_size={setting.nodes}", *agg.overrides(setting.byzantine)]
+    overrides = [
+        *_SMALL,
+        *setting.extra,
+        f"network.group_size={setting.nodes}",
+        *agg.overrides(setting.byzantine),
+    ]
     byzantine = setting.byzantine_indices if mode else []
     directory = base / f"swarm{index:03d}"
     spec = swarm.SwarmSpec(
@@ -127,7 +144,7 @@ def _run_swarm(
         config_paths=[],
         overrides=overrides,
         directory=directory,
-        rounds=_ROUNDS,
+        rounds=setting.rounds,
         extra_args={i: ["--byzantine", mode] for i in byzantine},
     )
     record: dict[str, Any] = {
@@ -194,7 +211,10 @@ def _finite(value: float | None) -> float | None:
 # ---- the grid -------------------------------------------------------------------------
 
 
-def _grid(quick: bool) -> tuple[list[_Setting], tuple[str, ...], list[_Aggregator]]:
+def _grid(quick: bool, smoke: bool) -> tuple[list[_Setting], tuple[str, ...], list[_Aggregator]]:
+    if smoke:
+        aggs = [a for a in _AGGREGATORS if a.label == "trimmed_mean"]
+        return [_Setting(2, 1, _SMOKE_ROUNDS, tuple(_SMOKE))], ("scale",), aggs
     if quick:
         aggs = [a for a in _AGGREGATORS if a.label in _QUICK_AGGREGATORS]
         return [_Setting(5, 1)], _QUICK_MODES, aggs
@@ -231,6 +251,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     settings = report["settings"]
+    rounds = report["rounds"]
     modes, labels = report["modes"], report["aggregators"]
     width = max(7.0, 2.5 + 1.3 * len(labels)) * len(settings)
     fig, axes = plt.subplots(
@@ -240,7 +261,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         cells = [c for c in report["cells"] if c["setting"] == key]
         _heat_map(fig, ax, cells, modes, labels)
         byzantine, nodes = key.split("_of_")
-        ax.set_title(f"{byzantine} Byzantine of {nodes} nodes, {_ROUNDS} rounds", fontsize=10)
+        ax.set_title(f"{byzantine} Byzantine of {nodes} nodes, {rounds} rounds", fontsize=10)
     fig.suptitle(
         "Final honest validation bits/byte under attack / clean run of the same aggregator",
         fontsize=10,
@@ -282,7 +303,7 @@ def _heat_map(fig: Any, ax: Any, cells: list[dict], modes: list[str], labels: li
     fig.colorbar(image, ax=ax, label="val bpb / clean", extend="max")
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Runs the attack grid with real node swarms and writes the report and heat map.
 
     Args:
@@ -291,6 +312,8 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
             minutes on two idle cores); otherwise every mode and aggregator, for 1 of 5
             and 2 of 8 Byzantine nodes (hours).
         out_dir: folder for ``robustness.json`` and ``robustness.png``; created if missing.
+        smoke: one clean and one attacked swarm of 2 nodes for 1 short round: a check
+            that it runs.
 
     Returns:
         The dict written to ``robustness.json``: ``cells`` (one per attacked swarm:
@@ -299,7 +322,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         aggregator, the clean run), ``clean_honest_flagged`` (honest peers flagged in
         all clean runs together; should be 0), ``quick``, ``date`` and ``machine``.
     """
-    settings, modes, aggs = _grid(quick)
+    settings, modes, aggs = _grid(quick, smoke)
     total = sum(len(aggs) * (len(modes) + 1) for _ in settings)
     cells: list[dict[str, Any]] = []
     done = 0
@@ -322,7 +345,8 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     report = {
         "benchmark": "robustness",
         "quick": quick,
-        "rounds": _ROUNDS,
+        "smoke": smoke,
+        "rounds": settings[0].rounds,
         "settings": [s.key for s in settings],
         "modes": list(modes),
         "aggregators": [a.label for a in aggs],

@@ -36,7 +36,9 @@ up to 10,000 nodes over a WAN.
 
 Run it with ``python -m benchmarks scale [--quick]``; it writes ``scale.json`` and
 ``scale.png``. Quick mode: 6 real rounds per size (4 of 20 s for the load table) and 3
-simulated rounds (about 14 minutes here); full mode: 10 (6) and 6.
+simulated rounds (about 14 minutes here); full mode: 10 (6) and 6. A smoke run
+(``--smoke``) runs each kind of real swarm once with 2 nodes for 2 rounds of 2 inner
+steps (rounds of 4 s for the load table) and simulates 16 and 64 nodes for 1 round.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import _scale_real, _scale_sim
@@ -77,6 +80,12 @@ _CELL_NODES, _CELL_GROUP, _CELL_ABOVE, _CELL_LAYOUTS = 16, 2, 8, 20
 _WALLCLOCK = ("sync.trigger='seconds'", "sync.round_seconds=20", "network.matchmaking_seconds=5")
 """Rounds of 20 s on the wall clock, so that what a node spends per round compares
 across sizes (with step-triggered rounds here rounds lengthen with the shared CPU)."""
+_SMOKE = ("sync.inner_steps=2", "network.matchmaking_seconds=5")
+_SMOKE_WALLCLOCK = (
+    "sync.trigger='seconds'",
+    "sync.round_seconds=4",
+    "network.matchmaking_seconds=1",
+)
 _LOAD_KEYS = (
     "dht_ops_per_round",
     "dht_payload_bytes_per_round",
@@ -93,6 +102,39 @@ _LOOPBACK = _scale_sim.Site("loopback", 0.0, 0.0)
 # The reference model (478,720 parameters) in 4 int8 fragments, and its fp32 state.
 _REFERENCE_FRAGMENT_BYTES = 478_720 / 4 * (1 + 4 / 256)
 _REFERENCE_MODEL_BYTES = 478_720 * 4 * 3  # weights, global copy, outer momentum
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The real swarms one run measures and the sizes it simulates."""
+
+    real_rounds: int
+    sim_rounds: int
+    wall_rounds: int
+    real_sizes: tuple[int, ...] = _REAL_SIZES
+    shaped_sizes: tuple[int, ...] = _SHAPED_SIZES
+    cell_nodes: int = _CELL_NODES
+    cell_layouts: int = _CELL_LAYOUTS
+    sim_sizes: tuple[int, ...] = _SIM_SIZES
+    wallclock: tuple[str, ...] = _WALLCLOCK
+    extra: tuple[str, ...] = ()  # overrides of every real swarm
+
+
+def _plan(quick: bool, smoke: bool) -> _Plan:
+    if smoke:
+        return _Plan(
+            real_rounds=2,  # a round's time is the span from the one before
+            sim_rounds=1,
+            wall_rounds=2,
+            real_sizes=(2,),
+            shaped_sizes=(2,),
+            cell_nodes=2,
+            cell_layouts=2,
+            sim_sizes=(16, 64),
+            wallclock=(*_WALLCLOCK, *_SMOKE_WALLCLOCK),
+            extra=_SMOKE,
+        )
+    return _Plan(6, 3, 4) if quick else _Plan(10, 6, 6)
 
 
 def _per(real: dict[str, Any], key: str) -> float | None:
@@ -227,7 +269,14 @@ def _link_check(
     return {"uplink_mbit": _SHAPE_MBIT, "one_way_ms": _SHAPE_DELAY_MS, "sizes": rows}
 
 
-def _cell_check(real: dict[str, Any], constants: dict, overhead: float, rounds: int) -> dict:
+def _cell_check(
+    real: dict[str, Any],
+    constants: dict,
+    overhead: float,
+    rounds: int,
+    nodes: int = _CELL_NODES,
+    layouts: int = _CELL_LAYOUTS,
+) -> dict:
     """The cell grid on real nodes against the simulator's grid of the same swarm."""
     cfg = dataclasses.replace(
         _local_config(real, constants),
@@ -236,24 +285,21 @@ def _cell_check(real: dict[str, Any], constants: dict, overhead: float, rounds: 
         control=dataclasses.replace(_scale_sim.NODE_POLICY, cells_above=_CELL_ABOVE),
     )
     ids = [p for p in real.get("peer_ids") or () if p]
-    sim = _scale_sim.simulate(cfg, _CELL_NODES, rounds, names=ids)
+    sim = _scale_sim.simulate(cfg, nodes, rounds, names=ids)
     # where peers fall on the grid decides how far a contribution gets: the same
     # swarm's reach under other PeerIDs
-    layouts = [
-        _scale_sim.simulate(
-            cfg,
-            _CELL_NODES,
-            rounds,
-            names=[f"layout{k}-peer{i}" for i in range(_CELL_NODES)],
-        )["reach_share"]
-        for k in range(_CELL_LAYOUTS)
+    reach = [
+        _scale_sim.simulate(cfg, nodes, rounds, names=[f"layout{k}-peer{i}" for i in range(nodes)])[
+            "reach_share"
+        ]
+        for k in range(layouts)
     ]
     mix = real.get("mix") or {}
     return {
-        "nodes": _CELL_NODES,
+        "nodes": nodes,
         "group_size": _CELL_GROUP,
         "cells_above": _CELL_ABOVE,
-        "dims": cell_dims(_CELL_NODES, _CELL_GROUP),
+        "dims": cell_dims(nodes, _CELL_GROUP),
         "window": mix.get("window"),
         "real_included_share": real.get("included_share"),
         "sim_included_share": sim["included_share"],
@@ -261,12 +307,12 @@ def _cell_check(real: dict[str, Any], constants: dict, overhead: float, rounds: 
         "real_reach_share": (mix.get("reach_by_fragment") or {}).get(0),
         "real_reach_by_fragment": mix.get("reach_by_fragment"),
         "sim_reach_share": sim["reach_share"],
-        "sim_same_peers": len(ids) == _CELL_NODES,
+        "sim_same_peers": len(ids) == nodes,
         "sim_reach_other_layouts": {
-            "layouts": len(layouts),
-            "mean": statistics.fmean(layouts),
-            "min": min(layouts),
-            "max": max(layouts),
+            "layouts": len(reach),
+            "mean": statistics.fmean(reach),
+            "min": min(reach),
+            "max": max(reach),
         },
         "sim_mix_rounds": sim["mix_rounds"],
         "syncs_complete": f"{real.get('syncs_complete')}/{real.get('syncs')}",
@@ -286,7 +332,9 @@ def _load_table(wallclock: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any
     }
 
 
-def _wan(constants: dict, overhead: float | None, rounds: int) -> dict[str, Any]:
+def _wan(
+    constants: dict, overhead: float | None, rounds: int, sizes: tuple[int, ...] = _SIM_SIZES
+) -> dict[str, Any]:
     """Every simulated size under every policy on the default WAN."""
     base = dataclasses.replace(
         _scale_sim.SimConfig(),
@@ -305,7 +353,7 @@ def _wan(constants: dict, overhead: float | None, rounds: int) -> dict[str, Any]
     for name, policy in _POLICIES.items():
         cfg = dataclasses.replace(base, control=policy)
         rows = {}
-        for n in _SIM_SIZES:
+        for n in sizes:
             started = time.perf_counter()
             rows[n] = _scale_sim.simulate(cfg, n, rounds)
             rows[n]["sim_seconds"] = round(time.perf_counter() - started, 2)
@@ -381,8 +429,45 @@ def _say(kind: str, n: int, r: dict[str, Any]) -> None:
     )
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def _measure_real(plan: _Plan) -> tuple[dict, dict, dict, dict]:
+    """The real swarms: per size plain and (where shaped) link-bound, the cell grid, and
+    per size on wall-clock rounds; their folders removed after."""
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="atoll-scale-"))
+    real: dict[int, dict[str, Any]] = {}
+    shaped: dict[int, dict[str, Any]] = {}
+    wallclock: dict[int, dict[str, Any]] = {}
+    shape = {ENV_VAR: f"mbit={_SHAPE_MBIT},delay_ms={_SHAPE_DELAY_MS}"}
+    cells_extra = (f"network.group_size={_CELL_GROUP}", f"network.cells_above={_CELL_ABOVE}")
+    rounds, extra = plan.real_rounds, plan.extra
+    try:
+        for n in plan.real_sizes:
+            real[n] = _scale_real.measure(n, rounds, scratch / f"n{n}", extra)
+            _say("real", n, real[n])
+        for n in plan.shaped_sizes:
+            shaped[n] = _scale_real.measure(
+                n, rounds, scratch / f"shaped{n}", (*extra, *_SHAPED_EXTRA), env=shape
+            )
+            _say("shaped", n, shaped[n])
+        n = plan.cell_nodes
+        cells = _scale_real.measure(n, rounds, scratch / "cells", (*extra, *cells_extra))
+        _say("cells", n, cells)
+        for n in plan.real_sizes:
+            where = scratch / f"wall{n}"
+            wallclock[n] = _scale_real.measure(n, plan.wall_rounds, where, plan.wallclock)
+            _say("wall-clock rounds", n, wallclock[n])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return real, shaped, cells, wallclock
+
+
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Runs the real swarms, calibrates, simulates, and writes ``scale.json``/``.png``.
+
+    Args:
+        quick: the quick mode's rounds (see the module docstring).
+        out_dir: folder for ``scale.json`` and ``scale.png``; created if missing.
+        smoke: each kind of real swarm once with 2 nodes, 2 short rounds: a check that
+            it runs.
 
     Returns:
         The report: ``real`` (per size, :func:`benchmarks._scale_real.measure`'s
@@ -393,47 +478,29 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         ``cell_check``), ``simulated`` (per policy and
         size, :func:`benchmarks._scale_sim.simulate`'s figures), ``date``, ``machine``.
     """
-    real_rounds, sim_rounds, wall_rounds = (6, 3, 4) if quick else (10, 6, 6)
+    plan = _plan(quick, smoke)
     started = time.monotonic()
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="atoll-scale-"))
-    real: dict[int, dict[str, Any]] = {}
-    shaped: dict[int, dict[str, Any]] = {}
-    shape = {ENV_VAR: f"mbit={_SHAPE_MBIT},delay_ms={_SHAPE_DELAY_MS}"}
-    cells_extra = (f"network.group_size={_CELL_GROUP}", f"network.cells_above={_CELL_ABOVE}")
-    try:
-        for n in _REAL_SIZES:
-            real[n] = _scale_real.measure(n, real_rounds, scratch / f"n{n}")
-            _say("real", n, real[n])
-        for n in _SHAPED_SIZES:
-            shaped[n] = _scale_real.measure(
-                n, real_rounds, scratch / f"shaped{n}", _SHAPED_EXTRA, env=shape
-            )
-            _say("shaped", n, shaped[n])
-        cells = _scale_real.measure(_CELL_NODES, real_rounds, scratch / "cells", cells_extra)
-        _say("cells", _CELL_NODES, cells)
-        wallclock = {}
-        for n in _REAL_SIZES:
-            wallclock[n] = _scale_real.measure(n, wall_rounds, scratch / f"wall{n}", _WALLCLOCK)
-            _say("20-s rounds", n, wallclock[n])
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    real, shaped, cells, wallclock = _measure_real(plan)
     constants = _calibration(real)
-    calibration = {"constants": constants, **_check(real, constants, sim_rounds)}
+    calibration = {"constants": constants, **_check(real, constants, plan.sim_rounds)}
     overhead = calibration["sync_overhead_s"]
-    calibration["link_check"] = _link_check(shaped, constants, overhead, sim_rounds)
-    calibration["cell_check"] = _cell_check(cells, constants, overhead, real_rounds)
+    calibration["link_check"] = _link_check(shaped, constants, overhead, plan.sim_rounds)
+    calibration["cell_check"] = _cell_check(
+        cells, constants, overhead, plan.real_rounds, plan.cell_nodes, plan.cell_layouts
+    )
     report = {
         "benchmark": "scale",
         "quick": quick,
-        "real_rounds": real_rounds,
-        "sim_rounds": sim_rounds,
+        "smoke": smoke,
+        "real_rounds": plan.real_rounds,
+        "sim_rounds": plan.sim_rounds,
         "real": {n: {k: v for k, v in r.items() if k != "config"} for n, r in real.items()},
         "shaped": {n: {k: v for k, v in r.items() if k != "config"} for n, r in shaped.items()},
         "cells": {k: v for k, v in cells.items() if k != "config"},
         "load_table": _load_table(wallclock),
-        "workload": real[_REAL_SIZES[0]]["config"],
+        "workload": real[plan.real_sizes[0]]["config"],
         "calibration": calibration,
-        "simulated": _wan(constants, calibration["sync_overhead_s"], sim_rounds),
+        "simulated": _wan(constants, overhead, plan.sim_rounds, plan.sim_sizes),
         "notes": {
             "real": "n real nodes on 127.0.0.1 sharing two cores: step time and round time "
             "grow with n because the CPU is shared, not because of the protocol",

@@ -17,7 +17,8 @@ average in a group of four, so the sites send less in all; ``bytes_ratio`` says 
 much. ``val_bpb_end`` is the global model's bits per byte after the last round.
 
 ``python -m benchmarks sites [--quick]`` (quick: 4 rounds of 10 inner steps, about two
-minutes on two idle cores; full: 12 rounds) writes ``sites.json`` and ``sites.png``.
+minutes on two idle cores; full: 12 rounds; ``--smoke``: 2 sites of 2 ranks against 2
+nodes, 1 round of 2 inner steps) writes ``sites.json`` and ``sites.png``.
 """
 
 from __future__ import annotations
@@ -51,21 +52,25 @@ _SMALL = [
 ]
 _SETUPS = {"sites": (2, 2), "nodes": (4, 1)}
 """name -> (nodes, processes per node): four processes in both."""
+_SMOKE_SETUPS = {"sites": (2, 2), "nodes": (2, 1)}
+_SMOKE = ["sync.inner_steps=2", "network.matchmaking_seconds=3"]
 
 
-def _run(name: str, rounds: int, directory: pathlib.Path) -> dict[str, Any]:
-    nodes, procs = _SETUPS[name]
+def _run(
+    setup: tuple[int, int], rounds: int, directory: pathlib.Path, overrides: list[str]
+) -> dict[str, Any]:
+    nodes, procs = setup
     spec = swarm.SwarmSpec(
         nodes=nodes,
         config_paths=[],
-        overrides=list(_SMALL),
+        overrides=overrides,
         directory=directory,
         rounds=rounds,
         procs_per_node=procs,
     )
     started = time.monotonic()
     launched, finished = swarm.run_to_end(spec, timeout=180.0 + 30.0 * rounds)
-    summary = swarm.summarize(launched, load_config(None, _SMALL))
+    summary = swarm.summarize(launched, load_config(None, overrides))
     sent = summary["bytes_sent_per_node"]
     curves = []
     for n in launched:
@@ -117,20 +122,27 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """2 sites of 2 ranks against 4 single-process nodes.
+
+    Args:
+        quick: 4 rounds instead of 12.
+        out_dir: folder for ``sites.json`` and ``sites.png``; created if missing.
+        smoke: 2 sites of 2 ranks against 2 nodes, 1 round of 2 inner steps: a check
+            that it runs.
 
     Returns:
         The dict written to ``sites.json``: per setup its bytes per round over the
         slow links, tokens, bits per byte and agreement; ``bytes_ratio`` (sites over
         nodes) and ``bpb_gap`` (sites minus nodes, final bits per byte).
     """
-    rounds = 4 if quick else 12
+    rounds = 1 if smoke else 4 if quick else 12
+    overrides = [*_SMALL, *(_SMOKE if smoke else [])]
     setups: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-sites-") as tmp:
-        for name in _SETUPS:
+        for name, setup in (_SMOKE_SETUPS if smoke else _SETUPS).items():
             try:
-                setups[name] = _run(name, rounds, pathlib.Path(tmp) / name)
+                setups[name] = _run(setup, rounds, pathlib.Path(tmp) / name, overrides)
             except Exception as e:  # one broken setup must not cost the other
                 setups[name] = {"error": f"{type(e).__name__}: {e}"}
     sites, nodes = setups["sites"], setups["nodes"]
@@ -142,6 +154,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     report = {
         "benchmark": "sites",
         "quick": quick,
+        "smoke": smoke,
         "rounds": rounds,
         "setups": setups,
         "bytes_ratio": ratio,

@@ -29,8 +29,9 @@ training wall time (waiting for peers). Two figures come out of that:
   its target is that the two fast workers are idle less than 5 % of the time.
 
 Run it with ``python -m benchmarks stragglers [--quick]`` (quick: 3 rounds of 6 s,
-about 3 minutes on two idle cores; full: 10 rounds); it writes ``stragglers.json`` and
-``stragglers.png`` into the output folder.
+about 3 minutes on two idle cores; full: 10 rounds; ``--smoke``: two workers at
+slowdowns 1 and 2, 1 round of 5 s or 2 steps, 5 s of DDP); it writes ``stragglers.json``
+and ``stragglers.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ __all__ = ["run"]
 
 _SLOWDOWNS = (1, 1, 2, 4)
 _ROUND_SECONDS = 6
+_SMOKE_SLOWDOWNS = (1, 2)
+_SMOKE_ROUND_SECONDS = 5  # matchmaking and commit may take at most 80 % of a round
 # The tiny workload the integration tests use too.
 _SMALL = [
     "run.run_id='bench-stragglers'",
@@ -63,7 +66,6 @@ _SMALL = [
 ]
 _SECONDS = [
     "sync.trigger='seconds'",
-    f"sync.round_seconds={_ROUND_SECONDS}",
     "network.matchmaking_seconds=1.5",
     "network.round_timeout=4",
 ]
@@ -74,28 +76,33 @@ _STEPS = [
     "network.matchmaking_seconds=30",
     "network.round_timeout=8",
 ]
+_SMOKE_STEPS = ["sync.inner_steps=2", "network.matchmaking_seconds=5"]
 
 
 # ---- Atoll swarms ---------------------------------------------------------------------
 
 
 def _run_atoll(
-    overrides: list[str], rounds: int, directory: pathlib.Path, timeout: float
+    overrides: list[str],
+    rounds: int,
+    directory: pathlib.Path,
+    timeout: float,
+    slowdowns: tuple[float, ...],
 ) -> dict[str, Any]:
     """One swarm to its end (or ``timeout``); per-worker busy and idle, and agreement."""
     spec = swarm.SwarmSpec(
-        nodes=len(_SLOWDOWNS),
+        nodes=len(slowdowns),
         config_paths=[],
         overrides=overrides,
         directory=directory,
         rounds=rounds,
-        extra_args={i: ["--slowdown", str(x)] for i, x in enumerate(_SLOWDOWNS)},
+        extra_args={i: ["--slowdown", str(x)] for i, x in enumerate(slowdowns)},
     )
     nodes, finished = swarm.run_to_end(spec, timeout)
     summary = swarm.summarize(nodes, load_config(None, overrides))
     busy = summary["busy_seconds"]
     idle = [i + _closing_wait(n.data_dir) for i, n in zip(summary["idle_seconds"], nodes)]
-    record = _method(busy, idle, [n.status.get("steps", 0) for n in nodes])
+    record = _method(busy, idle, [n.status.get("steps", 0) for n in nodes], slowdowns)
     record.update(
         params_agree=summary["params_agree"],
         rounds=summary["rounds"],
@@ -123,14 +130,17 @@ def _closing_wait(data_dir: pathlib.Path) -> float:
     return max(0.0, max(waits, default=0.0))
 
 
-def _run_ddp(seconds: float) -> dict[str, Any]:
-    """Four DDP ranks (``benchmarks._common.run_timed_ddp``) at the benchmark's slowdowns."""
-    result = run_timed_ddp(TimedDdp(tuple(_SMALL), _SLOWDOWNS, seconds))
+def _run_ddp(seconds: float, slowdowns: tuple[float, ...]) -> dict[str, Any]:
+    """A DDP rank per slowdown (``benchmarks._common.run_timed_ddp``)."""
+    result = run_timed_ddp(TimedDdp(tuple(_SMALL), slowdowns, seconds))
     if "error" in result:
         return {"error": result["error"], "per_worker": []}
     ordered = result["ranks"]
     record = _method(
-        [r["busy"] for r in ordered], [r["idle"] for r in ordered], [r["steps"] for r in ordered]
+        [r["busy"] for r in ordered],
+        [r["idle"] for r in ordered],
+        [r["steps"] for r in ordered],
+        slowdowns,
     )
     record["params_agree"] = all(r["params_agree"] for r in ordered)
     record["exit_codes"] = result["exit_codes"]
@@ -140,16 +150,18 @@ def _run_ddp(seconds: float) -> dict[str, Any]:
 # ---- figures ---------------------------------------------------------------------------
 
 
-def _expected(synchronous: bool) -> tuple[float, float]:
-    """Ideal (utilization, compute_utilization) at the benchmark's slowdowns."""
+def _expected(synchronous: bool, slowdowns: tuple[float, ...]) -> tuple[float, float]:
+    """Ideal (utilization, compute_utilization) at ``slowdowns``."""
     if not synchronous:
         return 1.0, 1.0
-    slowest = max(_SLOWDOWNS)
-    time_share = sum(_SLOWDOWNS) / (len(_SLOWDOWNS) * slowest)
-    return time_share, len(_SLOWDOWNS) / sum(slowest / x for x in _SLOWDOWNS)
+    slowest = max(slowdowns)
+    time_share = sum(slowdowns) / (len(slowdowns) * slowest)
+    return time_share, len(slowdowns) / sum(slowest / x for x in slowdowns)
 
 
-def _method(busy: list[float], idle: list[float], steps: list[int]) -> dict[str, Any]:
+def _method(
+    busy: list[float], idle: list[float], steps: list[int], slowdowns: tuple[float, ...]
+) -> dict[str, Any]:
     """Utilizations, per-worker records and the fast workers' idle shares."""
     per_worker = [
         {
@@ -159,13 +171,13 @@ def _method(busy: list[float], idle: list[float], steps: list[int]) -> dict[str,
             "idle_share": round(i / (b + i), 4) if b + i > 0 else None,
             "steps": s,
         }
-        for x, b, i, s in zip(_SLOWDOWNS, busy, idle, steps)
+        for x, b, i, s in zip(slowdowns, busy, idle, steps)
     ]
     total = sum(busy) + sum(idle)
     # Weighting a worker's seconds by its speed 1/X turns time into compute.
-    useful = sum(b / x for b, x in zip(busy, _SLOWDOWNS))
+    useful = sum(b / x for b, x in zip(busy, slowdowns))
     walls = [b + i for b, i in zip(busy, idle)]
-    available = sum(w / x for w, x in zip(walls, _SLOWDOWNS))
+    available = sum(w / x for w, x in zip(walls, slowdowns))
     return {
         "utilization": round(sum(busy) / total, 4) if total else None,
         "compute_utilization": round(useful / available, 4) if available else None,
@@ -202,19 +214,23 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         )
     axes[0].set_ylabel("seconds per worker")
     axes[0].legend(fontsize=8, loc="center right")
-    fig.suptitle(f"4 workers at slowdowns {', '.join(map(str, _SLOWDOWNS))}", fontsize=10)
+    slowdowns = report["slowdowns"]
+    fig.suptitle(
+        f"{len(slowdowns)} workers at slowdowns {', '.join(map(str, slowdowns))}", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Measures utilization under stragglers for Atoll (seconds, steps) and DDP.
 
     Args:
         quick: 3 rounds per swarm and 18 s of DDP (about 3 minutes); otherwise 10
             rounds and 60 s.
         out_dir: folder for ``stragglers.json`` and ``stragglers.png``; created if missing.
+        smoke: two workers, 1 round per swarm and 5 s of DDP: a check that it runs.
 
     Returns:
         The dict written to ``stragglers.json``: ``slowdowns``, ``methods`` (per method:
@@ -222,35 +238,40 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         ``per_worker`` busy/idle/idle_share/steps and ``params_agree``), ``quick``,
         ``date`` and ``machine``.
     """
-    rounds = 3 if quick else 10
-    seconds = rounds * _ROUND_SECONDS  # the seconds-mode swarm's training time
+    rounds = 1 if smoke else 3 if quick else 10
+    slowdowns = _SMOKE_SLOWDOWNS if smoke else _SLOWDOWNS
+    round_seconds = _SMOKE_ROUND_SECONDS if smoke else _ROUND_SECONDS
+    seconds = rounds * round_seconds  # the seconds-mode swarm's training time
     methods: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-stragglers-") as tmp:
         base = pathlib.Path(tmp)
+        on_clock = [*_SMALL, *_SECONDS, f"sync.round_seconds={round_seconds}"]
+        on_steps = [*_SMALL, *_STEPS, *(_SMOKE_STEPS if smoke else [])]
         plans = {  # name -> (synchronous, swarm overrides and timeout; None: DDP)
-            "atoll_seconds": (False, [*_SMALL, *_SECONDS], 150.0 + 2 * seconds),
-            "atoll_steps": (True, [*_SMALL, *_STEPS], 150.0 + 40.0 * rounds),
+            "atoll_seconds": (False, on_clock, 150.0 + 2 * seconds),
+            "atoll_steps": (True, on_steps, 150.0 + 40.0 * rounds),
             "ddp": (True, None, 0.0),
         }
         for name, (synchronous, overrides, timeout) in plans.items():
             started = time.monotonic()
             try:
                 if overrides is None:
-                    record = _run_ddp(seconds)
+                    record = _run_ddp(seconds, slowdowns)
                 else:
-                    record = _run_atoll(overrides, rounds, base / name, timeout)
+                    record = _run_atoll(overrides, rounds, base / name, timeout, slowdowns)
             except Exception as e:  # one broken method must not cost the others
                 record = {"error": f"{type(e).__name__}: {e}", "per_worker": []}
             record["seconds"] = round(time.monotonic() - started, 1)
             record["expected_utilization"], record["expected_compute_utilization"] = (
-                round(v, 4) for v in _expected(synchronous)
+                round(v, 4) for v in _expected(synchronous, slowdowns)
             )
             methods[name] = record
     report = {
         "benchmark": "stragglers",
-        "slowdowns": list(_SLOWDOWNS),
+        "slowdowns": list(slowdowns),
         "methods": methods,
         "quick": quick,
+        "smoke": smoke,
         "rounds": rounds,
         "ddp_seconds": seconds,
         "notes": {

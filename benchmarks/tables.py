@@ -370,13 +370,16 @@ def _models(d: dict[str, Any]) -> list[_Cells]:
     each = " / ".join(f"{p['beyond_per_param']:.1f}" for p in m["presets"])
     big = max(m["presets"], key=lambda p: p["params"])
     not_run = "; ".join(f"{k}: not run ({v})" for k, v in m.get("not_run", {}).items())
+    slope = m["beyond_bytes_per_param"]  # None with fewer than two presets measured
     rows.append(
         (
             "memory of a running node beyond a bare loop of the same model and optimizer (peak "
             f"RSS), slope over {', '.join(p['preset'] for p in m['presets'])}",
-            f"**{m['beyond_bytes_per_param']:.1f} bytes per parameter** ({each} each; "
+            (f"**{slope:.1f} bytes per parameter**" if slope is not None else "no slope")
+            + f" ({each} each; "
             f"{big['preset']}: {big['node_peak_rss_bytes'] / 1e9:.2f} GB against "
-            f"{big['bare_peak_rss_bytes'] / 1e9:.2f} GB), {m['fixed_bytes'] / 1e6:.0f} MB fixed"
+            f"{big['bare_peak_rss_bytes'] / 1e9:.2f} GB)"
+            + (f", {m['fixed_bytes'] / 1e6:.0f} MB fixed" if slope is not None else "")
             + (f"; {not_run}" if not_run else ""),
             f"≤ {m['goal_bytes_per_param']:g}",
         )
@@ -473,6 +476,8 @@ def command_of(path: Path, data: dict[str, Any], root: Path = RESULTS) -> str:
     command = f"python -m benchmarks {data['benchmark']}"
     if data.get("quick"):
         command += " --quick"
+    if data.get("smoke"):
+        command += " --smoke"
     mode = data.get("mode")
     if mode in ("long", "netns"):
         command += f" --{mode}"

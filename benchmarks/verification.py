@@ -17,7 +17,8 @@ msgpack envelope parts used before and to SHA-256 and BLAKE3 over the body, and 
 cost, times the messages one member seals and opens per all-reduce, is reported as a
 share of the round. The same four members run both modes, switching reducer and judge
 between rounds: one untimed warm-up of each, then 40 repeats of each, off and on in
-turn (off-on, then on-off), so that both see the same load on a shared machine. The
+turn (off-on, then on-off), so that both see the same load on a shared machine (a
+smoke run: 2 members, 20,000 values, codec ``int8``, 1 repeat of each). The
 parent releases every round at one wall-clock instant (:mod:`benchmarks.allreduce`'s
 machinery); a round's time is the slowest member's. Run it with
 ``python -m benchmarks verification [--quick]``; it writes ``verification.json`` and
@@ -36,6 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import blake3
@@ -77,6 +79,22 @@ _SQLITE_CALLS = (
     ("reputation", "record"),
     ("reputation", "standing"),
 )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one run measures: per size and codec, ``repeats`` rounds of each mode."""
+
+    sizes: tuple[int, ...]
+    codecs: tuple[str, ...] = _CODECS
+    members: int = _MEMBERS
+    repeats: int = _REPEATS
+
+
+def _plan(quick: bool, smoke: bool) -> _Plan:
+    if smoke:
+        return _Plan((20_000,), codecs=("int8",), members=2, repeats=1)
+    return _Plan((1_000_000,) if quick else (1_000_000, 10_000_000))
 
 
 # ---- timing hooks ---------------------------------------------------------------------
@@ -163,7 +181,7 @@ class SwitchingPeer:
                 startup_timeout=_TIMEOUT,
             )
         )
-        vectors = _vectors(own.numel())
+        vectors = _vectors(own.numel(), opts["peers"])
         self.own = vectors[index]
         self.reference = (sum(v.double() for v in vectors) / len(vectors)).float()
         self.out = torch.empty_like(self.own)
@@ -208,20 +226,20 @@ class SwitchingPeer:
         self.verifier.close()
 
 
-def _vectors(n: int) -> list[torch.Tensor]:
+def _vectors(n: int, members: int) -> list[torch.Tensor]:
     # Pseudo-gradients of one model share a direction; independent noise alone would
     # make screening judge a situation that never happens in training.
     gen = torch.Generator().manual_seed(n)
     common = torch.randn(n, generator=gen)
-    return [common + 0.5 * torch.randn(n, generator=gen) for _ in range(_MEMBERS)]
+    return [common + 0.5 * torch.randn(n, generator=gen) for _ in range(members)]
 
 
-def _measure(n: int, codec: str, tmp: pathlib.Path) -> dict[str, dict[str, Any]]:
-    """Two warm-ups and ``_REPEATS`` timed all-reduces of ``n`` values per mode, the four
-    members in four processes; a round's time is the slowest member's."""
+def _measure(n: int, codec: str, tmp: pathlib.Path, plan: _Plan) -> dict[str, dict[str, Any]]:
+    """Two warm-ups and ``plan.repeats`` timed all-reduces of ``n`` values per mode, each
+    member in its own process; a round's time is the slowest member's."""
     from benchmarks.allreduce import _Swarm
 
-    swarm = _Swarm(f"{__name__}:SwitchingPeer", n, str(tmp))
+    swarm = _Swarm(f"{__name__}:SwitchingPeer", n, str(tmp), plan.members)
     swarm.opts["codec"] = codec
     times: dict[str, list[float]] = {"off": [], "on": []}
     seconds: dict[str, Counter[str]] = {"off": Counter(), "on": Counter()}
@@ -231,7 +249,7 @@ def _measure(n: int, codec: str, tmp: pathlib.Path) -> dict[str, dict[str, Any]]
     errors: list[float] = []
     try:
         swarm.start()
-        for repeat in range(_WARMUPS + 2 * _REPEATS):
+        for repeat in range(_WARMUPS + 2 * plan.repeats):
             row = swarm.repeat(repeat)
             mode = row[0]["mode"]
             if repeat < _WARMUPS:
@@ -252,7 +270,7 @@ def _measure(n: int, codec: str, tmp: pathlib.Path) -> dict[str, dict[str, Any]]
             "times": times[mode],
             "median_s": statistics.median(times[mode]),
             "per_member_per_round_s": {
-                k: v / (_REPEATS * _MEMBERS) for k, v in sorted(seconds[mode].items())
+                k: v / (plan.repeats * plan.members) for k, v in sorted(seconds[mode].items())
             },
             "rejected": dict(rejected[mode]),
             "incomplete": incomplete[mode],
@@ -290,8 +308,9 @@ def _signature_cost(n: int, codec: str, identities: list[Identity]) -> dict[str,
     signed head binding BLAKE3 chunk hashes, the body raw), next to the msgpack envelope
     parts used before and to the two hashes alone over the same body."""
     me = identities[1]
-    lo, hi = part_bounds(n, _MEMBERS, 256)[1]
-    enc = codecs.encode(_vectors(n)[1][lo:hi], codec)
+    g = len(identities)
+    lo, hi = part_bounds(n, g, 256)[1]
+    enc = codecs.encode(_vectors(n, g)[1][lo:hi], codec)
     meta = {"group": [i.peer_id for i in identities], "weight": 1000, **enc.meta()}
     header = Header("part", _RUN_ID, 1, 0, 1, me.peer_id)
     sealed = seal_part(me, header, meta, enc.payload)
@@ -319,7 +338,6 @@ def _signature_cost(n: int, codec: str, identities: list[Identity]) -> dict[str,
     # Per all-reduce one member seals its G-1 outgoing parts and its reduced part, and
     # opens G-1 incoming parts and G-1 reduced replies (its own it never re-opens); the
     # reduced part is about as large as one part.
-    g = _MEMBERS
     out["seals_per_member"], out["opens_per_member"] = g, 2 * (g - 1)
     out["per_member_per_round_s"] = (
         g * out["sign_overhead_s"] + 2 * (g - 1) * out["verify_overhead_s"]
@@ -330,7 +348,7 @@ def _signature_cost(n: int, codec: str, identities: list[Identity]) -> dict[str,
 # ---- report ---------------------------------------------------------------------------
 
 
-def _plot(results: dict[str, dict[str, Any]], path: pathlib.Path) -> None:
+def _plot(results: dict[str, dict[str, Any]], members: int, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,8 +374,8 @@ def _plot(results: dict[str, dict[str, Any]], path: pathlib.Path) -> None:
         ax.annotate(text, (i, top), ha="center", va="bottom", fontsize=9, fontweight="bold")
     ax.set_xticks(range(len(keys)), [_label(key) for key in keys])
     ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the ratio labels and the legend
-    ax.set_ylabel("median seconds per all-reduce (all 4 members done)")
-    ax.set_title(f"{_MEMBERS} members, one process each, 127.0.0.1; ratio = on / off")
+    ax.set_ylabel(f"median seconds per all-reduce (all {members} members done)")
+    ax.set_title(f"{members} members, one process each, 127.0.0.1; ratio = on / off")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
 
@@ -394,16 +412,16 @@ def _label(key: str) -> str:
     return f"{int(n) / 1e6:g}M, {codec}"
 
 
-def _measure_all(sizes: list[int], results: dict[str, dict]) -> None:
+def _measure_all(plan: _Plan, results: dict[str, dict]) -> None:
     """Fills ``results`` with on/off timings and the signature cost per size and codec."""
-    identities = [Identity.generate() for _ in range(_MEMBERS)]
+    identities = [Identity.generate() for _ in range(plan.members)]
     with tempfile.TemporaryDirectory(prefix="atoll-verification-") as tmp_name:
         tmp = pathlib.Path(tmp_name)
-        for n in sizes:
-            for codec in _CODECS:
+        for n in plan.sizes:
+            for codec in plan.codecs:
                 entry: dict[str, Any] = {"n": n, "codec": codec}
                 try:
-                    entry.update(_measure(n, codec, tmp))
+                    entry.update(_measure(n, codec, tmp, plan))
                 except Exception as e:  # report it; the other cells still run
                     error = {"error": f"{type(e).__name__}: {e}", "median_s": None}
                     entry.update(off=error, on=dict(error))
@@ -418,12 +436,13 @@ def _measure_all(sizes: list[int], results: dict[str, dict]) -> None:
         entry["signatures"] = sig
 
 
-def run(quick: bool, out_dir: pathlib.Path) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Times 4-member all-reduces with verification on and off, and signatures apart.
 
     Args:
         quick: 1M values instead of 1M and 10M.
         out_dir: folder for ``verification.json`` and ``verification.png``; created if missing.
+        smoke: 2 members, 20,000 values, codec int8, 1 repeat: a check that it runs.
 
     Returns:
         The dict written to ``verification.json``: per ``"N/codec"`` the repeat times
@@ -432,7 +451,7 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
         signature micro-benchmark with its share of the round (``signatures``). A
         measurement that failed has an ``error`` instead of times.
     """
-    sizes = [1_000_000] if quick else [1_000_000, 10_000_000]
+    plan = _plan(quick, smoke)
     results: dict[str, dict[str, Any]] = {}
     # One intra-op thread per member, as a node gets when several share a machine
     # (run.threads): with more threads than free cores, OpenMP's waiting turns each small
@@ -440,14 +459,15 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(_TORCH_THREADS)
     try:
-        _measure_all(sizes, results)
+        _measure_all(plan, results)
     finally:
         torch.set_num_threads(threads)
     report = {
         "benchmark": "verification",
         "quick": quick,
-        "members": _MEMBERS,
-        "repeats": _REPEATS,
+        "smoke": smoke,
+        "members": plan.members,
+        "repeats": plan.repeats,
         "torch_threads": _TORCH_THREADS,
         "policy": {"aggregator": "trimmed_mean", "screening": True},
         "target": "ratio on/off below 1.10",
@@ -478,5 +498,5 @@ def run(quick: bool, out_dir: pathlib.Path) -> dict:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "verification.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(results, out_dir / "verification.png")
+    _plot(results, plan.members, out_dir / "verification.png")
     return report

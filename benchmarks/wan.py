@@ -32,8 +32,8 @@ real all-reduce crosses the capped links, with a comm hook adding only the ring'
 root, iproute2 and nftables, and is skipped with the reason otherwise.
 
 Run it with ``python -m benchmarks wan [--quick] [--netns]`` (quick: 3 links, 3 rounds
-of 6 s; full: all 6 links, 5 rounds); it writes ``wan.json`` and ``wan.png`` into the
-output folder.
+of 6 s; full: all 6 links, 5 rounds; ``--smoke``: two workers on one link, 1 round of
+5 s); it writes ``wan.json`` and ``wan.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import pathlib
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
@@ -60,7 +61,6 @@ __all__ = ["run"]
 
 _WORKERS = 4
 _ROUND_SECONDS = 6
-_RING_SHARE = 2 * (_WORKERS - 1) / _WORKERS
 _FP32_BYTES = 4
 _MBIT, _GBIT = 100e6, 1e9
 _FULL_LINKS = tuple(LinkShape(d, bw) for bw in (_GBIT, _MBIT) for d in (0.0, 0.010, 0.070))
@@ -71,11 +71,41 @@ _WORKLOAD = [
     "sync.fragments=2",
     "sync.codec='int8'",
     "sync.trigger='seconds'",
-    f"sync.round_seconds={_ROUND_SECONDS}",
     "network.matchmaking_seconds=1.5",
     "network.round_timeout=4",
     "network.request_timeout=8",
 ]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Who runs on which links, and for how long."""
+
+    links: tuple[LinkShape, ...]
+    rounds: int
+    workers: int = _WORKERS
+    round_seconds: float = _ROUND_SECONDS
+
+    @property
+    def seconds(self) -> float:
+        """Training time of each method (Atoll's rounds on the wall clock, DDP the same)."""
+        return self.rounds * self.round_seconds
+
+    @property
+    def workload(self) -> list[str]:
+        """The nodes' and the DDP ranks' config overrides."""
+        return [*_WORKLOAD, f"sync.round_seconds={self.round_seconds:g}"]
+
+    @property
+    def ring_share(self) -> float:
+        """Share of a vector one worker sends in a ring all-reduce."""
+        return 2 * (self.workers - 1) / self.workers
+
+
+def _plan(quick: bool, smoke: bool) -> _Plan:
+    if smoke:
+        return _Plan(_QUICK_LINKS[:1], rounds=1, workers=2, round_seconds=5)
+    return _Plan(_QUICK_LINKS, 3) if quick else _Plan(_FULL_LINKS, 5)
 
 
 # ---- Atoll ------------------------------------------------------------------------------
@@ -83,23 +113,23 @@ _WORKLOAD = [
 
 def _run_atoll(
     link: LinkShape,
-    rounds: int,
+    plan: _Plan,
     directory: pathlib.Path,
     timeout: float,
     lab: NetLab | None = None,
 ) -> dict[str, Any]:
-    """Four shaped nodes to their end (or ``timeout``); times, utilization, bytes, bpb.
+    """Shaped nodes to their end (or ``timeout``); times, utilization, bytes, bpb.
 
     On 127.0.0.1, or one per host of ``lab`` (tbf the bandwidth, the shaper the delay).
     """
     # Evaluate only at the last round: evaluation is neither compute nor waiting.
-    overrides = [*_WORKLOAD, f"run.eval_every={rounds}"]
+    overrides = [*plan.workload, f"run.eval_every={plan.rounds}"]
     spec = swarm.SwarmSpec(
-        nodes=_WORKERS,
+        nodes=plan.workers,
         config_paths=[],
         overrides=overrides,
         directory=directory,
-        rounds=rounds,
+        rounds=plan.rounds,
         env={ENV_VAR: link.to_env()},
     )
     if lab is None:
@@ -147,32 +177,33 @@ def _run_atoll(
 
 def _run_ddp(
     link: LinkShape,
-    seconds: float,
+    plan: _Plan,
     lab: NetLab | None = None,
     directory: pathlib.Path | None = None,
 ) -> dict[str, Any]:
-    """Four DDP ranks with the link-emulating comm hook, for ``seconds`` of training.
+    """DDP ranks with the link-emulating comm hook, for ``plan.seconds`` of training.
 
     With ``lab``: one rank per host (logs in ``directory``), gloo's traffic through the
     tbf-capped links, and a comm hook for the delay only.
     """
+    seconds, ranks = plan.seconds, (1.0,) * plan.workers
     if lab is None:
-        plan = TimedDdp(tuple(_WORKLOAD), (1.0,) * _WORKERS, seconds, link=link, evaluate=True)
-        result = run_timed_ddp(plan)
+        timed = TimedDdp(tuple(plan.workload), ranks, seconds, link=link, evaluate=True)
+        result = run_timed_ddp(timed)
     else:
         from benchmarks import _wan_netns
 
         first = next(iter(lab.hosts.values()))
-        plan = TimedDdp(
-            tuple(_WORKLOAD),
-            (1.0,) * _WORKERS,
+        timed = TimedDdp(
+            tuple(plan.workload),
+            ranks,
             seconds,
             evaluate=True,
             delay_s=link.delay_s,
             master_addr=first.ip,
         )
         assert directory is not None
-        result = _wan_netns.run_ddp(lab, plan, directory, timeout=seconds + 180.0)
+        result = _wan_netns.run_ddp(lab, timed, directory, timeout=seconds + 180.0)
     if "error" in result:
         return {"error": result["error"]}
     ranks = result["ranks"]
@@ -184,10 +215,12 @@ def _run_ddp(
         "step_seconds": round(statistics.mean(w / s for w, s in zip(walls, steps) if s), 4),
         # The model fits DDP's first 25 MiB bucket: one emulated all-reduce per step.
         ("emulated" if lab is None else "ring_model") + "_allreduce_seconds": round(
-            ring_allreduce_seconds(params * _FP32_BYTES, _WORKERS, link), 4
+            ring_allreduce_seconds(params * _FP32_BYTES, plan.workers, link), 4
         ),
         "utilization": round(sum(busy) / sum(walls), 4) if sum(walls) else None,
-        "bytes_sent_per_worker": int(statistics.mean(steps) * params * _FP32_BYTES * _RING_SHARE),
+        "bytes_sent_per_worker": int(
+            statistics.mean(steps) * params * _FP32_BYTES * plan.ring_share
+        ),
         "val_bpb_end": ranks[0]["val_bpb"],
         "steps_per_worker": statistics.mean(steps),
         "params": params,
@@ -203,16 +236,16 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _run_in_lab(
-    method: str, link: LinkShape, rounds: int, seconds: float, directory: pathlib.Path
+    method: str, link: LinkShape, plan: _Plan, directory: pathlib.Path
 ) -> dict[str, Any]:
-    """One method on the four hosts of a fresh lab; every process and namespace ends."""
+    """One method on the hosts of a fresh lab; every process and namespace ends."""
     from benchmarks import _wan_netns
 
-    with _wan_netns.open_lab(link, _WORKERS) as lab:
+    with _wan_netns.open_lab(link, plan.workers) as lab:
         if method == "atoll":
-            result = _run_atoll(link, rounds, directory, _atoll_timeout(seconds), lab)
+            result = _run_atoll(link, plan, directory, _atoll_timeout(plan.seconds), lab)
         else:
-            result = _run_ddp(link, seconds, lab, directory)
+            result = _run_ddp(link, plan, lab, directory)
         wire = _wan_netns.wire_bytes(lab)
     result["wire_bytes_sent_per_worker"] = int(statistics.mean(wire))
     result["wire_bytes_sent"] = wire
@@ -292,7 +325,8 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         else "emulated links (one-way delay, bandwidth per uplink)"
     )
     fig.suptitle(
-        f"{_WORKERS} workers on {where}, {report['seconds_per_method']:g} s of training per method",
+        f"{report['workers']} workers on {where}, {report['seconds_per_method']:g} s of training "
+        "per method",
         fontsize=10,
     )
     fig.tight_layout()
@@ -303,7 +337,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 # ---- entry point ------------------------------------------------------------------------
 
 
-def run(quick: bool, out_dir: pathlib.Path, netns: bool = False) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = False) -> dict:
     """Measures Atoll and DDP on each emulated link.
 
     Args:
@@ -312,6 +346,8 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False) -> dict:
         out_dir: folder for ``wan.json`` and ``wan.png``; created if missing.
         netns: each worker on its own network namespace, the bandwidth by tbf (see the
             module docstring); without a lab here nothing runs or is written.
+        smoke: two workers on one link (0 ms, 100 Mbit/s), 1 round of 5 s: a check that
+            it runs.
 
     Returns:
         The dict written to ``wan.json``: ``links`` (per link: ``link``, ``env`` and, for
@@ -326,12 +362,11 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False) -> dict:
         ok, why = _wan_netns.available()
         if not ok:
             return {"benchmark": "wan", "skipped": f"--netns needs a network lab: {why}"}
-    rounds = 3 if quick else 5
-    seconds = rounds * _ROUND_SECONDS
+    plan = _plan(quick, smoke)
     started = time.monotonic()
     records = []
     with tempfile.TemporaryDirectory(prefix="atoll-wan-") as tmp:
-        for i, link in enumerate(_QUICK_LINKS if quick else _FULL_LINKS):
+        for i, link in enumerate(plan.links):
             record: dict[str, Any] = {"link": link.label, "env": f"{ENV_VAR}={link.to_env()}"}
             if netns:
                 shaped = _wan_netns.atoll_env(link).get(ENV_VAR)
@@ -342,12 +377,13 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False) -> dict:
                 try:
                     if netns:
                         directory = pathlib.Path(tmp) / f"link{i}-{method}"
-                        result = _run_in_lab(method, link, rounds, seconds, directory)
+                        result = _run_in_lab(method, link, plan, directory)
                     elif method == "atoll":
                         directory = pathlib.Path(tmp) / f"link{i}"
-                        result = _run_atoll(link, rounds, directory, _atoll_timeout(seconds))
+                        timeout = _atoll_timeout(plan.seconds)
+                        result = _run_atoll(link, plan, directory, timeout)
                     else:
-                        result = _run_ddp(link, seconds)
+                        result = _run_ddp(link, plan)
                 except Exception as e:  # one broken run must not cost the others
                     result = {"error": f"{type(e).__name__}: {e}"}
                 result["seconds"] = round(time.monotonic() - t0, 1)
@@ -356,10 +392,11 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False) -> dict:
     report: dict[str, Any] = {
         "benchmark": "wan",
         "quick": quick,
-        "workers": _WORKERS,
-        "rounds": rounds,
-        "seconds_per_method": seconds,
-        "workload": _WORKLOAD,
+        "smoke": smoke,
+        "workers": plan.workers,
+        "rounds": plan.rounds,
+        "seconds_per_method": plan.seconds,
+        "workload": plan.workload,
         "links": records,
         "seconds": round(time.monotonic() - started, 1),
         "notes": {

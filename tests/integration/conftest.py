@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from node import swarm
 from node.config import load_config
 from node.swarm import QUICK_WORKLOAD
 from tests.netlab import NetLab, cleanup_stale, netlab_available
+from tests.waiting import wait_until
 
 SMALL = [
     "run.run_id='itest'",
@@ -29,18 +29,6 @@ SMALL = [
     "network.round_timeout=8",
     "network.request_timeout=8",
 ]
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds pass (bounded in time and count)."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    return bool(predicate())
 
 
 def alive(pid: int) -> bool:

@@ -96,6 +96,14 @@ def _bad_owner_evidence(member: Identity, cheat: Identity, numel: int) -> dict[s
     return {"reduced": open_part(wire, max_bytes=2**28).evidence(), "commit": commit}
 
 
+def _meshed(channel: ControlChannel, topic: str, peers: int) -> bool:
+    """Whether ``peers`` peers are subscribed to ``topic`` and in the channel's mesh for
+    it (grafted at a heartbeat, every second)."""
+    stats = channel.stats(refresh=True)
+    subscribed = stats.get("topic_peers", {}).get(topic, [])
+    return len(subscribed) == peers and stats.get("mesh", {}).get(topic, 0) == peers
+
+
 def test_verdicts_are_checked_forged_ones_cost_nothing_and_a_proven_one_bans(local_swarm, tmp_path):
     # Forged verdicts cost the accused nothing; a bad-owner verdict about a part of ten
     # million values (its evidence: the owner's signed head, a few kB) reaches every
@@ -112,7 +120,7 @@ def test_verdicts_are_checked_forged_ones_cost_nothing_and_a_proven_one_bans(loc
     ) as channel:
         channel.connect([a for n in nodes for a in n.status["control_addrs"]])
         assert wait_until(lambda: len(channel.stats(refresh=True).get("peers", [])) == 3, 30)
-        time.sleep(2)  # let the mesh form (heartbeat 1 s)
+        assert wait_until(lambda: _meshed(channel, topic, 3), 30), channel.stats()
         # evidence the forger signed itself, claimed to be the accused's
         fake = [
             sign_control(forger, RUN, commit, 1, {"round": 1, "fragment": 0, "digests": []}),

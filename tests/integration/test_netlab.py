@@ -13,6 +13,7 @@ import pytest
 
 from tests import netlab as netlab_mod
 from tests.netlab import CommandError, Host, NetLab, cleanup_stale, netlab_available
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -163,7 +164,7 @@ def test_close_removes_everything(netlab: NetLab) -> None:
         # A process group with a child that ignores SIGTERM: close() must still end both.
         ignoring = "trap '' TERM; sleep 60 & wait"
         leader = lab.popen(a, ["sh", "-c", ignoring])
-        time.sleep(0.3)
+        assert wait_until(lambda: psutil.Process(leader.pid).children(), 10, 0.05)
         pids = [leader.pid, *(c.pid for c in psutil.Process(leader.pid).children())]
         assert len(pids) == 2
         made = set(lab.namespaces)

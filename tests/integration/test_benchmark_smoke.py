@@ -1,0 +1,177 @@
+"""Every benchmark that starts nodes, peers or ranks, run for real at its smoke size.
+
+``run(False, tmp_path, smoke=True)`` goes through the benchmark's own code path (its
+swarms of real node processes, spawned peers, DDP ranks, report and figure) with 2
+nodes or peers and 1 or 2 short rounds, so that a change that breaks a benchmark fails
+here instead of at its next real run. Each test asserts the report has no failed
+measurement (``benchmarks.__main__.failures``), that its JSON renders in the docs'
+tables, that nothing was written into ``benchmarks/results`` and that no node or p2pd
+outlived the run; the figures themselves mean nothing at these sizes. ``codec``, which
+starts no process, is smoked in ``tests/unit/benchmarks/test_smoke.py``.
+
+A real swarm costs about 25 s here however small (starting and stopping each node
+dominates), so ``make test`` smokes the benchmarks that cover the most per second
+(verification, convergence, mixing, wan, robustness: about 3 minutes) and marks the
+others ``slow`` (``make test-all``: allreduce's seven methods, stragglers, sites, scale,
+models, wan in network namespaces and partitions' 3-minute lab run).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from benchmarks import __main__ as bench_cli
+from benchmarks import tables
+from tests.unit.benchmarks.test_smoke import check_smoke_report
+
+pytestmark = [pytest.mark.integration]
+
+SMOKED = {
+    "allreduce",
+    "verification",
+    "convergence",
+    "robustness",
+    "stragglers",
+    "wan",
+    "mixing",
+    "sites",
+    "scale",
+    "models",
+    "partitions",
+    "cuda_site",
+}
+"""The benchmarks smoked here (the unit test checks every registered one is somewhere)."""
+
+
+def _stamps() -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in tables.RESULTS.rglob("*") if p.is_file()}
+
+
+def _leftovers() -> list[str]:
+    """Node, p2pd and rank processes still under this test process."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            line = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "resource_tracker" in line:  # multiprocessing's own, kept for the session
+            continue
+        if any(k in line for k in ("node.cli", "p2pd", "multiprocessing", "benchmarks.")):
+            found.append(f"{child.pid}: {line[:120]}")
+    return found
+
+
+def smoke(name: str, out: Path, **extra: bool) -> dict:
+    """Runs benchmark ``name`` at its smoke size into ``out`` and checks what it gave."""
+    before = _stamps()
+    report = importlib.import_module(bench_cli.BENCHMARKS[name]).run(
+        False, out, smoke=True, **extra
+    )
+    assert _stamps() == before, "a smoke run wrote into benchmarks/results"
+    assert _leftovers() == []
+    if report.get("skipped"):
+        pytest.skip(f"{name}: {report['skipped']}")
+    check_smoke_report(name, report, out)
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_allreduce_smoke(tmp_path: Path) -> None:
+    report = smoke("allreduce", tmp_path)
+    assert report["peers"] == 2
+    assert all(r["20000"]["correct"] for r in report["results"].values()), report["results"]
+
+
+@pytest.mark.timeout(180)
+def test_verification_smoke(tmp_path: Path) -> None:
+    report = smoke("verification", tmp_path)
+    assert report["members"] == 2 and report["results"]["20000/int8"]["ratio"]
+
+
+@pytest.mark.timeout(180)
+def test_convergence_smoke(tmp_path: Path) -> None:
+    report = smoke("convergence", tmp_path)
+    assert report["mode"] == "smoke" and report["total_steps"] == 10
+    assert any(e["setting"]["islands"] for e in report["entries"])
+
+
+@pytest.mark.timeout(300)
+def test_robustness_smoke(tmp_path: Path) -> None:
+    report = smoke("robustness", tmp_path)
+    (cell,) = report["cells"]
+    assert cell["mode"] == "scale" and cell["exit_codes"] == [0, 0], cell
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stragglers_smoke(tmp_path: Path) -> None:
+    report = smoke("stragglers", tmp_path)
+    assert report["slowdowns"] == [1, 2]
+    assert all(m["utilization"] for m in report["methods"].values()), report["methods"]
+
+
+@pytest.mark.timeout(240)
+def test_wan_smoke(tmp_path: Path) -> None:
+    report = smoke("wan", tmp_path)
+    (link,) = report["links"]
+    assert link["atoll"]["exit_codes"] == [0, 0] and link["ddp"]["steps_per_worker"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_wan_netns_smoke(tmp_path: Path) -> None:
+    report = smoke("wan", tmp_path, netns=True)  # skips where no network lab can be built
+    assert report["mode"] == "netns"
+    assert all(r["atoll"]["wire_bytes_sent_per_worker"] for r in report["links"])
+
+
+@pytest.mark.timeout(240)
+def test_mixing_smoke(tmp_path: Path) -> None:
+    report = smoke("mixing", tmp_path)
+    assert report["sizes"] == [2] and report["results"]["2"]["butterfly"]["rounds_reached"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sites_smoke(tmp_path: Path) -> None:
+    report = smoke("sites", tmp_path)
+    assert report["setups"]["sites"]["procs_per_node"] == 2 and report["bytes_ratio"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_scale_smoke(tmp_path: Path) -> None:
+    report = smoke("scale", tmp_path)
+    data = json.loads((tmp_path / "scale.json").read_text())
+    assert tables.scale_load_table(data) and tables.scale_simulated_table(data)
+    assert set(report["real"]) == {2} and report["cells"]["rounds_reached"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_models_smoke(tmp_path: Path) -> None:
+    report = smoke("models", tmp_path)
+    assert report["throughput"]["ratio"] and report["convergence"]["entries"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_site_smoke(tmp_path: Path) -> None:
+    report = smoke("cuda_site", tmp_path)
+    assert report["finished"] and report["ranks_agree"], report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_partitions_smoke(tmp_path: Path) -> None:
+    # one run of three minutes in a network lab, like the partitions test it repeats
+    report = smoke("partitions", tmp_path)
+    assert report["of"] == 1

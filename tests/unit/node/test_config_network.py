@@ -1,0 +1,53 @@
+"""The sync, network, control and metrics sections: each refuses what cannot work, naming
+the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.config_network import ControlConfig, MetricsConfig, NetworkConfig, SyncConfig
+
+PEER = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+def test_the_defaults_make_a_local_node_with_commitments() -> None:
+    sync, network, control = SyncConfig(), NetworkConfig(), ControlConfig()
+    assert sync.trigger == "seconds" and sync.mix_codec == "fp16"
+    assert network.host == "127.0.0.1" and network.initial_peers == ()
+    assert control.enabled and control.commit
+    assert MetricsConfig().port is None  # no endpoint unless asked for
+
+
+def test_stochastic_rounding_needs_an_integer_codec() -> None:
+    assert SyncConfig(codec="int4", stochastic_rounding=True).stochastic_rounding
+    with pytest.raises(ValueError, match="stochastic_rounding needs codec int8 or int4"):
+        SyncConfig(codec="fp16", stochastic_rounding=True)
+
+
+def test_peers_are_multiaddrs_with_their_peer_id_and_announced_ones_need_none() -> None:
+    assert NetworkConfig(initial_peers=(PEER,)).initial_peers == (PEER,)
+    assert NetworkConfig(announce_maddrs=("/ip4/203.0.113.5/tcp/31337",)).announce_maddrs
+    with pytest.raises(ValueError, match="is not a multiaddr"):
+        NetworkConfig(initial_peers=("203.0.113.5:31337",))
+    with pytest.raises(ValueError, match="needs its peer id"):
+        NetworkConfig(trusted_relays=("/ip4/203.0.113.5/tcp/1",))
+
+
+def test_a_client_cannot_say_it_is_publicly_reachable() -> None:
+    with pytest.raises(ValueError, match="client_mode = true"):
+        NetworkConfig(client_mode=True, reachability="public")
+
+
+def test_commitments_need_the_control_channel_and_limits_are_bounded() -> None:
+    assert not ControlConfig(enabled=False, commit=False).enabled
+    with pytest.raises(ValueError, match="control.commit needs control.enabled"):
+        ControlConfig(enabled=False)
+    with pytest.raises(ValueError):
+        ControlConfig(max_message_kb=2048)  # py-libp2p refuses more than 1 MiB
+    with pytest.raises(ValueError):
+        MetricsConfig(port=70000)
+
+
+def test_unknown_keys_are_refused() -> None:
+    with pytest.raises(ValueError):
+        SyncConfig(codecs="int8")  # type: ignore[call-arg]

@@ -1,0 +1,68 @@
+"""What a local swarm did, read from its nodes' own files: agreement and bits per byte
+over the honest nodes, the one-paragraph summary and the live table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from node.config import load_config
+from node.swarm_report import SwarmProcess, dump_json, format_summary, render_table, summarize
+
+
+def _node(tmp_path: Path, index: int, digests: list[str], **status) -> SwarmProcess:
+    folder = tmp_path / f"node{index}"
+    folder.mkdir()
+    events = [
+        {"event": "round", "round": r + 1, "global_digest": d, "val_bpb": 3.0 - r, "t": 10.0 * r}
+        for r, d in enumerate(digests)
+    ]
+    (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    defaults = {"peer_id": f"peer{index}", "val_bpb_start": 4.0, "bytes_sent": 2**20}
+    (folder / "status.json").write_text(json.dumps({**defaults, **status}))
+    proc = SimpleNamespace(returncode=0, poll=lambda: 0)
+    return SwarmProcess(index, folder, proc, None)  # type: ignore[arg-type]
+
+
+def test_honest_nodes_that_hold_the_same_state_every_round_agree(tmp_path: Path) -> None:
+    nodes = [_node(tmp_path, i, ["aa", "bb"], params=1000, steps=20) for i in range(2)]
+    summary = summarize(nodes, load_config(None, []))
+    assert summary["nodes"] == 2 and summary["rounds"] == 2
+    assert summary["params_agree"] and summary["rounds_disagreeing"] == []
+    assert summary["val_bpb_start"] == 4.0 and summary["val_bpb_end"] == 2.0
+    assert summary["ddp_bytes_per_node"] == [20 * 1000 * 4, 20 * 1000 * 4]  # 2(N-1)/N = 1
+    assert summary["round_seconds"] == [10.0, 10.0] and summary["exit_codes"] == [0, 0]
+
+
+def test_a_faulty_node_is_listed_but_not_averaged_in(tmp_path: Path) -> None:
+    honest = [_node(tmp_path, i, ["aa", "bb"]) for i in range(2)]
+    faulty = _node(tmp_path, 2, ["xx", "yy"])
+    assert not summarize(honest + [faulty], load_config(None, []))["params_agree"]
+    summary = summarize(honest + [faulty], load_config(None, []), byzantine=[2])
+    assert summary["params_agree"] and summary["byzantine_nodes"] == [2]
+    assert summary["peer_ids"] == ["peer0", "peer1", "peer2"]
+
+
+def test_a_round_on_which_nodes_differ_is_named(tmp_path: Path) -> None:
+    nodes = [_node(tmp_path, 0, ["aa", "bb"]), _node(tmp_path, 1, ["aa", "cc"])]
+    summary = summarize(nodes, load_config(None, []))
+    assert not summary["params_agree"] and summary["rounds_disagreeing"] == [2]
+
+
+def test_the_summary_reads_as_one_paragraph_and_one_json_line(tmp_path: Path) -> None:
+    nodes = [_node(tmp_path, i, ["aa"], params=1000, steps=10) for i in range(2)]
+    summary = summarize(nodes, load_config(None, []))
+    summary.update(seconds=12.0, directory=str(tmp_path))
+    text = format_summary(summary)
+    assert text.startswith("swarm of 2 nodes, 1 rounds in 12s; val bits/byte 4.000 -> 3.000")
+    assert "params agree: True" in text and f"logs and checkpoints: {tmp_path}" in text
+    line = dump_json(summary)
+    assert "\n" not in line and json.loads(line)["rounds"] == 1
+
+
+def test_the_live_table_has_a_row_per_node(tmp_path: Path) -> None:
+    nodes = [_node(tmp_path, i, [], state="training", loss=2.5) for i in range(3)]
+    table = render_table(nodes)
+    assert table.row_count == 3 and table.columns[2].header == "state"
+    assert list(table.columns[5].cells) == ["2.500"] * 3

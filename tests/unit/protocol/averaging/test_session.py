@@ -1,0 +1,96 @@
+"""One node's state in an all-reduce: an owned part that wakes once every expected part
+is in, the split of the time left, and the table that forgets rounds long past."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from protocol.averaging.context import AllReduceContext
+from protocol.averaging.parts import AllReduceSettings, Contribution, Judge, PartPlan
+from protocol.averaging.session import OwnedPart, Session, SessionTable
+
+ME, P, Q = "me", "p", "q"
+
+
+def _own() -> Contribution:
+    return Contribution(ME, torch.zeros(4), 1.0, b"d" * 32)
+
+
+def _context(**settings) -> AllReduceContext:
+    return AllReduceContext(None, None, AllReduceSettings(run_id="r", **settings), None, Judge())  # type: ignore[arg-type]
+
+
+def test_an_owned_part_is_full_once_every_expected_part_is_in_or_refused() -> None:
+    async def main() -> list[bool]:
+        part = OwnedPart(4, {ME, P, Q}, _own())
+        seen = []
+        part.note_in()
+        seen.append(part.full.is_set())
+        part.contributions[P] = Contribution(P, torch.ones(4), 1.0, b"p" * 32)
+        part.note_in()
+        seen.append(part.full.is_set())
+        part.refused[Q] = "late"
+        part.note_in()
+        seen.append(part.full.is_set())
+        return seen
+
+    assert asyncio.run(main()) == [False, False, True]
+
+
+def test_without_a_streamed_reduction_there_is_no_progress_to_send() -> None:
+    async def main() -> tuple:
+        part = OwnedPart(4, {ME}, _own())
+        part.arrived(P, 100)  # nothing follows the parts: ignored
+        part.drop_reply()
+        return part.progress(), part.reply, part.wake.is_set()
+
+    assert asyncio.run(main()) == ((None, 0), None, False)
+
+
+def test_the_time_left_is_split_between_parts_answers_and_repair() -> None:
+    async def main() -> Session:
+        session = Session((1, 0, "update"))
+        session.open(PartPlan.of(ME, [ME, P], None, 8, 1), time.monotonic() + 4.0)
+        session.schedule()
+        return session
+
+    session = asyncio.run(main())
+    now = time.monotonic()
+    assert abs(session.parts_by - (now + 2.0)) < 0.2  # half for the parts
+    assert abs(session.replies_by - (now + 3.0)) < 0.2  # three quarters for the answers
+    assert session.parts_by < session.replies_by < session.done_by
+    assert session.content == "update" and session.header("part", "r", ME).part == 0
+
+
+def test_when_every_other_owner_sees_another_group_the_owned_part_stops_waiting() -> None:
+    async def main() -> list[bool]:
+        session = Session((1, 0, "update"))
+        session.open(PartPlan.of(ME, [ME, P, Q], None, 9, 1), time.monotonic() + 5)
+        session.owned = OwnedPart(3, {ME, P, Q}, _own())
+        session.note_mismatch()
+        first = session.owned.full.is_set()
+        session.note_mismatch()
+        return [first, session.owned.full.is_set()]
+
+    assert asyncio.run(main()) == [False, True]
+
+
+def test_the_table_forgets_rounds_long_past_and_bounds_what_a_peer_can_open() -> None:
+    context = _context(fragments=1, round_window=1)
+    table = SessionTable(context)
+    context.tally((1, 0, "update"), sent=10)
+    first = table.open((1, 0, "update"))
+    assert table.open((1, 0, "update")) is first
+    context.current_round = 10
+    table.open((10, 0, "update"))
+    assert table.get((1, 0, "update")) is None and context.traffic((1, 0, "update")) == (0, 0)
+    rounds = 0
+    while table.has_room((100 + rounds, 0, "update")):
+        context.current_round = 0  # nothing is old enough to drop
+        table.open((100 + rounds, 0, "update"))
+        rounds += 1
+    assert rounds < 20  # a peer cannot make this node hold sessions without bound
+    assert table.has_room((100, 0, "update"))  # one that is open always has room
