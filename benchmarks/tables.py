@@ -297,7 +297,8 @@ def _wan(d: dict[str, Any]) -> list[_Cells]:
         f"bytes {'on the wire (eth0 counters) ' if netns else ''}per worker: Atoll "
         f"{span(atoll, mb)}{of_it}, DDP {span(ddp, lambda x: f'{x / 1e6:.0f}')} MB"
     )
-    rounds = statistics.mean(link["atoll"]["round_seconds"] for link in d["links"])
+    measured = [link["atoll"]["round_seconds"] for link in d["links"]]
+    rounds = statistics.mean(r for r in measured if r is not None) if any(measured) else 0.0
     where = "kernel-shaped links (`--netns`)" if netns else "long links emulated on loopback"
     what = (
         f"{where}, {d['workers']} workers, {d['rounds']} rounds of {rounds:.0f} s each "
