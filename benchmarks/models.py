@@ -35,7 +35,7 @@ The corpus is the standard library's ``.py`` files, prepared once per run with
 
 Run ``python -m benchmarks models [--quick]``; writes ``models.json`` and ``models.png``.
 A smoke run (``--smoke``) goes through every part at the smallest sizes: 40 files and a
-512-token BPE, 1 round of 8 s per throughput swarm, llama-tiny alone for memory (so no
+512-token BPE, 2 rounds of 8 s per throughput swarm, llama-tiny alone for memory (so no
 slope), 2 nodes against 2 DDP ranks for 1 round of 2 steps.
 """
 
@@ -114,7 +114,7 @@ def _plan(quick: bool, smoke: bool) -> _Plan:
             seeds=1,
             round_seconds=8.0,
             bare_seconds=2.0,
-            throughput_rounds=1,
+            throughput_rounds=2,  # helper CPU is counted between the first and last
             side_rounds=1,
             memory_presets=("llama-tiny",),
             conv_nodes=2,

@@ -51,7 +51,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
                 round(rng.uniform(0.0, FLAP_SECONDS / 2), 1) for _ in range(len(OFFSETS))
             )
             result = flap_run(lab, pathlib.Path(root), offsets)
-            verdict = judge(result)
+            verdict = _verdict(judge, result)
             flapper = result["nodes"][2]
             status = flapper.status
             syncs = read_events(flapper.data_dir / "events.jsonl", "sync")
@@ -90,6 +90,29 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     (out_dir / "partitions.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out_dir / "partitions.png")
     return report
+
+
+def _verdict(judge: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """``judge``'s verdict on one run; for a run where a node has no record of some round
+    (it stopped early), an ``error`` naming it and the last lines of its log."""
+    try:
+        return judge(result)
+    except KeyError as e:
+        tails = {n.index: _log_tail(n.data_dir) for n in result["nodes"] if n.proc.returncode}
+        return {
+            "stable_apart": [],
+            "due": [],
+            "late": [],
+            "error": f"a node has no record of round {e}: exit codes {result['exit_codes']}, "
+            f"finished {result['finished']}; {tails}",
+        }
+
+
+def _log_tail(data_dir: pathlib.Path, lines: int = 3) -> list[str]:
+    try:
+        return (data_dir / "node.log").read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:

@@ -32,8 +32,8 @@ real all-reduce crosses the capped links, with a comm hook adding only the ring'
 root, iproute2 and nftables, and is skipped with the reason otherwise.
 
 Run it with ``python -m benchmarks wan [--quick] [--netns]`` (quick: 3 links, 3 rounds
-of 6 s; full: all 6 links, 5 rounds; ``--smoke``: two workers on one link, 1 round of
-5 s); it writes ``wan.json`` and ``wan.png`` into the output folder.
+of 6 s; full: all 6 links, 5 rounds; ``--smoke``: two workers on one link, 2 rounds
+of 5 s); it writes ``wan.json`` and ``wan.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = F
         out_dir: folder for ``wan.json`` and ``wan.png``; created if missing.
         netns: each worker on its own network namespace, the bandwidth by tbf (see the
             module docstring); without a lab here nothing runs or is written.
-        smoke: two workers on one link (0 ms, 100 Mbit/s), 1 round of 5 s: a check that
+        smoke: two workers on one link (0 ms, 100 Mbit/s), 2 rounds of 5 s: a check that
             it runs.
 
     Returns:

@@ -11,7 +11,7 @@ starts no process, is smoked in ``tests/unit/benchmarks/test_smoke.py``.
 
 A real swarm costs about 25 s here however small (starting and stopping each node
 dominates), so ``make test`` smokes the benchmarks that cover the most per second
-(verification, convergence, mixing, wan, robustness: about 3 minutes) and marks the
+(verification, convergence, mixing, wan, robustness: about 2.5 minutes) and marks the
 others ``slow`` (``make test-all``: allreduce's seven methods, stragglers, sites, scale,
 models, wan in network namespaces and partitions' 3-minute lab run).
 """
