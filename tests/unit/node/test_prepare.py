@@ -233,7 +233,9 @@ def test_ctrl_c_stops_the_workers_and_the_same_command_finishes_the_job(
 ) -> None:
     src = tmp_path / "in"
     src.mkdir()
-    for i in range(12):  # about 2 MB in 500 pieces: a second or two of work for two workers
+    # about 6 MB in 1,500 pieces: several seconds of work for two workers, so the job is
+    # still running when the interrupt arrives on a loaded machine
+    for i in range(36):
         (src / f"d{i:02d}.txt").write_text("\n\n".join(DOCS[(i + j) % 30] for j in range(6)))
     command = [
         sys.executable,
