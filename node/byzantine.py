@@ -85,7 +85,9 @@ class _WireAttack(FaultInjection):
             return super().request(identity, header, dict(meta, weight=10**12), encoded)
         if self.mode == "wrong_shape":
             longer = torch.cat([codecs.decode(encoded), torch.zeros(1)])
-            enc = codecs.encode(longer, encoded.codec, block_size=encoded.block_size)
+            enc = codecs.encode(
+                longer, encoded.codec, block_size=encoded.block_size, k=encoded.k, bits=encoded.bits
+            )
             return super().request(identity, header, meta, enc)
         if self.mode == "nan":
             return super().request(identity, header, meta, _nan(encoded))
@@ -141,11 +143,11 @@ def _nan(encoded: codecs.Encoded) -> codecs.Encoded:
     """The same part with its first value (or block scale) replaced by NaN."""
     nan32 = struct.pack("<f", float("nan"))
     payload = bytearray(encoded.payload)
-    if encoded.codec in ("none", "int8", "int4"):
-        payload[0:4] = nan32  # raw value, or the first block's scale
+    if encoded.codec in ("none", "int8", "int4", *codecs.SPARSE):
+        payload[0:4] = nan32  # raw value, or the first block's (chunk's) scale
     else:
         payload[0:2] = b"\xff\x7f" if encoded.codec == "fp16" else b"\xc0\x7f"
-    return codecs.Encoded(encoded.codec, encoded.numel, encoded.block_size, bytes(payload))
+    return dataclasses.replace(encoded, payload=bytes(payload))
 
 
 class _Silent(FaultInjection):

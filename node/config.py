@@ -83,6 +83,14 @@ class AtollConfig:
     """``[trust]``: the operator's trust policy (:class:`~verification.policy.TrustPolicy`)."""
 
     def __post_init__(self) -> None:
+        from verification.aggregators import SPARSE_SAFE
+
+        if self.sync.codec == "topk" and self.trust.aggregator not in SPARSE_SAFE:
+            raise ValueError(
+                f"trust.aggregator = {self.trust.aggregator!r} cannot work with sync.codec = "
+                f"'topk' (coordinate-wise on sparse parts it drops almost every value): use "
+                f"one of {', '.join(sorted(SPARSE_SAFE))}"
+            )
         # On the wall clock an exchange must end before its fragment syncs again.
         if self.sync.trigger == "seconds":
             waits = self.network.matchmaking_seconds

@@ -17,7 +17,7 @@ __all__ = ["CodecName", "ControlConfig", "MetricsConfig", "NetworkConfig", "Sync
 
 _STRICT = ConfigDict(extra="forbid")
 
-CodecName = Literal["none", "fp16", "bf16", "int8", "int4"]
+CodecName = Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -44,15 +44,30 @@ class SyncConfig:
     """Fragments the model is split into, balanced by element count (1 to 1024); each
     syncs on its own, spread evenly over the round."""
     codec: CodecName = "none"
-    """How pseudo-gradients travel: ``none`` (float32), ``fp16``, ``bf16``, or ``int8`` /
-    ``int4`` (blockwise absmax quantization)."""
+    """How pseudo-gradients travel: ``none`` (float32), ``fp16``, ``bf16``, ``int8`` /
+    ``int4`` (blockwise absmax quantization), or ``topk`` (in every chunk of
+    ``topk_chunk`` values only the ``topk_density`` share of largest magnitude, in
+    ``topk_bits`` bits; owners answer with the union of the kept values in 8 bits)."""
     block_size: int = Field(default=256, ge=1, le=2**20)
     """Values per scale of ``int8`` and ``int4`` (1 to 2^20)."""
+    topk_chunk: int = Field(default=4096, ge=2, le=65535)
+    """With codec ``topk``: values per chunk, each with its own scale and kept count;
+    offsets within a chunk take one byte up to 256 values and two above (2 to 65535).
+    Parts of a fragment start on chunk boundaries."""
+    topk_density: float = Field(default=0.01, gt=0.0, le=1.0)
+    """With codec ``topk``: the share of each chunk kept, ``round(density * chunk)`` values
+    (at least one)."""
+    topk_bits: Literal[2, 4, 8] = 2
+    """With codec ``topk``: bits per kept value (per-chunk scale)."""
+    feedback_decay: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Share of the error-feedback residual carried into the next sync of a fragment:
+    1 is plain error feedback; below 1 the residual is SparseLoCo's accumulator, which
+    also acts as the outer momentum (pair it with ``outer.momentum = 0``)."""
     error_feedback: bool = True
     """Keep what encoding a pseudo-gradient lost and add it to the fragment's next one."""
     stochastic_rounding: bool = False
-    """Round ``int8`` / ``int4`` values up or down at random in proportion (unbiased)
-    instead of to the nearest; needs codec ``int8`` or ``int4``."""
+    """Round ``int8`` / ``int4`` / ``topk`` values up or down at random in proportion
+    (unbiased) instead of to the nearest; needs codec ``int8``, ``int4`` or ``topk``."""
     averaging: Literal["allreduce", "gossip"] = "allreduce"
     """``allreduce``: groups average their pseudo-gradients; ``gossip``: nodes pair up
     every round and take a NoLoCo-style outer step (see ``gossip_gamma``)."""
@@ -67,10 +82,30 @@ class SyncConfig:
     choices as ``codec``)."""
 
     def __post_init__(self) -> None:
-        if self.stochastic_rounding and self.codec not in ("int8", "int4"):
+        if self.stochastic_rounding and self.codec not in ("int8", "int4", "topk"):
             raise ValueError(
-                f"sync.stochastic_rounding needs codec int8 or int4, not {self.codec!r}"
+                f"sync.stochastic_rounding needs codec int8, int4 or topk, not {self.codec!r}"
             )
+        if self.mix_codec == "topk":
+            raise ValueError(
+                "sync.mix_codec = 'topk': global copies are not sparse; use none, fp16, "
+                "bf16, int8 or int4"
+            )
+        if self.feedback_decay < 1.0 and not self.error_feedback:
+            raise ValueError("sync.feedback_decay < 1 needs sync.error_feedback = true")
+
+    @property
+    def chunk(self) -> int:
+        """Values per scale (and, for ``topk``, per chunk): where parts may start."""
+        return self.topk_chunk if self.codec == "topk" else self.block_size
+
+    def codec_args(self) -> dict[str, int]:
+        """``block_size``, ``k`` and ``bits`` as :func:`protocol.wire.codec.encode` takes
+        them for ``codec``."""
+        if self.codec != "topk":
+            return {"block_size": self.block_size}
+        k = max(1, min(self.topk_chunk, round(self.topk_density * self.topk_chunk)))
+        return {"block_size": self.topk_chunk, "k": k, "bits": self.topk_bits}
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -184,10 +184,11 @@ def _training(
         feedback=[
             codecs.ErrorFeedback(
                 cfg.sync.codec,
-                block_size=cfg.sync.block_size,
+                **cfg.sync.codec_args(),
                 stochastic=cfg.sync.stochastic_rounding,
                 generator=torch.Generator().manual_seed(f + 1),
                 pin_memory=pin,
+                decay=cfg.sync.feedback_decay,
             )
             for f in range(len(plan))
         ],

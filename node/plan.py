@@ -64,6 +64,10 @@ class PlanInput:
     step_seconds: float
     codec: str = "int8"
     block_size: int = 256
+    topk_k: int = 0
+    """With codec ``topk``: values kept per chunk of ``block_size``."""
+    topk_bits: int = 0
+    """With codec ``topk``: bits per kept value."""
     fragments: int = 1
     group_size: int = 2
     trigger: Literal["steps", "seconds"] = "steps"
@@ -100,12 +104,19 @@ def plan(inp: PlanInput) -> dict[str, Any]:
     Raises:
         ValueError: an unknown codec or a bad block size.
     """
-    from protocol.wire.codec import encoded_size
+    from protocol.wire.codec import encoded_size, sparse_result_bound
 
     values = -(-inp.params // inp.fragments)
-    fragment_bytes = encoded_size(values, inp.codec, inp.block_size)
-    share = 2 * (inp.group_size - 1) / inp.group_size
-    sent_per_sync = share * fragment_bytes
+    sparse = {"k": inp.topk_k, "bits": inp.topk_bits} if inp.codec == "topk" else {}
+    fragment_bytes = encoded_size(values, inp.codec, inp.block_size, **sparse)
+    share = (inp.group_size - 1) / inp.group_size
+    if sparse:
+        # results are the union of the members' kept values, 8 bits each: at most
+        # group_size times as many values as one part keeps
+        result_bytes = sparse_result_bound(values, inp.block_size, inp.topk_k, inp.group_size)
+    else:
+        result_bytes = fragment_bytes
+    sent_per_sync = share * (fragment_bytes + result_bytes)
     one_way = inp.distance_km * ONE_WAY_SECONDS_PER_KM
     transfer = sent_per_sync * 8 / (inp.bandwidth_gbit * 1e9)
     sync = transfer + inp.round_trips * 2 * one_way + inp.overhead_seconds
@@ -113,7 +124,7 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "input": asdict(inp),
         "fragment_values": values,
         "fragment_bytes": fragment_bytes,
-        "full_sync_bytes": encoded_size(inp.params, inp.codec, inp.block_size),
+        "full_sync_bytes": encoded_size(inp.params, inp.codec, inp.block_size, **sparse),
         "sent_bytes_per_sync": sent_per_sync,
         "sent_bytes_per_round": sent_per_sync * inp.fragments,
         "one_way_seconds": one_way,

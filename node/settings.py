@@ -71,7 +71,9 @@ def allreduce_settings(cfg: AtollConfig, fragments: int) -> AllReduceSettings:
     return AllReduceSettings(
         run_id=cfg.run.run_id,
         codec=sync.codec,
-        block_size=sync.block_size,
+        block_size=sync.chunk,
+        topk_k=sync.codec_args().get("k", 0),
+        topk_bits=sync.topk_bits,
         timeout=net.round_timeout,
         max_tokens=net.max_tokens_per_round,
         max_message_bytes=int(net.max_message_mb * 2**20),

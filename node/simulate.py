@@ -148,7 +148,7 @@ class _Simulation:
             enc = (
                 self.feedback[i][f].encode(pg)
                 if sync.error_feedback
-                else codecs.encode(pg, sync.codec, block_size=sync.block_size)
+                else codecs.encode(pg, sync.codec, **sync.codec_args())
             )
             if i == 0:
                 self.payload_bytes += len(enc.payload)
@@ -171,7 +171,8 @@ class _Simulation:
 def _error_feedback(cfg: AtollConfig, replica: int, fragment: int) -> codecs.ErrorFeedback:
     return codecs.ErrorFeedback(
         cfg.sync.codec,
-        block_size=cfg.sync.block_size,
+        **cfg.sync.codec_args(),
+        decay=cfg.sync.feedback_decay,
         stochastic=cfg.sync.stochastic_rounding,
         generator=torch.Generator().manual_seed(cfg.run.seed * 1000 + replica * 31 + fragment),
     )

@@ -148,7 +148,7 @@ class Syncer:
         if sync.error_feedback:
             enc = self.feedback[f].encode(pg)
         else:
-            enc = codecs.encode(pg, sync.codec, block_size=sync.block_size)
+            enc = codecs.encode(pg, sync.codec, **sync.codec_args())
         contribution = codecs.decode(enc, expected_numel=pg.numel())
         weight = staleness_weight(tokens, self.missed[f])
         # Whether the group mixes weights is decided from the announced peers; the copy

@@ -35,7 +35,9 @@ __all__ = [
     "COORDINATEWISE",
     "Aggregate",
     "aggregate",
+    "SPARSE_SAFE",
     "centered_clip",
+    "clipped_mean",
     "coordinate_median",
     "krum",
     "max_share_weights",
@@ -284,6 +286,38 @@ def centered_clip(
     return Aggregate(v, list(range(len(vectors))))
 
 
+def clipped_mean(
+    vectors: Sequence[torch.Tensor], weights: Sequence[float], *, tau: float = 1.0
+) -> Aggregate:
+    """Norm-clipped weighted mean: each input scaled down to at most ``tau`` times the
+    median of the inputs' norms, then :func:`weighted_mean` (the per-client clipping of
+    DP-FedAvg, McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent
+    Language Models", ICLR 2018; as a robust rule, e.g. Karimireddy et al., ICML 2021).
+
+    It never looks at single coordinates, so it keeps its meaning on sparse inputs
+    whose supports barely overlap (where a coordinate-wise median or trimmed mean sees
+    one value per coordinate and drops it). An input's share of the result is bounded
+    by its weight times the radius.
+
+    Args:
+        vectors: 1-D tensors of one length.
+        weights: non-negative token weights; all zero means equal weights.
+        tau: clipping radius as a multiple of the median norm, > 0.
+
+    Returns:
+        The mean of the clipped inputs; every input is listed as used.
+    """
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    stacked = _stack(vectors)
+    _weights(weights, len(vectors), stacked)
+    norms = torch.linalg.vector_norm(stacked, dim=1)
+    radius = tau * coordinate_median(norms)
+    scale = torch.where(norms > radius, radius / norms.clamp_min(1e-30), torch.ones_like(norms))
+    rows = [stacked[i] * scale[i] for i in range(len(vectors))]
+    return Aggregate(weighted_mean(rows, weights), list(range(len(vectors))))
+
+
 def krum(vectors: Sequence[torch.Tensor], weights: Sequence[float], *, f: int) -> Aggregate:
     """Krum (Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning with
     Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS 2017).
@@ -354,9 +388,16 @@ AGGREGATORS: dict[str, Callable[..., Aggregate]] = {
     "median": median,
     "trimmed_mean": trimmed_mean,
     "centered_clip": centered_clip,
+    "clipped_mean": clipped_mean,
     "krum": krum,
     "multi_krum": multi_krum,
 }
+
+SPARSE_SAFE = frozenset({"mean", "centered_clip", "clipped_mean", "krum", "multi_krum"})
+"""Aggregators that keep their meaning on sparse inputs (``sync.codec = "topk"``): they
+weigh, clip or pick whole vectors. A coordinate-wise median or trimmed mean of parts that
+keep 1 % of each chunk sees, on most coordinates of the union, one non-zero value among
+zeros and drops it: the result is almost all zero, so those two are refused."""
 
 COORDINATEWISE = frozenset({"mean", "median", "trimmed_mean"})
 """Aggregators whose values ``lo:hi`` depend only on the inputs' values ``lo:hi`` and
@@ -371,6 +412,7 @@ _PARAMS: dict[str, dict[str, type]] = {
     "median": {},
     "trimmed_mean": {"trim": float},
     "centered_clip": {"tau": float, "iters": int},
+    "clipped_mean": {"tau": float},
     "krum": {"f": int},
     "multi_krum": {"f": int, "m": int},
 }

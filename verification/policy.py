@@ -17,7 +17,9 @@ from pydantic.dataclasses import dataclass
 
 __all__ = ["Aggregator", "TrustPolicy", "is_peer_id"]
 
-Aggregator = Literal["mean", "median", "trimmed_mean", "centered_clip", "krum", "multi_krum"]
+Aggregator = Literal[
+    "mean", "median", "trimmed_mean", "centered_clip", "clipped_mean", "krum", "multi_krum"
+]
 """Aggregator names a policy may choose (those of :mod:`verification.aggregators`)."""
 
 # Base58 (Bitcoin alphabet: no 0, O, I, l). Ed25519 PeerIDs start "12D3KooW" (identity

@@ -167,6 +167,7 @@ class AllReduceContext:
         at = (part.header.round, part.header.fragment)
         try:
             enc = codecs.Encoded.from_meta(part.meta, part.body, max_numel=numel)
+            self.check_codec(enc, str(part.meta.get("content")), result=False)
             # the norm is the finiteness check of raw values: screening gets it for free
             vector, norm = codecs.decode_with_norm(enc, expected_numel=numel, copy=False)
         except ProtocolError as exc:
@@ -183,11 +184,36 @@ class AllReduceContext:
             norm=norm,
         )
 
-    def encode(self, values: torch.Tensor, content: str) -> codecs.Encoded:
-        """``values`` in the codec of ``content``; a ``none`` payload is a view of
-        ``values`` (keep them unchanged until the message is sent)."""
-        s = self.settings
-        return codecs.encode(values, s.codec_for(content), block_size=s.block_size, copy=False)
+    def encode(self, values: torch.Tensor, content: str, result: bool = False) -> codecs.Encoded:
+        """``values`` in the codec of ``content`` (as a part, or as an owner's ``result``);
+        a ``none`` payload is a view of ``values`` (keep them unchanged until the message
+        is sent)."""
+        return codecs.encode(values, **self.settings.wire_codec(content, result), copy=False)
+
+    def check_codec(self, enc: codecs.Encoded, content: str, result: bool) -> None:
+        """Refuse a sparse payload in other than the run's sparse codec, or a dense one
+        where the run is sparse: a ``topk`` part keeping more than the run's ``k`` (or in
+        more bits) would buy more than its share of the bytes and of the support.
+
+        Raises:
+            ProtocolError: ``wrong_codec``.
+        """
+        want = self.settings.wire_codec(content, result)
+        sparse = want["codec"] in codecs.SPARSE or enc.codec in codecs.SPARSE
+        if not sparse:
+            return
+        have = {"codec": enc.codec, "block_size": enc.block_size}
+        if enc.codec == "topk":
+            have.update(k=enc.k, bits=enc.bits)
+        elif enc.codec == "sparse":
+            have.update(bits=enc.bits)
+        if have != want:
+            raise ProtocolError(
+                "wrong_codec",
+                f"{enc.codec} (chunk {enc.block_size}, k {enc.k}, {enc.bits} bits) where "
+                f"the run sends {want['codec']} (chunk {want['block_size']}, "
+                f"k {want.get('k', 0)}, {want.get('bits', 0)} bits)",
+            )
 
     def content_of(self, part: Part, peer: str) -> str:
         """What ``part`` says it averages (signed with it).

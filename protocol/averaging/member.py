@@ -394,6 +394,7 @@ class PartMember:
                 *(round_, fragment, part, owner[:16]),
             )
         enc = codecs.Encoded.from_meta(env.meta, env.body, max_numel=numel)
+        self.context.check_codec(enc, content, result=True)
         # decode refuses NaN, inf and out-of-range scales for every codec; the values
         # stay a view of the received bytes until they are assembled into the output
         vector, norm = codecs.decode_with_norm(enc, expected_numel=numel, copy=False)

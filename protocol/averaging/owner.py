@@ -268,7 +268,7 @@ class PartOwner:
         if prefix is not None and reduction.vector is prefix.out and part.numel:
             part.streamed_share = prefix.upto / part.numel
         values = ctx.faults.reduced(reduction.vector)
-        enc = await ctx.compute(ctx.encode, values, session.content)
+        enc = await ctx.compute(ctx.encode, values, session.content, True)
         used = set(reduction.used)
         kept = [c for c in contributions if c.peer in used]
         meta = ctx.faults.reduced_meta(self._result_meta(session, part, kept, reduction))

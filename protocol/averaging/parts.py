@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -65,6 +65,9 @@ in a round; every part, result, repair and commitment names its content (signed)
 each has its own sessions, commitments and screening history."""
 CONTENTS: tuple[str, ...] = get_args(Content)
 
+RESULT_BITS = 8
+"""Bits per value of an owner's ``sparse`` result of ``topk`` parts."""
+
 AllReduceKey = tuple[int, int, str]
 """``(round, fragment, content)``: one all-reduce, as sessions, repairs and byte counts
 are keyed (a fragment's exchange in a round that mixes runs two: ``update`` and
@@ -78,6 +81,11 @@ class AllReduceSettings:
     run_id: str
     codec: str = "none"
     block_size: int = 256
+    """Values per scale (per chunk for ``topk``); parts start on its multiples."""
+    topk_k: int = 0
+    """With codec ``topk``: values every chunk of a part keeps."""
+    topk_bits: int = 0
+    """With codec ``topk``: bits per kept value of a part."""
     timeout: float = 30.0
     max_tokens: int = 10**9
     max_message_bytes: int = 256 * 2**20
@@ -98,10 +106,27 @@ class AllReduceSettings:
             raise ValueError("block_size, timeout and fragments must be positive")
 
     def codec_for(self, content: str) -> str:
-        """The codec this node encodes parts and results of ``content`` with."""
+        """The codec this node encodes parts and results of ``content`` with (a ``topk``
+        part's result: ``sparse``)."""
         if content == "weights" and self.weights_codec is not None:
             return self.weights_codec
         return self.codec
+
+    def wire_codec(self, content: str, result: bool) -> dict[str, Any]:
+        """``codec`` and its arguments for :func:`protocol.wire.codec.encode`: a part of
+        ``content``, or (``result``) an owner's reduction of such parts. ``topk`` parts
+        reduce to the union of their kept values, sent as ``sparse`` in 8 bits."""
+        codec = self.codec_for(content)
+        if codec != "topk":
+            return {"codec": codec, "block_size": self.block_size}
+        if result:
+            return {"codec": "sparse", "block_size": self.block_size, "bits": RESULT_BITS}
+        return {
+            "codec": "topk",
+            "block_size": self.block_size,
+            "k": self.topk_k,
+            "bits": self.topk_bits,
+        }
 
 
 Reducer = Callable[..., Reduction]

@@ -18,8 +18,16 @@ so its length is a pure function of ``(numel, codec, block_size)``
 treats the payload as untrusted peer data and raises :class:`CodecError` on
 anything a correct encoder would not produce.
 
-The int8/int4 kernels live in :mod:`protocol.wire._blockwise`, the tensor-to-bytes
-helpers in :mod:`protocol.wire._tensorbytes`.
+* ``topk``: in every chunk of ``block_size`` values only the ``k`` of largest
+  magnitude, as offsets within the chunk and ``bits``-bit codes with a scale per chunk
+  (SparseLoCo's recipe); ``sparse``, on the wire only, every non-zero value in the same
+  layout (what an owner's reduction of ``topk`` parts returns: the union of their
+  supports). Their payloads carry a count per chunk, so a ``sparse`` payload's length
+  is checked against the counts it declares (:mod:`protocol.wire._topk`).
+
+The int8/int4 kernels live in :mod:`protocol.wire._blockwise`, the sparse ones in
+:mod:`protocol.wire._topk`, the tensor-to-bytes helpers in
+:mod:`protocol.wire._tensorbytes`.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.wire import _blockwise
+from protocol.wire import _blockwise, _topk
 from protocol.wire._tensorbytes import (
     CodecError,
     all_finite,
@@ -42,6 +50,9 @@ from protocol.wire._tensorbytes import (
 
 __all__ = [
     "CODECS",
+    "DENSE",
+    "SPARSE",
+    "WIRE_CODECS",
     "CodecError",
     "Encoded",
     "ErrorFeedback",
@@ -51,14 +62,23 @@ __all__ = [
     "encode",
     "encoded_size",
     "ready_values",
+    "sparse_result_bound",
 ]
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4")
+DENSE = ("none", "fp16", "bf16", "int8", "int4")
+"""Codecs that send every value."""
+CODECS = (*DENSE, "topk")
+WIRE_CODECS = (*CODECS, "sparse")
+"""Every codec a payload may name: ``sparse`` is what owners answer ``topk`` parts with."""
+SPARSE = ("topk", "sparse")
+TOPK_BITS = _topk.BITS
 MAX_BLOCK_SIZE = 2**20
+MAX_TOPK_CHUNK = _topk.MAX_CHUNK
 
 _BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2}
 _HALF_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _WIRE_KEYS = frozenset({"c", "n", "b", "p"})
+_SPARSE_KEYS = _WIRE_KEYS | {"k", "q"}
 
 
 @dataclass(frozen=True)
@@ -74,16 +94,24 @@ class Encoded:
         block_size: values per scale for int8/int4; carried but unused otherwise.
         payload: scales (float32 LE) followed by codes; see the module docstring.
             Any contiguous byte buffer (a view of a tensor, or of received bytes).
+        k: values ``topk`` keeps per chunk (0 for other codecs).
+        bits: bits per kept value of ``topk`` and ``sparse`` (0 for other codecs).
     """
 
     codec: str
     numel: int
     block_size: int
     payload: bytes | bytearray | memoryview
+    k: int = 0
+    bits: int = 0
 
     def meta(self) -> dict:
-        """Everything but the payload, as ``{"c", "n", "b"}`` (the payload travels raw)."""
-        return {"c": self.codec, "n": self.numel, "b": self.block_size}
+        """Everything but the payload, as ``{"c", "n", "b"}`` and, for sparse codecs,
+        ``"k"`` and ``"q"`` (the payload travels raw)."""
+        meta = {"c": self.codec, "n": self.numel, "b": self.block_size}
+        if self.codec in SPARSE:
+            meta.update(k=self.k, q=self.bits)
+        return meta
 
     @classmethod
     def from_meta(
@@ -96,13 +124,23 @@ class Encoded:
         """
         if not isinstance(meta, dict) or not {"c", "n", "b"} <= set(meta):
             raise CodecError("malformed", "codec fields c, n, b missing")
-        enc = cls(codec=meta["c"], numel=meta["n"], block_size=meta["b"], payload=payload)
+        sparse = meta["c"] in SPARSE
+        if sparse and not {"k", "q"} <= set(meta):
+            raise CodecError("malformed", "sparse codec fields k, q missing")
+        enc = cls(
+            codec=meta["c"],
+            numel=meta["n"],
+            block_size=meta["b"],
+            payload=payload,
+            k=meta["k"] if sparse else 0,
+            bits=meta["q"] if sparse else 0,
+        )
         _validate(enc, max_numel=max_numel)
         return enc
 
     def to_wire(self) -> dict:
-        """Returns a plain msgpack-able dict ``{"c", "n", "b", "p"}``."""
-        return {"c": self.codec, "n": self.numel, "b": self.block_size, "p": self.payload}
+        """Returns a plain msgpack-able dict: :meth:`meta` and ``"p"``, the payload."""
+        return {**self.meta(), "p": self.payload}
 
     @classmethod
     def from_wire(cls, d: object, *, max_numel: int) -> Encoded:
@@ -122,24 +160,26 @@ class Encoded:
         """
         if not isinstance(d, dict):
             raise CodecError("malformed", f"expected a dict, got {type(d).__name__}")
-        if set(d) != _WIRE_KEYS:
+        want = _SPARSE_KEYS if d.get("c") in SPARSE else _WIRE_KEYS
+        if set(d) != want:
             keys = _short(sorted(repr(k) for k in d))
-            raise CodecError("malformed", f"expected keys b, c, n, p; got {keys}")
-        enc = cls(codec=d["c"], numel=d["n"], block_size=d["b"], payload=d["p"])
-        _validate(enc, max_numel=max_numel)
-        return enc
+            raise CodecError("malformed", f"expected keys {', '.join(sorted(want))}; got {keys}")
+        return cls.from_meta(d, d["p"], max_numel=max_numel)
 
 
-def encoded_size(numel: int, codec: str, block_size: int) -> int:
+def encoded_size(numel: int, codec: str, block_size: int, *, k: int = 0, bits: int = 0) -> int:
     """Exact payload length in bytes for a tensor of ``numel`` values.
 
     Args:
         numel: number of values, ``>= 0``.
-        codec: one of ``CODECS``.
+        codec: one of ``CODECS`` (``sparse`` has no size known before its counts).
         block_size: values per scale, ``1..2**20`` (checked for every codec).
+        k: values ``topk`` keeps per chunk.
+        bits: bits per value ``topk`` keeps.
 
     Raises:
-        ValueError: on an unknown codec, a negative numel or a bad block size.
+        ValueError: on an unknown codec, a negative numel, a bad block size, or bad
+            ``topk`` parameters.
     """
     _check_codec(codec)
     _check_block_size(block_size)
@@ -147,9 +187,25 @@ def encoded_size(numel: int, codec: str, block_size: int) -> int:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
     if codec in _BYTES_PER_VALUE:
         return numel * _BYTES_PER_VALUE[codec]
+    if codec == "topk":
+        _check_topk(block_size, k, bits)
+        return _topk.exact_size(numel, block_size, k, bits)
     n_blocks = -(-numel // block_size)
     code_bytes = numel if codec == "int8" else (numel + 1) // 2
     return 4 * n_blocks + code_bytes
+
+
+def sparse_result_bound(numel: int, chunk: int, k: int, members: int, bits: int = 8) -> int:
+    """The longest ``sparse`` payload an owner answers ``members`` ``topk`` parts of
+    ``numel`` values with: every chunk keeps at most ``members * k`` values (the union
+    of their supports), and at most the whole chunk."""
+    full, rest = divmod(numel, chunk)
+    kept = full * min(members * k, chunk) + min(members * k, rest)
+    return (
+        _topk.exact_size(numel, chunk, 0, bits)
+        + kept * (1 if chunk <= 256 else 2)
+        + -(-kept * bits // 8)
+    )
 
 
 def encode(
@@ -160,20 +216,25 @@ def encode(
     stochastic: bool = False,
     generator: torch.Generator | None = None,
     copy: bool = True,
+    k: int = 0,
+    bits: int = 0,
 ) -> Encoded:
     """Encodes a float tensor of any shape and device.
 
     Args:
         x: floating-point tensor; it is moved to CPU float32 and flattened.
-        codec: one of ``CODECS``.
-        block_size: values per scale for int8/int4, ``1..2**20``.
-        stochastic: round int8/int4 codes up with probability equal to the
-            fractional part, so that ``E[decode(encode(x))] == x``. Only
-            int8/int4 support it.
+        codec: one of ``WIRE_CODECS``.
+        block_size: values per scale for int8/int4 (per chunk for topk/sparse),
+            ``1..2**20`` (topk/sparse: ``1..65535``).
+        stochastic: round int8/int4/topk codes up with probability equal to the
+            fractional part, so that ``E[decode(encode(x))] == x`` (for topk: of the
+            kept values). Only int8/int4/topk/sparse support it.
         generator: CPU generator for the rounding noise, for reproducible bytes.
         copy: False lets a ``none`` payload be a view of ``x``'s memory (when ``x`` is
             a contiguous CPU float32 tensor) instead of a copy; ``x`` must then stay
             unchanged while the payload is in use.
+        k: values ``topk`` keeps per chunk, ``1..block_size``.
+        bits: bits per kept value of ``topk`` and ``sparse``: 2, 4 or 8.
 
     Returns:
         The encoded tensor.
@@ -184,11 +245,19 @@ def encode(
             for a codec without it, a non-float tensor, non-finite values, or
             values beyond the fp16/bf16 range.
     """
-    _check_codec(codec)
+    _check_codec(codec, WIRE_CODECS)
     _check_block_size(block_size)
-    if stochastic and codec not in _blockwise.QMAX:
-        raise ValueError(f"stochastic rounding is only implemented for int8/int4, not {codec}")
+    if stochastic and codec not in (*_blockwise.QMAX, *SPARSE):
+        raise ValueError(f"stochastic rounding is only implemented for int8/int4/topk, not {codec}")
     flat = as_flat_f32(x)
+    if codec in SPARSE:
+        _check_topk(block_size, k if codec == "topk" else 1, bits)
+        payload = _topk.encode(
+            flat, block_size, k if codec == "topk" else None, bits, stochastic, generator
+        )
+        if codec == "sparse":
+            k = 0
+        return Encoded(codec, flat.numel(), block_size, payload, k=k, bits=bits)
     if codec == "none":
         require_finite(flat)
         payload = to_bytes(flat) if copy else view_bytes(flat)
@@ -227,6 +296,9 @@ def decode(enc: Encoded, *, expected_numel: int | None = None, copy: bool = True
     if expected_numel is not None and enc.numel != expected_numel:
         raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
     raw = from_bytes(enc.payload)
+    if enc.codec in SPARSE:
+        k = enc.k if enc.codec == "topk" else None
+        return _topk.decode(raw, enc.numel, enc.block_size, k, enc.bits)
     if enc.codec == "none":
         out = (raw.clone() if copy else raw).view(torch.float32)
     elif enc.codec in _HALF_DTYPE:
@@ -279,6 +351,8 @@ def ready_values(numel: int, codec: str, block_size: int, nbytes: int) -> int:
     """
     if codec in _BYTES_PER_VALUE:
         return min(numel, nbytes // _BYTES_PER_VALUE[codec])
+    if codec in SPARSE:
+        return 0  # offsets and codes come after every count: decoded only as a whole
     scales = 4 * -(-numel // block_size)
     codes = max(0, nbytes - scales)
     return min(numel, codes if codec == "int8" else 2 * codes)
@@ -297,6 +371,8 @@ def decode_range(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
     """
     if not 0 <= lo <= hi <= enc.numel:
         raise ValueError(f"range {lo}:{hi} of {enc.numel} values")
+    if enc.codec in SPARSE:
+        return decode(enc)[lo:hi]
     raw = from_bytes(enc.payload)
     if enc.codec in _BYTES_PER_VALUE:
         width = _BYTES_PER_VALUE[enc.codec]
@@ -324,15 +400,21 @@ class ErrorFeedback:
     Error feedback (Seide et al., Interspeech 2014; Karimireddy et al., ICML 2019
     EF-SGD): each call encodes ``x + residual`` and keeps what the codec lost, so
     the sum of decoded tensors tracks the sum of inputs to within one residual
-    instead of drifting by one quantization error per round.
+    instead of drifting by one quantization error per round. With ``topk`` the
+    residual holds every value not sent; with ``decay < 1`` it is SparseLoCo's
+    accumulator (Sarfi et al., 2025): ``decay * residual + x`` is encoded, so the
+    residual also plays the part of an outer momentum.
 
     Args:
         codec: one of ``CODECS``.
-        block_size: values per scale for int8/int4.
-        stochastic: use stochastic rounding (int8/int4 only).
+        block_size: values per scale for int8/int4, per chunk for topk.
+        stochastic: use stochastic rounding (int8/int4/topk only).
         generator: CPU generator for the rounding noise.
         pin_memory: keep the residual in pinned (page-locked) CPU memory, beside a
             GPU's model (needs CUDA).
+        k: values ``topk`` keeps per chunk.
+        bits: bits per value ``topk`` keeps.
+        decay: what share of the residual is carried into the next encode, in (0, 1].
 
     Attributes:
         residual: flat float32 CPU tensor of the carried error, or ``None``
@@ -347,11 +429,23 @@ class ErrorFeedback:
         stochastic: bool = False,
         generator: torch.Generator | None = None,
         pin_memory: bool = False,
+        k: int = 0,
+        bits: int = 0,
+        decay: float = 1.0,
     ) -> None:
         _check_codec(codec)
         _check_block_size(block_size)
-        if stochastic and codec not in _blockwise.QMAX:
-            raise ValueError(f"stochastic rounding is only implemented for int8/int4, not {codec}")
+        if stochastic and codec not in (*_blockwise.QMAX, "topk"):
+            raise ValueError(
+                f"stochastic rounding is only implemented for int8/int4/topk, not {codec}"
+            )
+        if codec == "topk":
+            _check_topk(block_size, k, bits)
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.k = k
+        self.bits = bits
+        self.decay = decay
         self.codec = codec
         self.block_size = block_size
         self.stochastic = stochastic
@@ -380,8 +474,10 @@ class ErrorFeedback:
                 f"tensor has {flat.numel()} values but the residual has "
                 f"{self.residual.numel()}; call reset() when the shape changes"
             )
-        else:
+        elif self.decay == 1.0:
             target = flat + self.residual
+        else:
+            target = flat + self.decay * self.residual
         if self.pin_memory and not target.is_pinned():
             target = target.pin_memory()
         enc = encode(
@@ -390,6 +486,8 @@ class ErrorFeedback:
             block_size=self.block_size,
             stochastic=self.stochastic,
             generator=self.generator,
+            k=self.k,
+            bits=self.bits,
         )
         self.residual = target.sub_(decode(enc))
         return enc
@@ -409,9 +507,18 @@ def _short(v: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_codec(codec: object) -> None:
-    if codec not in CODECS:
-        raise ValueError(f"codec = {codec!r}: expected one of {', '.join(CODECS)}")
+def _check_codec(codec: object, known: tuple[str, ...] = CODECS) -> None:
+    if codec not in known:
+        raise ValueError(f"codec = {codec!r}: expected one of {', '.join(known)}")
+
+
+def _check_topk(chunk: int, k: object, bits: object) -> None:
+    if chunk > MAX_TOPK_CHUNK:
+        raise ValueError(f"topk chunk = {chunk}: expected at most {MAX_TOPK_CHUNK}")
+    if not _is_int(k) or not 1 <= k <= chunk:
+        raise ValueError(f"topk k = {k!r}: expected an int in 1..{chunk} (the chunk)")
+    if bits not in TOPK_BITS:
+        raise ValueError(f"topk bits = {bits!r}: expected one of 2, 4, 8")
 
 
 def _check_block_size(block_size: object) -> None:
@@ -421,7 +528,7 @@ def _check_block_size(block_size: object) -> None:
 
 def _validate(enc: Encoded, *, max_numel: int | None = None) -> None:
     """Checks the fields of a possibly hostile ``Encoded`` before any allocation."""
-    if not isinstance(enc.codec, str) or enc.codec not in CODECS:
+    if not isinstance(enc.codec, str) or enc.codec not in WIRE_CODECS:
         raise CodecError("unknown_codec", f"codec {_short(enc.codec)}")
     if not _is_int(enc.numel) or enc.numel < 0:
         raise CodecError("bad_numel", f"numel {_short(enc.numel)}")
@@ -431,8 +538,33 @@ def _validate(enc: Encoded, *, max_numel: int | None = None) -> None:
         raise CodecError("bad_block_size", f"block size {_short(enc.block_size)}")
     if not isinstance(enc.payload, (bytes, bytearray, memoryview)):
         raise CodecError("bad_payload", f"payload is {type(enc.payload).__name__}, not bytes")
-    want = encoded_size(enc.numel, enc.codec, enc.block_size)
     have = memoryview(enc.payload).nbytes
+    if enc.codec in SPARSE:
+        _validate_sparse(enc, have)
+        return
+    want = encoded_size(enc.numel, enc.codec, enc.block_size)
+    if have != want:
+        raise CodecError(
+            "size_mismatch",
+            f"{enc.codec} payload for {enc.numel} values is {have} bytes, expected {want}",
+        )
+
+
+def _validate_sparse(enc: Encoded, have: int) -> None:
+    if enc.block_size > MAX_TOPK_CHUNK:
+        raise CodecError("bad_block_size", f"topk chunk {enc.block_size} > {MAX_TOPK_CHUNK}")
+    if enc.bits not in TOPK_BITS:
+        raise CodecError("malformed", f"bits {_short(enc.bits)}: expected 2, 4 or 8")
+    if enc.codec == "topk":
+        if not _is_int(enc.k) or not 1 <= enc.k <= enc.block_size:
+            raise CodecError("bad_count", f"k {_short(enc.k)} outside 1..{enc.block_size}")
+        want: int | None = _topk.exact_size(enc.numel, enc.block_size, enc.k, enc.bits)
+    else:
+        if enc.k != 0:
+            raise CodecError("malformed", f"sparse k {_short(enc.k)}: expected 0")
+        want = _topk.payload_size(from_bytes(enc.payload), enc.numel, enc.block_size, enc.bits)
+        if want is None:
+            raise CodecError("bad_count", "sparse payload too short or a count beyond its chunk")
     if have != want:
         raise CodecError(
             "size_mismatch",

@@ -23,7 +23,7 @@ def test_bad_choice_names_key_and_choices():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["sync.codec=avg"])
     assert str(info.value) == (
-        "config error: sync.codec = 'avg': expected one of none, fp16, bf16, int8, int4"
+        "config error: sync.codec = 'avg': expected one of none, fp16, bf16, int8, int4, topk"
     )
 
 
@@ -100,7 +100,7 @@ def test_shipped_configs_validate():
 
 
 def test_stochastic_rounding_needs_integer_codec():
-    with pytest.raises(ConfigError, match="stochastic_rounding needs codec int8 or int4"):
+    with pytest.raises(ConfigError, match="stochastic_rounding needs codec int8, int4 or topk"):
         load_config(None, ["sync.stochastic_rounding=true"])
     assert (
         load_config(None, ["sync.codec=int4", "sync.stochastic_rounding=true"]).sync.codec == "int4"

@@ -20,7 +20,7 @@ def test_the_defaults_make_a_local_node_with_commitments() -> None:
 
 def test_stochastic_rounding_needs_an_integer_codec() -> None:
     assert SyncConfig(codec="int4", stochastic_rounding=True).stochastic_rounding
-    with pytest.raises(ValueError, match="stochastic_rounding needs codec int8 or int4"):
+    with pytest.raises(ValueError, match="stochastic_rounding needs codec int8, int4 or topk"):
         SyncConfig(codec="fp16", stochastic_rounding=True)
 
 

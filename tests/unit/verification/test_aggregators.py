@@ -419,6 +419,7 @@ def test_aggregate_names_the_allowed_aggregators() -> None:
         "median",
         "trimmed_mean",
         "centered_clip",
+        "clipped_mean",
         "krum",
         "multi_krum",
     }

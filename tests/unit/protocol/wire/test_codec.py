@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from protocol.errors import ProtocolError
 from protocol.wire.codec import (
-    CODECS,
+    DENSE,
     CodecError,
     Encoded,
     ErrorFeedback,
@@ -176,7 +176,7 @@ def test_encode_accepts_any_float_dtype_and_shape() -> None:
 
 
 def test_empty_tensor_round_trips() -> None:
-    for codec in CODECS:
+    for codec in DENSE:
         enc = encode(torch.empty(0), codec)
         assert enc.payload == b""
         assert decode(enc, expected_numel=0).shape == (0,)
@@ -185,7 +185,7 @@ def test_empty_tensor_round_trips() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_input_matches_cpu() -> None:
     x = _randn(1000, seed=5)
-    for codec in CODECS:
+    for codec in DENSE:
         assert encode(x.cuda(), codec).payload == encode(x, codec).payload
 
 
@@ -300,7 +300,7 @@ def test_error_feedback_keeps_residual_when_encode_fails() -> None:
 # --- bad input to encode -----------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", DENSE)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_input_raises(codec: str, bad: float) -> None:
     x = _randn(300, seed=16)
@@ -329,7 +329,7 @@ def test_encode_rejects_bad_arguments() -> None:
 # --- hostile payloads --------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", DENSE)
 def test_decode_rejects_truncated_and_oversized_payloads(codec: str) -> None:
     enc = encode(_randn(101, seed=17), codec, block_size=16)
     for payload in (enc.payload[:-1], enc.payload + b"\x00", b""):
@@ -396,7 +396,7 @@ def test_encoder_output_never_overflows_near_float32_max() -> None:
 # --- wire format -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", DENSE)
 def test_wire_round_trip_through_msgpack(codec: str) -> None:
     x = _randn(77, seed=18)
     enc = encode(x, codec, block_size=8)
@@ -445,7 +445,7 @@ _values = st.one_of(
     st.integers(min_value=0, max_value=40),
     st.floats(allow_nan=True),
     st.text(max_size=8),
-    st.sampled_from(CODECS),
+    st.sampled_from(DENSE),
     st.binary(max_size=64),
     st.lists(st.integers(), max_size=3),
 )
@@ -473,7 +473,7 @@ def test_from_wire_fuzz_only_raises_codec_error(wire: object) -> None:
 
 @st.composite
 def _near_valid_wire(draw: st.DrawFn) -> dict:
-    codec = draw(st.sampled_from(CODECS))
+    codec = draw(st.sampled_from(DENSE))
     numel = draw(st.integers(min_value=0, max_value=40))
     block_size = draw(st.integers(min_value=1, max_value=9))
     size = encoded_size(numel, codec, block_size)

@@ -1,0 +1,221 @@
+"""Sparse payloads: the ``topk`` codec's kept values and the ``sparse`` results they reduce to.
+
+A vector is cut into chunks of ``chunk`` values (the last may be shorter). ``topk``
+keeps, in every chunk, the ``k`` values of largest magnitude (all of a chunk shorter
+than ``k``); ``sparse`` keeps every non-zero value (an owner's reduction of ``topk``
+parts, whose support is the union of its members'). Kept values are quantized to
+``bits`` (2, 4 or 8) with one float32 scale per chunk, on ``2**bits`` levels that
+leave out zero: code ``c`` means ``(c - h) * scale`` with ``h = (2**bits - 1) / 2``
+and ``scale = absmax / h``, so every kept value stays non-zero and the largest one is
+exact. The payload is, in this order:
+
+* the chunk scales, float32 LE, one a chunk;
+* the kept counts, uint16 LE, one a chunk;
+* the kept values' offsets within their chunk, uint8 when a chunk holds at most 256
+  values and uint16 otherwise, strictly increasing within a chunk;
+* the codes, ``8 / bits`` a byte, the first in the lowest bits, the last byte's unused
+  bits zero.
+
+A payload is checked as untrusted peer data: every count within its chunk (and equal
+to ``min(k, chunk length)`` for ``topk``), the length exact for those counts, every
+offset inside its chunk and the offsets of a chunk strictly increasing, scales finite
+and non-negative, padding bits zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.wire._tensorbytes import CodecError, require_finite, to_bytes
+
+__all__ = [
+    "BITS",
+    "MAX_CHUNK",
+    "decode",
+    "encode",
+    "exact_size",
+    "keep_count",
+    "payload_size",
+]
+
+BITS = (2, 4, 8)
+MAX_CHUNK = 65535  # a count and an offset fit in uint16
+
+
+def keep_count(density: float, chunk: int) -> int:
+    """Values ``topk`` keeps per chunk for a kept share ``density``: at least one."""
+    return max(1, min(chunk, round(density * chunk)))
+
+
+def _index_dtype(chunk: int) -> torch.dtype:
+    return torch.uint8 if chunk <= 256 else torch.uint16
+
+
+def _index_width(chunk: int) -> int:
+    return 1 if chunk <= 256 else 2
+
+
+def _chunks(numel: int, chunk: int) -> int:
+    return -(-numel // chunk)
+
+
+def _lengths(numel: int, chunk: int) -> torch.Tensor:
+    n = _chunks(numel, chunk)
+    lengths = torch.full((n,), chunk, dtype=torch.int64)
+    if n and numel % chunk:
+        lengths[-1] = numel % chunk
+    return lengths
+
+
+def _size(numel: int, chunk: int, total: int, bits: int) -> int:
+    return 6 * _chunks(numel, chunk) + total * _index_width(chunk) + -(-total * bits // 8)
+
+
+def exact_size(numel: int, chunk: int, k: int, bits: int) -> int:
+    """Payload length of a ``topk`` payload (every chunk keeps ``min(k, its length)``)."""
+    full, rest = divmod(numel, chunk)
+    return _size(numel, chunk, full * min(k, chunk) + min(k, rest), bits)
+
+
+def payload_size(raw: torch.Tensor, numel: int, chunk: int, bits: int) -> int | None:
+    """The length a payload must have for the counts it declares; None when it is too
+    short to hold the counts, or a count exceeds its chunk (refused by :func:`decode`)."""
+    n = _chunks(numel, chunk)
+    if raw.numel() < 6 * n:
+        return None
+    counts = raw[4 * n : 6 * n].clone().view(torch.int16).to(torch.int64) & 0xFFFF
+    if bool((counts > _lengths(numel, chunk)).any()):
+        return None
+    return _size(numel, chunk, int(counts.sum()), bits)
+
+
+# ---- encode --------------------------------------------------------------------------
+
+
+def _select_topk(flat: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts and (chunk-major, increasing) flat positions of the ``k`` largest
+    magnitudes of every chunk."""
+    numel = flat.numel()
+    full, rest = divmod(numel, chunk)
+    counts, positions = [], []
+    if full:
+        blocks = flat[: full * chunk].view(full, chunk)
+        kk = min(k, chunk)
+        picked = blocks.abs().topk(kk, dim=1, sorted=False).indices.sort(dim=1).values
+        starts = torch.arange(full, dtype=torch.int64).unsqueeze(1) * chunk
+        positions.append((picked + starts).view(-1))
+        counts.append(torch.full((full,), kk, dtype=torch.int64))
+    if rest:
+        tail = flat[full * chunk :]
+        kr = min(k, rest)
+        picked = tail.abs().topk(kr, sorted=False).indices.sort().values
+        positions.append(picked + full * chunk)
+        counts.append(torch.tensor([kr], dtype=torch.int64))
+    if not positions:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(counts), torch.cat(positions)
+
+
+def _select_nonzero(flat: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = flat.nonzero().view(-1)
+    counts = torch.bincount(positions // chunk, minlength=_chunks(flat.numel(), chunk))
+    return counts, positions
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes
+    per = 8 // bits
+    pad = -codes.numel() % per
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    shifts = torch.arange(per, dtype=torch.uint8) * bits
+    return (codes.view(-1, per) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, total: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.uint8) * bits
+    codes = ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).view(-1)
+    if bool(codes[total:].any()):
+        raise CodecError("bad_code", "padding bits after the last code are not zero")
+    return codes[:total]
+
+
+def encode(
+    flat: torch.Tensor,
+    chunk: int,
+    k: int | None,
+    bits: int,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> bytes:
+    """The payload of ``flat`` (finite float32): ``topk`` with ``k``, ``sparse`` (every
+    non-zero value) with ``k = None``; codes rounded to the nearest level or, with
+    ``stochastic``, to one of the two around the value in proportion (unbiased)."""
+    require_finite(flat)
+    if k is None:
+        counts, positions = _select_nonzero(flat, chunk)
+    else:
+        counts, positions = _select_topk(flat, chunk, k)
+    values = flat[positions]
+    owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    absmax = torch.zeros(counts.numel(), dtype=torch.float32)
+    absmax.scatter_reduce_(0, owner, values.abs(), "amax")
+    half = (2**bits - 1) / 2
+    scale = absmax / half
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = values / safe[owner] + half
+    if stochastic:
+        q = torch.floor(y)
+        q += torch.rand(y.shape, generator=generator, dtype=torch.float32) < (y - q)
+    else:
+        q = y.round()
+    codes = q.clamp_(0, 2**bits - 1).to(torch.uint8)
+    offsets = positions - owner * chunk
+    return (
+        to_bytes(scale)
+        + to_bytes(counts.to(torch.int32).to(torch.int16))
+        + to_bytes(offsets.to(torch.int32).to(_index_dtype(chunk)))
+        + to_bytes(_pack(codes, bits))
+    )
+
+
+# ---- decode --------------------------------------------------------------------------
+
+
+def decode(raw: torch.Tensor, numel: int, chunk: int, k: int | None, bits: int) -> torch.Tensor:
+    """The dense values of a payload whose length :func:`payload_size` checked.
+
+    Raises:
+        CodecError: ``bad_count`` (a ``topk`` chunk keeping other than ``min(k, its
+            length)``), ``bad_index`` (an offset outside its chunk, or offsets not
+            strictly increasing), ``bad_scale`` or ``bad_code``.
+    """
+    n = _chunks(numel, chunk)
+    lengths = _lengths(numel, chunk)
+    scale = raw[: 4 * n].clone().view(torch.float32)
+    counts = raw[4 * n : 6 * n].clone().view(torch.int16).to(torch.int64) & 0xFFFF
+    if k is not None and not bool((counts == lengths.clamp(max=k)).all()):
+        raise CodecError("bad_count", f"a chunk keeps other than the declared {k} values")
+    half = (2**bits - 1) / 2
+    if bool(torch.signbit(scale).any()) or not bool(torch.isfinite(scale * half).all()):
+        raise CodecError("bad_scale", "topk scale is negative, non-finite or too large")
+    total = int(counts.sum())
+    width = _index_width(chunk)
+    body = raw[6 * n :]
+    offsets = body[: total * width].clone().view(_index_dtype(chunk)).to(torch.int64)
+    if width == 2:
+        offsets &= 0xFFFF
+    codes = _unpack(body[total * width :], bits, total)
+    owner = torch.repeat_interleave(torch.arange(n), counts)
+    if total and bool((offsets >= lengths[owner]).any()):
+        raise CodecError("bad_index", "an offset lies outside its chunk")
+    same_chunk = owner[1:] == owner[:-1]
+    if bool((same_chunk & (offsets[1:] <= offsets[:-1])).any()):
+        raise CodecError("bad_index", "offsets within a chunk are not strictly increasing")
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[owner * chunk + offsets] = (codes.to(torch.float32) - half) * scale[owner]
+    return out
