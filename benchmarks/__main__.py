@@ -27,7 +27,15 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["BENCHMARKS", "TAKES_LONG", "TAKES_NETNS", "TAKES_STEPS", "failures", "main"]
+__all__ = [
+    "BENCHMARKS",
+    "TAKES_LONG",
+    "TAKES_NETNS",
+    "TAKES_SPARSE",
+    "TAKES_STEPS",
+    "failures",
+    "main",
+]
 
 BENCHMARKS: dict[str, str] = {
     "codec": "benchmarks.codec",
@@ -51,6 +59,9 @@ TAKES_STEPS = frozenset({"convergence"})
 
 TAKES_LONG = frozenset({"convergence"})
 """Benchmarks whose ``run`` takes ``long`` (a long mode of their own)."""
+
+TAKES_SPARSE = frozenset({"convergence"})
+"""Benchmarks whose ``run`` takes ``sparse`` (the topk rows alone, on stored picks)."""
 
 TAKES_NETNS = frozenset({"wan"})
 """Benchmarks whose ``run`` takes ``netns`` (workers on network namespaces, tbf links)."""
@@ -162,6 +173,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the long mode, for {', '.join(sorted(TAKES_LONG))} only",
     )
     parser.add_argument(
+        "--sparse",
+        action="store_true",
+        help="only the topk rows, on the quick picks and DDP runs stored in --out, for "
+        f"{', '.join(sorted(TAKES_SPARSE))} only",
+    )
+    parser.add_argument(
         "--netns",
         action="store_true",
         help="each worker in its own network namespace, links capped by tbf (needs root), "
@@ -175,6 +192,7 @@ def _misused(args: argparse.Namespace, names: list[str]) -> str | None:
     for flag, given, takers in (
         ("--steps", args.steps is not None, TAKES_STEPS),
         ("--long", args.long, TAKES_LONG),
+        ("--sparse", args.sparse, TAKES_SPARSE),
         ("--netns", args.netns, TAKES_NETNS),
     ):
         if given and not set(names) <= takers:
@@ -215,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {problem}", file=sys.stderr)
                 return 2
             extra["steps"] = args.steps
-        for flag in ("netns", "long", "smoke"):
+        for flag in ("netns", "long", "sparse", "smoke"):
             if getattr(args, flag):
                 extra[flag] = True
         report = module.run(args.quick, out, **extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import multiprocessing as mp
 import os
@@ -28,6 +29,7 @@ __all__ = [
     "end_processes",
     "free_port",
     "gloo_group",
+    "head_bytes",
     "machine_info",
     "params_digest",
     "ring_allreduce_seconds",
@@ -378,3 +380,39 @@ def end_processes(procs: list, grace: float) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+
+
+@functools.cache
+def head_bytes(members: int) -> tuple[int, int]:
+    """Bytes a part message and a result message carry besides their payload, in a
+    group of ``members`` (one fragment of at most one body chunk; no commit evidence):
+    built and sealed as a node builds them, with real keys and signatures."""
+    import hashlib
+
+    from protocol.averaging.resultmeta import result_fields
+    from protocol.wire.messages import Header
+    from protocol.wire.partwire import seal_part
+    from verification.identity import Identity
+    from verification.records import Contribution
+
+    ids = [Identity.from_seed(hashlib.sha256(b"head %d" % i).digest()) for i in range(members)]
+    group = [i.peer_id for i in ids]
+    codec = {"c": "topk", "n": 1 << 20, "b": 4096, "k": 41, "q": 2}
+    body = b"\0" * 1000
+    part = seal_part(
+        ids[0],
+        Header("part", "bench-convergence", 100, 0, 1, group[0]),
+        {"content": "update", "group": group, "owners": group, "weight": 10**6, **codec},
+        body,
+    )
+    kept = [
+        Contribution(peer=p, vector=torch.zeros(1), weight=1e6, digest=bytes(32), tokens=10**6)
+        for p in group
+    ]
+    result = seal_part(
+        ids[1],
+        Header("reduced", "bench-convergence", 100, 0, 1, group[1]),
+        {**result_fields("update", kept, {}), **codec},
+        body,
+    )
+    return len(part.to_bytes()) - len(body), len(result.to_bytes()) - len(body)

@@ -80,10 +80,24 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import free_port, gloo_group, machine_info, params_digest, run_ranks
+from benchmarks._common import (
+    free_port,
+    gloo_group,
+    head_bytes,
+    machine_info,
+    params_digest,
+    run_ranks,
+)
 from node.config import load_config
 
-__all__ = ["ddp_equivalent_step", "plan_seeds", "run", "setting_overrides", "steps_problem"]
+__all__ = [
+    "ddp_equivalent_step",
+    "plan_seeds",
+    "run",
+    "sent_bytes",
+    "setting_overrides",
+    "steps_problem",
+]
 
 _WORKERS = 4
 _FP32_BYTES = 4
@@ -100,6 +114,16 @@ _DDP_LRS = (3e-3, 6e-3, 1.2e-2)
 _INNER_LRS = (1.5e-3, 3e-3, 6e-3)
 _OPTIMIZERS = ("adamw", "muon", "soap")
 _EDGE_STEPS = 2  # lrs tried past the grid's edge when the best lies on it
+# topk: tried at seed 0 with AdamW's pick at each of these H (its inner lr), every kept
+# share and value width, with error feedback under the pick's outer step or as
+# SparseLoCo's accumulator (decay 0.95) under a plain outer step; the best per H at
+# every seed.
+_TOPK_INNER_STEPS = (50, 100)
+_TOPK_DENSITIES = (0.01, 0.03)
+_TOPK_BITS = (2, 4)
+_TOPK_DECAY = 0.95
+_SPARSELOCO_OUTER = "plain averaging (sgd lr 1)"
+_TARGET_TOPK_RATIO = 10_000.0
 _LONG_INNER_STEPS = (min(_INNER_STEPS), max(_INNER_STEPS))  # the long mode's AdamW runs
 _PICKS = "convergence-picks.json"  # the quick sweep's picks, which the long mode runs
 # Outer settings swept with AdamW, every field spelled out so that a change of the
@@ -181,6 +205,9 @@ class _Grid:
     seeds: tuple[int, ...] = _SEEDS
     edge_steps: int = _EDGE_STEPS
     islands_inner_steps: int | None = None  # None: the recipe's
+    topk_inner_steps: tuple[int, ...] = _TOPK_INNER_STEPS
+    topk_densities: tuple[float, ...] = _TOPK_DENSITIES
+    topk_bits: tuple[int, ...] = _TOPK_BITS
 
     @property
     def ring_share(self) -> float:
@@ -199,6 +226,9 @@ _SMOKE_GRID = _Grid(
     seeds=(0,),
     edge_steps=0,
     islands_inner_steps=5,
+    topk_inner_steps=(2,),
+    topk_densities=(0.03,),
+    topk_bits=(2,),
 )
 
 
@@ -213,6 +243,12 @@ class Setting:
     codec: str = "none"
     outer: str = ""
     islands: bool = False
+    density: float = 0.0
+    """topk: the share of each chunk kept."""
+    bits: int = 0
+    """topk: bits per kept value."""
+    decay: float = 1.0
+    """Error feedback's decay (below 1: SparseLoCo's accumulator)."""
 
     @property
     def label(self) -> str:
@@ -220,7 +256,12 @@ class Setting:
             return f"DDP {self.optimizer} lr {self.lr:g}"
         if self.islands:
             return f"islands.toml (H={self.inner_steps})"
-        return f"{self.optimizer} H={self.inner_steps} {self.codec} lr {self.lr:g}, {self.outer}"
+        codec = self.codec
+        if codec == "topk":
+            codec = f"topk {100 * self.density:g}% {self.bits}b"
+            if self.decay < 1:
+                codec += f" EF decay {self.decay:g}"
+        return f"{self.optimizer} H={self.inner_steps} {codec} lr {self.lr:g}, {self.outer}"
 
 
 def _eval_batches(mode: str) -> int:
@@ -283,6 +324,17 @@ def setting_overrides(setting: Setting, mode: str, steps: int, seed: int) -> lis
         f"sync.codec='{setting.codec}'",
         *_OUTER[setting.outer],
         f"outer.lr_rounds={rounds}",
+        *_topk_overrides(setting),
+    ]
+
+
+def _topk_overrides(setting: Setting) -> list[str]:
+    if setting.codec != "topk":
+        return []
+    return [
+        f"sync.topk_density={setting.density!r}",
+        f"sync.topk_bits={setting.bits}",
+        f"sync.feedback_decay={setting.decay!r}",
     ]
 
 
@@ -388,6 +440,18 @@ def _run_ddp(overrides: list[str], steps: int, eval_every: int, workers: int) ->
 # ---- Atoll, through the single-process reference --------------------------------------
 
 
+def sent_bytes(result: dict[str, Any], workers: int) -> float:
+    """Bytes one member of a group of ``workers`` sends over a simulated run, as the wire
+    would carry them: its part of every other owner's part (``(n - 1) / n`` of its
+    encoded pseudo-gradients), its own part's result to every other member (``(n - 1) /
+    n`` of the results), and the signed heads of those ``2 (n - 1)`` messages per sync
+    (:func:`benchmarks._common.head_bytes`)."""
+    share = (workers - 1) / workers
+    payload = share * (result["payload_bytes_per_replica"] + result["result_bytes"])
+    part_head, result_head = head_bytes(workers)
+    return payload + result["syncs"] * (workers - 1) * (part_head + result_head)
+
+
 def _run_atoll(
     overrides: list[str], steps: int, threads: int, label: str, grid: _Grid
 ) -> dict[str, Any]:
@@ -408,9 +472,9 @@ def _run_atoll(
             )
 
     result = simulate(cfg, replicas=grid.workers, rounds=rounds, progress=progress)
-    bytes_per_round = result["payload_bytes_per_replica"] / rounds * grid.ring_share
-    # Every codec's encoded size depends only on the element count, so every round
-    # sends the same bytes.
+    sent = sent_bytes(result, grid.workers)
+    # Every round sends about the same bytes (exactly, for the dense codecs).
+    bytes_per_round = sent / rounds
     history = [
         {
             "step": h["round"] * inner_steps,
@@ -424,7 +488,12 @@ def _run_atoll(
         "params": result["params"],
         "fragments": result["fragments"],
         "val_bpb_end": result["val_bpb_end"],
-        "bytes_sent_per_worker": result["payload_bytes_per_replica"] * grid.ring_share,
+        "bytes_sent_per_worker": sent,
+        "payload_sent_per_worker": (grid.workers - 1)
+        / grid.workers
+        * (result["payload_bytes_per_replica"] + result["result_bytes"]),
+        "payload_bytes_per_replica": result["payload_bytes_per_replica"],
+        "result_bytes": result["result_bytes"],
         "seconds": result["seconds"],
         "history": history,
     }
@@ -478,6 +547,10 @@ def _judge(atoll: dict[str, Any], ddp: dict[str, Any]) -> None:
     ratio = ddp["bytes_sent_per_worker"] / atoll["bytes_sent_per_worker"]
     atoll["gap_to_ddp_percent"] = gap
     atoll["bytes_ratio_ddp_over_atoll"] = ratio
+    if atoll.get("payload_sent_per_worker"):
+        atoll["payload_ratio_ddp_over_atoll"] = (
+            ddp["bytes_sent_per_worker"] / atoll["payload_sent_per_worker"]
+        )
     atoll["meets_bpb_target"] = gap <= _TARGET_GAP_PERCENT
     atoll["meets_bytes_target"] = ratio >= _TARGET_BYTES_RATIO
     atoll["meets_target"] = atoll["meets_bpb_target"] and atoll["meets_bytes_target"]
@@ -528,6 +601,7 @@ def _summarize(
         entry["per_seed"][s]["ddp_equivalent_steps"] = eq
         equivalents.append(eq)
         entry["bytes_ratio_ddp_over_atoll"] = r["bytes_ratio_ddp_over_atoll"]
+        entry["payload_ratio_ddp_over_atoll"] = r.get("payload_ratio_ddp_over_atoll")
     entry["gap_to_ddp_percent"] = _spread(gaps)
     reached = [e for e in equivalents if e is not None]
     entry["ddp_equivalent_steps"] = _spread(reached) if len(reached) == len(equivalents) else None
@@ -573,6 +647,8 @@ def plan_seeds(picks: dict[str, Setting], long: bool, grid: _Grid = _GRID) -> li
         if not long:
             out += [replace(adamw, codec=c) for c in _CODECS if c != adamw.codec]
             out += [picks[k] for k in (f"muon H={h}", f"soap H={h}") if k in picks]
+    if not long:
+        out += [picks[f"topk H={h}"] for h in grid.topk_inner_steps if f"topk H={h}" in picks]
     if long and "other" in picks:
         out.append(picks["other"])
     if not long:
@@ -629,7 +705,37 @@ def _sweep(train: Any, results: dict[Setting, dict[int, dict]], grid: _Grid) -> 
                 results, lambda s, h=h, o=optimizer: s.optimizer == o and s.inner_steps == h
             )
             picks[f"{optimizer} H={h}"] = _extend(found, results, train, grid.edge_steps)
+    picks.update(_sweep_topk(train, results, picks, grid))
     return picks
+
+
+def _topk_variants(adamw: Setting, grid: _Grid) -> list[Setting]:
+    out = []
+    for density in grid.topk_densities:
+        for bits in grid.topk_bits:
+            topk = replace(adamw, codec="topk", density=density, bits=bits)
+            out.append(topk)  # error feedback, the pick's outer step on top
+            out.append(replace(topk, decay=_TOPK_DECAY, outer=_SPARSELOCO_OUTER))
+    return out
+
+
+def _sweep_topk(
+    train: Any, results: dict[Setting, dict[int, dict]], picks: dict[str, Setting], grid: _Grid
+) -> dict[str, Setting]:
+    """Seed 0 of every topk variant at each H of ``grid.topk_inner_steps``, with AdamW's
+    pick at that H; returns the best per H."""
+    out = {}
+    for h in grid.topk_inner_steps:
+        adamw = picks.get(f"adamw H={h}")
+        if adamw is None:
+            continue
+        variants = _topk_variants(adamw, grid)
+        for setting in variants:
+            train(setting, 0)
+        best = _best(results, lambda s, v=variants: s in v)
+        if best is not None:
+            out[f"topk H={h}"] = best
+    return out
 
 
 def _write_picks(path: pathlib.Path, picks: dict[str, Setting], results: dict) -> None:
@@ -753,6 +859,7 @@ def run(
     steps: int | None = None,
     long: bool = False,
     smoke: bool = False,
+    sparse: bool = False,
 ) -> dict:
     """Sweeps, then trains the picks over three seeds, then writes the report and plot.
 
@@ -765,6 +872,8 @@ def run(
             report in ``out_dir`` (no sweep); writes ``convergence-long.*``.
         smoke: 2 workers, 10 steps, one candidate of each kind, seed 0: a check that it
             runs (see the module docstring).
+        sparse: only the topk rows (:func:`run_sparse`), on the quick report in
+            ``out_dir``; writes ``convergence-sparse.*``.
 
     Returns:
         The dict written to the JSON: ``picks`` (best setting per method), ``sweep``
@@ -777,6 +886,8 @@ def run(
         ValueError: ``steps`` is not a positive multiple of every H.
         FileNotFoundError: long mode without the quick report in ``out_dir``.
     """
+    if sparse:
+        return run_sparse(pathlib.Path(out_dir), steps or _QUICK_STEPS)
     mode = "long" if long else "smoke" if smoke else "quick" if quick else "full"
     grid = _SMOKE_GRID if smoke else _GRID
     if steps is None:
@@ -872,10 +983,16 @@ def run(
             "ddp_bytes": f"steps * params * 4 * 2*({grid.workers}-1)/{grid.workers}: fp32 "
             "gradients, "
             "ring all-reduce (each worker sends 2(n-1)/n of the vector per step)",
-            "atoll_bytes": f"payload_bytes_per_replica * 2*({grid.workers}-1)/{grid.workers}: one "
-            "replica's encoded pseudo-gradients over all rounds (codec payload only, no "
-            "message headers or signatures), times the share a butterfly all-reduce "
-            "member sends; an estimate, not a measurement on the wire",
+            "atoll_bytes": f"({grid.workers}-1)/{grid.workers} * (payload_bytes_per_replica + "
+            "result_bytes) + syncs * "
+            f"({grid.workers}-1) * (part head + result head): a group member sends its "
+            "encoded pseudo-gradient's parts to the other owners and its own part's result "
+            "(topk: the union of the kept values, 8 bits each) to the other members, each "
+            "message with its signed head (benchmarks._common.head_bytes: "
+            f"{sum(head_bytes(grid.workers))} bytes a part and result); "
+            "payload_ratio_ddp_over_atoll leaves the heads out. Payloads are the codec's "
+            "real encodings in the simulation; the swarm's sync events count the same "
+            "messages on the wire",
             "atoll_method": "node.simulate.simulate, the single-process reference of the "
             "networked node's algorithm, steps mode, rounds = total_steps / H; it scores "
             "the global copy (the averaged model every replica agrees on)",
@@ -899,6 +1016,181 @@ def run(
     _plot(report, curves, out_dir / f"{name}.png")
     journal.unlink(missing_ok=True)
     return report
+
+
+def _stored_ddp(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """DDP's runs per seed as a quick report stored them (no history: DDP-equivalent
+    steps are not computed from it)."""
+    ddp = report["entries"][0]
+    return {
+        int(seed): {
+            "val_bpb_end": r["val_bpb_end"],
+            "bytes_sent_per_worker": ddp["bytes_sent_per_worker"],
+            "history": [],
+        }
+        for seed, r in ddp["per_seed"].items()
+    }
+
+
+def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, Any]:
+    """The topk rows alone: the quick sweep's AdamW picks at each H of
+    :data:`_TOPK_INNER_STEPS` with every topk variant at seed 0, the best per H at every
+    seed, judged against the DDP runs and set beside the int8 rows of the quick report
+    stored in ``out_dir`` (``convergence.json``, ``convergence-picks.json``: the same
+    seeds, batches and model). Writes ``convergence-sparse.json`` and ``.png``.
+
+    Raises:
+        FileNotFoundError: no quick report in ``out_dir``.
+    """
+    stored_path = out_dir / "convergence.json"
+    if not stored_path.exists():
+        raise FileNotFoundError(
+            f"{stored_path}: the sparse mode takes the quick report's picks and DDP runs "
+            "from it; run `python -m benchmarks convergence --quick` with the same --out first"
+        )
+    stored = json.loads(stored_path.read_text())
+    if stored.get("mode") != "quick" or stored.get("total_steps") != steps:
+        raise ValueError(f"{stored_path} is not a quick report of {steps} steps")
+    picks = _picks_from(out_dir / _PICKS)
+    ddp_runs = _stored_ddp(stored)
+    started = time.monotonic()
+    results: dict[Setting, dict[int, dict]] = {}
+    journal = out_dir / "convergence-sparse-runs.jsonl"
+    done = _read_journal(journal)
+
+    def train(setting: Setting, seed: int) -> dict[str, Any]:
+        runs = results.setdefault(setting, {})
+        if seed not in runs:
+            key = json.dumps(["quick", steps, seed, setting.__dict__], sort_keys=True)
+            if key in done:
+                runs[seed] = done[key]
+            else:
+                runs[seed] = _train(setting, "quick", steps, seed, min(_INNER_STEPS), _GRID)
+                with journal.open("a") as f:
+                    f.write(json.dumps({"key": key, "result": runs[seed]}) + "\n")
+        return runs[seed]
+
+    threads_before = torch.get_num_threads()
+    try:
+        best = _sweep_topk(train, results, picks, _GRID)
+        for seed in _SEEDS:
+            for setting in best.values():
+                train(setting, seed)
+    finally:
+        torch.set_num_threads(threads_before)
+    entries = [_summarize(s, results[s], ddp_runs, steps) for s in best.values()]
+    sweep = []
+    for s, r in results.items():
+        if 0 in r and "error" not in r[0]:
+            one = dict(r[0])
+            _judge(one, ddp_runs[0])
+            sweep.append(
+                {
+                    "label": s.label,
+                    "setting": s.__dict__,
+                    "val_bpb_end_seed0": one["val_bpb_end"],
+                    "gap_to_ddp_percent_seed0": one.get("gap_to_ddp_percent"),
+                    "bytes_ratio_ddp_over_atoll": one.get("bytes_ratio_ddp_over_atoll"),
+                    "payload_ratio_ddp_over_atoll": one.get("payload_ratio_ddp_over_atoll"),
+                }
+            )
+    int8 = {
+        h: next(
+            (
+                e
+                for e in stored["entries"]
+                if e["setting"]["method"] == "atoll"
+                and e["setting"]["optimizer"] == "adamw"
+                and e["setting"]["inner_steps"] == h
+                and e["setting"]["codec"] == "int8"
+            ),
+            None,
+        )
+        for h in _TOPK_INNER_STEPS
+    }
+    verdicts = {}
+    for h in _TOPK_INNER_STEPS:
+        e = next((e for e in entries if e["setting"]["inner_steps"] == h), None)
+        ref = int8.get(h)
+        if e is None or ref is None or e["gap_to_ddp_percent"]["mean"] is None:
+            continue
+        verdicts[f"H={h}"] = {
+            "topk": e["label"],
+            "bytes_ratio": e.get("bytes_ratio_ddp_over_atoll"),
+            "payload_ratio": e.get("payload_ratio_ddp_over_atoll"),
+            "gap_percent": e["gap_to_ddp_percent"]["mean"],
+            "int8_gap_percent": ref["gap_to_ddp_percent"]["mean"],
+            "int8_bytes_ratio_payload_only": ref.get("bytes_ratio_ddp_over_atoll"),
+            "meets_bytes_goal": (e.get("bytes_ratio_ddp_over_atoll") or 0) >= _TARGET_TOPK_RATIO,
+            "meets_gap_goal": e["gap_to_ddp_percent"]["mean"] <= ref["gap_to_ddp_percent"]["mean"],
+        }
+    report = {
+        "benchmark": "convergence",
+        "mode": "sparse",
+        "workers": _WORKERS,
+        "seeds": list(_SEEDS),
+        "total_steps": steps,
+        "params": stored.get("params"),
+        "quick_report_date": stored.get("date"),
+        "entries": entries,
+        "sweep": sweep,
+        "int8": {f"H={h}": e for h, e in int8.items()},
+        "goal": {
+            "min_bytes_ratio": _TARGET_TOPK_RATIO,
+            "text": "at least 10,000x fewer bytes than fp32 DDP with a gap to DDP no worse "
+            "than int8's at the same H",
+        },
+        "verdicts": verdicts,
+        "head_bytes": dict(zip(("part", "result"), head_bytes(_WORKERS))),
+        "seconds": round(time.monotonic() - started, 1),
+        "notes": {
+            "int8": "the quick report's AdamW int8 rows; their byte ratios there count "
+            "payloads only (the quick report predates heads in the count)",
+            "ddp": "the quick report's DDP runs, paired by seed",
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+    }
+    (out_dir / "convergence-sparse.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot_sparse(report, out_dir / "convergence-sparse.png")
+    journal.unlink(missing_ok=True)
+    return report
+
+
+def _plot_sparse(report: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for h, marker in zip(_TOPK_INNER_STEPS, ("o", "s")):
+        rows = [r for r in report["sweep"] if r["setting"]["inner_steps"] == h]
+        ax.scatter(
+            [r["bytes_ratio_ddp_over_atoll"] for r in rows],
+            [r["gap_to_ddp_percent_seed0"] for r in rows],
+            marker=marker,
+            label=f"topk variants, H={h} (seed 0)",
+        )
+        ref = report["int8"].get(f"H={h}")
+        if ref and ref.get("gap_to_ddp_percent", {}).get("mean") is not None:
+            ax.scatter(
+                [ref["bytes_ratio_ddp_over_atoll"]],
+                [ref["gap_to_ddp_percent"]["mean"]],
+                marker=marker,
+                color="black",
+                label=f"int8, H={h} (mean of seeds, payload only)",
+            )
+    ax.axvline(_TARGET_TOPK_RATIO, color="gray", linestyle="--", label="10,000x goal")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes DDP sends / bytes Atoll sends, per worker (heads included)")
+    ax.set_ylabel("final bits/byte above DDP (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"topk on the quick model ({report['params']:,} parameters)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _read_journal(path: pathlib.Path) -> dict[str, dict[str, Any]]:

@@ -26,6 +26,7 @@ from node.model import build_model, vocab_of
 from node.outer import OuterOptimizer, sync_schedule
 from node.trainer import InnerTrainer, evaluate
 from protocol.averaging.fragments import plan_fragments
+from protocol.averaging.parts import RESULT_BITS
 from protocol.wire import codec as codecs
 from verification import aggregators
 
@@ -112,7 +113,10 @@ class _Simulation:
         # the one a node evaluates and a user keeps), loaded into a model of its own.
         self.scored = build_model(cfg.model, seed=cfg.run.seed).to(device)
         self.payload_bytes = 0
-        """Bytes one replica sent, over every sync so far."""
+        """Bytes of one replica's encoded pseudo-gradients, over every sync so far."""
+        self.result_bytes = 0
+        """Bytes of the averaged pseudo-gradients as owners encode them (for ``topk``, the
+        union of the kept values as ``sparse``; otherwise the same size as a replica's)."""
 
     def score(self) -> float:
         """The global copy's validation bits per byte."""
@@ -156,6 +160,13 @@ class _Simulation:
             if sync.tau or sync.alpha:
                 sent_from.append(self.outers[i].local_vector(model, f))
         averaged = weighted_mean(decoded, [float(t) for t in round_tokens])
+        if sync.codec == "topk":
+            # what owners answer: the union of the kept values, 8 bits each
+            result = codecs.encode(averaged, "sparse", block_size=sync.chunk, bits=RESULT_BITS)
+            averaged = codecs.decode(result)
+            self.result_bytes += len(result.payload)
+        else:
+            self.result_bytes += len(enc.payload)
         return _Pending(step, f, averaged.to(self.device), sent_from)
 
     def _apply(self, p: _Pending, r: int) -> None:
@@ -188,7 +199,9 @@ def simulate(
 
     Returns:
         A summary with ``replicas``, ``rounds``, ``val_bpb_start``, ``val_bpb_end``,
-        the per-round ``history`` and ``payload_bytes_per_replica``.
+        the per-round ``history``, ``payload_bytes_per_replica`` (one replica's encoded
+        pseudo-gradients over every sync), ``result_bytes`` (the averaged ones as owners
+        encode them) and ``syncs``.
     """
     if replicas < 1 or rounds < 1:
         raise ValueError("replicas and rounds must be >= 1")
@@ -225,6 +238,8 @@ def simulate(
         "val_bpb_end": history[-1]["val_bpb"],
         "tokens": history[-1]["tokens"],
         "payload_bytes_per_replica": sim.payload_bytes,
+        "result_bytes": sim.result_bytes,
+        "syncs": rounds * len(sim.plan),
         "seconds": time.perf_counter() - start,
         "history": history,
         "device": str(device),

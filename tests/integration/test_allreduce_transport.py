@@ -36,6 +36,7 @@ from protocol.averaging.parts import (
 )
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport, TransportConfig
+from protocol.wire import codec as codecs
 from protocol.wire.messages import Header, seal
 from protocol.wire.partwire import SealedPart, seal_part
 from verification.identity import Identity
@@ -305,6 +306,53 @@ def test_int8_within_codec_bound_and_bitwise_identical(
         assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
         assert float(error.max()) > 0  # the codec really was lossy on the way
     _assert_bitwise_equal(results)
+
+
+@pytest.mark.timeout(60)
+def test_topk_parts_reduce_to_their_union_and_a_denser_part_is_refused(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    chunk, k = 256, 4
+    settings = AllReduceSettings(
+        run_id=RUN, codec="topk", block_size=chunk, topk_k=k, topk_bits=2, timeout=15
+    )
+    members = services(settings)[:3]
+    victim, honest, attacker = members
+    group = [m.identity.peer_id for m in members]
+    numel = 3_000
+    # what a node's error feedback hands the exchange: k values of every chunk, 2 bits
+    vectors = [
+        codecs.decode(codecs.encode(v, "topk", block_size=chunk, k=k, bits=2))
+        for v in _vectors(3, numel, seed=9)
+    ]
+    weights = [1, 2, 3]
+    futures = [
+        m.transport.submit(m.run(ROUND, 0, group, v, w))
+        for m, v, w in zip((victim, honest), vectors, weights)
+    ]
+    # a part keeping twice the run's k (more bytes and more support than its share)
+    own_numel = part_bounds(numel, 3, chunk)[0][1]
+    denser = codecs.encode(vectors[2][:own_numel], "topk", block_size=chunk, k=2 * k, bits=2)
+    header = Header("part", RUN, ROUND, 0, 0, attacker.identity.peer_id)
+    meta = {"content": "update", "group": group, "weight": 3, **denser.meta()}
+    data = seal_part(attacker.identity, header, meta, denser.payload).to_bytes()
+    error = _expect_refusal(attacker.transport, victim.identity.peer_id, data)
+    assert error.detail.startswith("wrong_codec:"), error.detail
+    own = attacker.transport.submit(attacker.run(ROUND, 0, group, vectors[2], weights[2]))
+    results = [f.result(30) for f in futures] + [own.result(30)]
+
+    expected = _weighted_mean(vectors, weights)
+    support = torch.stack(vectors).ne(0).any(dim=0)
+    for r in results:
+        assert r.complete, r.contributors
+        assert torch.equal(r.vector.ne(0), support)  # the union of the kept values
+        # the owner's 8-bit sparse result: within half a step of its chunk's absmax
+        pad = -numel % chunk
+        absmax = torch.nn.functional.pad(expected.abs(), (0, pad)).view(-1, chunk).amax(1)
+        bound = absmax.repeat_interleave(chunk)[:numel] / 255 + 1e-6
+        assert bool(((r.vector - expected).abs() <= bound).all())
+    _assert_bitwise_equal(results)
+    assert victim.rejected.get("wrong_codec") == 1
 
 
 @pytest.mark.timeout(60)
