@@ -124,6 +124,10 @@ _TOPK_BITS = (2, 4)
 _TOPK_DECAY = 0.95
 _SPARSELOCO_OUTER = "plain averaging (sgd lr 1)"
 _TARGET_TOPK_RATIO = 10_000.0
+# Longer runs of the best topk setting at the shortest H against int8 (seed 0, no DDP):
+# error feedback sends a few per cent of a chunk a round, so a short run's few rounds
+# leave most of the pseudo-gradients in the residual.
+_ROUNDS_STUDY_STEPS = (1000, 2000)
 _LONG_INNER_STEPS = (min(_INNER_STEPS), max(_INNER_STEPS))  # the long mode's AdamW runs
 _PICKS = "convergence-picks.json"  # the quick sweep's picks, which the long mode runs
 # Outer settings swept with AdamW, every field spelled out so that a change of the
@@ -1076,6 +1080,7 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
         for seed in _SEEDS:
             for setting in best.values():
                 train(setting, seed)
+        study = _rounds_study(best, picks, done, journal)
     finally:
         torch.set_num_threads(threads_before)
     entries = [_summarize(s, results[s], ddp_runs, steps) for s in best.values()]
@@ -1141,6 +1146,7 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
             "than int8's at the same H",
         },
         "verdicts": verdicts,
+        "rounds_study": study,
         "head_bytes": dict(zip(("part", "result"), head_bytes(_WORKERS))),
         "seconds": round(time.monotonic() - started, 1),
         "notes": {
@@ -1155,6 +1161,50 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
     _plot_sparse(report, out_dir / "convergence-sparse.png")
     journal.unlink(missing_ok=True)
     return report
+
+
+def _rounds_study(
+    best: dict[str, Setting],
+    picks: dict[str, Setting],
+    done: dict[str, dict[str, Any]],
+    journal: pathlib.Path,
+) -> list[dict[str, Any]]:
+    """The best topk setting at the shortest H and AdamW's int8 pick there, at seed 0,
+    for each length of :data:`_ROUNDS_STUDY_STEPS`: how the gap between them moves
+    with the number of rounds."""
+    h = min(_TOPK_INNER_STEPS)
+    topk, int8 = best.get(f"topk H={h}"), picks.get(f"adamw H={h}")
+    if topk is None or int8 is None:
+        return []
+    out = []
+    for steps in _ROUNDS_STUDY_STEPS:
+        runs = {}
+        for name, setting in (("topk", topk), ("int8", int8)):
+            key = json.dumps(["quick", steps, 0, setting.__dict__], sort_keys=True)
+            if key not in done:
+                done[key] = _train(setting, "quick", steps, 0, h, _GRID)
+                with journal.open("a") as f:
+                    f.write(json.dumps({"key": key, "result": done[key]}) + "\n")
+            runs[name] = done[key]
+        ok = all("error" not in r for r in runs.values())
+        out.append(
+            {
+                "steps": steps,
+                "rounds": steps // h,
+                "topk": topk.label,
+                "int8": int8.label,
+                "val_bpb_end": {k: r.get("val_bpb_end") for k, r in runs.items()},
+                "topk_over_int8_percent": 100
+                * (runs["topk"]["val_bpb_end"] / runs["int8"]["val_bpb_end"] - 1)
+                if ok
+                else None,
+                "bytes_int8_over_topk": runs["int8"]["bytes_sent_per_worker"]
+                / runs["topk"]["bytes_sent_per_worker"]
+                if ok
+                else None,
+            }
+        )
+    return out
 
 
 def _plot_sparse(report: dict[str, Any], path: pathlib.Path) -> None:

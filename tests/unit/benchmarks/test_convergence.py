@@ -84,3 +84,29 @@ def test_the_long_mode_runs_the_quick_sweeps_picks(tmp_path):
     read = _picks_from(tmp_path / "p.json")
     assert read["other"] == soap  # the best seed-0 score besides AdamW
     assert plan_seeds(read, long=True) == [ddp, adamw, soap]  # H=250 not picked; no codecs
+
+
+def test_bytes_sent_count_parts_results_and_heads():
+    from benchmarks._common import head_bytes
+    from benchmarks.convergence import sent_bytes
+
+    part_head, result_head = head_bytes(4)
+    assert 300 < part_head < 2000 and 300 < result_head < 2000  # four PeerIDs and a signature
+    # a topk run: 1,000 bytes of parts and 3,000 of sparse results per replica, 10 syncs
+    run = {"payload_bytes_per_replica": 1000, "result_bytes": 3000, "syncs": 10}
+    want = 3 / 4 * 4000 + 10 * 3 * (part_head + result_head)
+    assert sent_bytes(run, 4) == pytest.approx(want)
+
+
+def test_topk_variants_and_the_sparse_mode_needs_the_quick_report(tmp_path):
+    from benchmarks.convergence import _GRID, Setting, _topk_variants, run_sparse
+
+    adamw = Setting("atoll", 3e-3, "adamw", 50, "int8", "nesterov lr 0.7, momentum 0.5")
+    variants = _topk_variants(adamw, _GRID)
+    assert len(variants) == 8  # 2 kept shares x 2 widths x 2 error feedbacks
+    assert {v.codec for v in variants} == {"topk"}
+    sparseloco = [v for v in variants if v.decay < 1]
+    assert len(sparseloco) == 4 and {v.outer for v in sparseloco} == {"plain averaging (sgd lr 1)"}
+    assert "topk 1% 2b EF decay 0.95" in sparseloco[0].label
+    with pytest.raises(FileNotFoundError, match="convergence --quick"):
+        run_sparse(tmp_path)

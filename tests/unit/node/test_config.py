@@ -156,3 +156,16 @@ def test_data_plane_reaches_the_transport_and_bad_values_name_the_key(tmp_path):
     for plane in ("tcp", "tls"):
         with pytest.raises(ValueError, match="give identity_path"):
             TransportConfig(data_plane=plane)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
+def test_topk_refuses_coordinatewise_aggregators_naming_both_keys(aggregator: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["sync.codec='topk'", f"trust.aggregator='{aggregator}'"])
+    message = str(info.value)
+    assert message.startswith(f"config error: trust.aggregator = '{aggregator}' cannot work")
+    assert "sync.codec = 'topk'" in message and "\n" not in message
+    for accepted in ("mean", "centered_clip", "clipped_mean", "krum"):
+        params = ["trust.aggregator_params={f = 0}"] if accepted == "krum" else []
+        cfg = load_config(None, ["sync.codec='topk'", f"trust.aggregator='{accepted}'", *params])
+        assert cfg.trust.aggregator == accepted

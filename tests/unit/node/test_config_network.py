@@ -51,3 +51,20 @@ def test_commitments_need_the_control_channel_and_limits_are_bounded() -> None:
 def test_unknown_keys_are_refused() -> None:
     with pytest.raises(ValueError):
         SyncConfig(codecs="int8")  # type: ignore[call-arg]
+
+
+def test_topk_arguments_and_what_cannot_go_with_it() -> None:
+    sync = SyncConfig(codec="topk", topk_chunk=4096, topk_density=0.01, topk_bits=4)
+    assert sync.codec_args() == {"block_size": 4096, "k": 41, "bits": 4}
+    assert sync.chunk == 4096
+    assert SyncConfig(codec="topk", topk_chunk=100, topk_density=0.001).codec_args()["k"] == 1
+    assert SyncConfig(codec="int8", block_size=128).codec_args() == {"block_size": 128}
+    assert SyncConfig(codec="topk", stochastic_rounding=True).stochastic_rounding
+    with pytest.raises(ValueError, match="mix_codec = 'topk'"):
+        SyncConfig(mix_codec="topk")
+    with pytest.raises(ValueError, match="feedback_decay < 1 needs sync.error_feedback"):
+        SyncConfig(codec="topk", feedback_decay=0.9, error_feedback=False)
+    with pytest.raises(ValueError):
+        SyncConfig(codec="topk", topk_chunk=70_000)
+    with pytest.raises(ValueError):
+        SyncConfig(codec="topk", topk_bits=3)  # type: ignore[arg-type]

@@ -106,3 +106,23 @@ def test_the_command_prints_json_and_reads_the_config(capsys) -> None:
     )
     text = capsys.readouterr().out
     assert "2 TB a full sync" in text and "a sync takes 20 s" in text
+
+
+def test_topk_sends_parts_and_union_results_by_hand() -> None:
+    # 40,960 values in chunks of 4096 keeping 41 in 2 bits: 10 chunks, each 6 bytes of
+    # scale and count and 41 offsets of 2 bytes; the 410 codes packed four a byte: 103
+    inp = PlanInput(
+        params=40_960,
+        codec="topk",
+        block_size=4096,
+        topk_k=41,
+        topk_bits=2,
+        bandwidth_gbit=1.0,
+        step_seconds=0.1,
+        group_size=4,
+    )
+    out = plan(inp)
+    assert out["fragment_bytes"] == 10 * (6 + 82) + 103
+    # a result keeps at most 4 * 41 values of a chunk, 8 bits each: 6 + 164 * 3 bytes
+    result = 10 * (6 + 164 * 3)
+    assert out["sent_bytes_per_sync"] == pytest.approx(3 / 4 * (out["fragment_bytes"] + result))

@@ -76,3 +76,22 @@ def test_a_late_result_keeps_the_steps_taken_while_it_was_in_flight():
     assert late["val_bpb_end"] != now["val_bpb_end"]
     assert late["val_bpb_end"] < late["val_bpb_start"] - 2.0
     assert abs(late["val_bpb_end"] - now["val_bpb_end"]) < 0.2
+
+
+def test_topk_simulation_learns_and_counts_its_sparse_results():
+    cfg = load_config(None, SMALL + ["sync.fragments=2"])
+    int8 = simulate(cfg.replace(sync={"codec": "int8"}), replicas=2, rounds=2)
+    topk = simulate(
+        cfg.replace(sync={"codec": "topk", "topk_chunk": 256, "topk_density": 0.05}),
+        replicas=2,
+        rounds=2,
+    )
+    assert topk["syncs"] == 4
+    assert topk["val_bpb_end"] < topk["val_bpb_start"] - 1.0
+    # k = 13 of every 256 values in 2 bits: about a tenth of int8's payload
+    assert topk["payload_bytes_per_replica"] < int8["payload_bytes_per_replica"] / 5
+    # the owners' union of two members' kept values, 8 bits each: more than one part's
+    # payload, at most two parts' values at 8 bits
+    assert topk["payload_bytes_per_replica"] < topk["result_bytes"]
+    assert topk["result_bytes"] < 3 * topk["payload_bytes_per_replica"]
+    assert int8["result_bytes"] == int8["payload_bytes_per_replica"]

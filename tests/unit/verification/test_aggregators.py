@@ -516,3 +516,47 @@ def test_max_share_weights_properties(weights: list[float], share: float) -> Non
             for j in range(n):
                 if weights[i] <= weights[j]:
                     assert got[i] <= got[j] * (1 + 1e-9) + 1e-12
+
+
+# --- sparse inputs (codec topk) ------------------------------------------------------------
+
+_SPARSE = [torch.tensor([3.0, 0, 0, 0]), torch.tensor([0, 4.0, 0, 0]), torch.tensor([0, 0, 0, 12.0])]
+
+
+def test_clipped_mean_by_hand() -> None:
+    # norms 3, 4, 12: the median 4 is the radius, so the third is scaled by 4 / 12
+    out = aggregate("clipped_mean", _SPARSE, [1, 1, 1], {"tau": 1.0})
+    torch.testing.assert_close(out.vector, torch.tensor([1.0, 4 / 3, 0, 4 / 3]))
+    assert out.used == [0, 1, 2]
+    weighted = aggregate("clipped_mean", _SPARSE, [2, 1, 1], {"tau": 2.0})  # radius 8
+    torch.testing.assert_close(weighted.vector, torch.tensor([1.5, 1.0, 0, 2.0]))
+    with pytest.raises(ValueError, match="tau"):
+        aggregate("clipped_mean", _SPARSE, [1, 1, 1], {"tau": 0.0})
+
+
+def test_sparse_safe_aggregators_on_disjoint_supports_by_hand() -> None:
+    from verification.aggregators import SPARSE_SAFE
+
+    want = {
+        "mean": ({}, [1.0, 4 / 3, 0, 4.0]),
+        # the coordinate-wise median of disjoint supports is zero: the centre is 0 and one
+        # iteration clips as the norm-clipped mean does (radius: the median norm, 4)
+        "centered_clip": ({"tau": 1.0, "iters": 1}, [1.0, 4 / 3, 0, 4 / 3]),
+        "clipped_mean": ({"tau": 1.0}, [1.0, 4 / 3, 0, 4 / 3]),
+        # squared distances 25 (a-b), 153 (a-c), 160 (b-c): a and b score 25, a first
+        "krum": ({"f": 0}, [3.0, 0, 0, 0]),
+        "multi_krum": ({"f": 1, "m": 2}, [1.5, 2.0, 0, 0]),
+    }
+    assert set(want) == SPARSE_SAFE
+    for name, (params, values) in want.items():
+        out = aggregate(name, _SPARSE, [1, 1, 1], params)
+        torch.testing.assert_close(out.vector, torch.tensor(values), msg=name)
+
+
+def test_coordinatewise_aggregators_drop_sparse_values_which_is_why_they_are_refused() -> None:
+    from verification.aggregators import SPARSE_SAFE
+
+    for name, params in (("median", {}), ("trimmed_mean", {"trim": 0.34})):
+        assert name not in SPARSE_SAFE
+        out = aggregate(name, _SPARSE, [1, 1, 1], params)
+        assert not bool(out.vector.any()), name
