@@ -16,25 +16,31 @@ import time
 
 import torch
 
-from protocol.wire.codec import CODECS, decode, encode
+from protocol.wire.codec import DENSE, decode, encode
 
 __all__ = ["run"]
 
 _BLOCK_SIZE = 256
 _REPEATS = 3
-# (label, codec, stochastic): every codec, plus stochastic rounding where it exists.
-_VARIANTS = [(codec, codec, False) for codec in CODECS] + [
-    ("int8+sr", "int8", True),
-    ("int4+sr", "int4", True),
+_TOPK_CHUNK = 4096
+# (label, codec, stochastic, codec arguments): every dense codec, stochastic rounding
+# where it exists, and topk at the sync defaults (1 % of each chunk of 4096 in 2 bits) and
+# at 3 % in 4 bits. A topk row's error is mostly what it leaves for error feedback.
+_VARIANTS: list[tuple[str, str, bool, dict]] = [
+    *((codec, codec, False, {"block_size": _BLOCK_SIZE}) for codec in DENSE),
+    ("int8+sr", "int8", True, {"block_size": _BLOCK_SIZE}),
+    ("int4+sr", "int4", True, {"block_size": _BLOCK_SIZE}),
+    ("topk 1% 2b", "topk", False, {"block_size": _TOPK_CHUNK, "k": 41, "bits": 2}),
+    ("topk 3% 4b", "topk", False, {"block_size": _TOPK_CHUNK, "k": 123, "bits": 4}),
 ]
 
 
-def _measure(x: torch.Tensor, codec: str, stochastic: bool) -> dict:
+def _measure(x: torch.Tensor, codec: str, stochastic: bool, args: dict) -> dict:
     g = torch.Generator().manual_seed(1)
     best_total = best_enc = best_dec = float("inf")
     for _ in range(_REPEATS):
         t0 = time.perf_counter()
-        enc = encode(x, codec, block_size=_BLOCK_SIZE, stochastic=stochastic, generator=g)
+        enc = encode(x, codec, stochastic=stochastic, generator=g, **args)
         t1 = time.perf_counter()
         y = decode(enc, expected_numel=x.numel())
         t2 = time.perf_counter()
@@ -118,7 +124,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     try:
         n = 20_000 if smoke else 2_000_000 if quick else 10_000_000
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-        results = {label: _measure(x, codec, sr) for label, codec, sr in _VARIANTS}
+        results = {label: _measure(x, codec, sr, args) for label, codec, sr, args in _VARIANTS}
         report = {
             "benchmark": "codec",
             "quick": quick,

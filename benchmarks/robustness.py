@@ -9,13 +9,17 @@ cell's headline is ``val_bpb_end / clean val_bpb_end`` of the same aggregator (1
 the attack cost nothing). Clean runs also count honest peers flagged by honest ones,
 which should be zero: a defence that quarantines honest peers is not a defence.
 
-Swarms run one after another, each in a fresh directory, and are always stopped.
-Quick mode (about 10 minutes on two idle cores) runs three modes against three aggregators
-for 1 Byzantine node of 5; full mode runs every mode against every aggregator, for 1
-of 5 and for 2 of 8. A smoke run (``--smoke``) runs one clean and one attacked swarm of
-2 nodes (1 Byzantine, ``scale``, trimmed mean with screening) for 1 round of 2 inner
-steps. Run it with ``python -m benchmarks robustness [--quick]``; it writes
-``robustness.json`` and ``robustness.png`` into the output folder.
+The grid has one block per codec: ``int8``, and ``topk`` (sparse pseudo-gradients, 8
+values of every chunk of 256 in 2 bits: the tiny model's size) under the aggregators the
+config accepts with it (``verification.aggregators.SPARSE_SAFE``); the report lists the
+refused ones with the config's reason. Swarms run one after another, each in a fresh
+directory, and are always stopped. Quick mode (24 swarms, about 50 minutes here) runs
+three modes against three aggregators per codec for 1 Byzantine node of 5; full mode
+runs every mode against every aggregator a codec accepts, for 1 of 5 and for 2 of 8. A
+smoke run (``--smoke``) runs one clean and one attacked int8 swarm of 2 nodes (1
+Byzantine, ``scale``, trimmed mean with screening) for 1 round of 2 inner steps. Run it
+with ``python -m benchmarks robustness [--quick]``; it writes ``robustness.json`` and
+``robustness.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 from benchmarks._common import machine_info
 from node import swarm
 from node.byzantine import MODES
-from node.config import load_config
+from node.config import ConfigError, load_config
 from node.swarm import QUICK_WORKLOAD
 
 __all__ = ["run"]
@@ -46,11 +50,21 @@ _SMALL = [
     "run.run_id='bench-robustness'",
     *QUICK_WORKLOAD,
     "sync.fragments=2",
-    "sync.codec='int8'",
     "network.matchmaking_seconds=6",
     "network.round_timeout=8",
     "network.request_timeout=8",
 ]
+# Per codec, the overrides after the workload's. topk's defaults (chunks of 4096 at 1 %)
+# are sized for real models; on the tiny one, chunks of 256 at 3 % keep 8 values each.
+_CODECS: dict[str, tuple[str, ...]] = {
+    "int8": ("sync.codec='int8'",),
+    "topk": (
+        "sync.codec='topk'",
+        "sync.topk_chunk=256",
+        "sync.topk_density=0.03",
+        "sync.topk_bits=2",
+    ),
+}
 # Rounds of a few steps, so that a smoke run's swarm ends within seconds of its start.
 _SMOKE = [
     "sync.trigger='steps'",
@@ -90,14 +104,49 @@ _AGGREGATORS = (
     _Aggregator("median", "median", screening=True),
     _Aggregator("trimmed_mean", "trimmed_mean", screening=True),
     _Aggregator("centered_clip", "centered_clip", screening=True),
+    _Aggregator("clipped_mean", "clipped_mean", screening=True),
     _Aggregator("krum", "krum", screening=True, needs_f=True),
     _Aggregator("multi_krum", "multi_krum", screening=True, needs_f=True),
 )
 # Quick mode: a magnitude attack, one screens cannot see, and an owner-side one, against
-# the undefended mean and two robust aggregators (9 attacked swarms + 3 clean; an
-# attacked swarm of 5 takes about a minute on two idle cores, a clean one half that).
+# the undefended mean and two robust aggregators (9 attacked swarms + 3 clean; a swarm of
+# 5 takes about 2 minutes here, 3 rounds of 30 s plus starting and stopping the nodes).
 _QUICK_MODES = ("scale", "alie", "malicious_owner")
 _QUICK_AGGREGATORS = ("mean-unscreened", "trimmed_mean", "centered_clip")
+# topk tries the same columns plus the norm-clipped mean; the config refuses trimmed_mean
+# with topk, which leaves three (9 attacked swarms + 3 clean more).
+_QUICK_TOPK_AGGREGATORS = (*_QUICK_AGGREGATORS, "clipped_mean")
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One codec's part of the grid: its attacks, the aggregators the config accepts
+    with it, and those it refuses (label -> the config's message)."""
+
+    codec: str
+    modes: tuple[str, ...]
+    aggregators: tuple[_Aggregator, ...]
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        return _CODECS[self.codec]
+
+
+def _block(codec: str, modes: tuple[str, ...], labels: tuple[str, ...] | None) -> _Block:
+    """The block of ``codec`` over the aggregators ``labels`` (None: all) it accepts."""
+    accepted, skipped = [], {}
+    for agg in _AGGREGATORS:
+        if labels is not None and agg.label not in labels:
+            continue
+        # the config decides, so the grid never starts a swarm every node would refuse
+        try:
+            load_config(None, [*_SMALL, *_CODECS[codec], *agg.overrides(1)])
+        except ConfigError as e:
+            skipped[agg.label] = str(e)
+            continue
+        accepted.append(agg)
+    return _Block(codec, modes, tuple(accepted), skipped)
 
 
 @dataclass
@@ -128,12 +177,18 @@ def _launch_and_wait(spec: swarm.SwarmSpec, timeout: float) -> tuple[list, bool]
 
 
 def _run_swarm(
-    setting: _Setting, agg: _Aggregator, mode: str | None, base: pathlib.Path, index: int
+    setting: _Setting,
+    block: _Block,
+    agg: _Aggregator,
+    mode: str | None,
+    base: pathlib.Path,
+    index: int,
 ) -> dict[str, Any]:
     """One swarm: ``mode`` on the Byzantine nodes (None: a clean run)."""
     overrides = [
         *_SMALL,
         *setting.extra,
+        *block.overrides,
         f"network.group_size={setting.nodes}",
         *agg.overrides(setting.byzantine),
     ]
@@ -149,6 +204,7 @@ def _run_swarm(
     )
     record: dict[str, Any] = {
         "mode": mode or "clean",
+        "codec": block.codec,
         "aggregator": agg.label,
         "aggregator_params": agg.params(setting.byzantine),
         "screening": agg.screening,
@@ -211,14 +267,22 @@ def _finite(value: float | None) -> float | None:
 # ---- the grid -------------------------------------------------------------------------
 
 
-def _grid(quick: bool, smoke: bool) -> tuple[list[_Setting], tuple[str, ...], list[_Aggregator]]:
+def _grid(quick: bool, smoke: bool) -> tuple[list[_Setting], list[_Block]]:
     if smoke:
-        aggs = [a for a in _AGGREGATORS if a.label == "trimmed_mean"]
-        return [_Setting(2, 1, _SMOKE_ROUNDS, tuple(_SMOKE))], ("scale",), aggs
+        return [_Setting(2, 1, _SMOKE_ROUNDS, tuple(_SMOKE))], [
+            _block("int8", ("scale",), ("trimmed_mean",))
+        ]
     if quick:
-        aggs = [a for a in _AGGREGATORS if a.label in _QUICK_AGGREGATORS]
-        return [_Setting(5, 1)], _QUICK_MODES, aggs
-    return [_Setting(5, 1), _Setting(8, 2)], MODES, list(_AGGREGATORS)
+        return [_Setting(5, 1)], [
+            _block("int8", _QUICK_MODES, _QUICK_AGGREGATORS),
+            _block("topk", _QUICK_MODES, _QUICK_TOPK_AGGREGATORS),
+        ]
+    return [_Setting(5, 1), _Setting(8, 2)], [_block(codec, MODES, None) for codec in _CODECS]
+
+
+def _clean_key(codec: str, label: str) -> str:
+    # int8 keeps the bare label, as in reports from before the codec blocks
+    return label if codec == "int8" else f"{codec}/{label}"
 
 
 def _progress(done: int, total: int, record: dict[str, Any]) -> None:
@@ -226,7 +290,7 @@ def _progress(done: int, total: int, record: dict[str, Any]) -> None:
     bpb = record.get("val_bpb_end")
     print(
         f"robustness {done}/{total}: {record['byzantine']} of {record['nodes']} "
-        f"{record['mode']:>15} {record['aggregator']:>15}  "
+        f"{record['codec']:>4} {record['mode']:>15} {record['aggregator']:>15}  "
         f"val_bpb_end {f'{bpb:.3f}' if bpb is not None else 'n/a'}  "
         f"flagged_by {record.get('attacker_flagged_by', '-')}  {record['seconds']:.0f}s"
         + (f"  ERROR {record['error']}" if record.get("error") else ""),
@@ -241,29 +305,58 @@ def _ratio(cell: dict[str, Any], clean: dict[str, Any] | None) -> float | None:
     return cell["val_bpb_end"] / clean["val_bpb_end"]
 
 
+def _run_grid(settings: list[_Setting], blocks: list[_Block], base: pathlib.Path) -> list[dict]:
+    """Every block's clean and attacked swarms, per setting; returns the attacked cells."""
+    total = len(settings) * sum(len(b.aggregators) * (len(b.modes) + 1) for b in blocks)
+    cells: list[dict[str, Any]] = []
+    done = 0
+    for setting in settings:
+        for block in blocks:
+            for agg in block.aggregators:
+                record = _run_swarm(setting, block, agg, None, base, done)
+                setting.clean[_clean_key(block.codec, agg.label)] = record
+                done += 1
+                _progress(done, total, record)
+                for mode in block.modes:
+                    cell = _run_swarm(setting, block, agg, mode, base, done)
+                    cell["setting"] = setting.key
+                    cell["ratio_to_clean"] = _ratio(cell, record)
+                    cells.append(cell)
+                    done += 1
+                    _progress(done, total, cell)
+    return cells
+
+
 # ---- report ---------------------------------------------------------------------------
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+    """One heat map per codec block (rows) and setting (columns)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = report["settings"]
-    rounds = report["rounds"]
-    modes, labels = report["modes"], report["aggregators"]
-    width = max(7.0, 2.5 + 1.3 * len(labels)) * len(settings)
+    settings, blocks = report["settings"], report["blocks"]
+    width = max(7.0, 2.5 + 1.3 * max(len(b["aggregators"]) for b in blocks))
+    height = max(3.8, 2.2 + 0.5 * max(len(b["modes"]) for b in blocks))
     fig, axes = plt.subplots(
-        1, len(settings), figsize=(width, max(3.8, 2.2 + 0.5 * len(modes))), squeeze=False
+        len(blocks),
+        len(settings),
+        figsize=(width * len(settings), height * len(blocks)),
+        squeeze=False,
     )
-    for ax, key in zip(axes[0], settings):
-        cells = [c for c in report["cells"] if c["setting"] == key]
-        _heat_map(fig, ax, cells, modes, labels)
-        byzantine, nodes = key.split("_of_")
-        ax.set_title(f"{byzantine} Byzantine of {nodes} nodes, {rounds} rounds", fontsize=10)
+    for row, block in zip(axes, blocks):
+        for ax, key in zip(row, settings):
+            codec = block["codec"]
+            cells = [c for c in report["cells"] if (c["setting"], c["codec"]) == (key, codec)]
+            _heat_map(fig, ax, cells, block["modes"], block["aggregators"])
+            byzantine, nodes = key.split("_of_")
+            title = f"{codec}: {byzantine} Byzantine of {nodes} nodes, {report['rounds']} rounds"
+            ax.set_title(title, fontsize=10)
     fig.suptitle(
-        "Final honest validation bits/byte under attack / clean run of the same aggregator",
+        "Final honest validation bits/byte under attack / clean run of the same aggregator"
+        " and codec",
         fontsize=10,
     )
     fig.tight_layout()
@@ -307,77 +400,92 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Runs the attack grid with real node swarms and writes the report and heat map.
 
     Args:
-        quick: 1 of 5 nodes Byzantine, modes scale, alie and malicious_owner,
-            aggregators mean-unscreened, trimmed_mean and centered_clip (about 10
-            minutes on two idle cores); otherwise every mode and aggregator, for 1 of 5
-            and 2 of 8 Byzantine nodes (hours).
+        quick: 1 of 5 nodes Byzantine, modes scale, alie and malicious_owner; with int8
+            under mean-unscreened, trimmed_mean and centered_clip, with topk under
+            mean-unscreened, centered_clip and clipped_mean (24 swarms, about 50
+            minutes here); otherwise every mode under every aggregator each codec
+            accepts, for 1 of 5 and 2 of 8 Byzantine nodes (hours).
         out_dir: folder for ``robustness.json`` and ``robustness.png``; created if missing.
-        smoke: one clean and one attacked swarm of 2 nodes for 1 short round: a check
-            that it runs.
+        smoke: one clean and one attacked swarm of 2 nodes for 1 short round (int8):
+            a check that it runs.
 
     Returns:
         The dict written to ``robustness.json``: ``cells`` (one per attacked swarm:
-        mode, aggregator, screening, val_bpb_end, ratio_to_clean, params_agree,
-        attacker_flagged_by, honest_flagged, ...), ``clean`` (per setting and
-        aggregator, the clean run), ``clean_honest_flagged`` (honest peers flagged in
-        all clean runs together; should be 0), ``quick``, ``date`` and ``machine``.
+        mode, codec, aggregator, screening, val_bpb_end, ratio_to_clean, params_agree,
+        attacker_flagged_by, honest_flagged, ...), ``blocks`` (per codec: overrides,
+        modes, aggregators run and ``skipped``, the aggregators the config refuses with
+        that codec and its message), ``clean`` (per setting, the clean run of each
+        aggregator, keyed ``label`` for int8 and ``codec/label`` otherwise),
+        ``clean_honest_flagged`` (honest peers flagged in all clean runs together;
+        should be 0), ``quick``, ``date`` and ``machine``.
     """
-    settings, modes, aggs = _grid(quick, smoke)
-    total = sum(len(aggs) * (len(modes) + 1) for _ in settings)
-    cells: list[dict[str, Any]] = []
-    done = 0
+    settings, blocks = _grid(quick, smoke)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-robustness-") as tmp:
-        base = pathlib.Path(tmp)
-        for setting in settings:
-            for agg in aggs:
-                record = _run_swarm(setting, agg, None, base, done)
-                setting.clean[agg.label] = record
-                done += 1
-                _progress(done, total, record)
-                for mode in modes:
-                    cell = _run_swarm(setting, agg, mode, base, done)
-                    cell["setting"] = setting.key
-                    cell["ratio_to_clean"] = _ratio(cell, record)
-                    cells.append(cell)
-                    done += 1
-                    _progress(done, total, cell)
-    report = {
-        "benchmark": "robustness",
-        "quick": quick,
-        "smoke": smoke,
-        "rounds": settings[0].rounds,
-        "settings": [s.key for s in settings],
-        "modes": list(modes),
-        "aggregators": [a.label for a in aggs],
-        "cells": cells,
-        "clean": {s.key: s.clean for s in settings},
-        "clean_honest_flagged": sum(
-            c.get("honest_flagged", 0) for s in settings for c in s.clean.values()
-        ),
-        "seconds": round(time.monotonic() - started, 1),
-        "notes": {
-            "workload": "the integration tests' small model and data: 1-layer byte-level "
-            "GPT, 64-dim, context 64, 2 fragments, int8 codec, "
-            f"{_ROUNDS} wall-clock rounds of 30 s (sync.trigger = seconds, the default); "
-            "one group holds every node (network.group_size = nodes)",
-            "val_bpb_end": "mean over honest nodes of the validation bits per byte at "
-            "the last round every honest node reached",
-            "ratio_to_clean": "val_bpb_end / val_bpb_end of the clean run with the same "
-            "aggregator; 1.0 means the attack cost nothing, above 1 it hurt",
-            "attacker_flagged_by": "honest nodes whose trust store had a Byzantine node "
-            "quarantined or banned at their last round",
-            "honest_flagged": "distinct honest peers quarantined or banned by any honest "
-            "node (target 0)",
-            "mean-unscreened": "trust.aggregator = mean, trust.screening = false: the "
-            "undefended baseline; signature, shape and finiteness checks still run",
-            "krum": "Krum and Multi-Krum use f = the number of Byzantine nodes",
-        },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-    }
+        cells = _run_grid(settings, blocks, pathlib.Path(tmp))
+    report = _report(settings, blocks, cells, quick, smoke)
+    report["seconds"] = round(time.monotonic() - started, 1)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "robustness.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out_dir / "robustness.png")
     return report
+
+
+def _report(
+    settings: list[_Setting], blocks: list[_Block], cells: list[dict], quick: bool, smoke: bool
+) -> dict[str, Any]:
+    labels = [a.label for b in blocks for a in b.aggregators]
+    return {
+        "benchmark": "robustness",
+        "quick": quick,
+        "smoke": smoke,
+        "rounds": settings[0].rounds,
+        "settings": [s.key for s in settings],
+        "modes": list(dict.fromkeys(m for b in blocks for m in b.modes)),
+        "aggregators": list(dict.fromkeys(labels)),
+        "blocks": [
+            {
+                "codec": b.codec,
+                "overrides": list(b.overrides),
+                "modes": list(b.modes),
+                "aggregators": [a.label for a in b.aggregators],
+                "skipped": b.skipped,
+            }
+            for b in blocks
+        ],
+        "cells": cells,
+        "clean": {s.key: s.clean for s in settings},
+        "clean_honest_flagged": sum(
+            c.get("honest_flagged", 0) for s in settings for c in s.clean.values()
+        ),
+        "notes": _NOTES,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+    }
+
+
+_NOTES = {
+    "workload": "the integration tests' small model and data: 1-layer byte-level "
+    f"GPT, 64-dim, context 64, 2 fragments, {_ROUNDS} wall-clock rounds of 30 s "
+    "(sync.trigger = seconds, the default); one group holds every node "
+    "(network.group_size = nodes)",
+    "codec": "int8: blockwise absmax in 8 bits; topk: 8 values of every chunk of 256 "
+    "(topk_density 0.03) in 2 bits, owners answer with the union in 8 bits; each "
+    "block's overrides are in blocks[].overrides",
+    "skipped": "aggregators a codec's block leaves out because the config refuses "
+    "them with that codec (median and trimmed_mean are coordinate-wise: on sparse "
+    "parts they drop almost every value), with the config's message",
+    "val_bpb_end": "mean over honest nodes of the validation bits per byte at "
+    "the last round every honest node reached",
+    "ratio_to_clean": "val_bpb_end / val_bpb_end of the clean run with the same "
+    "aggregator and codec; 1.0 means the attack cost nothing, above 1 it hurt",
+    "attacker_flagged_by": "honest nodes whose trust store had a Byzantine node "
+    "quarantined or banned at their last round",
+    "honest_flagged": "distinct honest peers quarantined or banned by any honest node (target 0)",
+    "mean-unscreened": "trust.aggregator = mean, trust.screening = false: the "
+    "undefended baseline; signature, shape and finiteness checks still run",
+    "krum": "Krum and Multi-Krum use f = the number of Byzantine nodes",
+    "clipped_mean": "norm-clipped mean with its default tau = 1 (each input scaled to "
+    "at most the median norm)",
+}

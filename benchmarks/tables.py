@@ -18,6 +18,7 @@ from typing import Any
 
 from benchmarks._formats import bpb, kb, markdown_table, mb, pct, sci, size, span, times
 from benchmarks._scale_tables import scale_load_table, scale_row, scale_simulated_table
+from benchmarks._sparse_tables import sparse_row
 
 __all__ = [
     "RESULTS",
@@ -174,6 +175,8 @@ def _robustness(d: dict[str, Any]) -> list[_Cells]:
     flagged: dict[str, int] = {}
     for c in d["cells"]:
         name = _ROBUST_NAMES.get(c["aggregator"], c["aggregator"].replace("_", " "))
+        if c.get("codec", "int8") != "int8":
+            name += f" ({c['codec']})"
         ratio = c["ratio_to_clean"]
         shown = f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.2f}"
         by_mode.setdefault(c["mode"], []).append(f"{name} {bpb(c['val_bpb_end'])} ({shown})")
@@ -240,6 +243,8 @@ def _codec_spread(d: dict[str, Any]) -> float | None:
 
 
 def _convergence(d: dict[str, Any]) -> list[_Cells]:
+    if d.get("mode") == "sparse":
+        return sparse_row(d)
     ddp = d["ddp"]
     opt, lr = ddp["label"].split()[1], ddp["label"].split()[-1]
     parts = [
@@ -480,7 +485,7 @@ def command_of(path: Path, data: dict[str, Any], root: Path = RESULTS) -> str:
     if data.get("smoke"):
         command += " --smoke"
     mode = data.get("mode")
-    if mode in ("long", "netns"):
+    if mode in ("long", "netns", "sparse"):
         command += f" --{mode}"
     folder = path.parent.relative_to(root)
     if folder != Path("."):

@@ -75,7 +75,7 @@ _SIMULATE = Command(
         arg("--inner-steps", type=int, help="H (sync.inner_steps)"),
         arg("--rounds", type=int, default=6, help="outer rounds to train"),
         arg("--fragments", type=int, help="sync.fragments"),
-        arg("--codec", help="none, fp16, bf16, int8 or int4"),
+        arg("--codec", help="none, fp16, bf16, int8, int4 or topk"),
         arg("--json", action="store_true", help="last line: one JSON summary"),
     ),
 )
@@ -260,7 +260,7 @@ _PLAN = Command(
     (
         *_CONFIG,
         arg("--params", help="model size, e.g. 1T, 7B, 480k (default: the config's)"),
-        arg("--codec", help="none, fp16, bf16, int8 or int4 (default: the config's)"),
+        arg("--codec", help="none, fp16, bf16, int8, int4 or topk (default: the config's)"),
         arg("--fragments", type=int, help="fragments (default: the config's)"),
         arg("--group-size", type=int, help="butterfly group size (default: the config's)"),
         arg("--trigger", choices=("steps", "seconds"), help="sync.trigger (default: the config's)"),

@@ -15,6 +15,7 @@ FILES = [
     "codec.json",
     "convergence.json",
     "convergence-long.json",
+    "convergence-sparse.json",
     "mixing.json",
     "models.json",
     "partitions.json",

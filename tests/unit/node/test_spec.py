@@ -70,6 +70,8 @@ def test_every_shared_key_is_a_config_key() -> None:
     assert SHARED_KEYS["data"] == ("tokenizer_digest",)
     assert set(SHARED_KEYS["outer"]) == {f.name for f in dataclasses.fields(cfg.outer)}
     assert "tau" not in SHARED_KEYS["sync"] and "alpha" not in SHARED_KEYS["sync"]
+    # a topk part is refused unless it keeps the run's count of the run's chunk in its bits
+    assert {"topk_chunk", "topk_density", "topk_bits"} <= set(SHARED_KEYS["sync"])
     assert SHARED_KEYS["run"] == ("run_id", "seed")
 
 
