@@ -1,7 +1,7 @@
 """All-reduce benchmark: Atoll's butterfly all-reduce against hivemind and gloo.
 
 Four peers average N float32 values, each peer in its own spawned process on
-127.0.0.1, for three implementations run one after the other in the same call
+127.0.0.1, for each method run one after the other in the same call
 (``smoke``: two peers, 20,000 values, one repeat):
 
 * ``atoll``: :class:`protocol.averaging.allreduce.AllReduceService` over :class:`Transport`
@@ -10,6 +10,10 @@ Four peers average N float32 values, each peer in its own spawned process on
   Its ``step()`` always matchmakes first; the step is split with
   ``require_trigger`` into the matchmaking part and the all-reduce part.
 * ``gloo``: ``torch.distributed.all_reduce`` then a division, the floor reference.
+* ``int8_p2pd``, ``topk_p2pd``, ``int8_direct``, ``topk_direct``: Atoll with ``int8``
+  or ``topk`` parts over p2pd or the direct TCP plane, timing the encode and decode of
+  the peer's vector too (:mod:`benchmarks._allreduce_codecs`); at 10M and 50M values
+  in quick mode as well.
 
 A parent process starts the peers and releases every repeat at one wall-clock
 instant; a repeat's time is the slowest peer's. One untimed warm-up repeat comes
@@ -20,13 +24,14 @@ first (it opens the connections). Run it with
 Two methods whose difference is smaller than the spread between runs on a shared
 machine are compared with ``python -m benchmarks.allreduce --alternate A B [--size N]
 [--runs 4]``: runs of A and B alternate (ABBA...), 5 repeats each, and it prints the
-median of each method's run medians.
+median of each method's run medians (and, for Atoll's methods, bytes sent per peer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import multiprocessing as mp
@@ -42,9 +47,11 @@ from typing import Any
 import psutil
 import torch
 
+from benchmarks import _allreduce_codecs as codec_rows
+from benchmarks._allreduce_report import NOTES, plot, ratios
 from benchmarks._common import free_port, gloo_group, machine_info
 
-__all__ = ["alternate", "run"]
+__all__ = ["alternate", "method_sizes", "run"]
 
 _PEERS = 4
 _SMOKE_PEERS = 2
@@ -60,7 +67,10 @@ _METHODS = (
     "atoll_tcp",
     "atoll_tls",
     "hivemind",
+    *codec_rows.METHODS,
 )
+_SIZES = (10_000_000, 50_000_000)
+_SMOKE_SIZE = 20_000
 # every method but gloo, whose rendezvous needs every rank at once
 _JOINS_THROUGH_FIRST = frozenset(_METHODS) - {"gloo"}
 
@@ -90,9 +100,9 @@ class _AtollPeer:
         self.transport = Transport.start(config)
         settings = AllReduceSettings(
             run_id="bench",
-            codec="none",
             timeout=_STEP_TIMEOUT / 3,
             stream_reduce=bool(opts.get("streamed")),
+            **opts.get("codec", {"codec": "none"}),
         )
         self.verifier = None
         if opts.get("verified"):
@@ -123,14 +133,18 @@ class _AtollPeer:
         self.service.register()
         self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}
 
-    def step(self, repeat: int, infos: list[dict]) -> tuple[dict, torch.Tensor]:
+    def step(
+        self, repeat: int, infos: list[dict], vector: torch.Tensor | None = None
+    ) -> tuple[dict, torch.Tensor]:
+        """One all-reduce of ``vector`` (default: this peer's own)."""
         group = [info["peer_id"] for info in infos]
         round_ = repeat + 1
         # the owner side only accepts rounds near the one it is in
         self.service.current_round = round_
         t0 = time.perf_counter()
         taken = self.service.results_streamed
-        run = self.service.run(round_, 0, group, self.own, 1, out=self.out)
+        own = self.own if vector is None else vector
+        run = self.service.run(round_, 0, group, own, 1, out=self.out)
         result = self.transport.run(run, _STEP_TIMEOUT)
         seconds = time.perf_counter() - t0
         if not result.complete:
@@ -166,6 +180,14 @@ def _atoll_tcp(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
 
 def _atoll_tls(index: int, own: torch.Tensor, opts: dict) -> _AtollPeer:
     return _AtollPeer(index, own, dict(opts, data_plane="tls"))
+
+
+def _codec_peer(method: str, index: int, own: torch.Tensor, opts: dict) -> Any:
+    codec, plane = codec_rows.METHODS[method]
+    settings = codec_rows.settings_args(codec)
+    exchange = _AtollPeer(index, own, dict(opts, data_plane=plane, codec=settings))
+    inputs = (_vector(own.numel(), i) for i in range(opts["peers"]))
+    return codec_rows.CodecPeer(exchange, codec, inputs)
 
 
 class _HivemindPeer:
@@ -254,6 +276,7 @@ _PEER_TYPES = {
     "atoll_tls": _atoll_tls,
     "hivemind": _HivemindPeer,
     "gloo": _GlooPeer,
+    **{m: functools.partial(_codec_peer, m) for m in codec_rows.METHODS},
 }
 
 
@@ -328,6 +351,8 @@ def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
         reference = getattr(peer, "reference", None)
         if reference is None:
             reference = _reference_mean(n, opts["peers"])
+        # a peer whose result carries a codec's error checks it against its bound
+        check = getattr(peer, "check", None)
         baseline = sampler.rss()
         conn.send(("ready", peer.info))
         while conn.poll(_SETUP_TIMEOUT + _STEP_TIMEOUT):
@@ -342,6 +367,8 @@ def _worker(method: str, index: int, n: int, opts: dict, conn: Any) -> None:
             timing["rss_step_extra_mb"] = (sampler.stop() - baseline) / 2**20
             timing["rss_after_mb"] = sampler.rss() / 2**20
             timing["max_abs_error"] = (result - reference).abs().max().item()
+            if check is not None:
+                timing.update(check(result))
             conn.send(("done", repeat, timing))
     except BaseException:
         with contextlib.suppress(OSError):  # the parent may be gone already
@@ -480,117 +507,75 @@ def _measure(method: str, n: int, repeats: int, tmp: str, peers: int = _PEERS) -
             times = [max(t[part] for t in row) for row in rows]
             record[part.replace("_s", "_times")] = times
             record[part.replace("_s", "_median_s")] = statistics.median(times)
-    if method.startswith("atoll"):
-        record["bytes_sent_per_peer"] = max(t["bytes_sent"] for t in rows[-1])
-        # an owner's time between its last part in and its signed result: all a reduction
-        # streamed chunk by chunk could take off a step on an otherwise idle machine
-        reduce = [max(t["reduce_s"] for t in row) for row in rows]
-        record["reduce_times"] = reduce
-        record["reduce_share"] = statistics.median(r / s for r, s in zip(reduce, record["times"]))
-        # the share of each owner's part reduced while the parts still arrived
-        record["streamed_share"] = statistics.median(
-            t["streamed_share"] for row in rows for t in row
-        )
-        record["results_streamed_share"] = statistics.mean(
-            t["results_streamed"] for row in rows for t in row
-        )
-        # memory a step adds to a peer's process (its own vector, the output and the
-        # reference mean are allocated before), per repeat, and how it moved across repeats
-        record["rss_step_extra_mb"] = [max(t["rss_step_extra_mb"] for t in row) for row in rows]
-        record["rss_growth_mb"] = max(t["rss_after_mb"] for t in rows[-1]) - max(
-            t["rss_after_mb"] for t in rows[0]
-        )
-        record["fragment_mb"] = 4 * n / 2**20
-        record["receive_buffers_allocated"] = [
-            max(t["receive_buffers"] for t in row) for row in rows
-        ]
+    if method.startswith("atoll") or method in codec_rows.METHODS:
+        record.update(_atoll_fields(rows, record["times"], n))
+    if method in codec_rows.METHODS:
+        # a codec's result is the mean only up to its quantization: checked against its bound
+        record.update(codec_rows.verdict([t for row in rows for t in row]))
+        record["encode_times"] = [max(t["encode_s"] for t in row) for row in rows]
+        record["encode_median_s"] = statistics.median(record["encode_times"])
+    return record
+
+
+def _atoll_fields(rows: list[list[dict]], times: list[float], n: int) -> dict[str, Any]:
+    """What Atoll's peers report beyond the time: bytes, reduction, memory."""
+    record: dict[str, Any] = {"bytes_sent_per_peer": max(t["bytes_sent"] for t in rows[-1])}
+    # an owner's time between its last part in and its signed result: all a reduction
+    # streamed chunk by chunk could take off a step on an otherwise idle machine
+    reduce = [max(t["reduce_s"] for t in row) for row in rows]
+    record["reduce_times"] = reduce
+    record["reduce_share"] = statistics.median(r / s for r, s in zip(reduce, times))
+    # the share of each owner's part reduced while the parts still arrived
+    record["streamed_share"] = statistics.median(t["streamed_share"] for row in rows for t in row)
+    record["results_streamed_share"] = statistics.mean(
+        t["results_streamed"] for row in rows for t in row
+    )
+    # memory a step adds to a peer's process (its own vector, the output and the
+    # reference mean are allocated before), per repeat, and how it moved across repeats
+    record["rss_step_extra_mb"] = [max(t["rss_step_extra_mb"] for t in row) for row in rows]
+    record["rss_growth_mb"] = max(t["rss_after_mb"] for t in rows[-1]) - max(
+        t["rss_after_mb"] for t in rows[0]
+    )
+    record["fragment_mb"] = 4 * n / 2**20
+    record["receive_buffers_allocated"] = [max(t["receive_buffers"] for t in row) for row in rows]
     return record
 
 
 # ---- report ---------------------------------------------------------------------------
 
 
-def _ratio(slow: dict, fast: dict, key: str = "median_s") -> float | None:
-    if slow.get(key) and fast.get("median_s"):
-        return slow[key] / fast["median_s"]
-    return None
-
-
-def _plot(results: dict, sizes: list[int], peers: int, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bars = [
-        ("gloo", "gloo (torch.distributed)", "median_s", "tab:gray"),
-        ("atoll", "Atoll (codec none, signed)", "median_s", "tab:blue"),
-        ("atoll_streamed", "Atoll, reducing while parts arrive", "median_s", "tab:gray"),
-        ("atoll_verified", "Atoll + screening, trimmed mean, audit", "median_s", "tab:purple"),
-        ("atoll_tcp", "Atoll, direct TCP data plane", "median_s", "tab:cyan"),
-        ("atoll_tls", "Atoll, direct plane with TLS", "median_s", "tab:green"),
-        ("hivemind", "hivemind all-reduce part", "allreduce_median_s", "tab:olive"),
-        ("hivemind", "hivemind step (with matchmaking)", "median_s", "tab:orange"),
-    ]
-    width = 0.8 / len(bars)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for k, (method, label, key, color) in enumerate(bars):
-        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(sizes))]
-        ys = [results[method][str(n)].get(key) or 0.0 for n in sizes]
-        ax.bar(xs, ys, width, label=label, color=color)
-        for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.2f}s" if y else "n/a", (x, y), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(sizes)), [f"{n / 1e6:g}M float32" for n in sizes])
-    ax.set_ylabel("median seconds per all-reduce (slowest peer)")
-    ax.set_title(f"{peers}-peer average on 127.0.0.1, one process per peer")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _ratios(results: dict) -> dict:
-    """Speed ratios of the medians (other / Atoll's: above 1, Atoll is faster)."""
-    atoll, tcp = results["atoll"], results["atoll_tcp"]
-    return {
-        "atoll_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in atoll.items()},
-        "atoll_vs_hivemind_allreduce_only": {
-            k: _ratio(results["hivemind"][k], a, "allreduce_median_s") for k, a in atoll.items()
-        },
-        "atoll_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in atoll.items()},
-        "verified_vs_atoll": {k: _ratio(results["atoll_verified"][k], a) for k, a in atoll.items()},
-        "streamed_vs_atoll": {k: _ratio(results["atoll_streamed"][k], a) for k, a in atoll.items()},
-        "atoll_tcp_vs_hivemind": {k: _ratio(results["hivemind"][k], a) for k, a in tcp.items()},
-        "atoll_tcp_vs_gloo": {k: _ratio(results["gloo"][k], a) for k, a in tcp.items()},
-        "atoll_tls_vs_hivemind": {
-            k: _ratio(results["hivemind"][k], a) for k, a in results["atoll_tls"].items()
-        },
-        "tls_vs_tcp": {k: _ratio(a, tcp[k]) for k, a in results["atoll_tls"].items()},
-    }
+def method_sizes(method: str, quick: bool, smoke: bool = False) -> list[int]:
+    """The vector sizes ``method`` runs at: the int8 and topk rows at 10M and 50M values
+    in quick mode too, the others at 10M only there."""
+    if smoke:
+        return [_SMOKE_SIZE]
+    return list(_SIZES) if not quick or method in codec_rows.METHODS else [_SIZES[0]]
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     """Times a 4-peer float32 average with Atoll, hivemind and gloo, side by side.
 
     Args:
-        quick: 10M values and 3 repeats instead of 10M and 50M values with 5 repeats.
+        quick: 3 repeats instead of 5, and 10M values only instead of 10M and 50M
+            (the int8 and topk rows keep both).
         out_dir: folder for ``allreduce.json`` and ``allreduce.png``; created if missing.
         smoke: 2 peers, 20,000 values, 1 repeat: a check that every method runs.
 
     Returns:
         The dict written to ``allreduce.json``: per method and size the repeat times
         (slowest peer), median, throughput in MB/s of one peer's input, correctness
-        against the true mean, and the ratios of hivemind's and gloo's medians to Atoll's.
+        against the true mean (for int8 and topk: against their quantization bound),
+        bytes sent per peer for Atoll's methods, and the ratios of hivemind's and
+        gloo's medians to Atoll's and of topk's time and bytes to int8's.
         A method that could not run has an ``error`` instead of times.
     """
-    sizes = [20_000] if smoke else [10_000_000] if quick else [10_000_000, 50_000_000]
     repeats = 1 if smoke else 3 if quick else 5
     peers = _SMOKE_PEERS if smoke else _PEERS
+    plan = {m: method_sizes(m, quick, smoke) for m in _METHODS}
     results: dict[str, dict[str, dict]] = {m: {} for m in _METHODS}
     with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
-        for n in sizes:
-            for method in _METHODS:
+        for n in sorted({n for sizes in plan.values() for n in sizes}):
+            for method in (m for m in _METHODS if n in plan[m]):
                 results[method][str(n)] = _measure(method, n, repeats, tmp, peers)
     report = {
         "benchmark": "allreduce",
@@ -600,54 +585,28 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         "repeats": repeats,
         "tolerance": _TOLERANCE,
         "results": results,
-        "ratios": _ratios(results),
-        "notes": {
-            "timing": "one untimed warm-up, then each repeat released to all peers at one "
-            "instant; a repeat's time is the slowest peer's; ratios are other/atoll, >1 means "
-            "Atoll is faster",
-            "atoll": "AllReduceService.run with the group given (no matchmaking), codec none, "
-            "every part and result Ed25519-signed and checked",
-            "atoll_streamed": "the same as atoll with each owner reducing block by block "
-            "while the parts arrive (stream_reduce = true); streamed_vs_atoll < 1 is what "
-            "that saves, > 1 what it costs; streamed_share: the share of an owner's part "
-            "reduced before its last part was in; results_streamed_share: the share of "
-            "results members took as they were reduced, bound by a signed trailer; "
-            "reduce_times: an owner's time from its last part in to its signed result",
-            "atoll_verified": "the same with a node's verification layer as reducer and "
-            "judge: screening, trimmed mean, reputation and a SQLite audit log per peer; "
-            "verified_vs_atoll > 1 is its overhead",
-            "atoll_tcp": "the same as atoll over the direct TCP data plane "
-            "(transport data_plane = tcp: kept connections opened with a signed handshake, "
-            "not encrypted) instead of p2pd",
-            "atoll_tls": "the same over the direct plane encrypted with TLS 1.3 (transport "
-            "data_plane = tls: a self-signed certificate bound to the signed handshake); "
-            "tls_vs_tcp > 1 is the cost of encryption",
-            "memory": "rss_step_extra_mb: the peak resident memory of a peer's process during "
-            "a repeat minus its memory before the first one (its own vector, the output it "
-            "averages into and the reference mean are allocated before); rss_growth_mb: its "
-            "memory after the last repeat minus after the first",
-            "hivemind": "times are DecentralizedAverager.step wall time, which includes "
-            "matchmaking through the DHT; matchmaking_* and allreduce_* split it at the "
-            "AWAITING_TRIGGER stage (step(require_trigger=True)); NoCompression",
-            "gloo": "torch.distributed all_reduce (sum) plus division by the peer count",
-        },
+        "ratios": ratios(results),
+        "notes": NOTES,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "allreduce.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(results, sizes, peers, out_dir / "allreduce.png")
+    plot(results, peers, out_dir / "allreduce.png")
     return report
 
 
 def alternate(methods: list[str], n: int, runs: int = 4, repeats: int = 5) -> dict[str, Any]:
     """Runs ``methods`` in alternating order (ABBA...) ``runs`` times each, ``repeats``
-    timed all-reduces of ``n`` values per run; the median of each method's run medians."""
+    timed all-reduces of ``n`` values per run; the median of each method's run medians,
+    its bytes sent per peer (Atoll's methods) and whether every run was correct."""
     unknown = [m for m in methods if m not in _PEER_TYPES]
     if unknown or len(methods) < 2:
         raise ValueError(f"two or more of {', '.join(_PEER_TYPES)}, got {methods}")
     medians: dict[str, list[float]] = {m: [] for m in methods}
+    sent: dict[str, int | None] = {}
+    correct: dict[str, bool] = {m: True for m in methods}
     with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
         for run_ in range(runs):
             for method in methods if run_ % 2 == 0 else list(reversed(methods)):
@@ -655,12 +614,16 @@ def alternate(methods: list[str], n: int, runs: int = 4, repeats: int = 5) -> di
                 if record.get("error"):
                     raise RuntimeError(f"{method}: {record['error']}")
                 medians[method].append(record["median_s"])
+                sent[method] = record.get("bytes_sent_per_peer")
+                correct[method] = correct[method] and record["correct"]
     return {
         "n": n,
         "runs": runs,
         "repeats": repeats,
         "run_medians_s": medians,
         "median_s": {m: statistics.median(v) for m, v in medians.items()},
+        "bytes_sent_per_peer": sent,
+        "correct": correct,
     }
 
 
