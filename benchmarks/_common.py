@@ -385,11 +385,13 @@ def end_processes(procs: list, grace: float) -> None:
 @functools.cache
 def head_bytes(members: int) -> tuple[int, int]:
     """Bytes a part message and a result message carry besides their payload, in a
-    group of ``members`` (one fragment of at most one body chunk; no commit evidence):
-    built and sealed as a node builds them, with real keys and signatures."""
+    group of ``members`` (one fragment of at most one body chunk; the commit phase on,
+    as by default, so a result carries each contributor's signed commitment): built and
+    sealed as a node builds them, with real keys and signatures."""
     import hashlib
 
     from protocol.averaging.resultmeta import result_fields
+    from protocol.control.frames import sign_control, topic_name
     from protocol.wire.messages import Header
     from protocol.wire.partwire import seal_part
     from verification.identity import Identity
@@ -409,10 +411,25 @@ def head_bytes(members: int) -> tuple[int, int]:
         Contribution(peer=p, vector=torch.zeros(1), weight=1e6, digest=bytes(32), tokens=10**6)
         for p in group
     ]
+    commits = [
+        sign_control(
+            i,
+            "bench-convergence",
+            topic_name("bench-convergence", "commit"),
+            100,
+            {
+                "round": 100,
+                "fragment": 0,
+                "content": "update",
+                "digests": [[j, bytes(32)] for j in range(members)],
+            },
+        )
+        for i in ids
+    ]
     result = seal_part(
         ids[1],
         Header("reduced", "bench-convergence", 100, 0, 1, group[1]),
-        {**result_fields("update", kept, {}), **codec},
+        {**result_fields("update", kept, {}, commits), **codec},
         body,
     )
     return len(part.to_bytes()) - len(body), len(result.to_bytes()) - len(body)

@@ -94,8 +94,10 @@ __all__ = [
     "ddp_equivalent_step",
     "plan_seeds",
     "run",
+    "allgather_bytes",
     "sent_bytes",
     "setting_overrides",
+    "with_bytes",
     "steps_problem",
 ]
 
@@ -476,29 +478,55 @@ def _run_atoll(
             )
 
     result = simulate(cfg, replicas=grid.workers, rounds=rounds, progress=progress)
-    sent = sent_bytes(result, grid.workers)
-    # Every round sends about the same bytes (exactly, for the dense codecs).
-    bytes_per_round = sent / rounds
-    history = [
-        {
-            "step": h["round"] * inner_steps,
-            "tokens": h["tokens"] // grid.workers,
-            "bytes_sent": h["round"] * bytes_per_round,
-            "val_bpb": h["val_bpb"],
-        }
-        for h in result["history"]
-    ]
-    return {
+    run = {
         "params": result["params"],
         "fragments": result["fragments"],
+        "syncs": result["syncs"],
         "val_bpb_end": result["val_bpb_end"],
-        "bytes_sent_per_worker": sent,
-        "payload_sent_per_worker": (grid.workers - 1)
-        / grid.workers
-        * (result["payload_bytes_per_replica"] + result["result_bytes"]),
         "payload_bytes_per_replica": result["payload_bytes_per_replica"],
         "result_bytes": result["result_bytes"],
         "seconds": result["seconds"],
+        "history": [
+            {
+                "step": h["round"] * inner_steps,
+                "tokens": h["tokens"] // grid.workers,
+                "val_bpb": h["val_bpb"],
+            }
+            for h in result["history"]
+        ],
+    }
+    return with_bytes(run, grid.workers)
+
+
+def allgather_bytes(run: dict[str, Any], workers: int) -> float:
+    """What a member would send if the group all-gathered its sparse parts instead of
+    owners reducing them (SparseLoCo's choice): its whole encoded pseudo-gradient to
+    each of the other ``workers - 1`` members, each message with a part's signed head,
+    and no results."""
+    part_head, _ = head_bytes(workers)
+    return (workers - 1) * (run["payload_bytes_per_replica"] + run["syncs"] * part_head)
+
+
+def with_bytes(run: dict[str, Any], workers: int) -> dict[str, Any]:
+    """``run`` with its bytes counted from its payloads (:func:`sent_bytes`): a
+    journaled run is counted again on reading, so a change in what is counted never
+    needs the run trained again. Runs without payloads (DDP) come back unchanged."""
+    if "result_bytes" not in run:
+        return run
+    rounds = len(run["history"]) - 1
+    syncs = run.get("syncs", rounds * run["fragments"])
+    sent = sent_bytes({**run, "syncs": syncs}, workers)
+    payload = (workers - 1) / workers * (run["payload_bytes_per_replica"] + run["result_bytes"])
+    # every round sends about the same bytes (exactly, for the dense codecs)
+    history = [
+        {**h, "bytes_sent": sent * i / rounds if rounds else 0.0}
+        for i, h in enumerate(run["history"])
+    ]
+    return {
+        **run,
+        "syncs": syncs,
+        "bytes_sent_per_worker": sent,
+        "payload_sent_per_worker": payload,
         "history": history,
     }
 
@@ -918,7 +946,7 @@ def run(
         if seed not in runs:
             key = json.dumps([mode, steps, seed, setting.__dict__], sort_keys=True)
             if key in done:
-                runs[seed] = done[key]
+                runs[seed] = with_bytes(done[key], grid.workers)
             else:
                 runs[seed] = _train(setting, mode, steps, seed, eval_every, grid)
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -1067,7 +1095,7 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
         if seed not in runs:
             key = json.dumps(["quick", steps, seed, setting.__dict__], sort_keys=True)
             if key in done:
-                runs[seed] = done[key]
+                runs[seed] = with_bytes(done[key], _WORKERS)
             else:
                 runs[seed] = _train(setting, "quick", steps, seed, min(_INNER_STEPS), _GRID)
                 with journal.open("a") as f:
@@ -1097,6 +1125,9 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
                     "gap_to_ddp_percent_seed0": one.get("gap_to_ddp_percent"),
                     "bytes_ratio_ddp_over_atoll": one.get("bytes_ratio_ddp_over_atoll"),
                     "payload_ratio_ddp_over_atoll": one.get("payload_ratio_ddp_over_atoll"),
+                    "result_over_part": one["result_bytes"] / one["payload_bytes_per_replica"],
+                    "owner_reduce_over_allgather": one["bytes_sent_per_worker"]
+                    / allgather_bytes(one, _WORKERS),
                 }
             )
     int8 = {
@@ -1185,7 +1216,7 @@ def _rounds_study(
                 done[key] = _train(setting, "quick", steps, 0, h, _GRID)
                 with journal.open("a") as f:
                     f.write(json.dumps({"key": key, "result": done[key]}) + "\n")
-            runs[name] = done[key]
+            runs[name] = with_bytes(done[key], _WORKERS)
         ok = all("error" not in r for r in runs.values())
         out.append(
             {

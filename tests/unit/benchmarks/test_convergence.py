@@ -91,7 +91,8 @@ def test_bytes_sent_count_parts_results_and_heads():
     from benchmarks.convergence import sent_bytes
 
     part_head, result_head = head_bytes(4)
-    assert 300 < part_head < 2000 and 300 < result_head < 2000  # four PeerIDs and a signature
+    # four PeerIDs and a signature; a result also carries four signed commitments
+    assert 300 < part_head < 2000 and part_head < result_head < 4000
     # a topk run: 1,000 bytes of parts and 3,000 of sparse results per replica, 10 syncs
     run = {"payload_bytes_per_replica": 1000, "result_bytes": 3000, "syncs": 10}
     want = 3 / 4 * 4000 + 10 * 3 * (part_head + result_head)
@@ -110,3 +111,28 @@ def test_topk_variants_and_the_sparse_mode_needs_the_quick_report(tmp_path):
     assert "topk 1% 2b EF decay 0.95" in sparseloco[0].label
     with pytest.raises(FileNotFoundError, match="convergence --quick"):
         run_sparse(tmp_path)
+
+
+def test_a_journaled_run_is_counted_again_from_its_payloads():
+    from benchmarks.convergence import sent_bytes, with_bytes
+
+    history = [{"step": 50 * r, "tokens": 0, "val_bpb": 8.0 - r} for r in range(3)]
+    run = {"fragments": 2, "payload_bytes_per_replica": 800, "result_bytes": 2400}
+    counted = with_bytes({**run, "history": history}, 4)
+    assert counted["syncs"] == 4  # two rounds of two fragments
+    assert counted["bytes_sent_per_worker"] == pytest.approx(sent_bytes({**run, "syncs": 4}, 4))
+    assert counted["payload_sent_per_worker"] == pytest.approx(0.75 * 3200)
+    assert [h["bytes_sent"] for h in counted["history"]] == pytest.approx(
+        [0.0, counted["bytes_sent_per_worker"] / 2, counted["bytes_sent_per_worker"]]
+    )
+    ddp = {"val_bpb_end": 3.0, "bytes_sent_per_worker": 10.0, "history": []}
+    assert with_bytes(ddp, 4) is ddp
+
+
+def test_an_allgather_sends_each_part_to_every_other_member():
+    from benchmarks._common import head_bytes
+    from benchmarks.convergence import allgather_bytes
+
+    part_head, _ = head_bytes(4)
+    run = {"payload_bytes_per_replica": 1000, "syncs": 10}
+    assert allgather_bytes(run, 4) == 3 * (1000 + 10 * part_head)
