@@ -103,7 +103,10 @@ def test_a_stale_status_is_marked_with_its_age(tmp_path: Path, capsys, monkeypat
 
     monkeypatch.setenv("COLUMNS", "160")
     swarm = {"peers": {PEER: {"round": 6, "step": 3, "last_seen_s": 0.1}}}
-    _write(tmp_path, updated=time.time() - 169, swarm=swarm)
+    now = time.time()
+    # the command reads the clock once: pin it, so a slow machine cannot age the status
+    monkeypatch.setattr("node.cli.operating.time.time", lambda: now)
+    _write(tmp_path, updated=now - 169, swarm=swarm)
     assert main(["status", "--data-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "STALE: this status is 169 s old" in out and "last state was training" in out
