@@ -1,12 +1,15 @@
-"""The summary row of the convergence benchmark's sparse mode (``convergence-sparse.json``):
-topk against tuned DDP and int8 at each H, and how the gap to int8 moves with the rounds.
+"""Summary rows of sparse pseudo-gradients: the convergence benchmark's sparse mode
+(``convergence-sparse.json``: topk against tuned DDP and int8 at each H, and how the gap
+to int8 moves with the rounds) and the all-reduce benchmark's codec rows.
 Standard library only, like :mod:`benchmarks.tables`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["sparse_row"]
+__all__ = ["allreduce_codecs_row", "sparse_row"]
+
+from benchmarks._formats import size
 
 
 def _verdict(h: str, v: dict[str, Any]) -> str:
@@ -45,3 +48,24 @@ def sparse_row(d: dict[str, Any]) -> list[tuple[str, str, str]]:
         f"them (parts, 8-bit union results, heads of {heads['part']} + {heads['result']} B)"
     )
     return [(what, "; ".join(parts), d["goal"]["text"])]
+
+
+def allreduce_codecs_row(d: dict[str, Any], mode: str) -> tuple[str, str, str]:
+    """The all-reduce benchmark's int8 and topk rows, per size and plane."""
+    r, q = d["results"], d["ratios"]
+    sizes = sorted(q["topk_vs_int8_p2pd"], key=int)
+    parts = []
+    for n in sizes:
+        plane = ", ".join(
+            f"{name} {r[f'int8_{p}'][n]['median_s']:.3f} → {r[f'topk_{p}'][n]['median_s']:.3f} s "
+            f"(**{q[f'topk_vs_int8_{p}'][n]:.2f}×**)"
+            for p, name in (("p2pd", "over p2pd"), ("direct", "direct TCP"))
+        )
+        parts.append(
+            f"{size(int(n))}: {plane}; bytes a peer sends {q['bytes_topk_vs_int8_p2pd'][n]:.3f}× int8's"
+        )
+    what = (
+        f"all-reduce with codecs, {d['peers']} processes, {mode} mode: int8 against topk "
+        "(1 % of each chunk of 4096, 2 bits; 8-bit union results), encode + exchange + decode"
+    )
+    return (what, "; ".join(parts), "")

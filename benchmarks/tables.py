@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks._formats import bpb, kb, markdown_table, mb, pct, sci, size, span, times
 from benchmarks._scale_tables import scale_load_table, scale_row, scale_simulated_table
-from benchmarks._sparse_tables import sparse_row
+from benchmarks._sparse_tables import allreduce_codecs_row, sparse_row
 
 __all__ = [
     "RESULTS",
@@ -138,7 +138,10 @@ def _allreduce(d: dict[str, Any]) -> list[_Cells]:
         "signed, codec none)"
     )
     result = "; ".join(_allreduce_size(d, n) for n in sizes)
-    return [(what, result, "≥ 1.5 over p2pd; ≥ 3 and within 3× of gloo over TCP")]
+    rows = [(what, result, "≥ 1.5 over p2pd; ≥ 3 and within 3× of gloo over TCP")]
+    if "topk_vs_int8_p2pd" in d.get("ratios", {}):
+        rows.append(allreduce_codecs_row(d, mode))
+    return rows
 
 
 def _verification(d: dict[str, Any]) -> list[_Cells]:
