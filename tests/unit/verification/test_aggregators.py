@@ -520,7 +520,11 @@ def test_max_share_weights_properties(weights: list[float], share: float) -> Non
 
 # --- sparse inputs (codec topk) ------------------------------------------------------------
 
-_SPARSE = [torch.tensor([3.0, 0, 0, 0]), torch.tensor([0, 4.0, 0, 0]), torch.tensor([0, 0, 0, 12.0])]
+_SPARSE = [
+    torch.tensor([3.0, 0, 0, 0]),
+    torch.tensor([0, 4.0, 0, 0]),
+    torch.tensor([0, 0, 0, 12.0]),
+]
 
 
 def test_clipped_mean_by_hand() -> None:
