@@ -104,7 +104,9 @@ class SyncConfig:
         them for ``codec``."""
         if self.codec != "topk":
             return {"block_size": self.block_size}
-        k = max(1, min(self.topk_chunk, round(self.topk_density * self.topk_chunk)))
+        from protocol.wire.codec import topk_keep_count
+
+        k = topk_keep_count(self.topk_density, self.topk_chunk)
         return {"block_size": self.topk_chunk, "k": k, "bits": self.topk_bits}
 
 

@@ -24,9 +24,9 @@ from node.config import AtollConfig
 from node.data import BatchStream, load_data, site_slice, validation_batches
 from node.model import build_model, vocab_of
 from node.outer import OuterOptimizer, sync_schedule
+from node.settings import allreduce_settings
 from node.trainer import InnerTrainer, evaluate
 from protocol.averaging.fragments import plan_fragments
-from protocol.averaging.parts import RESULT_BITS
 from protocol.wire import codec as codecs
 from verification import aggregators
 
@@ -92,6 +92,8 @@ class _Simulation:
             build_model(cfg.model, seed=cfg.run.seed).to(device) for _ in range(replicas)
         ]
         self.plan = plan_fragments(base, cfg.sync.fragments)
+        # what an owner answers with, as a node's all-reduce encodes it
+        self.result_codec = allreduce_settings(cfg, len(self.plan)).wire_codec("update", True)
         self.outers = [OuterOptimizer(m, self.plan, cfg.outer) for m in self.models]
         self.trainers = [
             InnerTrainer(
@@ -160,9 +162,9 @@ class _Simulation:
             if sync.tau or sync.alpha:
                 sent_from.append(self.outers[i].local_vector(model, f))
         averaged = weighted_mean(decoded, [float(t) for t in round_tokens])
-        if sync.codec == "topk":
-            # what owners answer: the union of the kept values, 8 bits each
-            result = codecs.encode(averaged, "sparse", block_size=sync.chunk, bits=RESULT_BITS)
+        if self.result_codec["codec"] == "sparse":
+            # owners answer topk parts with the union of the kept values
+            result = codecs.encode(averaged, **self.result_codec)
             averaged = codecs.decode(result)
             self.result_bytes += len(result.payload)
         else:

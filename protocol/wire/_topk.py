@@ -36,6 +36,7 @@ __all__ = [
     "exact_size",
     "keep_count",
     "payload_size",
+    "size",
 ]
 
 BITS = (2, 4, 8)
@@ -67,14 +68,15 @@ def _lengths(numel: int, chunk: int) -> torch.Tensor:
     return lengths
 
 
-def _size(numel: int, chunk: int, total: int, bits: int) -> int:
+def size(numel: int, chunk: int, total: int, bits: int) -> int:
+    """Payload length for ``total`` kept values of ``numel`` in chunks of ``chunk``."""
     return 6 * _chunks(numel, chunk) + total * _index_width(chunk) + -(-total * bits // 8)
 
 
 def exact_size(numel: int, chunk: int, k: int, bits: int) -> int:
     """Payload length of a ``topk`` payload (every chunk keeps ``min(k, its length)``)."""
     full, rest = divmod(numel, chunk)
-    return _size(numel, chunk, full * min(k, chunk) + min(k, rest), bits)
+    return size(numel, chunk, full * min(k, chunk) + min(k, rest), bits)
 
 
 def payload_size(raw: torch.Tensor, numel: int, chunk: int, bits: int) -> int | None:
@@ -86,7 +88,7 @@ def payload_size(raw: torch.Tensor, numel: int, chunk: int, bits: int) -> int | 
     counts = raw[4 * n : 6 * n].clone().view(torch.int16).to(torch.int64) & 0xFFFF
     if bool((counts > _lengths(numel, chunk)).any()):
         return None
-    return _size(numel, chunk, int(counts.sum()), bits)
+    return size(numel, chunk, int(counts.sum()), bits)
 
 
 # ---- encode --------------------------------------------------------------------------

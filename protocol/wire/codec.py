@@ -63,6 +63,7 @@ __all__ = [
     "encoded_size",
     "ready_values",
     "sparse_result_bound",
+    "topk_keep_count",
 ]
 
 DENSE = ("none", "fp16", "bf16", "int8", "int4")
@@ -74,6 +75,7 @@ SPARSE = ("topk", "sparse")
 TOPK_BITS = _topk.BITS
 MAX_BLOCK_SIZE = 2**20
 MAX_TOPK_CHUNK = _topk.MAX_CHUNK
+_STOCHASTIC = (*_blockwise.QMAX, *SPARSE)
 
 _BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2}
 _HALF_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -201,11 +203,13 @@ def sparse_result_bound(numel: int, chunk: int, k: int, members: int, bits: int 
     of their supports), and at most the whole chunk."""
     full, rest = divmod(numel, chunk)
     kept = full * min(members * k, chunk) + min(members * k, rest)
-    return (
-        _topk.exact_size(numel, chunk, 0, bits)
-        + kept * (1 if chunk <= 256 else 2)
-        + -(-kept * bits // 8)
-    )
+    return _topk.size(numel, chunk, kept, bits)
+
+
+def topk_keep_count(density: float, chunk: int) -> int:
+    """Values ``topk`` keeps per chunk of ``chunk`` for a kept share ``density``: at
+    least one."""
+    return _topk.keep_count(density, chunk)
 
 
 def encode(
@@ -247,7 +251,7 @@ def encode(
     """
     _check_codec(codec, WIRE_CODECS)
     _check_block_size(block_size)
-    if stochastic and codec not in (*_blockwise.QMAX, *SPARSE):
+    if stochastic and codec not in _STOCHASTIC:
         raise ValueError(f"stochastic rounding is only implemented for int8/int4/topk, not {codec}")
     flat = as_flat_f32(x)
     if codec in SPARSE:
@@ -435,7 +439,7 @@ class ErrorFeedback:
     ) -> None:
         _check_codec(codec)
         _check_block_size(block_size)
-        if stochastic and codec not in (*_blockwise.QMAX, "topk"):
+        if stochastic and codec not in _STOCHASTIC:
             raise ValueError(
                 f"stochastic rounding is only implemented for int8/int4/topk, not {codec}"
             )
