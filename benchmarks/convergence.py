@@ -944,14 +944,8 @@ def run(
     def train(setting: Setting, seed: int) -> dict[str, Any]:
         runs = results.setdefault(setting, {})
         if seed not in runs:
-            key = json.dumps([mode, steps, seed, setting.__dict__], sort_keys=True)
-            if key in done:
-                runs[seed] = with_bytes(done[key], grid.workers)
-            else:
-                runs[seed] = _train(setting, mode, steps, seed, eval_every, grid)
-                out_dir.mkdir(parents=True, exist_ok=True)
-                with journal.open("a") as f:
-                    f.write(json.dumps({"key": key, "result": runs[seed]}) + "\n")
+            run_ = _Run(setting, mode, steps, seed, eval_every, grid)
+            runs[seed] = _journaled(run_, done, journal)
         return runs[seed]
 
     try:
@@ -1093,13 +1087,8 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
     def train(setting: Setting, seed: int) -> dict[str, Any]:
         runs = results.setdefault(setting, {})
         if seed not in runs:
-            key = json.dumps(["quick", steps, seed, setting.__dict__], sort_keys=True)
-            if key in done:
-                runs[seed] = with_bytes(done[key], _WORKERS)
-            else:
-                runs[seed] = _train(setting, "quick", steps, seed, min(_INNER_STEPS), _GRID)
-                with journal.open("a") as f:
-                    f.write(json.dumps({"key": key, "result": runs[seed]}) + "\n")
+            run_ = _Run(setting, "quick", steps, seed, min(_INNER_STEPS), _GRID)
+            runs[seed] = _journaled(run_, done, journal)
         return runs[seed]
 
     threads_before = torch.get_num_threads()
@@ -1211,12 +1200,7 @@ def _rounds_study(
     for steps in _ROUNDS_STUDY_STEPS:
         runs = {}
         for name, setting in (("topk", topk), ("int8", int8)):
-            key = json.dumps(["quick", steps, 0, setting.__dict__], sort_keys=True)
-            if key not in done:
-                done[key] = _train(setting, "quick", steps, 0, h, _GRID)
-                with journal.open("a") as f:
-                    f.write(json.dumps({"key": key, "result": done[key]}) + "\n")
-            runs[name] = with_bytes(done[key], _WORKERS)
+            runs[name] = _journaled(_Run(setting, "quick", steps, 0, h, _GRID), done, journal)
         ok = all("error" not in r for r in runs.values())
         out.append(
             {
@@ -1272,6 +1256,30 @@ def _plot_sparse(report: dict[str, Any], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One training run: what :func:`_train` takes."""
+
+    setting: Setting
+    mode: str
+    steps: int
+    seed: int
+    eval_every: int
+    grid: _Grid
+
+
+def _journaled(run: _Run, done: dict[str, dict[str, Any]], journal: pathlib.Path) -> dict:
+    """``run``'s result from the journal of an interrupted benchmark (``done``, its bytes
+    counted again), or trained now and appended to the journal."""
+    key = json.dumps([run.mode, run.steps, run.seed, run.setting.__dict__], sort_keys=True)
+    if key not in done:
+        done[key] = _train(run.setting, run.mode, run.steps, run.seed, run.eval_every, run.grid)
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        with journal.open("a") as f:
+            f.write(json.dumps({"key": key, "result": done[key]}) + "\n")
+    return with_bytes(done[key], run.grid.workers)
 
 
 def _read_journal(path: pathlib.Path) -> dict[str, dict[str, Any]]:

@@ -176,6 +176,22 @@ def _launch_and_wait(spec: swarm.SwarmSpec, timeout: float) -> tuple[list, bool]
     return swarm.run_to_end(spec, timeout)
 
 
+def _record_head(
+    setting: _Setting, block: _Block, agg: _Aggregator, mode: str | None
+) -> dict[str, Any]:
+    """What a swarm's record says about the swarm before it runs: its mode, codec,
+    aggregator and how many of its nodes are Byzantine."""
+    return {
+        "mode": mode or "clean",
+        "codec": block.codec,
+        "aggregator": agg.label,
+        "aggregator_params": agg.params(setting.byzantine),
+        "screening": agg.screening,
+        "nodes": setting.nodes,
+        "byzantine": len(setting.byzantine_indices) if mode else 0,
+    }
+
+
 def _run_swarm(
     setting: _Setting,
     block: _Block,
@@ -202,15 +218,7 @@ def _run_swarm(
         rounds=setting.rounds,
         extra_args={i: ["--byzantine", mode] for i in byzantine},
     )
-    record: dict[str, Any] = {
-        "mode": mode or "clean",
-        "codec": block.codec,
-        "aggregator": agg.label,
-        "aggregator_params": agg.params(setting.byzantine),
-        "screening": agg.screening,
-        "nodes": setting.nodes,
-        "byzantine": len(byzantine),
-    }
+    record = _record_head(setting, block, agg, mode)
     started = time.monotonic()
     try:
         nodes, finished = _launch_and_wait(spec, _SWARM_TIMEOUT.get(setting.nodes, 600.0))

@@ -61,13 +61,7 @@ def _stand_in(
     # a clean run ends at 2.0; an attack costs 10 % under topk, 5 % under int8
     cost = {"topk": 1.1, "int8": 1.05}[block.codec] if mode else 1.0
     return {
-        "mode": mode or "clean",
-        "codec": block.codec,
-        "aggregator": agg.label,
-        "aggregator_params": agg.params(setting.byzantine),
-        "screening": agg.screening,
-        "nodes": setting.nodes,
-        "byzantine": setting.byzantine if mode else 0,
+        **robustness._record_head(setting, block, agg, mode),
         "val_bpb_end": 2.0 * cost,
         "attacker_flagged_by": 4 if mode and agg.screening else 0,
         "honest_nodes": 4,
