@@ -255,13 +255,7 @@ def encode(
         raise ValueError(f"stochastic rounding is only implemented for int8/int4/topk, not {codec}")
     flat = as_flat_f32(x)
     if codec in SPARSE:
-        _check_topk(block_size, k if codec == "topk" else 1, bits)
-        payload = _topk.encode(
-            flat, block_size, k if codec == "topk" else None, bits, stochastic, generator
-        )
-        if codec == "sparse":
-            k = 0
-        return Encoded(codec, flat.numel(), block_size, payload, k=k, bits=bits)
+        return _encode_sparse(flat, codec, block_size, k, bits, stochastic, generator)
     if codec == "none":
         require_finite(flat)
         payload = to_bytes(flat) if copy else view_bytes(flat)
@@ -274,6 +268,22 @@ def encode(
     else:
         payload = _blockwise.encode(flat, codec, block_size, stochastic, generator)
     return Encoded(codec=codec, numel=flat.numel(), block_size=block_size, payload=payload)
+
+
+def _encode_sparse(
+    flat: torch.Tensor,
+    codec: str,
+    chunk: int,
+    k: int,
+    bits: int,
+    stochastic: bool,
+    generator: torch.Generator | None,
+) -> Encoded:
+    """``topk`` keeps ``k`` values a chunk; ``sparse`` every non-zero one (its ``k`` is 0)."""
+    kept = k if codec == "topk" else None
+    _check_topk(chunk, k if codec == "topk" else 1, bits)
+    payload = _topk.encode(flat, chunk, kept, bits, stochastic, generator)
+    return Encoded(codec, flat.numel(), chunk, payload, k=kept or 0, bits=bits)
 
 
 def decode(enc: Encoded, *, expected_numel: int | None = None, copy: bool = True) -> torch.Tensor:
