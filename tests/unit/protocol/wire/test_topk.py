@@ -193,6 +193,8 @@ def test_sparse_counts_beyond_a_chunk_or_wrong_length_refused() -> None:
 def test_encode_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="topk k"):
         encode(X, "topk", block_size=4, k=5, bits=2)
+    with pytest.raises(ValueError, match="topk k = 0"):
+        encode(X, "topk", block_size=4, k=0, bits=2)
     with pytest.raises(ValueError, match="topk bits"):
         encode(X, "topk", block_size=4, k=2, bits=3)
     with pytest.raises(ValueError, match="non-finite"):
