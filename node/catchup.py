@@ -111,13 +111,17 @@ class StateSnapshot:
         )
 
     def apply(self, outer: OuterOptimizer) -> None:
-        """Load into ``outer`` (globals and, where present, momentum)."""
+        """Load into ``outer``: globals and momentum. A fragment the snapshot holds no
+        momentum for (its holder never stepped it) drops this node's own, so both
+        apply the next outer step alike."""
         for f, value in enumerate(self.globals):
             outer.set_global(f, value)
             buf = self.momentum[f]
+            state = outer.optimizers[f].state[outer.globals[f]]
             if buf is not None:
-                opt, param = outer.optimizers[f], outer.globals[f]
-                opt.state[param]["momentum_buffer"] = buf.clone()
+                state["momentum_buffer"] = buf.clone()
+            elif state.get("momentum_buffer") is not None:
+                state["momentum_buffer"].zero_()  # stepped from zero: as from none, bitwise
 
 
 def _raw(t: torch.Tensor) -> memoryview:

@@ -172,3 +172,21 @@ def test_beside_a_gpu_the_outer_state_stays_in_pinned_host_memory(monkeypatch) -
     feedback.encode(torch.randn(1000))
     assert ledger.holds(feedback.residual)
     assert not ledger.holds(plain.globals[0])
+
+
+def test_a_snapshot_without_momentum_clears_the_takers_own():
+    """A node that takes the state of a peer that never stepped a fragment steps it next
+    exactly as that peer does (its own momentum from before would set it apart)."""
+    from node.catchup import StateSnapshot
+
+    def stepped(steps: int) -> OuterOptimizer:
+        model = Toy()
+        outer = OuterOptimizer(model, plan_fragments(model, 1), OuterConfig(momentum=0.9))
+        for _ in range(steps):
+            outer.step(0, torch.tensor([0.3, -0.1]))
+        return outer
+
+    fresh, used = stepped(0), stepped(2)
+    StateSnapshot.take(3, "plan", fresh).apply(used)
+    a, b = fresh.step(0, torch.tensor([0.1, 0.2])), used.step(0, torch.tensor([0.1, 0.2]))
+    assert torch.equal(a, b)
