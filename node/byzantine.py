@@ -4,7 +4,9 @@ Each mode is a :class:`~protocol.averaging.parts.FaultInjection` that corrupts w
 in one specific way, so defences are tested against real nodes over the real wire
 rather than against mocks. Modes that need knowledge of the honest peers' updates
 (ALIE, IPM) use this node's own pseudo-gradient as the estimate of the honest mean,
-which is what a colluding-free attacker can do.
+which is what a colluding-free attacker can do. The quiet modes that corrupt no message
+act elsewhere: on the data (:func:`training_data`), on the inner loop
+(:func:`trainer_class`), or on the update from the node's global copies (``copy``).
 """
 
 from __future__ import annotations
@@ -13,18 +15,30 @@ import asyncio
 import dataclasses
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
+from node.config import TrainConfig
+from node.data import BatchStream
 from node.fault_modes import ALL_MODES, COMMIT_MODES, MODES, QUIET_MODES
+from node.trainer import InnerTrainer, StepResult, lr_at
 from protocol.averaging.parts import Commitments, FaultInjection
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import SealedPart
 from verification.identity import Identity
 
-__all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "QUIET_MODES", "make_behaviour", "training_data"]
+__all__ = [
+    "ALL_MODES",
+    "COMMIT_MODES",
+    "MODES",
+    "QUIET_MODES",
+    "make_behaviour",
+    "trainer_class",
+    "training_data",
+]
 
 
 _LATE_COMMIT_SECONDS = 4.0  # past the tests' commit phase (2 s), within their deadline (8 s)
@@ -32,6 +46,7 @@ _SCALE = 50.0
 _NOISE = 10.0
 _ALIE_Z = 1.0  # Baruch et al. 2019 pick z from n and f; 1.0 is their order of magnitude
 _IPM_EPS = 0.5  # Xie et al. 2020: -eps * mean of honest updates
+_LAZY_EVERY = 10  # a lazy node runs one inner step in this many
 
 
 class _VectorAttack(FaultInjection):
@@ -156,16 +171,119 @@ class _Silent(FaultInjection):
     silent = True
 
 
+class _CopyAttack(FaultInjection):
+    """Sends, for a fragment, the swarm's last change of its global copy instead of its
+    own work: the fragment's global at this node's previous sync of it minus its global
+    now, shaped and sized like an honest update and trained on nothing. Zeros on a
+    fragment's first sync.
+
+    It keeps one copy of every fragment's global (a model's worth of memory). When the
+    group mixes global copies, the fragment's second exchange in a round (its
+    ``weights``, started right after the update's) is sent as it is.
+
+    Args:
+        global_vector: the node's global copy of a fragment, flat
+            (:meth:`node.outer.OuterOptimizer.global_vector`).
+    """
+
+    def __init__(self, global_vector: Callable[[int], torch.Tensor]) -> None:
+        self.global_vector = global_vector
+        self.before: dict[int, torch.Tensor] = {}
+        self.rounds: dict[int, int] = {}
+
+    def contribution(self, round_: int, fragment: int, vector: torch.Tensor) -> torch.Tensor:
+        if self.rounds.get(fragment) == round_:
+            return vector  # the group's mixing of global copies, beside the update
+        self.rounds[fragment] = round_
+        # read on the exchange's thread: a fragment's global only changes once its sync
+        # is applied, and its next sync starts after that
+        now = self.global_vector(fragment)
+        before = self.before.get(fragment)
+        self.before[fragment] = now
+        if before is None:
+            return torch.zeros_like(vector)
+        return (before - now).to(device=vector.device, dtype=vector.dtype).view_as(vector)
+
+
+def _no_global_vector(fragment: int) -> torch.Tensor:
+    raise AssertionError("--byzantine copy needs the node's global copies (global_vector)")
+
+
+class _LazyTrainer(InnerTrainer):
+    """Runs one inner step in ``_LAZY_EVERY`` (the first, the eleventh, ...) and counts
+    every one: the others draw no batch, run no forward or backward pass and leave the
+    weights and the optimizer as they are, yet advance ``steps`` and ``tokens`` as a real
+    step would and report the last real loss. Its updates are honest but a tenth as long
+    as the tokens they claim.
+
+    Takes :class:`~node.trainer.InnerTrainer`'s arguments.
+
+    Raises:
+        ValueError: ``ranks > 1``: a site's ranks would wait for the steps it skips.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        stream: BatchStream,
+        device: torch.device | str = "cpu",
+        ranks: int = 1,
+    ) -> None:
+        if ranks > 1:
+            raise ValueError("--byzantine lazy: a site's ranks train in step; run it alone")
+        super().__init__(model, cfg, stream, device, ranks)
+        self.calls = 0
+        self.last_loss = float("nan")
+
+    def step(self) -> StepResult:
+        """A real step on every ``_LAZY_EVERY``-th call, a counted one otherwise."""
+        self.calls += 1
+        if self.calls % _LAZY_EVERY == 1:
+            result = super().step()
+            self.last_loss = result.loss
+            return result
+        lr = lr_at(self.steps, self.cfg)
+        stream = self.stream
+        tokens = self.cfg.grad_accum * stream.batch_size * stream.context * self.ranks
+        self.steps += 1
+        self.tokens += tokens
+        return StepResult(loss=self.last_loss, tokens=tokens, lr=lr)
+
+
+def trainer_class(mode: str | None) -> type[InnerTrainer]:
+    """The inner trainer a node runs: :class:`~node.trainer.InnerTrainer`, or for
+    ``lazy`` one that skips nine steps in ten and counts them all."""
+    return _LazyTrainer if mode == "lazy" else InnerTrainer
+
+
 def training_data(mode: str | None, data: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """The bytes a node trains on: ``data``, or as many random bytes for ``random_data``."""
+    """The tokens a node trains on: ``data``, as many random bytes for ``random_data``,
+    or ``data`` in reverse order for ``poison``.
+
+    ``poison`` reads all of ``data`` into memory (``flip`` makes a reversed copy; a
+    memory map's pages are read once, for it); every other mode keeps ``data`` as it is.
+    """
+    if mode == "poison":
+        return data.flip(0)
     if mode != "random_data":
         return data
     generator = torch.Generator().manual_seed(seed + 7919)
     return torch.randint(0, 256, data.shape, dtype=torch.uint8, generator=generator)
 
 
-def make_behaviour(mode: str | None, seed: int = 0) -> FaultInjection:
+def make_behaviour(
+    mode: str | None,
+    seed: int = 0,
+    global_vector: Callable[[int], torch.Tensor] | None = None,
+) -> FaultInjection:
     """The behaviour for ``mode`` (None or ``"honest"`` is honest).
+
+    Args:
+        mode: a name from :data:`ALL_MODES`, or None.
+        seed: seeds the modes that draw random numbers.
+        global_vector: the node's global copy of a fragment, flat (``copy`` reads it;
+            :meth:`node.outer.OuterOptimizer.global_vector`).
 
     Raises:
         ValueError: an unknown mode, naming the known ones.
@@ -184,6 +302,10 @@ def make_behaviour(mode: str | None, seed: int = 0) -> FaultInjection:
         return _CommitAttack(mode)
     if mode == "silent":
         return _Silent()
-    if mode == "random_data":
-        return FaultInjection()  # its all-reduce is honest; its data is not (training_data)
+    if mode in ("random_data", "poison", "lazy"):
+        # its all-reduce is honest; its data (training_data) or its inner loop
+        # (trainer_class) is not
+        return FaultInjection()
+    if mode == "copy":
+        return _CopyAttack(global_vector if global_vector is not None else _no_global_vector)
     raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(ALL_MODES)}")

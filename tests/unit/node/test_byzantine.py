@@ -8,7 +8,11 @@ import asyncio
 import pytest
 import torch
 
-from node.byzantine import make_behaviour, training_data
+from node.byzantine import ALL_MODES, QUIET_MODES, make_behaviour, trainer_class, training_data
+from node.config import ModelConfig, TrainConfig
+from node.data import BatchStream
+from node.model import build_model
+from node.trainer import InnerTrainer
 from protocol.averaging.parts import FaultInjection
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
@@ -107,3 +111,102 @@ def test_random_data_replaces_the_bytes_a_node_trains_on() -> None:
     noise = training_data("random_data", data, seed=3)
     assert noise.shape == data.shape and not torch.equal(noise, data)
     assert torch.equal(noise, training_data("random_data", data, seed=3))
+
+
+# ---- quiet modes: poisoned data, lazy steps, copied updates ----------------------------
+
+
+def test_the_quiet_modes_are_known_by_name() -> None:
+    for mode in ("poison", "lazy", "copy"):
+        assert mode in QUIET_MODES and mode in ALL_MODES
+    assert type(make_behaviour("poison")) is FaultInjection
+    assert type(make_behaviour("lazy")) is FaultInjection
+    assert trainer_class(None) is InnerTrainer and trainer_class("poison") is InnerTrainer
+    assert issubclass(trainer_class("lazy"), InnerTrainer)
+
+
+def test_poison_trains_on_the_tokens_in_reverse_order() -> None:
+    data = torch.arange(100, dtype=torch.uint8)
+    poisoned = training_data("poison", data, seed=3)
+    assert poisoned.tolist() == list(range(99, -1, -1))
+    assert data.tolist() == list(range(100))  # the tokens themselves are left alone
+
+
+class _Counted(BatchStream):
+    """A stream that counts the batches drawn from it."""
+
+    def __init__(self, data: torch.Tensor, batch_size: int, context: int) -> None:
+        super().__init__(data, batch_size, context, "k")
+        self.drawn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.drawn += 1
+        return super().next()
+
+
+def _lazy() -> InnerTrainer:
+    text = torch.tensor(
+        list(b"the quick brown fox jumps over the lazy dog. " * 20), dtype=torch.uint8
+    )
+    model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8), seed=0)
+    cfg = TrainConfig(optimizer="sgd", lr=1e-1, warmup_steps=0, grad_accum=2)
+    return trainer_class("lazy")(model, cfg, _Counted(text, 4, 8))
+
+
+def test_lazy_steps_once_in_ten_calls_and_counts_every_call() -> None:
+    trainer = _lazy()
+    real, stepped = trainer.optimizer.step, []
+
+    def counted_step(*args, **kwargs):
+        stepped.append(trainer.steps)  # the step count before this optimizer step
+        return real(*args, **kwargs)
+
+    trainer.optimizer.step = counted_step
+    changed, losses = [], []
+    for call in range(1, 22):
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        result = trainer.step()
+        after = list(trainer.model.parameters())
+        if any(not torch.equal(b, a) for b, a in zip(before, after)):
+            changed.append(call)
+        losses.append(result.loss)
+        assert result.tokens == 2 * 4 * 8 and trainer.tokens == call * 2 * 4 * 8
+        assert trainer.steps == call
+    assert changed == [1, 11, 21] and stepped == [0, 10, 20]
+    assert trainer.stream.drawn == 3 * 2  # a skipped step draws no batch
+    assert losses[1:10] == [losses[0]] * 9 and losses[11:20] == [losses[10]] * 9
+
+
+def test_lazy_refuses_a_site_whose_ranks_train_in_step() -> None:
+    model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8), seed=0)
+    stream = BatchStream(torch.zeros(100, dtype=torch.uint8), 2, 8, "k")
+    with pytest.raises(ValueError, match="lazy"):
+        trainer_class("lazy")(model, TrainConfig(), stream, ranks=2)
+
+
+def test_copy_sends_the_last_global_change_and_zeros_first() -> None:
+    globals_ = {0: torch.tensor([1.0, 2.0, 3.0]), 1: torch.tensor([5.0, 5.0])}
+    behaviour = make_behaviour("copy", global_vector=lambda f: globals_[f].clone())
+    own = torch.tensor([9.0, 9.0, 9.0])
+    first = behaviour.contribution(1, 0, own)
+    assert first.tolist() == [0.0, 0.0, 0.0] and first.dtype == own.dtype
+    assert behaviour.contribution(1, 1, torch.ones(2)).tolist() == [0.0, 0.0]
+    globals_[0] = torch.tensor([0.5, 2.5, 1.0])
+    second = behaviour.contribution(2, 0, own)
+    torch.testing.assert_close(second, torch.tensor([0.5, -0.5, 2.0]))
+    weights = torch.tensor([7.0, 7.0, 7.0])
+    assert behaviour.contribution(2, 0, weights) is weights  # the round's global copies
+    globals_[0] = torch.tensor([0.0, 0.0, 0.0])
+    third = behaviour.contribution(4, 0, own)  # round 3 skipped: since the last sync
+    torch.testing.assert_close(third, torch.tensor([0.5, 2.5, 1.0]))
+
+
+def test_copy_matches_the_contribution_dtype_and_needs_the_global_copies() -> None:
+    globals_ = [torch.tensor([1.0, 1.0])]
+    behaviour = make_behaviour("copy", global_vector=lambda f: globals_[f].clone())
+    behaviour.contribution(1, 0, torch.zeros(2, dtype=torch.float16))
+    globals_[0] = torch.tensor([0.25, 3.0])
+    out = behaviour.contribution(2, 0, torch.zeros(2, dtype=torch.float16))
+    assert out.dtype == torch.float16 and out.tolist() == [0.75, -2.0]
+    with pytest.raises(AssertionError, match="copy"):
+        make_behaviour("copy").contribution(1, 0, torch.zeros(2))
