@@ -164,6 +164,10 @@ class DataConfig:
     tokenizer_digest: str = ""
     """SHA-256 of the tokenizer the tokens were made with (``bytes`` for bytes), filled
     in at start from ``data.shards``' ``meta.json``; a run spec binds it."""
+    dataset_digest: str = ""
+    """SHA-256 of the train and validation tokens this node reads (``data.shards``' token
+    files, or the text files of ``data.paths`` or the standard library), filled in at
+    start; a run spec binds it."""
 
     def __post_init__(self) -> None:
         if self.site >= self.sites:

@@ -67,7 +67,7 @@ def test_every_shared_key_is_a_config_key() -> None:
     model_keys = {f.name for f in dataclasses.fields(cfg.model)}
     assert set(SHARED_KEYS["model"]) == model_keys - {"hf_config", "init_from"}
     assert {"config_digest", "init_digest"} <= set(SHARED_KEYS["model"])
-    assert SHARED_KEYS["data"] == ("tokenizer_digest",)
+    assert SHARED_KEYS["data"] == ("tokenizer_digest", "dataset_digest")
     assert set(SHARED_KEYS["outer"]) == {f.name for f in dataclasses.fields(cfg.outer)}
     assert "tau" not in SHARED_KEYS["sync"] and "alpha" not in SHARED_KEYS["sync"]
     # a topk part is refused unless it keeps the run's count of the run's chunk in its bits
