@@ -91,6 +91,11 @@ class AtollConfig:
                 f"'topk' (coordinate-wise on sparse parts it drops almost every value): use "
                 f"one of {', '.join(sorted(SPARSE_SAFE))}"
             )
+        if self.trust.checkers and not (self.control.enabled and self.control.commit):
+            raise ValueError(
+                f"trust.checkers = {self.trust.checkers} needs control.commit = true (a "
+                "checker compares the contribution it fetches with the one committed)"
+            )
         # On the wall clock an exchange must end before its fragment syncs again.
         if self.sync.trigger == "seconds":
             waits = self.network.matchmaking_seconds

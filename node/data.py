@@ -26,6 +26,7 @@ import json
 import math
 import sysconfig
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
     "BatchStream",
     "Corpus",
     "DataError",
+    "assigned_stream",
     "bits_per_byte",
     "load_corpus",
     "load_data",
@@ -315,12 +317,33 @@ class BatchStream:
         windows = self.data[starts[:, None] + offsets].long()
         return windows[:, :-1], windows[:, 1:]
 
+    def batches_at(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches this stream yields at ``indices`` (sorted, from its start): the
+        ones between are drawn but not read."""
+        out, at = [], 0
+        high = self.data.numel() - self.context - 1
+        for index in sorted(indices):
+            while at < index:
+                torch.randint(0, high + 1, (self.batch_size,), generator=self.generator)
+                at += 1
+            out.append(self.next())
+            at += 1
+        return out
+
     def fixed_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``count`` batches from a fresh copy of this stream (for evaluation)."""
         clone = BatchStream.__new__(BatchStream)
         clone.data, clone.batch_size, clone.context = self.data, self.batch_size, self.context
         clone.generator = torch.Generator().manual_seed(self.generator.initial_seed())
         return [clone.next() for _ in range(count)]
+
+
+def assigned_stream(
+    data: torch.Tensor, batch_size: int, context: int, run_id: str, peer: str, round_: int
+) -> BatchStream:
+    """The batches ``peer`` is assigned to train on in round ``round_`` of ``run_id``:
+    anyone holding the same train tokens draws the same ones (useful-work checks)."""
+    return BatchStream(data, batch_size, context, ("assigned", run_id, peer, int(round_)))
 
 
 def validation_batches(

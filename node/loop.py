@@ -15,10 +15,12 @@ import time
 from typing import Any
 
 from node.config import AtollConfig
+from node.data import assigned_stream
 from node.metrics import EventLog, StatusWriter
 from node.parts import Network, Progress, Training
 from node.rounds import Rounds
 from node.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
+from node.site import NoSite
 from node.syncer import Pending
 
 __all__ = ["TrainingLoop", "exchange_budget"]
@@ -94,6 +96,7 @@ class TrainingLoop:
         wall = schedule if isinstance(schedule, WallSchedule) else None
         if wall is not None:
             self._place(wall, book)
+        self._assign(self.progress.round + 1)
         max_rounds, trainer = self.cfg.run.max_rounds, self.training.trainer
         while not self.stop.is_set():
             if max_rounds and self.progress.round >= max_rounds:
@@ -102,6 +105,8 @@ class TrainingLoop:
             if wall is not None and wall.behind(self.progress.round):
                 self._fell_behind(wall, book)  # frozen, suspended or cut off for a while
             for r, f in schedule.due(time.time()):
+                if f == 0:
+                    self._assign(r + 1)  # what is trained from now on goes into round r + 1
                 if schedule.skips(r) or f in book.pending:
                     # Joining, or the previous sync of f is still in flight: skip this one;
                     # the work stays in the local copy and is folded into the next sync.
@@ -120,6 +125,18 @@ class TrainingLoop:
                 schedule.ended(self.progress.round)
         for p in book.clear():
             p.future.cancel()  # the interrupted round is abandoned; the last checkpoint stands
+
+    def _assign(self, round_: int) -> None:
+        """Train the batches assigned to this node for ``round_`` from now on (a single
+        process on the whole train split; a site's ranks keep their own streams), so any
+        peer can recompute them (:mod:`node.checks`)."""
+        t = self.training
+        if not isinstance(t.site, NoSite) or self.cfg.data.sites != 1:
+            return
+        s = t.trainer.stream
+        peer = self.network.transport.peer_id
+        run = self.cfg.run.run_id
+        t.trainer.stream = assigned_stream(s.data, s.batch_size, s.context, run, peer, round_)
 
     def _skip(self, book: SyncBook, r: int, f: int) -> None:
         """Fragment ``f`` of round ``r`` is not exchanged: its work goes into the next

@@ -22,7 +22,8 @@ from torch import nn
 
 from node import catchup
 from node.admin import AdminInbox, Command
-from node.byzantine import make_behaviour, training_data
+from node.byzantine import make_behaviour, trainer_class, training_data
+from node.checks import UsefulWork
 from node.config import AtollConfig
 from node.data import BatchStream, load_data, validation_batches
 from node.handoff import workload_record
@@ -33,6 +34,7 @@ from node.outer import OuterOptimizer
 from node.peers import PeerView
 from node.settings import (
     allreduce_settings,
+    check_settings,
     control_settings,
     exchange_settings,
     peer_view_settings,
@@ -180,7 +182,7 @@ def _training(
         model=model,
         plan=plan,
         outer=OuterOptimizer(model, plan, cfg.outer, pin=pin),
-        trainer=InnerTrainer(trained, cfg.train, stream, device, ranks=ranks),
+        trainer=trainer_class(byzantine)(trained, cfg.train, stream, device, ranks=ranks),
         feedback=[
             codecs.ErrorFeedback(
                 cfg.sync.codec,
@@ -332,7 +334,7 @@ def _swarm_side(
         reducer=verifier.reduce,
         planner=verifier.stream_plan,
         judge=verifier,
-        faults=make_behaviour(inputs.byzantine, seed=cfg.run.seed),
+        faults=make_behaviour(inputs.byzantine, cfg.run.seed, training.outer.global_vector),
         commitments=commitments,
     )
     allreduce.register()
@@ -348,6 +350,7 @@ def _swarm_side(
         events,
         training.device,
     )
+    syncer.checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
     state_server = catchup.StateServer(
         transport, identity, cfg.run.run_id, inputs.data_dir / "state"
     )
@@ -365,6 +368,36 @@ def _swarm_side(
         state_server=state_server,
         load=_load_meter(transport, control),
     )
+
+
+def _useful_work(
+    cfg: AtollConfig,
+    inputs: NetworkInputs,
+    training: Training,
+    events: EventLog,
+    verifier: Verifier,
+    control: ControlPlane | None,
+    allreduce: AllReduceService,
+) -> UsefulWork | None:
+    """The useful-work checks when the policy asks for them (``trust.checkers``): this
+    node keeps and serves its contributions, checks its share and judges records."""
+    if not cfg.trust.checkers or control is None:
+        return None
+    sent = allreduce.keep_contributions()
+    checks = UsefulWork(
+        check_settings(cfg),
+        inputs.identity,
+        allreduce.transport,
+        (allreduce.settings, control.commitments.digests, sent),
+        verifier,
+        training.model,
+        training.plan,
+        (training.trainer.stream.data, training.val_batches),
+        control.publish_check,
+        events.write,
+    )
+    control.on_check = checks.receive
+    return checks
 
 
 def _load_meter(transport: Transport, control: ControlPlane | None) -> LoadMeter:

@@ -254,6 +254,10 @@ class Rounds:
         fields.update(
             tokens=t.trainer.tokens, steps=t.trainer.steps, bytes_sent=self.progress.bytes_sent
         )
+        checks = network.syncer.checks
+        if checks is not None:
+            checks.judge_inbox()  # records that came in since the round's exchanges
+            fields["checks"] = checks.summary()
         fields["flagged"] = network.verifier.flagged(r)
         fields["live_peers"] = len(network.live_peers())
         fields["load"] = network.load.sample()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
     from node.catchup import CatchUpSettings
+    from node.checks import CheckSettings
     from node.clock import ClockSettings
     from node.config import AtollConfig
     from node.peers import PeerViewSettings
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
 __all__ = [
     "allreduce_settings",
     "catchup_settings",
+    "check_settings",
     "clock_settings",
     "control_settings",
     "exchange_settings",
@@ -182,4 +184,24 @@ def catchup_settings(cfg: AtollConfig) -> CatchUpSettings:
         run_id=cfg.run.run_id,
         timeout=net.request_timeout,
         max_bytes=int(net.max_message_mb * 2**20),
+    )
+
+
+def check_settings(cfg: AtollConfig) -> CheckSettings:
+    """Useful-work checks: the policy's ``check*`` keys, the batch shape, the deadline."""
+    from node.checks import CheckSettings
+
+    t = cfg.trust
+    return CheckSettings(
+        run_id=cfg.run.run_id,
+        checkers=t.checkers,
+        batches=t.check_batches,
+        from_round=t.check_from_round,
+        min_records=t.check_min_records,
+        pass_rate=t.check_pass_rate,
+        audit=t.check_audit,
+        assigned=t.check_assigned,
+        batch_size=cfg.data.batch_size,
+        context=cfg.model.context,
+        timeout=cfg.network.request_timeout,
     )

@@ -1,8 +1,8 @@
 """The settings every node of a run shares, and the digest nodes compare them by.
 
-:data:`SHARED_KEYS` names them (the model, the tokenizer, the outer step, the sync
-schedule and codec, the grouping, the control channel and the aggregator); a signed
-run spec (:mod:`node.spec`) fixes their values, and a node started without one
+:data:`SHARED_KEYS` names them (the model, the tokenizer and the data, the outer step,
+the sync schedule and codec, the grouping, the control channel and the aggregator); a
+signed run spec (:mod:`node.spec`) fixes their values, and a node started without one
 announces :func:`settings_digest` so peers on other settings are told apart.
 """
 
@@ -34,8 +34,10 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     # The architecture: parameters must line up tensor by tensor on every node. Paths
     # are each node's own; what they hold is bound by digest (node.bindings).
     "model": tuple(k for k in _keys(ModelConfig) if k not in ("hf_config", "init_from")),
-    # Tokens must mean the same on every node: the tokenizer is bound by digest.
-    "data": ("tokenizer_digest",),
+    # Tokens must mean the same on every node: the tokenizer is bound by digest. And
+    # every node must hold the same tokens: peers recompute the batches a node was
+    # assigned from its key, which only checks its work if they read the same data.
+    "data": ("tokenizer_digest", "dataset_digest"),
     # Every group member applies the outer step to the same global values; another
     # lr or momentum would make the members' copies of the global model drift apart.
     "outer": _keys(OuterConfig),
@@ -69,7 +71,9 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     "control": ("enabled", "commit"),
     # Each part of a fragment is reduced by one member for the whole group; the
     # robustness a run promises holds only if every part uses the same rule.
-    "trust": ("aggregator",),
+    # Who checks whom, on which batches and from which round follow from these: nodes
+    # that drew checkers differently would refuse each other's records.
+    "trust": ("aggregator", "checkers", "check_batches", "check_from_round", "check_assigned"),
 }
 """The settings every node of a run must share: ``{section: (key, ...)}``."""
 

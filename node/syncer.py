@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from node.metrics import EventLog
 from node.outer import OuterOptimizer
 from protocol.averaging.exchange import ExchangeOutcome, FragmentExchange
 from protocol.wire import codec as codecs
+
+if TYPE_CHECKING:
+    from node.checks import UsefulWork
 
 __all__ = ["Pending", "Syncer", "staleness_weight"]
 
@@ -120,6 +123,8 @@ class Syncer:
         """Syncs so far by outcome (partial: some parts kept this node's own values)."""
         self.refused: dict[str, str] = {}
         """Peers the latest exchanges left out for running another spec, with why."""
+        self.checks: UsefulWork | None = None
+        """Useful-work checks, run after each exchange applied (None: no checks)."""
 
     def launch(
         self,
@@ -182,6 +187,8 @@ class Syncer:
         self.refused.update(done.refused)
         result, mixed = done.result, done.mixed
         averaged = result.vector.to(self.device)
+        checking = self.checks is not None and mixed is None and len(done.group) > 1
+        base = [g.detach().clone() for g in self.outer.globals] if checking else []
         if mixed is None:
             self.outer.step(f, averaged, pending.round)
         else:
@@ -212,6 +219,12 @@ class Syncer:
             "overlap_steps": step - pending.step,
         }
         self.events.write("sync", **record)
+        if checking:
+            assert self.checks is not None
+            contributors = {p for part in result.contributors for p in part}
+            self.checks.exchange_done(
+                pending.round, f, sorted(contributors), base, record["global_digest"]
+            )
         return record
 
 

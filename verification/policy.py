@@ -79,6 +79,20 @@ class TrustPolicy:
             (``no_delivery``); fewer cost nothing, since an honest node can be slow
             or cut off once.
         missed_window: see ``max_missed``.
+        checkers: members of an exchange that check each contribution's effect on the
+            loss (:mod:`verification.usefulness`); 0 runs no checks. Needs the commit
+            phase (a checker compares what it fetches with what was committed).
+        check_batches: batches per check, each of the assigned data and of validation.
+        check_from_round: the first round checked (the first rounds of a fresh model
+            learn what any text teaches, so no contribution gains more on its own data).
+        check_min_records: records of a peer needed before it can be flagged.
+        check_pass_rate: a peer is flagged (a ``useless_work`` violation) once the upper
+            95 % bound of its records' pass rate falls below this.
+        check_audit: the share of passing records a node recomputes itself (every
+            failing record is recomputed before it counts against anyone).
+        check_assigned: judge a contribution by its gain on the contributor's assigned
+            batches against validation batches; false judges it by the validation loss
+            alone (for swarms whose nodes train on data of their own).
     """
 
     allow: tuple[str, ...] = ()
@@ -99,6 +113,13 @@ class TrustPolicy:
     on_proof: Literal["quarantine", "ban"] = "ban"
     max_missed: int = Field(default=3, ge=1)
     missed_window: int = Field(default=10, ge=1)
+    checkers: int = Field(default=0, ge=0, le=16)
+    check_batches: int = Field(default=2, ge=1, le=64)
+    check_from_round: int = Field(default=3, ge=1)
+    check_min_records: int = Field(default=4, ge=1)
+    check_pass_rate: float = Field(default=0.5, gt=0, le=1)
+    check_audit: float = Field(default=0.25, ge=0, le=1)
+    check_assigned: bool = True
 
     @field_validator("allow", "deny")
     @classmethod

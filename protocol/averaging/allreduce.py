@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from protocol.averaging.context import AllReduceContext
+from protocol.averaging.contributions import CONTRIBUTION_RPC, SentParts
 from protocol.averaging.member import PartMember
 from protocol.averaging.owner import RESULT_RPC, RPC_NAME, PartOwner
 from protocol.averaging.parts import (
@@ -94,6 +95,16 @@ class AllReduceService:
         sessions = SessionTable(self.context)
         self.owner = PartOwner(self.context, sessions, planner if settings.stream_reduce else None)
         self.member = PartMember(self.context, sessions, self.owner, self.repair)
+
+    def keep_contributions(self) -> SentParts:
+        """Keep this node's sent parts for a few rounds and serve them to the group members
+        that check them (:mod:`protocol.averaging.contributions`); idempotent."""
+        if self.context.sent is None:
+            self.context.sent = SentParts()
+            self.transport.add_handler(
+                CONTRIBUTION_RPC, self.context.sent.serve, max_request_bytes=64
+            )
+        return self.context.sent
 
     # ---- counters, shared with repair ------------------------------------------------
 

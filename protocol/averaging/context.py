@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from protocol.averaging.contributions import SentParts
 from protocol.averaging.parts import (
     CONTENTS,
     AllReduceKey,
@@ -76,6 +77,10 @@ class AllReduceContext:
         judge: trust decisions (refusals and their cost, plausibility of results).
         faults: how this node acts (honest unless a fault is injected, for tests).
         commitments: the commit phase, or None (parts are sent at once).
+
+    Attributes:
+        sent: where the member side keeps the parts it sent, for useful-work checks
+            (:class:`~protocol.averaging.contributions.SentParts`); None keeps none.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class AllReduceContext:
         self.judge = judge
         self.faults = faults or FaultInjection()
         self.commitments = commitments
+        self.sent: SentParts | None = None
         self.current_round = 0
         self.bytes_sent = 0
         self.bytes_received = 0

@@ -131,6 +131,12 @@ class PartMember:
             for j, (lo, hi) in enumerate(plan.bounds)
             if j != plan.index
         }
+        if ctx.sent is not None:
+            own = {}
+            if plan.is_owner:
+                lo, hi = plan.bounds[plan.index]
+                own[plan.index] = self.request(key, plan, plan.index, vector[lo:hi], weight)
+            ctx.sent.keep(key, {**requests, **own})
         await self._commit_phase(session, requests)
         session.schedule()
         if out is None:

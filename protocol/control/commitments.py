@@ -312,6 +312,14 @@ class CommitmentStore(Commitments):
         with self._lock:
             return (peer, round_, fragment, content) in self._commits
 
+    def digests(
+        self, peer: str, round_: int, fragment: int, content: str = "update"
+    ) -> dict[int, bytes] | None:
+        """The part digests ``peer`` committed to for the exchange, or None (a copy)."""
+        with self._lock:
+            rec = self._commits.get((peer, round_, fragment, content))
+        return dict(rec.digests) if rec is not None else None
+
     def evidence(self, peer: str, round_: int, fragment: int, content: str = "update") -> bytes:
         with self._lock:
             rec = self._commits.get((peer, round_, fragment, content))

@@ -39,7 +39,7 @@ __all__ = ["COMMIT_RPC", "TOPICS", "ControlPlane", "topic_name"]
 
 logger = logging.getLogger(__name__)
 
-TOPICS = ("heartbeat", "commit", "verdict")
+TOPICS = ("heartbeat", "commit", "verdict", "check")
 """The topics of a run's control channel (see :func:`topic_name`)."""
 
 
@@ -97,6 +97,8 @@ class ControlPlane:
             _direct(transport),
         )
         self.verdicts = Verdicts(settings.run_id, self.commitments, self.convictions, events)
+        self.on_check: Callable[[str, bytes], None] | None = None
+        """Takes a useful-work check record gossiped on ``check`` (sender, record bytes)."""
         self.malformed = 0
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -193,6 +195,11 @@ class ControlPlane:
         if self.channel is not None and not self.channel.publish(topic, body):
             logger.debug("control: sidecar down, verdict not sent")
 
+    def publish_check(self, record: bytes) -> bool:
+        """Gossip a signed useful-work check record to the run; False when not sent."""
+        topic = topic_name(self.settings.run_id, "check")
+        return self.channel is not None and bool(self.channel.publish(topic, record))
+
     def _on_message(self, full_topic: str, msg: ControlMessage) -> None:
         if msg.sender == self.me:
             return
@@ -204,6 +211,10 @@ class ControlPlane:
                 self.commitments.receive(msg)
             elif topic == "verdict":
                 self.verdicts.receive(msg)
+            elif topic == "check" and self.on_check is not None:
+                if not isinstance(msg.body, bytes):
+                    raise ProtocolError("malformed", "a check record is bytes", msg.sender)
+                self.on_check(msg.sender, msg.body)
         except ProtocolError as exc:
             self.malformed += 1
             logger.warning("control: %s from %s refused: %s", topic, msg.sender[:16], exc)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from node.config import load_config
+from node.data import BatchStream, assigned_stream
 from node.loop import TrainingLoop, exchange_budget
 from node.metrics import EventLog, StatusWriter
 from node.parts import Progress, Training
@@ -26,10 +27,15 @@ class _Trainer:
         self.steps = 0
         self.tokens = 0
         self.optimizer = None
+        self.stream = BatchStream(torch.arange(200) % 7, 2, 4, "start")
+        self.trained: list[tuple[int, int]] = []
+        """(step, the first value of the batch it drew)"""
 
     def step(self) -> Any:
         self.steps += 1
         self.tokens += 4
+        inputs, _ = self.stream.next()
+        self.trained.append((self.steps, int(inputs[0, 0])))
         return SimpleNamespace(tokens=4, loss=1.0)
 
 
@@ -89,11 +95,19 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, **overrides: Any) -> 
         heard=set,
         control=None,
         peers=SimpleNamespace(behind=lambda r: False),
+        transport=SimpleNamespace(peer_id="me"),
     )
     rounds = _Rounds(progress)
     logs = (StatusWriter(tmp_path / "status.json"), EventLog(tmp_path / "events.jsonl"))
     loop = TrainingLoop(cfg, progress, training, network, rounds, logs, threading.Event())  # type: ignore[arg-type]
-    return SimpleNamespace(loop=loop, syncer=syncer, rounds=rounds, progress=progress, cfg=cfg)
+    return SimpleNamespace(
+        loop=loop,
+        syncer=syncer,
+        rounds=rounds,
+        progress=progress,
+        cfg=cfg,
+        trainer=training.trainer,
+    )
 
 
 class _Scripted:
@@ -184,3 +198,19 @@ def test_the_commit_window_is_part_of_the_budget() -> None:
     base = cfg.network.matchmaking_seconds + cfg.network.round_timeout
     assert exchange_budget(cfg, 4.0) == pytest.approx(base + 4.0)
     assert exchange_budget(cfg, None) == pytest.approx(base + cfg.control.commit_seconds)
+
+
+def test_each_round_trains_the_batches_assigned_to_it(tmp_path) -> None:
+    """What is trained after round r's sync starts is round r + 1's assignment, drawn
+    from its start: anyone can recompute it from the PeerID and the round."""
+    t = _loop(tmp_path, fragments=1, max_rounds=2)
+    t.loop.run(StepSchedule(inner_steps=3, fragments=1, tau=1, round_=0))
+    data = torch.arange(200) % 7
+
+    def firsts(round_: int, count: int) -> list[int]:
+        stream = assigned_stream(data, 2, 4, t.cfg.run.run_id, "me", round_)
+        return [int(stream.next()[0][0, 0]) for _ in range(count)]
+
+    trained = [first for _, first in t.trainer.trained]
+    assert trained[:3] == firsts(1, 3)  # steps 1-3: round 1's, then its sync starts
+    assert trained[3:6] == firsts(2, 3)

@@ -33,8 +33,8 @@ class _Channel:
         return True
 
 
-def test_the_three_topics_are_heartbeat_commit_and_verdict() -> None:
-    assert TOPICS == ("heartbeat", "commit", "verdict")
+def test_the_four_topics_are_heartbeat_commit_verdict_and_check() -> None:
+    assert TOPICS == ("heartbeat", "commit", "verdict", "check")
     assert COMMIT_RPC == "atoll.commit"
 
 

@@ -1,0 +1,160 @@
+"""A member's whole contribution to an exchange, kept for a few rounds and served to
+the group members that check it.
+
+A member sends each owner one signed part of its pseudo-gradient; no one else sees the
+whole. A useful-work check (:mod:`verification.usefulness`) needs the whole, so the
+member keeps the signed parts it sent (and the one it reduced itself, signed the same
+way) for :data:`ROUNDS_KEPT` rounds, and serves them on :data:`CONTRIBUTION_RPC`. A
+checker authenticates every part (the contributor's signature, run, round, fragment,
+part index), compares each sent part's digest with the commitment the contributor
+signed to the group before the exchange, and decodes them into one vector: what the
+owners reduced, bit for bit. The part a member owned itself was never sent and so never
+committed; it is covered by the member's signature only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from protocol.averaging.parts import AllReduceKey, AllReduceSettings, PartPlan
+from protocol.errors import ProtocolError
+from protocol.wire import codec as codecs
+from protocol.wire.partwire import SealedPart, open_part
+
+__all__ = [
+    "CONTRIBUTION_RPC",
+    "ROUNDS_KEPT",
+    "Fetched",
+    "SentParts",
+    "open_contribution",
+]
+
+CONTRIBUTION_RPC = "atoll.contribution"
+"""The RPC a member serves its kept contributions on: ``msgpack([round, fragment])``."""
+ROUNDS_KEPT = 3
+"""Rounds a member keeps its sent parts for (checks run within the round after)."""
+_MAX_REQUEST_BYTES = 64
+
+CommittedDigests = Callable[[str, int, int], dict[int, bytes] | None]
+"""``(peer, round, fragment)`` to the part digests ``peer`` committed to, or None."""
+
+
+class SentParts:
+    """The signed parts this node sent (and owned) per exchange, for the last rounds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[tuple[int, int], list[bytes]] = {}
+
+    def keep(self, key: AllReduceKey, parts: dict[int, SealedPart]) -> None:
+        """Keep the parts of an ``update`` exchange (copies: bodies may be views)."""
+        round_, fragment, content = key
+        if content != "update":
+            return
+        wires = [parts[j].to_bytes() for j in sorted(parts)]
+        with self._lock:
+            self._kept[(round_, fragment)] = wires
+            for old in [k for k in self._kept if k[0] <= round_ - ROUNDS_KEPT]:
+                del self._kept[old]
+
+    def get(self, round_: int, fragment: int) -> list[bytes] | None:
+        with self._lock:
+            return self._kept.get((round_, fragment))
+
+    async def serve(self, peer: str, request: bytes) -> bytes:
+        """The :data:`CONTRIBUTION_RPC` handler: the kept parts, or an empty list."""
+        try:
+            round_, fragment = msgpack.unpackb(request, raw=False)
+            wires = self.get(int(round_), int(fragment))
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise ProtocolError("malformed", f"contribution request: {exc}", peer) from None
+        return msgpack.packb(wires or [], use_bin_type=True)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A peer's checked contribution: its values, its parts' digests and its claim."""
+
+    vector: torch.Tensor
+    digests: list[bytes]
+    tokens: int
+
+
+def open_contribution(
+    data: bytes,
+    peer: str,
+    key: tuple[int, int],
+    numel: int,
+    settings: AllReduceSettings,
+    committed: CommittedDigests,
+) -> Fetched:
+    """Check and decode a contribution served by ``peer`` for exchange ``key``.
+
+    Raises:
+        ProtocolError: ``malformed``, ``uncommitted``, ``commit_mismatch``,
+            ``not_in_round`` or any refusal of :func:`~protocol.wire.partwire.open_part`.
+    """
+    round_, fragment = key
+    try:
+        wires = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ProtocolError("malformed", f"contribution: {type(exc).__name__}", peer) from None
+    if not isinstance(wires, list) or not wires or not all(isinstance(w, bytes) for w in wires):
+        raise ProtocolError("malformed", "a contribution is a non-empty list of parts", peer)
+    digests = committed(peer, round_, fragment)
+    if digests is None:
+        raise ProtocolError("uncommitted", f"no commitment for round {round_}", peer)
+    parts = [
+        open_part(
+            w,
+            max_bytes=settings.max_message_bytes,
+            expected_sender=peer,
+            run_id=settings.run_id,
+            kinds=("part",),
+        )
+        for w in wires
+    ]
+    first = parts[0].meta
+    group, owners = first.get("group"), first.get("owners")
+    if not isinstance(group, list) or not isinstance(owners, list):
+        raise ProtocolError("malformed", "parts name no group", peer)
+    try:
+        plan = PartPlan.of(peer, group, owners, numel, settings.block_size)
+    except ValueError as exc:
+        raise ProtocolError("malformed", str(exc), peer) from None
+    return _assemble(parts, plan, key, digests, peer, numel)
+
+
+def _assemble(
+    parts: Sequence, plan: PartPlan, key: tuple[int, int], digests: dict, peer: str, numel: int
+) -> Fetched:
+    if [p.header.part for p in parts] != list(range(len(plan.owners))):
+        raise ProtocolError("malformed", "not one part per owner, in order", peer)
+    vector = torch.empty(numel, dtype=torch.float32)
+    tokens = -1
+    for j, part in enumerate(parts):
+        h, meta = part.header, part.meta
+        if (h.round, h.fragment) != key or meta.get("content") != "update":
+            raise ProtocolError("not_in_round", f"part {j} is of another exchange", peer)
+        if (meta.get("group"), meta.get("owners")) != (plan.group, plan.owners):
+            raise ProtocolError("malformed", f"part {j} names another group", peer)
+        if j != plan.index and digests.get(j) != part.digest:
+            raise ProtocolError("commit_mismatch", f"part {j} is not the one committed", peer)
+        weight = meta.get("weight")
+        if not isinstance(weight, int) or weight < 0 or tokens not in (-1, weight):
+            raise ProtocolError("malformed", f"part {j} claims another weight", peer)
+        tokens = weight
+        lo, hi = plan.bounds[j]
+        try:
+            enc = codecs.Encoded.from_meta(meta, part.body, max_numel=hi - lo)
+            vector[lo:hi] = codecs.decode(enc, expected_numel=hi - lo)
+        except ProtocolError as exc:
+            raise ProtocolError(exc.reason, f"part {j}: {exc.detail}", peer) from None
+    if not torch.isfinite(vector).all():
+        raise ProtocolError("not_finite", "the contribution holds non-finite values", peer)
+    return Fetched(vector, [p.digest for p in parts], tokens)
