@@ -10,8 +10,9 @@ applies it to the global values it was computed against and measures the loss be
 after on the contributor's assigned batches and on validation batches. The signed record
 goes to the run on the control channel's ``check`` topic.
 
-A record from another checker is counted only once this node believes it: a failing one
-is always recomputed here first, a passing one with probability ``trust.check_audit``;
+A record from another checker is counted only once this node believes it: one of a
+contribution this node checked too must match its own; otherwise a failing one is always
+recomputed here first, a passing one with probability ``trust.check_audit``;
 a record that does not reproduce costs its signer a ``bad_check_record`` violation and
 counts for nothing. A node that holds no base state for the record's exchange (another
 group) cannot recompute it and never acts on it when it fails. A peer whose records say
@@ -160,6 +161,8 @@ class UsefulWork:
         self.seconds = 0.0
         """Time spent checking (fetching and measuring), in total."""
         self._bases: dict[tuple[int, int], _Base] = {}
+        self._mine: dict[tuple[str, int, int], CheckRecord] = {}
+        """This node's own records of the last rounds, by (peer, round, fragment)."""
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
         self._lock = threading.Lock()
         self._charged: set[tuple[str, int]] = set()
@@ -210,10 +213,13 @@ class UsefulWork:
         self._bases[(round_, fragment)] = _Base(base, state_digest(base), seed, list(contributors))
         for old in [k for k in self._bases if k[0] <= round_ - _BASES_KEPT]:
             del self._bases[old]
+        for old in [k for k in self._mine if k[1] <= round_ - _BASES_KEPT]:
+            del self._mine[old]
         for peer in sorted(set(contributors) - {self.me}):
             if self.me in checkers_for(seed, peer, contributors, s.checkers):
                 record = self._check(peer, round_, fragment)
                 if record is not None:
+                    self._mine[(peer, round_, fragment)] = record
                     self.counts["made"] += 1
                     self.publish(record.to_bytes())
                     self._count(record)
@@ -378,12 +384,18 @@ class UsefulWork:
         tell and the record fails, or is not this node's business."""
         base = self._bases.get((record.round, record.fragment))
         ok, _ = passes(record)
-        if base is None or base.digest != record.global_digest:
-            return True if ok else None
-        if record.seed != base.seed.hex() or record.checker not in checkers_for(
-            base.seed, record.peer, base.checkers, self.settings.checkers
+        if base is None or record.peer not in base.checkers:
+            return True if ok else None  # another group's exchange, or one this node missed
+        if (
+            record.global_digest != base.digest
+            or record.seed != base.seed.hex()
+            or record.checker
+            not in checkers_for(base.seed, record.peer, base.checkers, self.settings.checkers)
         ):
             return False
+        mine = self._mine.get((record.peer, record.round, record.fragment))
+        if mine is not None:
+            return reproduces(record, mine)  # this node checked the same contribution
         if ok and not self._audited(record):
             return True
         fetched = self._fetch(record.peer, record.round, record.fragment)

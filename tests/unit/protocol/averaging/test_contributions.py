@@ -1,0 +1,97 @@
+"""A member's kept contribution: kept per exchange for a few rounds, served, and opened by
+a checker only when every part is signed, of the exchange, and the one committed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import torch
+
+from protocol.averaging.contributions import ROUNDS_KEPT, SentParts, open_contribution
+from protocol.averaging.parts import AllReduceSettings, PartPlan
+from protocol.errors import ProtocolError
+from protocol.wire import codec as codecs
+from protocol.wire.messages import Header
+from protocol.wire.partwire import SealedPart, seal_part
+from verification.identity import Identity
+
+ME = Identity.from_seed(b"m" * 32)
+OTHER = Identity.from_seed(b"o" * 32)
+GROUP = [ME.peer_id, OTHER.peer_id, "12D3KooWThird"]
+SETTINGS = AllReduceSettings(run_id="run", codec="int8", block_size=16)
+NUMEL = 96
+
+
+def _parts(
+    vector: torch.Tensor, key=(3, 0), weight: int = 512, who: Identity = ME
+) -> dict[int, SealedPart]:
+    plan = PartPlan.of(who.peer_id, GROUP, GROUP, NUMEL, SETTINGS.block_size)
+    out = {}
+    for j, (lo, hi) in enumerate(plan.bounds):
+        enc = codecs.encode(vector[lo:hi], "int8", block_size=16)
+        header = Header("part", "run", key[0], key[1], j, who.peer_id)
+        meta = {"content": "update", "group": GROUP, "owners": GROUP, "weight": weight}
+        out[j] = seal_part(who, header, {**meta, **enc.meta()}, enc.payload)
+    return out
+
+
+def _committed(parts: dict[int, SealedPart], own: int = 0):
+    digests = {j: p.digest for j, p in parts.items() if j != own}
+    return lambda peer, r, f: dict(digests)
+
+
+def _served(parts: dict[int, SealedPart]) -> bytes:
+    return msgpack.packb([parts[j].to_bytes() for j in sorted(parts)])
+
+
+def test_a_served_contribution_opens_to_what_the_owners_decode() -> None:
+    vector = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    parts = _parts(vector)
+    fetched = open_contribution(
+        _served(parts), ME.peer_id, (3, 0), NUMEL, SETTINGS, _committed(parts)
+    )
+    expected = codecs.decode(codecs.encode(vector, "int8", block_size=16))
+    assert torch.equal(fetched.vector, expected) and fetched.tokens == 512
+    assert fetched.digests == [parts[j].digest for j in sorted(parts)]
+
+
+def test_kept_parts_are_served_for_a_few_rounds() -> None:
+    store = SentParts()
+    parts = _parts(torch.ones(NUMEL))
+    store.keep((1, 0, "update"), parts)
+    store.keep((1, 0, "weights"), parts)  # a mixing copy is not a contribution
+    assert store.get(1, 0) == [parts[j].to_bytes() for j in sorted(parts)]
+    served = asyncio.run(store.serve("peer", msgpack.packb([1, 0])))
+    assert msgpack.unpackb(served) == store.get(1, 0)
+    assert msgpack.unpackb(asyncio.run(store.serve("peer", msgpack.packb([9, 0])))) == []
+    store.keep((1 + ROUNDS_KEPT, 0, "update"), parts)
+    assert store.get(1, 0) is None
+    with pytest.raises(ProtocolError, match="malformed"):
+        asyncio.run(store.serve("peer", b"\xc1"))
+
+
+def _refused(data: bytes, committed, peer: str = ME.peer_id, key=(3, 0)) -> str:
+    with pytest.raises(ProtocolError) as err:
+        open_contribution(data, peer, key, NUMEL, SETTINGS, committed)
+    return err.value.reason
+
+
+def test_every_bad_contribution_is_refused_with_its_reason() -> None:
+    vector = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
+    parts = _parts(vector)
+    ok = _committed(parts)
+    assert _refused(_served(parts), lambda *a: None) == "uncommitted"
+    # a part other than the one committed (a better one, served only to its checker)
+    swapped = {**parts, 1: _parts(vector * 2)[1]}
+    assert _refused(_served(swapped), ok) == "commit_mismatch"
+    # parts of another round, or signed by another peer
+    assert _refused(_served(_parts(vector, key=(4, 0))), ok) == "not_in_round"
+    assert _refused(_served(parts), ok, peer=OTHER.peer_id) == "sender_mismatch"
+    assert _refused(_served({0: parts[0], 2: parts[2]}), ok) == "malformed"
+    assert _refused(b"\xc1", ok) == "malformed"
+    assert _refused(msgpack.packb([]), ok) == "malformed"
+    # parts claiming different weights
+    mixed = {**parts, 2: _parts(vector, weight=9)[2]}
+    assert _refused(_served(mixed), _committed(mixed)) == "malformed"
