@@ -8,7 +8,8 @@ from the exchange's contributors), it fetches the
 contributor's whole committed contribution (:mod:`protocol.averaging.contributions`),
 applies it to the global values it was computed against and measures the loss before and
 after on the contributor's assigned batches and on validation batches. The signed record
-goes to the run on the control channel's ``check`` topic.
+goes to the run on the control channel's ``check`` topic once the round ended well on
+this node (:meth:`UsefulWork.round_ended`).
 
 A record from another checker is counted only once this node believes it: one of a
 contribution this node checked too must match its own; otherwise a failing one is always
@@ -161,6 +162,8 @@ class UsefulWork:
         self.seconds = 0.0
         """Time spent checking (fetching and measuring), in total."""
         self._bases: dict[tuple[int, int], _Base] = {}
+        self._unpublished: dict[int, list[CheckRecord]] = {}
+        """This node's records waiting for their round to end well."""
         self._mine: dict[tuple[str, int, int], CheckRecord] = {}
         """This node's own records of the last rounds, by (peer, round, fragment)."""
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
@@ -220,10 +223,21 @@ class UsefulWork:
                 record = self._check(peer, round_, fragment)
                 if record is not None:
                     self._mine[(peer, round_, fragment)] = record
-                    self.counts["made"] += 1
-                    self.publish(record.to_bytes())
-                    self._count(record)
+                    self._unpublished.setdefault(round_, []).append(record)
         self._judge_all()
+
+    def round_ended(self, round_: int, went_wrong: bool) -> None:
+        """Publish this node's records of rounds up to ``round_``, or, when the round went
+        wrong here (a sync failed, the node took the swarm's state), drop them: they were
+        measured on a state the group may not share, and would cost this node as false."""
+        for r in sorted(k for k in self._unpublished if k <= round_):
+            for record in self._unpublished.pop(r):
+                if went_wrong:
+                    self._mine.pop((record.peer, record.round, record.fragment), None)
+                    continue
+                self.counts["made"] += 1
+                self.publish(record.to_bytes())
+                self._count(record)
 
     def judge_inbox(self) -> None:
         """Judge every record received so far (called after each exchange and round)."""

@@ -210,7 +210,10 @@ class Rounds:
         """
         self.progress.round = r
         self.pull()
-        digest = self._settle(r, resync, joining)
+        digest, went_wrong = self._settle(r, resync, joining)
+        checks = self.network.syncer.checks
+        if checks is not None:
+            checks.round_ended(r, went_wrong)
         self.progress.global_digest = (r, digest)
         self.agreement.own(r, digest)
         server, timeout = self.network.state_server, self.cfg.network.request_timeout
@@ -227,9 +230,9 @@ class Rounds:
             self.progress.bytes_sent,
         )
 
-    def _settle(self, r: int, resync: bool, joining: bool) -> str:
+    def _settle(self, r: int, resync: bool, joining: bool) -> tuple[str, bool]:
         """Publish this node's state of round ``r`` and take the swarm's where it must;
-        the digest it holds then."""
+        the digest it holds then, and whether the round went wrong here."""
         network = self.network
         mixing = network.exchange.settings.mixes(len(network.live_peers()) + 1)
         apart = None if mixing else self.agreement.check(r)
@@ -243,7 +246,7 @@ class Rounds:
             logger.info("round %d: no re-sync while groups mix weights", r)
         elif resync and (network.live_peers() or network.heard()):
             digest = self.take_swarm_state(r, digest, joining=joining)
-        return digest
+        return digest, resync
 
     def _report(self, r: int, digest: str) -> dict[str, Any]:
         """The round event's fields (evaluating the global state when due)."""

@@ -187,7 +187,15 @@ class Syncer:
         self.refused.update(done.refused)
         result, mixed = done.result, done.mixed
         averaged = result.vector.to(self.device)
-        checking = self.checks is not None and mixed is None and len(done.group) > 1
+        # checked: exchanges whose every part came back as reduced (the global after it
+        # is then the group's, and with it the checks' seed)
+        checking = (
+            self.checks is not None
+            and mixed is None
+            and len(done.group) > 1
+            and not result.fallback_parts
+            and not result.repaired_parts
+        )
         base = [g.detach().clone() for g in self.outer.globals] if checking else []
         if mixed is None:
             self.outer.step(f, averaged, pending.round)

@@ -125,6 +125,7 @@ def _done(node: SimpleNamespace, world) -> None:
     after = world.base[0] - world.pg
     digest = state_digest([after])
     node.checks.exchange_done(ROUND, 0, CONTRIBUTORS, [t.clone() for t in world.base], digest)
+    node.checks.round_ended(ROUND, went_wrong=False)
 
 
 def _violations(node: SimpleNamespace, peer: str) -> int:
@@ -207,3 +208,12 @@ def test_the_seed_is_the_groups_agreed_one(world) -> None:
     seed = assignment_seed("run", ROUND, 0, after, CONTRIBUTORS)
     assert seed == assignment_seed("run", ROUND, 0, after, list(reversed(CONTRIBUTORS)))
     assert msgpack.packb(seed)  # bytes on the wire
+
+
+def test_records_of_a_round_that_went_wrong_here_are_never_published(world, tmp_path) -> None:
+    a = _node(world, A, tmp_path)
+    digest = state_digest([world.base[0] - world.pg])
+    a.checks.exchange_done(ROUND, 0, CONTRIBUTORS, [t.clone() for t in world.base], digest)
+    assert not a.published  # held until the round ends
+    a.checks.round_ended(ROUND, went_wrong=True)
+    assert not a.published and a.checks.counts["made"] == 0
