@@ -13,8 +13,10 @@ temporary folder, and ``--out benchmarks/results`` is refused.
 ``--steps N`` is passed on as ``run(..., steps=N)`` to the benchmarks in
 :data:`TAKES_STEPS` only, which also define ``steps_problem(steps) -> str | None``;
 ``--netns`` as ``run(..., netns=True)`` to those in :data:`TAKES_NETNS` only, ``--long``
-as ``run(..., long=True)`` to those in :data:`TAKES_LONG` only. A run may
-return ``{"skipped": reason}`` instead of its report, having written nothing.
+as ``run(..., long=True)`` to those in :data:`TAKES_LONG` only, ``--checks`` as
+``run(..., checks=True)`` to those in :data:`TAKES_CHECKS` only. A run may return
+``{"skipped": reason}`` instead of its report, having written nothing. A run with a
+failed measurement (:func:`failures`) is reported as failed, never as done.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "BENCHMARKS",
+    "TAKES_CHECKS",
     "TAKES_LONG",
     "TAKES_NETNS",
     "TAKES_SPARSE",
@@ -62,6 +65,9 @@ TAKES_LONG = frozenset({"convergence"})
 
 TAKES_SPARSE = frozenset({"convergence"})
 """Benchmarks whose ``run`` takes ``sparse`` (the topk rows alone, on stored picks)."""
+
+TAKES_CHECKS = frozenset({"robustness"})
+"""Benchmarks whose ``run`` takes ``checks`` (the useful-work checks' swarms)."""
 
 TAKES_NETNS = frozenset({"wan"})
 """Benchmarks whose ``run`` takes ``netns`` (workers on network namespaces, tbf links)."""
@@ -179,6 +185,12 @@ def _parser() -> argparse.ArgumentParser:
         f"{', '.join(sorted(TAKES_SPARSE))} only",
     )
     parser.add_argument(
+        "--checks",
+        action="store_true",
+        help="the useful-work checks' swarms (rounds until a faulty node is flagged, their "
+        f"cost), for {', '.join(sorted(TAKES_CHECKS))} only",
+    )
+    parser.add_argument(
         "--netns",
         action="store_true",
         help="each worker in its own network namespace, links capped by tbf (needs root), "
@@ -193,6 +205,7 @@ def _misused(args: argparse.Namespace, names: list[str]) -> str | None:
         ("--steps", args.steps is not None, TAKES_STEPS),
         ("--long", args.long, TAKES_LONG),
         ("--sparse", args.sparse, TAKES_SPARSE),
+        ("--checks", args.checks, TAKES_CHECKS),
         ("--netns", args.netns, TAKES_NETNS),
     ):
         if given and not set(names) <= takers:
@@ -233,17 +246,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {problem}", file=sys.stderr)
                 return 2
             extra["steps"] = args.steps
-        for flag in ("netns", "long", "sparse", "smoke"):
+        for flag in ("netns", "long", "sparse", "checks", "smoke"):
             if getattr(args, flag):
                 extra[flag] = True
         report = module.run(args.quick, out, **extra)
         if report.get("skipped"):
             print(f"{name}: skipped: {report['skipped']}", file=sys.stderr)
             continue
-        print(_summary(name, report, time.perf_counter() - started))
+        line = _summary(name, report, time.perf_counter() - started)
+        errors = failures(report)
+        print(line.replace(": done in", ": FAILED after", 1) if errors else line)
         for path in _written(out, name, since):
             print(f"  wrote {path}")
-        errors = failures(report)
         if errors:
             failed.append(name)
             print(f"{name}: {len(errors)} measurement(s) failed:", file=sys.stderr)

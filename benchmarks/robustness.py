@@ -13,13 +13,10 @@ The grid has one block per codec: ``int8``, and ``topk`` (sparse pseudo-gradient
 values of every chunk of 256 in 2 bits: the tiny model's size) under the aggregators the
 config accepts with it (``verification.aggregators.SPARSE_SAFE``); the report lists the
 refused ones with the config's reason. Swarms run one after another, each in a fresh
-directory, and are always stopped. Quick mode (24 swarms, about 50 minutes here) runs
-three modes against three aggregators per codec for 1 Byzantine node of 5; full mode
-runs every mode against every aggregator a codec accepts, for 1 of 5 and for 2 of 8. A
-smoke run (``--smoke``) runs one clean and one attacked int8 swarm of 2 nodes (1
-Byzantine, ``scale``, trimmed mean with screening) for 1 round of 2 inner steps. Run it
-with ``python -m benchmarks robustness [--quick]``; it writes ``robustness.json`` and
-``robustness.png`` into the output folder.
+directory, and are always stopped; :func:`run` says what the quick, full and smoke
+(``--smoke``) modes run. ``python -m benchmarks robustness [--quick]`` writes
+``robustness.json`` and ``.png``; ``--checks`` runs the useful-work checks' mode
+instead (:mod:`benchmarks._robustness_checks`).
 """
 
 from __future__ import annotations
@@ -120,8 +117,7 @@ _QUICK_TOPK_AGGREGATORS = (*_QUICK_AGGREGATORS, "clipped_mean")
 
 @dataclass(frozen=True)
 class _Block:
-    """One codec's part of the grid: its attacks, the aggregators the config accepts
-    with it, and those it refuses (label -> the config's message)."""
+    """A codec's part of the grid: attacks, aggregators accepted, those refused (label -> why)."""
 
     codec: str
     modes: tuple[str, ...]
@@ -179,8 +175,7 @@ def _launch_and_wait(spec: swarm.SwarmSpec, timeout: float) -> tuple[list, bool]
 def _record_head(
     setting: _Setting, block: _Block, agg: _Aggregator, mode: str | None
 ) -> dict[str, Any]:
-    """What a swarm's record says about the swarm before it runs: its mode, codec,
-    aggregator and how many of its nodes are Byzantine."""
+    """A swarm's record before it runs: mode, codec, aggregator, how many are Byzantine."""
     return {
         "mode": mode or "clean",
         "codec": block.codec,
@@ -404,7 +399,7 @@ def _heat_map(fig: Any, ax: Any, cells: list[dict], modes: list[str], labels: li
     fig.colorbar(image, ax=ax, label="val bpb / clean", extend="max")
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False, checks: bool = False) -> dict:
     """Runs the attack grid with real node swarms and writes the report and heat map.
 
     Args:
@@ -414,8 +409,9 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
             minutes here); otherwise every mode under every aggregator each codec
             accepts, for 1 of 5 and 2 of 8 Byzantine nodes (hours).
         out_dir: folder for ``robustness.json`` and ``robustness.png``; created if missing.
-        smoke: one clean and one attacked swarm of 2 nodes for 1 short round (int8):
-            a check that it runs.
+        smoke: one clean and one attacked int8 swarm of 2 nodes (``scale``, trimmed mean
+            with screening) for 1 round of 2 inner steps: a check that it runs.
+        checks: the useful-work checks' mode instead (its own quick, full and smoke).
 
     Returns:
         The dict written to ``robustness.json``: ``cells`` (one per attacked swarm:
@@ -427,6 +423,10 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         ``clean_honest_flagged`` (honest peers flagged in all clean runs together;
         should be 0), ``quick``, ``date`` and ``machine``.
     """
+    if checks:  # imported here: that module builds on this one's helpers
+        from benchmarks._robustness_checks import run as run_checks
+
+        return run_checks(quick, out_dir, smoke)
     settings, blocks = _grid(quick, smoke)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-robustness-") as tmp:

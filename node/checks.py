@@ -12,8 +12,8 @@ goes to the run on the control channel's ``check`` topic once the round ended we
 this node (:meth:`UsefulWork.round_ended`).
 
 A record from another checker is counted only once this node believes it: one of a
-contribution this node checked too must match its own; otherwise a failing one is always
-recomputed here first, a passing one with probability ``trust.check_audit``;
+contribution this node checked too must name the contribution it fetched; a failing one
+is always recomputed here first, a passing one with probability ``trust.check_audit``;
 a record that does not reproduce costs its signer a ``bad_check_record`` violation and
 counts for nothing. A node that holds no base state for the record's exchange (another
 group) cannot recompute it and never acts on it when it fails. A peer whose records say
@@ -262,7 +262,8 @@ class UsefulWork:
         fetched = self._fetch(peer, round_, fragment)
         if fetched is None:
             return None
-        return self._measure(peer, round_, fragment, base, fetched).signed(self.identity)
+        record = self._measure(peer, round_, fragment, base, fetched, self.me)
+        return record.signed(self.identity)
 
     def _fetch(self, peer: str, round_: int, fragment: int) -> Fetched | None:
         s = self.settings
@@ -300,13 +301,14 @@ class UsefulWork:
             return None
 
     def _measure(
-        self, peer: str, round_: int, fragment: int, base: _Base, fetched: Fetched
+        self, peer: str, round_: int, fragment: int, base: _Base, fetched: Fetched, checker: str
     ) -> CheckRecord:
-        """The losses before and after ``fetched`` on the batches the seed picks (unsigned)."""
+        """``checker``'s record: the losses before and after ``fetched`` on the batches the
+        seed picks for it (unsigned)."""
         s = self.settings
         started = torch.get_num_threads()
         claimed = max(1, fetched.tokens // (s.batch_size * s.context))
-        picked, val_picked = batch_plan(base.seed, peer, claimed, s.batches, len(self.val))
+        picked, val_picked = batch_plan(base.seed, peer, checker, claimed, s.batches, len(self.val))
         val = [self.val[i] for i in val_picked]
         before = self._params(base.vectors)
         moved = list(base.vectors)
@@ -319,7 +321,7 @@ class UsefulWork:
             assigned = (self._loss(before, batches), self._loss(after, batches))
         torch.set_num_threads(started)
         return CheckRecord(
-            checker=self.me,
+            checker=checker,
             peer=peer,
             run=s.run_id,
             round=round_,
@@ -408,16 +410,18 @@ class UsefulWork:
         ):
             return False
         mine = self._mine.get((record.peer, record.round, record.fragment))
-        if mine is not None:
-            return reproduces(record, mine)  # this node checked the same contribution
+        if mine is not None and mine.contribution != record.contribution:
+            return False  # this node checked the same contribution: it was another one
         if ok and not self._audited(record):
             return True
         fetched = self._fetch(record.peer, record.round, record.fragment)
         if fetched is None:
             return True if ok else None
         self.counts["recomputed"] += 1
-        mine = self._measure(record.peer, record.round, record.fragment, base, fetched)
-        return reproduces(record, mine)
+        theirs = self._measure(
+            record.peer, record.round, record.fragment, base, fetched, record.checker
+        )
+        return reproduces(record, theirs)
 
     def _audited(self, record: CheckRecord) -> bool:
         """Whether this node recomputes a passing record (a fixed share, by hash)."""

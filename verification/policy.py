@@ -114,10 +114,10 @@ class TrustPolicy:
     max_missed: int = Field(default=3, ge=1)
     missed_window: int = Field(default=10, ge=1)
     checkers: int = Field(default=0, ge=0, le=16)
-    check_batches: int = Field(default=2, ge=1, le=64)
-    check_from_round: int = Field(default=3, ge=1)
+    check_batches: int = Field(default=4, ge=1, le=64)
+    check_from_round: int = Field(default=2, ge=1)
     check_min_records: int = Field(default=4, ge=1)
-    check_pass_rate: float = Field(default=0.5, gt=0, le=1)
+    check_pass_rate: float = Field(default=0.45, gt=0, le=1)
     check_audit: float = Field(default=0.25, ge=0, le=1)
     check_assigned: bool = True
 

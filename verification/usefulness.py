@@ -116,11 +116,12 @@ def checkers_for(seed: bytes, contributor: str, group: Sequence[str], count: int
 
 
 def batch_plan(
-    seed: bytes, contributor: str, claimed: int, count: int, val_batches: int
+    seed: bytes, contributor: str, checker: str, claimed: int, count: int, val_batches: int
 ) -> tuple[list[int], list[int]]:
-    """Which batches a check measures: ``count`` indices among the ``claimed`` batches of
-    the contributor's assignment, and ``count`` among ``val_batches`` validation
-    batches (distinct where there are enough; sorted)."""
+    """Which batches ``checker``'s check of ``contributor`` measures: ``count`` indices
+    among the ``claimed`` batches of the contributor's assignment, and ``count`` among
+    ``val_batches`` validation batches (distinct where there are enough; sorted). Each
+    checker draws its own, so two checkers' records are two samples, not one twice."""
 
     def pick(kind: str, n: int) -> list[int]:
         if n <= 0:
@@ -128,7 +129,7 @@ def batch_plan(
         chosen: list[int] = []
         k = 0
         while len(chosen) < min(count, n) and k < 64 * count:
-            word = _rank(seed, kind, contributor, str(k))
+            word = _rank(seed, kind, contributor, checker, str(k))
             index = struct.unpack(">Q", word[:8])[0] % n
             if index not in chosen:
                 chosen.append(index)

@@ -11,9 +11,10 @@ starts no process, is smoked in ``tests/unit/benchmarks/test_smoke.py``.
 
 A real swarm costs about 25 s here however small (starting and stopping each node
 dominates), so ``make test`` smokes the benchmarks that cover the most per second
-(verification, convergence, mixing, wan, robustness: about 2.5 minutes) and marks the
-others ``slow`` (``make test-all``: allreduce's seven methods, stragglers, sites, scale,
-models, wan in network namespaces and partitions' 3-minute lab run).
+(verification, convergence, mixing, wan, robustness and its checks mode: about 3.5
+minutes) and marks the others ``slow`` (``make test-all``: allreduce's seven methods,
+stragglers, sites, scale, models, wan in network namespaces and partitions' 3-minute lab
+run).
 """
 
 from __future__ import annotations
@@ -108,6 +109,24 @@ def test_robustness_smoke(tmp_path: Path) -> None:
     report = smoke("robustness", tmp_path)
     (cell,) = report["cells"]
     assert cell["mode"] == "scale" and cell["exit_codes"] == [0, 0], cell
+
+
+@pytest.mark.timeout(240)
+def test_robustness_checks_smoke(tmp_path: Path) -> None:
+    # the checks mode writes robustness-checks.*, which the docs' tables do not list
+    before = _stamps()
+    report = importlib.import_module(bench_cli.BENCHMARKS["robustness"]).run(
+        False, tmp_path, smoke=True, checks=True
+    )
+    assert _stamps() == before, "a smoke run wrote into benchmarks/results"
+    assert _leftovers() == []
+    assert bench_cli.failures(report) == [], bench_cli.failures(report)
+    assert json.loads((tmp_path / "robustness-checks.json").read_text())["smoke"] is True
+    assert (tmp_path / "robustness-checks.png").is_file()
+    clean, zero = report["runs"]
+    assert (clean["checkers"], zero["mode"], zero["exit_codes"]) == (0, "zero", [0, 0, 0])
+    assert zero["checks"]["made"] > 0 and zero["checks"]["bytes_fetched"] > 0, zero["checks"]
+    assert report["attacks"]["zero 1_of_3"]["runs"] == 1
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ CHECKS = [
     "network.group_size=6",
     "trust.aggregator='centered_clip'",
     "trust.checkers=2",
-    "trust.check_from_round=3",
+    "trust.check_from_round=2",
+    "trust.check_batches=4",
     "trust.quarantine_rounds=10",
 ]
 GOAL_ROUNDS = 5

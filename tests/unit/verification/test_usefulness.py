@@ -79,11 +79,13 @@ def test_checkers_are_others_drawn_by_the_seed() -> None:
 
 def test_batch_plans_are_distinct_in_range_and_reproducible() -> None:
     seed = assignment_seed("run", 2, 1, "11", PEERS)
-    assigned, val = batch_plan(seed, "peer3", claimed=40, count=3, val_batches=4)
+    assigned, val = batch_plan(seed, "peer3", "peer1", claimed=40, count=3, val_batches=4)
     assert assigned == sorted(set(assigned)) and len(assigned) == 3
     assert all(0 <= i < 40 for i in assigned) and all(0 <= i < 4 for i in val)
-    assert (assigned, val) == batch_plan(seed, "peer3", 40, 3, 4)
-    assert batch_plan(seed, "peer3", claimed=1, count=3, val_batches=2) == ([0], [0, 1])
+    assert (assigned, val) == batch_plan(seed, "peer3", "peer1", 40, 3, 4)
+    # another checker draws its own sample
+    assert batch_plan(seed, "peer3", "peer2", 40, 3, 4)[0] != assigned
+    assert batch_plan(seed, "peer3", "peer1", claimed=1, count=3, val_batches=2) == ([0], [0, 1])
 
 
 def test_a_signed_record_opens_and_every_forgery_is_refused() -> None:
