@@ -13,9 +13,7 @@ import datetime
 import pathlib
 from typing import Any
 
-from benchmarks._common import machine_info
-
-__all__ = ["GOAL_ROUNDS", "plot", "report"]
+__all__ = ["GOAL_ROUNDS", "plot", "report", "table_row"]
 
 GOAL_ROUNDS = 5
 """Every honest node flags the attacker by this round, for the modes in ``_GOAL_MODES``."""
@@ -82,15 +80,15 @@ def report(
         quick: quick mode. smoke: smoke mode.
 
     Returns:
-        ``mode`` ("checks"), ``of`` ("robustness"), the flags and ``setup``, ``runs``,
+        ``benchmark`` ("robustness"), ``mode`` ("checks"), the flags and ``setup``, ``runs``,
         ``clean`` (``costs``), ``attacks`` (per attack over its runs), ``not_flagged``
         (attacks some honest node never flagged), ``goals``, ``met``, ``notes``,
         ``date`` and ``machine``.
     """
     attacks = _by_attack(runs)
     return {
+        "benchmark": "robustness",
         "mode": "checks",
-        "of": "robustness",
         "quick": quick,
         "smoke": smoke,
         **setup,
@@ -108,7 +106,7 @@ def report(
         "met": _verdicts(attacks, costs, runs),
         "notes": _NOTES,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": _machine(),
     }
 
 
@@ -185,3 +183,32 @@ def _plot_cost(ax: Any, costs: dict[str, dict]) -> None:
     ax.set_ylabel("%")
     ax.legend(fontsize=8)
     ax.set_title("what the checks cost a clean swarm", fontsize=10)
+
+
+def table_row(d: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The benchmark summary's row for a ``--checks`` results file (``benchmarks.tables``)."""
+    parts = []
+    for a in d["attacks"].values():
+        when = "never" if a["rounds_to_flag"] is None else f"round {a['rounds_to_flag']}"
+        through = "/".join(a.get("flagged_through") or []) or "-"
+        parts.append(f"`{a['mode']}` {when} ({through}, {a['bpb_ratio_to_clean_max']:.3f})")
+    costs = next(iter(d["clean"].values()))
+    met = d["met"]
+    result = (
+        "flagged by every honest node in: " + "; ".join(parts) + " (through, honest bits/byte "
+        f"over the clean run); honest peers flagged: **{met['honest_flagged_count']}**; "
+        f"round time with checks **{costs['round_time_ratio']:.2f}×** without, checks "
+        f"{100 * costs['check_share']:.1f} % of training time, {costs['fetched_to_sent']:.2f}× "
+        "the bytes sent fetched to check"
+    )
+    what = (
+        "useful-work checks, 1 of 6 nodes faulty, 2 checkers, rounds of 12 inner steps of the "
+        "tiny model (round until flagged, through checks or screens)"
+    )
+    return [(what, result, "≤ 5 rounds, 0 honest flagged, within 2 %, < 5 % of round time")]
+
+
+def _machine() -> dict[str, Any]:
+    from benchmarks._common import machine_info  # torch: not for the docs' tables
+
+    return machine_info()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._formats import bpb, kb, markdown_table, mb, pct, sci, size, span, times
+from benchmarks._robustness_checks_report import table_row as checks_row
 from benchmarks._scale_tables import scale_load_table, scale_row, scale_simulated_table
 from benchmarks._sparse_tables import allreduce_codecs_row, sparse_row
 
@@ -464,7 +465,7 @@ ROW_BUILDERS: dict[str, Callable[[dict[str, Any]], list[_Cells]]] = {
     "mixing": _mixing,
     "models": _models,
     "partitions": _partitions,
-    "robustness": _robustness,
+    "robustness": lambda d: checks_row(d) if d.get("mode") == "checks" else _robustness(d),
     "scale": scale_row,
     "sites": _sites,
     "stragglers": _stragglers,
@@ -488,7 +489,7 @@ def command_of(path: Path, data: dict[str, Any], root: Path = RESULTS) -> str:
     if data.get("smoke"):
         command += " --smoke"
     mode = data.get("mode")
-    if mode in ("long", "netns", "sparse"):
+    if mode in ("long", "netns", "sparse", "checks"):
         command += f" --{mode}"
     folder = path.parent.relative_to(root)
     if folder != Path("."):

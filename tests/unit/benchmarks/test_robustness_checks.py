@@ -49,7 +49,7 @@ def test_the_config_takes_the_checks_overrides(smoke: bool) -> None:
     assert cfg.network.group_size == swarm.nodes
     assert cfg.trust.aggregator == "centered_clip" and cfg.trust.checkers == 2
     assert cfg.trust.quarantine_rounds == 10
-    assert (cfg.sync.inner_steps, cfg.trust.check_from_round) == ((4, 1) if smoke else (12, 3))
+    assert (cfg.sync.inner_steps, cfg.trust.check_from_round) == ((4, 1) if smoke else (12, 2))
     assert load_config(None, plan.overrides(swarm, 0)).trust.checkers == 0
 
 
@@ -183,7 +183,7 @@ def test_quick_report_judges_each_goal_names_what_is_not_flagged_and_draws(
 ) -> None:
     monkeypatch.setattr(checks, "_run_one", _stand_in)
     report = robustness.run(True, tmp_path, checks=True)
-    assert report["mode"] == "checks" and "benchmark" not in report
+    assert report["mode"] == "checks" and report["benchmark"] == "robustness"
     assert len(report["runs"]) == 7
     attacks = report["attacks"]
     assert attacks["zero 1_of_6"]["rounds_to_flag"] == 4

@@ -20,6 +20,7 @@ FILES = [
     "models.json",
     "partitions.json",
     "robustness.json",
+    "robustness-checks.json",
     "scale.json",
     "sites.json",
     "stragglers.json",
