@@ -167,6 +167,10 @@ class UsefulWork:
         self._mine: dict[tuple[str, int, int], CheckRecord] = {}
         """This node's own records of the last rounds, by (peer, round, fragment)."""
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
+        self._waiting: deque[tuple[str, bytes, int]] = deque(maxlen=_INBOX)
+        """Records of rounds this node has not reached yet, with their round."""
+        self._newest = 0
+        """The newest round this node has reached (its exchange applied, or ended)."""
         self._lock = threading.Lock()
         self._charged: set[tuple[str, int]] = set()
 
@@ -197,7 +201,10 @@ class UsefulWork:
             return
         started = time.monotonic()
         try:
+            self._reached(round_ - 1)  # records of this round wait for its base
             self._exchange_done(round_, fragment, contributors, base, global_digest)
+            self._reached(round_)
+            self._judge_all()
         finally:
             self.seconds += time.monotonic() - started
 
@@ -224,7 +231,14 @@ class UsefulWork:
                 if record is not None:
                     self._mine[(peer, round_, fragment)] = record
                     self._unpublished.setdefault(round_, []).append(record)
-        self._judge_all()
+
+    def _reached(self, round_: int) -> None:
+        """This node has reached ``round_``: records of it and before are judged now."""
+        self._newest = max(self._newest, round_)
+        with self._lock:
+            ready = [(s, d) for s, d, r in self._waiting if r <= self._newest]
+            self._waiting = deque((w for w in self._waiting if w[2] > self._newest), _INBOX)
+            self._inbox.extend(ready)
 
     def round_ended(self, round_: int, went_wrong: bool) -> None:
         """Publish this node's records of rounds up to ``round_``, or, when the round went
@@ -238,6 +252,8 @@ class UsefulWork:
                 self.counts["made"] += 1
                 self.publish(record.to_bytes())
                 self._count(record)
+        self._reached(round_)
+        self._charged = {(p, r) for p, r in self._charged if r > round_ - _BASES_KEPT}
 
     def judge_inbox(self) -> None:
         """Judge every record received so far (called after each exchange and round)."""
@@ -372,6 +388,11 @@ class UsefulWork:
             return
         if self.verifier.blocks(record.checker, record.round) is not None:
             return  # a quarantined or banned checker's word counts for nothing
+        if record.round > self._newest:
+            # a round this node has not reached: judged once it has (its own exchange
+            # gives the base to judge it by) or the round ended here
+            self._waiting.append((sender, data, record.round))
+            return
         verdict = self._believe(record)
         if verdict is None:
             return

@@ -219,3 +219,15 @@ def test_records_of_a_round_that_went_wrong_here_are_never_published(world, tmp_
     assert not a.published  # held until the round ends
     a.checks.round_ended(ROUND, went_wrong=True)
     assert not a.published and a.checks.counts["made"] == 0
+
+
+def test_a_record_that_arrives_before_the_nodes_own_exchange_waits_for_it(world, tmp_path) -> None:
+    """A slower node gets the others' records of a round before it applied the round's
+    exchange: it judges them once it holds the base (here: recomputes and takes)."""
+    a, d = _node(world, A, tmp_path / "a"), _node(world, D, tmp_path / "d", audit=1.0)
+    _done(a, world)
+    d.checks.receive(A.peer_id, a.published[0])
+    d.checks.judge_inbox()
+    assert d.checks.counts["taken"] == 0 and d.checks.counts["recomputed"] == 0
+    _done(d, world)
+    assert d.checks.counts["recomputed"] == 1 and d.checks.counts["taken"] == 1
