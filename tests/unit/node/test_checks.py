@@ -231,3 +231,22 @@ def test_a_record_that_arrives_before_the_nodes_own_exchange_waits_for_it(world,
     assert d.checks.counts["taken"] == 0 and d.checks.counts["recomputed"] == 0
     _done(d, world)
     assert d.checks.counts["recomputed"] == 1 and d.checks.counts["taken"] == 1
+
+
+def test_losses_agree_across_thread_counts_within_the_stated_tolerance(world, tmp_path) -> None:
+    """Nodes run torch on different numbers of threads: the losses a record names must
+    reproduce within ``LOSS_RTOL`` whatever the count."""
+    from verification.usefulness import LOSS_RTOL
+
+    a = _node(world, A, tmp_path)
+    batches = list(world.val)
+    params = a.checks._params([world.base[0] - world.pg])
+    threads = torch.get_num_threads()
+    try:
+        losses = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            losses.append(a.checks._loss(params, batches))
+    finally:
+        torch.set_num_threads(threads)
+    assert losses[0] == pytest.approx(losses[1], rel=LOSS_RTOL)
