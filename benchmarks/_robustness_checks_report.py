@@ -188,22 +188,24 @@ def _plot_cost(ax: Any, costs: dict[str, dict]) -> None:
 def table_row(d: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The benchmark summary's row for a ``--checks`` results file (``benchmarks.tables``)."""
     parts = []
-    for a in d["attacks"].values():
+    for key, a in d["attacks"].items():
         when = "never" if a["rounds_to_flag"] is None else f"round {a['rounds_to_flag']}"
         through = "/".join(a.get("flagged_through") or []) or "-"
-        parts.append(f"`{a['mode']}` {when} ({through}, {a['bpb_ratio_to_clean_max']:.3f})")
-    costs = next(iter(d["clean"].values()))
-    met = d["met"]
+        name = key.replace("_of_", " of ")
+        parts.append(f"`{name}` {when} ({through}, {a['bpb_ratio_to_clean_max']:.3f})")
+    costs = list(d["clean"].values())
+    ratio = "/".join(f"{c['round_time_ratio']:.2f}" for c in costs)
+    share = "/".join(f"{100 * c['check_share']:.1f}" for c in costs)
+    fetched = "/".join(f"{c['fetched_to_sent']:.2f}" for c in costs)
     result = (
         "flagged by every honest node in: " + "; ".join(parts) + " (through, honest bits/byte "
-        f"over the clean run); honest peers flagged: **{met['honest_flagged_count']}**; "
-        f"round time with checks **{costs['round_time_ratio']:.2f}×** without, checks "
-        f"{100 * costs['check_share']:.1f} % of training time, {costs['fetched_to_sent']:.2f}× "
-        "the bytes sent fetched to check"
+        f"over the clean run); honest peers flagged: **{d['met']['honest_flagged_count']}**; "
+        f"round time with checks **{ratio}×** without, checks {share} % of training time, "
+        f"{fetched}× the bytes sent fetched to check ({', '.join(d['clean'])})"
     )
     what = (
-        "useful-work checks, 1 of 6 nodes faulty, 2 checkers, rounds of 12 inner steps of the "
-        "tiny model (round until flagged, through checks or screens)"
+        "useful-work checks: attackers of a swarm as named, 2 checkers, rounds of 12 inner "
+        "steps of the tiny model (round until flagged, through checks or screens)"
     )
     return [(what, result, "≤ 5 rounds, 0 honest flagged, within 2 %, < 5 % of round time")]
 
