@@ -21,6 +21,7 @@ FILES = [
     "partitions.json",
     "robustness.json",
     "robustness-checks.json",
+    "robustness-checks-full/robustness-checks.json",
     "scale.json",
     "sites.json",
     "stragglers.json",
