@@ -37,11 +37,11 @@ from typing import Any
 
 import msgpack
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from node.catchup import state_digest
 from node.data import assigned_stream
+from node.trainer import mean_loss
 from protocol.averaging.contributions import (
     CONTRIBUTION_RPC,
     Fetched,
@@ -146,6 +146,7 @@ class UsefulWork:
         self.wire, self.committed, self.sent = wire
         self.verifier = verifier
         self.model = model
+        self.device = next(model.parameters()).device
         self.plan = plan
         self.train, self.val = data
         self.publish = publish
@@ -322,7 +323,6 @@ class UsefulWork:
         """``checker``'s record: the losses before and after ``fetched`` on the batches the
         seed picks for it (unsigned)."""
         s = self.settings
-        started = torch.get_num_threads()
         claimed = max(1, fetched.tokens // (s.batch_size * s.context))
         picked, val_picked = batch_plan(base.seed, peer, checker, claimed, s.batches, len(self.val))
         val = [self.val[i] for i in val_picked]
@@ -335,7 +335,6 @@ class UsefulWork:
             stream = assigned_stream(self.train, s.batch_size, s.context, s.run_id, peer, round_)
             batches = stream.batches_at(picked)
             assigned = (self._loss(before, batches), self._loss(after, batches))
-        torch.set_num_threads(started)
         return CheckRecord(
             checker=checker,
             peer=peer,
@@ -356,24 +355,9 @@ class UsefulWork:
             out.update(self.plan.views(v, f))
         return out
 
-    @torch.no_grad()
     def _loss(self, params: dict[str, torch.Tensor], batches: Batches) -> float:
-        """Mean cross-entropy in nats per token: an fp32 forward, summed in float64."""
-        was_training = self.model.training
-        self.model.eval()
-        device = next(iter(params.values())).device
-        total, count = 0.0, 0
-        for inputs, targets in batches:
-            logits = torch.func.functional_call(self.model, params, (inputs.to(device),))
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(),
-                targets.to(device).reshape(-1),
-                reduction="sum",
-            )
-            total += float(loss)
-            count += targets.numel()
-        self.model.train(was_training)
-        return total / max(1, count)
+        """Mean cross-entropy in nats per token (:func:`node.trainer.mean_loss`)."""
+        return mean_loss(self.model, batches, self.device, params)
 
     # ---- judging ------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ __all__ = [
     "evaluate",
     "lr_at",
     "make_inner_optimizer",
+    "mean_loss",
 ]
 
 
@@ -233,6 +234,19 @@ def evaluate(
             of the global copies: :meth:`node.outer.OuterOptimizer.global_params`), so
             no second copy of the model is needed.
     """
+    return bits_per_byte(mean_loss(model, batches, device, params), bytes_per_token)
+
+
+@torch.no_grad()
+def mean_loss(
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device | str = "cpu",
+    params: dict[str, torch.Tensor] | None = None,
+) -> float:
+    """Mean cross-entropy over ``batches`` in nats per token: a forward in eval mode,
+    each batch's sum in float32, the total in float64 (``params`` as for
+    :func:`evaluate`)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -244,9 +258,11 @@ def evaluate(
         else:
             logits = torch.func.functional_call(model, params, (inputs.to(device),))
         loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.to(device).reshape(-1), reduction="sum"
+            logits.reshape(-1, logits.shape[-1]).float(),
+            targets.to(device).reshape(-1),
+            reduction="sum",
         )
         total += float(loss)
         count += targets.numel()
     model.train(was_training)
-    return bits_per_byte(total / max(1, count), bytes_per_token)
+    return total / max(1, count)
