@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import _robustness_checks_report as report_of
-from benchmarks.robustness import _CODECS, _SMALL, _judge, _launch_and_wait, _log_tail, _ratio
+from benchmarks._robustness_swarm import CODECS, SMALL, judge, launch_and_wait, log_tail, ratio
 from node.config import load_config
 from node.metrics import read_events
 from node.swarm import SwarmSpec, summarize
@@ -53,7 +53,7 @@ __all__ = ["run"]
 
 _ROUNDS = 6
 _CHECKS = (
-    *_CODECS["int8"],
+    *CODECS["int8"],
     "sync.trigger='steps'",  # inner_steps sets the round's length only under this trigger
     "sync.fragments=1",
     "sync.inner_steps=12",
@@ -100,7 +100,7 @@ class _Plan:
 
     def overrides(self, swarm: _Swarm, checkers: int) -> list[str]:
         return [
-            *_SMALL,
+            *SMALL,
             *_CHECKS,
             *self.extra,
             f"network.group_size={swarm.nodes}",
@@ -159,10 +159,10 @@ def _run_one(
     }
     started = time.monotonic()
     try:
-        nodes, finished = _launch_and_wait(spec, _SWARM_TIMEOUT.get(swarm.nodes, 720.0))
+        nodes, finished = launch_and_wait(spec, _SWARM_TIMEOUT.get(swarm.nodes, 720.0))
         cfg = load_config(None, overrides)
         summary = summarize(nodes, cfg, byzantine)
-        record.update(_judge(summary, byzantine))
+        record.update(judge(summary, byzantine))
         logs = {n.index: read_events(n.data_dir / "events.jsonl") for n in nodes}
         events = {i: [e for e in log if e["event"] == "round"] for i, log in logs.items()}
         record.update(_measure(summary, events, byzantine, cfg.trust.check_from_round))
@@ -171,7 +171,7 @@ def _run_one(
         problem = _problem(nodes, finished, summary["rounds"], plan.rounds)
         if problem:
             record["error"] = problem
-            record["failed_nodes"] = {str(n.index): _log_tail(n.data_dir) for n in nodes}
+            record["failed_nodes"] = {str(n.index): log_tail(n.data_dir) for n in nodes}
     except Exception as e:  # one broken run must not cost the others their figures
         record.update(error=f"{type(e).__name__}: {e}", val_bpb_end=None)
     finally:
@@ -339,7 +339,7 @@ def _run_all(plan: _Plan, base: pathlib.Path) -> tuple[list[dict], dict[str, dic
             record = _run_one(plan, s, attack, checkers, base, len(runs))
             if attack is None and checkers:
                 reference = record
-            record["bpb_ratio_to_clean"] = _ratio(record, reference) if attack else None
+            record["bpb_ratio_to_clean"] = ratio(record, reference) if attack else None
             runs.append(record)
             _progress(len(runs), plan.total, record)
         plain = next(r for r in runs if r["swarm"] == s.key and not r["checkers"])
@@ -356,7 +356,7 @@ def _cost(with_checks: dict[str, Any] | None, plain: dict[str, Any]) -> dict[str
     return {
         "val_bpb_end_with_checks": checked.get("val_bpb_end"),
         "val_bpb_end_without": plain.get("val_bpb_end"),
-        "bpb_ratio_without_to_with": _ratio(plain, with_checks),
+        "bpb_ratio_without_to_with": ratio(plain, with_checks),
         "round_seconds_with_checks": a,
         "round_seconds_without": b,
         "round_time_ratio": a / b if a and b else None,
@@ -388,8 +388,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         runs, costs = _run_all(plan, pathlib.Path(tmp))
     setup = {
         "rounds": plan.rounds,
-        "overrides": plan.overrides(plan.swarms[0], _CHECKERS)[len(_SMALL) :],
-        "workload": list(_SMALL),
+        "overrides": plan.overrides(plan.swarms[0], _CHECKERS)[len(SMALL) :],
+        "workload": list(SMALL),
     }
     report = report_of.report(runs, costs, setup, quick, smoke)
     report["seconds"] = round(time.monotonic() - started, 1)

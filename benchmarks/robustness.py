@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import pathlib
 import shutil
 import sys
@@ -32,36 +31,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks import _robustness_checks
 from benchmarks._common import machine_info
+from benchmarks._robustness_swarm import (
+    CODECS,
+    SMALL,
+    judge,
+    launch_and_wait,
+    log_tail,
+    ratio,
+)
 from node import swarm
 from node.byzantine import MODES
 from node.config import ConfigError, load_config
-from node.swarm import QUICK_WORKLOAD
 
 __all__ = ["run"]
 
 _ROUNDS = 3
 _SMOKE_ROUNDS = 1
-# The tiny workload the integration tests use too.
-_SMALL = [
-    "run.run_id='bench-robustness'",
-    *QUICK_WORKLOAD,
-    "sync.fragments=2",
-    "network.matchmaking_seconds=6",
-    "network.round_timeout=8",
-    "network.request_timeout=8",
-]
-# Per codec, the overrides after the workload's. topk's defaults (chunks of 4096 at 1 %)
-# are sized for real models; on the tiny one, chunks of 256 at 3 % keep 8 values each.
-_CODECS: dict[str, tuple[str, ...]] = {
-    "int8": ("sync.codec='int8'",),
-    "topk": (
-        "sync.codec='topk'",
-        "sync.topk_chunk=256",
-        "sync.topk_density=0.03",
-        "sync.topk_bits=2",
-    ),
-}
 # Rounds of a few steps, so that a smoke run's swarm ends within seconds of its start.
 _SMOKE = [
     "sync.trigger='steps'",
@@ -71,7 +58,6 @@ _SMOKE = [
 ]
 # A swarm with a quarantined node waits out deadlines; twice the slowest seen is ample.
 _SWARM_TIMEOUT = {2: 180.0, 5: 300.0, 8: 600.0}
-_FLAGS = ("quarantined", "banned")
 _COLOR_CAP = 2.0
 
 
@@ -126,7 +112,7 @@ class _Block:
 
     @property
     def overrides(self) -> tuple[str, ...]:
-        return _CODECS[self.codec]
+        return CODECS[self.codec]
 
 
 def _block(codec: str, modes: tuple[str, ...], labels: tuple[str, ...] | None) -> _Block:
@@ -137,7 +123,7 @@ def _block(codec: str, modes: tuple[str, ...], labels: tuple[str, ...] | None) -
             continue
         # the config decides, so the grid never starts a swarm every node would refuse
         try:
-            load_config(None, [*_SMALL, *_CODECS[codec], *agg.overrides(1)])
+            load_config(None, [*SMALL, *CODECS[codec], *agg.overrides(1)])
         except ConfigError as e:
             skipped[agg.label] = str(e)
             continue
@@ -167,11 +153,6 @@ class _Setting:
 # ---- one swarm ------------------------------------------------------------------------
 
 
-def _launch_and_wait(spec: swarm.SwarmSpec, timeout: float) -> tuple[list, bool]:
-    """Runs the swarm to its end (or ``timeout``); always stops nodes and their helpers."""
-    return swarm.run_to_end(spec, timeout)
-
-
 def _record_head(
     setting: _Setting, block: _Block, agg: _Aggregator, mode: str | None
 ) -> dict[str, Any]:
@@ -197,7 +178,7 @@ def _run_swarm(
 ) -> dict[str, Any]:
     """One swarm: ``mode`` on the Byzantine nodes (None: a clean run)."""
     overrides = [
-        *_SMALL,
+        *SMALL,
         *setting.extra,
         *block.overrides,
         f"network.group_size={setting.nodes}",
@@ -216,11 +197,11 @@ def _run_swarm(
     record = _record_head(setting, block, agg, mode)
     started = time.monotonic()
     try:
-        nodes, finished = _launch_and_wait(spec, _SWARM_TIMEOUT.get(setting.nodes, 600.0))
+        nodes, finished = launch_and_wait(spec, _SWARM_TIMEOUT.get(setting.nodes, 600.0))
         summary = swarm.summarize(nodes, load_config(None, overrides), byzantine)
-        record.update(_judge(summary, byzantine))
+        record.update(judge(summary, byzantine))
         # the directory goes before the next swarm, so keep why a node failed
-        failed = {str(n.index): _log_tail(n.data_dir) for n in nodes if n.proc.returncode != 0}
+        failed = {str(n.index): log_tail(n.data_dir) for n in nodes if n.proc.returncode != 0}
         if failed:
             record["failed_nodes"] = failed
         if not finished:
@@ -231,40 +212,6 @@ def _run_swarm(
         record["seconds"] = round(time.monotonic() - started, 1)
         shutil.rmtree(directory, ignore_errors=True)
     return record
-
-
-def _log_tail(data_dir: pathlib.Path, lines: int = 6) -> list[str]:
-    try:
-        text = (data_dir / "node.log").read_text(errors="replace")
-    except OSError:
-        return []
-    return text.strip().splitlines()[-lines:]
-
-
-def _judge(summary: dict[str, Any], byzantine: list[int]) -> dict[str, Any]:
-    """Loss, agreement, and who flagged whom, from the swarm's summary."""
-    ids = summary["peer_ids"]
-    attackers = {ids[i] for i in byzantine if ids[i]}
-    honest = {p for i, p in enumerate(ids) if i not in byzantine and p}
-    flagged = summary["flagged"]  # honest node index -> {peer: status}
-    return {
-        "val_bpb_start": _finite(summary["val_bpb_start"]),
-        "val_bpb_end": _finite(summary["val_bpb_end"]),
-        "params_agree": summary["params_agree"],
-        "rounds": summary["rounds"],
-        # an honest node counts once however many attackers it caught
-        "attacker_flagged_by": sum(
-            1 for f in flagged.values() if any(f.get(a) in _FLAGS for a in attackers)
-        ),
-        "honest_nodes": len(flagged),
-        "honest_flagged": len({p for f in flagged.values() for p, s in f.items() if p in honest}),
-        "exit_codes": summary["exit_codes"],
-    }
-
-
-def _finite(value: float | None) -> float | None:
-    # A diverged model reports NaN or inf, which strict JSON cannot hold.
-    return value if value is not None and math.isfinite(value) else None
 
 
 # ---- the grid -------------------------------------------------------------------------
@@ -280,7 +227,7 @@ def _grid(quick: bool, smoke: bool) -> tuple[list[_Setting], list[_Block]]:
             _block("int8", _QUICK_MODES, _QUICK_AGGREGATORS),
             _block("topk", _QUICK_MODES, _QUICK_TOPK_AGGREGATORS),
         ]
-    return [_Setting(5, 1), _Setting(8, 2)], [_block(codec, MODES, None) for codec in _CODECS]
+    return [_Setting(5, 1), _Setting(8, 2)], [_block(codec, MODES, None) for codec in CODECS]
 
 
 def _clean_key(codec: str, label: str) -> str:
@@ -302,12 +249,6 @@ def _progress(done: int, total: int, record: dict[str, Any]) -> None:
     )
 
 
-def _ratio(cell: dict[str, Any], clean: dict[str, Any] | None) -> float | None:
-    if cell.get("val_bpb_end") is None or not clean or not clean.get("val_bpb_end"):
-        return None
-    return cell["val_bpb_end"] / clean["val_bpb_end"]
-
-
 def _run_grid(settings: list[_Setting], blocks: list[_Block], base: pathlib.Path) -> list[dict]:
     """Every block's clean and attacked swarms, per setting; returns the attacked cells."""
     total = len(settings) * sum(len(b.aggregators) * (len(b.modes) + 1) for b in blocks)
@@ -323,7 +264,7 @@ def _run_grid(settings: list[_Setting], blocks: list[_Block], base: pathlib.Path
                 for mode in block.modes:
                     cell = _run_swarm(setting, block, agg, mode, base, done)
                     cell["setting"] = setting.key
-                    cell["ratio_to_clean"] = _ratio(cell, record)
+                    cell["ratio_to_clean"] = ratio(cell, record)
                     cells.append(cell)
                     done += 1
                     _progress(done, total, cell)
@@ -423,10 +364,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False, checks: bool = 
         ``clean_honest_flagged`` (honest peers flagged in all clean runs together;
         should be 0), ``quick``, ``date`` and ``machine``.
     """
-    if checks:  # imported here: that module builds on this one's helpers
-        from benchmarks._robustness_checks import run as run_checks
-
-        return run_checks(quick, out_dir, smoke)
+    if checks:
+        return _robustness_checks.run(quick, out_dir, smoke)
     settings, blocks = _grid(quick, smoke)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-robustness-") as tmp:

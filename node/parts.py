@@ -48,7 +48,7 @@ from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import FragmentPlan, plan_fragments
 from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
-from protocol.wire import codec as codecs
+from protocol.wire.feedback import ErrorFeedback
 from verification.identity import Identity
 from verification.verifier import Verifier
 
@@ -111,7 +111,7 @@ class Training:
     plan: FragmentPlan
     outer: OuterOptimizer
     trainer: InnerTrainer
-    feedback: list[codecs.ErrorFeedback]
+    feedback: list[ErrorFeedback]
     val_batches: list[Any]
     bytes_per_token: float
     workload: dict[str, Any]
@@ -184,7 +184,7 @@ def _training(
         outer=OuterOptimizer(model, plan, cfg.outer, pin=pin),
         trainer=trainer_class(byzantine)(trained, cfg.train, stream, device, ranks=ranks),
         feedback=[
-            codecs.ErrorFeedback(
+            ErrorFeedback(
                 cfg.sync.codec,
                 **cfg.sync.codec_args(),
                 stochastic=cfg.sync.stochastic_rounding,

@@ -28,6 +28,7 @@ from node.settings import allreduce_settings
 from node.trainer import InnerTrainer, evaluate
 from protocol.averaging.fragments import plan_fragments
 from protocol.wire import codec as codecs
+from protocol.wire.feedback import ErrorFeedback
 from verification import aggregators
 
 __all__ = ["resolve_device", "simulate", "weighted_mean"]
@@ -181,8 +182,8 @@ class _Simulation:
                 self.outers[i].apply(model, p.fragment, p.averaged, r)
 
 
-def _error_feedback(cfg: AtollConfig, replica: int, fragment: int) -> codecs.ErrorFeedback:
-    return codecs.ErrorFeedback(
+def _error_feedback(cfg: AtollConfig, replica: int, fragment: int) -> ErrorFeedback:
+    return ErrorFeedback(
         cfg.sync.codec,
         **cfg.sync.codec_args(),
         decay=cfg.sync.feedback_decay,

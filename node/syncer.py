@@ -42,6 +42,7 @@ from node.metrics import EventLog
 from node.outer import OuterOptimizer
 from protocol.averaging.exchange import ExchangeOutcome, FragmentExchange
 from protocol.wire import codec as codecs
+from protocol.wire.feedback import ErrorFeedback
 
 if TYPE_CHECKING:
     from node.checks import UsefulWork
@@ -104,7 +105,7 @@ class Syncer:
         cfg: AtollConfig,
         model: torch.nn.Module,
         outer: OuterOptimizer,
-        feedback: list[codecs.ErrorFeedback],
+        feedback: list[ErrorFeedback],
         exchange: FragmentExchange,
         submit: Submit,
         events: EventLog,
@@ -174,66 +175,87 @@ class Syncer:
             step: the inner step count now (for the record's overlap).
         """
         f = pending.fragment
+        done = self._wait(pending)
+        if done is None:
+            return None
+        self.refused.update(done.refused)
+        result = done.result
+        checking = self.checks is not None and _checkable(done)
+        base = [g.detach().clone() for g in self.outer.globals] if checking else []
+        self._step(pending, done)
+        self.outer.merge_local(self.model, f, self.cfg.sync.alpha, pending.sent_from)
+        self.missed[f] = 0
+        self.outcomes["complete" if result.complete else "partial"] += 1
+        # members of a group that adopt its mean copy and step it alike hold equal ones
+        digest = _digest(self.outer.global_vector(f))
+        record = _record(pending, done, digest, step)
+        self.events.write("sync", **record)
+        if checking:
+            assert self.checks is not None
+            contributors = {p for part in result.contributors for p in part}
+            self.checks.exchange_done(pending.round, f, sorted(contributors), base, digest)
+        return record
+
+    def _wait(self, pending: Pending) -> ExchangeOutcome | None:
+        """The exchange's outcome, or None (counted, logged, an event) when it failed."""
         try:
             wait = max(0.0, pending.deadline - time.monotonic()) + _DEADLINE_SLACK_SECONDS
-            done: ExchangeOutcome = pending.future.result(wait)
+            return pending.future.result(wait)
         except Exception as exc:  # any failure of the exchange: nothing to apply
             pending.future.cancel()
+            f = pending.fragment
             self.missed[f] += 1
             self.outcomes["failed"] += 1
             logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
             self.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
             return None
-        self.refused.update(done.refused)
-        result, mixed = done.result, done.mixed
-        averaged = result.vector.to(self.device)
-        # checked: exchanges whose every part came back as reduced (the global after it
-        # is then the group's, and with it the checks' seed)
-        checking = (
-            self.checks is not None
-            and mixed is None
-            and len(done.group) > 1
-            and not result.fallback_parts
-            and not result.repaired_parts
-        )
-        base = [g.detach().clone() for g in self.outer.globals] if checking else []
+
+    def _step(self, pending: Pending, done: ExchangeOutcome) -> None:
+        """The outer step on the group's mean, or on it and the mixed copies."""
+        f, mixed = pending.fragment, done.mixed
+        averaged = done.result.vector.to(self.device)
         if mixed is None:
             self.outer.step(f, averaged, pending.round)
-        else:
-            sync = self.cfg.sync
-            pull = sync.gossip_gamma / self.cfg.outer.lr if sync.averaging == "gossip" else None
-            self.outer.step_mixed(
-                f, averaged, pending.weights, mixed.vector.to(self.device), pull, pending.round
-            )
-        self.outer.merge_local(self.model, f, self.cfg.sync.alpha, pending.sent_from)
-        self.missed[f] = 0
-        self.outcomes["complete" if result.complete else "partial"] += 1
-        record = {
-            "round": pending.round,
-            "fragment": f,
-            "group": done.group,
-            "owners": result.owners,
-            "contributors": result.contributors,
-            "fallback_parts": result.fallback_parts,
-            "repaired_parts": result.repaired_parts,
-            "complete": result.complete,
-            "tokens": pending.tokens,
-            "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
-            "mixed": mixed is not None,
-            "cell": done.cell,
-            # members of a group that adopt its mean copy and step it alike hold equal ones
-            "global_digest": _digest(self.outer.global_vector(f)),
-            "seconds": time.monotonic() - pending.started,
-            "overlap_steps": step - pending.step,
-        }
-        self.events.write("sync", **record)
-        if checking:
-            assert self.checks is not None
-            contributors = {p for part in result.contributors for p in part}
-            self.checks.exchange_done(
-                pending.round, f, sorted(contributors), base, record["global_digest"]
-            )
-        return record
+            return
+        sync = self.cfg.sync
+        pull = sync.gossip_gamma / self.cfg.outer.lr if sync.averaging == "gossip" else None
+        self.outer.step_mixed(
+            f, averaged, pending.weights, mixed.vector.to(self.device), pull, pending.round
+        )
+
+
+def _checkable(done: ExchangeOutcome) -> bool:
+    """Whether useful-work checks may judge this exchange: every part came back reduced
+    (the global after it is then the group's, and with it the checks' seed)."""
+    result = done.result
+    return (
+        done.mixed is None
+        and len(done.group) > 1
+        and not result.fallback_parts
+        and not result.repaired_parts
+    )
+
+
+def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> dict[str, Any]:
+    """The ``sync`` event of an applied exchange."""
+    result, mixed = done.result, done.mixed
+    return {
+        "round": pending.round,
+        "fragment": pending.fragment,
+        "group": done.group,
+        "owners": result.owners,
+        "contributors": result.contributors,
+        "fallback_parts": result.fallback_parts,
+        "repaired_parts": result.repaired_parts,
+        "complete": result.complete,
+        "tokens": pending.tokens,
+        "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
+        "mixed": mixed is not None,
+        "cell": done.cell,
+        "global_digest": digest,
+        "seconds": time.monotonic() - pending.started,
+        "overlap_steps": step - pending.step,
+    }
 
 
 def _digest(value: torch.Tensor) -> str:

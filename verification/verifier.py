@@ -29,13 +29,14 @@ from pathlib import Path
 
 import torch
 
-from verification.aggregators import COORDINATEWISE, Aggregate, aggregate, max_share_weights
+from verification.aggregators import COORDINATEWISE, Aggregate, aggregate
 from verification.audit import AuditLog
 from verification.plausibility import MIN_FOR_STATISTICS, Plausibility
 from verification.policy import TrustPolicy
 from verification.records import Contribution, Prefix, Reduction, StreamPlan
 from verification.reputation import ReputationStore
 from verification.screening import Candidate, ScreeningConfig, screen
+from verification.shares import max_share_weights
 from verification.standings import EventSink, Standings
 from verification.writer import Writer
 

@@ -1,4 +1,4 @@
-"""Tensor codecs for pseudo-gradient traffic, and the error feedback that makes lossy ones safe.
+"""Tensor codecs for pseudo-gradient traffic.
 
 A pseudo-gradient is flattened to a 1-D float32 vector and encoded with one of
 ``CODECS``:
@@ -27,7 +27,8 @@ anything a correct encoder would not produce.
 
 The int8/int4 kernels live in :mod:`protocol.wire._blockwise`, the sparse ones in
 :mod:`protocol.wire._topk`, the tensor-to-bytes helpers in
-:mod:`protocol.wire._tensorbytes`.
+:mod:`protocol.wire._tensorbytes`; the error feedback that makes lossy codecs safe in
+:mod:`protocol.wire.feedback`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ __all__ = [
     "WIRE_CODECS",
     "CodecError",
     "Encoded",
-    "ErrorFeedback",
+    "check_settings",
     "decode",
     "decode_range",
     "decode_with_norm",
@@ -183,14 +184,12 @@ def encoded_size(numel: int, codec: str, block_size: int, *, k: int = 0, bits: i
         ValueError: on an unknown codec, a negative numel, a bad block size, or bad
             ``topk`` parameters.
     """
-    _check_codec(codec)
-    _check_block_size(block_size)
+    check_settings(codec, block_size=block_size, k=k, bits=bits)
     if not _is_int(numel) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
     if codec in _BYTES_PER_VALUE:
         return numel * _BYTES_PER_VALUE[codec]
     if codec == "topk":
-        _check_topk(block_size, k, bits)
         return _topk.exact_size(numel, block_size, k, bits)
     n_blocks = -(-numel // block_size)
     code_bytes = numel if codec == "int8" else (numel + 1) // 2
@@ -249,10 +248,7 @@ def encode(
             for a codec without it, a non-float tensor, non-finite values, or
             values beyond the fp16/bf16 range.
     """
-    _check_codec(codec, WIRE_CODECS)
-    _check_block_size(block_size)
-    if stochastic and codec not in _STOCHASTIC:
-        raise ValueError(f"stochastic rounding is only implemented for int8/int4/topk, not {codec}")
+    check_settings(codec, block_size=block_size, stochastic=stochastic, known=WIRE_CODECS)
     flat = as_flat_f32(x)
     if codec in SPARSE:
         return _encode_sparse(flat, codec, block_size, k, bits, stochastic, generator)
@@ -306,19 +302,14 @@ def decode(enc: Encoded, *, expected_numel: int | None = None, copy: bool = True
             negative or non-finite scale, an out-of-range code, non-zero int4
             padding, or non-finite decoded values.
     """
-    _validate(enc)
-    if expected_numel is not None and enc.numel != expected_numel:
-        raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
+    _validate(enc, expected_numel=expected_numel)
     raw = from_bytes(enc.payload)
     if enc.codec in SPARSE:
         k = enc.k if enc.codec == "topk" else None
         return _topk.decode(raw, enc.numel, enc.block_size, k, enc.bits)
-    if enc.codec == "none":
-        out = (raw.clone() if copy else raw).view(torch.float32)
-    elif enc.codec in _HALF_DTYPE:
-        out = raw.clone().view(_HALF_DTYPE[enc.codec]).float()
-    else:
+    if enc.codec not in _BYTES_PER_VALUE:
         return _blockwise.decode(raw, enc.codec, enc.numel, enc.block_size)
+    out = _plain_values(raw, enc.codec, copy)
     if not all_finite(out):
         raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
     return out
@@ -338,17 +329,11 @@ def decode_with_norm(
     Raises:
         CodecError: as :func:`decode`.
     """
-    _validate(enc)
-    if expected_numel is not None and enc.numel != expected_numel:
-        raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
+    _validate(enc, expected_numel=expected_numel)
     if enc.codec not in ("none", *_HALF_DTYPE):
         out = decode(enc, copy=copy)
         return out, _norm_of_finite(out)
-    raw = from_bytes(enc.payload)
-    if enc.codec == "none":
-        out = (raw.clone() if copy else raw).view(torch.float32)
-    else:
-        out = raw.clone().view(_HALF_DTYPE[enc.codec]).float()
+    out = _plain_values(from_bytes(enc.payload), enc.codec, copy)
     norm = float(torch.linalg.vector_norm(out))
     if not math.isfinite(norm):
         if not all_finite(out):
@@ -390,15 +375,19 @@ def decode_range(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
     raw = from_bytes(enc.payload)
     if enc.codec in _BYTES_PER_VALUE:
         width = _BYTES_PER_VALUE[enc.codec]
-        piece = raw[lo * width : hi * width]
-        if enc.codec == "none":
-            out = piece.view(torch.float32)
-        else:
-            out = piece.clone().view(_HALF_DTYPE[enc.codec]).float()
+        out = _plain_values(raw[lo * width : hi * width], enc.codec, copy=False)
         if not all_finite(out):
             raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
         return out
     return _blockwise.decode_range(raw, enc.codec, enc.numel, enc.block_size, lo, hi)
+
+
+def _plain_values(raw: torch.Tensor, codec: str, copy: bool) -> torch.Tensor:
+    """The float32 values of a ``none``, ``fp16`` or ``bf16`` payload's bytes (a view of
+    them for ``none`` unless ``copy``)."""
+    if codec == "none":
+        return (raw.clone() if copy else raw).view(torch.float32)
+    return raw.clone().view(_HALF_DTYPE[codec]).float()
 
 
 def _norm_of_finite(t: torch.Tensor) -> float:
@@ -408,107 +397,28 @@ def _norm_of_finite(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float64))
 
 
-class ErrorFeedback:
-    """Carries the quantization residual into the next encode.
+def check_settings(
+    codec: object,
+    *,
+    block_size: object,
+    stochastic: bool = False,
+    k: object = None,
+    bits: object = None,
+    known: tuple[str, ...] = CODECS,
+) -> None:
+    """Checks a codec's settings (``k`` and ``bits`` only for topk, and only when ``k`` is
+    given) against ``known``: ``CODECS`` for a node's own parts, ``WIRE_CODECS`` for
+    anything that may be sent.
 
-    Error feedback (Seide et al., Interspeech 2014; Karimireddy et al., ICML 2019
-    EF-SGD): each call encodes ``x + residual`` and keeps what the codec lost, so
-    the sum of decoded tensors tracks the sum of inputs to within one residual
-    instead of drifting by one quantization error per round. With ``topk`` the
-    residual holds every value not sent; with ``decay < 1`` it is SparseLoCo's
-    accumulator (Sarfi et al., 2025): ``decay * residual + x`` is encoded, so the
-    residual also plays the part of an outer momentum.
-
-    Args:
-        codec: one of ``CODECS``.
-        block_size: values per scale for int8/int4, per chunk for topk.
-        stochastic: use stochastic rounding (int8/int4/topk only).
-        generator: CPU generator for the rounding noise.
-        pin_memory: keep the residual in pinned (page-locked) CPU memory, beside a
-            GPU's model (needs CUDA).
-        k: values ``topk`` keeps per chunk.
-        bits: bits per value ``topk`` keeps.
-        decay: what share of the residual is carried into the next encode, in (0, 1].
-
-    Attributes:
-        residual: flat float32 CPU tensor of the carried error, or ``None``
-            before the first encode and after :meth:`reset`.
+    Raises:
+        ValueError: naming the setting that is wrong.
     """
-
-    def __init__(
-        self,
-        codec: str,
-        *,
-        block_size: int = 256,
-        stochastic: bool = False,
-        generator: torch.Generator | None = None,
-        pin_memory: bool = False,
-        k: int = 0,
-        bits: int = 0,
-        decay: float = 1.0,
-    ) -> None:
-        _check_codec(codec)
-        _check_block_size(block_size)
-        if stochastic and codec not in _STOCHASTIC:
-            raise ValueError(
-                f"stochastic rounding is only implemented for int8/int4/topk, not {codec}"
-            )
-        if codec == "topk":
-            _check_topk(block_size, k, bits)
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {decay}")
-        self.k = k
-        self.bits = bits
-        self.decay = decay
-        self.codec = codec
-        self.block_size = block_size
-        self.stochastic = stochastic
-        self.generator = generator
-        self.pin_memory = pin_memory
-        self.residual: torch.Tensor | None = None
-
-    def encode(self, x: torch.Tensor) -> Encoded:
-        """Encodes ``x + residual`` and stores the new residual.
-
-        Args:
-            x: floating-point tensor; it must keep the same numel between resets.
-
-        Returns:
-            The encoded tensor.
-
-        Raises:
-            ValueError: if the numel changed since the last encode, or as
-                :func:`encode` does; the residual is left unchanged then.
-        """
-        flat = as_flat_f32(x)
-        if self.residual is None:
-            target = flat.clone()
-        elif self.residual.numel() != flat.numel():
-            raise ValueError(
-                f"tensor has {flat.numel()} values but the residual has "
-                f"{self.residual.numel()}; call reset() when the shape changes"
-            )
-        elif self.decay == 1.0:
-            target = flat + self.residual
-        else:
-            target = flat + self.decay * self.residual
-        if self.pin_memory and not target.is_pinned():
-            target = target.pin_memory()
-        enc = encode(
-            target,
-            self.codec,
-            block_size=self.block_size,
-            stochastic=self.stochastic,
-            generator=self.generator,
-            k=self.k,
-            bits=self.bits,
-        )
-        self.residual = target.sub_(decode(enc))
-        return enc
-
-    def reset(self) -> None:
-        """Drops the carried residual, e.g. after a shape change or a rejoin."""
-        self.residual = None
+    _check_codec(codec, known)
+    _check_block_size(block_size)
+    if stochastic and codec not in _STOCHASTIC:
+        raise ValueError(f"stochastic rounding is only implemented for int8/int4/topk, not {codec}")
+    if codec == "topk" and k is not None:
+        _check_topk(block_size, k, bits)
 
 
 def _is_int(v: object) -> bool:
@@ -540,7 +450,9 @@ def _check_block_size(block_size: object) -> None:
         raise ValueError(f"block_size = {block_size!r}: expected an int in 1..{MAX_BLOCK_SIZE}")
 
 
-def _validate(enc: Encoded, *, max_numel: int | None = None) -> None:
+def _validate(
+    enc: Encoded, *, max_numel: int | None = None, expected_numel: int | None = None
+) -> None:
     """Checks the fields of a possibly hostile ``Encoded`` before any allocation."""
     if not isinstance(enc.codec, str) or enc.codec not in WIRE_CODECS:
         raise CodecError("unknown_codec", f"codec {_short(enc.codec)}")
@@ -555,13 +467,10 @@ def _validate(enc: Encoded, *, max_numel: int | None = None) -> None:
     have = memoryview(enc.payload).nbytes
     if enc.codec in SPARSE:
         _validate_sparse(enc, have)
-        return
-    want = encoded_size(enc.numel, enc.codec, enc.block_size)
-    if have != want:
-        raise CodecError(
-            "size_mismatch",
-            f"{enc.codec} payload for {enc.numel} values is {have} bytes, expected {want}",
-        )
+    else:
+        _check_size(enc, have, encoded_size(enc.numel, enc.codec, enc.block_size))
+    if expected_numel is not None and enc.numel != expected_numel:
+        raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
 
 
 def _validate_sparse(enc: Encoded, have: int) -> None:
@@ -579,6 +488,10 @@ def _validate_sparse(enc: Encoded, have: int) -> None:
         want = _topk.payload_size(from_bytes(enc.payload), enc.numel, enc.block_size, enc.bits)
         if want is None:
             raise CodecError("bad_count", "sparse payload too short or a count beyond its chunk")
+    _check_size(enc, have, want)
+
+
+def _check_size(enc: Encoded, have: int, want: int) -> None:
     if have != want:
         raise CodecError(
             "size_mismatch",

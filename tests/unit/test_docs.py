@@ -41,3 +41,16 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
 def test_the_readme_is_a_front_door() -> None:
     size = (ROOT / "README.md").stat().st_size
     assert size <= README_LIMIT, f"README.md is {size} bytes; move the detail into docs/"
+
+
+def test_the_architecture_page_names_every_product_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [
+        str(path.relative_to(ROOT))
+        for package in ("node", "protocol", "verification")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.name != "__init__.py"
+        and f"`{path.name}`" not in page
+        and str(path.relative_to(ROOT)) not in page
+    ]
+    assert not missing, f"docs/architecture.md does not name {', '.join(missing)}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import robustness, tables
+from benchmarks import _robustness_swarm, robustness, tables
 from node.config import load_config
 from verification.aggregators import SPARSE_SAFE
 
@@ -45,7 +45,7 @@ def test_smoke_is_one_int8_cell() -> None:
 
 
 def test_topk_overrides_keep_eight_values_of_every_chunk_in_two_bits() -> None:
-    cfg = load_config(None, [*robustness._SMALL, *robustness._CODECS["topk"]])
+    cfg = load_config(None, [*_robustness_swarm.SMALL, *_robustness_swarm.CODECS["topk"]])
     assert cfg.sync.codec == "topk"
     assert cfg.sync.codec_args() == {"block_size": 256, "k": 8, "bits": 2}
 

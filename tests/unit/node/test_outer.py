@@ -147,7 +147,7 @@ class _PinLedger:
 
 
 def test_beside_a_gpu_the_outer_state_stays_in_pinned_host_memory(monkeypatch) -> None:
-    from protocol.wire.codec import ErrorFeedback
+    from protocol.wire.feedback import ErrorFeedback
 
     ledger = _PinLedger(monkeypatch)
     model, same = Toy(), Toy()

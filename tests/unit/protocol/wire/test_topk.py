@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.wire import codec as codecs
-from protocol.wire.codec import CodecError, Encoded, ErrorFeedback, decode, encode, encoded_size
+from protocol.wire.codec import CodecError, Encoded, decode, encode, encoded_size
+from protocol.wire.feedback import ErrorFeedback
 
 X = torch.tensor([0.1, -3.0, 0.5, 2.0, 0.0, 1.0, -0.2, 0.3])
 
