@@ -1,18 +1,16 @@
 """Catching up: serve this node's last completed global state, and take a peer's.
 
-At the end of every round a node snapshots its global copy of every fragment and
-the outer optimizer's momentum into a file it serves from (no second copy in
-memory), and signs the snapshot's digest into the DHT under
-``{run_id}:digest:{round}``, with its standing (settled, unsettled or joining: which
-state a swarm converges on after a round that went wrong is decided from these,
-:func:`node.agreement.swarm_state`). A node that joins (or falls behind) downloads the
-newest snapshot over the ``atoll.state`` RPC, each fragment in chunks of at most
-:data:`CHUNK_VALUES` values (so a fragment of any size fits the wire's message cap),
-spreading the fragments over the peers of that round; every chunk is a signed
-envelope whose round, fragment plan, sizes and digest are checked, the assembled state must hash to the
-digest, and at least k peers (``trust.state_signers``, capped by how many peers are
-live) must have signed that digest before anything is loaded. Momentum travels as raw float32 bytes, never pickled; optimizers without a
-``momentum_buffer`` start their state afresh on the joining node.
+At the end of every round a node snapshots its global copy of every fragment and the
+outer optimizer's momentum into a file it serves from (no second copy in memory), and
+signs the snapshot's digest into the DHT under ``{run_id}:digest:{round}`` with its
+standing (settled, unsettled or joining: :func:`node.agreement.swarm_state` decides
+from these which state a swarm converges on after a round that went wrong). A node that
+joins (or falls behind) downloads the newest snapshot over the ``atoll.state`` RPC, each
+fragment in chunks of at most :data:`CHUNK_VALUES` values, spread over the peers of that
+round; every chunk is a signed envelope whose round, plan, sizes and digest are checked,
+the state must hash to the digest, and at least k peers (``trust.state_signers``, capped
+by how many are live) must have signed it before anything is loaded. Momentum travels
+as raw float32 bytes, never pickled.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,13 +47,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RPC_NAME = "atoll.state"
+_SAID: deque[str] = deque(maxlen=64)  # catch-up failures logged at WARNING lately
 
 STANDINGS = ("settled", "unsettled", "joining")
 """What a node's signed state digest says of the state (:meth:`StateServer.attest`)."""
 
 CHUNK_VALUES = 4 * 2**20
-"""Values of a fragment per state reply: 16 MiB of global values and as much momentum,
-well inside the 64 MiB a signed message may hold."""
+"""Values per state reply: 16 MiB of values and as much momentum, in a 64 MiB message."""
 
 
 @dataclass(frozen=True)
@@ -465,11 +464,10 @@ def download(
     digest: str | None = None,
 ) -> tuple[StateSnapshot, list[str]] | None:
     """Take the newest state ``sources`` (newest round first) offer, on this thread
-    (with ``digest``: that state only).
-
-    First the fragments are spread over every peer of the newest round; then each of
-    the first three sources alone, in case one of them serves something else. Every
-    failure is logged.
+    (with ``digest``: that state only): the fragments spread over every peer of the
+    newest round, then each of the first three sources alone, in case one of them serves
+    something else. A failure is logged at WARNING once, at DEBUG while it repeats (a
+    node settling a round retries twice a second).
 
     Returns:
         The checked snapshot and the peers it came from, or None.
@@ -495,5 +493,8 @@ def download(
             calls = sum(max(1, -(-n // CHUNK_VALUES)) for n in sizes)
             return transport.run(fetching, settings.timeout * (calls + 1) + 5), peers
         except (ProtocolError, TimeoutError) as exc:
-            logger.warning("catch-up from %s failed: %s", ", ".join(p[:12] for p in peers), exc)
+            text = f"catch-up from {', '.join(p[:12] for p in peers)} failed: {exc}"
+            logger.log(logging.DEBUG if text in _SAID else logging.WARNING, text)
+            if text not in _SAID:
+                _SAID.append(text)
     return None

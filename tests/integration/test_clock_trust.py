@@ -39,7 +39,11 @@ def _forge(transport: Transport, identity: Identity, run_id: str, body: dict) ->
 
 
 def test_a_forged_round_clock_is_refused_and_the_joiner_trains(local_swarm, tmp_path: Path) -> None:
-    first = local_swarm.start_one(0, rounds=3, extra=SECONDS, nodes=2)
+    # the first node starts its clock after a short wait for the second, which joins
+    # once the forged manifests are stored
+    first = local_swarm.start_one(
+        0, rounds=3, extra=[*SECONDS, "network.min_peers_timeout=5"], nodes=2
+    )
     maddrs = wait_for_maddrs(first)
     assert wait_until(lambda: first.status.get("state") == "training", 90)
     cfg = bind(load_config(None, [*SMALL, *SECONDS]))

@@ -51,8 +51,10 @@ def test_every_node_sees_every_heartbeat_within_seconds(local_swarm):
     [
         # two different signed commitments for one (round, fragment)
         ("equivocate", "equivocation"),
-        # an owner's signed result names a digest other than the member's commitment
-        ("bad_owner", "bad_owner"),
+        # an owner's signed result names a digest other than the member's commitment: the
+        # same path from proof to ban, so in make test-all only (its evidence rule is
+        # unit-tested in tests/unit/verification/test_evidence.py)
+        pytest.param("bad_owner", "bad_owner", marks=pytest.mark.slow),
     ],
 )
 def test_a_proven_cheat_is_banned_by_every_honest_node(local_swarm, mode, proof):

@@ -32,7 +32,6 @@ def test_three_nodes_train_and_agree_every_round(local_swarm):
 def test_sigkilled_node_does_not_stop_the_others(local_swarm):
     nodes = local_swarm.launch(3, rounds=4)
     victim = nodes[2]
-    # Kill mid-round: after its first round, while it is between sync points.
     # Kill mid-round: right after its first round ends, before its next sync point.
     assert wait_until(lambda: victim.status.get("round", 0) >= 1, 120, 0.05)
     local_swarm.record_helpers()

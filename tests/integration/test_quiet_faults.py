@@ -101,6 +101,7 @@ def test_a_member_that_announces_and_sends_nothing_costs_only_its_contribution(c
         assert reasons == {"no_delivery"}, reasons
 
 
+@pytest.mark.slow  # random_data in make test: tests/integration/test_useful_work.py
 def test_a_member_training_on_random_bytes_is_bounded_and_no_honest_node_is_flagged(
     clean, local_swarm
 ):

@@ -45,7 +45,10 @@ def test_random_data_and_zero_members_are_flagged_by_every_honest_node(
     assert summary["params_agree"], summary["rounds_disagreeing"]
     for node in honest:
         flagged = summary["flagged"][str(node.index)]
-        assert not honest_ids & set(flagged), f"an honest peer was flagged: {flagged}"
+        assert not honest_ids & set(flagged), (
+            f"node {node.index} flagged an honest peer: {flagged}",
+            _charges(node, honest_ids),
+        )
         assert attackers <= set(flagged), (node.index, flagged)
         rounds = read_events(node.data_dir / "events.jsonl", "round")
         first = {
@@ -60,3 +63,16 @@ def test_random_data_and_zero_members_are_flagged_by_every_honest_node(
         last = rounds[-1]["checks"]
         assert zero in last["flagged"] and last["recomputed"] > 0, last
     assert not local_swarm.leftovers()
+
+
+def _charges(node, honest_ids: set[str]) -> list[tuple]:
+    """What ``node`` charged honest peers with, and the records it refused: a failure
+    names its cause."""
+    events = read_events(node.data_dir / "events.jsonl")
+    return [
+        (e["event"], e.get("round"), e.get("peer", e.get("checker", ""))[-6:], e.get("reason"))
+        for e in events
+        if (e["event"] == "violation" and e.get("peer") in honest_ids)
+        or (e["event"] == "check_refused" and e.get("checker") in honest_ids)
+        or (e["event"] == "check" and e.get("peer") in honest_ids and not e["passed"])
+    ]

@@ -4,12 +4,23 @@ when its digest checks and enough peers signed it."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from node.catchup import CatchUpSettings, StateServer, StateSnapshot, fetch_state, state_digest
+from node import catchup
+from node.catchup import (
+    CatchUpSettings,
+    StateServer,
+    StateSnapshot,
+    download,
+    fetch_state,
+    state_digest,
+)
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 
@@ -33,6 +44,9 @@ class _Transport:
 
     def add_handler(self, name: str, handler, **_: object) -> None:
         self.network.handlers[self.me][name] = handler
+
+    def run(self, coro, timeout: float):
+        return asyncio.run(coro)
 
     async def call(self, peer: str, name: str, data: bytes, **_: object) -> bytes:
         return await self.network.handlers[peer][name](self.me, data)  # type: ignore[operator]
@@ -134,3 +148,35 @@ def test_a_node_without_a_completed_round_serves_nothing(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="standing 'sure'"):
         asyncio.run(server.attest(1, "ab", timeout=1, standing="sure"))
     assert pytest.raises(ProtocolError, _fetch, network, []).value.reason == "no_peer"
+
+
+def test_a_repeated_catch_up_failure_is_logged_at_warning_once(
+    tmp_path: Path, caplog, monkeypatch
+) -> None:
+    monkeypatch.setattr(catchup, "_SAID", deque(maxlen=64))  # nothing said before
+    network = _Network()
+    server, _ = _serving(network, A, tmp_path / "a", _snapshot())
+    plan = SimpleNamespace(
+        fragments=[SimpleNamespace(numel=10), SimpleNamespace(numel=3)], digest=lambda: PLAN
+    )
+    transport = _Transport(network, JOINER.peer_id)
+    sources = [SimpleNamespace(peer=A.peer_id, round=4)]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="node.catchup"):
+            for _ in range(3):  # a node settling a round retries, twice a second
+                taken = download(
+                    transport,  # type: ignore[arg-type]
+                    JOINER,
+                    CatchUpSettings(RUN, timeout=5),
+                    sources,  # type: ignore[arg-type]
+                    plan,  # type: ignore[arg-type]
+                    min_round=0,
+                    signers=2,
+                )
+                assert taken is None
+    finally:
+        server.close()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "catch-up from" in r.message]
+    assert len(said) == 6  # the spread try and the lone try, three times
+    assert [level for level, _ in said] == [logging.WARNING] + [logging.DEBUG] * 5
+    assert "unattested" in said[0][1] and len({text for _, text in said}) == 1

@@ -30,12 +30,13 @@ from protocol.wire.messages import Header
 from protocol.wire.partwire import seal_part
 from verification.identity import Identity
 from verification.policy import TrustPolicy
-from verification.usefulness import assignment_seed, open_record
+from verification.usefulness import assignment_seed, batch_plan, open_record
 from verification.verifier import Verifier
 
 A, B, C, D = (Identity.from_seed(bytes([k]) * 32) for k in (1, 2, 3, 4))
 CONTRIBUTORS = sorted(p.peer_id for p in (A, B, C))
 ROUND = 3
+PRIOR_STEPS = 48
 WIRE = AllReduceSettings(run_id="run", codec="int8", block_size=256)
 
 
@@ -47,6 +48,13 @@ def world() -> SimpleNamespace:
     corpus = load_data(cfg.data, cfg.model.context, 256)
     model = build_model(cfg.model, seed=0)
     plan = plan_fragments(model, 1)
+    # the rounds before: checks start after the first rounds, once what a contribution
+    # learns from its own batches shows beside what any text teaches a new model
+    before = InnerTrainer(
+        model, cfg.train, assigned_stream(corpus.train, 8, 64, "run", D.peer_id, 0)
+    )
+    for _ in range(PRIOR_STEPS):
+        before.step()
     base = [plan.flatten(dict(model.named_parameters()), 0).detach().clone()]
     stream = assigned_stream(corpus.train, 8, 64, "run", C.peer_id, ROUND)
     trainer = InnerTrainer(model, cfg.train, stream)
@@ -139,12 +147,18 @@ def test_a_record_reproduces_on_another_node(world, tmp_path) -> None:
     assert a.published and b.published  # both others check C
     theirs, ours = open_record(a.published[0], "run"), open_record(b.published[0], "run")
     assert theirs.peer == C.peer_id and theirs.checker == A.peer_id
-    # two samples of the same contribution: other batches, the same base and contribution
+    # two samples of the same contribution: other batches, the same base and contribution.
+    # Each checker draws 2 of C's 12 assigned batches and 2 of the 4 validation ones: one
+    # of the two draws may coincide, not both here, so the records differ
     assert (theirs.contribution, theirs.global_digest) == (ours.contribution, ours.global_digest)
-    assert theirs.validation != ours.validation
+    seed = bytes.fromhex(theirs.seed)
+    plans = [batch_plan(seed, C.peer_id, p.peer_id, 12, 2, 4) for p in (A, B)]
+    assert plans[0] != plans[1], plans
+    assert (theirs.assigned, theirs.validation) != (ours.assigned, ours.validation)
     # an honest contribution: it gains more on C's assigned batches than on validation
-    on_assigned, on_val = theirs.gains
-    assert on_assigned is not None and on_assigned > max(on_val, 0)
+    for record in (theirs, ours):
+        on_assigned, on_val = record.gains
+        assert on_assigned is not None and on_assigned > max(on_val, 0), record.gains
     # b checked C too: a's record must match its own, and does
     b.checks.receive(A.peer_id, a.published[0])
     b.checks.judge_inbox()
