@@ -68,11 +68,9 @@ def test_random_data_and_zero_members_are_flagged_by_every_honest_node(
 def _charges(node, honest_ids: set[str]) -> list[tuple]:
     """What ``node`` charged honest peers with, and the records it refused: a failure
     names its cause."""
-    events = read_events(node.data_dir / "events.jsonl")
+    whom = {"violation": "peer", "check_refused": "checker", "check": "peer"}
     return [
-        (e["event"], e.get("round"), e.get("peer", e.get("checker", ""))[-6:], e.get("reason"))
-        for e in events
-        if (e["event"] == "violation" and e.get("peer") in honest_ids)
-        or (e["event"] == "check_refused" and e.get("checker") in honest_ids)
-        or (e["event"] == "check" and e.get("peer") in honest_ids and not e["passed"])
+        (e["event"], e.get("round"), e[whom[e["event"]]][-6:], e.get("reason"))
+        for e in read_events(node.data_dir / "events.jsonl")
+        if e["event"] in whom and e[whom[e["event"]]] in honest_ids and e.get("passed") is not True
     ]

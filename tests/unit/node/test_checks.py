@@ -152,7 +152,7 @@ def test_a_record_reproduces_on_another_node(world, tmp_path) -> None:
     # of the two draws may coincide, not both here, so the records differ
     assert (theirs.contribution, theirs.global_digest) == (ours.contribution, ours.global_digest)
     seed = bytes.fromhex(theirs.seed)
-    plans = [batch_plan(seed, C.peer_id, p.peer_id, 12, 2, 4) for p in (A, B)]
+    plans = [batch_plan(seed, C.peer_id, p.peer_id, 12, 2, len(world.val)) for p in (A, B)]
     assert plans[0] != plans[1], plans
     assert (theirs.assigned, theirs.validation) != (ours.assigned, ours.validation)
     # an honest contribution: it gains more on C's assigned batches than on validation
