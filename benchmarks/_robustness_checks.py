@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import _robustness_checks_report as report_of
-from benchmarks._robustness_swarm import CODECS, SMALL, judge, launch_and_wait, log_tail, ratio
+from benchmarks._robustness_swarm import CODECS, SMALL, judge, launch_and_wait, ratio
 from node.config import load_config
 from node.metrics import read_events
 from node.swarm import SwarmSpec, summarize
+from node.swarm_report import log_tail
 
 __all__ = ["run"]
 

@@ -4,13 +4,12 @@ workload, the per-codec overrides, running one swarm, and judging what it did.""
 from __future__ import annotations
 
 import math
-import pathlib
 from typing import Any
 
 from node import swarm
 from node.swarm import QUICK_WORKLOAD
 
-__all__ = ["CODECS", "FLAGS", "SMALL", "finite", "judge", "launch_and_wait", "log_tail", "ratio"]
+__all__ = ["CODECS", "FLAGS", "SMALL", "finite", "judge", "launch_and_wait", "ratio"]
 
 # The tiny workload the integration tests use too.
 SMALL = [
@@ -39,14 +38,6 @@ FLAGS = ("quarantined", "banned")
 def launch_and_wait(spec: swarm.SwarmSpec, timeout: float) -> tuple[list, bool]:
     """Runs the swarm to its end (or ``timeout``); always stops nodes and their helpers."""
     return swarm.run_to_end(spec, timeout)
-
-
-def log_tail(data_dir: pathlib.Path, lines: int = 6) -> list[str]:
-    try:
-        text = (data_dir / "node.log").read_text(errors="replace")
-    except OSError:
-        return []
-    return text.strip().splitlines()[-lines:]
 
 
 def judge(summary: dict[str, Any], byzantine: list[int]) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from node.config import AtollConfig, load_config
 from node.metrics import read_events, read_status
 from node.model import build_model
 from node.swarm import QUICK_WORKLOAD
+from node.swarm_report import log_tail
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.grouping import rounds_to_mix
 from protocol.wire import codec as codecs
@@ -463,9 +464,7 @@ def _log_tail(message: str, lines: int = 8) -> list[str]:
     found = re.search(r"see (\S+node\.log)", message)
     if not found:
         return []
-    with contextlib.suppress(OSError):
-        return pathlib.Path(found.group(1)).read_text(errors="replace").splitlines()[-lines:]
-    return []
+    return log_tail(pathlib.Path(found.group(1)).parent, lines)
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from benchmarks._common import machine_info
+from node.swarm_report import log_tail
 
 __all__ = ["run"]
 
@@ -98,7 +99,7 @@ def _verdict(judge: Any, result: dict[str, Any]) -> dict[str, Any]:
     try:
         return judge(result)
     except KeyError as e:
-        tails = {n.index: _log_tail(n.data_dir) for n in result["nodes"] if n.proc.returncode}
+        tails = {n.index: log_tail(n.data_dir, 3) for n in result["nodes"] if n.proc.returncode}
         return {
             "stable_apart": [],
             "due": [],
@@ -106,13 +107,6 @@ def _verdict(judge: Any, result: dict[str, Any]) -> dict[str, Any]:
             "error": f"a node has no record of round {e}: exit codes {result['exit_codes']}, "
             f"finished {result['finished']}; {tails}",
         }
-
-
-def _log_tail(data_dir: pathlib.Path, lines: int = 3) -> list[str]:
-    try:
-        return (data_dir / "node.log").read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:

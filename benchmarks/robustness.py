@@ -38,7 +38,6 @@ from benchmarks._robustness_swarm import (
     SMALL,
     judge,
     launch_and_wait,
-    log_tail,
     ratio,
 )
 from node import swarm
@@ -201,9 +200,8 @@ def _run_swarm(
         summary = swarm.summarize(nodes, load_config(None, overrides), byzantine)
         record.update(judge(summary, byzantine))
         # the directory goes before the next swarm, so keep why a node failed
-        failed = {str(n.index): log_tail(n.data_dir) for n in nodes if n.proc.returncode != 0}
-        if failed:
-            record["failed_nodes"] = failed
+        if summary["failed_nodes"]:
+            record["failed_nodes"] = summary["failed_nodes"]
         if not finished:
             record["error"] = "timed out; stopped before every node finished"
     except Exception as e:  # one broken cell must not cost the whole grid

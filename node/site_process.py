@@ -3,17 +3,18 @@ that does not outlive its site (:mod:`node.site` keeps the ranks in step)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from node.site import SiteGroup, SiteRank, rank_data, stream_key
 
-__all__ = ["die_with_parent", "run_follower", "site_command"]
+__all__ = ["die_with_parent", "leave", "run_follower", "site_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,22 @@ def die_with_parent(signum: int) -> None:
         return
     if os.getppid() != parent:  # the agent died before the request took effect
         os.kill(os.getpid(), signum)
+
+
+def leave(code: int) -> NoReturn:
+    """End this follower rank now with ``code``, its log and output flushed, skipping the
+    interpreter's finalization.
+
+    After a clean stop (the leader's order, the process group closed) a rank was seen to
+    abort while the interpreter tore down, now and then ("terminate called without an
+    active exception", SIGABRT, from a C++ thread of the site's process group or its
+    DDP/FSDP wrapper): torchrun then reports the whole site failed. A follower holds no
+    files or network of its own, so nothing is lost by not finalizing."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def run_follower(cfg: Any, site: SiteRank) -> int:

@@ -25,6 +25,7 @@ __all__ = [
     "butterfly_reach",
     "dump_json",
     "format_summary",
+    "log_tail",
     "render_table",
     "summarize",
 ]
@@ -94,6 +95,9 @@ def summarize(
         "rounds_checked": len(common),
         "rounds_disagreeing": mismatched,
         "exit_codes": [n.proc.returncode for n in nodes],
+        "failed_nodes": {
+            str(n.index): log_tail(n.data_dir) for n in nodes if n.proc.returncode not in (0, None)
+        },
         "peer_ids": [n.status.get("peer_id") for n in nodes],
         "byzantine_nodes": sorted(byzantine),
         "busy_seconds": [round(n.status.get("busy_seconds", 0.0), 2) for n in nodes],
@@ -110,6 +114,16 @@ def summarize(
             cfg.network.cells_above,
         ),
     }
+
+
+def log_tail(data_dir: Path, lines: int = 8) -> list[str]:
+    """The last ``lines`` lines of a node's log (none when it has no log): why a node
+    that failed did, kept before its directory goes."""
+    try:
+        text = (data_dir / "node.log").read_text(errors="replace")
+    except OSError:
+        return []
+    return text.strip().splitlines()[-lines:]
 
 
 def butterfly_reach(
@@ -277,8 +291,19 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['params_agree']}{_mix_line(summary)}{_ranks_line(summary)}; "
         f"sent {sum(sent) / 2**20:.1f} MiB in all "
         f"({ratio:.0f}x less than fp32 DDP for the same steps)\n"
+        f"{_failed_lines(summary)}"
         f"logs and checkpoints: {summary['directory']}"
     )
+
+
+def _failed_lines(summary: dict[str, Any]) -> str:
+    """Each node that exited with an error, with the last lines of its log."""
+    out = []
+    failed = summary.get("failed_nodes") or {}
+    for index, tail in sorted(failed.items(), key=lambda t: int(t[0])):
+        out.append(f"node {index} exited with an error; its log ends:\n")
+        out += [f"  {line}\n" for line in tail]
+    return "".join(out)
 
 
 def _mix_line(summary: dict[str, Any]) -> str:

@@ -83,7 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     peers = initial_peers(args.initial_peers)
     from node.site import SiteRank
-    from node.site_process import die_with_parent, run_follower, site_command
+    from node.site_process import die_with_parent, leave, run_follower, site_command
 
     site = SiteRank.from_env()
     if site is not None:
@@ -101,7 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         os.execv(command[0], command)
     if site is not None and not site.leader:
         # a follower rank: no identity, network or files of its own; it logs to stderr
-        return run_follower(cfg, site)
+        leave(run_follower(cfg, site))
     from node.daemon import Node
 
     node = Node(cfg, initial_peers=peers, byzantine=args.byzantine, spec=spec, site=site)

@@ -37,7 +37,7 @@ def allreduce(tmp_path_factory) -> dict:
 
 def test_gossip_trains_within_five_percent_of_group_allreduce(allreduce, local_swarm):
     summary = _run(local_swarm, GOSSIP)
-    assert summary["exit_codes"] == [0] * NODES
+    assert summary["exit_codes"] == [0] * NODES, summary["failed_nodes"]
     for i in range(NODES):
         syncs = _syncs(local_swarm, i)
         assert len(syncs) == ROUNDS * 2  # two fragments a round
@@ -54,7 +54,7 @@ def test_gossip_trains_within_five_percent_of_group_allreduce(allreduce, local_s
 
 def test_butterfly_groups_of_two_follow_the_hypercube(allreduce, local_swarm):
     summary = _run(local_swarm, ["network.group_size=2"])
-    assert summary["exit_codes"] == [0] * NODES
+    assert summary["exit_codes"] == [0] * NODES, summary["failed_nodes"]
     partners: dict[int, list[set[str]]] = {}
     for i in range(NODES):
         me = local_swarm.nodes[i].status["peer_id"]
@@ -77,7 +77,7 @@ def test_above_cells_above_nodes_matchmake_on_their_line_of_the_grid(allreduce, 
     # 4 nodes > cells_above = 2: each announces and reads under its line's DHT key
     # (with G = 2 and 4 nodes the grid has one axis, so one line holds everyone)
     summary = _run(local_swarm, ["network.group_size=2", "network.cells_above=2"])
-    assert summary["exit_codes"] == [0] * NODES
+    assert summary["exit_codes"] == [0] * NODES, summary["failed_nodes"]
     groups: dict[tuple[int, int], set[frozenset[str]]] = {}
     for i in range(NODES):
         me = local_swarm.nodes[i].status["peer_id"]

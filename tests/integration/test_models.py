@@ -42,7 +42,7 @@ def test_two_llama_nodes_on_bpe_shards_train_agree_and_export(
     )
     assert local_swarm.wait_all(240), "swarm did not finish"
     summary = local_swarm.summary()
-    assert summary["exit_codes"] == [0, 0]
+    assert summary["exit_codes"] == [0, 0], summary["failed_nodes"]
     assert summary["rounds_checked"] == 3 and summary["params_agree"], summary
     assert summary["val_bpb_end"] < summary["val_bpb_start"] - 0.3, summary
     node = local_swarm.nodes[0]

@@ -17,7 +17,7 @@ def test_three_nodes_train_and_agree_every_round(local_swarm):
     local_swarm.launch(3, rounds=3)
     assert local_swarm.wait_all(180), "swarm did not finish"
     summary = local_swarm.summary()
-    assert summary["exit_codes"] == [0, 0, 0]
+    assert summary["exit_codes"] == [0, 0, 0], summary["failed_nodes"]
     assert summary["rounds"] == 3 and summary["rounds_checked"] == 3
     assert summary["params_agree"], summary["rounds_disagreeing"]
     assert summary["val_bpb_end"] < summary["val_bpb_start"] - 1.5

@@ -67,7 +67,7 @@ def _assert_contained(summary: dict, clean: dict, swarm: Swarm) -> None:
 
     Rounds are wall-clock, so the steps a node takes depend on the machine's load; the
     clean run itself varies by a few % between runs here, hence 8 % rather than 5 %."""
-    assert summary["exit_codes"][: NODES - 1] == [0] * (NODES - 1), summary["exit_codes"]
+    assert summary["exit_codes"][: NODES - 1] == [0] * (NODES - 1), summary["failed_nodes"]
     assert summary["params_agree"] and summary["rounds_checked"] == ROUNDS, summary
     honest = _honest_ids(swarm)
     for index, flagged in summary["flagged"].items():
@@ -125,7 +125,7 @@ def test_a_frozen_node_is_not_punished_rejoins_and_contributes_again(local_swarm
     assert local_swarm.wait_all(240), "swarm did not finish"
     cfg = load_config(None, [*SMALL, *WALL_CLOCK])
     summary = swarm.summarize(nodes, cfg, [NODES - 1])  # agreement among the other three
-    assert summary["exit_codes"] == [0] * NODES, summary["exit_codes"]
+    assert summary["exit_codes"] == [0] * NODES, summary["failed_nodes"]
     # the others agreed throughout, and nobody held the freeze against anyone
     assert summary["params_agree"] and summary["rounds_checked"] == rounds, summary
     assert all(flagged == {} for flagged in summary["flagged"].values()), summary["flagged"]

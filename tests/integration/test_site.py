@@ -34,7 +34,7 @@ def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm
     local_swarm.record_helpers()
     assert local_swarm.wait_all(240)
     summary = local_swarm.summary()
-    assert summary["exit_codes"] == [0, 0]
+    assert summary["exit_codes"] == [0, 0], summary["failed_nodes"]
     assert summary["rounds"] == 3 and summary["params_agree"]
     assert summary["ranks_agree"] is True  # every rank of each site, every round
     assert summary["val_bpb_end"] < summary["val_bpb_start"]

@@ -60,7 +60,7 @@ def test_butterfly_groups_of_two_mix_with_topk(local_swarm: Swarm) -> None:
     local_swarm.launch(nodes, rounds, [*TOPK, "network.group_size=2"])
     assert local_swarm.wait_all(280), "swarm did not finish"
     summary = local_swarm.summary()
-    assert summary["exit_codes"] == [0] * nodes
+    assert summary["exit_codes"] == [0] * nodes, summary["failed_nodes"]
     for i in range(nodes):
         syncs = _syncs(local_swarm, i)
         assert len(syncs) == rounds * 2

@@ -43,7 +43,7 @@ def clean(tmp_path_factory) -> dict:
 
 
 def test_clean_run_flags_no_one_and_agrees(clean):
-    assert clean["exit_codes"] == [0] * NODES
+    assert clean["exit_codes"] == [0] * NODES, clean["failed_nodes"]
     assert clean["params_agree"], clean["rounds_disagreeing"]
     assert clean["val_bpb_end"] < clean["val_bpb_start"] - 1.5
     assert all(flagged == {} for flagged in clean["flagged"].values()), clean["flagged"]

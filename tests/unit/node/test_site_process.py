@@ -58,3 +58,30 @@ def test_a_rank_dies_with_the_agent_that_started_it() -> None:
     finally:
         if not _gone(rank):
             psutil.Process(rank).kill()
+
+
+_LEAVER = textwrap.dedent(
+    """
+    import atexit, logging, sys
+    from node.site_process import leave
+    logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
+    atexit.register(lambda: print("finalized", flush=True))
+    logging.getLogger("rank").info("stopped by the leader")
+    print("partial line", end="")
+    leave(3)
+    """
+)
+
+
+def test_a_rank_leaves_with_its_code_and_its_log_flushed_without_finalizing(tmp_path) -> None:
+    log = tmp_path / "rank.log"
+    done = subprocess.run(
+        [sys.executable, "-c", _LEAVER, str(log)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "partial line"  # flushed, and no exit handler ran
+    assert "stopped by the leader" in log.read_text()

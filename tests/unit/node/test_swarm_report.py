@@ -61,6 +61,25 @@ def test_the_summary_reads_as_one_paragraph_and_one_json_line(tmp_path: Path) ->
     assert "\n" not in line and json.loads(line)["rounds"] == 1
 
 
+def test_a_node_that_failed_is_named_with_the_end_of_its_log(tmp_path: Path) -> None:
+    nodes = [_node(tmp_path, i, ["aa"], params=1000, steps=10) for i in range(3)]
+    lines = [f"line {i}" for i in range(20)] + ["RuntimeError: the site's process group broke"]
+    (nodes[1].data_dir / "node.log").write_text("\n".join(lines) + "\n")
+    nodes[1].proc.returncode = 1
+    nodes[2].proc.returncode = None  # still running: not a failure
+    summary = summarize(nodes, load_config(None, []))
+    assert summary["exit_codes"] == [0, 1, None]
+    assert summary["failed_nodes"] == {"1": lines[-8:]}
+    summary.update(seconds=12.0, directory=str(tmp_path))
+    text = format_summary(summary)
+    assert "node 1 exited with an error; its log ends:\n" in text
+    assert "  RuntimeError: the site's process group broke\n" in text
+    assert "line 12" not in text  # the last eight lines only
+    # a failed node without a log is still named
+    (nodes[1].data_dir / "node.log").unlink()
+    assert summarize(nodes, load_config(None, []))["failed_nodes"] == {"1": []}
+
+
 def test_the_live_table_has_a_row_per_node(tmp_path: Path) -> None:
     nodes = [_node(tmp_path, i, [], state="training", loss=2.5) for i in range(3)]
     table = render_table(nodes)
