@@ -72,7 +72,6 @@ def _assert_contained(summary: dict, clean: dict, swarm: Swarm) -> None:
     honest = _honest_ids(swarm)
     for index, flagged in summary["flagged"].items():
         assert not honest & set(flagged), f"node {index} flagged an honest peer: {flagged}"
-    print(f"val_bpb_end {summary['val_bpb_end']:.4f}, clean {clean['val_bpb_end']:.4f}")
     assert summary["val_bpb_end"] <= clean["val_bpb_end"] * 1.08, (
         summary["val_bpb_end"],
         clean["val_bpb_end"],
