@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
+import math
 import struct
 from collections.abc import Callable, Sequence
 
@@ -22,7 +24,7 @@ from torch import nn
 
 from node.config import TrainConfig
 from node.data import BatchStream
-from node.fault_modes import ALL_MODES, COMMIT_MODES, MODES, QUIET_MODES
+from node.fault_modes import ALL_MODES, COMMIT_MODES, MODES, QUIET_MODES, parse_mode
 from node.trainer import InnerTrainer, StepResult, lr_at
 from protocol.averaging.parts import Commitments, FaultInjection
 from protocol.wire import codec as codecs
@@ -46,7 +48,6 @@ _SCALE = 50.0
 _NOISE = 10.0
 _ALIE_Z = 1.0  # Baruch et al. 2019 pick z from n and f; 1.0 is their order of magnitude
 _IPM_EPS = 0.5  # Xie et al. 2020: -eps * mean of honest updates
-_LAZY_EVERY = 10  # a lazy node runs one inner step in this many
 
 
 class _VectorAttack(FaultInjection):
@@ -210,13 +211,13 @@ def _no_global_vector(fragment: int) -> torch.Tensor:
 
 
 class _LazyTrainer(InnerTrainer):
-    """Runs one inner step in ``_LAZY_EVERY`` (the first, the eleventh, ...) and counts
-    every one: the others draw no batch, run no forward or backward pass and leave the
-    weights and the optimizer as they are, yet advance ``steps`` and ``tokens`` as a real
-    step would and report the last real loss. Its updates are honest but a tenth as long
-    as the tokens they claim.
+    """Runs the share ``share`` of its inner steps (with 0.1: the first, the eleventh,
+    ...) and counts every one: the others draw no batch, run no forward or backward pass
+    and leave the weights and the optimizer as they are, yet advance ``steps`` and
+    ``tokens`` as a real step would and report the last real loss. Its updates are
+    honest but ``share`` as long as the tokens they claim.
 
-    Takes :class:`~node.trainer.InnerTrainer`'s arguments.
+    Takes :class:`~node.trainer.InnerTrainer`'s arguments, and ``share``.
 
     Raises:
         ValueError: ``ranks > 1``: a site's ranks would wait for the steps it skips.
@@ -229,17 +230,22 @@ class _LazyTrainer(InnerTrainer):
         stream: BatchStream,
         device: torch.device | str = "cpu",
         ranks: int = 1,
+        share: float = 0.1,
     ) -> None:
         if ranks > 1:
             raise ValueError("--byzantine lazy: a site's ranks train in step; run it alone")
         super().__init__(model, cfg, stream, device, ranks)
+        self.share = share
         self.calls = 0
         self.last_loss = float("nan")
 
     def step(self) -> StepResult:
-        """A real step on every ``_LAZY_EVERY``-th call, a counted one otherwise."""
+        """A real step where the running count of real steps, ``ceil(calls * share)``,
+        goes up; a counted one otherwise."""
         self.calls += 1
-        if self.calls % _LAZY_EVERY == 1:
+        if math.ceil(self.calls * self.share - 1e-9) > math.ceil(
+            (self.calls - 1) * self.share - 1e-9
+        ):
             result = super().step()
             self.last_loss = result.loss
             return result
@@ -251,10 +257,13 @@ class _LazyTrainer(InnerTrainer):
         return StepResult(loss=self.last_loss, tokens=tokens, lr=lr)
 
 
-def trainer_class(mode: str | None) -> type[InnerTrainer]:
+def trainer_class(mode: str | None) -> Callable[..., InnerTrainer]:
     """The inner trainer a node runs: :class:`~node.trainer.InnerTrainer`, or for
-    ``lazy`` one that skips nine steps in ten and counts them all."""
-    return _LazyTrainer if mode == "lazy" else InnerTrainer
+    ``lazy`` (``lazy=F``) one that runs a tenth (``F``) of its steps and counts them all."""
+    if mode is None or not mode.startswith("lazy"):
+        return InnerTrainer
+    _, share = parse_mode(mode)
+    return functools.partial(_LazyTrainer, share=share)
 
 
 def training_data(mode: str | None, data: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -290,6 +299,7 @@ def make_behaviour(
     """
     if mode in (None, "", "honest"):
         return FaultInjection()
+    mode, _ = parse_mode(mode)
     if mode in ("sign_flip", "scale", "noise", "zero", "alie", "ipm"):
         return _VectorAttack(mode, seed)
     if mode in ("replay", "bad_signature", "inflated_tokens", "wrong_shape", "nan"):

@@ -125,11 +125,19 @@ class AtollConfig:
         return build_config(data)
 
 
+_RENAMED = {
+    "trust.check_batches": "trust.check_windows (windows of claimed batches per check)",
+}
+"""Keys that were renamed: the old name, and what it is called now."""
+
+
 def _format_error(err: dict[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"])
     kind = err["type"]
     value = err.get("input")
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        if key in _RENAMED:
+            return f"config error: unknown key {key!r}: it is now {_RENAMED[key]}"
         return f"config error: unknown key {key!r}"
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "").replace("'", "").replace(" or ", ", ")

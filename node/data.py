@@ -339,11 +339,19 @@ class BatchStream:
 
 
 def assigned_stream(
-    data: torch.Tensor, batch_size: int, context: int, run_id: str, peer: str, round_: int
+    data: torch.Tensor,
+    batch_size: int,
+    context: int,
+    run_id: str,
+    peer: str,
+    round_: int,
+    rank: int = 0,
 ) -> BatchStream:
-    """The batches ``peer`` is assigned to train on in round ``round_`` of ``run_id``:
-    anyone holding the same train tokens draws the same ones (useful-work checks)."""
-    return BatchStream(data, batch_size, context, ("assigned", run_id, peer, int(round_)))
+    """The batches ``peer`` (its rank ``rank``, in a site) is assigned to train on in
+    round ``round_`` of ``run_id``, from ``data`` (its slice of the train tokens): anyone
+    holding the same tokens draws the same ones (useful-work checks)."""
+    key: tuple = ("assigned", run_id, peer, int(round_))
+    return BatchStream(data, batch_size, context, key if rank == 0 else (*key, int(rank)))
 
 
 def validation_batches(

@@ -3,7 +3,7 @@ line lists them in its help); :mod:`node.byzantine` implements them."""
 
 from __future__ import annotations
 
-__all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "QUIET_MODES"]
+__all__ = ["ALL_MODES", "COMMIT_MODES", "MODES", "QUIET_MODES", "mode_name", "parse_mode"]
 
 MODES = (
     "sign_flip",
@@ -30,8 +30,42 @@ QUIET_MODES = ("silent", "random_data", "poison", "lazy", "copy")
 - ``silent`` announces and commits, then sends no part and answers nothing;
 - ``random_data`` trains honestly on random bytes (a broken data pipeline);
 - ``poison`` trains honestly on its train tokens in reverse order (poisoned data);
-- ``lazy`` runs one inner step in ten and claims the tokens of all ten;
+- ``lazy`` runs one inner step in ten and claims the tokens of all ten (``lazy=F`` runs
+  the share ``F`` of them: ``lazy=0.5`` half);
 - ``copy`` sends the swarm's last change of each fragment's global copy as its own work.
 """
 
 ALL_MODES = MODES + COMMIT_MODES + QUIET_MODES
+
+_PARAMETERS = {"lazy": 0.1}
+"""Modes that take a parameter (``MODE=VALUE``), with its default."""
+
+
+def parse_mode(text: str) -> tuple[str, float | None]:
+    """``"lazy=0.5"`` to ``("lazy", 0.5)``; a mode without a parameter to ``(mode, None)``.
+
+    Raises:
+        ValueError: an unknown mode (naming the known ones), or a parameter where the
+            mode takes none or out of ``(0, 1]``.
+    """
+    name, sep, value = text.partition("=")
+    if name not in ALL_MODES:
+        raise ValueError(f"--byzantine {name!r}: expected one of {', '.join(ALL_MODES)}")
+    if name not in _PARAMETERS:
+        if sep:
+            raise ValueError(f"--byzantine {text!r}: {name} takes no parameter")
+        return name, None
+    if not sep:
+        return name, _PARAMETERS[name]
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"--byzantine {text!r}: the share of steps run must be in (0, 1]")
+    return name, share
+
+
+def mode_name(text: str | None) -> str | None:
+    """The mode's name without its parameter (None stays None)."""
+    return None if text is None else text.partition("=")[0]

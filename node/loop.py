@@ -14,13 +14,13 @@ import threading
 import time
 from typing import Any
 
+from node.claims import WorkLog
 from node.config import AtollConfig
 from node.data import assigned_stream
 from node.metrics import EventLog, StatusWriter
 from node.parts import Network, Progress, Training
 from node.rounds import Rounds
 from node.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
-from node.site import NoSite
 from node.syncer import Pending
 
 __all__ = ["TrainingLoop", "exchange_budget"]
@@ -76,6 +76,14 @@ class TrainingLoop:
         self.status, self.events = logs
         self.stop = stop
         self.fragments = len(training.plan)
+        stream = training.trainer.stream
+        self.work = WorkLog(
+            self.fragments,
+            ranks=training.trainer.ranks,
+            data_slice=(cfg.data.site, cfg.data.sites),
+            batch=stream.batch_size,
+        )
+        """The batches each fragment's next sync was trained on (its claim)."""
 
     def run(self, schedule: Schedule) -> None:
         """The loop, then what follows the last round (the site's ranks stopped, and
@@ -127,16 +135,15 @@ class TrainingLoop:
             p.future.cancel()  # the interrupted round is abandoned; the last checkpoint stands
 
     def _assign(self, round_: int) -> None:
-        """Train the batches assigned to this node for ``round_`` from now on (a single
-        process on the whole train split; a site's ranks keep their own streams), so any
-        peer can recompute them (:mod:`node.checks`)."""
+        """Train the batches assigned to this node for ``round_`` from now on, every rank
+        of a site its own, so any peer can draw them again (:mod:`node.checks`)."""
         t = self.training
-        if not isinstance(t.site, NoSite) or self.cfg.data.sites != 1:
-            return
         s = t.trainer.stream
         peer = self.network.transport.peer_id
         run = self.cfg.run.run_id
         t.trainer.stream = assigned_stream(s.data, s.batch_size, s.context, run, peer, round_)
+        t.site.assign(round_)
+        self.work.assign(round_)
 
     def _skip(self, book: SyncBook, r: int, f: int) -> None:
         """Fragment ``f`` of round ``r`` is not exchanged: its work goes into the next
@@ -154,6 +161,8 @@ class TrainingLoop:
             time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))
         progress.busy += time.monotonic() - started
         book.trained(result.tokens)
+        stream = trainer.stream
+        self.work.trained(result.tokens // (stream.batch_size * stream.context * trainer.ranks))
         wall = time.monotonic() - progress.train_started
         self.status.update(
             step=trainer.steps,
@@ -176,7 +185,9 @@ class TrainingLoop:
         control = self.network.control
         budget = exchange_budget(self.cfg, control.commit_window if control else None)
         steps = self.training.trainer.steps
-        return self.network.syncer.launch(r, f, tokens, steps, expected, excludes, budget)
+        claim = self.work.take(f)
+        syncer = self.network.syncer
+        return syncer.launch(r, f, tokens, steps, expected, excludes, budget, claim)
 
     def _apply(self, pending: Pending) -> dict[str, Any] | None:
         """Apply a finished sync; None when it failed or averaged alone while peers live."""

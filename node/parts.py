@@ -23,7 +23,7 @@ from torch import nn
 from node import catchup
 from node.admin import AdminInbox, Command
 from node.byzantine import make_behaviour, trainer_class, training_data
-from node.checks import UsefulWork
+from node.checks import Fetcher, Measurer, UsefulWork
 from node.config import AtollConfig
 from node.data import BatchStream, load_data, validation_batches
 from node.handoff import workload_record
@@ -101,6 +101,8 @@ class Training:
         trainer: inner steps.
         feedback: each fragment's codec and error-feedback residual.
         val_batches: the validation windows.
+        tokens: the run's train and validation tokens, whole (useful-work checks draw any
+            member's batches from them).
         bytes_per_token: of the validation text, for bits per byte.
         workload: what a checkpoint needs to be exported and sampled elsewhere.
         site: the site's ranks (:class:`~node.site.SiteLeader`), or :class:`~node.site.NoSite`.
@@ -113,6 +115,7 @@ class Training:
     trainer: InnerTrainer
     feedback: list[ErrorFeedback]
     val_batches: list[Any]
+    tokens: tuple[torch.Tensor, torch.Tensor]
     bytes_per_token: float
     workload: dict[str, Any]
     site: SiteLeader | NoSite
@@ -197,6 +200,7 @@ def _training(
         val_batches=validation_batches(
             corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
         ),
+        tokens=(corpus.train, corpus.val),
         bytes_per_token=corpus.bytes_per_token,
         workload=workload_record(cfg, corpus.tokenizer),
         site=leader,
@@ -232,6 +236,7 @@ class Network:
     allreduce: AllReduceService
     exchange: FragmentExchange
     syncer: Syncer
+    checks: UsefulWork | None
     state_server: catchup.StateServer
     load: LoadMeter
 
@@ -340,6 +345,7 @@ def _swarm_side(
     allreduce.register()
     settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))
     exchange = FragmentExchange(transport, identity, allreduce, settings)
+    checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
     syncer = Syncer(
         cfg,
         training.model,
@@ -349,12 +355,14 @@ def _swarm_side(
         transport.submit,
         events,
         training.device,
+        checks,
     )
-    syncer.checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
     state_server = catchup.StateServer(
         transport, identity, cfg.run.run_id, inputs.data_dir / "state"
     )
     state_server.register()
+    if checks is not None:
+        checks.start()
     return Network(
         transport=transport,
         peers=peers,
@@ -365,6 +373,7 @@ def _swarm_side(
         allreduce=allreduce,
         exchange=exchange,
         syncer=syncer,
+        checks=checks,
         state_server=state_server,
         load=_load_meter(transport, control),
     )
@@ -380,19 +389,31 @@ def _useful_work(
     allreduce: AllReduceService,
 ) -> UsefulWork | None:
     """The useful-work checks when the policy asks for them (``trust.checkers``): this
-    node keeps and serves its contributions, checks its share and judges records."""
+    node keeps and serves its contributions, checks its share and judges records (not
+    started yet)."""
     if not cfg.trust.checkers or control is None:
         return None
+    settings = check_settings(cfg)
     sent = allreduce.keep_contributions()
-    checks = UsefulWork(
-        check_settings(cfg),
-        inputs.identity,
+    plan = training.plan
+    fetcher = Fetcher(
+        inputs.identity.peer_id,
         allreduce.transport,
-        (allreduce.settings, control.commitments.digests, sent),
+        allreduce.settings,
+        control.commitments.digests,
+        sent,
+        [plan[f].numel for f in range(len(plan))],
+        settings.timeout,
+    )
+    train, val = training.tokens
+    measurer = Measurer(settings, training.model, plan, train, val, training.device)
+    checks = UsefulWork(
+        settings,
+        inputs.identity,
         verifier,
-        training.model,
-        training.plan,
-        (training.trainer.stream.data, training.val_batches),
+        measurer,
+        fetcher,
+        len(plan),
         control.publish_check,
         events.write,
     )

@@ -211,7 +211,7 @@ class Rounds:
         self.progress.round = r
         self.pull()
         digest, went_wrong = self._settle(r, resync, joining)
-        checks = self.network.syncer.checks
+        checks = self.network.checks
         if checks is not None:
             checks.round_ended(r, went_wrong)
         self.progress.global_digest = (r, digest)
@@ -257,10 +257,8 @@ class Rounds:
         fields.update(
             tokens=t.trainer.tokens, steps=t.trainer.steps, bytes_sent=self.progress.bytes_sent
         )
-        checks = network.syncer.checks
-        if checks is not None:
-            checks.judge_inbox()  # records that came in since the round's exchanges
-            fields["checks"] = checks.summary()
+        if network.checks is not None:
+            fields["checks"] = network.checks.summary()
         fields["flagged"] = network.verifier.flagged(r)
         fields["live_peers"] = len(network.live_peers())
         fields["load"] = network.load.sample()

@@ -195,13 +195,14 @@ def check_settings(cfg: AtollConfig) -> CheckSettings:
     return CheckSettings(
         run_id=cfg.run.run_id,
         checkers=t.checkers,
-        batches=t.check_batches,
+        windows=t.check_windows,
+        fragments=t.check_fragments,
         from_round=t.check_from_round,
         min_records=t.check_min_records,
         pass_rate=t.check_pass_rate,
         audit=t.check_audit,
         assigned=t.check_assigned,
-        batch_size=cfg.data.batch_size,
         context=cfg.model.context,
         timeout=cfg.network.request_timeout,
+        budget=t.check_budget,
     )

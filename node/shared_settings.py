@@ -73,7 +73,14 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     # robustness a run promises holds only if every part uses the same rule.
     # Who checks whom, on which batches and from which round follow from these: nodes
     # that drew checkers differently would refuse each other's records.
-    "trust": ("aggregator", "checkers", "check_batches", "check_from_round", "check_assigned"),
+    "trust": (
+        "aggregator",
+        "checkers",
+        "check_windows",
+        "check_fragments",
+        "check_from_round",
+        "check_assigned",
+    ),
 }
 """The settings every node of a run must share: ``{section: (key, ...)}``."""
 

@@ -16,6 +16,8 @@ identity, p2pd, the DHT and the control channel, sends the site's pseudo-gradien
 * ``OPTIMIZER``: take the leader's inner optimizer state (at the start, after a resume;
   with FSDP each rank keeps the state of its own shard);
 * ``STEP n``: take one inner step at schedule position ``n``;
+* ``ASSIGN r``: train round ``r``'s assigned batches from now on (each rank its own
+  stream, :func:`node.data.assigned_stream`, so a checker can draw them again);
 * ``DIGEST``: report a digest of their parameters (the leader checks every round that
   its ranks hold the same values);
 * ``STOP``: exit.
@@ -34,6 +36,7 @@ import datetime
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_STEP, _PARAMS, _OPTIMIZER, _DIGEST, _STOP, _GATHER = 1, 2, 3, 4, 5, 6
+_STEP, _PARAMS, _OPTIMIZER, _DIGEST, _STOP, _GATHER, _ASSIGN = 1, 2, 3, 4, 5, 6, 7
 _TIMEOUT = datetime.timedelta(minutes=30)
 """How long a rank waits in one collective: the leader may sit between two inner steps
 while it joins the swarm or waits for peers (minutes); a dead rank is noticed at once
@@ -185,6 +188,10 @@ class SiteGroup:
         """Before each inner step: every rank steps at schedule position ``steps``."""
         self._order(_STEP, steps)
 
+    def assign(self, round_: int) -> None:
+        """Every follower trains round ``round_``'s assigned stream from now on."""
+        self._order(_ASSIGN, round_)
+
     def share_params(self, model: nn.Module, trained: nn.Module) -> None:
         """Every rank takes the leader's parameters (and buffers) of ``model`` into the
         module it trains (``trained``: ``model`` itself under DDP, its shards under FSDP)."""
@@ -234,8 +241,14 @@ class SiteGroup:
 
     # ---- a follower ----------------------------------------------------------------------
 
-    def follow(self, model: nn.Module, trainer: Any) -> int:
-        """Do what the leader says until it says stop; returns the inner steps taken."""
+    def follow(
+        self, model: nn.Module, trainer: Any, assigned: Callable[[int], Any] | None = None
+    ) -> int:
+        """Do what the leader says until it says stop; returns the inner steps taken.
+
+        Args:
+            assigned: this rank's assigned stream of a round (for ``ASSIGN``).
+        """
         taken = 0
         order = torch.zeros(2, dtype=torch.int64, device=self.device)
         while True:
@@ -256,6 +269,8 @@ class SiteGroup:
                 trainer.optimizer.load_state_dict(box[0])
             elif op == _DIGEST:
                 self.guard(dist.gather_object, self._digest(model), None, dst=0)
+            elif op == _ASSIGN and assigned is not None:
+                trainer.stream = assigned(arg)
             elif op == _STOP:
                 self.guard(dist.barrier)
                 return taken
@@ -358,6 +373,11 @@ class SiteLeader:
             self.group.gather(self.model, self.trained)
             self.ahead = False
 
+    def assign(self, round_: int) -> None:
+        """Every follower trains round ``round_``'s assigned stream from now on (the
+        leader switches its own)."""
+        self.group.assign(round_)
+
     def agree(self) -> tuple[int, bool]:
         """How many ranks there are, and whether they hold the leader's parameters."""
         self.share()
@@ -400,6 +420,9 @@ class NoSite:
         return None
 
     def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def assign(self, round_: int) -> None:
         pass
 
     def stop(self) -> None:

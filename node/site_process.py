@@ -58,7 +58,7 @@ def leave(code: int) -> NoReturn:
 def run_follower(cfg: Any, site: SiteRank) -> int:
     """A follower rank: train in step with the leader until it stops; an exit code."""
     from node.bindings import bind
-    from node.data import BatchStream, load_data
+    from node.data import BatchStream, assigned_stream, load_data
     from node.model import build_model, vocab_of
     from node.trainer import InnerTrainer
 
@@ -72,10 +72,15 @@ def run_follower(cfg: Any, site: SiteRank) -> int:
         key = group.agree_key(None)
         model = build_model(cfg.model, seed=cfg.run.seed).to(device)
         own = rank_data(cfg, corpus.train, site)
-        stream = BatchStream(own, cfg.data.batch_size, cfg.model.context, stream_key(key, site))
+        batch, context, run = cfg.data.batch_size, cfg.model.context, cfg.run.run_id
+        stream = BatchStream(own, batch, context, stream_key(key, site))
         trained = group.wrap(model)
         trainer = InnerTrainer(trained, cfg.train, stream, device, ranks=site.world)
-        steps = group.follow(model, trainer)
+
+        def assigned(round_: int) -> BatchStream:
+            return assigned_stream(own, batch, context, run, key, round_, site.rank)
+
+        steps = group.follow(model, trainer, assigned)
         logger.info("rank %d: stopped by the leader after %d inner steps", site.rank, steps)
         return 0
     finally:

@@ -37,12 +37,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.checks.inputs import ExchangeBase
 from node.config import AtollConfig
 from node.metrics import EventLog
 from node.outer import OuterOptimizer
+from protocol.averaging.contributions import WorkClaim
 from protocol.averaging.exchange import ExchangeOutcome, FragmentExchange
 from protocol.wire import codec as codecs
 from protocol.wire.feedback import ErrorFeedback
+from verification.usefulness import fragment_digest
 
 if TYPE_CHECKING:
     from node.checks import UsefulWork
@@ -98,6 +101,7 @@ class Syncer:
         submit: hands a coroutine to the transport's loop.
         events: the node's event log (one ``sync`` or ``sync_failed`` line per sync).
         device: where the model lives.
+        checks: useful-work checks, handed each exchange applied (None: no checks).
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class Syncer:
         submit: Submit,
         events: EventLog,
         device: torch.device,
+        checks: UsefulWork | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -124,8 +129,7 @@ class Syncer:
         """Syncs so far by outcome (partial: some parts kept this node's own values)."""
         self.refused: dict[str, str] = {}
         """Peers the latest exchanges left out for running another spec, with why."""
-        self.checks: UsefulWork | None = None
-        """Useful-work checks, run after each exchange applied (None: no checks)."""
+        self.checks = checks
 
     def launch(
         self,
@@ -136,6 +140,7 @@ class Syncer:
         expected: set[str],
         excludes: set[str],
         budget: float,
+        claim: WorkClaim | None = None,
     ) -> Pending:
         """Start syncing fragment ``f`` for round ``r`` in the background.
 
@@ -147,6 +152,7 @@ class Syncer:
             expected: peers believed alive, waited for in matchmaking (suspects
                 included: whether they are left out is decided by vote).
             excludes: peers this node votes to leave out of the round.
+            claim: the batches the pseudo-gradient was trained on (:mod:`node.claims`).
         """
         sync = self.cfg.sync
         sent_from = self.outer.local_vector(self.model, f)
@@ -159,12 +165,18 @@ class Syncer:
         weight = staleness_weight(tokens, self.missed[f])
         # Whether the group mixes weights is decided from the announced peers; the copy
         # is taken now, on the training thread, in case it does.
-        mix = codecs.encode(self.outer.global_vector(f), sync.mix_codec, block_size=sync.block_size)
+        own = self.outer.global_vector(f)
+        mix = codecs.encode(own, sync.mix_codec, block_size=sync.block_size)
         weights = codecs.decode(mix, expected_numel=pg.numel())
         started = time.monotonic()
         deadline = started + budget
+        wire = claim.to_wire() if claim is not None else None
+        # the group mixes when its members' copies differ: each announces its own
+        base = fragment_digest(own)
         future = self.submit(
-            self.exchange.run(r, f, weight, contribution, weights, expected, excludes, deadline)
+            self.exchange.run(
+                r, f, weight, contribution, weights, expected, excludes, deadline, base, wire
+            )
         )
         return Pending(r, f, weight, step, started, future, weights, deadline, sent_from)
 
@@ -181,7 +193,10 @@ class Syncer:
         self.refused.update(done.refused)
         result = done.result
         checking = self.checks is not None and _checkable(done)
-        base = [g.detach().clone() for g in self.outer.globals] if checking else []
+        # the value the group held before the step: its mean copy, or every member's own
+        base = None
+        if checking:
+            base = done.mixed.vector if done.mixed is not None else self.outer.global_vector(f)
         self._step(pending, done)
         self.outer.merge_local(self.model, f, self.cfg.sync.alpha, pending.sent_from)
         self.missed[f] = 0
@@ -190,10 +205,12 @@ class Syncer:
         digest = _digest(self.outer.global_vector(f))
         record = _record(pending, done, digest, step)
         self.events.write("sync", **record)
-        if checking:
-            assert self.checks is not None
-            contributors = {p for part in result.contributors for p in part}
-            self.checks.exchange_done(pending.round, f, sorted(contributors), base, digest)
+        if checking and self.checks is not None and base is not None:
+            contributors = tuple(sorted({p for part in result.contributors for p in part}))
+            base = base.detach().cpu()
+            mixed = done.mixed is not None
+            exchange = ExchangeBase(pending.round, f, base, result.vector, contributors, mixed)
+            self.checks.exchange_applied(exchange)
         return record
 
     def _wait(self, pending: Pending) -> ExchangeOutcome | None:
@@ -225,15 +242,11 @@ class Syncer:
 
 
 def _checkable(done: ExchangeOutcome) -> bool:
-    """Whether useful-work checks may judge this exchange: every part came back reduced
-    (the global after it is then the group's, and with it the checks' seed)."""
-    result = done.result
-    return (
-        done.mixed is None
-        and len(done.group) > 1
-        and not result.fallback_parts
-        and not result.repaired_parts
-    )
+    """Whether useful-work checks may judge this exchange: every part of it (and of the
+    group's mean copy, where it mixed) came back reduced, so every member holds the same
+    result and base, and with them the checks' seed."""
+    results = [done.result] if done.mixed is None else [done.result, done.mixed]
+    return len(done.group) > 1 and not any(r.fallback_parts or r.repaired_parts for r in results)
 
 
 def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> dict[str, Any]:

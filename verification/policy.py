@@ -82,17 +82,23 @@ class TrustPolicy:
         checkers: members of an exchange that check each contribution's effect on the
             loss (:mod:`verification.usefulness`); 0 runs no checks. Needs the commit
             phase (a checker compares what it fetches with what was committed).
-        check_batches: batches per check, each of the assigned data and of validation.
+        check_windows: windows per check, of the contributor's claimed batches (each
+            from another batch) and as many of control text.
+        check_fragments: fragments of each contributor checked per round (drawn after
+            the round; the others go unchecked that round).
         check_from_round: the first round checked (the first rounds of a fresh model
             learn what any text teaches, so no contribution gains more on its own data).
         check_min_records: records of a peer needed before it can be flagged.
         check_pass_rate: a peer is flagged (a ``useless_work`` violation) once the upper
-            95 % bound of its records' pass rate falls below this.
-        check_audit: the share of passing records a node recomputes itself (every
-            failing record is recomputed before it counts against anyone).
-        check_assigned: judge a contribution by its gain on the contributor's assigned
-            batches against validation batches; false judges it by the validation loss
-            alone (for swarms whose nodes train on data of their own).
+            95 % bound of its checked batches' pass rate falls below this, with failing
+            batches from two checkers or more (:mod:`verification.workscores`).
+        check_audit: the share of other checkers' records of its own group a node
+            recomputes itself (a record that accuses this node is always recomputed).
+        check_assigned: judge a contribution by its gain on the batches it claims against
+            control text of the run's train split; false judges it by its gain on
+            validation text alone (for swarms whose nodes train on data of their own).
+        check_budget: the largest share of wall time a node's checks may be busy (they
+            run on a worker thread beside training and rest to stay under it).
     """
 
     allow: tuple[str, ...] = ()
@@ -114,12 +120,14 @@ class TrustPolicy:
     max_missed: int = Field(default=3, ge=1)
     missed_window: int = Field(default=10, ge=1)
     checkers: int = Field(default=0, ge=0, le=16)
-    check_batches: int = Field(default=4, ge=1, le=64)
+    check_windows: int = Field(default=16, ge=1, le=64)
+    check_fragments: int = Field(default=1, ge=1)
     check_from_round: int = Field(default=2, ge=1)
-    check_min_records: int = Field(default=4, ge=1)
-    check_pass_rate: float = Field(default=0.45, gt=0, le=1)
-    check_audit: float = Field(default=0.25, ge=0, le=1)
+    check_min_records: int = Field(default=3, ge=1)
+    check_pass_rate: float = Field(default=0.6, gt=0, le=1)
+    check_audit: float = Field(default=0.1, ge=0, le=1)
     check_assigned: bool = True
+    check_budget: float = Field(default=0.05, gt=0, le=1)
 
     @field_validator("allow", "deny")
     @classmethod

@@ -1,30 +1,34 @@
-"""Useful-work checks: what a contribution does to the loss, judged by sampled checkers.
+"""Useful-work checks: who checks whom on which batches, and the signed records of what
+a checker measured.
 
 Screens compare a contribution with the rest of its group and cannot see one that looks
-like everyone else's but does no good (an idle member, training on the wrong data, last
-round's change sent again). A check measures its effect instead, as Templar's Gauntlet
-does: the contribution applied to the global parameters it was computed against, the
-loss before and after on batches of the contributor's *assigned* data (which it should
-have trained on) and on batches of the shared validation set. A member that trained on
-its assignment gains more on it than on held-out text; one that did not gains no more
-there than anywhere else, and one that trained on garbage raises the validation loss.
+like everyone else's but does no good (an idle member, one that trained a tenth of the
+steps it claims, training on the wrong data, last round's change sent again). A check
+measures its effect instead: the contribution applied to the *round's base* (the values
+every member of its group held before the round's outer steps), the loss before and
+after on a sample of the batches the contributor claims it trained (its *assigned*
+batches, which anyone holding the run's tokens can draw again) and on *control* batches
+drawn for the whole exchange. The checker measures its own contribution to the same
+exchange on the same control batches as the reference of honest work.
+:mod:`verification.workscores` turns a record into verdicts.
 
-Everything here is reproducible by any node of the group, after the fact:
+Everything here is reproducible by any member of the group, after the fact:
 
-- the **assignment seed** of a round's exchange (:func:`assignment_seed`) is a hash of
-  the global digest the group's members agree on after the round's outer step and of the
-  round's contributors. That digest is a function of every committed part of the round,
-  so no one can compute the seed before the commit phase closed and the parts were
-  reduced; every member of the group computes the same one after.
-- who checks whom (:func:`checkers_for`) and which batches (:func:`batch_plan`) follow
-  from the seed;
-- a checker signs a :class:`CheckRecord` (peer, round, contribution digest, global
-  digest, seed, losses); another node recomputes the losses (a deterministic fp32
-  forward on the CPU) and accepts them within :data:`LOSS_RTOL`;
-- :class:`Scores` turns a peer's records into a standing: a record *passes* when the
-  contribution lowers the loss on the assigned batches by more than on validation
-  (:func:`passes`), and a peer is flagged once the upper confidence bound of its pass
-  rate (Wilson, one-sided 95 %) falls below the policy's ``check_pass_rate``.
+- the **round's base** is, for every fragment, the value the group held before the
+  round's outer step: the group's mean copy where the group mixes, else the global copy
+  every member announced with the same digest; :func:`round_base_digest` names it. Groups
+  are formed per round, not per fragment (:mod:`protocol.averaging.grouping`), so the
+  members of one group share the base of every fragment, in every layout;
+- the **seed** of an exchange (:func:`assignment_seed`) hashes that base, the digest of
+  the exchange's reduced result and its contributors: no one knows it before the commit
+  phase closed and the parts were reduced, and every member computes the same one after;
+- which fragment of each contributor is checked in a round (:func:`fragments_checked`),
+  who checks it (:func:`checkers_for`), which windows of its claimed batches
+  (:func:`window_plan`) and which control windows (:func:`control_key`) follow from the
+  seed;
+- a checker signs a :class:`CheckRecord` (the contribution's and its own digests, the
+  base, the seed, the claims and every loss); another member recomputes the losses (a
+  deterministic fp32 forward) and accepts them within :data:`LOSS_RTOL`.
 
 This module knows neither the model nor the network: the node measures losses and
 fetches contributions (``node.checks``), and hands the numbers here.
@@ -35,12 +39,13 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import blake3
 import msgpack
+import torch
 
 from verification.identity import Identity, verify
 
@@ -50,20 +55,21 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "CheckRecord",
     "RecordError",
-    "Scores",
     "assignment_seed",
-    "batch_plan",
     "checkers_for",
     "contribution_digest",
+    "control_key",
+    "fragment_digest",
+    "fragments_checked",
     "open_record",
-    "passes",
     "reproduces",
-    "wilson_upper",
+    "round_base_digest",
+    "window_plan",
 ]
 
-_SEED_DOMAIN = b"atoll/check-seed/v1\0"
-_RECORD_DOMAIN = b"atoll/check/v1\0"
-_VERSION = 1
+_SEED_DOMAIN = b"atoll/check-seed/v2\0"
+_RECORD_DOMAIN = b"atoll/check/v2\0"
+_VERSION = 2
 
 LOSS_RTOL = 1e-4
 """Relative tolerance between a record's losses and a recomputation: fp32 sums over a
@@ -71,10 +77,11 @@ batch agree to about 1e-6 relative across thread counts; 1e-4 leaves room and is
 far below any gain a check relies on (about 1e-2 nats)."""
 LOSS_ATOL = 1e-6
 """Absolute tolerance, for losses near zero."""
-MAX_RECORD_BYTES = 4096
-"""A signed record is about 600 bytes; anything above this is refused unread."""
-_Z = 1.645
-"""One-sided 95 % for the Wilson bound of a peer's pass rate."""
+MAX_RECORD_BYTES = 16384
+"""A signed record of 16 claimed and 16 control windows is about 1.9 KB; anything above
+this is refused unread."""
+MAX_WINDOWS = 64
+"""Windows of either kind one record may hold (``trust.check_windows`` is at most this)."""
 
 
 class RecordError(ValueError):
@@ -85,18 +92,37 @@ class RecordError(ValueError):
         self.reason = reason
 
 
+def fragment_digest(vector: torch.Tensor) -> str:
+    """Hex BLAKE3 of a fragment's float32 values (hashed in place on the CPU)."""
+    data = vector.detach().float().contiguous().cpu().numpy().view("uint8").data
+    return blake3.blake3(data).hexdigest()
+
+
+def round_base_digest(fragments: Sequence[str]) -> str:
+    """One digest for a round's base from its fragments' digests, in fragment order."""
+    h = hashlib.sha256(b"atoll/round-base/v1\0")
+    for d in fragments:
+        h.update(d.encode() + b"\0")
+    return h.hexdigest()
+
+
 def assignment_seed(
-    run_id: str, round_: int, fragment: int, global_digest: str, contributors: Iterable[str]
+    run_id: str,
+    round_: int,
+    fragment: int,
+    base: str,
+    result: str,
+    contributors: Iterable[str],
 ) -> bytes:
     """The seed of the checks of exchange ``(round_, fragment)``: 32 bytes.
 
     Args:
-        global_digest: the fragment's global values after the round's outer step, as
-            every member of the group holds them (hex).
-        contributors: the peers whose parts the round reduced (any order).
+        base: the round's base digest (:func:`round_base_digest`), as the group holds it.
+        result: the digest of the exchange's reduced pseudo-gradient.
+        contributors: the peers whose parts the exchange reduced (any order).
     """
     h = hashlib.sha256(_SEED_DOMAIN)
-    for item in (run_id, str(int(round_)), str(int(fragment)), global_digest):
+    for item in (run_id, str(int(round_)), str(int(fragment)), base, result):
         h.update(item.encode() + b"\0")
     for peer in sorted(set(contributors)):
         h.update(peer.encode() + b"\0")
@@ -107,6 +133,18 @@ def _rank(seed: bytes, *keys: str) -> bytes:
     return hashlib.sha256(seed + "\0".join(keys).encode()).digest()
 
 
+def fragments_checked(base: str, round_: int, peer: str, fragments: int, count: int) -> set[int]:
+    """The ``count`` fragments of ``peer``'s round-``round_`` contributions that are checked
+    (all of them when ``count >= fragments``): drawn from the round's base, which only the
+    round's end fixes, so a contributor cannot know beforehand which of its fragments
+    will be looked at."""
+    if count >= fragments:
+        return set(range(fragments))
+    seed = hashlib.sha256(f"atoll/check-fragments/v1\0{base}\0{int(round_)}".encode()).digest()
+    order = sorted(range(fragments), key=lambda f: _rank(seed, peer, str(f)))
+    return set(order[: max(0, count)])
+
+
 def checkers_for(seed: bytes, contributor: str, group: Sequence[str], count: int) -> list[str]:
     """The ``count`` members of ``group`` other than ``contributor`` that check it, in an
     order only the seed decides (fewer when the group is smaller)."""
@@ -115,28 +153,29 @@ def checkers_for(seed: bytes, contributor: str, group: Sequence[str], count: int
     return others[: max(0, count)]
 
 
-def batch_plan(
-    seed: bytes, contributor: str, checker: str, claimed: int, count: int, val_batches: int
-) -> tuple[list[int], list[int]]:
-    """Which batches ``checker``'s check of ``contributor`` measures: ``count`` indices
-    among the ``claimed`` batches of the contributor's assignment, and ``count`` among
-    ``val_batches`` validation batches (distinct where there are enough; sorted). Each
-    checker draws its own, so two checkers' records are two samples, not one twice."""
+def window_plan(
+    seed: bytes, contributor: str, checker: str, claimed: int, batch: int, count: int
+) -> list[tuple[int, int]]:
+    """Which windows of ``contributor``'s claim ``checker`` measures: ``count``
+    ``(batch, window)`` pairs, each in a different one of the ``claimed`` batches (fewer
+    when the claim is shorter) and at a window of it below ``batch``, sorted. Each checker
+    draws its own, so two checkers' records are two samples, not one twice."""
+    if claimed <= 0 or count <= 0 or batch <= 0:
+        return []
+    chosen: dict[int, int] = {}
+    k = 0
+    while len(chosen) < min(count, claimed) and k < 64 * count:
+        word = _rank(seed, "assigned", contributor, checker, str(k))
+        index, window = struct.unpack(">QQ", word[:16])
+        chosen.setdefault(index % claimed, window % batch)
+        k += 1
+    return sorted(chosen.items())
 
-    def pick(kind: str, n: int) -> list[int]:
-        if n <= 0:
-            return []
-        chosen: list[int] = []
-        k = 0
-        while len(chosen) < min(count, n) and k < 64 * count:
-            word = _rank(seed, kind, contributor, checker, str(k))
-            index = struct.unpack(">Q", word[:8])[0] % n
-            if index not in chosen:
-                chosen.append(index)
-            k += 1
-        return sorted(chosen)
 
-    return pick("assigned", claimed), pick("validation", val_batches)
+def control_key(seed: bytes) -> str:
+    """What keys the control windows of an exchange: the same for every checker of it, so
+    every contribution of the exchange is measured on the very same text."""
+    return "control:" + seed.hex()
 
 
 def contribution_digest(part_digests: Sequence[bytes]) -> str:
@@ -147,14 +186,31 @@ def contribution_digest(part_digests: Sequence[bytes]) -> str:
     return h.hexdigest()
 
 
+Quad = tuple[float, float, float, float]
+
+
 @dataclass(frozen=True)
 class CheckRecord:
     """What a checker measured of one peer's contribution to one exchange.
 
-    Losses are mean cross-entropies in nats per token, ``before`` at the global values
-    the contribution was computed against and ``after`` with it applied; ``assigned``
-    ones on the contributor's assigned batches (None when the run checks validation only),
-    ``validation`` ones on validation batches.
+    Losses are mean cross-entropies in nats per token, ``before`` a contribution and
+    ``after`` it: on the round's base, where the exchange's fragment holds the value the
+    contribution was computed against (the group's base, or the member's own global copy
+    as it sent it where the group mixed copies), and with the contribution subtracted
+    from that fragment.
+
+    Attributes:
+        contribution: digest of the checked contribution's signed parts (its copy's
+            parts after them, where the group mixed).
+        reference: the same of the checker's own contribution to the exchange.
+        base: the round's base digest; ``result``: the exchange's reduced result's.
+        seed: the exchange's seed (hex).
+        claimed: the batches the contribution's signed claim covers (all ranks).
+        reference_claimed: the batches the checker's own claim covers.
+        assigned: on each sampled claimed window (none when the run checks validation
+            only), ``(before, after, reference before, reference after)``: the loss
+            before and after the contribution, and before and after the checker's own.
+        control: the same on each control window.
     """
 
     checker: str
@@ -163,17 +219,22 @@ class CheckRecord:
     round: int
     fragment: int
     contribution: str
-    global_digest: str
+    reference: str
+    base: str
+    result: str
     seed: str
     claimed: int
-    assigned: tuple[float, float] | None
-    validation: tuple[float, float]
+    reference_claimed: int
+    assigned: tuple[Quad, ...]
+    control: tuple[Quad, ...]
     signature: bytes = field(default=b"", compare=False)
 
     def body(self) -> bytes:
         """The signed bytes (every field but the signature)."""
         fields = asdict(self)
         fields.pop("signature")
+        fields["assigned"] = [list(p) for p in self.assigned]
+        fields["control"] = [list(t) for t in self.control]
         fields["v"] = _VERSION
         return msgpack.packb(fields, use_bin_type=True)
 
@@ -194,35 +255,34 @@ class CheckRecord:
         return self.checker, self.peer, self.round, self.fragment
 
     @property
-    def gains(self) -> tuple[float | None, float]:
-        """Loss drops (positive: the contribution helped) on assigned and validation
-        batches."""
-        a = None if self.assigned is None else self.assigned[0] - self.assigned[1]
-        return a, self.validation[0] - self.validation[1]
+    def exchange(self) -> tuple[int, int]:
+        return self.round, self.fragment
 
 
 def _replace(record: CheckRecord, **changes: Any) -> CheckRecord:
-    fields = asdict(record)
+    fields = {f: getattr(record, f) for f in record.__dataclass_fields__}
     fields.update(changes)
-    for k in ("assigned", "validation"):
-        if fields[k] is not None:
-            fields[k] = tuple(fields[k])
     return CheckRecord(**fields)
 
 
-def _pair(value: Any, name: str) -> tuple[float, float]:
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise RecordError("malformed", f"{name} must be two losses")
+def _losses(value: Any, name: str, width: int) -> tuple[tuple[float, ...], ...]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_WINDOWS:
+        raise RecordError("malformed", f"{name} must be a list of at most {MAX_WINDOWS}")
     out = []
-    for v in value:
-        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-            raise RecordError("malformed", f"{name} losses must be finite numbers")
-        out.append(float(v))
-    return out[0], out[1]
+    for row in value:
+        if not isinstance(row, list | tuple) or len(row) != width:
+            raise RecordError("malformed", f"each {name} entry holds {width} losses")
+        losses = []
+        for v in row:
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                raise RecordError("malformed", f"{name} losses must be finite numbers")
+            losses.append(float(v))
+        out.append(tuple(losses))
+    return tuple(out)
 
 
-_TEXT = ("checker", "peer", "run", "contribution", "global_digest", "seed")
-_INTS = ("round", "fragment", "claimed")
+_TEXT = ("checker", "peer", "run", "contribution", "reference", "base", "result", "seed")
+_INTS = ("round", "fragment", "claimed", "reference_claimed")
 
 
 def open_record(data: bytes, run: str) -> CheckRecord:
@@ -239,25 +299,29 @@ def open_record(data: bytes, run: str) -> CheckRecord:
     except Exception as exc:
         raise RecordError("malformed", f"not a record: {type(exc).__name__}") from None
     if not isinstance(fields, dict) or fields.pop("v", None) != _VERSION:
-        raise RecordError("malformed", "not a version-1 record")
+        raise RecordError("malformed", f"not a version-{_VERSION} record")
     if not isinstance(signature, bytes) or set(fields) != {
         *_TEXT,
         *_INTS,
         "assigned",
-        "validation",
+        "control",
     }:
         raise RecordError("malformed", "fields missing or unknown")
     if not all(isinstance(fields[k], str) and len(fields[k]) <= 128 for k in _TEXT):
         raise RecordError("malformed", "text fields must be short strings")
-    if not all(isinstance(fields[k], int) and 0 <= fields[k] < 2**53 for k in _INTS):
-        raise RecordError("malformed", "round, fragment and claimed must be non-negative")
-    assigned = None if fields["assigned"] is None else _pair(fields["assigned"], "assigned")
+    if not all(
+        isinstance(fields[k], int) and not isinstance(fields[k], bool) and 0 <= fields[k] < 2**53
+        for k in _INTS
+    ):
+        raise RecordError("malformed", "round, fragment and claims must be non-negative")
     record = CheckRecord(
         **{k: fields[k] for k in (*_TEXT, *_INTS)},
-        assigned=assigned,
-        validation=_pair(fields["validation"], "validation"),
+        assigned=_losses(fields["assigned"], "assigned", 4),  # type: ignore[arg-type]
+        control=_losses(fields["control"], "control", 4),  # type: ignore[arg-type]
         signature=signature,
     )
+    if not record.control:
+        raise RecordError("malformed", "a record measures at least one control window")
     if record.run != run:
         raise RecordError("wrong_run", f"a record of run {record.run!r}")
     digest = hashlib.sha256(body).digest()
@@ -266,110 +330,21 @@ def open_record(data: bytes, run: str) -> CheckRecord:
     return record
 
 
+_SAME = ("peer", "round", "fragment", "contribution", "reference", "base", "result", "seed")
+
+
 def reproduces(record: CheckRecord, mine: CheckRecord) -> bool:
-    """True when ``mine`` (measured by this node on the same contribution, global state
-    and batches) confirms ``record``'s losses within the tolerance."""
-    if (record.peer, record.round, record.fragment) != (mine.peer, mine.round, mine.fragment):
+    """True when ``mine`` (measured by this node on the same contributions, base and
+    batches) confirms ``record``'s losses within the tolerance."""
+    if any(getattr(record, k) != getattr(mine, k) for k in _SAME):
         return False
-    if (record.contribution, record.global_digest, record.seed) != (
-        mine.contribution,
-        mine.global_digest,
-        mine.seed,
-    ):
+    if (record.claimed, record.reference_claimed) != (mine.claimed, mine.reference_claimed):
         return False
-    if (record.assigned is None) != (mine.assigned is None):
+    if len(record.assigned) != len(mine.assigned) or len(record.control) != len(mine.control):
         return False
-    pairs = [(record.validation, mine.validation)]
-    if record.assigned is not None and mine.assigned is not None:
-        pairs.append((record.assigned, mine.assigned))
+    rows = [*zip(record.assigned, mine.assigned), *zip(record.control, mine.control)]
     return all(
         math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL)
-        for theirs, ours in pairs
+        for theirs, ours in rows
         for a, b in zip(theirs, ours, strict=True)
     )
-
-
-def passes(record: CheckRecord) -> tuple[bool, str]:
-    """Whether a record speaks for its contribution, and why not.
-
-    With assigned data it passes when the contribution lowers the loss on the assigned
-    batches, and by more than on validation batches: an idle, copied or mis-trained
-    contribution gains no more on the contributor's own assignment than on any text.
-    Without (``trust.check_assigned = false``) it passes when it lowers the validation
-    loss. A late, honest update can leave the validation loss a hair higher on a few
-    batches; it still passes on its assigned ones.
-    """
-    on_assigned, on_val = record.gains
-    if on_assigned is None:
-        if on_val <= 0:
-            return False, f"does not lower validation loss ({on_val:+.4f} nats)"
-        return True, ""
-    if on_assigned <= max(on_val, 0.0):
-        return False, (
-            f"gains {on_assigned:+.4f} nats on its assigned data, against "
-            f"{on_val:+.4f} on validation"
-        )
-    return True, ""
-
-
-def wilson_upper(passed: int, total: int, z: float = _Z) -> float:
-    """The upper Wilson bound of a pass rate of ``passed`` of ``total`` (1 with none)."""
-    if total <= 0:
-        return 1.0
-    p = passed / total
-    denom = 1 + z * z / total
-    centre = p + z * z / (2 * total)
-    spread = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total))
-    return min(1.0, (centre + spread) / denom)
-
-
-@dataclass
-class _Peer:
-    results: deque[tuple[tuple[str, str, int, int], bool, str]]
-
-
-class Scores:
-    """Per peer, its last ``window`` judged records and whether it is flagged.
-
-    Args:
-        min_records: records needed before a peer can be flagged.
-        pass_rate: a peer is flagged once the upper bound of its pass rate is below this.
-        window: records kept per peer (the newest).
-    """
-
-    def __init__(self, min_records: int, pass_rate: float, window: int = 12) -> None:
-        self.min_records = min_records
-        self.pass_rate = pass_rate
-        self.window = window
-        self._peers: dict[str, _Peer] = {}
-
-    def add(self, record: CheckRecord) -> tuple[bool, str]:
-        """Count a record (once per checker, peer, round and fragment); whether it passed."""
-        ok, why = passes(record)
-        peer = self._peers.setdefault(record.peer, _Peer(deque(maxlen=self.window)))
-        if any(key == record.key for key, _, _ in peer.results):
-            return ok, why
-        peer.results.append((record.key, ok, why))
-        return ok, why
-
-    def score(self, peer: str) -> dict[str, Any]:
-        """``{"records", "passed", "upper", "flagged", "last_failure"}`` for ``peer``."""
-        results = list(self._peers[peer].results) if peer in self._peers else []
-        passed = sum(ok for _, ok, _ in results)
-        upper = wilson_upper(passed, len(results))
-        failures = [why for _, ok, why in results if not ok]
-        return {
-            "records": len(results),
-            "passed": passed,
-            "upper": round(upper, 4),
-            "flagged": len(results) >= self.min_records and upper < self.pass_rate,
-            "last_failure": failures[-1] if failures else "",
-        }
-
-    def flagged(self) -> set[str]:
-        """Peers whose records say they do no useful work."""
-        return {p for p in self._peers if self.score(p)["flagged"]}
-
-    def all(self) -> dict[str, dict[str, Any]]:
-        """Every scored peer's :meth:`score`."""
-        return {p: self.score(p) for p in sorted(self._peers)}

@@ -11,7 +11,10 @@ reputation are refused, and this node votes to leave quarantined and banned ones
 of the round's groups.
 
 The owner's reduction runs here in steps (admit, screen, cap the weights and
-aggregate, audit); who is in and what a violation costs is
+aggregate, audit). With useful-work checks on, a member's claimed weight in an
+``update`` is first scaled by the share of it its checked work bears out
+(:meth:`verification.workscores.Scores.factor`), so partial work buys partial influence
+before any flag. Who is in and what a violation costs is
 :class:`~verification.standings.Standings`, and the checks against history (a pair's
 parts, an owner's result) are :class:`~verification.plausibility.Plausibility`.
 
@@ -38,6 +41,7 @@ from verification.reputation import ReputationStore
 from verification.screening import Candidate, ScreeningConfig, screen
 from verification.shares import max_share_weights
 from verification.standings import EventSink, Standings
+from verification.workscores import Scores
 from verification.writer import Writer
 
 __all__ = ["BENIGN_REASONS", "EventSink", "Verifier"]
@@ -99,6 +103,13 @@ class Verifier:
         self._lock = threading.RLock()
         self.standings = Standings(policy, me, self.reputation, self._lock, events)
         """Who is in, and what a violation costs."""
+        self.work = (
+            Scores(me, policy.check_min_records, policy.check_pass_rate)
+            if policy.checkers
+            else None
+        )
+        """Each peer's checked work (None without useful-work checks); fed by the node's
+        checks, read here for weights."""
         self._missed: dict[str, deque[int]] = {}  # rounds with a committed, undelivered part
 
     @property
@@ -148,7 +159,8 @@ class Verifier:
         admitted = [(p, w) for p, w in members if not self.refusal(p, round_)]
         if not admitted:
             return None
-        weights = tuple(max_share_weights([w for _, w in admitted], self.policy.max_share))
+        claimed = self._evidenced([w for _, w in admitted], [p for p, _ in admitted], content)
+        weights = tuple(max_share_weights(claimed, self.policy.max_share))
         params = dict(self.policy.aggregator_params)
 
         def combine(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -179,7 +191,7 @@ class Verifier:
         admitted = self._admitted(contributions, round_, shared, rejected)
         numel = contributions[0].vector.numel()
         good = self._screened(admitted, numel, round_, fragment, content, shared, rejected)
-        result = self._aggregated(good, prefix)
+        result = self._aggregated(good, prefix, "weights" if shared else content)
         used = [good[i].peer for i in result.used]
         for c in good:
             if c.peer not in used:
@@ -245,10 +257,13 @@ class Verifier:
             self.standings.violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
         return good
 
-    def _aggregated(self, good: Sequence[Contribution], prefix: Prefix | None) -> Aggregate:
+    def _aggregated(
+        self, good: Sequence[Contribution], prefix: Prefix | None, content: str
+    ) -> Aggregate:
         """The policy's aggregator over ``good`` with capped weights (the streamed
         ``prefix`` completed when it was reduced over exactly these)."""
-        weights = max_share_weights([c.weight for c in good], self.policy.max_share)
+        claimed = self._evidenced([c.weight for c in good], [c.peer for c in good], content)
+        weights = max_share_weights(claimed, self.policy.max_share)
         result = _complete(prefix, good, weights) if prefix is not None else None
         if result is None:
             result = aggregate(
@@ -258,6 +273,15 @@ class Verifier:
                 self.policy.aggregator_params,
             )
         return result
+
+    def _evidenced(
+        self, weights: Sequence[float], peers: Sequence[str], content: str
+    ) -> list[float]:
+        """``update`` weights scaled by the share of its claim each peer's checked work
+        bears out (as they are without checks, for global copies and shared repairs)."""
+        if self.work is None or content != "update":
+            return list(weights)
+        return [w * self.work.factor(p) for w, p in zip(weights, peers, strict=True)]
 
     def _audit_reduction(
         self,

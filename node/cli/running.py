@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from node.cli.errors import file_problem
 from node.cli.logs import log_file
 from node.config import ConfigError, load_config
-from node.fault_modes import ALL_MODES as _BYZANTINE_MODES
+from node.fault_modes import parse_mode
 
 if TYPE_CHECKING:
     from node.daemon import Node
@@ -182,8 +182,7 @@ def _swarm_spec(args: argparse.Namespace, max_rounds: int) -> SwarmSpec:
         raise ValueError("--procs-per-node must be >= 1")
     if args.byzantine:
         mode, _, count = args.byzantine.partition(":")
-        if mode not in _BYZANTINE_MODES:
-            raise ValueError(f"--byzantine {mode!r}: expected one of {', '.join(_BYZANTINE_MODES)}")
+        parse_mode(mode)  # a clear error for an unknown mode or a bad parameter
         k = int(count or 1)
         if not 0 < k < args.nodes:
             raise ValueError("--byzantine MODE:K needs 0 < K < --nodes")

@@ -202,6 +202,7 @@ class AllReduceService:
         deadline: float | None = None,
         out: torch.Tensor | None = None,
         content: str = "update",
+        claim: dict | None = None,
     ) -> AllReduceResult:
         """All-reduce ``vector`` with ``group`` for ``(round, fragment, content)``.
 
@@ -222,9 +223,11 @@ class AllReduceService:
             content: what ``vector`` is (:data:`~protocol.averaging.parts.Content`):
                 ``update`` (a pseudo-gradient) or ``weights`` (a global copy, when the
                 group mixes); the two exchanges of a fragment run side by side.
+            claim: what the pseudo-gradient was trained on (plain msgpack-able data),
+                signed into the head of every part of an ``update`` as ``work``.
 
         Raises:
             ValueError: an unknown ``content``, or an ``out`` that does not fit.
         """
         key = (round_, fragment, content)
-        return await self.member.run(key, group, vector, weight, owners, deadline, out)
+        return await self.member.run(key, group, vector, weight, owners, deadline, out, claim)

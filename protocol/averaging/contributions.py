@@ -10,6 +10,11 @@ part index), compares each sent part's digest with the commitment the contributo
 signed to the group before the exchange, and decodes them into one vector: what the
 owners reduced, bit for bit. The part a member owned itself was never sent and so never
 committed; it is covered by the member's signature only.
+
+Every part of an ``update`` carries the member's signed :class:`WorkClaim` in its head
+(``work``): which batches of its assignment the pseudo-gradient was trained on. It is
+committed with the part, before anyone can know which of those batches a checker will
+draw, so a member that trained fewer than it claims cannot choose its claim afterwards.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import torch
@@ -31,17 +37,20 @@ __all__ = [
     "ROUNDS_KEPT",
     "Fetched",
     "SentParts",
+    "WorkClaim",
     "open_contribution",
 ]
 
 CONTRIBUTION_RPC = "atoll.contribution"
-"""The RPC a member serves its kept contributions on: ``msgpack([round, fragment])``."""
+"""The RPC a member serves its kept contributions on: ``msgpack([round, fragment])`` for
+its pseudo-gradient, ``msgpack([round, fragment, content])`` for either content (its
+global copy, ``weights``, where the group mixed)."""
 ROUNDS_KEPT = 3
 """Rounds a member keeps its sent parts for (checks run within the round after)."""
 _MAX_REQUEST_BYTES = 64
 
-CommittedDigests = Callable[[str, int, int], dict[int, bytes] | None]
-"""``(peer, round, fragment)`` to the part digests ``peer`` committed to, or None."""
+CommittedDigests = Callable[[str, int, int, str], dict[int, bytes] | None]
+"""``(peer, round, fragment, content)`` to the part digests ``peer`` committed to, or None."""
 
 
 class SentParts:
@@ -49,40 +58,115 @@ class SentParts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[tuple[int, int], list[bytes]] = {}
+        self._kept: dict[tuple[int, int, str], list[bytes]] = {}
 
     def keep(self, key: AllReduceKey, parts: dict[int, SealedPart]) -> None:
-        """Keep the parts of an ``update`` exchange (copies: bodies may be views)."""
+        """Keep the parts of an exchange (copies: bodies may be views)."""
         round_, fragment, content = key
-        if content != "update":
-            return
         wires = [parts[j].to_bytes() for j in sorted(parts)]
         with self._lock:
-            self._kept[(round_, fragment)] = wires
+            self._kept[(round_, fragment, content)] = wires
             for old in [k for k in self._kept if k[0] <= round_ - ROUNDS_KEPT]:
                 del self._kept[old]
 
-    def get(self, round_: int, fragment: int) -> list[bytes] | None:
+    def get(self, round_: int, fragment: int, content: str = "update") -> list[bytes] | None:
         with self._lock:
-            return self._kept.get((round_, fragment))
+            return self._kept.get((round_, fragment, content))
 
     async def serve(self, peer: str, request: bytes) -> bytes:
         """The :data:`CONTRIBUTION_RPC` handler: the kept parts, or an empty list."""
         try:
-            round_, fragment = msgpack.unpackb(request, raw=False)
-            wires = self.get(int(round_), int(fragment))
+            fields = msgpack.unpackb(request, raw=False)
+            if not isinstance(fields, list) or len(fields) not in (2, 3):
+                raise ValueError("expected [round, fragment] or [round, fragment, content]")
+            content = fields[2] if len(fields) == 3 else "update"
+            if content not in ("update", "weights"):
+                raise ValueError(f"unknown content {content!r}")
+            wires = self.get(int(fields[0]), int(fields[1]), content)
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
             raise ProtocolError("malformed", f"contribution request: {exc}", peer) from None
         return msgpack.packb(wires or [], use_bin_type=True)
 
 
+_MAX_SPANS = 64
+_MAX_COUNT = 2**40
+
+
+@dataclass(frozen=True)
+class WorkClaim:
+    """The batches a pseudo-gradient was trained on, as its member claims them.
+
+    A member trains, in each round, the batches of an *assigned* stream keyed by the run,
+    its PeerID, the round and its rank (:func:`node.data.assigned_stream`), drawn from
+    slice ``slice[0]`` of ``slice[1]`` of the run's train tokens (one rank per slice:
+    a site's rank ``k`` trains slice ``slice[0] * ranks + k`` of ``slice[1] * ranks``).
+
+    Attributes:
+        spans: ``(round, start, count)``: draws ``start`` to ``start + count`` of that
+            round's stream, on every rank.
+        ranks: processes that trained in step (a site's ranks; 1 for a single process).
+        slice: ``(index, count)`` of the data slice (``data.site``, ``data.sites``).
+        batch: windows per batch (``data.batch_size``).
+    """
+
+    spans: tuple[tuple[int, int, int], ...]
+    ranks: int = 1
+    slice: tuple[int, int] = (0, 1)
+    batch: int = 1
+
+    @property
+    def batches(self) -> int:
+        """Every claimed batch, over every rank."""
+        return self.ranks * sum(count for _, _, count in self.spans)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "spans": [list(s) for s in self.spans],
+            "ranks": self.ranks,
+            "slice": list(self.slice),
+            "batch": self.batch,
+        }
+
+    @classmethod
+    def from_wire(cls, value: Any, peer: str) -> WorkClaim:
+        """Parse a claim from a part's head.
+
+        Raises:
+            ProtocolError: ``malformed``.
+        """
+        if not isinstance(value, dict) or set(value) != {"spans", "ranks", "slice", "batch"}:
+            raise ProtocolError("malformed", "a work claim holds spans, ranks, slice, batch", peer)
+        spans, ranks, slice_, batch = (value[k] for k in ("spans", "ranks", "slice", "batch"))
+        if not isinstance(spans, list) or len(spans) > _MAX_SPANS:
+            raise ProtocolError("malformed", f"a work claim has at most {_MAX_SPANS} spans", peer)
+        if not all(
+            _ints(s, 3) and s[0] >= 0 and s[1] >= 0 and 0 < s[2] < _MAX_COUNT for s in spans
+        ):
+            raise ProtocolError("malformed", "claimed spans are (round, start, count > 0)", peer)
+        if not _ints([ranks, batch], 2) or not 1 <= ranks <= 4096 or not 1 <= batch <= 2**20:
+            raise ProtocolError("malformed", "a claim's ranks and batch are out of range", peer)
+        if not _ints(slice_, 2) or not 0 <= slice_[0] < slice_[1] <= 2**20:
+            raise ProtocolError("malformed", "a claim's data slice is out of range", peer)
+        return cls(tuple((s[0], s[1], s[2]) for s in spans), ranks, (slice_[0], slice_[1]), batch)
+
+
+def _ints(value: Any, n: int) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == n
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    )
+
+
 @dataclass(frozen=True)
 class Fetched:
-    """A peer's checked contribution: its values, its parts' digests and its claim."""
+    """A peer's checked contribution: its values, its parts' digests, its token weight
+    and the work it claims (None: its parts carry no claim)."""
 
     vector: torch.Tensor
     digests: list[bytes]
     tokens: int
+    claim: WorkClaim | None = None
 
 
 def open_contribution(
@@ -92,8 +176,10 @@ def open_contribution(
     numel: int,
     settings: AllReduceSettings,
     committed: CommittedDigests,
+    content: str = "update",
 ) -> Fetched:
-    """Check and decode a contribution served by ``peer`` for exchange ``key``.
+    """Check and decode a contribution (of ``content``) served by ``peer`` for exchange
+    ``key``.
 
     Raises:
         ProtocolError: ``malformed``, ``uncommitted``, ``commit_mismatch``,
@@ -106,7 +192,7 @@ def open_contribution(
         raise ProtocolError("malformed", f"contribution: {type(exc).__name__}", peer) from None
     if not isinstance(wires, list) or not wires or not all(isinstance(w, bytes) for w in wires):
         raise ProtocolError("malformed", "a contribution is a non-empty list of parts", peer)
-    digests = committed(peer, round_, fragment)
+    digests = committed(peer, round_, fragment, content)
     if digests is None:
         raise ProtocolError("uncommitted", f"no commitment for round {round_}", peer)
     parts = [
@@ -127,19 +213,20 @@ def open_contribution(
         plan = PartPlan.of(peer, group, owners, numel, settings.block_size)
     except ValueError as exc:
         raise ProtocolError("malformed", str(exc), peer) from None
-    return _assemble(parts, plan, key, digests, peer, numel)
+    return _assemble(parts, plan, (round_, fragment, content), digests, peer, numel)
 
 
 def _assemble(
-    parts: Sequence, plan: PartPlan, key: tuple[int, int], digests: dict, peer: str, numel: int
+    parts: Sequence, plan: PartPlan, key: AllReduceKey, digests: dict, peer: str, numel: int
 ) -> Fetched:
     if [p.header.part for p in parts] != list(range(len(plan.owners))):
         raise ProtocolError("malformed", "not one part per owner, in order", peer)
     vector = torch.empty(numel, dtype=torch.float32)
     tokens = -1
+    work = parts[0].meta.get("work")
     for j, part in enumerate(parts):
         h, meta = part.header, part.meta
-        if (h.round, h.fragment) != key or meta.get("content") != "update":
+        if (h.round, h.fragment, meta.get("content")) != key:
             raise ProtocolError("not_in_round", f"part {j} is of another exchange", peer)
         if (meta.get("group"), meta.get("owners")) != (plan.group, plan.owners):
             raise ProtocolError("malformed", f"part {j} names another group", peer)
@@ -148,6 +235,8 @@ def _assemble(
         weight = meta.get("weight")
         if not isinstance(weight, int) or weight < 0 or tokens not in (-1, weight):
             raise ProtocolError("malformed", f"part {j} claims another weight", peer)
+        if meta.get("work") != work:
+            raise ProtocolError("malformed", f"part {j} claims other work", peer)
         tokens = weight
         lo, hi = plan.bounds[j]
         try:
@@ -157,4 +246,5 @@ def _assemble(
             raise ProtocolError(exc.reason, f"part {j}: {exc.detail}", peer) from None
     if not torch.isfinite(vector).all():
         raise ProtocolError("not_finite", "the contribution holds non-finite values", peer)
-    return Fetched(vector, [p.digest for p in parts], tokens)
+    claim = None if work is None else WorkClaim.from_wire(work, peer)
+    return Fetched(vector, [p.digest for p in parts], tokens, claim)

@@ -8,8 +8,9 @@ majority are left out, and peers that cannot be dialled own no part. The group t
 all-reduces the fragment's pseudo-gradient (:mod:`protocol.averaging.allreduce`).
 
 When a round's group does not span the swarm (more peers than the largest group, or
-gossip pairs), members' global copies differ, so the group also all-reduces its
-members' global copies (an exchange of content ``weights`` beside the ``update`` one,
+gossip pairs), or its members announced global copies with different digests (a swarm
+that shrank to one group after mixing), members' global copies differ, so the group also
+all-reduces its members' global copies (an exchange of content ``weights`` beside the ``update`` one,
 :data:`~protocol.averaging.parts.Content`) with every member weighted alike. What to do with the two results is the outer
 optimizer's business (:mod:`node.outer`).
 
@@ -152,6 +153,8 @@ class FragmentExchange:
         expected: set[str],
         excludes: set[str],
         deadline: float | None = None,
+        base: str = "",
+        claim: dict | None = None,
     ) -> ExchangeOutcome:
         """Exchange ``fragment`` for ``round_``, all of it over by ``deadline``.
 
@@ -163,6 +166,9 @@ class FragmentExchange:
             excludes: peers this node votes to leave out.
             deadline: ``time.monotonic()`` by which the exchange is over, whatever its
                 peers do (default: matchmaking plus the all-reduce's own timeout).
+            base: digest of this node's global copy of the fragment (announced).
+            claim: the batches the pseudo-gradient was trained on, signed into its parts
+                (:func:`protocol.averaging.contributions.open_contribution` reads it).
 
         Raises:
             ProtocolError: ``no_owner``: nobody in this node's group can be dialled.
@@ -173,7 +179,7 @@ class FragmentExchange:
         cell = None
         if s.cells(swarm):
             cell = grouping.Cell.of(me, round_, fragment, s.largest_group, swarm)
-        announced = await self._announced(round_, fragment, weight, expected, excludes, cell)
+        announced = await self._announced(round_, fragment, weight, expected, excludes, cell, base)
         refused = self._other_specs(announced)
         same = {p: a for p, a in announced.items() if p not in refused}
         peers = set(same) - matchmaking.voted_out(same)
@@ -183,14 +189,14 @@ class FragmentExchange:
         if not owners:
             raise ProtocolError("no_owner", "nobody in this node's group can be dialled")
         run = functools.partial(self.allreduce.run, owners=owners, deadline=deadline)
-        if cell is None and not s.mixes(len(peers | {me})):
-            result = await run(round_, fragment, group, contribution, weight)
-            return ExchangeOutcome(group, result, None, refused)
+        update = run(round_, fragment, group, contribution, weight, claim=claim)
+        apart = len({same[p].base for p in group if p in same}) > 1
+        if cell is None and not s.mixes(len(peers | {me})) and not apart:
+            return ExchangeOutcome(group, await update, None, refused)
         line = cell.key if cell is not None else None
         # Every member's global copy counts the same, whatever its token count.
         result, mixed = await asyncio.gather(
-            run(round_, fragment, group, contribution, weight),
-            run(round_, fragment, group, weights, 1, content="weights"),
+            update, run(round_, fragment, group, weights, 1, content="weights")
         )
         return ExchangeOutcome(group, result, mixed, refused, line)
 
@@ -202,6 +208,7 @@ class FragmentExchange:
         expected: set[str],
         excludes: set[str],
         cell: grouping.Cell | None,
+        base: str,
     ) -> dict[str, matchmaking.Announcement]:
         """Announce this node, then gather the announcements of the expected peers (of
         those on this node's line, with a cell) until they are in or matchmaking is over."""
@@ -218,6 +225,7 @@ class FragmentExchange:
             excludes=excludes,
             reachable=self.transport.reachability.reachable,
             cell=cell,
+            base=base,
         )
 
     def _other_specs(self, announced: dict[str, matchmaking.Announcement]) -> dict[str, str]:

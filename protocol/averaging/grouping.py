@@ -3,18 +3,25 @@
 Every node that saw the same set of announced peers computes the same groups without
 talking to anyone. Two layouts:
 
-* ``random``: peers are ordered by ``sha256(round:fragment:peer)`` and cut into
+* ``random``: peers are ordered by ``sha256(round:peer)`` and cut into
   ``ceil(n / G)`` groups whose sizes differ by at most one (Moshpit SGD's random
   regrouping, Ryabinin et al., 2021): groups change every round, so contributions
   keep mixing across the swarm even as peers come and go.
 * ``butterfly``: when ``n > G`` and ``n`` factors into radices no larger than ``G``
   (``8 = 2 x 2 x 2`` for ``G = 2``), peers sit on the points of a mixed-radix grid in
-  an order that depends only on ``(fragment, peer)``, and round ``r`` groups the peers
+  an order that depends only on the peer, and round ``r`` groups the peers
   that differ only in digit ``r mod d``. After ``d`` consecutive rounds with the same
   peers, every peer's value has reached every other peer exactly once, so repeated
   group means give the exact global mean (a butterfly, or hypercube, all-reduce spread
   over rounds). When ``n`` has a prime factor above ``G`` the layout falls back to
   ``random``.
+
+Who is in which group depends on the round and the announced peers, never on the
+fragment: every fragment of a round is exchanged in the same groups, so the members of a
+group hold the same values of every fragment before the round's outer steps (the base
+useful-work checks measure on, :mod:`verification.usefulness`). The fragment only orders
+a group's members (``sha256(round:fragment:peer)``), so which member owns which part
+still moves from fragment to fragment.
 
 A group never leaves one peer alone when there are two or more peers: with ``G = 2``
 and an odd count, one group has three members.
@@ -23,11 +30,11 @@ and an odd count, one group has three members.
 groups like everyone else but own no part (:func:`owners`): members send them nothing
 they did not ask for. A group made only of clients could not exchange at all, so its
 clients move to groups that have an owner, each to one chosen by
-``sha256(client:round:fragment:peer)``; everyone computes the same move.
+``sha256(client:round:peer)``; everyone computes the same move.
 
 Both layouts need every announced peer. In a swarm too large for every node to read
 every announcement, peers are instead placed on a *cell grid* (:class:`Cell`, Moshpit
-SGD's grid): each peer's coordinates come from ``sha256(cell:fragment:peer)`` alone, in
+SGD's grid): each peer's coordinates come from ``sha256(cell:peer)`` alone, in
 ``dims`` digits of base ``G``, and round ``r`` averages the peers that agree on every
 digit but digit ``r mod dims`` (a line of the grid), so a node needs only its own
 line's announcements. ``dims`` is the largest with ``2 G^dims <= n``, so a line holds
@@ -125,9 +132,9 @@ def _serve_clients(
     if not served or not orphans:
         return groups
     for peer in orphans:
-        pick = int.from_bytes(_rank("client", round_, fragment, peer)[:8], "big") % len(served)
+        pick = int.from_bytes(_rank("client", round_, peer)[:8], "big") % len(served)
         served[pick].append(peer)
-    return [sorted(g, key=lambda p: _rank(round_, fragment, p)) for g in served]
+    return [_in_order(g, round_, fragment) for g in served]
 
 
 def owners(group: Iterable[str], clients: Collection[str]) -> list[str]:
@@ -148,15 +155,20 @@ def _form_groups(
     radices = butterfly_radices(len(unique), group_size) if layout == "butterfly" else None
     if radices:
         return _butterfly(unique, round_, fragment, radices)
-    ordered = sorted(unique, key=lambda p: _rank(round_, fragment, p))
+    ordered = sorted(unique, key=lambda p: _rank(round_, p))
     count = _group_count(len(ordered), group_size)
     base, extra = divmod(len(ordered), count)
     groups, start = [], 0
     for g in range(count):
         size = base + (1 if g < extra else 0)
-        groups.append(ordered[start : start + size])
+        groups.append(_in_order(ordered[start : start + size], round_, fragment))
         start += size
     return groups
+
+
+def _in_order(members: list[str], round_: int, fragment: int) -> list[str]:
+    """A group's members in the order that gives out its parts (moves per fragment)."""
+    return sorted(members, key=lambda p: _rank(round_, fragment, p))
 
 
 def _group_count(n: int, group_size: int) -> int:
@@ -169,9 +181,9 @@ def _group_count(n: int, group_size: int) -> int:
 
 
 def _butterfly(peers: list[str], round_: int, fragment: int, radices: list[int]) -> list[list[str]]:
-    # Grid positions depend on the fragment only, never on the round: the same peers
-    # keep the same coordinates while the axis moves, which is what makes the mix exact.
-    placed = sorted(peers, key=lambda p: _rank("grid", fragment, p))
+    # Grid positions depend on the peer only, never on the round: the same peers keep
+    # the same coordinates while the axis moves, which is what makes the mix exact.
+    placed = sorted(peers, key=lambda p: _rank("grid", p))
     axis = round_ % len(radices)
     stride = math.prod(radices[:axis])
     radix = radices[axis]
@@ -180,7 +192,7 @@ def _butterfly(peers: list[str], round_: int, fragment: int, radices: list[int])
         if (index // stride) % radix != 0:
             continue  # not the first point of its line along the axis
         line = [placed[index + k * stride] for k in range(radix)]
-        groups.append(sorted(line, key=lambda p: _rank(round_, fragment, p)))
+        groups.append(_in_order(line, round_, fragment))
     return groups
 
 
@@ -211,10 +223,11 @@ def cell_dims(n: int, group_size: int) -> int:
     return dims
 
 
-def _coords(peer: str, fragment: int, group_size: int, dims: int) -> tuple[int, ...]:
-    # From the peer and fragment alone, never the round: the same peer keeps its point
-    # while the axis moves, so in ``dims`` rounds its value travels along every axis.
-    value = int.from_bytes(_rank("cell", fragment, peer), "big")
+def _coords(peer: str, group_size: int, dims: int) -> tuple[int, ...]:
+    # From the peer alone, never the round (the same peer keeps its point while the axis
+    # moves, so in ``dims`` rounds its value travels along every axis) nor the fragment
+    # (every fragment of a round is exchanged on the same line).
+    value = int.from_bytes(_rank("cell", peer), "big")
     digits = []
     for _ in range(dims):
         value, digit = divmod(value, group_size)
@@ -227,7 +240,8 @@ class Cell:
     """The line of the cell grid that a peer averages along in one round.
 
     Attributes:
-        fragment: the fragment whose grid it is.
+        fragment: the fragment exchanged along it (every fragment of a round uses the
+            same grid and lines).
         group_size: the grid's base ``G``.
         dims: the grid's axes (:func:`cell_dims` of the swarm size).
         axis: the digit that varies along the line (``round mod dims``).
@@ -245,7 +259,7 @@ class Cell:
         """``peer``'s line in round ``round_`` of a swarm of about ``n`` peers."""
         dims = cell_dims(n, group_size)
         axis = round_ % dims
-        digits = _coords(peer, fragment, group_size, dims)
+        digits = _coords(peer, group_size, dims)
         coords = tuple(None if i == axis else d for i, d in enumerate(digits))
         return cls(fragment, group_size, dims, axis, coords)
 
@@ -257,7 +271,7 @@ class Cell:
 
     def holds(self, peer: str) -> bool:
         """Whether ``peer`` sits on this line."""
-        digits = _coords(peer, self.fragment, self.group_size, self.dims)
+        digits = _coords(peer, self.group_size, self.dims)
         return all(c is None or c == d for c, d in zip(self.coords, digits, strict=True))
 
 
@@ -272,7 +286,7 @@ def cell_groups(
     """Every line's groups for round ``round_`` of a swarm of about ``n``, deterministically.
 
     The peers of each line (:class:`Cell`) are ordered by their digit on the line's axis
-    (then by ``sha256(round:fragment:peer)``) and dealt round-robin into
+    (then by ``sha256(round:peer)``) and dealt round-robin into
     ``ceil(size / G)`` groups, so each group spans the axis as a butterfly's would (a
     random cut mixed measurably slower); clients are then placed as :func:`form_groups`
     places them. Every peer that read its line's announcements computes its own group
@@ -290,11 +304,11 @@ def cell_groups(
 
 def _deal(cell: Cell, line: list[str], round_: int, fragment: int) -> list[list[str]]:
     def place(peer: str) -> tuple[int, bytes]:
-        digit = _coords(peer, fragment, cell.group_size, cell.dims)[cell.axis]
-        return digit, _rank(round_, fragment, peer)
+        digit = _coords(peer, cell.group_size, cell.dims)[cell.axis]
+        return digit, _rank(round_, peer)
 
     count = _group_count(len(line), cell.group_size)
     groups: list[list[str]] = [[] for _ in range(count)]
     for i, peer in enumerate(sorted(line, key=place)):
         groups[i % count].append(peer)
-    return [sorted(g, key=lambda p: _rank(round_, fragment, p)) for g in groups]
+    return [_in_order(g, round_, fragment) for g in groups]

@@ -73,6 +73,8 @@ class Announcement:
         reachable: whether others can dial it; a peer that cannot owns no part.
         spec: digest of the run spec (or shared settings) it runs; peers on another
             spec are refused.
+        base: digest of its global copy of the fragment before the exchange; a group
+            whose members announce different ones averages their copies too.
     """
 
     peer: str
@@ -80,6 +82,7 @@ class Announcement:
     excludes: frozenset[str] = frozenset()
     reachable: bool = True
     spec: str = ""
+    base: str = ""
 
 
 def voted_out(announcements: dict[str, Announcement]) -> set[str]:
@@ -158,6 +161,7 @@ async def announce(
     reachable: bool = True,
     spec: str = "",
     cell: Cell | None = None,
+    base: str = "",
 ) -> bool:
     """Store this node's signed announcement for ``(round, fragment)`` (under its
     ``cell``'s key when given)."""
@@ -167,6 +171,7 @@ async def announce(
         "excludes": sorted(excludes)[:_MAX_EXCLUDES],
         "reachable": bool(reachable),
         "spec": spec,
+        "base": base,
     }
     value = seal(identity, header, body)
     return await transport.dht_store(
@@ -208,18 +213,21 @@ async def read_announcements(
             )
             tokens, excludes = env.body.get("tokens"), env.body.get("excludes", [])
             reachable, spec = env.body.get("reachable", True), env.body.get("spec", "")
+            base = env.body.get("base", "")
             if env.header.fragment != fragment or not isinstance(tokens, int) or tokens < 0:
                 raise ProtocolError("malformed", "announcement for another fragment or bad tokens")
             if not isinstance(excludes, list) or not all(isinstance(p, str) for p in excludes):
                 raise ProtocolError("malformed", "excludes must be a list of PeerIDs")
             if not isinstance(reachable, bool) or not isinstance(spec, str):
                 raise ProtocolError("malformed", "reachable must be a bool and spec a str")
+            if not isinstance(base, str) or len(base) > 128:
+                raise ProtocolError("malformed", "base must be a short str")
             if cell is not None and not cell.holds(subkey):
                 raise ProtocolError("wrong_cell", f"its signer is not on line {cell.key}")
         except ProtocolError as exc:
             logger.info("announcement under %s rejected: %s", subkey[:16], exc)
             continue
-        out[subkey] = Announcement(subkey, tokens, frozenset(excludes), reachable, spec)
+        out[subkey] = Announcement(subkey, tokens, frozenset(excludes), reachable, spec, base)
     return out
 
 
@@ -258,6 +266,7 @@ async def gather(
     excludes: Iterable[str] = (),
     reachable: bool = True,
     cell: Cell | None = None,
+    base: str = "",
 ) -> dict[str, Announcement]:
     """Announce, then read announcements until every expected peer is there or
     ``settings.wait_seconds`` have passed.
@@ -274,6 +283,7 @@ async def gather(
         excludes: peers this node votes to leave out of the round (see :func:`voted_out`).
         reachable: whether others can dial this node (it owns no part otherwise).
         cell: this node's line of the cell grid, in a swarm too large to read whole.
+        base: digest of this node's global copy of the fragment.
 
     Returns:
         The announced peers, this node included (filtering them is the caller's).
@@ -293,9 +303,10 @@ async def gather(
         reachable=reachable,
         spec=s.spec,
         cell=cell,
+        base=base,
     )
     want = set(expected) | {identity.peer_id}
-    me = Announcement(identity.peer_id, tokens, frozenset(excludes), reachable, s.spec)
+    me = Announcement(identity.peer_id, tokens, frozenset(excludes), reachable, s.spec, base)
     seen = {identity.peer_id: me}
     return await _read_until(transport, s, round_, fragment, want, seen, deadline, cell)
 

@@ -115,6 +115,7 @@ class PartMember:
         owners: Sequence[str] | None,
         deadline: float | None,
         out: torch.Tensor | None,
+        claim: dict | None = None,
     ) -> AllReduceResult:
         """All-reduce ``vector`` for ``key`` (see :meth:`AllReduceService.run
         <protocol.averaging.allreduce.AllReduceService.run>`)."""
@@ -127,7 +128,7 @@ class PartMember:
         vector = self.context.faults.contribution(key[0], key[1], vector)
         session = self._open(key, plan, vector, weight, done_by)
         requests = {
-            j: self.request(key, plan, j, vector[lo:hi], weight)
+            j: self.request(key, plan, j, vector[lo:hi], weight, claim)
             for j, (lo, hi) in enumerate(plan.bounds)
             if j != plan.index
         }
@@ -135,7 +136,7 @@ class PartMember:
             own = {}
             if plan.is_owner:
                 lo, hi = plan.bounds[plan.index]
-                own[plan.index] = self.request(key, plan, plan.index, vector[lo:hi], weight)
+                own[plan.index] = self.request(key, plan, plan.index, vector[lo:hi], weight, claim)
             ctx.sent.keep(key, {**requests, **own})
         await self._commit_phase(session, requests)
         session.schedule()
@@ -166,10 +167,17 @@ class PartMember:
         return session
 
     def request(
-        self, at: AllReduceKey, plan: PartPlan, j: int, values: torch.Tensor, weight: int
+        self,
+        at: AllReduceKey,
+        plan: PartPlan,
+        j: int,
+        values: torch.Tensor,
+        weight: int,
+        claim: dict | None = None,
     ) -> SealedPart:
         """The signed part message for owner ``j`` (built before anything is sent; its
-        body is a view of ``values``, not a copy)."""
+        body is a view of ``values``, not a copy); an ``update``'s ``claim`` of work
+        goes into its head."""
         ctx = self.context
         round_, fragment, content = at
         enc = ctx.encode(values, content)
@@ -180,6 +188,8 @@ class PartMember:
             "owners": plan.owners,
             "weight": int(weight),
         }
+        if claim is not None and content == "update":
+            meta["work"] = claim
         return self.context.faults.request(ctx.identity, header, meta, enc)
 
     async def _commit_phase(self, session: Session, requests: dict[int, SealedPart]) -> None:

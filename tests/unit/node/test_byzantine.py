@@ -11,6 +11,7 @@ import torch
 from node.byzantine import ALL_MODES, QUIET_MODES, make_behaviour, trainer_class, training_data
 from node.config import ModelConfig, TrainConfig
 from node.data import BatchStream
+from node.fault_modes import parse_mode
 from node.model import build_model
 from node.trainer import InnerTrainer
 from protocol.averaging.parts import FaultInjection
@@ -122,7 +123,7 @@ def test_the_quiet_modes_are_known_by_name() -> None:
     assert type(make_behaviour("poison")) is FaultInjection
     assert type(make_behaviour("lazy")) is FaultInjection
     assert trainer_class(None) is InnerTrainer and trainer_class("poison") is InnerTrainer
-    assert issubclass(trainer_class("lazy"), InnerTrainer)
+    assert trainer_class("lazy") is not InnerTrainer
 
 
 def test_poison_trains_on_the_tokens_in_reverse_order() -> None:
@@ -144,13 +145,13 @@ class _Counted(BatchStream):
         return super().next()
 
 
-def _lazy() -> InnerTrainer:
+def _lazy(mode: str = "lazy") -> InnerTrainer:
     text = torch.tensor(
         list(b"the quick brown fox jumps over the lazy dog. " * 20), dtype=torch.uint8
     )
     model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8), seed=0)
     cfg = TrainConfig(optimizer="sgd", lr=1e-1, warmup_steps=0, grad_accum=2)
-    return trainer_class("lazy")(model, cfg, _Counted(text, 4, 8))
+    return trainer_class(mode)(model, cfg, _Counted(text, 4, 8))
 
 
 def test_lazy_steps_once_in_ten_calls_and_counts_every_call() -> None:
@@ -175,6 +176,28 @@ def test_lazy_steps_once_in_ten_calls_and_counts_every_call() -> None:
     assert changed == [1, 11, 21] and stepped == [0, 10, 20]
     assert trainer.stream.drawn == 3 * 2  # a skipped step draws no batch
     assert losses[1:10] == [losses[0]] * 9 and losses[11:20] == [losses[10]] * 9
+
+
+@pytest.mark.parametrize(
+    ("mode", "real"),
+    [("lazy=0.5", [1, 3, 5, 7, 9]), ("lazy=0.25", [1, 5, 9]), ("lazy=1", list(range(1, 11)))],
+)
+def test_a_lazy_share_runs_that_share_of_its_steps(mode: str, real: list[int]) -> None:
+    trainer = _lazy(mode)
+    changed = []
+    for call in range(1, 11):
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.step()
+        if any(not torch.equal(b, a) for b, a in zip(before, trainer.model.parameters())):
+            changed.append(call)
+    assert changed == real and trainer.steps == 10
+    assert trainer.stream.drawn == 2 * len(real)
+
+
+@pytest.mark.parametrize("mode", ["lazy=0", "lazy=2", "lazy=half", "zero=0.5", "lazy_x"])
+def test_bad_mode_parameters_are_refused_by_name(mode: str) -> None:
+    with pytest.raises(ValueError, match="--byzantine"):
+        parse_mode(mode)
 
 
 def test_lazy_refuses_a_site_whose_ranks_train_in_step() -> None:

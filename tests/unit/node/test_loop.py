@@ -26,6 +26,7 @@ class _Trainer:
     def __init__(self) -> None:
         self.steps = 0
         self.tokens = 0
+        self.ranks = 1
         self.optimizer = None
         self.stream = BatchStream(torch.arange(200) % 7, 2, 4, "start")
         self.trained: list[tuple[int, int]] = []
@@ -83,6 +84,7 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, **overrides: Any) -> 
         trainer=_Trainer(),  # type: ignore[arg-type]
         feedback=[],
         val_batches=[],
+        tokens=(torch.zeros(0), torch.zeros(0)),
         bytes_per_token=1.0,
         workload={},
         site=NoSite(),

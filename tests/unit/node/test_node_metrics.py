@@ -75,6 +75,7 @@ def node(tmp_path: Path):
         trainer=trainer,
         feedback=[],
         val_batches=[],
+        tokens=(torch.zeros(0), torch.zeros(0)),
         bytes_per_token=1.0,
         workload={},
         site=NoSite(),

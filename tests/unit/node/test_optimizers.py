@@ -124,6 +124,7 @@ def test_a_checkpoint_of_another_optimizer_resumes_with_a_fresh_one(tmp_path, ca
         trainer=_trainer("muon"),
         feedback=[],
         val_batches=[],
+        tokens=(torch.zeros(0), torch.zeros(0)),
         bytes_per_token=1.0,
         workload={},
         site=NoSite(),

@@ -50,7 +50,8 @@ def _network(live: set[str]) -> Any:
         transport=SimpleNamespace(submit=lambda coro: None),
         verifier=SimpleNamespace(flagged=lambda r: [], flush=lambda: True),
         load=SimpleNamespace(sample=lambda: {"cpu": 0.1}),
-        syncer=SimpleNamespace(checks=None),
+        syncer=SimpleNamespace(),
+        checks=None,
         live_peers=lambda: live,
         heard=set,
     )

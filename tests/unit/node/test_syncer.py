@@ -38,8 +38,19 @@ class FakeExchange:
         self.refused: dict[str, str] = {}
 
     async def run(
-        self, r, f, weight, contribution, weights, expected, excludes, deadline
+        self,
+        r,
+        f,
+        weight,
+        contribution,
+        weights,
+        expected,
+        excludes,
+        deadline,
+        base="",
+        claim=None,
     ) -> ExchangeOutcome:
+        self.announced = (base, claim)
         self.calls.append(
             (r, f, weight, contribution.clone(), weights.clone(), expected, excludes, deadline)
         )

@@ -1,5 +1,6 @@
 """A member's kept contribution: kept per exchange for a few rounds, served, and opened by
-a checker only when every part is signed, of the exchange, and the one committed."""
+a checker only when every part is signed, of the exchange, and the one committed; the
+work it claims is read from its parts' heads, and refused when malformed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import msgpack
 import pytest
 import torch
 
-from protocol.averaging.contributions import ROUNDS_KEPT, SentParts, open_contribution
+from protocol.averaging.contributions import (
+    ROUNDS_KEPT,
+    SentParts,
+    WorkClaim,
+    open_contribution,
+)
 from protocol.averaging.parts import AllReduceSettings, PartPlan
 from protocol.errors import ProtocolError
 from protocol.wire import codec as codecs
@@ -24,22 +30,32 @@ SETTINGS = AllReduceSettings(run_id="run", codec="int8", block_size=16)
 NUMEL = 96
 
 
+CLAIM = WorkClaim(((2, 0, 6), (3, 0, 4)), ranks=2, slice=(1, 3), batch=8)
+
+
 def _parts(
-    vector: torch.Tensor, key=(3, 0), weight: int = 512, who: Identity = ME
+    vector: torch.Tensor,
+    key=(3, 0),
+    weight: int = 512,
+    who: Identity = ME,
+    content: str = "update",
+    work=CLAIM.to_wire(),
 ) -> dict[int, SealedPart]:
     plan = PartPlan.of(who.peer_id, GROUP, GROUP, NUMEL, SETTINGS.block_size)
     out = {}
     for j, (lo, hi) in enumerate(plan.bounds):
         enc = codecs.encode(vector[lo:hi], "int8", block_size=16)
         header = Header("part", "run", key[0], key[1], j, who.peer_id)
-        meta = {"content": "update", "group": GROUP, "owners": GROUP, "weight": weight}
+        meta = {"content": content, "group": GROUP, "owners": GROUP, "weight": weight}
+        if work is not None:
+            meta["work"] = work[j] if isinstance(work, list) else work
         out[j] = seal_part(who, header, {**meta, **enc.meta()}, enc.payload)
     return out
 
 
-def _committed(parts: dict[int, SealedPart], own: int = 0):
+def _committed(parts: dict[int, SealedPart], own: int = 0, content: str = "update"):
     digests = {j: p.digest for j, p in parts.items() if j != own}
-    return lambda peer, r, f: dict(digests)
+    return lambda peer, r, f, c: dict(digests) if c == content else None
 
 
 def _served(parts: dict[int, SealedPart]) -> bytes:
@@ -55,21 +71,38 @@ def test_a_served_contribution_opens_to_what_the_owners_decode() -> None:
     expected = codecs.decode(codecs.encode(vector, "int8", block_size=16))
     assert torch.equal(fetched.vector, expected) and fetched.tokens == 512
     assert fetched.digests == [parts[j].digest for j in sorted(parts)]
+    assert fetched.claim == CLAIM and fetched.claim.batches == 2 * (6 + 4)
+
+
+def test_a_copy_sent_to_mix_opens_as_its_content_and_never_as_an_update() -> None:
+    vector = torch.randn(NUMEL, generator=torch.Generator().manual_seed(2))
+    copy = _parts(vector, weight=1, content="weights", work=None)
+    committed = _committed(copy, content="weights")
+    fetched = open_contribution(
+        _served(copy), ME.peer_id, (3, 0), NUMEL, SETTINGS, committed, "weights"
+    )
+    assert fetched.claim is None and fetched.tokens == 1
+    assert _refused(_served(copy), _committed(copy)) == "not_in_round"
 
 
 def test_kept_parts_are_served_for_a_few_rounds() -> None:
     store = SentParts()
     parts = _parts(torch.ones(NUMEL))
+    copy = _parts(torch.zeros(NUMEL), content="weights", work=None)
     store.keep((1, 0, "update"), parts)
-    store.keep((1, 0, "weights"), parts)  # a mixing copy is not a contribution
+    store.keep((1, 0, "weights"), copy)
     assert store.get(1, 0) == [parts[j].to_bytes() for j in sorted(parts)]
+    assert store.get(1, 0, "weights") == [copy[j].to_bytes() for j in sorted(copy)]
     served = asyncio.run(store.serve("peer", msgpack.packb([1, 0])))
     assert msgpack.unpackb(served) == store.get(1, 0)
+    served = asyncio.run(store.serve("peer", msgpack.packb([1, 0, "weights"])))
+    assert msgpack.unpackb(served) == store.get(1, 0, "weights")
     assert msgpack.unpackb(asyncio.run(store.serve("peer", msgpack.packb([9, 0])))) == []
     store.keep((1 + ROUNDS_KEPT, 0, "update"), parts)
-    assert store.get(1, 0) is None
-    with pytest.raises(ProtocolError, match="malformed"):
-        asyncio.run(store.serve("peer", b"\xc1"))
+    assert store.get(1, 0) is None and store.get(1, 0, "weights") is None
+    for bad in (b"\xc1", msgpack.packb([1]), msgpack.packb([1, 0, "secrets"])):
+        with pytest.raises(ProtocolError, match="malformed"):
+            asyncio.run(store.serve("peer", bad))
 
 
 def _refused(data: bytes, committed, peer: str = ME.peer_id, key=(3, 0)) -> str:
@@ -92,6 +125,27 @@ def test_every_bad_contribution_is_refused_with_its_reason() -> None:
     assert _refused(_served({0: parts[0], 2: parts[2]}), ok) == "malformed"
     assert _refused(b"\xc1", ok) == "malformed"
     assert _refused(msgpack.packb([]), ok) == "malformed"
-    # parts claiming different weights
+    # parts claiming different weights, or different work
     mixed = {**parts, 2: _parts(vector, weight=9)[2]}
     assert _refused(_served(mixed), _committed(mixed)) == "malformed"
+    other = {**parts, 1: _parts(vector, work=WorkClaim(((2, 0, 1),)).to_wire())[1]}
+    assert _refused(_served(other), _committed(other)) == "malformed"
+
+
+@pytest.mark.parametrize(
+    "work",
+    [
+        "ten batches",
+        {"spans": [[2, 0, 6]], "ranks": 1, "slice": [0, 1]},  # a key missing
+        {"spans": [[2, 0, 0]], "ranks": 1, "slice": [0, 1], "batch": 8},  # an empty span
+        {"spans": [[2, -1, 3]], "ranks": 1, "slice": [0, 1], "batch": 8},
+        {"spans": [[2, 0, 3]] * 65, "ranks": 1, "slice": [0, 1], "batch": 8},
+        {"spans": [[2, 0, 3]], "ranks": 0, "slice": [0, 1], "batch": 8},
+        {"spans": [[2, 0, 3]], "ranks": 1, "slice": [1, 1], "batch": 8},  # no slice 1 of 1
+        {"spans": [[2, 0, 3]], "ranks": 1, "slice": [0, 1], "batch": True},
+        {"spans": [[2, 0, 3.5]], "ranks": 1, "slice": [0, 1], "batch": 8},
+    ],
+)
+def test_a_malformed_work_claim_is_refused(work) -> None:
+    parts = _parts(torch.ones(NUMEL), work=work)
+    assert _refused(_served(parts), _committed(parts)) == "malformed"

@@ -27,7 +27,16 @@ class FakeAllReduce:
         self.calls: list[dict] = []
 
     async def run(
-        self, round_, fragment, group, vector, weight, owners=None, deadline=None, content="update"
+        self,
+        round_,
+        fragment,
+        group,
+        vector,
+        weight,
+        owners=None,
+        deadline=None,
+        content="update",
+        claim=None,
     ) -> AllReduceResult:
         self.calls.append(
             dict(

@@ -22,8 +22,8 @@ def _names(n: int) -> list[str]:
     return [f"peer-{i:02d}" for i in range(n)]
 
 
-def _rank(round_: int, fragment: int, peer: str) -> bytes:
-    return hashlib.sha256(f"{round_}:{fragment}:{peer}".encode()).digest()
+def _rank(*fields: object) -> bytes:
+    return hashlib.sha256(":".join(str(f) for f in fields).encode()).digest()
 
 
 def test_five_peers_in_pairs_by_hand() -> None:
@@ -31,10 +31,12 @@ def test_five_peers_in_pairs_by_hand() -> None:
     groups = form_groups(peers, 3, 1, 2)
     # No one is left to average alone: the odd peer joins the first group.
     assert [len(g) for g in groups] == [3, 2]
-    # The groups are consecutive slices of the peers ordered by sha256(round:fragment:peer);
-    # every node, whatever its version, must cut the same way.
-    ordered = sorted(peers, key=lambda p: _rank(3, 1, p))
-    assert groups == [ordered[0:3], ordered[3:5]]
+    # The groups are consecutive slices of the peers ordered by sha256(round:peer), and
+    # each group's members are ordered by sha256(round:fragment:peer); every node,
+    # whatever its version, must cut the same way.
+    ordered = sorted(peers, key=lambda p: _rank(3, p))
+    cut = [ordered[0:3], ordered[3:5]]
+    assert groups == [sorted(g, key=lambda p: _rank(3, 1, p)) for g in cut]
 
 
 def test_seven_peers_in_threes_is_three_two_two() -> None:

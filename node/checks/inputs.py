@@ -1,0 +1,156 @@
+"""What a useful-work check needs, collected on the training thread as exchanges are
+applied and handed to the checks' worker whole, once per round.
+
+Each applied exchange leaves an :class:`ExchangeBase`: the fragment's value the group
+held before the outer step (its mean copy where it mixed, else the global copy every
+member announced alike), the digest of its reduced pseudo-gradient and its
+contributors. A round whose every fragment was exchanged this way, and which ended well
+on this node, becomes a :class:`RoundInputs`: the round's base, the same on every member
+of the node's group (groups are formed per round, so one group shares every fragment).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from verification.usefulness import (
+    assignment_seed,
+    fragment_digest,
+    round_base_digest,
+)
+
+__all__ = ["CheckSettings", "ExchangeBase", "RoundBook", "RoundInputs"]
+
+_ROUNDS_OPEN = 4
+"""Rounds whose exchanges are collected at once (older incomplete ones are dropped)."""
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """The ``trust.check*`` keys and the shapes a check needs (:func:`node.settings.check_settings`).
+
+    Attributes:
+        run_id: the run.
+        checkers: checkers drawn per contribution (``trust.checkers``).
+        windows: claimed and control windows per check (``trust.check_windows``).
+        fragments: fragments of each contributor checked per round
+            (``trust.check_fragments``).
+        from_round: the first round checked.
+        min_records: records of a peer needed before it can be flagged.
+        pass_rate: the batch pass rate below which (upper bound) a peer is flagged.
+        audit: the share of other checkers' records this node recomputes.
+        assigned: measure claimed batches (else control batches of validation text only).
+        context: tokens per window.
+        timeout: deadline of one fetch (seconds).
+        budget: the largest share of wall time the checks' worker may be busy.
+    """
+
+    run_id: str
+    checkers: int
+    windows: int
+    fragments: int
+    from_round: int
+    min_records: int
+    pass_rate: float
+    audit: float
+    assigned: bool
+    context: int
+    timeout: float
+    budget: float
+
+
+@dataclass
+class ExchangeBase:
+    """One applied exchange, as the checks see it.
+
+    Attributes:
+        round: the exchange's round; ``fragment``: its fragment.
+        base: the fragment's value the group held before the outer step (never written
+            after: a copy, or the group's mean copy as it came back).
+        update: the exchange's reduced pseudo-gradient, until its digest is taken.
+        contributors: the peers whose parts it reduced, sorted.
+        mixed: the group averaged its members' copies: each contribution was computed
+            against its member's own copy (a check fetches it).
+        result: the digest of ``update`` (set by :meth:`RoundInputs.prepare`).
+    """
+
+    round: int
+    fragment: int
+    base: torch.Tensor
+    update: torch.Tensor | None
+    contributors: tuple[str, ...]
+    mixed: bool = False
+    result: str = ""
+
+
+@dataclass
+class RoundInputs:
+    """A round every fragment of which this node exchanged and applied, and which ended
+    well here: the base every check of the round measures on. Its digests are taken on
+    the checks' worker (:meth:`prepare`), never on the training thread."""
+
+    round: int
+    exchanges: list[ExchangeBase]
+    digests: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def prepare(self) -> RoundInputs:
+        """Take every digest (once) and let go of the reduced pseudo-gradients."""
+        with self._lock:
+            if not self.digests:
+                for e in self.exchanges:
+                    if e.update is not None:
+                        e.result, e.update = fragment_digest(e.update), None
+                self.digests = [fragment_digest(e.base) for e in self.exchanges]
+        return self
+
+    @functools.cached_property
+    def base(self) -> str:
+        """The round's base digest (:func:`verification.usefulness.round_base_digest`)."""
+        return round_base_digest(self.prepare().digests)
+
+    def seed(self, run_id: str, fragment: int) -> bytes:
+        e = self.prepare().exchanges[fragment]
+        return assignment_seed(run_id, self.round, fragment, self.base, e.result, e.contributors)
+
+    def vectors(self) -> list[torch.Tensor]:
+        return [e.base for e in self.exchanges]
+
+
+class RoundBook:
+    """Collects each round's applied exchanges (training thread) until the round ends.
+
+    Args:
+        fragments: fragments in the model.
+    """
+
+    def __init__(self, fragments: int) -> None:
+        self.fragments = fragments
+        self._open: dict[int, dict[int, ExchangeBase]] = {}
+        self._lock = threading.Lock()
+
+    def applied(self, exchange: ExchangeBase) -> None:
+        """An exchange was applied, and every part of it came back reduced."""
+        with self._lock:
+            self._open.setdefault(exchange.round, {})[exchange.fragment] = exchange
+            for old in sorted(self._open)[:-_ROUNDS_OPEN]:
+                del self._open[old]
+
+    def close(self, round_: int) -> RoundInputs | None:
+        """Round ``round_`` ended well: its inputs when every fragment is in, else None."""
+        with self._lock:
+            found = self._open.pop(round_, {})
+            for old in [r for r in self._open if r < round_]:
+                del self._open[old]
+        if sorted(found) != list(range(self.fragments)):
+            return None
+        return RoundInputs(round_, [found[f] for f in range(self.fragments)])
+
+    def drop(self, round_: int) -> None:
+        """Round ``round_`` went wrong here: nothing of it is checked."""
+        with self._lock:
+            self._open.pop(round_, None)

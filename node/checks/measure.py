@@ -1,0 +1,240 @@
+"""Measuring a contribution: the losses a check record holds.
+
+:class:`Measurer` keeps its own copy of the model's modules (the training thread never
+sees it) and evaluates any parameter values through it: the round's base, and the base
+with one contribution applied to one fragment. For a contribution ``P`` checked by
+``checker`` on exchange ``(r, f)`` it measures
+
+- on windows of ``P``'s claimed batches that the seed draws for ``checker``
+  (:func:`verification.usefulness.window_plan`), and on the exchange's control windows
+  (the same for every checker: a stream keyed by the seed over the run's train tokens,
+  or over its validation tokens when the run checks validation only), each window's
+  loss before and after ``P``, and before and after the checker's own contribution (the
+  reference).
+
+"Before" is the round's base, except that where the group mixed its members' copies the
+exchange's fragment holds the contributor's own copy, as it sent it: a pseudo-gradient
+is the distance its member trained from its own copy, and is measured from there.
+
+Every loss is :func:`node.trainer.window_losses`: one fp32 forward of the windows in
+eval mode, each window's sum in float64, so two nodes agree to about 1e-6 relative.
+Losses at the same values on the same windows are computed once (the base is shared
+by every contribution of a group that did not mix, the reference by all of a checker's
+records of an exchange).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from node.checks.inputs import CheckSettings, RoundInputs
+from node.data import BatchStream, DataError, assigned_stream, site_slice
+from node.trainer import window_losses
+from protocol.averaging.contributions import Fetched, WorkClaim
+from protocol.averaging.fragments import FragmentPlan
+from verification.usefulness import CheckRecord, contribution_digest, control_key, window_plan
+
+__all__ = ["Checked", "Measurer", "claimed_batches"]
+
+Windows = tuple[torch.Tensor, torch.Tensor]
+_CACHED = 32
+"""Losses kept for reuse (a base's, a reference's), by values and windows."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A member's contribution to an exchange: its pseudo-gradient and, where the group
+    mixed copies, the copy it sent (which the pseudo-gradient was computed against)."""
+
+    update: Fetched
+    own: Fetched | None = None
+
+    @property
+    def digest(self) -> str:
+        extra = self.own.digests if self.own is not None else []
+        return contribution_digest([*self.update.digests, *extra])
+
+    @property
+    def claim(self) -> WorkClaim | None:
+        return self.update.claim
+
+
+def claimed_batches(claim: WorkClaim, indices: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(rank, round, draw)`` of each index into ``claim``'s batches (ranks outermost,
+    then the spans in order)."""
+    per_rank = sum(count for _, _, count in claim.spans)
+    for index in indices:
+        rank, k = divmod(index, per_rank)
+        for round_, start, count in claim.spans:
+            if k < count:
+                yield rank, round_, start + k
+                break
+            k -= count
+
+
+class Measurer:
+    """Losses of contributions on a round's base.
+
+    Args:
+        settings: the check settings.
+        model: the node's model (copied once; its values are never read).
+        plan: the fragment plan.
+        train: the run's train tokens (every slice of them).
+        val: the run's validation tokens.
+        device: where to evaluate.
+    """
+
+    def __init__(
+        self,
+        settings: CheckSettings,
+        model: nn.Module,
+        plan: FragmentPlan,
+        train: torch.Tensor,
+        val: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        self.settings = settings
+        self.model = copy.deepcopy(model).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.plan = plan
+        self.train = train
+        self.val = val
+        self.device = device
+        self.forwards = 0
+        """Windows evaluated so far."""
+        self.seconds = 0.0
+        """Time spent evaluating them."""
+        self._losses: OrderedDict[tuple, list[float]] = OrderedDict()
+
+    def record(
+        self,
+        inputs: RoundInputs,
+        fragment: int,
+        peer: str,
+        checker: str,
+        checked: Checked,
+        reference: Checked,
+    ) -> CheckRecord:
+        """``checker``'s unsigned record of ``checked`` (``peer``'s contribution), with
+        ``reference`` (``checker``'s own) as the measure of honest work."""
+        s = self.settings
+        seed = inputs.seed(s.run_id, fragment)
+        claim = checked.claim
+        states = self._states(inputs, fragment, checked, reference)
+        control = self._measure(states, ("control", seed.hex()), self._control_windows(seed))
+        assigned: list[tuple[float, ...]] = []
+        claimed = claim.batches if claim is not None else 0
+        if s.assigned and claim is not None:
+            windows = self._claimed(claim, seed, peer, checker)
+            if windows is None:
+                claimed = 0  # names data no one can draw: it claims nothing checkable
+            else:
+                key = ("assigned", seed.hex(), peer, checker)
+                assigned = self._measure(states, key, windows)
+        return CheckRecord(
+            checker=checker,
+            peer=peer,
+            run=s.run_id,
+            round=inputs.round,
+            fragment=fragment,
+            contribution=checked.digest,
+            reference=reference.digest,
+            base=inputs.base,
+            result=inputs.exchanges[fragment].result,
+            seed=seed.hex(),
+            claimed=claimed,
+            reference_claimed=reference.claim.batches if reference.claim is not None else 0,
+            assigned=tuple(assigned),  # type: ignore[arg-type]
+            control=tuple(control),  # type: ignore[arg-type]
+        )
+
+    # ---- windows ------------------------------------------------------------------------
+
+    def _control_windows(self, seed: bytes) -> Windows:
+        s = self.settings
+        data = self.train if s.assigned else self.val
+        return BatchStream(data, s.windows, s.context, control_key(seed)).next()
+
+    def _claimed(self, claim: WorkClaim, seed: bytes, peer: str, checker: str) -> Windows | None:
+        """The windows of ``claim`` the seed draws for ``checker``; None when the claim
+        names data this node cannot draw from (a slice too short)."""
+        s = self.settings
+        plan = window_plan(seed, peer, checker, claim.batches, claim.batch, s.windows)
+        inputs, targets = [], []
+        index, count = claim.slice
+        try:
+            for (rank, round_, draw), (_, window) in zip(
+                claimed_batches(claim, [b for b, _ in plan]), plan, strict=True
+            ):
+                data = site_slice(
+                    self.train, index * claim.ranks + rank, count * claim.ranks, s.context
+                )
+                stream = assigned_stream(data, claim.batch, s.context, s.run_id, peer, round_, rank)
+                ((x, y),) = stream.batches_at([draw])
+                inputs.append(x[window])
+                targets.append(y[window])
+        except DataError:
+            return None
+        if not inputs:
+            return None
+        return torch.stack(inputs), torch.stack(targets)
+
+    # ---- losses -------------------------------------------------------------------------
+
+    def _states(
+        self, inputs: RoundInputs, fragment: int, checked: Checked, reference: Checked
+    ) -> list[tuple[tuple, dict[str, torch.Tensor]]]:
+        """The four parameter states a record measures, each with a key that names its
+        values: before and after ``checked``, before and after ``reference``."""
+        base = (inputs.round, fragment, inputs.base)
+        out = []
+        for c in (checked, reference):
+            before, after = self._around(inputs, fragment, c)
+            start = ("base", *base) if c.own is None else ("own", *base, c.digest)
+            out += [(start, before), (("after", *base, c.digest), after)]
+        return out
+
+    def _around(
+        self, inputs: RoundInputs, fragment: int, checked: Checked
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Every parameter before ``checked`` (the round's base, ``fragment`` at the copy
+        it was computed against) and after it (a pseudo-gradient is ``global - local``,
+        so it is subtracted)."""
+        vectors = inputs.vectors()
+        start = vectors[fragment] if checked.own is None else checked.own.vector
+        start = start.to(vectors[fragment])
+        before: dict[str, torch.Tensor] = {}
+        for f, vector in enumerate(vectors):
+            before.update(self.plan.views(start if f == fragment else vector, f))
+        after = dict(before)
+        after.update(self.plan.views(start - checked.update.vector.to(start), fragment))
+        return before, after
+
+    def _measure(
+        self, states: list[tuple[tuple, dict[str, torch.Tensor]]], key: tuple, windows: Windows
+    ) -> list[tuple[float, ...]]:
+        """Each window's losses in every state, as rows ``(before, after, reference
+        before, reference after)``."""
+        columns = [self._cached((*name, *key), params, windows) for name, params in states]
+        return list(zip(*columns, strict=True))
+
+    def _cached(self, key: tuple, params: dict[str, torch.Tensor], windows: Windows) -> list[float]:
+        if key in self._losses:
+            self._losses.move_to_end(key)
+            return self._losses[key]
+        started = time.perf_counter()
+        losses = window_losses(self.model, *windows, params, self.device)
+        self.forwards += len(losses)
+        self.seconds += time.perf_counter() - started
+        self._losses[key] = losses
+        while len(self._losses) > _CACHED:
+            self._losses.popitem(last=False)
+        return losses

@@ -1,0 +1,359 @@
+"""The node's useful-work checks, run by one worker thread beside training.
+
+The training thread only hands things over: each applied exchange
+(:meth:`UsefulWork.exchange_applied`) and each round's end (:meth:`UsefulWork.round_ended`)
+are stored and queued in constant time, and records gossiped by other checkers come in
+on the control channel's thread (:meth:`UsefulWork.receive`). The worker then, one task
+at a time:
+
+- for every round that ended well here, with every fragment exchanged, checks the
+  contributions this node was drawn to check (:mod:`verification.usefulness`): it
+  fetches each (:mod:`node.checks.fetch`; the fetch runs on the transport's loop),
+  measures it (:mod:`node.checks.measure`), signs the record, gossips it on the control
+  channel's ``check`` topic and counts it;
+- judges other checkers' records (:mod:`node.checks.judge`): recomputes the ones it
+  must, charges a false one's signer a ``bad_check_record`` violation, and counts the
+  rest in the verifier's :class:`~verification.workscores.Scores`, whose work ratios
+  set each peer's weight in this node's aggregates; a peer the scores flag gets a
+  ``useless_work`` violation once per round.
+
+The worker paces itself: after each task it rests long enough that its forward passes
+take at most ``trust.check_budget`` of the wall time, so they never take more than that
+share of a core from training (waiting for a fetch costs no core and is not counted).
+When it falls more than two rounds behind, it drops the oldest round's checks (counted
+as ``skipped``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from node.checks.fetch import Fetcher
+from node.checks.inputs import CheckSettings, ExchangeBase, RoundBook, RoundInputs
+from node.checks.judge import believe
+from node.checks.measure import Checked, Measurer
+from protocol.errors import ProtocolError
+from verification.identity import Identity
+from verification.usefulness import (
+    CheckRecord,
+    RecordError,
+    checkers_for,
+    fragments_checked,
+    open_record,
+    reproduces,
+)
+from verification.verifier import Verifier
+from verification.workscores import Verdict, judge
+
+__all__ = ["UsefulWork"]
+
+logger = logging.getLogger(__name__)
+
+_ROUNDS_KEPT = 2
+"""Rounds of inputs kept to judge records that come in late (each a model's values)."""
+_BEHIND = 2
+"""Rounds of checks queued at most; older ones are dropped."""
+_INBOX = 4096
+"""Records waiting to be judged at most (older ones are dropped)."""
+_WAITING_ROUNDS = 3
+"""How many rounds ahead of this node a record may wait for this node to get there."""
+_MAX_REST = 30.0
+
+
+class UsefulWork:
+    """This node's useful-work checks (see the module docstring).
+
+    Args:
+        settings: the check settings.
+        identity: this node's key (signs records).
+        verifier: where violations go; its ``work`` scores take the records.
+        measurer: measures contributions on a round's base.
+        fetcher: fetches contributions.
+        fragments: fragments in the model.
+        publish: gossips a signed record; ``events``: the node's event log writer.
+    """
+
+    def __init__(
+        self,
+        settings: CheckSettings,
+        identity: Identity,
+        verifier: Verifier,
+        measurer: Measurer,
+        fetcher: Fetcher,
+        fragments: int,
+        publish: Callable[[bytes], bool],
+        events: Callable[..., None],
+    ) -> None:
+        if verifier.work is None:
+            raise ValueError("useful-work checks need trust.checkers > 0")
+        self.settings = settings
+        self.identity = identity
+        self.me = identity.peer_id
+        self.verifier = verifier
+        self.scores = verifier.work
+        self.measurer = measurer
+        self.fetcher = fetcher
+        self.fragments = fragments
+        self.publish = publish
+        self.events = events
+        self.book = RoundBook(fragments)
+        self.counts = {
+            "made": 0,
+            "taken": 0,
+            "recomputed": 0,
+            "refused": 0,
+            "unserved": 0,
+            "skipped": 0,
+        }
+        self.seconds = 0.0
+        """Time the worker spent checking (fetching, measuring, judging), in total."""
+        self._inputs: dict[int, RoundInputs | None] = {}
+        """Rounds that ended here: their inputs, or None (went wrong, or incomplete)."""
+        self._rounds: deque[RoundInputs] = deque()
+        self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
+        self._waiting: list[tuple[int, str, bytes]] = []
+        self._newest = 0
+        self._charged: set[tuple[str, int]] = set()
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="atoll-checks", daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the worker (the task in hand ends first, within ``timeout``)."""
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- inputs (any thread; constant time) ------------------------------------------
+
+    def exchange_applied(self, exchange: ExchangeBase) -> None:
+        """An exchange whose every part came back reduced was applied (training thread)."""
+        if exchange.round >= self.settings.from_round:
+            self.book.applied(exchange)
+
+    def round_ended(self, round_: int, went_wrong: bool) -> None:
+        """Round ``round_`` ended here; when it went wrong (a sync failed, the node took
+        the swarm's state) nothing of it is checked, and records of it cannot be
+        verified here."""
+        if went_wrong:
+            self.book.drop(round_)
+            inputs = None
+        else:
+            inputs = self.book.close(round_)
+        with self._wake:
+            self._inputs[round_] = inputs
+            for old in [r for r in self._inputs if r <= round_ - _ROUNDS_KEPT]:
+                del self._inputs[old]
+            self._newest = max(self._newest, round_)
+            if inputs is not None:
+                self._rounds.append(inputs)
+                while len(self._rounds) > _BEHIND:
+                    self._rounds.popleft()
+                    self.counts["skipped"] += 1
+            ready = [(s, d) for r, s, d in self._waiting if r <= self._newest]
+            self._waiting = [w for w in self._waiting if w[0] > self._newest]
+            self._inbox.extend(ready)
+            self._wake.notify_all()
+
+    def receive(self, sender: str, data: bytes) -> None:
+        """A record gossiped by ``sender`` (the control channel's thread)."""
+        with self._wake:
+            self._inbox.append((sender, data))
+            self._wake.notify_all()
+
+    # ---- the worker ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        rest_until = 0.0
+        while not self._stop.is_set():
+            task = self._next(rest_until)
+            if task is None:
+                continue
+            started, computed = time.monotonic(), self.measurer.seconds
+            try:
+                task()
+            except Exception:  # a bug in one check must not end the node's checks
+                logger.exception("useful-work check failed")
+            now = time.monotonic()
+            self.seconds += now - started
+            busy = self.measurer.seconds - computed
+            budget = self.settings.budget
+            if busy > 0 and 0 < budget < 1:
+                rest = min(_MAX_REST, busy * (1 / budget - 1))
+                rest_until = max(rest_until, now) + rest
+
+    def _next(self, rest_until: float) -> Callable[[], None] | None:
+        """The next task: a record to judge whenever one is in; a round to check once the
+        worker has rested (see the module docstring)."""
+        with self._wake:
+            if self._inbox:
+                sender, data = self._inbox.popleft()
+                return lambda: self._judge(sender, data)
+            resting = rest_until - time.monotonic()
+            if self._rounds and resting <= 0:
+                inputs = self._rounds.popleft()
+                return lambda: self._check_round(inputs.prepare())
+            self._wake.wait(min(1.0, resting) if self._rounds else 1.0)
+        return None
+
+    # ---- this node's checks -------------------------------------------------------------
+
+    def _check_round(self, inputs: RoundInputs) -> None:
+        """Check every contribution of round ``inputs.round`` this node was drawn to."""
+        s = self.settings
+        for f, exchange in enumerate(inputs.exchanges):
+            if self._stop.is_set() or self.me not in exchange.contributors:
+                continue  # a member left out of the exchange checks no one in it
+            seed = inputs.seed(s.run_id, f)
+            for peer in exchange.contributors:
+                drawn = fragments_checked(
+                    inputs.base, inputs.round, peer, self.fragments, s.fragments
+                )
+                if peer == self.me or f not in drawn:
+                    continue
+                if self.me in checkers_for(seed, peer, exchange.contributors, s.checkers):
+                    self._check(inputs, f, peer)
+        self.fetcher.forget(inputs.round - _ROUNDS_KEPT)
+
+    def _check(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
+        record = self._measure(inputs, fragment, peer, self.me)
+        if record is None:
+            return
+        record = record.signed(self.identity)
+        self.counts["made"] += 1
+        self.publish(record.to_bytes())
+        self._count(record)
+
+    def _measure(
+        self, inputs: RoundInputs, fragment: int, peer: str, checker: str
+    ) -> CheckRecord | None:
+        """``checker``'s record of ``peer`` in exchange ``(inputs.round, fragment)``, as
+        this node measures it; None when a contribution could not be had (logged,
+        counted against no one)."""
+        mixed = inputs.exchanges[fragment].mixed
+        try:
+            checked, reference = (
+                Checked(
+                    self.fetcher.get(who, inputs.round, fragment),
+                    self.fetcher.get(who, inputs.round, fragment, "weights") if mixed else None,
+                )
+                for who in (peer, checker)
+            )
+        except (ProtocolError, TimeoutError) as exc:
+            self.counts["unserved"] += 1
+            logger.warning(
+                "round %d fragment %d: contribution of %s not checked: %s",
+                *(inputs.round, fragment, peer[:16], exc),
+            )
+            return None
+        return self.measurer.record(inputs, fragment, peer, checker, checked, reference)
+
+    # ---- others' records ----------------------------------------------------------------
+
+    def _judge(self, sender: str, data: bytes) -> None:
+        s = self.settings
+        try:
+            record = open_record(data, s.run_id)
+        except RecordError as exc:
+            self.counts["refused"] += 1
+            logger.warning("check record from %s refused: %s", sender[:16], exc)
+            return
+        if record.checker != sender or record.round < s.from_round:
+            return
+        if self.verifier.blocks(record.checker, record.round) is not None:
+            return  # a quarantined or banned checker's word counts for nothing
+        with self._wake:
+            if record.round > self._newest:
+                if record.round <= self._newest + _WAITING_ROUNDS:
+                    self._waiting.append((record.round, sender, data))
+                return
+            inputs = self._inputs.get(record.round)
+        if inputs is not None:
+            inputs.prepare()
+        belief = believe(record, inputs, s, self.me, self.fragments)
+        if belief.action == "recompute":
+            assert inputs is not None
+            self.counts["recomputed"] += 1
+            mine = self._measure(inputs, record.fragment, record.peer, record.checker)
+            if mine is None:
+                return  # cannot tell
+            if not reproduces(record, mine):
+                belief = type(belief)("false", "its losses do not reproduce")
+        if belief.action == "false":
+            self._refuse(record, belief.why)
+            return
+        self.counts["taken"] += 1
+        self._count(record)
+
+    def _refuse(self, record: CheckRecord, why: str) -> None:
+        self.counts["refused"] += 1
+        self.verifier.standings.violation(
+            record.checker,
+            record.round,
+            record.fragment,
+            "bad_check_record",
+            f"its record of {record.peer[:16]}: {why}",
+        )
+        self.events(
+            "check_refused",
+            checker=record.checker,
+            peer=record.peer,
+            round=record.round,
+            fragment=record.fragment,
+            why=why,
+        )
+
+    def _count(self, record: CheckRecord) -> None:
+        verdict: Verdict = judge(record)
+        if not self.scores.add(record, verdict):
+            return
+        score = self.scores.score(record.peer)
+        self.events(
+            "check",
+            checker=record.checker,
+            peer=record.peer,
+            round=record.round,
+            fragment=record.fragment,
+            work=None if verdict.work is None else round(verdict.work, 4),
+            specific=None if verdict.specific is None else round(verdict.specific, 4),
+            passed=verdict.passed,
+            factor=score["factor"],
+            flagged=score["flagged"],
+        )
+        key = (record.peer, record.round)
+        if score["flagged"] and key not in self._charged and record.peer != self.me:
+            self._charged.add(key)
+            self._charged = {k for k in self._charged if k[1] > record.round - _ROUNDS_KEPT}
+            self.verifier.standings.violation(
+                record.peer,
+                record.round,
+                record.fragment,
+                "useless_work",
+                f"{score['passed']} of {score['batches']} checked batches passed: "
+                f"{score['last_failure']}",
+            )
+
+    # ---- reports ------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, time spent, bytes fetched and the peers flagged, for the round event."""
+        return {
+            **self.counts,
+            "bytes_fetched": self.fetcher.bytes_fetched,
+            "forwards": self.measurer.forwards,
+            "seconds": round(self.seconds, 3),
+            "compute_seconds": round(self.measurer.seconds, 3),
+            "flagged": sorted(self.scores.flagged()),
+        }
