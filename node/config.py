@@ -127,6 +127,7 @@ class AtollConfig:
 
 _RENAMED = {
     "trust.check_batches": "trust.check_windows (windows of claimed batches per check)",
+    "trust.check_pass_rate": "trust.check_min_work and trust.check_min_specific",
 }
 """Keys that were renamed: the old name, and what it is called now."""
 

@@ -142,6 +142,16 @@ class OuterOptimizer:
                 momentum *= min(1.0, max(1, round_) / cfg.momentum_warmup)
         return lr, momentum
 
+    def step_scale(self, round_: int) -> float:
+        """How far round ``round_``'s outer step moves a fragment per unit of averaged
+        pseudo-gradient, leaving out the momentum buffer (each member's own): the
+        learning rate, times one plus the momentum for Nesterov. The same on every node.
+        Other optimizers scale their steps by state of their own: the learning rate."""
+        lr, momentum = self.schedule(round_)
+        if self.cfg.optimizer == "nesterov" and momentum is not None:
+            return lr * (1.0 + momentum)
+        return lr
+
     def step(
         self, fragment: int, averaged: torch.Tensor, round_: int | None = None
     ) -> torch.Tensor:

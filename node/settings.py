@@ -198,8 +198,6 @@ def check_settings(cfg: AtollConfig) -> CheckSettings:
         windows=t.check_windows,
         fragments=t.check_fragments,
         from_round=t.check_from_round,
-        min_records=t.check_min_records,
-        pass_rate=t.check_pass_rate,
         audit=t.check_audit,
         assigned=t.check_assigned,
         context=cfg.model.context,

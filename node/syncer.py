@@ -208,8 +208,8 @@ class Syncer:
         if checking and self.checks is not None and base is not None:
             contributors = tuple(sorted({p for part in result.contributors for p in part}))
             base = base.detach().cpu()
-            mixed = done.mixed is not None
-            exchange = ExchangeBase(pending.round, f, base, result.vector, contributors, mixed)
+            step = self.outer.step_scale(pending.round)
+            exchange = ExchangeBase(pending.round, f, base, result.vector, contributors, step)
             self.checks.exchange_applied(exchange)
         return record
 

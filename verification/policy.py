@@ -89,9 +89,15 @@ class TrustPolicy:
         check_from_round: the first round checked (the first rounds of a fresh model
             learn what any text teaches, so no contribution gains more on its own data).
         check_min_records: records of a peer needed before it can be flagged.
-        check_pass_rate: a peer is flagged (a ``useless_work`` violation) once the upper
-            95 % bound of its checked batches' pass rate falls below this, with failing
-            batches from two checkers or more (:mod:`verification.workscores`).
+        check_min_work: a peer whose median work ratio (its gain on control text per
+            claimed batch against its checkers' own, :mod:`verification.workscores`) is
+            below this falls short of the work it claims.
+        check_min_specific: a peer whose median specific gain on its claimed batches
+            (beyond what any text teaches, in its checkers' own gain on control text) is
+            below this falls short too: it did not train on them. A peer that falls
+            short over ``check_min_records`` records from two checkers or more, with
+            any one checker's records left out, is flagged (a ``useless_work``
+            violation).
         check_audit: the share of other checkers' records of its own group a node
             recomputes itself (a record that accuses this node is always recomputed).
         check_assigned: judge a contribution by its gain on the batches it claims against
@@ -123,8 +129,9 @@ class TrustPolicy:
     check_windows: int = Field(default=16, ge=1, le=64)
     check_fragments: int = Field(default=1, ge=1)
     check_from_round: int = Field(default=2, ge=1)
-    check_min_records: int = Field(default=3, ge=1)
-    check_pass_rate: float = Field(default=0.6, gt=0, le=1)
+    check_min_records: int = Field(default=4, ge=1)
+    check_min_work: float = Field(default=0.5, ge=0, le=1)
+    check_min_specific: float = Field(default=0.3, ge=0)
     check_audit: float = Field(default=0.1, ge=0, le=1)
     check_assigned: bool = True
     check_budget: float = Field(default=0.05, gt=0, le=1)

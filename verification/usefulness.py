@@ -78,10 +78,10 @@ far below any gain a check relies on (about 1e-2 nats)."""
 LOSS_ATOL = 1e-6
 """Absolute tolerance, for losses near zero."""
 MAX_RECORD_BYTES = 16384
-"""A signed record of 16 claimed and 16 control windows is about 1.9 KB; anything above
-this is refused unread."""
-MAX_WINDOWS = 64
-"""Windows of either kind one record may hold (``trust.check_windows`` is at most this)."""
+"""A signed record of 16 claimed windows of each member and 32 control windows is about
+2.2 KB; anything above this is refused unread."""
+MAX_WINDOWS = 128
+"""Windows of any kind one record may hold (``trust.check_windows`` is at most 64)."""
 
 
 class RecordError(ValueError):
@@ -186,31 +186,30 @@ def contribution_digest(part_digests: Sequence[bytes]) -> str:
     return h.hexdigest()
 
 
-Quad = tuple[float, float, float, float]
+Pair = tuple[float, float]
+Triple = tuple[float, float, float]
 
 
 @dataclass(frozen=True)
 class CheckRecord:
     """What a checker measured of one peer's contribution to one exchange.
 
-    Losses are mean cross-entropies in nats per token, ``before`` a contribution and
-    ``after`` it: on the round's base, where the exchange's fragment holds the value the
-    contribution was computed against (the group's base, or the member's own global copy
-    as it sent it where the group mixed copies), and with the contribution subtracted
-    from that fragment.
+    Losses are mean cross-entropies in nats per window token, at the round's base
+    (``before``) and with a contribution subtracted from the exchange's fragment
+    (``after``: a pseudo-gradient is ``global - local``).
 
     Attributes:
-        contribution: digest of the checked contribution's signed parts (its copy's
-            parts after them, where the group mixed).
+        contribution: digest of the checked contribution's signed parts.
         reference: the same of the checker's own contribution to the exchange.
         base: the round's base digest; ``result``: the exchange's reduced result's.
         seed: the exchange's seed (hex).
         claimed: the batches the contribution's signed claim covers (all ranks).
         reference_claimed: the batches the checker's own claim covers.
-        assigned: on each sampled claimed window (none when the run checks validation
-            only), ``(before, after, reference before, reference after)``: the loss
-            before and after the contribution, and before and after the checker's own.
-        control: the same on each control window.
+        assigned: ``(before, after)`` on each sampled window of the contribution's
+            claimed batches (none when the run checks validation only).
+        reference_assigned: ``(before, reference after)`` on each sampled window of the
+            checker's own claimed batches (none when the run checks validation only).
+        control: ``(before, after, reference after)`` on each control window.
     """
 
     checker: str
@@ -225,16 +224,17 @@ class CheckRecord:
     seed: str
     claimed: int
     reference_claimed: int
-    assigned: tuple[Quad, ...]
-    control: tuple[Quad, ...]
+    assigned: tuple[Pair, ...]
+    reference_assigned: tuple[Pair, ...]
+    control: tuple[Triple, ...]
     signature: bytes = field(default=b"", compare=False)
 
     def body(self) -> bytes:
         """The signed bytes (every field but the signature)."""
         fields = asdict(self)
         fields.pop("signature")
-        fields["assigned"] = [list(p) for p in self.assigned]
-        fields["control"] = [list(t) for t in self.control]
+        for name in ("assigned", "reference_assigned", "control"):
+            fields[name] = [list(row) for row in getattr(self, name)]
         fields["v"] = _VERSION
         return msgpack.packb(fields, use_bin_type=True)
 
@@ -304,6 +304,7 @@ def open_record(data: bytes, run: str) -> CheckRecord:
         *_TEXT,
         *_INTS,
         "assigned",
+        "reference_assigned",
         "control",
     }:
         raise RecordError("malformed", "fields missing or unknown")
@@ -316,8 +317,11 @@ def open_record(data: bytes, run: str) -> CheckRecord:
         raise RecordError("malformed", "round, fragment and claims must be non-negative")
     record = CheckRecord(
         **{k: fields[k] for k in (*_TEXT, *_INTS)},
-        assigned=_losses(fields["assigned"], "assigned", 4),  # type: ignore[arg-type]
-        control=_losses(fields["control"], "control", 4),  # type: ignore[arg-type]
+        assigned=_losses(fields["assigned"], "assigned", 2),  # type: ignore[arg-type]
+        reference_assigned=_losses(  # type: ignore[arg-type]
+            fields["reference_assigned"], "reference_assigned", 2
+        ),
+        control=_losses(fields["control"], "control", 3),  # type: ignore[arg-type]
         signature=signature,
     )
     if not record.control:
@@ -340,9 +344,10 @@ def reproduces(record: CheckRecord, mine: CheckRecord) -> bool:
         return False
     if (record.claimed, record.reference_claimed) != (mine.claimed, mine.reference_claimed):
         return False
-    if len(record.assigned) != len(mine.assigned) or len(record.control) != len(mine.control):
+    names = ("assigned", "reference_assigned", "control")
+    if any(len(getattr(record, n)) != len(getattr(mine, n)) for n in names):
         return False
-    rows = [*zip(record.assigned, mine.assigned), *zip(record.control, mine.control)]
+    rows = [pair for n in names for pair in zip(getattr(record, n), getattr(mine, n))]
     return all(
         math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL)
         for theirs, ours in rows

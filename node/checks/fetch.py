@@ -27,9 +27,8 @@ from protocol.p2p.transport import Transport
 
 __all__ = ["Fetcher"]
 
-_CACHED = 16
-"""Contributions kept after a fetch (a record's audit needs two or four, often fetched
-before)."""
+_CACHED = 8
+"""Contributions kept after a fetch (a record's audit needs two, often fetched before)."""
 
 
 class Fetcher:
@@ -63,31 +62,29 @@ class Fetcher:
         self.numel = numel
         self.timeout = timeout
         self.bytes_fetched = 0
-        self._cache: OrderedDict[tuple[str, int, int, str], Fetched] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int, int], Fetched] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, peer: str, round_: int, fragment: int, content: str = "update") -> Fetched:
-        """``peer``'s checked contribution to exchange ``(round_, fragment)``: its
-        pseudo-gradient, or with ``content="weights"`` the global copy it sent.
+    def get(self, peer: str, round_: int, fragment: int) -> Fetched:
+        """``peer``'s checked contribution to exchange ``(round_, fragment)``.
 
         Raises:
             ProtocolError: it was not served, or is refused (the reason says why).
             TimeoutError: no answer within the timeout.
         """
-        key = (peer, round_, fragment, content)
+        key = (peer, round_, fragment)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         if peer == self.me:
-            kept = self.sent.get(round_, fragment, content) or []
-            data = msgpack.packb(kept, use_bin_type=True)
+            data = msgpack.packb(self.sent.get(round_, fragment) or [], use_bin_type=True)
         else:
             data = self.transport.run(
                 self.transport.call(
                     peer,
                     CONTRIBUTION_RPC,
-                    msgpack.packb([round_, fragment, content]),
+                    msgpack.packb([round_, fragment]),
                     timeout=self.timeout,
                     max_response_bytes=self.wire.max_message_bytes * 2,
                 ),
@@ -95,13 +92,7 @@ class Fetcher:
             )
             self.bytes_fetched += len(data)
         fetched = open_contribution(
-            data,
-            peer,
-            (round_, fragment),
-            self.numel[fragment],
-            self.wire,
-            self.committed,
-            content,
+            data, peer, (round_, fragment), self.numel[fragment], self.wire, self.committed
         )
         with self._lock:
             self._cache[key] = fetched

@@ -3,10 +3,18 @@ applied and handed to the checks' worker whole, once per round.
 
 Each applied exchange leaves an :class:`ExchangeBase`: the fragment's value the group
 held before the outer step (its mean copy where it mixed, else the global copy every
-member announced alike), the digest of its reduced pseudo-gradient and its
-contributors. A round whose every fragment was exchanged this way, and which ended well
-on this node, becomes a :class:`RoundInputs`: the round's base, the same on every member
-of the node's group (groups are formed per round, so one group shares every fragment).
+member announced alike), its reduced pseudo-gradient and its contributors. A round whose
+every fragment was exchanged this way, and which ended well on this node, becomes a
+:class:`RoundInputs`: the round's base, the same on every member of the node's group
+(groups are formed per round, so one group shares every fragment).
+
+Fragments sync one after another through a round, so a contribution to fragment ``f``
+was trained beside fragments that had already taken the round's step and fragments
+that had not. :meth:`RoundInputs.vectors` gives that state, from shared values only:
+fragments before ``f`` at their base stepped by the group's reduced pseudo-gradient
+(times the step's scale, the outer learning rate of the round and, for Nesterov, one
+plus its momentum: the step without the momentum buffer each member keeps for itself),
+fragments from ``f`` on at their base.
 """
 
 from __future__ import annotations
@@ -40,8 +48,6 @@ class CheckSettings:
         fragments: fragments of each contributor checked per round
             (``trust.check_fragments``).
         from_round: the first round checked.
-        min_records: records of a peer needed before it can be flagged.
-        pass_rate: the batch pass rate below which (upper bound) a peer is flagged.
         audit: the share of other checkers' records this node recomputes.
         assigned: measure claimed batches (else control batches of validation text only).
         context: tokens per window.
@@ -54,8 +60,6 @@ class CheckSettings:
     windows: int
     fragments: int
     from_round: int
-    min_records: int
-    pass_rate: float
     audit: float
     assigned: bool
     context: int
@@ -71,19 +75,18 @@ class ExchangeBase:
         round: the exchange's round; ``fragment``: its fragment.
         base: the fragment's value the group held before the outer step (never written
             after: a copy, or the group's mean copy as it came back).
-        update: the exchange's reduced pseudo-gradient, until its digest is taken.
+        update: the exchange's reduced pseudo-gradient (never written after).
         contributors: the peers whose parts it reduced, sorted.
-        mixed: the group averaged its members' copies: each contribution was computed
-            against its member's own copy (a check fetches it).
+        step: the scale of the step without momentum (see the module docstring).
         result: the digest of ``update`` (set by :meth:`RoundInputs.prepare`).
     """
 
     round: int
     fragment: int
     base: torch.Tensor
-    update: torch.Tensor | None
+    update: torch.Tensor
     contributors: tuple[str, ...]
-    mixed: bool = False
+    step: float = 0.0
     result: str = ""
 
 
@@ -99,12 +102,11 @@ class RoundInputs:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def prepare(self) -> RoundInputs:
-        """Take every digest (once) and let go of the reduced pseudo-gradients."""
+        """Take every digest (once)."""
         with self._lock:
             if not self.digests:
                 for e in self.exchanges:
-                    if e.update is not None:
-                        e.result, e.update = fragment_digest(e.update), None
+                    e.result = fragment_digest(e.update)
                 self.digests = [fragment_digest(e.base) for e in self.exchanges]
         return self
 
@@ -117,8 +119,12 @@ class RoundInputs:
         e = self.prepare().exchanges[fragment]
         return assignment_seed(run_id, self.round, fragment, self.base, e.result, e.contributors)
 
-    def vectors(self) -> list[torch.Tensor]:
-        return [e.base for e in self.exchanges]
+    def vectors(self, fragment: int) -> list[torch.Tensor]:
+        """Every fragment's values when ``fragment`` synced (see the module docstring)."""
+        return [
+            e.base - e.step * e.update.to(e.base) if e.fragment < fragment else e.base
+            for e in self.exchanges
+        ]
 
 
 class RoundBook:

@@ -21,7 +21,7 @@ from typing import Literal
 
 from node.checks.inputs import CheckSettings, RoundInputs
 from verification.usefulness import CheckRecord, checkers_for, fragments_checked
-from verification.workscores import judge
+from verification.workscores import Scores, judge
 
 __all__ = ["Belief", "believe"]
 
@@ -42,6 +42,7 @@ def believe(
     settings: CheckSettings,
     me: str,
     fragments: int,
+    scores: Scores,
 ) -> Belief:
     """How far this node believes ``record`` (see the module docstring).
 
@@ -65,7 +66,8 @@ def believe(
         seed, record.peer, contributors, settings.checkers
     ):
         return Belief("false", "its checker or fragment was not drawn by the seed")
-    accuses = judge(record).passed is False
+    verdict = judge(record)
+    accuses = scores.short(verdict)
     if (record.peer == me and accuses) or _audited(me, record, settings.audit):
         return Belief("recompute")
     return Belief("count")

@@ -5,22 +5,25 @@ sees it) and evaluates any parameter values through it: the round's base, and th
 with one contribution applied to one fragment. For a contribution ``P`` checked by
 ``checker`` on exchange ``(r, f)`` it measures
 
-- on windows of ``P``'s claimed batches that the seed draws for ``checker``
-  (:func:`verification.usefulness.window_plan`), and on the exchange's control windows
-  (the same for every checker: a stream keyed by the seed over the run's train tokens,
-  or over its validation tokens when the run checks validation only), each window's
-  loss before and after ``P``, and before and after the checker's own contribution (the
-  reference).
+- each window's loss at the round's base and with ``P`` applied to the exchange's
+  fragment, on windows of ``P``'s claimed batches that the seed draws for ``checker``
+  (:func:`verification.usefulness.window_plan`);
+- the same with the checker's own contribution (the reference) applied, on windows of
+  the checker's own claimed batches;
+- on the exchange's control windows (the same for every checker: a stream keyed by the
+  seed over the run's train tokens, or over its validation tokens when the run checks
+  validation only), the loss at the base, with ``P`` and with the reference.
 
-"Before" is the round's base, except that where the group mixed its members' copies the
-exchange's fragment holds the contributor's own copy, as it sent it: a pseudo-gradient
-is the distance its member trained from its own copy, and is measured from there.
+The base is what the group holds and steps, its mean copy where it mixed: a contribution
+is judged by what it does there, which is how the group uses it. (A member whose own
+copy was far from the group's, after a round beside a faulty peer, may find its work
+does little there; that passes within a round or two of mixing, and one record does
+not flag anyone.)
 
 Every loss is :func:`node.trainer.window_losses`: one fp32 forward of the windows in
 eval mode, each window's sum in float64, so two nodes agree to about 1e-6 relative.
-Losses at the same values on the same windows are computed once (the base is shared
-by every contribution of a group that did not mix, the reference by all of a checker's
-records of an exchange).
+Losses at the same values on the same windows are computed once (those at the base and
+with the reference, by all of a checker's records of an exchange).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,29 +43,13 @@ from protocol.averaging.contributions import Fetched, WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from verification.usefulness import CheckRecord, contribution_digest, control_key, window_plan
 
-__all__ = ["Checked", "Measurer", "claimed_batches"]
+__all__ = ["Measurer", "claimed_batches"]
 
 Windows = tuple[torch.Tensor, torch.Tensor]
+State = tuple[tuple, dict[str, torch.Tensor]]
+"""Parameter values by name, with a key that names them (for the cache)."""
 _CACHED = 32
 """Losses kept for reuse (a base's, a reference's), by values and windows."""
-
-
-@dataclass(frozen=True)
-class Checked:
-    """A member's contribution to an exchange: its pseudo-gradient and, where the group
-    mixed copies, the copy it sent (which the pseudo-gradient was computed against)."""
-
-    update: Fetched
-    own: Fetched | None = None
-
-    @property
-    def digest(self) -> str:
-        extra = self.own.digests if self.own is not None else []
-        return contribution_digest([*self.update.digests, *extra])
-
-    @property
-    def claim(self) -> WorkClaim | None:
-        return self.update.claim
 
 
 def claimed_batches(claim: WorkClaim, indices: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -112,7 +98,7 @@ class Measurer:
         """Windows evaluated so far."""
         self.seconds = 0.0
         """Time spent evaluating them."""
-        self._losses: OrderedDict[tuple, list[float]] = OrderedDict()
+        self._cache: OrderedDict[tuple, list[float]] = OrderedDict()
 
     def record(
         self,
@@ -120,40 +106,48 @@ class Measurer:
         fragment: int,
         peer: str,
         checker: str,
-        checked: Checked,
-        reference: Checked,
+        checked: Fetched,
+        reference: Fetched,
     ) -> CheckRecord:
         """``checker``'s unsigned record of ``checked`` (``peer``'s contribution), with
         ``reference`` (``checker``'s own) as the measure of honest work."""
         s = self.settings
         seed = inputs.seed(s.run_id, fragment)
-        claim = checked.claim
-        states = self._states(inputs, fragment, checked, reference)
-        control = self._measure(states, ("control", seed.hex()), self._control_windows(seed))
+        base, after, ref_after = self._states(inputs, fragment, checked, reference)
+        control = self._control_windows(seed)
+        rows = [base, after, ref_after]
+        key = ("control", seed.hex())
+        control_losses = list(zip(*(self._losses(st, key, control) for st in rows), strict=True))
+        claimed = checked.claim.batches if checked.claim is not None else 0
         assigned: list[tuple[float, ...]] = []
-        claimed = claim.batches if claim is not None else 0
-        if s.assigned and claim is not None:
-            windows = self._claimed(claim, seed, peer, checker)
+        reference_assigned: list[tuple[float, ...]] = []
+        if s.assigned:
+            windows = self._claimed(checked.claim, seed, peer, checker)
             if windows is None:
                 claimed = 0  # names data no one can draw: it claims nothing checkable
             else:
                 key = ("assigned", seed.hex(), peer, checker)
-                assigned = self._measure(states, key, windows)
+                assigned = self._rows([base, after], key, windows)
+            own = self._claimed(reference.claim, seed, checker, checker)
+            if own is not None:
+                key = ("assigned", seed.hex(), checker, checker)
+                reference_assigned = self._rows([base, ref_after], key, own)
         return CheckRecord(
             checker=checker,
             peer=peer,
             run=s.run_id,
             round=inputs.round,
             fragment=fragment,
-            contribution=checked.digest,
-            reference=reference.digest,
+            contribution=contribution_digest(checked.digests),
+            reference=contribution_digest(reference.digests),
             base=inputs.base,
             result=inputs.exchanges[fragment].result,
             seed=seed.hex(),
             claimed=claimed,
             reference_claimed=reference.claim.batches if reference.claim is not None else 0,
             assigned=tuple(assigned),  # type: ignore[arg-type]
-            control=tuple(control),  # type: ignore[arg-type]
+            reference_assigned=tuple(reference_assigned),  # type: ignore[arg-type]
+            control=tuple(control_losses),  # type: ignore[arg-type]
         )
 
     # ---- windows ------------------------------------------------------------------------
@@ -161,11 +155,17 @@ class Measurer:
     def _control_windows(self, seed: bytes) -> Windows:
         s = self.settings
         data = self.train if s.assigned else self.val
-        return BatchStream(data, s.windows, s.context, control_key(seed)).next()
+        # twice as many as claimed windows: every record's work ratio rests on them
+        return BatchStream(data, 2 * s.windows, s.context, control_key(seed)).next()
 
-    def _claimed(self, claim: WorkClaim, seed: bytes, peer: str, checker: str) -> Windows | None:
-        """The windows of ``claim`` the seed draws for ``checker``; None when the claim
-        names data this node cannot draw from (a slice too short)."""
+    def _claimed(
+        self, claim: WorkClaim | None, seed: bytes, peer: str, checker: str
+    ) -> Windows | None:
+        """The windows of ``peer``'s ``claim`` the seed draws for ``checker``; None when
+        there is no claim, or it names data this node cannot draw from (a slice too
+        short)."""
+        if claim is None:
+            return None
         s = self.settings
         plan = window_plan(seed, peer, checker, claim.batches, claim.batch, s.windows)
         inputs, targets = [], []
@@ -190,51 +190,39 @@ class Measurer:
     # ---- losses -------------------------------------------------------------------------
 
     def _states(
-        self, inputs: RoundInputs, fragment: int, checked: Checked, reference: Checked
-    ) -> list[tuple[tuple, dict[str, torch.Tensor]]]:
-        """The four parameter states a record measures, each with a key that names its
-        values: before and after ``checked``, before and after ``reference``."""
-        base = (inputs.round, fragment, inputs.base)
-        out = []
+        self, inputs: RoundInputs, fragment: int, checked: Fetched, reference: Fetched
+    ) -> list[State]:
+        """The base, and the base with ``checked`` and with ``reference`` applied to
+        ``fragment``, each with a key that names its values."""
+        vectors = inputs.vectors(fragment)
+        base: dict[str, torch.Tensor] = {}
+        for f, vector in enumerate(vectors):
+            base.update(self.plan.views(vector, f))
+        out = [(("base", inputs.round, fragment, inputs.base), base)]
         for c in (checked, reference):
-            before, after = self._around(inputs, fragment, c)
-            start = ("base", *base) if c.own is None else ("own", *base, c.digest)
-            out += [(start, before), (("after", *base, c.digest), after)]
+            after = dict(base)
+            # a pseudo-gradient is ``global - local``: it is subtracted
+            moved = vectors[fragment] - c.vector.to(vectors[fragment])
+            after.update(self.plan.views(moved, fragment))
+            out.append((("after", inputs.round, fragment, contribution_digest(c.digests)), after))
         return out
 
-    def _around(
-        self, inputs: RoundInputs, fragment: int, checked: Checked
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Every parameter before ``checked`` (the round's base, ``fragment`` at the copy
-        it was computed against) and after it (a pseudo-gradient is ``global - local``,
-        so it is subtracted)."""
-        vectors = inputs.vectors()
-        start = vectors[fragment] if checked.own is None else checked.own.vector
-        start = start.to(vectors[fragment])
-        before: dict[str, torch.Tensor] = {}
-        for f, vector in enumerate(vectors):
-            before.update(self.plan.views(start if f == fragment else vector, f))
-        after = dict(before)
-        after.update(self.plan.views(start - checked.update.vector.to(start), fragment))
-        return before, after
+    def _rows(self, states: list[State], key: tuple, windows: Windows) -> list[tuple[float, ...]]:
+        """Each window's losses in every state, as rows."""
+        return list(zip(*(self._losses(st, key, windows) for st in states), strict=True))
 
-    def _measure(
-        self, states: list[tuple[tuple, dict[str, torch.Tensor]]], key: tuple, windows: Windows
-    ) -> list[tuple[float, ...]]:
-        """Each window's losses in every state, as rows ``(before, after, reference
-        before, reference after)``."""
-        columns = [self._cached((*name, *key), params, windows) for name, params in states]
-        return list(zip(*columns, strict=True))
-
-    def _cached(self, key: tuple, params: dict[str, torch.Tensor], windows: Windows) -> list[float]:
-        if key in self._losses:
-            self._losses.move_to_end(key)
-            return self._losses[key]
+    def _losses(self, state: State, key: tuple, windows: Windows) -> list[float]:
+        """``windows``' losses at ``state`` (computed once per state and windows)."""
+        name, params = state
+        full = (*name, *key)
+        if full in self._cache:
+            self._cache.move_to_end(full)
+            return self._cache[full]
         started = time.perf_counter()
         losses = window_losses(self.model, *windows, params, self.device)
         self.forwards += len(losses)
         self.seconds += time.perf_counter() - started
-        self._losses[key] = losses
-        while len(self._losses) > _CACHED:
-            self._losses.popitem(last=False)
+        self._cache[full] = losses
+        while len(self._cache) > _CACHED:
+            self._cache.popitem(last=False)
         return losses

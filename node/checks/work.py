@@ -36,7 +36,7 @@ from typing import Any
 from node.checks.fetch import Fetcher
 from node.checks.inputs import CheckSettings, ExchangeBase, RoundBook, RoundInputs
 from node.checks.judge import believe
-from node.checks.measure import Checked, Measurer
+from node.checks.measure import Measurer
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.usefulness import (
@@ -48,7 +48,7 @@ from verification.usefulness import (
     reproduces,
 )
 from verification.verifier import Verifier
-from verification.workscores import Verdict, judge
+from verification.workscores import judge
 
 __all__ = ["UsefulWork"]
 
@@ -242,15 +242,9 @@ class UsefulWork:
         """``checker``'s record of ``peer`` in exchange ``(inputs.round, fragment)``, as
         this node measures it; None when a contribution could not be had (logged,
         counted against no one)."""
-        mixed = inputs.exchanges[fragment].mixed
         try:
-            checked, reference = (
-                Checked(
-                    self.fetcher.get(who, inputs.round, fragment),
-                    self.fetcher.get(who, inputs.round, fragment, "weights") if mixed else None,
-                )
-                for who in (peer, checker)
-            )
+            checked = self.fetcher.get(peer, inputs.round, fragment)
+            reference = self.fetcher.get(checker, inputs.round, fragment)
         except (ProtocolError, TimeoutError) as exc:
             self.counts["unserved"] += 1
             logger.warning(
@@ -282,7 +276,7 @@ class UsefulWork:
             inputs = self._inputs.get(record.round)
         if inputs is not None:
             inputs.prepare()
-        belief = believe(record, inputs, s, self.me, self.fragments)
+        belief = believe(record, inputs, s, self.me, self.fragments, self.scores)
         if belief.action == "recompute":
             assert inputs is not None
             self.counts["recomputed"] += 1
@@ -316,7 +310,7 @@ class UsefulWork:
         )
 
     def _count(self, record: CheckRecord) -> None:
-        verdict: Verdict = judge(record)
+        verdict = judge(record)
         if not self.scores.add(record, verdict):
             return
         score = self.scores.score(record.peer)
@@ -328,7 +322,7 @@ class UsefulWork:
             fragment=record.fragment,
             work=None if verdict.work is None else round(verdict.work, 4),
             specific=None if verdict.specific is None else round(verdict.specific, 4),
-            passed=verdict.passed,
+            short=self.scores.short(verdict),
             factor=score["factor"],
             flagged=score["flagged"],
         )
@@ -341,8 +335,8 @@ class UsefulWork:
                 record.round,
                 record.fragment,
                 "useless_work",
-                f"{score['passed']} of {score['batches']} checked batches passed: "
-                f"{score['last_failure']}",
+                f"median work ratio {score['work']} and specific gain {score['specific']} "
+                f"over {score['records']} records from {score['checkers']} checkers",
             )
 
     # ---- reports ------------------------------------------------------------------------
