@@ -142,17 +142,21 @@ def judge(record: CheckRecord) -> Verdict:
     """What ``record`` measured (see the module docstring)."""
     gains = [before - after for before, after, _ in record.control]
     ref_gain = Estimate.of([before - ref for before, _, ref in record.control])
-    if record.claimed <= 0 or record.reference_claimed <= 0:
+    ref_lift = None
+    if record.reference_assigned:
+        own = Estimate.of([b - a for b, a in record.reference_assigned])
+        ref_lift = own.minus(ref_gain)
+    if record.reference_claimed <= 0:
+        return Verdict(Estimate.of(gains), Estimate(0.0, 0.0))  # no reference to go by
+    if record.claimed <= 0:
         # a claim no one can draw from counts as no work at all
         nothing = Estimate(0.0, 0.0)
-        lift = nothing if record.claimed <= 0 and record.assigned else None
-        return Verdict(nothing if record.claimed <= 0 else Estimate.of(gains), ref_gain, lift)
+        return Verdict(nothing, ref_gain, nothing if ref_lift is not None else None, ref_lift)
     scale = (record.reference_claimed / record.claimed) ** WORK_EXPONENT
     scaled = Estimate.of(gains, scale)
-    if not (record.assigned and record.reference_assigned):
+    if not record.assigned or ref_lift is None:
         return Verdict(scaled, ref_gain)
     lift = Estimate.of([b - a for b, a in record.assigned]).minus(Estimate.of(gains))
-    ref_lift = Estimate.of([b - a for b, a in record.reference_assigned]).minus(ref_gain)
     return Verdict(scaled, ref_gain, lift, ref_lift)
 
 

@@ -48,7 +48,7 @@ from verification.usefulness import (
     reproduces,
 )
 from verification.verifier import Verifier
-from verification.workscores import judge
+from verification.workscores import Verdict, judge
 
 __all__ = ["UsefulWork"]
 
@@ -322,6 +322,7 @@ class UsefulWork:
             fragment=record.fragment,
             work=None if verdict.work is None else round(verdict.work, 4),
             specific=None if verdict.specific is None else round(verdict.specific, 4),
+            measured=_measured(verdict),
             short=self.scores.short(verdict),
             factor=score["factor"],
             flagged=score["flagged"],
@@ -351,3 +352,12 @@ class UsefulWork:
             "compute_seconds": round(self.measurer.seconds, 3),
             "flagged": sorted(self.scores.flagged()),
         }
+
+
+def _measured(verdict: Verdict) -> dict[str, list[float] | None]:
+    """A verdict's estimates as ``[mean, standard error]`` in nats, for the event log."""
+    out: dict[str, list[float] | None] = {}
+    for name in ("gain", "ref_gain", "lift", "ref_lift"):
+        e = getattr(verdict, name)
+        out[name] = None if e is None else [round(e.mean, 6), round(e.se, 6)]
+    return out

@@ -1,7 +1,8 @@
-"""Useful-work checks with real nodes: six nodes in one group, one training honestly on
-random bytes and one sending nothing but zeros. Neither breaks a rule a screen can see;
-both are flagged by every honest node from what their contributions do to the loss,
-and no honest node is."""
+"""Useful-work checks with real nodes in a swarm larger than one group: six nodes in
+groups of three that mix their global copies, two fragments, one member sending nothing
+but zeros and one training a tenth of the steps it claims. Neither breaks a rule a screen
+can see; every honest node flags both from what their contributions do to the loss, no
+honest node is flagged, and the honest nodes end near the swarm's clean loss."""
 
 from __future__ import annotations
 
@@ -10,67 +11,71 @@ import pytest
 from node.metrics import read_events
 from tests.integration.conftest import Swarm
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
-NODES, ROUNDS = 6, 5
+NODES, ROUNDS = 6, 9
 CHECKS = [
-    "sync.fragments=1",
-    "sync.inner_steps=12",
-    "network.group_size=6",
+    "sync.inner_steps=24",
+    "network.group_size=3",
     "trust.aggregator='centered_clip'",
     "trust.checkers=2",
-    "trust.check_from_round=2",
-    "trust.check_batches=4",
+    "trust.check_fragments=2",
+    "trust.check_from_round=3",
+    "trust.check_budget=1.0",
     "trust.quarantine_rounds=10",
+    "train.total_steps=400",
 ]
-GOAL_ROUNDS = 5
+GOAL_ROUND = 8
+BOUND = 1.08
+"""The honest nodes' bits per byte at most this over the best honest node's (the two
+attackers cost the swarm some of its work until they are flagged)."""
 
 
-def test_random_data_and_zero_members_are_flagged_by_every_honest_node(
+def test_zero_and_lazy_members_are_flagged_by_every_honest_node_in_mixing_groups(
     local_swarm: Swarm,
 ) -> None:
     local_swarm.launch(
         NODES,
         ROUNDS,
         CHECKS,
-        {NODES - 2: ["--byzantine", "random_data"], NODES - 1: ["--byzantine", "zero"]},
+        {NODES - 2: ["--byzantine", "zero"], NODES - 1: ["--byzantine", "lazy"]},
     )
-    assert local_swarm.wait_all(400), "swarm did not finish"
+    assert local_swarm.wait_all(450), "swarm did not finish"
     summary = local_swarm.summary()
     honest = local_swarm.nodes[: NODES - 2]
     attackers = {n.status["peer_id"] for n in local_swarm.nodes[NODES - 2 :]}
-    zero = local_swarm.nodes[NODES - 1].status["peer_id"]
     honest_ids = {n.status["peer_id"] for n in honest}
-    assert [n.proc.returncode for n in honest] == [0] * len(honest)
-    assert summary["params_agree"], summary["rounds_disagreeing"]
+    assert [n.proc.returncode for n in honest] == [0] * len(honest), summary["failed_nodes"]
+    finals = []
     for node in honest:
-        flagged = summary["flagged"][str(node.index)]
-        assert not honest_ids & set(flagged), (
-            f"node {node.index} flagged an honest peer: {flagged}",
-            _charges(node, honest_ids),
-        )
-        assert attackers <= set(flagged), (node.index, flagged)
-        rounds = read_events(node.data_dir / "events.jsonl", "round")
+        log = read_events(node.data_dir / "events.jsonl")
+        rounds = [e for e in log if e["event"] == "round"]
+        charged = {e["peer"] for e in log if e["event"] == "violation"}
+        assert not charged & honest_ids, (node.index, _charges(log, honest_ids))
         first = {
             p: min((e["round"] for e in rounds if p in e["flagged"]), default=None)
             for p in attackers
         }
-        assert all(r is not None and r <= GOAL_ROUNDS for r in first.values()), first
-        # the zero member breaks no screen: the checks flag it; every failing record a
-        # node counted it made itself or recomputed first
-        checks = read_events(node.data_dir / "events.jsonl", "check")
-        assert not any(c["flagged"] for c in checks if c["peer"] in honest_ids)
-        last = rounds[-1]["checks"]
-        assert zero in last["flagged"] and last["recomputed"] > 0, last
+        assert all(r is not None and r <= GOAL_ROUND for r in first.values()), first
+        # the checks ran in every mixing round from the first checked one, and the
+        # attackers were flagged by them (neither breaks a screen)
+        checks = [e["checks"] for e in rounds if e["round"] > 3]
+        assert all(c["made"] + c["taken"] > 0 for c in checks), checks
+        assert attackers <= set(rounds[-1]["checks"]["flagged"]), rounds[-1]["checks"]
+        mixed = [e for e in log if e["event"] == "sync" and e["mixed"]]
+        assert mixed, "the groups never mixed"
+        finals.append(next(e["val_bpb"] for e in reversed(rounds) if "val_bpb" in e))
+    assert max(finals) <= BOUND * min(finals), finals
     assert not local_swarm.leftovers()
 
 
-def _charges(node, honest_ids: set[str]) -> list[tuple]:
-    """What ``node`` charged honest peers with, and the records it refused: a failure
-    names its cause."""
-    whom = {"violation": "peer", "check_refused": "checker", "check": "peer"}
+def _charges(log: list[dict], honest_ids: set[str]) -> list[tuple]:
+    """What a node charged honest peers with, and the records it counted against them:
+    a failure names its cause."""
     return [
-        (e["event"], e.get("round"), e[whom[e["event"]]][-6:], e.get("reason"))
-        for e in read_events(node.data_dir / "events.jsonl")
-        if e["event"] in whom and e[whom[e["event"]]] in honest_ids and e.get("passed") is not True
+        (e["event"], e.get("round"), e.get("peer", "")[-6:], e.get("reason"), e.get("work"))
+        for e in log
+        if e["event"] in ("violation", "check")
+        and e.get("peer") in honest_ids
+        and (e["event"] == "violation" or e.get("short"))
     ]

@@ -34,10 +34,10 @@ class _Trainer:
 
     def step(self) -> Any:
         self.steps += 1
-        self.tokens += 4
+        self.tokens += 8
         inputs, _ = self.stream.next()
         self.trained.append((self.steps, int(inputs[0, 0])))
-        return SimpleNamespace(tokens=4, loss=1.0)
+        return SimpleNamespace(tokens=8, loss=1.0)  # one batch of 2 windows of 4
 
 
 class _Syncer:
@@ -45,11 +45,13 @@ class _Syncer:
         self.missed = [0] * fragments
         self.refused: dict[str, str] = {}
         self.launched: list[tuple[int, int, int]] = []
+        self.claims: list[Any] = []
         self.group = ["me", "peer"]
         self.fail: set[tuple[int, int]] = set()
 
     def launch(self, r: int, f: int, tokens: int, steps: int, *rest: Any) -> Any:
         self.launched.append((r, f, tokens))
+        self.claims.append(rest[-1])
         future: Future = Future()
         future.set_result(None)
         return SimpleNamespace(round=r, fragment=f, step=steps, future=future)
@@ -137,10 +139,26 @@ class _Scripted:
 def test_steps_rounds_sync_every_fragment_with_the_tokens_trained_for_it(tmp_path) -> None:
     t = _loop(tmp_path, fragments=2, max_rounds=2)
     t.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
-    # fragment 0 after step 2, fragment 1 after step 4, 4 tokens a step
-    assert t.syncer.launched == [(1, 0, 8), (1, 1, 16), (2, 0, 16), (2, 1, 16)]
+    # fragment 0 after step 2, fragment 1 after step 4, 8 tokens a step
+    assert t.syncer.launched == [(1, 0, 16), (1, 1, 32), (2, 0, 32), (2, 1, 32)]
     assert t.rounds.ended == [(1, False, False), (2, False, False)]
     assert t.progress.bytes_sent == 40 and t.progress.busy > 0
+
+
+def test_each_sync_claims_the_assigned_batches_it_was_trained_on(tmp_path) -> None:
+    """Round r + 1's stream is trained from the moment round r's first sync starts; each
+    fragment's claim covers the draws since its own last sync, stream by stream."""
+    t = _loop(tmp_path, fragments=2, max_rounds=2)
+    t.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
+    spans = [c.spans for c in t.syncer.claims]
+    # steps 1-2 on round 1's stream; at step 2 fragment 0 syncs and round 2's starts
+    assert spans == [
+        ((1, 0, 2),),
+        ((1, 0, 2), (2, 0, 2)),
+        ((2, 0, 4),),
+        ((2, 2, 2), (3, 0, 2)),
+    ]
+    assert all(c.batch == 2 and c.ranks == 1 and c.slice == (0, 1) for c in t.syncer.claims)
 
 
 def test_a_failed_sync_makes_its_round_take_the_swarms_state(tmp_path) -> None:
@@ -162,7 +180,7 @@ def test_a_sync_due_while_the_last_one_is_in_flight_is_skipped(tmp_path) -> None
     t = _loop(tmp_path, fragments=1, max_rounds=1)
     # step 1 starts round 1's sync; step 2 hands out another while it is in flight
     t.loop.run(_Scripted({1: [(1, 0)], 2: [(1, 0)]}, tau=2))
-    assert t.syncer.launched == [(1, 0, 4)]
+    assert t.syncer.launched == [(1, 0, 8)]
     assert t.syncer.missed == [1]  # its work goes into the next sync
     assert t.rounds.ended == [(1, True, False)]
 

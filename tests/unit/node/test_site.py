@@ -78,7 +78,7 @@ def _rank(rank: int, port: int, out: mp.Queue, sharding: str = "ddp") -> None:
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
-    from node.data import BatchStream
+    from node.data import BatchStream, assigned_stream
     from node.model import build_model
     from node.site import SiteGroup
     from node.trainer import InnerTrainer
@@ -98,10 +98,13 @@ def _rank(rank: int, port: int, out: mp.Queue, sharding: str = "ddp") -> None:
         stream = BatchStream(data, 2, 8, (key, rank))
         trainer = InnerTrainer(group.wrap(trained), cfg.train, stream, ranks=2)
         if not site.leader:
-            taken = group.follow(trained, trainer)
-            out.put(
-                ("follower", key, taken, None if sharding == "fsdp" else params_digest(trained))
-            )
+
+            def assigned(round_: int) -> BatchStream:
+                return assigned_stream(data, 2, 8, "run", key, round_, rank)
+
+            taken = group.follow(trained, trainer, assigned)
+            digest = None if sharding == "fsdp" else params_digest(trained)
+            out.put(("follower", key, taken, digest, trainer.stream.generator.initial_seed()))
             return
         group.share_optimizer(trainer.optimizer)
         group.share_params(full, trained)
@@ -116,6 +119,7 @@ def _rank(rank: int, port: int, out: mp.Queue, sharding: str = "ddp") -> None:
         group.share_params(full, trained)
         # every rank now trains the leader's values (under FSDP: its shard of them)
         shared = group.digests(trained) == [params_digest(full)] * 2
+        group.assign(5)  # round 5's assigned batches from now on, each rank its own
         group.step(trainer.steps)
         trainer.step()
         group.gather(full, trained)
@@ -143,8 +147,13 @@ def test_a_leader_keeps_a_follower_rank_bitwise_in_step_over_gloo(sharding: str)
                 p.kill()
                 p.join(5)
     digests, tokens, leader_digest, trained_moved = got["leader"]
-    key, steps, follower_digest = got["follower"]
+    key, steps, follower_digest, seed = got["follower"]
     assert key == "leader-key" and steps == 4
+    from node.data import assigned_stream
+
+    data = torch.tensor(list(b"two ranks train in step. " * 20), dtype=torch.uint8)
+    assert seed == assigned_stream(data, 2, 8, "run", key, 5, 1).generator.initial_seed()
+    assert seed != assigned_stream(data, 2, 8, "run", key, 5, 0).generator.initial_seed()
     assert trained_moved  # the shards trained, and took the leader's values when told
     # every rank ends with the values the leader holds (under FSDP: the gathered shards)
     assert digests == [leader_digest, leader_digest]

@@ -46,6 +46,7 @@ class FakeAllReduce:
                 weight=weight,
                 owners=owners,
                 content=content,
+                claim=claim,
             )
         )
         return AllReduceResult(vector, list(group), [list(group)], [], owners=list(owners or group))
@@ -102,6 +103,32 @@ def test_this_node_announces_whether_it_can_be_dialled() -> None:
     )[ME.peer_id]
     assert mine.reachable is False and mine.spec == SPEC
     assert allreduce.calls[0]["owners"] == [PEER.peer_id]
+
+
+def test_a_group_whose_members_hold_different_copies_mixes_them() -> None:
+    """A swarm that shrank to one group after mixing: its members' global copies still
+    differ (their announced digests say so), and the group averages them before it steps,
+    so they agree again and share one base."""
+    dht = FakeDHT()
+    _announce(dht, PEER, spec=SPEC, base="b" * 64)
+    exchange, allreduce = _exchange(dht)
+    done = asyncio.run(
+        exchange.run(1, 0, 50, torch.ones(8), torch.ones(8), {PEER.peer_id}, set(), base="a" * 64)
+    )
+    assert done.mixed is not None and len(done.group) == 2
+    assert sorted(c["content"] for c in allreduce.calls) == ["update", "weights"]
+    # the same copy announced by both: one exchange, no mixing
+    dht = FakeDHT()
+    _announce(dht, PEER, spec=SPEC, base="a" * 64)
+    exchange, allreduce = _exchange(dht)
+    claim = {"spans": [[1, 0, 4]], "ranks": 1, "slice": [0, 1], "batch": 8}
+    done = asyncio.run(
+        exchange.run(
+            1, 0, 50, torch.ones(8), torch.ones(8), {PEER.peer_id}, set(), None, "a" * 64, claim
+        )
+    )
+    assert done.mixed is None and [c["content"] for c in allreduce.calls] == ["update"]
+    assert allreduce.calls[0]["claim"] == claim
 
 
 def test_groups_that_do_not_span_the_swarm_also_mix_global_copies() -> None:

@@ -230,3 +230,19 @@ def test_cell_groups_bring_a_large_swarm_close_to_the_mean() -> None:
     stacked = torch.stack(list(values.values()))
     assert float(stacked.std()) < spread0 / 200
     torch.testing.assert_close(stacked.mean(), mean)  # equal weights keep the mean
+
+
+@pytest.mark.parametrize("layout", ["random", "butterfly"])
+def test_every_fragment_of_a_round_is_exchanged_in_the_same_groups(layout: str) -> None:
+    """Who is with whom depends on the round, never the fragment (so a group's members
+    hold the same values of every fragment before the round's steps); the fragment only
+    moves which member owns which part."""
+    peers = _names(16)
+    clients = set(peers[:3])
+    for r in range(4):
+        by_fragment = [form_groups(peers, r, f, 4, layout, clients=clients) for f in range(4)]
+        members = [sorted(sorted(g) for g in groups) for groups in by_fragment]
+        assert all(m == members[0] for m in members), (layout, r)
+        assert any(a != b for a, b in zip(by_fragment[0], by_fragment[1], strict=True))
+    lines = [cell_groups(_names(300), 5, f, 4, 300) for f in range(3)]
+    assert all(sorted(map(sorted, g)) == sorted(map(sorted, lines[0])) for g in lines)

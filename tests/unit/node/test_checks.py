@@ -1,0 +1,328 @@
+"""Useful-work checks on three members' worth of components: a real model with two
+fragments, real signatures, a real SQLite verifier; the network is a stand-in that
+serves each member's kept parts. A record reproduces on another node for every
+fragment; work that was not done shows; a forged record is refused and costs its
+signer; the training thread never waits for a check."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from node.checks import CheckSettings, ExchangeBase, Fetcher, Measurer, UsefulWork
+from node.claims import WorkLog
+from node.config import load_config
+from node.data import assigned_stream, load_data
+from node.model import build_model
+from node.swarm import QUICK_WORKLOAD
+from node.trainer import InnerTrainer
+from protocol.averaging.contributions import SentParts
+from protocol.averaging.fragments import plan_fragments
+from protocol.averaging.parts import AllReduceSettings, PartPlan
+from protocol.wire import codec as codecs
+from protocol.wire.messages import Header
+from protocol.wire.partwire import seal_part
+from tests.waiting import wait_until
+from verification.identity import Identity
+from verification.policy import TrustPolicy
+from verification.usefulness import open_record, reproduces
+from verification.verifier import Verifier
+from verification.workscores import judge
+
+A, B, C, D = (Identity.from_seed(bytes([k]) * 32) for k in (1, 2, 3, 4))
+MEMBERS = sorted(p.peer_id for p in (A, B, C))
+ROUND, STEPS, PRIOR = 3, 24, 96
+WIRE = AllReduceSettings(run_id="run", codec="int8", block_size=256)
+SETTINGS = CheckSettings(
+    run_id="run",
+    checkers=2,
+    windows=16,
+    fragments=2,
+    from_round=1,
+    audit=0.0,
+    assigned=True,
+    context=64,
+    timeout=5.0,
+    budget=1.0,
+)
+
+
+@pytest.fixture(scope="module")
+def world() -> SimpleNamespace:
+    """The model and data, the round's base, and each member's contribution: A and B
+    trained honestly on their claims, C trained one step in ten of the steps it claims."""
+    torch.manual_seed(0)
+    cfg = load_config(None, list(QUICK_WORKLOAD))
+    corpus = load_data(cfg.data, cfg.model.context, 256)
+    model = build_model(cfg.model, seed=0)
+    plan = plan_fragments(model, 2)
+    # the rounds before: checks start once what a contribution learns from its own
+    # batches shows beside what any text teaches a new model
+    before = InnerTrainer(model, cfg.train, assigned_stream(corpus.train, 8, 64, "run", "x", 0))
+    for _ in range(PRIOR):
+        before.step()
+    params = dict(model.named_parameters())
+    base = [plan.flatten(params, f).detach().clone() for f in range(2)]
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizer = before.optimizer.state_dict()
+    members = {}
+    for who, share in ((A, 1.0), (B, 1.0), (C, 0.1)):
+        model.load_state_dict(state)
+        stream = assigned_stream(corpus.train, 8, 64, "run", who.peer_id, ROUND)
+        trainer = InnerTrainer(model, cfg.train, stream)
+        trainer.optimizer.load_state_dict(optimizer)
+        log = WorkLog(2, batch=8)
+        log.assign(ROUND)
+        for _ in range(int(STEPS * share)):
+            trainer.step()
+        log.trained(STEPS)  # claims every step, as the lazy member does
+        local = [plan.flatten(dict(model.named_parameters()), f).detach() for f in range(2)]
+        members[who.peer_id] = _kept(who, [base[f] - local[f] for f in range(2)], log)
+    model.load_state_dict(state)
+    update = [sum(m.pgs[f] for m in members.values()) / 3 for f in range(2)]
+    return SimpleNamespace(
+        model=model, plan=plan, base=base, update=update, members=members, corpus=corpus
+    )
+
+
+def _kept(who: Identity, pgs: list[torch.Tensor], log: WorkLog) -> SimpleNamespace:
+    """A member's kept parts of both exchanges, and the digests it committed to."""
+    sent, committed = SentParts(), {}
+    for f, pg in enumerate(pgs):
+        claim = log.take(f).to_wire()
+        plan = PartPlan.of(who.peer_id, MEMBERS, MEMBERS, pg.numel(), WIRE.block_size)
+        parts = {}
+        for j, (lo, hi) in enumerate(plan.bounds):
+            enc = codecs.encode(pg[lo:hi], "int8", block_size=WIRE.block_size)
+            header = Header("part", "run", ROUND, f, j, who.peer_id)
+            meta = {"content": "update", "group": MEMBERS, "owners": MEMBERS, "weight": 1}
+            meta["work"] = claim
+            parts[j] = seal_part(who, header, {**meta, **enc.meta()}, enc.payload)
+        sent.keep((ROUND, f, "update"), parts)
+        committed[f] = {j: p.digest for j, p in parts.items() if j != plan.index}
+    decoded = [codecs.decode(codecs.encode(pg, "int8", block_size=256)) for pg in pgs]
+    return SimpleNamespace(sent=sent, committed=committed, pgs=decoded)
+
+
+class _Net:
+    """Serves every member's kept parts, as each member's RPC would; ``hold`` keeps a
+    fetch waiting until it is set."""
+
+    def __init__(self, world: SimpleNamespace) -> None:
+        self.world = world
+        self.hold: threading.Event | None = None
+        self.fetches = 0
+
+    def run(self, coro: Any, timeout: float) -> Any:
+        if self.hold is not None:
+            self.hold.wait(timeout)
+        return asyncio.run(coro)
+
+    async def call(self, peer: str, name: str, data: bytes, **kwargs: Any) -> bytes:
+        self.fetches += 1
+        return await self.world.members[peer].sent.serve("caller", data)
+
+
+def _committed(world: SimpleNamespace):
+    def digests(peer: str, round_: int, fragment: int) -> dict[int, bytes] | None:
+        member = world.members.get(peer)
+        return None if member is None or round_ != ROUND else dict(member.committed[fragment])
+
+    return digests
+
+
+def _node(world, who: Identity, tmp_path: Path, audit: float = 0.0) -> SimpleNamespace:
+    net = _Net(world)
+    own = world.members[who.peer_id].sent if who.peer_id in world.members else SentParts()
+    numel = [world.plan[f].numel for f in range(2)]
+    fetcher = Fetcher(who.peer_id, net, WIRE, _committed(world), own, numel, 5.0)  # type: ignore[arg-type]
+    settings = SETTINGS if audit == 0 else CheckSettings(**{**SETTINGS.__dict__, "audit": audit})
+    corpus = world.corpus
+    measurer = Measurer(settings, world.model, world.plan, corpus.train, corpus.val, "cpu")
+    policy = TrustPolicy(checkers=2, check_min_records=2)
+    verifier = Verifier(policy, tmp_path / f"{who.peer_id[-6:]}.db", who.peer_id)
+    published: list[bytes] = []
+    events: list[tuple[str, dict]] = []
+    checks = UsefulWork(
+        settings,
+        who,
+        verifier,
+        measurer,
+        fetcher,
+        2,
+        lambda data: published.append(data) or True,
+        lambda name, **fields: events.append((name, fields)),
+    )
+    return SimpleNamespace(
+        checks=checks,
+        net=net,
+        measurer=measurer,
+        fetcher=fetcher,
+        published=published,
+        events=events,
+        verifier=verifier,
+    )
+
+
+def _exchanges(world) -> list[ExchangeBase]:
+    return [
+        ExchangeBase(ROUND, f, world.base[f].clone(), world.update[f], tuple(MEMBERS), 0.7)
+        for f in range(2)
+    ]
+
+
+def _end_round(node: SimpleNamespace, world, went_wrong: bool = False) -> None:
+    for exchange in _exchanges(world):
+        node.checks.exchange_applied(exchange)
+    node.checks.round_ended(ROUND, went_wrong)
+
+
+def _inputs(world):
+    from node.checks import RoundBook
+
+    book = RoundBook(2)
+    for exchange in _exchanges(world):
+        book.applied(exchange)
+    return book.close(ROUND).prepare()
+
+
+def _record(node, world, peer: Identity, checker: Identity, fragment: int):
+    fetch = node.fetcher.get
+    inputs = _inputs(world)
+    return node.measurer.record(
+        inputs,
+        fragment,
+        peer.peer_id,
+        checker.peer_id,
+        fetch(peer.peer_id, ROUND, fragment),
+        fetch(checker.peer_id, ROUND, fragment),
+    )
+
+
+def test_a_record_reproduces_on_another_node_for_every_fragment(world, tmp_path) -> None:
+    a, b = _node(world, A, tmp_path), _node(world, B, tmp_path)
+    for fragment in (0, 1):
+        mine = _record(a, world, C, A, fragment).signed(A)
+        opened = open_record(mine.to_bytes(), "run")
+        theirs = _record(b, world, C, A, fragment)  # B recomputes A's record of C
+        assert reproduces(opened, theirs), fragment
+        assert opened.claimed == STEPS and len(opened.assigned) == SETTINGS.windows
+        assert len(opened.control) == 2 * SETTINGS.windows
+    # another fragment, another seed and other windows: the records differ
+    assert _record(a, world, C, A, 0).seed != _record(a, world, C, A, 1).seed
+
+
+def test_work_that_was_not_done_shows_in_the_record(world, tmp_path) -> None:
+    """B's honest work measured by A against A's own is about as much; C trained a tenth
+    of the steps it claims and its work ratio is a fraction of it."""
+    a = _node(world, A, tmp_path)
+    for fragment in (0, 1):
+        honest = judge(_record(a, world, B, A, fragment))
+        lazy = judge(_record(a, world, C, A, fragment))
+        assert honest.work is not None and lazy.work is not None
+        assert honest.work > 0.5, honest
+        assert lazy.work < 0.5 * honest.work, (lazy, honest)
+
+
+def test_the_training_thread_is_never_held_by_a_check(world, tmp_path) -> None:
+    """With a fetch held open, handing over the round's exchanges and its end returns at
+    once, and inner steps go on; the check finishes once the fetch is let go."""
+    a = _node(world, A, tmp_path)
+    a.net.hold = threading.Event()
+    a.checks.start()
+    try:
+        started = time.monotonic()
+        _end_round(a, world)
+        handed = time.monotonic() - started
+        assert not wait_until(lambda: a.net.fetches > 0 or a.checks.counts["made"] > 0, 1)
+        model = build_model(load_config(None, list(QUICK_WORKLOAD)).model, seed=1)
+        stream = assigned_stream(world.corpus.train, 8, 64, "run", "y", 9)
+        trainer = InnerTrainer(model, load_config(None, list(QUICK_WORKLOAD)).train, stream)
+        for _ in range(5):
+            trainer.step()  # training goes on while the check waits for its fetch
+        assert handed < 0.5 and trainer.steps == 5 and a.checks.counts["made"] == 0
+        a.net.hold.set()
+        assert wait_until(lambda: a.checks.counts["made"] >= 2, 60), a.checks.summary()
+        assert len(a.published) == a.checks.counts["made"]
+    finally:
+        a.net.hold.set()
+        a.checks.close()
+
+
+def test_a_forged_record_is_refused_and_its_signer_penalised(world, tmp_path) -> None:
+    """B signs a record of A's contribution whose losses are not what it measured; A,
+    whom it accuses, recomputes it and charges B."""
+    b = _node(world, B, tmp_path)
+    honest = _record(b, world, A, B, 0)
+    control = tuple((before, before + 0.5, ref) for before, _, ref in honest.control)
+    forged = type(honest)(**{**honest.__dict__, "control": control}).signed(B)
+    a = _node(world, A, tmp_path)
+    a.checks.start()
+    try:
+        _end_round(a, world)
+        a.checks.receive(B.peer_id, forged.to_bytes())
+        assert wait_until(lambda: a.checks.counts["refused"] >= 1, 60), a.checks.summary()
+        standing = a.verifier.reputation.standing(B.peer_id, ROUND)
+        assert standing.violations >= 1
+        assert any(name == "check_refused" for name, _ in a.events)
+        # a record not signed by the peer that sent it, or of a round before the checks,
+        # is not counted at all
+        a.checks.receive(C.peer_id, honest.signed(B).to_bytes())
+        early = type(honest)(**{**honest.__dict__, "round": 0}).signed(B)
+        a.checks.receive(B.peer_id, early.to_bytes())
+        assert wait_until(lambda: not a.checks._inbox, 10)
+        assert a.checks.counts["taken"] == 0
+    finally:
+        a.checks.close()
+
+
+def test_nothing_of_a_round_that_went_wrong_is_checked(world, tmp_path) -> None:
+    a = _node(world, A, tmp_path)
+    a.checks.start()
+    try:
+        _end_round(a, world, went_wrong=True)
+        assert not wait_until(lambda: a.net.fetches > 0, 2)
+        assert a.checks.counts["made"] == 0 and a.published == []
+    finally:
+        a.checks.close()
+
+
+def test_a_record_that_arrives_before_its_round_ends_here_waits_for_it(world, tmp_path) -> None:
+    b = _node(world, B, tmp_path)
+    record = _record(b, world, C, B, 1).signed(B)
+    a = _node(world, A, tmp_path)
+    a.checks.start()
+    try:
+        a.checks.receive(B.peer_id, record.to_bytes())
+        assert not wait_until(lambda: a.checks.counts["taken"] > 0, 1)
+        _end_round(a, world)
+        assert wait_until(lambda: a.checks.counts["taken"] == 1, 60), a.checks.summary()
+        assert a.checks.scores.score(C.peer_id)["records"] >= 1
+    finally:
+        a.checks.close()
+
+
+def test_losses_agree_across_thread_counts_within_the_stated_tolerance(world, tmp_path) -> None:
+    a = _node(world, A, tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _record(a, world, C, A, 0)
+        torch.set_num_threads(2)
+        two = _record(_node(world, B, tmp_path), world, C, A, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert reproduces(one, two)
+
+
+def test_a_served_contribution_request_is_what_the_fetcher_sends(world) -> None:
+    served = asyncio.run(world.members[C.peer_id].sent.serve("x", msgpack.packb([ROUND, 1])))
+    assert len(msgpack.unpackb(served)) == len(MEMBERS)
