@@ -32,6 +32,7 @@ __all__ = [
     "head_bytes",
     "machine_info",
     "params_digest",
+    "prepare_stdlib_shards",
     "ring_allreduce_seconds",
     "run_ranks",
     "run_timed_ddp",
@@ -433,3 +434,26 @@ def head_bytes(members: int) -> tuple[int, int]:
         body,
     )
     return len(part.to_bytes()) - len(body), len(result.to_bytes()) - len(body)
+
+
+def prepare_stdlib_shards(
+    out: Any, vocab: int, files: int | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """BPE shards of the standard library's UTF-8 ``.py`` files (the first ``files`` of
+    them; None: all) with a tokenizer of ``vocab`` tokens trained on them, in ``out``
+    (``atoll data prepare --train-tokenizer``): the folder and its corpus figures."""
+    from node.data import stdlib_files
+    from node.prepare import prepare
+
+    kept = []
+    for _, path in stdlib_files()[:files]:
+        data = path.read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # the standard library's tests hold a few files that are not text
+        if b"\0" not in data:
+            kept.append(str(path))
+    meta = prepare(kept, out, train_vocab=vocab, workers=2)
+    keys = ("train_tokens", "val_tokens", "bytes_per_token", "vocab_size")
+    return out, {k: meta[k] for k in keys}

@@ -1,174 +1,190 @@
-"""The robustness benchmark's checks mode: how soon useful-work checks flag a faulty node,
-and what they cost the honest ones.
+"""The robustness benchmark's checks mode: how soon useful-work checks flag a faulty node
+in every swarm shape, what it takes of the aggregate meanwhile, and what the checks cost.
 
 Every run is a real swarm of node processes on 127.0.0.1 (``node.swarm``) with the small
-model of :mod:`benchmarks.robustness`, int8, one group holding every node, one fragment
-synced every 12 inner steps, centered clipping with screening, and ``trust.checkers = 2``
-from round 3 (a flagged peer sits out 10 rounds), for 6 rounds. The last node(s) start
-with ``--byzantine MODE``: the quiet faults a screen is not built to see (``random_data``,
-``zero``, ``poison``, ``copy``, ``lazy``) and, in the full mode, ``alie``. Per swarm size
-and seed, two clean runs, one with the checks and one without (``trust.checkers = 0``),
-give the reference loss and the cost.
+model of :mod:`benchmarks.robustness`, int8, two fragments, rounds of 24 inner steps,
+centered clipping with screening, ``trust.checkers = 2`` on both fragments from round 3
+(a flagged peer sits out 10 rounds), for 10 rounds. The checks run unpaced here
+(``trust.check_budget = 1``): on a model this small, rounds this short hold too little
+training for the default 5 % budget (what they cost at realistic lengths is the cost
+part, :mod:`benchmarks._checks_cost`). Swarm shapes, each larger than one group but the
+last:
 
-Per attacked run, from the honest nodes' event logs: the rounds until each attacker is
-flagged (per honest node the first round event whose ``flagged`` holds it; the run
-reports the latest of those rounds and how many honest nodes got there), whether the
-checks flagged it (``checks.flagged`` in the last round event) or only the screens, the
-honest peers flagged in any round, and the honest loss over the clean run with checks.
-Per swarm size and seed: the mean round wall time with checks over without (intervals
-between round events, from ``trust.check_from_round`` on, when checks run), the checks'
-seconds as a share of a node's training wall time, and the bytes a node fetched to check
-per round against the bytes it sent.
+- ``groups``: 8 nodes in groups of 4 that mix global copies on the butterfly;
+- ``gossip``: 8 nodes in gossip pairs;
+- ``one_group``: 6 nodes in one group (full mode).
 
-Quick mode: 6 nodes, 1 attacker, seed 0 (7 swarms, about 7 minutes here); the full mode
-adds ``alie`` with 1 of 6 and with 3 of 8 (an 8-node swarm with its own clean runs), and
-seed 1 for everything. Smoke: 3 nodes, one ``zero`` attacker and one clean run without
-checks, 4 rounds of 4 steps with checks from round 1. ``python -m benchmarks robustness
---checks [--quick]`` writes ``robustness-checks.json`` and ``robustness-checks.png``
-(the goals, the summary per attack and the figure are
-:mod:`benchmarks._robustness_checks_report`'s). A run that raised, timed out, fell short
-of its rounds or had a node exit with an error carries an ``error``: the command lists
-it and exits 1.
+The attacked runs start their last node(s) with ``--byzantine MODE``: the quiet faults a
+screen is not built to see (``lazy``, a tenth of the claimed steps; ``lazy=0.5``, half;
+``zero``; ``copy``; ``random_data``; in the full mode ``poison``, ``alie`` with 1 and 3
+of 8, and a ``zero`` attacker that is a torchrun site of two ranks). Per shape and seed,
+two clean runs, with checks and without, give the reference loss and the cost.
+
+Per attacked run, from the honest nodes' event logs: the rounds until every honest node
+flagged each attacker (per honest node the first round event whose ``flagged`` holds
+it), whether the checks flagged it or only the screens, the attacker's weight in the
+aggregates before that (its weight factor from the check events, and the share of a
+group of equal claims that factor leaves it), honest peers flagged in any round, and the
+honest loss over the clean run with checks.
+
+Quick mode: ``groups`` and ``gossip``, seed 0, five attacks (14 swarms, about half an
+hour here); the full mode adds ``one_group``, the full mode's attacks and seed 1.
+Smoke: 4 nodes in pairs, one ``zero`` attacker and a clean run without checks, 5 short
+rounds. A run that raised, timed out, fell short of its rounds or had a node exit with
+an error carries an ``error``: the command lists it and exits 1.
 """
 
 from __future__ import annotations
 
-import json
-import pathlib
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks import _robustness_checks_report as report_of
 from benchmarks._robustness_swarm import CODECS, SMALL, judge, launch_and_wait, ratio
 from node.config import load_config
 from node.metrics import read_events
 from node.swarm import SwarmSpec, summarize
 from node.swarm_report import log_tail
 
-__all__ = ["run"]
+__all__ = ["CHECKS", "Job", "Plan", "Shape", "plan_of", "run", "run_job"]
 
-_ROUNDS = 6
-_CHECKS = (
+CHECKS = (
     *CODECS["int8"],
     "sync.trigger='steps'",  # inner_steps sets the round's length only under this trigger
-    "sync.fragments=1",
-    "sync.inner_steps=12",
+    "sync.fragments=2",
+    "sync.inner_steps=24",
+    "train.total_steps=400",
     "trust.aggregator='centered_clip'",
-    "trust.check_from_round=2",
+    "trust.checkers=2",
+    "trust.check_fragments=2",
+    "trust.check_from_round=3",
+    "trust.check_budget=1.0",
     "trust.quarantine_rounds=10",
 )
-_CHECKERS = 2
-_QUICK_MODES = ("random_data", "zero", "poison", "copy", "lazy")
-_SEEDS = (0, 1)
-_SMOKE_ROUNDS = 4
-_SMOKE = (
-    "network.matchmaking_seconds=2",
-    "network.round_timeout=6",
-    "sync.inner_steps=4",
-    "trust.check_from_round=1",
-    "trust.check_min_records=2",
-)
-# A swarm with a quarantined node waits out deadlines; about twice the slowest seen.
-_SWARM_TIMEOUT = {3: 240.0, 6: 480.0, 8: 720.0}
+_ROUNDS = 10
+_SMOKE = ("sync.inner_steps=8", "trust.check_from_round=2", "trust.check_min_records=2")
+_SWARM_TIMEOUT = 900.0
 
 
 @dataclass(frozen=True)
-class _Swarm:
-    """One swarm size and seed: its clean runs and its attacks ``(mode, attackers)``."""
+class Shape:
+    """A swarm layout: its nodes and the overrides that make it."""
 
+    name: str
     nodes: int
+    overrides: tuple[str, ...]
+    group: int
+    """The size of the groups its exchanges run in."""
+
+
+SHAPES = {
+    "groups": Shape("groups", 8, ("network.group_size=4", "sync.layout='butterfly'"), 4),
+    "gossip": Shape("gossip", 8, ("sync.averaging='gossip'",), 2),
+    "one_group": Shape("one_group", 6, ("network.group_size=6",), 6),
+}
+_QUICK_ATTACKS = (("lazy", 1), ("lazy=0.5", 1), ("zero", 1), ("copy", 1), ("random_data", 1))
+_FULL_ATTACKS = (*_QUICK_ATTACKS, ("poison", 1), ("alie", 1), ("alie", 3))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One swarm: a shape and seed, an attack ``mode`` on its last ``attackers`` nodes
+    (None: a clean run), with checks or without; ``site``: the attacker is a torchrun
+    site of two ranks."""
+
+    shape: Shape
     seed: int
-    attacks: tuple[tuple[str, int], ...]
-    clean_with_checks: bool = True
+    mode: str | None = None
+    attackers: int = 0
+    checkers: int = 2
+    site: bool = False
 
     @property
-    def key(self) -> str:
-        return f"{self.nodes}_nodes_seed_{self.seed}"
+    def name(self) -> str:
+        mode = "clean" if self.mode is None else self.mode
+        site = " site" if self.site else ""
+        return f"{self.shape.name} {mode}{site} {self.attackers}_of_{self.shape.nodes}"
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """Every swarm of a mode, its rounds and the overrides after the checks' own."""
-
+class Plan:
     rounds: int
     extra: tuple[str, ...]
-    swarms: tuple[_Swarm, ...]
+    jobs: tuple[Job, ...] = field(default=())
 
-    def overrides(self, swarm: _Swarm, checkers: int) -> list[str]:
+    def overrides(self, job: Job) -> list[str]:
         return [
             *SMALL,
-            *_CHECKS,
+            *CHECKS,
             *self.extra,
-            f"network.group_size={swarm.nodes}",
-            f"trust.checkers={checkers}",
-            f"run.seed={swarm.seed}",
+            *job.shape.overrides,
+            f"trust.checkers={job.checkers}",
+            f"run.seed={job.seed}",
         ]
 
-    @property
-    def total(self) -> int:
-        return sum(len(s.attacks) + 1 + s.clean_with_checks for s in self.swarms)
 
-
-def _plan(quick: bool, smoke: bool) -> _Plan:
+def plan_of(quick: bool, smoke: bool) -> Plan:
+    """The swarms of a mode (see the module docstring)."""
     if smoke:
-        zero = _Swarm(3, 0, (("zero", 1),), clean_with_checks=False)
-        return _Plan(_SMOKE_ROUNDS, _SMOKE, (zero,))
-    seeds = _SEEDS[:1] if quick else _SEEDS
-    six = tuple((mode, 1) for mode in _QUICK_MODES) + (() if quick else (("alie", 1),))
-    swarms = [_Swarm(6, seed, six) for seed in seeds]
-    if not quick:
-        swarms += [_Swarm(8, seed, (("alie", 3),)) for seed in seeds]
-    return _Plan(_ROUNDS, (), tuple(swarms))
+        pairs = Shape("pairs", 4, ("network.group_size=2", "sync.layout='butterfly'"), 2)
+        jobs = (Job(pairs, 0, checkers=0), Job(pairs, 0, "zero", 1))
+        return Plan(5, _SMOKE, jobs)
+    shapes = ("groups", "gossip") if quick else ("groups", "gossip", "one_group")
+    seeds = (0,) if quick else (0, 1)
+    jobs: list[Job] = []
+    for seed in seeds:
+        for name in shapes:
+            shape = SHAPES[name]
+            jobs += [Job(shape, seed, checkers=0), Job(shape, seed)]
+            for mode, count in _QUICK_ATTACKS if quick else _FULL_ATTACKS:
+                if count < shape.nodes // 2:
+                    jobs.append(Job(shape, seed, mode, count))
+            if not quick and name == "groups":
+                jobs.append(Job(shape, seed, "zero", 1, site=True))
+    return Plan(_ROUNDS, (), tuple(jobs))
 
 
 # ---- one swarm ------------------------------------------------------------------------
 
 
-def _run_one(
-    plan: _Plan,
-    swarm: _Swarm,
-    attack: tuple[str, int] | None,
-    checkers: int,
-    base: pathlib.Path,
-    index: int,
-) -> dict[str, Any]:
-    """One swarm: ``attack`` ``(mode, attackers)`` on its last nodes (None: a clean run)."""
-    mode, count = attack or (None, 0)
-    overrides = plan.overrides(swarm, checkers)
-    byzantine = list(range(swarm.nodes - count, swarm.nodes))
+def run_job(plan: Plan, job: Job, base: Any, index: int) -> dict[str, Any]:
+    """One swarm run and what it measured."""
+    overrides = plan.overrides(job)
+    byzantine = list(range(job.shape.nodes - job.attackers, job.shape.nodes))
     directory = base / f"swarm{index:03d}"
+    extra: dict[int, list[str]] = {i: ["--byzantine", str(job.mode)] for i in byzantine}
+    if job.site:
+        for i in byzantine:
+            extra[i] += ["--nproc-per-node", "2"]
     spec = SwarmSpec(
-        nodes=swarm.nodes,
+        nodes=job.shape.nodes,
         config_paths=[],
         overrides=overrides,
         directory=directory,
         rounds=plan.rounds,
-        extra_args={i: ["--byzantine", mode] for i in byzantine},
+        extra_args=extra,
     )
     record: dict[str, Any] = {
-        "mode": mode or "clean",
-        "nodes": swarm.nodes,
-        "byzantine": count,
-        "seed": swarm.seed,
-        "checkers": checkers,
-        "swarm": swarm.key,
+        "name": job.name,
+        "shape": job.shape.name,
+        "mode": job.mode or "clean",
+        "nodes": job.shape.nodes,
+        "byzantine": job.attackers,
+        "site": job.site,
+        "seed": job.seed,
+        "checkers": job.checkers,
     }
     started = time.monotonic()
     try:
-        nodes, finished = launch_and_wait(spec, _SWARM_TIMEOUT.get(swarm.nodes, 720.0))
+        nodes, finished = launch_and_wait(spec, _SWARM_TIMEOUT)
         cfg = load_config(None, overrides)
         summary = summarize(nodes, cfg, byzantine)
         record.update(judge(summary, byzantine))
         logs = {n.index: read_events(n.data_dir / "events.jsonl") for n in nodes}
-        events = {i: [e for e in log if e["event"] == "round"] for i, log in logs.items()}
-        record.update(_measure(summary, events, byzantine, cfg.trust.check_from_round))
-        records = {i: [e for e in log if e["event"] == "check"] for i, log in logs.items()}
-        record["honest_flags"] = _honest_flags(summary["peer_ids"], events, records, byzantine)
+        record.update(_measure(summary, logs, byzantine, cfg.trust.check_from_round, job))
         problem = _problem(nodes, finished, summary["rounds"], plan.rounds)
         if problem:
             record["error"] = problem
@@ -194,28 +210,36 @@ def _problem(nodes: list, finished: bool, reached: int, rounds: int) -> str | No
     return None
 
 
+_COUNTS = ("made", "taken", "recomputed", "refused", "unserved", "forwards", "bytes_fetched")
+
+
 def _measure(
-    summary: dict[str, Any], events: dict[int, list[dict]], byzantine: list[int], from_round: int
+    summary: dict[str, Any],
+    logs: dict[int, list[dict]],
+    byzantine: list[int],
+    from_round: int,
+    job: Job,
 ) -> dict[str, Any]:
-    """What the checks did in one run, from each honest node's round events."""
+    """What the checks did in one run, from each honest node's events."""
     ids = summary["peer_ids"]
-    honest = {i: rounds for i, rounds in events.items() if i not in byzantine}
+    honest = {i: log for i, log in logs.items() if i not in byzantine}
+    rounds = {i: [e for e in log if e["event"] == "round"] for i, log in honest.items()}
     honest_ids = {ids[i] for i in honest if ids[i]}
     wall = [b + i for b, i in zip(summary["busy_seconds"], summary["idle_seconds"])]
-    # per honest node: its last round event, that event's checks, its training wall time
-    last = [(rounds[-1], _checks(rounds[-1]), wall[i]) for i, rounds in honest.items() if rounds]
-    seen = [e for rounds in honest.values() for e in rounds]
+    last = [(r[-1], r[-1].get("checks") or {}, wall[i]) for i, r in rounds.items() if r]
+    seen = [e for r in rounds.values() for e in r]
     flagged_ever = {p for e in seen for p in e.get("flagged", {})}
-    by_checks_ever = {p for e in seen for p in _checks(e).get("flagged", [])}
-    checked = any("checks" in e for e, _, _ in last)
+    checked = any(c for _, c, _ in last)
     return {
-        "attackers": [_caught(ids[i], i, honest) for i in byzantine],
+        "attackers": [_caught(ids[i], i, rounds, honest, job.shape.group) for i in byzantine],
         "honest_flagged_ever": sorted(flagged_ever & honest_ids),
-        "honest_flagged_by_checks": sorted(by_checks_ever & honest_ids),
-        "round_seconds_checked": _round_seconds(honest.values(), from_round),
-        "round_seconds_mean": summary["round_seconds_mean"],
+        "honest_charges": _honest_charges(ids, honest, honest_ids),
+        "checked_rounds": _checked_rounds(rounds, from_round),
+        "round_seconds_checked": _round_seconds(rounds.values(), from_round),
         "checks": {k: sum(c.get(k, 0) for _, c, _ in last) for k in _COUNTS} if checked else None,
-        "check_share": _mean_of([c["seconds"] / w for _, c, w in last if "seconds" in c and w > 0]),
+        "check_share": _mean_of(
+            [c["compute_seconds"] / w for _, c, w in last if "compute_seconds" in c and w > 0]
+        ),
         "bytes_fetched_per_round": _mean_of(
             [c["bytes_fetched"] / e["round"] for e, c, _ in last if "bytes_fetched" in c]
         ),
@@ -223,71 +247,92 @@ def _measure(
     }
 
 
-_COUNTS = ("made", "taken", "recomputed", "refused", "unserved", "bytes_fetched")
-
-
-def _checks(event: dict[str, Any]) -> dict[str, Any]:
-    """A round event's ``checks`` (empty where the node ran none)."""
-    return event.get("checks") or {}
-
-
-def _caught(peer: str | None, index: int, honest: dict[int, list[dict]]) -> dict[str, Any]:
-    """When the honest nodes flagged attacker ``peer``: per node the first round whose
-    event's ``flagged`` holds it, the latest of those, and what flagged it."""
+def _caught(
+    peer: str | None,
+    index: int,
+    rounds: dict[int, list[dict]],
+    logs: dict[int, list[dict]],
+    group: int,
+) -> dict[str, Any]:
+    """When the honest nodes flagged attacker ``peer``, by what, and the weight its
+    contributions kept in their aggregates until then."""
     firsts = {
-        i: min((e["round"] for e in rounds if peer and peer in e.get("flagged", {})), default=None)
-        for i, rounds in honest.items()
+        i: min((e["round"] for e in r if peer and peer in e.get("flagged", {})), default=None)
+        for i, r in rounds.items()
     }
     got = [r for r in firsts.values() if r is not None]
     by_checks = sum(
-        bool(rounds and peer in _checks(rounds[-1]).get("flagged", []))
-        for rounds in honest.values()
+        bool(r and peer in (r[-1].get("checks") or {}).get("flagged", [])) for r in rounds.values()
     )
+    factors = _factors(peer, logs)
+    flagged_at = max(got) if len(got) == len(rounds) and got else None
+    before = [f for r, f in factors.items() if flagged_at is None or r < flagged_at]
+    share = [f / (f + group - 1) for f in before]
     return {
         "index": index,
         "peer": peer,
-        "rounds_to_flag": max(got) if got else None,
+        "rounds_to_flag": flagged_at,
         "flagged_by": len(got),
-        "honest_nodes": len(honest),
+        "honest_nodes": len(rounds),
         "first_round_by_node": {str(i): r for i, r in firsts.items()},
         "checks_flagged_by": by_checks,
         "flagged_through": "checks" if by_checks else "screens" if got else "never",
+        "weight_factor_by_round": {str(r): round(f, 4) for r, f in factors.items()},
+        "share_before_flag": round(_mean_of(share), 4) if share else None,
+        "share_honest_equal": round(1 / group, 4),
     }
 
 
-def _honest_flags(
-    ids: list[str | None],
-    events: dict[int, list[dict]],
-    records: dict[int, list[dict]],
-    byzantine: list[int],
+def _factors(peer: str | None, logs: dict[int, list[dict]]) -> dict[int, float]:
+    """The weight factor the honest nodes gave ``peer`` as of each round's end: the
+    median over nodes of each one's last factor by then (1 before any record)."""
+    per_node: dict[int, dict[int, float]] = {}
+    ends: set[int] = set()
+    for i, log in logs.items():
+        factor, mine = 1.0, {}
+        for e in log:
+            if e["event"] == "check" and e.get("peer") == peer:
+                factor = e["factor"]
+            elif e["event"] == "round":
+                mine[e["round"]] = factor
+                ends.add(e["round"])
+        per_node[i] = mine
+    return {r: statistics.median(m[r] for m in per_node.values() if r in m) for r in sorted(ends)}
+
+
+def _honest_charges(
+    ids: list[str | None], logs: dict[int, list[dict]], honest_ids: set[str]
 ) -> list[dict[str, Any]]:
-    """Each honest peer an honest node flagged: by which node, from which round (its
-    verifier's, its checks'), and the failing check records about it that node counted."""
-    honest = [i for i in events if i not in byzantine and ids[i]]
+    """Every violation an honest node charged an honest peer with, and why."""
     out = []
-    for i in honest:
-        for j in honest:
-            peer, rounds = ids[j], events[i]
-            flagged = [e["round"] for e in rounds if peer in e.get("flagged", {})]
-            by_checks = [e["round"] for e in rounds if peer in _checks(e).get("flagged", [])]
-            if not flagged and not by_checks:
-                continue
-            failing = [
-                {"checker": ids.index(c["checker"]) if c["checker"] in ids else None}
-                | {k: c.get(k) for k in ("round", "gains")}
-                for c in records.get(i, [])
-                if c.get("peer") == peer and not c.get("passed", True)
-            ]
-            out.append(
-                {
-                    "peer": j,
-                    "by": i,
-                    "flagged_from": min(flagged, default=None),
-                    "checks_flagged_from": min(by_checks, default=None),
-                    "failing_records": failing,
-                }
-            )
+    for i, log in logs.items():
+        for e in log:
+            if e["event"] == "violation" and e.get("peer") in honest_ids:
+                out.append(
+                    {
+                        "by": i,
+                        "peer": ids.index(e["peer"]),
+                        "round": e.get("round"),
+                        "reason": e.get("reason"),
+                    }
+                )
     return out
+
+
+def _checked_rounds(rounds: dict[int, list[dict]], from_round: int) -> float | None:
+    """The share of honest nodes' rounds from ``from_round`` on whose events show checks
+    made or records taken (``checks`` counts only grow: a round counts when it moved)."""
+    moved, total = 0, 0
+    for events in rounds.values():
+        before = 0
+        for e in events:
+            c = e.get("checks") or {}
+            now = c.get("made", 0) + c.get("taken", 0)
+            if e["round"] > from_round:
+                total += 1
+                moved += now > before
+            before = now
+    return moved / total if total else None
 
 
 def _round_seconds(per_node: Any, from_round: int) -> float | None:
@@ -304,98 +349,79 @@ def _mean_of(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-# ---- every swarm ----------------------------------------------------------------------
-
-
-def _progress(done: int, total: int, record: dict[str, Any]) -> None:
-    # Quick mode takes minutes, the full one about half an hour: say where it is.
+def progress(done: int, total: int, record: dict[str, Any]) -> None:
+    """One line per swarm on stderr (the full mode takes over an hour)."""
     bpb = record.get("val_bpb_end")
     caught = ", ".join(
-        f"flagged by {a['flagged_by']} of {a['honest_nodes']}, the last at round "
+        f"flagged by {a['flagged_by']} of {a['honest_nodes']}, all by round "
         f"{a['rounds_to_flag']} ({a['flagged_through']})"
         if a["flagged_by"]
         else "not flagged"
         for a in record.get("attackers", [])
     )
+    honest = len(record.get("honest_charges") or [])
     print(
-        f"robustness --checks {done}/{total}: {record['byzantine']} of {record['nodes']} "
-        f"{record['mode']:>11} checkers {record['checkers']} seed {record['seed']}  "
-        f"val_bpb_end {f'{bpb:.3f}' if bpb is not None else 'n/a'}  {caught}  "
-        f"{record['seconds']:.0f}s" + (f"  ERROR {record['error']}" if record.get("error") else ""),
+        f"robustness --checks {done}/{total}: {record['name']} checkers {record['checkers']} "
+        f"seed {record['seed']}  val_bpb_end {f'{bpb:.3f}' if bpb is not None else 'n/a'}  "
+        f"{caught}  honest charged {honest}  {record['seconds']:.0f}s"
+        + (f"  ERROR {record['error']}" if record.get("error") else ""),
         file=sys.stderr,
         flush=True,
     )
 
 
-def _run_all(plan: _Plan, base: pathlib.Path) -> tuple[list[dict], dict[str, dict]]:
-    """Every swarm's clean runs, then its attacks; returns the runs and, per swarm, its
-    clean runs and what the checks cost."""
+def run_all(plan: Plan, base: Any) -> list[dict[str, Any]]:
+    """Every job in order, each attacked run's loss set against its clean run's."""
     runs: list[dict[str, Any]] = []
-    clean: dict[str, dict[str, Any]] = {}
-    for s in plan.swarms:
-        jobs = [(None, 0)] + [(None, _CHECKERS)] * s.clean_with_checks
-        jobs += [(attack, _CHECKERS) for attack in s.attacks]
-        reference = None
-        for attack, checkers in jobs:
-            record = _run_one(plan, s, attack, checkers, base, len(runs))
-            if attack is None and checkers:
-                reference = record
-            record["bpb_ratio_to_clean"] = ratio(record, reference) if attack else None
-            runs.append(record)
-            _progress(len(runs), plan.total, record)
-        plain = next(r for r in runs if r["swarm"] == s.key and not r["checkers"])
-        clean[s.key] = _cost(reference, plain)
-    return runs, clean
+    clean: dict[tuple[str, int], dict[str, Any]] = {}
+    for job in plan.jobs:
+        record = run_job(plan, job, base, len(runs))
+        if job.mode is None and job.checkers:
+            clean[(job.shape.name, job.seed)] = record
+        reference = clean.get((job.shape.name, job.seed))
+        record["bpb_ratio_to_clean"] = ratio(record, reference) if job.mode else None
+        runs.append(record)
+        progress(len(runs), len(plan.jobs), record)
+    return runs
 
 
-def _cost(with_checks: dict[str, Any] | None, plain: dict[str, Any]) -> dict[str, Any]:
-    """What the checks cost a clean swarm: round time with them over without, their
-    share of a node's training time, and the bytes fetched against the bytes sent."""
-    checked = with_checks or {}
-    a, b = checked.get("round_seconds_checked"), plain.get("round_seconds_checked")
-    fetched, sent = checked.get("bytes_fetched_per_round"), checked.get("bytes_sent_per_round")
-    return {
-        "val_bpb_end_with_checks": checked.get("val_bpb_end"),
-        "val_bpb_end_without": plain.get("val_bpb_end"),
-        "bpb_ratio_without_to_with": ratio(plain, with_checks),
-        "round_seconds_with_checks": a,
-        "round_seconds_without": b,
-        "round_time_ratio": a / b if a and b else None,
-        "check_share": checked.get("check_share"),
-        "bytes_fetched_per_round": fetched,
-        "bytes_sent_per_round": sent,
-        "fetched_to_sent": fetched / sent if fetched is not None and sent else None,
-    }
-
-
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
-    """Runs the checks' swarms and writes ``robustness-checks.json`` and ``.png``.
+def run(quick: bool, out_dir: Any, smoke: bool = False) -> dict[str, Any]:
+    """Runs the checks' swarms and cost runs; writes ``robustness-checks.json`` and ``.png``.
 
     Args:
-        quick: 6 nodes, seed 0: 1 attacker for each of random_data, zero, poison, copy
-            and lazy, and two clean runs (7 swarms); otherwise also alie with 1 of 6 and
-            3 of 8 (and the 8-node swarm's clean runs), for seeds 0 and 1.
+        quick: ``groups`` and ``gossip``, seed 0, five attacks, and one pair of cost runs
+            per workload; otherwise every shape, every attack, seeds 0 and 1, and two.
         out_dir: the output folder; created if missing.
-        smoke: 3 nodes, 1 zero attacker and a clean run without checks, 4 short rounds.
+        smoke: 4 nodes in pairs, one zero attacker and a clean run without checks; no
+            cost runs.
 
     Returns:
-        The report: ``runs`` (one per swarm), ``clean`` (per swarm size and seed, what
-        the checks cost), ``attacks`` (per attack over its seeds: rounds to flag, by
-        what, the honest loss over clean), ``not_flagged``, ``goals`` and ``met``.
+        The report (:func:`benchmarks._robustness_checks_report.report`).
     """
-    plan = _plan(quick, smoke)
+    import json
+    import pathlib
+    import tempfile
+
+    from benchmarks import _robustness_checks_report as report_of
+    from benchmarks._checks_cost import measure_costs, replay_probe
+
+    plan = plan_of(quick, smoke)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-robustness-checks-") as tmp:
-        runs, costs = _run_all(plan, pathlib.Path(tmp))
+        runs = run_all(plan, pathlib.Path(tmp))
+        costs = {} if smoke else measure_costs(quick, pathlib.Path(tmp))
+        replay = None if smoke else replay_probe()
     setup = {
         "rounds": plan.rounds,
-        "overrides": plan.overrides(plan.swarms[0], _CHECKERS)[len(SMALL) :],
+        "overrides": [*CHECKS, *plan.extra],
+        "shapes": {s.name: list(s.overrides) for s in {j.shape for j in plan.jobs}},
         "workload": list(SMALL),
     }
     report = report_of.report(runs, costs, setup, quick, smoke)
+    report["replay"] = replay
     report["seconds"] = round(time.monotonic() - started, 1)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "robustness-checks.json").write_text(json.dumps(report, indent=2) + "\n")
-    report_of.plot(report, out_dir / "robustness-checks.png")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "robustness-checks.json").write_text(json.dumps(report, indent=2) + "\n")
+    report_of.plot(report, out / "robustness-checks.png")
     return report

@@ -1,10 +1,11 @@
-"""The robustness benchmark's checks mode, its report: the goals, each attack over its
-runs, whether each goal is met, the notes that say what each figure is, and the figure.
+"""The robustness benchmark's checks mode, its report: the goals, each attack in each
+swarm shape over its runs, what the checks cost at realistic round lengths, whether each
+goal is met, the notes that say what each figure is, and the figure.
 
-:mod:`benchmarks._robustness_checks` runs the swarms and measures each run; this turns
-its runs and per-swarm costs into ``robustness-checks.json``'s summary and
-``robustness-checks.png`` (rounds until flagged per attack on the left, what the checks
-cost a clean swarm on the right).
+:mod:`benchmarks._robustness_checks` runs the attacked and clean swarms and
+:mod:`benchmarks._checks_cost` the cost runs; this turns them into
+``robustness-checks.json``'s summary and ``robustness-checks.png`` (rounds until flagged
+per attack and shape on the left, the tokens/s ratio per workload on the right).
 """
 
 from __future__ import annotations
@@ -15,23 +16,24 @@ from typing import Any
 
 __all__ = ["GOAL_ROUNDS", "plot", "report", "table_row"]
 
-GOAL_ROUNDS = 5
-"""Every honest node flags the attacker by this round, for the modes in ``_GOAL_MODES``."""
-_GOAL_MODES = ("random_data", "zero", "copy", "poison")
+GOAL_ROUNDS = {"lazy": 5, "zero": 5, "copy": 5, "random_data": 5, "lazy=0.5": 10}
+"""Every honest node flags the attacker by this round, per mode with a goal."""
 _GOAL_BPB_RATIO = 1.02
-_GOAL_COST = 0.05
+_GOAL_COST = 0.95
 
 
 def _by_attack(runs: list[dict]) -> dict[str, dict[str, Any]]:
-    """Per attack (mode, attackers of nodes), over its seeds: the latest round an
+    """Per attack (shape, mode, attackers of nodes), over its seeds: the latest round an
     attacker was flagged in (None unless every honest node flagged every attacker), by
-    what, and the worst honest loss over its clean run."""
+    what, its share of the aggregate until then and the worst honest loss over clean."""
     out: dict[str, dict[str, Any]] = {}
     for r in runs:
         if r["mode"] == "clean":
             continue
-        key = f"{r['mode']} {r['byzantine']}_of_{r['nodes']}"
-        entry = out.setdefault(key, {"mode": r["mode"], "runs": 0, "caught": [], "ratios": []})
+        entry = out.setdefault(
+            r["name"],
+            {"shape": r["shape"], "mode": r["mode"], "runs": 0, "caught": [], "ratios": []},
+        )
         entry["runs"] += 1
         entry["caught"] += r.get("attackers") or [{"rounds_to_flag": None, "flagged_by": 0}]
         entry["ratios"].append(r.get("bpb_ratio_to_clean"))
@@ -39,32 +41,37 @@ def _by_attack(runs: list[dict]) -> dict[str, dict[str, Any]]:
         caught, ratios = entry.pop("caught"), entry.pop("ratios")
         everyone = all(a["flagged_by"] and a["flagged_by"] == a.get("honest_nodes") for a in caught)
         rounds = [a["rounds_to_flag"] for a in caught]
-        entry["rounds_to_flag"] = max(rounds) if everyone and rounds else None
+        shares = [a.get("share_before_flag") for a in caught if a.get("share_before_flag")]
+        entry["rounds_to_flag"] = max(rounds) if everyone and None not in rounds else None
         entry["rounds_to_flag_by_run"] = rounds
         entry["flagged_by_every_honest_node"] = everyone
         entry["flagged_through"] = sorted({a.get("flagged_through", "never") for a in caught})
+        entry["share_before_flag"] = max(shares) if shares else None
+        entry["share_honest_equal"] = next(
+            (a["share_honest_equal"] for a in caught if "share_honest_equal" in a), None
+        )
         entry["bpb_ratio_to_clean_max"] = max((x for x in ratios if x is not None), default=None)
-        entry["goal_rounds"] = GOAL_ROUNDS if entry["mode"] in _GOAL_MODES else None
+        entry["goal_rounds"] = GOAL_ROUNDS.get(entry["mode"])
     return out
 
 
 def _verdicts(attacks: dict[str, dict], costs: dict[str, dict], runs: list[dict]) -> dict:
     """Each goal, met or not (None where nothing measured it)."""
+    charged = sum(len(r.get("honest_charges") or []) for r in runs)
     flagged = sum(len(r.get("honest_flagged_ever", [])) for r in runs)
     ratios = [a["bpb_ratio_to_clean_max"] for a in attacks.values()]
-    time_ratios = [c["round_time_ratio"] for c in costs.values() if c["round_time_ratio"]]
-    shares = [c["check_share"] for c in costs.values() if c["check_share"] is not None]
+    cost = [c["ratio"] for c in costs.values() if c.get("ratio") is not None]
     return {
         "rounds_to_flag": {
-            k: a["rounds_to_flag"] is not None and a["rounds_to_flag"] <= GOAL_ROUNDS
+            k: a["rounds_to_flag"] is not None and a["rounds_to_flag"] <= a["goal_rounds"]
             for k, a in attacks.items()
             if a["goal_rounds"]
         },
-        "honest_flagged": flagged == 0,
+        "honest_flagged": flagged == 0 and charged == 0,
         "honest_flagged_count": flagged,
+        "honest_charges_count": charged,
         "bpb_within": all(x <= _GOAL_BPB_RATIO for x in ratios if x) if any(ratios) else None,
-        "round_time": all(x < 1 + _GOAL_COST for x in time_ratios) if time_ratios else None,
-        "check_share": all(x < _GOAL_COST for x in shares) if shares else None,
+        "tokens_per_second": all(x >= _GOAL_COST for x in cost) if cost else None,
     }
 
 
@@ -75,15 +82,14 @@ def report(
 
     Args:
         runs: one record per swarm run.
-        costs: per swarm size and seed, what the checks cost its clean swarm.
+        costs: per cost workload, its runs and the ratio of tokens/s with checks to without.
         setup: ``rounds``, ``overrides`` (after the workload's) and ``workload``.
         quick: quick mode. smoke: smoke mode.
 
     Returns:
         ``benchmark`` ("robustness"), ``mode`` ("checks"), the flags and ``setup``, ``runs``,
-        ``clean`` (``costs``), ``attacks`` (per attack over its runs), ``not_flagged``
-        (attacks some honest node never flagged), ``goals``, ``met``, ``notes``,
-        ``date`` and ``machine``.
+        ``costs``, ``attacks`` (per attack over its runs), ``not_flagged`` (attacks some
+        honest node never flagged), ``goals``, ``met``, ``notes``, ``date``, ``machine``.
     """
     attacks = _by_attack(runs)
     return {
@@ -93,15 +99,14 @@ def report(
         "smoke": smoke,
         **setup,
         "runs": runs,
-        "clean": costs,
+        "costs": costs,
         "attacks": attacks,
         "not_flagged": [k for k, a in attacks.items() if not a["flagged_by_every_honest_node"]],
         "goals": {
-            "rounds_to_flag": f"<= {GOAL_ROUNDS} for {', '.join(_GOAL_MODES)}",
+            "rounds_to_flag": {m: f"<= {r}" for m, r in GOAL_ROUNDS.items()},
             "honest_flagged": 0,
             "bpb_ratio_to_clean": f"<= {_GOAL_BPB_RATIO}",
-            "round_time_ratio": f"< {1 + _GOAL_COST}",
-            "check_share": f"< {_GOAL_COST}",
+            "tokens_per_second_ratio": f">= {_GOAL_COST}",
         },
         "met": _verdicts(attacks, costs, runs),
         "notes": _NOTES,
@@ -116,37 +121,37 @@ _NOTES = {
     "the latest over its runs, None unless every honest node flagged every attacker",
     "flagged_through": "checks: the attacker is in checks.flagged of an honest node's last "
     "round event; screens: flagged by the verifier but not by the checks; never",
+    "share_before_flag": "the attacker's weight factor (from the honest nodes' check "
+    "events, median over nodes) as a share of a group of equal claims, f / (f + G - 1), "
+    "averaged over the rounds before it was flagged; share_honest_equal is 1 / G",
     "honest_flagged_ever": "honest peers flagged by an honest node in any round",
+    "honest_charges": "every violation an honest node charged an honest peer with",
     "bpb_ratio_to_clean": "honest val_bpb_end over the clean run with checks of the same "
-    "swarm size and seed; above the goal means the attack cost more than 2 %",
-    "round_time_ratio": "mean wall time between consecutive round events of honest nodes, "
-    "over intervals ending at trust.check_from_round or later, with checks over without",
-    "check_share": "checks.seconds at the last round over the node's training wall time "
-    "(busy + idle seconds in its status), mean over honest nodes of the clean run",
-    "bytes": "checks.bytes_fetched and bytes_sent at the last round over its round number: "
-    "per honest node and round, mean over honest nodes",
+    "shape and seed; above the goal means the attack cost more than 2 %",
+    "checked_rounds": "the share of honest nodes' rounds after trust.check_from_round "
+    "whose checks made or took a record (checks that never ran would show 0)",
+    "costs": "tokens/s per node (tokens over training wall time) with checks over "
+    "without, mean over nodes and runs; check_share: the checks' forward seconds over "
+    "the node's seconds in inner steps; fetched_to_sent: bytes fetched to check over the "
+    "bytes the node's syncs sent",
 }
-
-_COST_BARS = (
-    ("round_time_ratio", "round time with checks / without − 1"),
-    ("check_share", "checks' share of training time"),
-    ("fetched_to_sent", "bytes fetched to check / bytes sent"),
-)
 
 
 def plot(data: dict[str, Any], path: pathlib.Path) -> None:
-    """Rounds until flagged per attack, and what the checks cost per swarm."""
+    """Rounds until flagged per attack and shape, and what the checks cost."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=[3, 1])
     _plot_rounds(left, data["attacks"], data["rounds"])
-    _plot_cost(right, data["clean"])
-    honest = data["met"]["honest_flagged_count"]
+    _plot_cost(right, data["costs"])
+    met = data["met"]
     fig.suptitle(
-        f"Useful-work checks, {data['rounds']} rounds; honest peers flagged: {honest}", fontsize=10
+        f"Useful-work checks, {data['rounds']} rounds; honest peers flagged: "
+        f"{met['honest_flagged_count']}, honest peers charged: {met['honest_charges_count']}",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -159,30 +164,26 @@ def _plot_rounds(ax: Any, attacks: dict[str, dict], rounds: int) -> None:
     colors = ["lightgray" if a["rounds_to_flag"] is None else "tab:blue" for a in attacks.values()]
     ax.bar(range(len(attacks)), heights, color=colors)
     for x, a in enumerate(attacks.values()):
-        label = "not flagged" if a["rounds_to_flag"] is None else ", ".join(a["flagged_through"])
-        ax.text(x, heights[x] + 0.1, label, ha="center", fontsize=7)
-    ax.axhline(GOAL_ROUNDS, color="tab:red", linestyle="--", label=f"goal {GOAL_ROUNDS}")
-    ax.set_xticks(range(len(attacks)), list(attacks), rotation=20, ha="right", fontsize=8)
+        label = "never" if a["rounds_to_flag"] is None else ", ".join(a["flagged_through"])
+        ax.text(x, heights[x] + 0.1, label, ha="center", fontsize=6, rotation=90)
+        if a["goal_rounds"]:
+            ax.plot([x - 0.4, x + 0.4], [a["goal_rounds"]] * 2, color="tab:red", lw=1)
+    ax.set_xticks(range(len(attacks)), list(attacks), rotation=35, ha="right", fontsize=7)
     ax.set_ylabel("round flagged by every honest node")
-    ax.set_ylim(0, never + 1)
-    ax.legend(fontsize=8)
-    ax.set_title("rounds until flagged (gray: not flagged)", fontsize=10)
+    ax.set_ylim(0, never + 3)
+    ax.set_title("rounds until flagged (gray: not; red: goal)", fontsize=10)
 
 
 def _plot_cost(ax: Any, costs: dict[str, dict]) -> None:
-    keys, width = list(costs), 0.27
-    for shift, (field, label) in enumerate(_COST_BARS):
-        values = [costs[k][field] for k in keys]
-        if field == "round_time_ratio":
-            values = [v - 1 if v is not None else None for v in values]
-        shown = [100 * v if v is not None else 0.0 for v in values]
-        ax.bar([i + (shift - 1) * width for i in range(len(keys))], shown, width, label=label)
-    goal = f"goal for time: {100 * _GOAL_COST:g} %"
-    ax.axhline(100 * _GOAL_COST, color="tab:red", linestyle="--", label=goal)
+    keys = list(costs)
+    values = [costs[k].get("ratio") or 0.0 for k in keys]
+    ax.bar(range(len(keys)), values, color="tab:green")
+    ax.axhline(_GOAL_COST, color="tab:red", linestyle="--", label=f"goal {_GOAL_COST}")
     ax.set_xticks(range(len(keys)), keys, fontsize=8)
-    ax.set_ylabel("%")
+    ax.set_ylim(0.8, 1.05)
+    ax.set_ylabel("tokens/s with checks / without")
     ax.legend(fontsize=8)
-    ax.set_title("what the checks cost a clean swarm", fontsize=10)
+    ax.set_title("what the checks cost", fontsize=10)
 
 
 def table_row(d: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -190,24 +191,26 @@ def table_row(d: dict[str, Any]) -> list[tuple[str, str, str]]:
     parts = []
     for key, a in d["attacks"].items():
         when = "never" if a["rounds_to_flag"] is None else f"round {a['rounds_to_flag']}"
-        through = "/".join(a.get("flagged_through") or []) or "-"
-        name = key.replace("_of_", " of ")
-        parts.append(f"`{name}` {when} ({through}, {a['bpb_ratio_to_clean_max']:.3f})")
-    costs = list(d["clean"].values())
-    ratio = "/".join(f"{c['round_time_ratio']:.2f}" for c in costs)
-    share = "/".join(f"{100 * c['check_share']:.1f}" for c in costs)
-    fetched = "/".join(f"{c['fetched_to_sent']:.2f}" for c in costs)
+        ratio = a["bpb_ratio_to_clean_max"]
+        parts.append(
+            f"`{key.replace('_of_', ' of ')}` {when}" + (f" ({ratio:.3f})" if ratio else "")
+        )
+    costs = "; ".join(
+        f"{k} **{c['ratio']:.3f}**" for k, c in d["costs"].items() if c.get("ratio") is not None
+    )
+    met = d["met"]
     result = (
-        "flagged by every honest node in: " + "; ".join(parts) + " (through, honest bits/byte "
-        f"over the clean run); honest peers flagged: **{d['met']['honest_flagged_count']}**; "
-        f"round time with checks **{ratio}×** without, checks {share} % of training time, "
-        f"{fetched}× the bytes sent fetched to check ({', '.join(d['clean'])})"
+        "flagged by every honest node in: " + "; ".join(parts) + " (honest bits/byte over "
+        f"the clean run); honest peers flagged: **{met['honest_flagged_count']}**, charged: "
+        f"**{met['honest_charges_count']}**; tokens/s with checks over without: {costs}"
     )
     what = (
-        "useful-work checks: attackers of a swarm as named, 2 checkers, rounds of 12 inner "
-        "steps of the tiny model (round until flagged, through checks or screens)"
+        "useful-work checks: attackers in each swarm shape (groups of 4 that mix, gossip "
+        "pairs, one group), 2 checkers, rounds of 24 inner steps of the tiny model; cost "
+        "at the demo config and llama-tiny with 100-step rounds"
     )
-    return [(what, result, "≤ 5 rounds, 0 honest flagged, within 2 %, < 5 % of round time")]
+    goals = "≤ 5 rounds (half the steps: ≤ 10), 0 honest flagged, within 2 %, ≥ 0.95"
+    return [(what, result, goals)]
 
 
 def _machine() -> dict[str, Any]:

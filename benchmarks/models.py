@@ -53,7 +53,13 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import free_port, gloo_group, machine_info, run_ranks
+from benchmarks._common import (
+    free_port,
+    gloo_group,
+    machine_info,
+    prepare_stdlib_shards,
+    run_ranks,
+)
 from node.config import load_config
 
 __all__ = ["run"]
@@ -549,29 +555,7 @@ def _cuda(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, An
 
 
 def _prepare(work: pathlib.Path, plan: _Plan) -> tuple[pathlib.Path, dict[str, Any]]:
-    from node.data import stdlib_files
-    from node.prepare import prepare
-
-    out = work / "shards"
-    files = _utf8(stdlib_files()[: plan.files])
-    meta = prepare(files, out, train_vocab=plan.vocab, workers=2)
-    return out, {
-        k: meta[k] for k in ("train_tokens", "val_tokens", "bytes_per_token", "vocab_size")
-    }
-
-
-def _utf8(files: list[tuple[str, pathlib.Path]]) -> list[str]:
-    """The files that are UTF-8 text (the standard library's tests hold a few that are not)."""
-    kept = []
-    for _, path in files:
-        data = path.read_bytes()
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if b"\0" not in data:
-            kept.append(str(path))
-    return kept
+    return prepare_stdlib_shards(work / "shards", plan.vocab, plan.files)
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:

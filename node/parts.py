@@ -416,6 +416,7 @@ def _useful_work(
         len(plan),
         control.publish_check,
         events.write,
+        lambda: training.trainer.seconds,
     )
     control.on_check = checks.receive
     return checks

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -178,9 +179,18 @@ class InnerTrainer:
         self.bf16 = cfg.precision == "bf16"
         self.steps = 0
         self.tokens = 0
+        self.seconds = 0.0
+        """Wall time spent in inner steps (what checks beside training are paced by)."""
 
     def step(self) -> StepResult:
         """One optimizer step on the next ``train.grad_accum`` batches."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _step(self) -> StepResult:
         lr = lr_at(self.steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

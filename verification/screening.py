@@ -26,7 +26,15 @@ import torch
 
 from verification.aggregators import sorted_rows
 
-__all__ = ["Candidate", "ScreeningConfig", "Verdict", "check_reduced", "finite_norm", "screen"]
+__all__ = [
+    "Candidate",
+    "ScreeningConfig",
+    "Verdict",
+    "check_reduced",
+    "finite_norm",
+    "screen",
+    "screen_copies",
+]
 
 # Norms at or below this count as zero: such a vector has no direction to judge.
 _TINY = 1e-12
@@ -299,6 +307,42 @@ def screen(candidates: Sequence[Candidate], cfg: ScreeningConfig) -> list[Verdic
     )
     for i, verdict in zip(passed, statistical):
         verdicts[i] = verdict
+    return verdicts
+
+
+def screen_copies(candidates: Sequence[Candidate], own: int | None, kappa: float) -> list[Verdict]:
+    """Judges the global copies a group mixes (its ``weights`` exchange) by their norms.
+
+    Every member's copy is a copy of one model: their norms sit within a few percent of
+    each other, whatever their direction has drifted. :func:`screen` lets a zero vector
+    pass (an idle member's pseudo-gradient is zero); a zero or shrunken *copy* would
+    drag every member's base towards zero, so a copy whose norm is below the others'
+    median norm (a pair: the judge's ``own`` copy's) over ``kappa`` is left out
+    (``"copy_norm"``). Norms above ``kappa`` times are :func:`screen`'s business.
+
+    Args:
+        candidates: the copies, one per member (they passed :func:`screen`).
+        own: which candidate is this node's own (None: a pair has no reference).
+        kappa: the norm screen's factor (``trust.norm_kappa``).
+
+    Returns:
+        One verdict per candidate, in input order.
+    """
+    norms = [c.norm if c.norm is not None else finite_norm(c.vector)[0] for c in candidates]
+    verdicts = []
+    for i, c in enumerate(candidates):
+        others = [n for j, n in enumerate(norms) if j != i]
+        if len(candidates) >= _MIN_FOR_STATISTICS:
+            reference = statistics.median(others)
+        elif own is not None and own != i:
+            reference = norms[own]
+        else:
+            reference = 0.0
+        if norms[i] * kappa < reference:
+            detail = f"norm {norms[i]:.4g} < the others' {reference:.4g} / {kappa:g}"
+            verdicts.append(Verdict(c.peer, False, "copy_norm", detail))
+        else:
+            verdicts.append(_ok(c.peer))
     return verdicts
 
 

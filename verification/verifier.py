@@ -38,7 +38,7 @@ from verification.plausibility import MIN_FOR_STATISTICS, Plausibility
 from verification.policy import TrustPolicy
 from verification.records import Contribution, Prefix, Reduction, StreamPlan
 from verification.reputation import ReputationStore
-from verification.screening import Candidate, ScreeningConfig, screen
+from verification.screening import Candidate, ScreeningConfig, Verdict, screen, screen_copies
 from verification.shares import max_share_weights
 from verification.standings import EventSink, Standings
 from verification.workscores import Scores
@@ -68,7 +68,7 @@ or cut off and sends what belongs to a round that is over); never held against i
 the wrong owner of the very same group is a replayed or misdirected message."""
 
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
-_HEURISTIC_REASONS = frozenset({"norm", "direction"})
+_HEURISTIC_REASONS = frozenset({"norm", "direction", "copy_norm"})
 
 
 class Verifier:
@@ -230,10 +230,10 @@ class Verifier:
         """The admitted contributions that pass screening (this node's own always does);
         each refused one goes into ``rejected`` and, unless it is only an implausible
         pair, counts as a violation."""
-        verdicts = screen(
-            [Candidate(c.peer, c.vector, c.tokens, numel, c.norm) for c in admitted],
-            self.screening,
-        )
+        candidates = [Candidate(c.peer, c.vector, c.tokens, numel, c.norm) for c in admitted]
+        verdicts = screen(candidates, self.screening)
+        if content == "weights" and self.policy.screening:
+            verdicts = self._copies(candidates, verdicts, shared)
         paired = self.policy.screening and len(admitted) < MIN_FOR_STATISTICS
         if paired and not shared:
             verdicts = self.plausibility.pair_verdicts((fragment, content), admitted, verdicts)
@@ -256,6 +256,21 @@ class Verifier:
                 continue
             self.standings.violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
         return good
+
+    def _copies(
+        self, candidates: list[Candidate], verdicts: list[Verdict], shared: bool
+    ) -> list[Verdict]:
+        """Global copies whose norm falls far below the group's are left out too
+        (:func:`verification.screening.screen_copies`; a shared repair judges by the
+        inputs alone, so a pair there has no reference)."""
+        ok = [i for i, v in enumerate(verdicts) if v.ok]
+        peers = [candidates[i].peer for i in ok]
+        own = None if shared or self.me not in peers else peers.index(self.me)
+        judged = screen_copies([candidates[i] for i in ok], own, self.policy.norm_kappa)
+        out = list(verdicts)
+        for i, verdict in zip(ok, judged, strict=True):
+            out[i] = verdict
+        return out
 
     def _aggregated(
         self, good: Sequence[Contribution], prefix: Prefix | None, content: str

@@ -17,11 +17,13 @@ at a time:
   set each peer's weight in this node's aggregates; a peer the scores flag gets a
   ``useless_work`` violation once per round.
 
-The worker paces itself: after each task it rests long enough that its forward passes
-take at most ``trust.check_budget`` of the wall time, so they never take more than that
-share of a core from training (waiting for a fetch costs no core and is not counted).
-When it falls more than two rounds behind, it drops the oldest round's checks (counted
-as ``skipped``).
+The worker paces itself: it starts a round's checks only while the time its forward
+passes took so far is within ``trust.check_budget`` of the time the node spent in inner
+steps (waiting for a fetch costs no core and is not counted), so the checks never take
+more than that share of what the node gives training, however busy the machine is. When
+it falls more than two rounds behind, it drops the oldest round's checks (counted as
+``skipped``). Judging other checkers' records is not held back (their audits count in
+the same budget).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ _INBOX = 4096
 """Records waiting to be judged at most (older ones are dropped)."""
 _WAITING_ROUNDS = 3
 """How many rounds ahead of this node a record may wait for this node to get there."""
-_MAX_REST = 30.0
+_IDLE_WAIT = 0.5
+"""Seconds between two looks at the budget while a round waits for it."""
 
 
 class UsefulWork:
@@ -76,6 +79,7 @@ class UsefulWork:
         fetcher: fetches contributions.
         fragments: fragments in the model.
         publish: gossips a signed record; ``events``: the node's event log writer.
+        training_seconds: the time the node spent in inner steps so far.
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class UsefulWork:
         fragments: int,
         publish: Callable[[bytes], bool],
         events: Callable[..., None],
+        training_seconds: Callable[[], float],
     ) -> None:
         if verifier.work is None:
             raise ValueError("useful-work checks need trust.checkers > 0")
@@ -101,6 +106,7 @@ class UsefulWork:
         self.fragments = fragments
         self.publish = publish
         self.events = events
+        self.training_seconds = training_seconds
         self.book = RoundBook(fragments)
         self.counts = {
             "made": 0,
@@ -176,36 +182,33 @@ class UsefulWork:
     # ---- the worker ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        rest_until = 0.0
         while not self._stop.is_set():
-            task = self._next(rest_until)
+            task = self._next()
             if task is None:
                 continue
-            started, computed = time.monotonic(), self.measurer.seconds
+            started = time.monotonic()
             try:
                 task()
             except Exception:  # a bug in one check must not end the node's checks
                 logger.exception("useful-work check failed")
-            now = time.monotonic()
-            self.seconds += now - started
-            busy = self.measurer.seconds - computed
-            budget = self.settings.budget
-            if busy > 0 and 0 < budget < 1:
-                rest = min(_MAX_REST, busy * (1 / budget - 1))
-                rest_until = max(rest_until, now) + rest
+            self.seconds += time.monotonic() - started
 
-    def _next(self, rest_until: float) -> Callable[[], None] | None:
-        """The next task: a record to judge whenever one is in; a round to check once the
-        worker has rested (see the module docstring)."""
+    def within_budget(self) -> bool:
+        """Whether the checks' forwards so far are within their share of training."""
+        budget = self.settings.budget
+        return budget >= 1 or self.measurer.seconds <= budget * self.training_seconds()
+
+    def _next(self) -> Callable[[], None] | None:
+        """The next task: a record to judge whenever one is in; a round to check while the
+        checks are within their budget (see the module docstring)."""
         with self._wake:
             if self._inbox:
                 sender, data = self._inbox.popleft()
                 return lambda: self._judge(sender, data)
-            resting = rest_until - time.monotonic()
-            if self._rounds and resting <= 0:
+            if self._rounds and self.within_budget():
                 inputs = self._rounds.popleft()
                 return lambda: self._check_round(inputs.prepare())
-            self._wake.wait(min(1.0, resting) if self._rounds else 1.0)
+            self._wake.wait(_IDLE_WAIT if self._rounds else 1.0)
         return None
 
     # ---- this node's checks -------------------------------------------------------------
@@ -272,6 +275,7 @@ class UsefulWork:
             if record.round > self._newest:
                 if record.round <= self._newest + _WAITING_ROUNDS:
                     self._waiting.append((record.round, sender, data))
+                    del self._waiting[:-_INBOX]
                 return
             inputs = self._inputs.get(record.round)
         if inputs is not None:
@@ -320,6 +324,7 @@ class UsefulWork:
             peer=record.peer,
             round=record.round,
             fragment=record.fragment,
+            claimed=record.claimed,
             work=None if verdict.work is None else round(verdict.work, 4),
             specific=None if verdict.specific is None else round(verdict.specific, 4),
             measured=_measured(verdict),

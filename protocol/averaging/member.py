@@ -125,8 +125,7 @@ class PartMember:
         done_by = deadline if deadline is not None else started + ctx.settings.timeout
         me = ctx.identity.peer_id
         plan = PartPlan.of(me, group, owners, vector.numel(), ctx.settings.block_size)
-        if key[2] == "update":  # what a faulty member makes of its pseudo-gradient
-            vector = self.context.faults.contribution(key[0], key[1], vector)
+        vector = self.context.faults.contribution(key[0], key[1], vector)
         session = self._open(key, plan, vector, weight, done_by)
         requests = {
             j: self.request(key, plan, j, vector[lo:hi], weight, claim)

@@ -306,8 +306,6 @@ class FaultInjection:
     """
 
     def contribution(self, round_: int, fragment: int, vector: torch.Tensor) -> torch.Tensor:
-        """The pseudo-gradient this node sends for ``(round_, fragment)`` (its global copy,
-        where a group mixes them, goes out as it is)."""
         return vector
 
     def request(

@@ -124,9 +124,10 @@ def test_robustness_checks_smoke(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "robustness-checks.json").read_text())["smoke"] is True
     assert (tmp_path / "robustness-checks.png").is_file()
     clean, zero = report["runs"]
-    assert (clean["checkers"], zero["mode"], zero["exit_codes"]) == (0, "zero", [0, 0, 0])
+    assert (clean["checkers"], zero["mode"], zero["exit_codes"]) == (0, "zero", [0] * 4)
     assert zero["checks"]["made"] > 0 and zero["checks"]["bytes_fetched"] > 0, zero["checks"]
-    assert report["attacks"]["zero 1_of_3"]["runs"] == 1
+    assert zero["checked_rounds"] and zero["checked_rounds"] > 0, zero
+    assert report["attacks"]["pairs zero 1_of_4"]["runs"] == 1
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """Sites of several processes (torchrun, gloo on CPU): two sites of two ranks train
-together; a rank that dies stops its site cleanly while the other site goes on."""
+together and check each other's work against their ranks' assigned batches; a rank
+that dies stops its site cleanly while the other site goes on."""
 
 from __future__ import annotations
 
 import psutil
 import pytest
 
+from node.metrics import read_events
 from tests.integration.conftest import alive, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -26,9 +28,17 @@ def _rank_processes(node) -> dict[int, psutil.Process]:
     return out
 
 
+CHECKS = [
+    "trust.checkers=1",
+    "trust.check_fragments=2",
+    "trust.check_from_round=1",
+    "trust.check_budget=1.0",
+]
+
+
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm, sharding):
-    extra = [f"train.sharding='{sharding}'"]
+    extra = [f"train.sharding='{sharding}'", *CHECKS]
     nodes = local_swarm.launch(2, rounds=3, extra=extra, procs_per_node=2)
     assert wait_until(lambda: all(len(_rank_processes(n)) == 2 for n in nodes), 60)
     local_swarm.record_helpers()
@@ -38,11 +48,20 @@ def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm
     assert summary["rounds"] == 3 and summary["params_agree"]
     assert summary["ranks_agree"] is True  # every rank of each site, every round
     assert summary["val_bpb_end"] < summary["val_bpb_start"]
+    ids = [n.status["peer_id"] for n in nodes]
     for n in nodes:
         status = n.status
         assert status["ranks"] == 2
         # a site's tokens are the sum over its ranks
         assert status["tokens"] == status["step"] * BATCH * CONTEXT * 2
+        # each site checked the other on both ranks' assigned batches: every claim
+        # covers two ranks, and neither site was charged for its work
+        log = read_events(n.data_dir / "events.jsonl")
+        checks = [e for e in log if e["event"] == "check" and e["checker"] == status["peer_id"]]
+        assert checks and all(e["peer"] in ids and e["peer"] != e["checker"] for e in checks)
+        assert all(e["claimed"] > 0 and e["claimed"] % 2 == 0 for e in checks), checks
+        assert any(e["measured"]["lift"] is not None for e in checks), checks
+        assert not [e for e in log if e["event"] == "violation"], log
 
 
 def test_a_dead_rank_stops_its_site_cleanly_and_the_other_site_goes_on(local_swarm):

@@ -1,8 +1,11 @@
-"""Useful-work checks with real nodes in a swarm larger than one group: six nodes in
-groups of three that mix their global copies, two fragments, one member sending nothing
-but zeros and one training a tenth of the steps it claims. Neither breaks a rule a screen
-can see; every honest node flags both from what their contributions do to the loss, no
-honest node is flagged, and the honest nodes end near the swarm's clean loss."""
+"""Useful-work checks with real nodes.
+
+In a swarm larger than one group (six nodes in groups of three that mix their global
+copies, two fragments), one member sends nothing but zeros and one trains a tenth of the
+steps it claims. Neither breaks a rule a screen can see; every honest node flags both from
+what their contributions do to the loss, no honest node is flagged, and the honest nodes
+end near each other. In a clean swarm of one group with two fragments, the checks run
+every round and charge no one."""
 
 from __future__ import annotations
 
@@ -66,6 +69,29 @@ def test_zero_and_lazy_members_are_flagged_by_every_honest_node_in_mixing_groups
         assert mixed, "the groups never mixed"
         finals.append(next(e["val_bpb"] for e in reversed(rounds) if "val_bpb" in e))
     assert max(finals) <= BOUND * min(finals), finals
+    assert not local_swarm.leftovers()
+
+
+def test_a_clean_group_with_two_fragments_checks_every_round_and_charges_no_one(
+    local_swarm: Swarm,
+) -> None:
+    nodes = 5
+    clean = [c for c in CHECKS if not c.startswith("network.group_size")]
+    local_swarm.launch(nodes, 8, [*clean, f"network.group_size={nodes}"])
+    assert local_swarm.wait_all(400), "swarm did not finish"
+    summary = local_swarm.summary()
+    ids = {n.status["peer_id"] for n in local_swarm.nodes}
+    assert summary["exit_codes"] == [0] * nodes, summary["failed_nodes"]
+    assert summary["params_agree"], summary["rounds_disagreeing"]
+    for node in local_swarm.nodes:
+        log = read_events(node.data_dir / "events.jsonl")
+        assert not [e for e in log if e["event"] in ("violation", "check_refused")], _charges(
+            log, ids
+        )
+        rounds = [e for e in log if e["event"] == "round"]
+        made = [e["checks"]["made"] + e["checks"]["taken"] for e in rounds]
+        assert all(b > a for a, b in zip(made[3:], made[4:])), made  # every round's
+        assert not rounds[-1]["checks"]["flagged"]
     assert not local_swarm.leftovers()
 
 

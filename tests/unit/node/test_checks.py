@@ -151,6 +151,7 @@ def _node(world, who: Identity, tmp_path: Path, audit: float = 0.0) -> SimpleNam
     verifier = Verifier(policy, tmp_path / f"{who.peer_id[-6:]}.db", who.peer_id)
     published: list[bytes] = []
     events: list[tuple[str, dict]] = []
+    training = [1000.0]  # seconds of inner steps so far (the budget's measure)
     checks = UsefulWork(
         settings,
         who,
@@ -160,8 +161,10 @@ def _node(world, who: Identity, tmp_path: Path, audit: float = 0.0) -> SimpleNam
         2,
         lambda data: published.append(data) or True,
         lambda name, **fields: events.append((name, fields)),
+        lambda: training[0],
     )
     return SimpleNamespace(
+        training=training,
         checks=checks,
         net=net,
         measurer=measurer,
@@ -326,3 +329,21 @@ def test_losses_agree_across_thread_counts_within_the_stated_tolerance(world, tm
 def test_a_served_contribution_request_is_what_the_fetcher_sends(world) -> None:
     served = asyncio.run(world.members[C.peer_id].sent.serve("x", msgpack.packb([ROUND, 1])))
     assert len(msgpack.unpackb(served)) == len(MEMBERS)
+
+
+def test_a_round_is_checked_only_within_the_budget_of_training_time(world, tmp_path) -> None:
+    """With ``check_budget`` 5 %, the checks wait while their forwards so far exceed 5 %
+    of the time spent in inner steps, and go on once training has caught up."""
+    budget = CheckSettings(**{**SETTINGS.__dict__, "budget": 0.05})
+    a = _node(world, A, tmp_path)
+    a.checks.settings = budget
+    a.training[0] = 0.0
+    a.measurer.seconds = 1.0  # forwards of earlier rounds
+    a.checks.start()
+    try:
+        _end_round(a, world)
+        assert not wait_until(lambda: a.checks.counts["made"] > 0, 2)
+        a.training[0] = 20.0  # 1 s of checks is 5 % of 20 s of training
+        assert wait_until(lambda: a.checks.counts["made"] >= 2, 60), a.checks.summary()
+    finally:
+        a.checks.close()
