@@ -209,7 +209,10 @@ class Syncer:
             contributors = tuple(sorted({p for part in result.contributors for p in part}))
             base = base.detach().cpu()
             step = self.outer.step_scale(pending.round)
-            exchange = ExchangeBase(pending.round, f, base, result.vector, contributors, step)
+            mixed = done.mixed is not None
+            exchange = ExchangeBase(
+                pending.round, f, base, result.vector, contributors, step, mixed
+            )
             self.checks.exchange_applied(exchange)
         return record
 
@@ -264,11 +267,20 @@ def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> 
         "tokens": pending.tokens,
         "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
         "mixed": mixed is not None,
+        # how far this node's copy sat from its group's mean (relative): copies of a
+        # swarm that mixes differ by design, and this is by how much
+        "copy_apart": _apart(pending.weights, mixed.vector) if mixed is not None else None,
         "cell": done.cell,
         "global_digest": digest,
         "seconds": time.monotonic() - pending.started,
         "overlap_steps": step - pending.step,
     }
+
+
+def _apart(own: torch.Tensor, mean: torch.Tensor) -> float:
+    """``||own - mean|| / ||mean||`` (0 for a zero mean)."""
+    scale = float(mean.norm())
+    return round(float((own.to(mean) - mean).norm()) / scale, 6) if scale > 0 else 0.0
 
 
 def _digest(value: torch.Tensor) -> str:

@@ -89,12 +89,14 @@ class TrustPolicy:
         check_from_round: the first round checked (the first rounds of a fresh model
             learn what any text teaches, so no contribution gains more on its own data).
         check_min_records: records of a peer needed before it can be flagged.
-        check_min_work: a peer whose median work ratio (its gain on control text per
-            claimed batch against its checkers' own, :mod:`verification.workscores`) is
-            below this falls short of the work it claims.
-        check_min_specific: a peer whose median specific gain on its claimed batches
-            (beyond what any text teaches, in its checkers' own gain on control text) is
-            below this falls short too: it did not train on them. A peer that falls
+        check_min_work: a peer whose pooled work ratio (its gain on control text per
+            claimed batch over its rounds' reference gains, :mod:`verification.workscores`)
+            is below this even at the upper end of its interval falls short of the work
+            it claims.
+        check_min_specific: a peer whose pooled specific ratio (its lift on its claimed
+            batches beyond control text, over its rounds' reference lifts) is below this
+            even at the upper end of its interval falls short too: it did not train on
+            them, or not as much as it claims. A peer that falls
             short over ``check_min_records`` records from two checkers or more, with
             any one checker's records left out, is flagged (a ``useless_work``
             violation).
@@ -131,7 +133,7 @@ class TrustPolicy:
     check_from_round: int = Field(default=2, ge=1)
     check_min_records: int = Field(default=4, ge=1)
     check_min_work: float = Field(default=0.5, ge=0, le=1)
-    check_min_specific: float = Field(default=0.3, ge=0)
+    check_min_specific: float = Field(default=0.7, ge=0)
     check_audit: float = Field(default=0.1, ge=0, le=1)
     check_assigned: bool = True
     check_budget: float = Field(default=0.05, gt=0, le=1)

@@ -187,19 +187,21 @@ def contribution_digest(part_digests: Sequence[bytes]) -> str:
 
 
 Pair = tuple[float, float]
-Triple = tuple[float, float, float]
+Quad = tuple[float, float, float, float]
 
 
 @dataclass(frozen=True)
 class CheckRecord:
     """What a checker measured of one peer's contribution to one exchange.
 
-    Losses are mean cross-entropies in nats per window token, at the round's base
-    (``before``) and with a contribution subtracted from the exchange's fragment
-    (``after``: a pseudo-gradient is ``global - local``).
+    Losses are mean cross-entropies in nats per window token, before a contribution
+    (the round's base, where the group mixed copies with the exchange's fragment at the
+    copy its member sent) and after it (subtracted from that fragment: a
+    pseudo-gradient is ``global - local``).
 
     Attributes:
-        contribution: digest of the checked contribution's signed parts.
+        contribution: digest of the checked contribution's signed parts (and its copy's,
+            where the group mixed).
         reference: the same of the checker's own contribution to the exchange.
         base: the round's base digest; ``result``: the exchange's reduced result's.
         seed: the exchange's seed (hex).
@@ -209,7 +211,8 @@ class CheckRecord:
             claimed batches (none when the run checks validation only).
         reference_assigned: ``(before, reference after)`` on each sampled window of the
             checker's own claimed batches (none when the run checks validation only).
-        control: ``(before, after, reference after)`` on each control window.
+        control: ``(before, after, reference before, reference after)`` on each control
+            window.
     """
 
     checker: str
@@ -226,7 +229,7 @@ class CheckRecord:
     reference_claimed: int
     assigned: tuple[Pair, ...]
     reference_assigned: tuple[Pair, ...]
-    control: tuple[Triple, ...]
+    control: tuple[Quad, ...]
     signature: bytes = field(default=b"", compare=False)
 
     def body(self) -> bytes:
@@ -321,7 +324,7 @@ def open_record(data: bytes, run: str) -> CheckRecord:
         reference_assigned=_losses(  # type: ignore[arg-type]
             fields["reference_assigned"], "reference_assigned", 2
         ),
-        control=_losses(fields["control"], "control", 3),  # type: ignore[arg-type]
+        control=_losses(fields["control"], "control", 4),  # type: ignore[arg-type]
         signature=signature,
     )
     if not record.control:

@@ -191,7 +191,7 @@ class Verifier:
         admitted = self._admitted(contributions, round_, shared, rejected)
         numel = contributions[0].vector.numel()
         good = self._screened(admitted, numel, round_, fragment, content, shared, rejected)
-        result = self._aggregated(good, prefix, "weights" if shared else content)
+        result = self._aggregated(good, prefix, "shared" if shared else content)
         used = [good[i].peer for i in result.used]
         for c in good:
             if c.peer not in used:
@@ -292,11 +292,17 @@ class Verifier:
     def _evidenced(
         self, weights: Sequence[float], peers: Sequence[str], content: str
     ) -> list[float]:
-        """``update`` weights scaled by the share of its claim each peer's checked work
-        bears out (as they are without checks, for global copies and shared repairs)."""
-        if self.work is None or content != "update":
+        """Weights scaled by the share of its claim each peer's checked work bears out:
+        its pseudo-gradient's, and, where the group mixes copies, its copy's (a member
+        whose work does not show holds a copy that did not move with the swarm's, and
+        would drag every member's back). As they are without checks, for this node's
+        own, and in the shared repairs every member reduces alike."""
+        if self.work is None or content == "shared":
             return list(weights)
-        return [w * self.work.factor(p) for w, p in zip(weights, peers, strict=True)]
+        scaled = []
+        for w, p in zip(weights, peers, strict=True):
+            scaled.append(w if p == self.me else w * self.work.factor(p))
+        return scaled
 
     def _audit_reduction(
         self,

@@ -1,47 +1,43 @@
 """What a check record says of a contribution, and each peer's standing from its records.
 
 A record (:class:`verification.usefulness.CheckRecord`) holds per-window losses;
-:func:`judge` turns them into two measurements, both against the checker's own
-contribution to the same exchange (the *reference*: an honest member's work), so what
-the base, the text and the model's stage do to a gain cancels out:
+:func:`judge` turns them into measurements of two contributions to the same exchange,
+the checked one and the checker's own:
 
-- the **work ratio**: the contribution's mean gain on the control windows over the
-  reference's on the very same windows, each divided by its claimed batches raised to
-  :data:`WORK_EXPONENT`. A round's gain grows more slowly than its steps (on the demo
-  model 10, 50 and 100 steps from one state gave gains in the ratio 0.18 : 0.50 : 1, an
-  exponent between 0.64 and 1.04; 0.75 sits inside), so an honest node that trained fewer
-  steps and claims them keeps a ratio near one, while a member that trained a tenth of
-  the steps it claims shows about 0.2 and one that trained half about 0.5;
-- the **specific ratio**: the contribution's *lift* on its own claimed batches (its mean
-  gain on windows of them beyond its mean gain on control text) over the reference's
-  lift on the reference's own claimed batches. A member that trained on the batches it
-  claims keeps some of what it learned there, about as much as any honest member; one
-  that trained elsewhere, or sends someone else's change, lifts nothing.
+- its **gain**: its mean loss drop on the control windows, divided by its claimed
+  batches raised to :data:`WORK_EXPONENT`. A round's gain grows more slowly than its
+  steps (on the demo model 10, 50 and 100 steps from one state gave gains in the ratio
+  0.18 : 0.50 : 1, an exponent between 0.64 and 1.04; 0.75 sits inside), so an honest
+  node that trained fewer steps and claims them compares evenly, while a member that
+  trained a tenth of the steps it claims shows about 0.2 to 0.5 of an honest gain (gains
+  are concave in steps: the first steps gain most);
+- its **lift**: its mean gain on windows of its own claimed batches beyond its mean
+  gain on control text. A member that trained on the batches it claims keeps some of
+  what it learned there; one that trained elsewhere, or sends someone else's change,
+  lifts nothing.
 
-One record is noisy: on the 87k-parameter test model (rounds of 24 steps, 16 claimed and
-32 control windows) single records of honest work gave specific ratios from below zero
-to above four, and a copied change or a tenth of the claimed steps as much as four now
-and then; their centres are far apart (above one against about zero). A member that
-trained half its claimed steps lifts about as much as an honest one on the batches it
-did train (fewer steps after them, less forgotten), so only the work ratio tells it, on
-a model whose rounds gain measurably.
+:class:`Scores` compares each with its round's *reference*: the median over every
+contribution to that round measured so far (of peers not flagged), once
+:data:`MIN_POOLED` were. Not the checker's own contribution: honest contributions to one
+round differ (a member whose copy had come further gains less from the same work; on
+the 87k-parameter test model by up to 3.5 times), so against a checker that gained much
+an honest peer would look lazy, and the median is what a minority of lazy or lying peers
+cannot move. A contribution's *work ratio* is its gain over the reference gain, its
+*specific ratio* its lift over the reference lift.
 
-Late in a run of a small model a round's gain on control text can sink into that noise
-altogether, and the work ratio then means nothing. So every measurement carries its
-standard error (from the spread of its windows), and :class:`Scores` pools a peer's
-newest records: its work ratio is the sum of their contributions' gains over the sum of
-their references' (each record's gain already scaled by its claims), its specific ratio
-the sum of lifts over the sum of the references' lifts, so no single small reference
-decides anything. A pooled ratio counts only where its reference is clearly positive
-(above :data:`Z` standard errors). A peer *falls short* when even the upper end of its
-pooled work ratio's interval (:data:`Z` standard errors on both sums) is below the
-policy's ``check_min_work``, or that of its specific ratio below ``check_min_specific``;
-it is flagged once it has ``check_min_records`` records from two checkers or more (this
-node's own records are proof enough for itself) and it still falls short with any one
-checker's records left out, so one lying checker cannot get an honest peer flagged.
-:meth:`Scores.factor` is the share of its claimed weight a peer's contributions keep in
-an aggregate: its pooled work ratio over :data:`WORK_FULL`, at most one, so partial work
-buys partial influence before any flag.
+One record is noisy (single honest records on the test model gave specific ratios from
+below zero to above four), so :class:`Scores` pools a peer's newest records with the
+ratio estimator: the sum of their values over the sum of their rounds' references, with
+an interval from the larger of the records' scatter about that ratio and their windows'
+standard errors. A peer *falls short* when even the upper end of its pooled work ratio's
+one-sided interval (:data:`Z` standard errors) is below the policy's ``check_min_work``,
+or that of its specific ratio below ``check_min_specific``; it is flagged once it has
+``check_min_records`` records from two checkers or more (this node's own records are
+proof enough for itself) and it still falls short with any one checker's records left
+out, so one lying checker cannot get an honest peer flagged. :meth:`Scores.factor` is
+the share of its claimed weight a peer's contributions keep in an aggregate: its pooled
+work ratio over :data:`WORK_FULL`, at most one, so partial work buys partial influence
+before any flag.
 """
 
 from __future__ import annotations
@@ -60,6 +56,7 @@ __all__ = [
     "WORK_FULL",
     "Z",
     "Estimate",
+    "Pooled",
     "Scores",
     "Verdict",
     "judge",
@@ -68,9 +65,13 @@ __all__ = [
 WORK_EXPONENT = 0.75
 """Gains are compared per claimed batch raised to this power (see the module docstring)."""
 WORK_FULL = 0.8
-"""A median work ratio at or above this keeps a peer's full claimed weight."""
+"""A pooled work ratio at or above this keeps a peer's full claimed weight."""
 Z = 1.645
 """Standard errors of the one-sided 95 % bounds the scores use."""
+MIN_POOLED = 3
+"""Contributions a round needs measured before it has a reference."""
+_ROUNDS_POOLED = 32
+"""Rounds whose measured contributions are kept for references."""
 
 
 @dataclass(frozen=True)
@@ -90,78 +91,74 @@ class Estimate:
         return Estimate(self.mean - other.mean, math.hypot(self.se, other.se))
 
 
-def _pool(estimates: list[Estimate]) -> Estimate:
-    return Estimate(
-        math.fsum(e.mean for e in estimates), math.sqrt(math.fsum(e.se**2 for e in estimates))
-    )
-
-
-def _bounds(value: Estimate, reference: Estimate) -> tuple[float, float] | None:
-    """The ratio ``value / reference`` and the upper end of its interval, or None where
-    the reference is not clearly positive."""
-    low = reference.mean - Z * reference.se
-    if low <= 0:
-        return None
-    return value.mean / reference.mean, (value.mean + Z * value.se) / low
-
-
 @dataclass(frozen=True)
 class Verdict:
-    """What one record measured.
+    """What one record measured, each per claimed batch to :data:`WORK_EXPONENT` for
+    gains (so contributions of different claims compare) and in nats for lifts.
 
     Attributes:
-        gain: the contribution's mean gain on the control windows, scaled by the claims
-            (the reference's claimed batches over its own, to :data:`WORK_EXPONENT`).
-        ref_gain: the reference's mean gain on the same windows.
+        gain: the contribution's mean gain on the control windows.
+        ref_gain: the checker's own contribution's gain on the same windows (None when
+            the checker claimed nothing).
         lift: the contribution's gain on its claimed windows beyond its gain on control
             text (None without claimed windows).
-        ref_lift: the reference's, on its own claimed windows (None likewise).
+        ref_lift: the checker's own, on its own claimed windows (None likewise).
     """
 
     gain: Estimate
-    ref_gain: Estimate
+    ref_gain: Estimate | None = None
     lift: Estimate | None = None
     ref_lift: Estimate | None = None
-
-    @property
-    def work(self) -> float | None:
-        """The work ratio (None where the reference gained too little to measure by)."""
-        found = _bounds(self.gain, self.ref_gain)
-        return None if found is None else found[0]
-
-    @property
-    def specific(self) -> float | None:
-        """The specific ratio (None without lifts, or where the reference's is too small)."""
-        if self.lift is None or self.ref_lift is None:
-            return None
-        found = _bounds(self.lift, self.ref_lift)
-        return None if found is None else found[0]
 
 
 def judge(record: CheckRecord) -> Verdict:
     """What ``record`` measured (see the module docstring)."""
-    gains = [before - after for before, after, _ in record.control]
-    ref_gain = Estimate.of([before - ref for before, _, ref in record.control])
-    ref_lift = None
-    if record.reference_assigned:
-        own = Estimate.of([b - a for b, a in record.reference_assigned])
-        ref_lift = own.minus(ref_gain)
-    if record.reference_claimed <= 0:
-        return Verdict(Estimate.of(gains), Estimate(0.0, 0.0))  # no reference to go by
+    gains = [before - after for before, after, _, _ in record.control]
+    ref_gains = [before - after for _, _, before, after in record.control]
+    ref_gain = ref_lift = None
+    if record.reference_claimed > 0:
+        ref_gain = Estimate.of(ref_gains, record.reference_claimed**-WORK_EXPONENT)
+        if record.reference_assigned:
+            own = Estimate.of([b - a for b, a in record.reference_assigned])
+            ref_lift = own.minus(Estimate.of(ref_gains))
     if record.claimed <= 0:
         # a claim no one can draw from counts as no work at all
         nothing = Estimate(0.0, 0.0)
         return Verdict(nothing, ref_gain, nothing if ref_lift is not None else None, ref_lift)
-    scale = (record.reference_claimed / record.claimed) ** WORK_EXPONENT
-    scaled = Estimate.of(gains, scale)
-    if not record.assigned or ref_lift is None:
-        return Verdict(scaled, ref_gain)
-    lift = Estimate.of([b - a for b, a in record.assigned]).minus(Estimate.of(gains))
-    return Verdict(scaled, ref_gain, lift, ref_lift)
+    gain = Estimate.of(gains, record.claimed**-WORK_EXPONENT)
+    lift = None
+    if record.assigned:
+        lift = Estimate.of([b - a for b, a in record.assigned]).minus(Estimate.of(gains))
+    return Verdict(gain, ref_gain, lift, ref_lift)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A peer's pooled ratio over the round references, and the upper end of its
+    one-sided interval."""
+
+    ratio: float
+    upper: float
+
+
+@dataclass(frozen=True)
+class _Kept:
+    checker: str
+    round: int
+    verdict: Verdict
 
 
 class Scores:
     """Per peer, its newest records' measurements, and whether it is flagged.
+
+    Every record adds two measured contributions to its round's pool (the checked one
+    and the checker's own); a round's *reference* is the median, over the contributions
+    measured in it of peers not flagged here, of each one's mean gain and mean lift. A
+    peer's pooled work ratio is the sum of its records' gains over the sum of their
+    rounds' reference gains (the ratio estimator), with an interval from the larger of
+    two variances: the records' scatter about that ratio (which takes in everything that
+    differs from record to record: the text, the checker, how far the peer's copy had
+    come) and their windows' standard errors. The specific ratio likewise from lifts.
 
     Thread-safe: records are added on the checks' worker, weights read on the
     transport's loop.
@@ -169,8 +166,8 @@ class Scores:
     Args:
         me: this node's PeerID (its own records are proof enough for itself).
         min_records: records needed before a peer can be flagged.
-        min_work: a peer whose pooled work ratio is below this falls short.
-        min_specific: a peer whose pooled specific ratio is below this falls short.
+        min_work: a peer whose pooled work ratio's upper bound is below this falls short.
+        min_specific: likewise for its pooled specific ratio.
         window: records kept per peer (the newest).
     """
 
@@ -180,7 +177,7 @@ class Scores:
         min_records: int,
         min_work: float,
         min_specific: float,
-        window: int = 8,
+        window: int = 24,
     ) -> None:
         self.me = me
         self.min_records = min_records
@@ -188,7 +185,10 @@ class Scores:
         self.min_specific = min_specific
         self.window = window
         self._seen: dict[str, deque[tuple[str, str, int, int]]] = {}
-        self._records: dict[str, deque[tuple[str, Verdict]]] = {}
+        self._records: dict[str, deque[_Kept]] = {}
+        # round -> (peer, fragment) -> its measured (gain, lift) pairs
+        self._pools: dict[int, dict[tuple[str, int], list[tuple[float, float | None]]]] = {}
+        self._flagged: set[str] = set()
         self._lock = threading.Lock()
 
     def add(self, record: CheckRecord, verdict: Verdict) -> bool:
@@ -200,54 +200,117 @@ class Scores:
                 return False
             seen.append(record.key)
             kept = self._records.setdefault(record.peer, deque(maxlen=self.window))
-            kept.append((record.checker, verdict))
+            kept.append(_Kept(record.checker, record.round, verdict))
+            pool = self._pools.setdefault(record.round, {})
+            lift = None if verdict.lift is None else verdict.lift.mean
+            pool.setdefault((record.peer, record.fragment), []).append((verdict.gain.mean, lift))
+            if verdict.ref_gain is not None:
+                ref_lift = None if verdict.ref_lift is None else verdict.ref_lift.mean
+                own = (verdict.ref_gain.mean, ref_lift)
+                pool.setdefault((record.checker, record.fragment), []).append(own)
+            for old in [r for r in self._pools if r <= record.round - _ROUNDS_POOLED]:
+                del self._pools[old]
+            flagged = self._score(record.peer, list(kept), {})["flagged"]
+            (self._flagged.add if flagged else self._flagged.discard)(record.peer)
             return True
 
-    def short(self, verdict: Verdict) -> bool:
-        """Whether one record's figures fall short (for logs; flags pool records)."""
-        return self._short([verdict])
+    def reference(self, round_: int) -> tuple[float | None, float | None]:
+        """Round ``round_``'s reference gain and lift (None where fewer than
+        :data:`MIN_POOLED` contributions were measured)."""
+        with self._lock:
+            return self._reference(round_)
+
+    def _reference(self, round_: int) -> tuple[float | None, float | None]:
+        pool = self._pools.get(round_, {})
+        gains, lifts = [], []
+        for (peer, _), measured in pool.items():
+            if peer in self._flagged:
+                continue
+            gains.append(statistics.fmean(g for g, _ in measured))
+            found = [x for _, x in measured if x is not None]
+            if found:
+                lifts.append(statistics.fmean(found))
+        return (
+            statistics.median(gains) if len(gains) >= MIN_POOLED else None,
+            statistics.median(lifts) if len(lifts) >= MIN_POOLED else None,
+        )
+
+    def relative(self, verdict: Verdict, round_: int) -> tuple[float | None, float | None]:
+        """One record's work and specific ratios against its round's reference, or
+        where the round has none yet against the checker's own contribution in the
+        record (None where neither is positive)."""
+        with self._lock:
+            work, specific = self._pooled(
+                [_Kept("", round_, verdict)], self._single(verdict, round_)
+            )
+        return (
+            None if work is None else work.ratio,
+            None if specific is None else specific.ratio,
+        )
+
+    def short(self, verdict: Verdict, round_: int) -> bool:
+        """Whether one record's figures fall short, measured as :meth:`relative` does
+        (for logs, and for whether a record accuses its peer; flags pool records)."""
+        with self._lock:
+            return self._short([_Kept("", round_, verdict)], self._single(verdict, round_))
+
+    def _single(
+        self, verdict: Verdict, round_: int
+    ) -> dict[int, tuple[float | None, float | None]]:
+        gain, lift = self._reference(round_)
+        if gain is None and verdict.ref_gain is not None:
+            gain = verdict.ref_gain.mean
+        if lift is None and verdict.ref_lift is not None:
+            lift = verdict.ref_lift.mean
+        return {round_: (gain, lift)}
 
     def _pooled(
-        self, verdicts: list[Verdict]
-    ) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
-        """The pooled work and specific ratios, each with the upper end of its interval
-        (None where the pooled reference is not clearly positive)."""
-        work = _bounds(_pool([v.gain for v in verdicts]), _pool([v.ref_gain for v in verdicts]))
-        lifted = [v for v in verdicts if v.lift is not None and v.ref_lift is not None]
-        specific = None
-        if lifted:
-            specific = _bounds(
-                _pool([v.lift for v in lifted]),  # type: ignore[misc]
-                _pool([v.ref_lift for v in lifted]),  # type: ignore[misc]
-            )
-        return work, specific
+        self, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
+    ) -> tuple[Pooled | None, Pooled | None]:
+        """The pooled work and specific ratios (None without a positive reference)."""
+        work, specific = [], []
+        for kept in records:
+            if kept.round not in refs:
+                refs[kept.round] = self._reference(kept.round)
+            gain_ref, lift_ref = refs[kept.round]
+            v = kept.verdict
+            if gain_ref is not None and gain_ref > 0:
+                work.append((v.gain.mean, v.gain.se, gain_ref))
+            if v.lift is not None and lift_ref is not None and lift_ref > 0:
+                specific.append((v.lift.mean, v.lift.se, lift_ref))
+        return _ratio(work), _ratio(specific)
 
-    def _short(self, verdicts: list[Verdict]) -> bool:
-        work, specific = self._pooled(verdicts)
-        return (work is not None and work[1] < self.min_work) or (
-            specific is not None and specific[1] < self.min_specific
+    def _short(
+        self, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
+    ) -> bool:
+        work, specific = self._pooled(records, refs)
+        return (work is not None and work.upper < self.min_work) or (
+            specific is not None and specific.upper < self.min_specific
         )
 
     def score(self, peer: str) -> dict[str, Any]:
         """``{"records", "checkers", "work", "specific", "factor", "short", "flagged"}``
         for ``peer``."""
         with self._lock:
-            return self._score(list(self._records.get(peer, ())))
+            return self._score(peer, list(self._records.get(peer, ())), {})
 
-    def _score(self, records: list[tuple[str, Verdict]]) -> dict[str, Any]:
-        verdicts = [v for _, v in records]
-        checkers = {c for c, _ in records}
-        short = bool(verdicts) and self._short(verdicts)
+    def _score(
+        self, peer: str, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
+    ) -> dict[str, Any]:
+        checkers = {k.checker for k in records}
+        short = bool(records) and self._short(records, refs)
         robust = short and all(
-            self._short(rest) for c in checkers if (rest := [v for who, v in records if who != c])
+            self._short(rest, refs)
+            for c in checkers
+            if (rest := [k for k in records if k.checker != c])
         )
-        work, specific = self._pooled(verdicts) if verdicts else (None, None)
+        work, specific = self._pooled(records, refs) if records else (None, None)
         return {
             "records": len(records),
             "checkers": len(checkers),
-            "work": None if work is None else round(work[0], 4),
-            "specific": None if specific is None else round(specific[0], 4),
-            "factor": _factor(None if work is None else work[0]),
+            "work": None if work is None else round(work.ratio, 4),
+            "specific": None if specific is None else round(specific.ratio, 4),
+            "factor": _factor(None if work is None else work.ratio),
             "short": short,
             "flagged": (
                 len(records) >= self.min_records
@@ -260,19 +323,41 @@ class Scores:
         """The share of its claimed weight ``peer``'s contributions keep (1 with no
         evidence yet)."""
         with self._lock:
-            verdicts = [v for _, v in self._records.get(peer, ())]
-        work = self._pooled(verdicts)[0] if verdicts else None
-        return _factor(None if work is None else work[0])
+            records = list(self._records.get(peer, ()))
+            work = self._pooled(records, {})[0] if records else None
+        return _factor(None if work is None else work.ratio)
 
     def flagged(self) -> set[str]:
         """Peers whose records say they do not do the work they claim."""
         with self._lock:
-            return {p for p, r in self._records.items() if self._score(list(r))["flagged"]}
+            refs: dict[int, tuple[float | None, float | None]] = {}
+            found = {
+                p for p, r in self._records.items() if self._score(p, list(r), refs)["flagged"]
+            }
+            self._flagged = found
+            return set(found)
 
     def all(self) -> dict[str, dict[str, Any]]:
         """Every scored peer's :meth:`score`."""
         with self._lock:
-            return {p: self._score(list(self._records[p])) for p in sorted(self._records)}
+            refs: dict[int, tuple[float | None, float | None]] = {}
+            return {p: self._score(p, list(self._records[p]), refs) for p in sorted(self._records)}
+
+
+def _ratio(items: list[tuple[float, float, float]]) -> Pooled | None:
+    """The ratio estimator ``sum(value) / sum(reference)`` of ``(value, se, reference)``
+    items, with the upper end of its one-sided interval (see :class:`Scores`)."""
+    if not items:
+        return None
+    total = math.fsum(r for _, _, r in items)
+    ratio = math.fsum(v for v, _, _ in items) / total
+    within = math.fsum(se * se for _, se, _ in items) / total**2
+    k = len(items)
+    between = 0.0
+    if k > 1:
+        scatter = math.fsum((v - ratio * r) ** 2 for v, _, r in items)
+        between = scatter / (k - 1) * k / total**2
+    return Pooled(ratio, ratio + Z * math.sqrt(max(within, between)))
 
 
 def _factor(work: float | None) -> float:

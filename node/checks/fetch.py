@@ -27,8 +27,9 @@ from protocol.p2p.transport import Transport
 
 __all__ = ["Fetcher"]
 
-_CACHED = 8
-"""Contributions kept after a fetch (a record's audit needs two, often fetched before)."""
+_CACHED = 16
+"""Contributions kept after a fetch (a record's audit needs two, and their copies where
+the group mixed, often fetched before)."""
 
 
 class Fetcher:
@@ -62,37 +63,40 @@ class Fetcher:
         self.numel = numel
         self.timeout = timeout
         self.bytes_fetched = 0
-        self._cache: OrderedDict[tuple[str, int, int], Fetched] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int, int, str], Fetched] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, peer: str, round_: int, fragment: int) -> Fetched:
-        """``peer``'s checked contribution to exchange ``(round_, fragment)``.
+    def get(self, peer: str, round_: int, fragment: int, content: str = "update") -> Fetched:
+        """``peer``'s checked contribution to exchange ``(round_, fragment)``: its
+        pseudo-gradient, or with ``content="weights"`` the global copy it sent to mix.
 
         Raises:
             ProtocolError: it was not served, or is refused (the reason says why).
             TimeoutError: no answer within the timeout.
         """
-        key = (peer, round_, fragment)
+        key = (peer, round_, fragment, content)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         if peer == self.me:
-            data = msgpack.packb(self.sent.get(round_, fragment) or [], use_bin_type=True)
+            kept = self.sent.get(round_, fragment, content) or []
+            data = msgpack.packb(kept, use_bin_type=True)
         else:
             data = self.transport.run(
                 self.transport.call(
                     peer,
                     CONTRIBUTION_RPC,
-                    msgpack.packb([round_, fragment]),
+                    msgpack.packb([round_, fragment, content]),
                     timeout=self.timeout,
                     max_response_bytes=self.wire.max_message_bytes * 2,
                 ),
                 self.timeout + 5,
             )
             self.bytes_fetched += len(data)
+        numel = self.numel[fragment]
         fetched = open_contribution(
-            data, peer, (round_, fragment), self.numel[fragment], self.wire, self.committed
+            data, peer, (round_, fragment), numel, self.wire, self.committed, content
         )
         with self._lock:
             self._cache[key] = fetched

@@ -78,6 +78,8 @@ class ExchangeBase:
         update: the exchange's reduced pseudo-gradient (never written after).
         contributors: the peers whose parts it reduced, sorted.
         step: the scale of the step without momentum (see the module docstring).
+        mixed: the group averaged its members' copies: each contribution was computed
+            against its member's own copy, which a check fetches.
         result: the digest of ``update`` (set by :meth:`RoundInputs.prepare`).
     """
 
@@ -87,6 +89,7 @@ class ExchangeBase:
     update: torch.Tensor
     contributors: tuple[str, ...]
     step: float = 0.0
+    mixed: bool = False
     result: str = ""
 
 

@@ -67,7 +67,7 @@ def believe(
     ):
         return Belief("false", "its checker or fragment was not drawn by the seed")
     verdict = judge(record)
-    accuses = scores.short(verdict)
+    accuses = scores.short(verdict, record.round)
     if (record.peer == me and accuses) or _audited(me, record, settings.audit):
         return Belief("recompute")
     return Belief("count")

@@ -5,20 +5,21 @@ sees it) and evaluates any parameter values through it: the round's base, and th
 with one contribution applied to one fragment. For a contribution ``P`` checked by
 ``checker`` on exchange ``(r, f)`` it measures
 
-- each window's loss at the round's base and with ``P`` applied to the exchange's
-  fragment, on windows of ``P``'s claimed batches that the seed draws for ``checker``
-  (:func:`verification.usefulness.window_plan`);
-- the same with the checker's own contribution (the reference) applied, on windows of
-  the checker's own claimed batches;
+- each window's loss before and after ``P``, on windows of ``P``'s claimed batches
+  that the seed draws for ``checker`` (:func:`verification.usefulness.window_plan`);
+- the same of the checker's own contribution (the reference), on windows of the
+  checker's own claimed batches;
 - on the exchange's control windows (the same for every checker: a stream keyed by the
   seed over the run's train tokens, or over its validation tokens when the run checks
-  validation only), the loss at the base, with ``P`` and with the reference.
+  validation only), before and after ``P``, and before and after the reference.
 
-The base is what the group holds and steps, its mean copy where it mixed: a contribution
-is judged by what it does there, which is how the group uses it. (A member whose own
-copy was far from the group's, after a round beside a faulty peer, may find its work
-does little there; that passes within a round or two of mixing, and one record does
-not flag anyone.)
+*Before* a contribution is the round's base (:meth:`RoundInputs.vectors`), except that
+where the group mixed copies the exchange's fragment holds the copy its member sent
+(fetched as its signed, committed parts): a pseudo-gradient is how far its member trained
+from its own copy, and copies in a mixing swarm sit apart (on the test workload 10 to
+30 % in a run's first rounds, while members that do no work drag the groups' means
+back), so applied to the group's mean an honest one can look harmful. *After* is before
+with the pseudo-gradient subtracted from that fragment.
 
 Every loss is :func:`node.trainer.window_losses`: one fp32 forward of the windows in
 eval mode, each window's sum in float64, so two nodes agree to about 1e-6 relative.
@@ -32,6 +33,7 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,13 +45,31 @@ from protocol.averaging.contributions import Fetched, WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from verification.usefulness import CheckRecord, contribution_digest, control_key, window_plan
 
-__all__ = ["Measurer", "claimed_batches"]
+__all__ = ["Checked", "Measurer", "claimed_batches"]
 
 Windows = tuple[torch.Tensor, torch.Tensor]
 State = tuple[tuple, dict[str, torch.Tensor]]
 """Parameter values by name, with a key that names them (for the cache)."""
 _CACHED = 32
 """Losses kept for reuse (a base's, a reference's), by values and windows."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A member's contribution to an exchange: its pseudo-gradient and, where the group
+    mixed copies, the copy it sent (which the pseudo-gradient was computed against)."""
+
+    update: Fetched
+    own: Fetched | None = None
+
+    @property
+    def digest(self) -> str:
+        copy = self.own.digests if self.own is not None else []
+        return contribution_digest([*self.update.digests, *copy])
+
+    @property
+    def claim(self) -> WorkClaim | None:
+        return self.update.claim
 
 
 def claimed_batches(claim: WorkClaim, indices: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -106,18 +126,18 @@ class Measurer:
         fragment: int,
         peer: str,
         checker: str,
-        checked: Fetched,
-        reference: Fetched,
+        checked: Checked,
+        reference: Checked,
     ) -> CheckRecord:
         """``checker``'s unsigned record of ``checked`` (``peer``'s contribution), with
         ``reference`` (``checker``'s own) as the measure of honest work."""
         s = self.settings
         seed = inputs.seed(s.run_id, fragment)
-        base, after, ref_after = self._states(inputs, fragment, checked, reference)
-        control = self._control_windows(seed)
-        rows = [base, after, ref_after]
+        before, after, ref_before, ref_after = self._states(inputs, fragment, checked, reference)
         key = ("control", seed.hex())
-        control_losses = list(zip(*(self._losses(st, key, control) for st in rows), strict=True))
+        control = self._rows(
+            [before, after, ref_before, ref_after], key, self._control_windows(seed)
+        )
         claimed = checked.claim.batches if checked.claim is not None else 0
         assigned: list[tuple[float, ...]] = []
         reference_assigned: list[tuple[float, ...]] = []
@@ -127,19 +147,19 @@ class Measurer:
                 claimed = 0  # names data no one can draw: it claims nothing checkable
             else:
                 key = ("assigned", seed.hex(), peer, checker)
-                assigned = self._rows([base, after], key, windows)
+                assigned = self._rows([before, after], key, windows)
             own = self._claimed(reference.claim, seed, checker, checker)
             if own is not None:
                 key = ("assigned", seed.hex(), checker, checker)
-                reference_assigned = self._rows([base, ref_after], key, own)
+                reference_assigned = self._rows([ref_before, ref_after], key, own)
         return CheckRecord(
             checker=checker,
             peer=peer,
             run=s.run_id,
             round=inputs.round,
             fragment=fragment,
-            contribution=contribution_digest(checked.digests),
-            reference=contribution_digest(reference.digests),
+            contribution=checked.digest,
+            reference=reference.digest,
             base=inputs.base,
             result=inputs.exchanges[fragment].result,
             seed=seed.hex(),
@@ -147,7 +167,7 @@ class Measurer:
             reference_claimed=reference.claim.batches if reference.claim is not None else 0,
             assigned=tuple(assigned),  # type: ignore[arg-type]
             reference_assigned=tuple(reference_assigned),  # type: ignore[arg-type]
-            control=tuple(control_losses),  # type: ignore[arg-type]
+            control=tuple(control),  # type: ignore[arg-type]
         )
 
     # ---- windows ------------------------------------------------------------------------
@@ -190,21 +210,23 @@ class Measurer:
     # ---- losses -------------------------------------------------------------------------
 
     def _states(
-        self, inputs: RoundInputs, fragment: int, checked: Fetched, reference: Fetched
+        self, inputs: RoundInputs, fragment: int, checked: Checked, reference: Checked
     ) -> list[State]:
-        """The base, and the base with ``checked`` and with ``reference`` applied to
-        ``fragment``, each with a key that names its values."""
+        """Before and after ``checked``, before and after ``reference`` (see the module
+        docstring), each with a key that names its values."""
         vectors = inputs.vectors(fragment)
-        base: dict[str, torch.Tensor] = {}
-        for f, vector in enumerate(vectors):
-            base.update(self.plan.views(vector, f))
-        out = [(("base", inputs.round, fragment, inputs.base), base)]
+        name = (inputs.round, fragment, inputs.base)
+        out = []
         for c in (checked, reference):
-            after = dict(base)
+            start = vectors[fragment] if c.own is None else c.own.vector.to(vectors[fragment])
+            before: dict[str, torch.Tensor] = {}
+            for f, vector in enumerate(vectors):
+                before.update(self.plan.views(start if f == fragment else vector, f))
+            after = dict(before)
             # a pseudo-gradient is ``global - local``: it is subtracted
-            moved = vectors[fragment] - c.vector.to(vectors[fragment])
-            after.update(self.plan.views(moved, fragment))
-            out.append((("after", inputs.round, fragment, contribution_digest(c.digests)), after))
+            after.update(self.plan.views(start - c.update.vector.to(start), fragment))
+            own = "base" if c.own is None else contribution_digest(c.own.digests)
+            out += [(("before", *name, own), before), (("after", *name, c.digest), after)]
         return out
 
     def _rows(self, states: list[State], key: tuple, windows: Windows) -> list[tuple[float, ...]]:

@@ -38,7 +38,7 @@ from typing import Any
 from node.checks.fetch import Fetcher
 from node.checks.inputs import CheckSettings, ExchangeBase, RoundBook, RoundInputs
 from node.checks.judge import believe
-from node.checks.measure import Measurer
+from node.checks.measure import Checked, Measurer
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.usefulness import (
@@ -245,9 +245,16 @@ class UsefulWork:
         """``checker``'s record of ``peer`` in exchange ``(inputs.round, fragment)``, as
         this node measures it; None when a contribution could not be had (logged,
         counted against no one)."""
+        mixed = inputs.exchanges[fragment].mixed
+        get = self.fetcher.get
         try:
-            checked = self.fetcher.get(peer, inputs.round, fragment)
-            reference = self.fetcher.get(checker, inputs.round, fragment)
+            checked, reference = (
+                Checked(
+                    get(who, inputs.round, fragment),
+                    get(who, inputs.round, fragment, "weights") if mixed else None,
+                )
+                for who in (peer, checker)
+            )
         except (ProtocolError, TimeoutError) as exc:
             self.counts["unserved"] += 1
             logger.warning(
@@ -318,6 +325,7 @@ class UsefulWork:
         if not self.scores.add(record, verdict):
             return
         score = self.scores.score(record.peer)
+        work, specific = self.scores.relative(verdict, record.round)
         self.events(
             "check",
             checker=record.checker,
@@ -325,10 +333,10 @@ class UsefulWork:
             round=record.round,
             fragment=record.fragment,
             claimed=record.claimed,
-            work=None if verdict.work is None else round(verdict.work, 4),
-            specific=None if verdict.specific is None else round(verdict.specific, 4),
+            work=None if work is None else round(work, 4),
+            specific=None if specific is None else round(specific, 4),
             measured=_measured(verdict),
-            short=self.scores.short(verdict),
+            short=self.scores.short(verdict, record.round),
             factor=score["factor"],
             flagged=score["flagged"],
         )
@@ -341,7 +349,7 @@ class UsefulWork:
                 record.round,
                 record.fragment,
                 "useless_work",
-                f"median work ratio {score['work']} and specific gain {score['specific']} "
+                f"pooled work ratio {score['work']} and specific ratio {score['specific']} "
                 f"over {score['records']} records from {score['checkers']} checkers",
             )
 
@@ -360,7 +368,7 @@ class UsefulWork:
 
 
 def _measured(verdict: Verdict) -> dict[str, list[float] | None]:
-    """A verdict's estimates as ``[mean, standard error]`` in nats, for the event log."""
+    """A verdict's estimates as ``[mean, standard error]``, for the event log."""
     out: dict[str, list[float] | None] = {}
     for name in ("gain", "ref_gain", "lift", "ref_lift"):
         e = getattr(verdict, name)

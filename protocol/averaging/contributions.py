@@ -42,13 +42,15 @@ __all__ = [
 ]
 
 CONTRIBUTION_RPC = "atoll.contribution"
-"""The RPC a member serves its kept contributions on: ``msgpack([round, fragment])``."""
+"""The RPC a member serves its kept contributions on: ``msgpack([round, fragment])`` for
+its pseudo-gradient, ``msgpack([round, fragment, "weights"])`` for the global copy it
+sent where its group mixed copies."""
 ROUNDS_KEPT = 3
 """Rounds a member keeps its sent parts for (checks run within the round after)."""
 _MAX_REQUEST_BYTES = 64
 
-CommittedDigests = Callable[[str, int, int], dict[int, bytes] | None]
-"""``(peer, round, fragment)`` to the part digests ``peer`` committed to, or None."""
+CommittedDigests = Callable[[str, int, int, str], dict[int, bytes] | None]
+"""``(peer, round, fragment, content)`` to the part digests ``peer`` committed to, or None."""
 
 
 class SentParts:
@@ -56,28 +58,31 @@ class SentParts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[tuple[int, int], list[bytes]] = {}
+        self._kept: dict[tuple[int, int, str], list[bytes]] = {}
 
     def keep(self, key: AllReduceKey, parts: dict[int, SealedPart]) -> None:
-        """Keep the parts of an ``update`` exchange (copies: bodies may be views)."""
+        """Keep the parts of an exchange (copies: bodies may be views)."""
         round_, fragment, content = key
-        if content != "update":
-            return
         wires = [parts[j].to_bytes() for j in sorted(parts)]
         with self._lock:
-            self._kept[(round_, fragment)] = wires
+            self._kept[(round_, fragment, content)] = wires
             for old in [k for k in self._kept if k[0] <= round_ - ROUNDS_KEPT]:
                 del self._kept[old]
 
-    def get(self, round_: int, fragment: int) -> list[bytes] | None:
+    def get(self, round_: int, fragment: int, content: str = "update") -> list[bytes] | None:
         with self._lock:
-            return self._kept.get((round_, fragment))
+            return self._kept.get((round_, fragment, content))
 
     async def serve(self, peer: str, request: bytes) -> bytes:
         """The :data:`CONTRIBUTION_RPC` handler: the kept parts, or an empty list."""
         try:
-            round_, fragment = msgpack.unpackb(request, raw=False)
-            wires = self.get(int(round_), int(fragment))
+            fields = msgpack.unpackb(request, raw=False)
+            if not isinstance(fields, list) or len(fields) not in (2, 3):
+                raise ValueError("expected [round, fragment] or [round, fragment, content]")
+            content = fields[2] if len(fields) == 3 else "update"
+            if content not in ("update", "weights"):
+                raise ValueError(f"unknown content {content!r}")
+            wires = self.get(int(fields[0]), int(fields[1]), content)
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
             raise ProtocolError("malformed", f"contribution request: {exc}", peer) from None
         return msgpack.packb(wires or [], use_bin_type=True)
@@ -171,8 +176,10 @@ def open_contribution(
     numel: int,
     settings: AllReduceSettings,
     committed: CommittedDigests,
+    content: str = "update",
 ) -> Fetched:
-    """Check and decode a contribution served by ``peer`` for exchange ``key``.
+    """Check and decode a contribution served by ``peer`` for exchange ``key``: its
+    pseudo-gradient, or with ``content="weights"`` the global copy it sent to mix.
 
     Raises:
         ProtocolError: ``malformed``, ``uncommitted``, ``commit_mismatch``,
@@ -185,7 +192,7 @@ def open_contribution(
         raise ProtocolError("malformed", f"contribution: {type(exc).__name__}", peer) from None
     if not isinstance(wires, list) or not wires or not all(isinstance(w, bytes) for w in wires):
         raise ProtocolError("malformed", "a contribution is a non-empty list of parts", peer)
-    digests = committed(peer, round_, fragment)
+    digests = committed(peer, round_, fragment, content)
     if digests is None:
         raise ProtocolError("uncommitted", f"no commitment for round {round_}", peer)
     parts = [
@@ -206,7 +213,7 @@ def open_contribution(
         plan = PartPlan.of(peer, group, owners, numel, settings.block_size)
     except ValueError as exc:
         raise ProtocolError("malformed", str(exc), peer) from None
-    return _assemble(parts, plan, (round_, fragment, "update"), digests, peer, numel)
+    return _assemble(parts, plan, (round_, fragment, content), digests, peer, numel)
 
 
 def _assemble(

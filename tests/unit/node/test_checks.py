@@ -7,6 +7,8 @@ signer; the training thread never waits for a check."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from node.checks import CheckSettings, ExchangeBase, Fetcher, Measurer, UsefulWork
+from node.checks.measure import Checked
 from node.claims import WorkLog
 from node.config import load_config
 from node.data import assigned_stream, load_data
@@ -27,6 +30,7 @@ from node.trainer import InnerTrainer
 from protocol.averaging.contributions import SentParts
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.parts import AllReduceSettings, PartPlan
+from protocol.errors import ProtocolError
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import seal_part
@@ -95,21 +99,27 @@ def world() -> SimpleNamespace:
 
 def _kept(who: Identity, pgs: list[torch.Tensor], log: WorkLog) -> SimpleNamespace:
     """A member's kept parts of both exchanges, and the digests it committed to."""
-    sent, committed = SentParts(), {}
+    member = SimpleNamespace(sent=SentParts(), committed={})
     for f, pg in enumerate(pgs):
-        claim = log.take(f).to_wire()
-        plan = PartPlan.of(who.peer_id, MEMBERS, MEMBERS, pg.numel(), WIRE.block_size)
-        parts = {}
-        for j, (lo, hi) in enumerate(plan.bounds):
-            enc = codecs.encode(pg[lo:hi], "int8", block_size=WIRE.block_size)
-            header = Header("part", "run", ROUND, f, j, who.peer_id)
-            meta = {"content": "update", "group": MEMBERS, "owners": MEMBERS, "weight": 1}
-            meta["work"] = claim
-            parts[j] = seal_part(who, header, {**meta, **enc.meta()}, enc.payload)
-        sent.keep((ROUND, f, "update"), parts)
-        committed[f] = {j: p.digest for j, p in parts.items() if j != plan.index}
-    decoded = [codecs.decode(codecs.encode(pg, "int8", block_size=256)) for pg in pgs]
-    return SimpleNamespace(sent=sent, committed=committed, pgs=decoded)
+        _keep(member, who, f, "update", pg, "int8", {"work": log.take(f).to_wire()})
+    member.pgs = [codecs.decode(codecs.encode(pg, "int8", block_size=256)) for pg in pgs]
+    return member
+
+
+def _keep(
+    member: SimpleNamespace, who: Identity, f: int, content: str, value, codec: str, extra
+) -> None:
+    """Seal ``value`` as ``who``'s parts of exchange ``(ROUND, f, content)``, keep them
+    and commit to them."""
+    plan = PartPlan.of(who.peer_id, MEMBERS, MEMBERS, value.numel(), WIRE.block_size)
+    parts = {}
+    for j, (lo, hi) in enumerate(plan.bounds):
+        enc = codecs.encode(value[lo:hi], codec, block_size=WIRE.block_size)
+        header = Header("part", "run", ROUND, f, j, who.peer_id)
+        meta = {"content": content, "group": MEMBERS, "owners": MEMBERS, "weight": 1, **extra}
+        parts[j] = seal_part(who, header, {**meta, **enc.meta()}, enc.payload)
+    member.sent.keep((ROUND, f, content), parts)
+    member.committed[(f, content)] = {j: p.digest for j, p in parts.items() if j != plan.index}
 
 
 class _Net:
@@ -132,9 +142,11 @@ class _Net:
 
 
 def _committed(world: SimpleNamespace):
-    def digests(peer: str, round_: int, fragment: int) -> dict[int, bytes] | None:
+    def digests(peer: str, round_: int, fragment: int, content: str) -> dict[int, bytes] | None:
         member = world.members.get(peer)
-        return None if member is None or round_ != ROUND else dict(member.committed[fragment])
+        if member is None or round_ != ROUND:
+            return None
+        return dict(member.committed.get((fragment, content), {})) or None
 
     return digests
 
@@ -205,8 +217,8 @@ def _record(node, world, peer: Identity, checker: Identity, fragment: int):
         fragment,
         peer.peer_id,
         checker.peer_id,
-        fetch(peer.peer_id, ROUND, fragment),
-        fetch(checker.peer_id, ROUND, fragment),
+        Checked(fetch(peer.peer_id, ROUND, fragment)),
+        Checked(fetch(checker.peer_id, ROUND, fragment)),
     )
 
 
@@ -224,15 +236,15 @@ def test_a_record_reproduces_on_another_node_for_every_fragment(world, tmp_path)
 
 
 def test_work_that_was_not_done_shows_in_the_record(world, tmp_path) -> None:
-    """B's honest work measured by A against A's own is about as much; C trained a tenth
-    of the steps it claims and its work ratio is a fraction of it."""
+    """B's honest work measured by A is about as much as A's own; C trained a tenth of
+    the steps it claims and gains a fraction of it."""
     a = _node(world, A, tmp_path)
     for fragment in (0, 1):
         honest = judge(_record(a, world, B, A, fragment))
         lazy = judge(_record(a, world, C, A, fragment))
-        assert honest.work is not None and lazy.work is not None
-        assert honest.work > 0.5, honest
-        assert lazy.work < 0.5 * honest.work, (lazy, honest)
+        assert honest.ref_gain is not None and honest.ref_gain.mean > 0, honest
+        assert honest.gain.mean > 0.5 * honest.ref_gain.mean, honest
+        assert lazy.gain.mean < 0.5 * honest.gain.mean, (lazy, honest)
 
 
 def test_the_training_thread_is_never_held_by_a_check(world, tmp_path) -> None:
@@ -265,7 +277,7 @@ def test_a_forged_record_is_refused_and_its_signer_penalised(world, tmp_path) ->
     whom it accuses, recomputes it and charges B."""
     b = _node(world, B, tmp_path)
     honest = _record(b, world, A, B, 0)
-    control = tuple((before, before + 0.5, ref) for before, _, ref in honest.control)
+    control = tuple((b, a + 0.5, rb, ra) for b, a, rb, ra in honest.control)
     forged = type(honest)(**{**honest.__dict__, "control": control}).signed(B)
     a = _node(world, A, tmp_path)
     a.checks.start()
@@ -324,6 +336,43 @@ def test_losses_agree_across_thread_counts_within_the_stated_tolerance(world, tm
     finally:
         torch.set_num_threads(threads)
     assert reproduces(one, two)
+
+
+def test_where_the_group_mixed_a_contribution_is_measured_from_its_members_copy(
+    world, tmp_path
+) -> None:
+    """In a group that mixed copies, *before* a contribution is the copy its member
+    sent (fetched against its commitment), and *after* is that copy less the
+    pseudo-gradient: a member whose copy sat ``delta`` from the base and whose
+    pseudo-gradient is ``delta`` lands exactly on the base."""
+    a = _node(world, A, tmp_path)
+    inputs = _inputs(world)
+    mixed = copy.copy(inputs)
+    mixed.exchanges = [
+        dataclasses.replace(e, mixed=True) if e.fragment == 1 else e for e in inputs.exchanges
+    ]
+    drift = SimpleNamespace(sent=SentParts(), committed={})
+    delta = 0.02 * torch.randn(world.base[1].shape, generator=torch.Generator().manual_seed(5))
+    _keep(drift, C, 1, "weights", world.base[1] + delta, "none", {})
+    _keep(drift, C, 1, "update", delta, "none", {})
+    kept, world.members[C.peer_id] = world.members[C.peer_id], drift
+    try:
+        fetch = a.fetcher.get
+        checked = Checked(fetch(C.peer_id, ROUND, 1), fetch(C.peer_id, ROUND, 1, "weights"))
+        reference = Checked(fetch(A.peer_id, ROUND, 1))
+        record = a.measurer.record(mixed, 1, C.peer_id, A.peer_id, checked, reference)
+        plain = a.measurer.record(inputs, 1, A.peer_id, A.peer_id, reference, reference)
+    finally:
+        world.members[C.peer_id] = kept
+    before, after = zip(*((row[0], row[1]) for row in record.control), strict=True)
+    at_base = [row[0] for row in plain.control]
+    assert list(after) == pytest.approx(at_base, rel=1e-6)
+    assert max(abs(b - x) for b, x in zip(before, at_base, strict=True)) > 1e-3
+    # the copy is part of what the record names
+    assert record.contribution != Checked(checked.update).digest
+    # a copy that was not served is not measured
+    with pytest.raises(ProtocolError):
+        a.fetcher.get(B.peer_id, ROUND, 1, "weights")
 
 
 def test_a_served_contribution_request_is_what_the_fetcher_sends(world) -> None:

@@ -380,3 +380,25 @@ def test_screen_takes_the_norm_computed_while_decoding():
     # the norm given is the one the checks use: no second pass over the values
     given[2] = Candidate("2", vectors[2], 1, 500, 100 * norms[2])
     assert [v.reason for v in screen(given, ScreeningConfig())] == ["ok", "ok", "norm", "ok"]
+
+
+def test_a_shrunken_or_zero_global_copy_is_left_out_of_the_mix() -> None:
+    """Global copies are copies of one model: their norms sit together, and one far
+    below the others' (or, in a pair, this node's own) is refused; one drifted in
+    direction but not in size is not."""
+    from verification.screening import screen_copies
+
+    g = torch.Generator().manual_seed(5)
+    model = torch.randn(500, generator=g)
+    copies = [model + 0.05 * torch.randn(500, generator=g) for _ in range(3)]
+    drifted = model + 0.6 * torch.randn(500, generator=g)  # an early round's drift
+    group = [Candidate(f"p{i}", v, 1, 500) for i, v in enumerate([*copies, drifted])]
+    zero = Candidate("zero", torch.zeros(500), 1, 500)
+    shrunk = Candidate("shrunk", model / 4, 1, 500)
+    verdicts = screen_copies([*group, zero, shrunk], own=None, kappa=3.0)
+    assert [v.ok for v in verdicts] == [True] * 4 + [False, False]
+    assert {v.reason for v in verdicts[4:]} == {"copy_norm"}
+    # a pair: the partner's copy against this node's own
+    pair = screen_copies([group[0], zero], own=0, kappa=3.0)
+    assert [v.ok for v in pair] == [True, False]
+    assert all(v.ok for v in screen_copies([group[0], zero], own=None, kappa=3.0))

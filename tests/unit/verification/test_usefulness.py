@@ -48,7 +48,7 @@ def _record(**changes) -> CheckRecord:
         reference_claimed=20,
         assigned=((3.0, 2.5), (3.2, 2.6)),
         reference_assigned=((2.9, 2.4),),
-        control=((3.1, 2.9, 2.95), (3.3, 3.2, 3.1)),
+        control=((3.1, 2.9, 3.1, 2.95), (3.3, 3.2, 3.3, 3.1)),
     )
     fields.update(changes)
     return CheckRecord(**fields)
@@ -124,7 +124,7 @@ def test_a_signed_record_opens_and_every_forgery_is_refused() -> None:
         open_record(record.to_bytes(), "other")
     # losses edited after signing
     body = msgpack.unpackb(record.body())
-    body["control"][0] = [3.1, 1.0, 2.95]
+    body["control"][0] = [3.1, 1.0, 3.1, 2.95]
     forged = msgpack.packb([msgpack.packb(body), record.signature])
     with pytest.raises(RecordError, match="bad_signature"):
         open_record(forged, "run")
@@ -154,8 +154,8 @@ def test_malformed_records_are_refused(data: bytes) -> None:
 @pytest.mark.parametrize(
     "change",
     [
-        {"control": [[float("nan"), 1.0, 1.0]]},
-        {"control": [[1.0, 1.0]]},  # not a triple
+        {"control": [[float("nan"), 1.0, 1.0, 1.0]]},
+        {"control": [[1.0, 1.0, 1.0]]},  # not four losses
         {"control": []},  # no control window
         {"assigned": [[1.0, 2.0, 3.0]]},
         {"reference_assigned": [[True, 1.0]]},
@@ -175,8 +175,8 @@ def test_records_with_bad_fields_are_refused(change: dict) -> None:
 
 def test_reproduction_holds_within_the_tolerance_and_not_beyond() -> None:
     record = _record()
-    near = _record(control=((3.1 * (1 + LOSS_RTOL / 10), 2.9, 2.95), (3.3, 3.2, 3.1)))
-    far = _record(control=((3.1, 2.9 * (1 + 10 * LOSS_RTOL), 2.95), (3.3, 3.2, 3.1)))
+    near = _record(control=((3.1 * (1 + LOSS_RTOL / 10), 2.9, 3.1, 2.95), (3.3, 3.2, 3.3, 3.1)))
+    far = _record(control=((3.1, 2.9 * (1 + 10 * LOSS_RTOL), 3.1, 2.95), (3.3, 3.2, 3.3, 3.1)))
     assert reproduces(record, near) and not reproduces(record, far)
     for changes in (
         {"seed": "00" * 32},

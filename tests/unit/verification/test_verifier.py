@@ -188,8 +188,9 @@ def test_missed_deliveries_cost_only_when_committed_and_repeated(tmp_path: Path)
 
 def test_a_peer_keeps_the_share_of_its_claim_its_checked_work_bears_out(tmp_path: Path) -> None:
     """With checks on, an update's weight is its claim scaled by its pooled work ratio
-    (here records that measured half the reference's work: a factor of 0.5 / 0.8); global
-    copies and the shared repairs every member reduces alike are weighted as before."""
+    (here records that measured half its rounds' reference work: a factor of 0.5 / 0.8),
+    and a global copy's weight too; this node's own and the shared repairs every member
+    reduces alike are weighted as before."""
     import torch
 
     from verification.usefulness import CheckRecord
@@ -198,21 +199,24 @@ def test_a_peer_keeps_the_share_of_its_claim_its_checked_work_bears_out(tmp_path
     v = Verifier(TrustPolicy(checkers=2, screening=False), tmp_path / "w.db", ME)
     try:
         for r in range(3):
-            control = tuple((3.0, 3.0 - 0.1, 3.0 - 0.2) for _ in range(4))
-            record = CheckRecord(
-                *(f"c{r}", PEER, "run", r, 0, "a", "b", "c", "d", "e", 16, 16),
-                assigned=(),
-                reference_assigned=(),
-                control=control,
-            )
-            v.work.add(record, judge(record))
+            # the peer gains 0.1 where the checkers' own contributions and two other
+            # peers' gain 0.2: the round's reference
+            for peer, gain in ((PEER, 0.1), ("h1", 0.2), ("h2", 0.2)):
+                control = tuple((3.0, 3.0 - gain, 3.0, 3.0 - 0.2) for _ in range(4))
+                record = CheckRecord(
+                    *(f"c{r}", peer, "run", r, 0, "a", "b", "c", "d", "e", 16, 16),
+                    assigned=(),
+                    reference_assigned=(),
+                    control=control,
+                )
+                v.work.add(record, judge(record))
         assert v.work.factor(PEER) == pytest.approx(0.5 / 0.8)
         parts = [_contribution(ME, [0.0, 0.0]), _contribution(PEER, [1.0, 1.0])]
         factor = 0.5 / 0.8
         update = v.reduce(5, 0, 0, parts).vector
         torch.testing.assert_close(update, _t([factor / (1 + factor)] * 2))
         copies = v.reduce(5, 0, 0, parts, content="weights").vector
-        torch.testing.assert_close(copies, _t([0.5, 0.5]))
+        torch.testing.assert_close(copies, _t([factor / (1 + factor)] * 2))
         shared = v.reduce(5, 0, 0, parts, shared=True).vector
         torch.testing.assert_close(shared, _t([0.5, 0.5]))
     finally:

@@ -54,9 +54,9 @@ def _parts(
     return out
 
 
-def _committed(parts: dict[int, SealedPart], own: int = 0):
+def _committed(parts: dict[int, SealedPart], own: int = 0, content: str = "update"):
     digests = {j: p.digest for j, p in parts.items() if j != own}
-    return lambda peer, r, f: dict(digests)
+    return lambda peer, r, f, c: dict(digests) if c == content else None
 
 
 def _served(parts: dict[int, SealedPart]) -> bytes:
@@ -75,24 +75,34 @@ def test_a_served_contribution_opens_to_what_the_owners_decode() -> None:
     assert fetched.claim == CLAIM and fetched.claim.batches == 2 * (6 + 4)
 
 
-def test_a_copy_sent_to_mix_is_not_a_contribution() -> None:
+def test_a_copy_sent_to_mix_opens_as_such_and_never_as_an_update() -> None:
     vector = torch.randn(NUMEL, generator=torch.Generator().manual_seed(2))
     copy = _parts(vector, weight=1, content="weights", work=None)
+    committed = _committed(copy, content="weights")
+    fetched = open_contribution(
+        _served(copy), ME.peer_id, (3, 0), NUMEL, SETTINGS, committed, "weights"
+    )
+    assert fetched.claim is None and fetched.tokens == 1
+    assert _refused(_served(copy), committed) == "uncommitted"
     assert _refused(_served(copy), _committed(copy)) == "not_in_round"
 
 
 def test_kept_parts_are_served_for_a_few_rounds() -> None:
     store = SentParts()
     parts = _parts(torch.ones(NUMEL))
+    copy = _parts(torch.zeros(NUMEL), content="weights", work=None)
     store.keep((1, 0, "update"), parts)
-    store.keep((1, 0, "weights"), _parts(torch.zeros(NUMEL), content="weights", work=None))
+    store.keep((1, 0, "weights"), copy)
     assert store.get(1, 0) == [parts[j].to_bytes() for j in sorted(parts)]
+    assert store.get(1, 0, "weights") == [copy[j].to_bytes() for j in sorted(copy)]
     served = asyncio.run(store.serve("peer", msgpack.packb([1, 0])))
     assert msgpack.unpackb(served) == store.get(1, 0)
+    served = asyncio.run(store.serve("peer", msgpack.packb([1, 0, "weights"])))
+    assert msgpack.unpackb(served) == store.get(1, 0, "weights")
     assert msgpack.unpackb(asyncio.run(store.serve("peer", msgpack.packb([9, 0])))) == []
     store.keep((1 + ROUNDS_KEPT, 0, "update"), parts)
-    assert store.get(1, 0) is None
-    for bad in (b"\xc1", msgpack.packb([1])):
+    assert store.get(1, 0) is None and store.get(1, 0, "weights") is None
+    for bad in (b"\xc1", msgpack.packb([1]), msgpack.packb([1, 0, "secrets"])):
         with pytest.raises(ProtocolError, match="malformed"):
             asyncio.run(store.serve("peer", bad))
 
