@@ -88,7 +88,8 @@ class TrustPolicy:
             the round; the others go unchecked that round).
         check_from_round: the first round checked (the first rounds of a fresh model
             learn what any text teaches, so no contribution gains more on its own data).
-        check_min_records: records of a peer needed before it can be flagged.
+        check_min_records: records of a peer needed before it can be flagged (they must
+            also span three rounds, :data:`verification.workscores.MIN_ROUNDS`).
         check_min_work: a peer whose pooled work ratio (its gain on control text per
             claimed batch over its rounds' reference gains, :mod:`verification.workscores`)
             is below this even at the upper end of its interval falls short of the work

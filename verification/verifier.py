@@ -229,7 +229,10 @@ class Verifier:
     ) -> list[Contribution]:
         """The admitted contributions that pass screening (this node's own always does);
         each refused one goes into ``rejected`` and, unless it is only an implausible
-        pair, counts as a violation."""
+        pair or a shrunken copy, counts as a violation. A copy falls short of its group's
+        norm most often because an owner that lied shrank the mean its holder took
+        (a zero owner in a pair halves it): it is left out of the mix, and its holder,
+        the victim, is not accused."""
         candidates = [Candidate(c.peer, c.vector, c.tokens, numel, c.norm) for c in admitted]
         verdicts = screen(candidates, self.screening)
         if content == "weights" and self.policy.screening:
@@ -243,9 +246,9 @@ class Verifier:
                 good.append(c)
                 continue
             rejected[c.peer] = verdict.reason
-            if paired and verdict.reason in _HEURISTIC_REASONS:
+            if verdict.reason == "copy_norm" or (paired and verdict.reason in _HEURISTIC_REASONS):
                 # Two inputs have no robust centre: an implausible pair is left out of
-                # this round without accusing anyone.
+                # this round without accusing anyone; so is a shrunken copy.
                 logger.info(
                     "round %d fragment %d: %s left out (%s)",
                     round_,

@@ -32,12 +32,12 @@ an interval from the larger of the records' scatter about that ratio and their w
 standard errors. A peer *falls short* when even the upper end of its pooled work ratio's
 one-sided interval (:data:`Z` standard errors) is below the policy's ``check_min_work``,
 or that of its specific ratio below ``check_min_specific``; it is flagged once it has
-``check_min_records`` records from two checkers or more (this node's own records are
-proof enough for itself) and it still falls short with any one checker's records left
-out, so one lying checker cannot get an honest peer flagged. :meth:`Scores.factor` is
-the share of its claimed weight a peer's contributions keep in an aggregate: its pooled
-work ratio over :data:`WORK_FULL`, at most one, so partial work buys partial influence
-before any flag.
+``check_min_records`` records over :data:`MIN_ROUNDS` rounds or more, from two
+checkers or more (this node's own records are proof enough for itself) and it still
+falls short with any one checker's records left out, so one lying checker cannot get an
+honest peer flagged. :meth:`Scores.factor` is the share of its claimed weight a peer's
+contributions keep in an aggregate: its pooled work ratio over :data:`WORK_FULL`, at
+most one, so partial work buys partial influence before any flag.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ __all__ = [
     "WORK_EXPONENT",
     "WORK_FULL",
     "Z",
+    "MIN_POOLED",
+    "MIN_ROUNDS",
     "Estimate",
     "Pooled",
     "Scores",
@@ -70,6 +72,10 @@ Z = 1.645
 """Standard errors of the one-sided 95 % bounds the scores use."""
 MIN_POOLED = 3
 """Contributions a round needs measured before it has a reference."""
+MIN_ROUNDS = 3
+"""Rounds a peer's records must span before it can be flagged: a round's records (two
+checkers on each checked fragment) all measure one contribution, and one round's bad
+luck (a damaged copy, a group that went wrong) must not read as a habit."""
 _ROUNDS_POOLED = 32
 """Rounds whose measured contributions are kept for references."""
 
@@ -298,6 +304,7 @@ class Scores:
         self, peer: str, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
     ) -> dict[str, Any]:
         checkers = {k.checker for k in records}
+        rounds = {k.round for k in records}
         short = bool(records) and self._short(records, refs)
         robust = short and all(
             self._short(rest, refs)
@@ -314,6 +321,7 @@ class Scores:
             "short": short,
             "flagged": (
                 len(records) >= self.min_records
+                and len(rounds) >= MIN_ROUNDS
                 and robust
                 and (len(checkers) >= 2 or self.me in checkers)
             ),

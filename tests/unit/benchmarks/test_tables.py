@@ -21,7 +21,6 @@ FILES = [
     "partitions.json",
     "robustness.json",
     "robustness-checks.json",
-    "robustness-checks-full/robustness-checks.json",
     "scale.json",
     "sites.json",
     "stragglers.json",

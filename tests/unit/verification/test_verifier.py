@@ -221,3 +221,25 @@ def test_a_peer_keeps_the_share_of_its_claim_its_checked_work_bears_out(tmp_path
         torch.testing.assert_close(shared, _t([0.5, 0.5]))
     finally:
         v.close()
+
+
+def test_a_shrunken_copy_is_left_out_of_the_mix_and_its_holder_not_accused(
+    verifier: Verifier,
+) -> None:
+    """A copy far below its group's norm is most often a victim's (an owner that lied
+    shrank the mean it took): the mean leaves it out, and nobody is charged."""
+    import torch
+
+    others = [Identity.from_seed(bytes([i]) * 32).peer_id for i in (3, 4)]
+    parts = [
+        _contribution(ME, [1.0, 1.0]),
+        _contribution(others[0], [1.2, 1.0]),
+        _contribution(others[1], [1.0, 1.2]),
+        _contribution(PEER, [0.1, 0.1]),
+    ]
+    mixed = verifier.reduce(5, 0, 0, parts, content="weights").vector
+    torch.testing.assert_close(mixed, _t([3.2 / 3, 3.2 / 3]))
+    assert verifier.reputation.standing(PEER, 5).violations == 0
+    # the same norm in a pseudo-gradient is no offence either: an idle member's is zero
+    update = verifier.reduce(5, 0, 0, parts).vector
+    torch.testing.assert_close(update, _t([3.3 / 4, 3.3 / 4]))

@@ -11,6 +11,7 @@ import pytest
 from verification.usefulness import CheckRecord
 from verification.workscores import (
     MIN_POOLED,
+    MIN_ROUNDS,
     WORK_EXPONENT,
     Estimate,
     Scores,
@@ -255,3 +256,25 @@ def test_one_records_figures_for_the_logs() -> None:
     assert scores.relative(halved, 9) == (pytest.approx(0.5), pytest.approx(1 / 3))
     assert scores.short(halved, 9)
     assert scores.relative(Verdict(Estimate(0.0, 0.0)), 9) == (None, None)
+
+
+def test_one_bad_round_is_not_a_habit() -> None:
+    """Two checkers on two fragments give four records of one contribution in a round:
+    enough records, but a flag waits for a third round's."""
+    scores = _scores()
+    for r in range(3):
+        _honest_round(scores, r)
+    for r in range(2):
+        for checker in ("c0", "c1"):
+            for fragment in (0, 1):
+                record = CheckRecord(
+                    **{
+                        **_record(checker=checker, round_=r, gain=0.0, lift=0.0).__dict__,
+                        "fragment": fragment,
+                    }
+                )
+                scores.add(record, judge(record))
+    assert scores.score("p")["short"] and not scores.flagged()
+    assert scores.score("p")["records"] == 8 and MIN_ROUNDS == 3
+    _add(scores, checker="c0", round_=2, gain=0.0, lift=0.0)
+    assert scores.flagged() == {"p"}
