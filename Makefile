@@ -39,10 +39,13 @@ sysdeps:
 demo: $(STAMP)
 	$(BIN)/atoll swarm --nodes 4 --config configs/local-swarm.toml
 
-# -v: one line per test as it ends, so a long suite shows where it is; the 30 slowest are
-# listed at the end, to keep the whole suite within its 30 minutes
+# Two passes. Tests that only count and compare run two at a time (-n 2; a file's tests stay
+# on one worker, which keeps module fixtures shared); tests marked `exclusive` (wall-clock
+# rounds, timing bounds, 16 nodes) then run one at a time, with the machine to themselves.
+# -v: one line per test as it ends; the slowest of each pass are listed at its end.
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest -v -m "not slow" --durations=30
+	$(BIN)/python -m pytest -v -m "not slow and not exclusive" -n 2 --dist loadfile --durations=30
+	$(BIN)/python -m pytest -v -m "not slow and exclusive" --durations=15
 
 test-all: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q

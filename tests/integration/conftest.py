@@ -28,6 +28,10 @@ SMALL = [
     "network.matchmaking_seconds=6",
     "network.round_timeout=8",
     "network.request_timeout=8",
+    # Every node of a test swarm waits for all the others before it trains: make test runs
+    # two tests at a time, and five nodes starting beside another test's swarm were seen
+    # to take over the default minute, the first one then training three rounds alone.
+    "network.min_peers_timeout=150",
 ]
 
 

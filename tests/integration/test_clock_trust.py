@@ -17,7 +17,7 @@ from protocol.wire.messages import Header, seal
 from tests.integration.conftest import SMALL, wait_until
 from verification.identity import Identity
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(240)]
 
 SECONDS = [
     "sync.trigger='seconds'",

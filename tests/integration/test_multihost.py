@@ -235,6 +235,7 @@ def test_two_nodes_with_one_key_the_second_refuses_to_start(netlab_module, tmp_p
         nodes.close()
 
 
+@pytest.mark.exclusive  # a busy share of at least 0.95
 def test_a_host_on_a_capped_link_does_not_slow_the_others(netlab_module, tmp_path) -> None:
     lab = netlab_module
     for name in ("f", "g", "h"):

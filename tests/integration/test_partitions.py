@@ -22,7 +22,7 @@ from tests.integration.test_multihost import PORT, LabNodes, _cli, _sets
 from tests.netlab import NetLab
 from verification.identity import Identity
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(420)]
 
 ROUND_SECONDS = 10.0
 ROUNDS = 10

@@ -25,7 +25,7 @@ from protocol.p2p.transport import Transport, TransportConfig
 from tests.integration.conftest import SMALL, Swarm, wait_until
 from tests.integration.test_stream_limits import _close_all, _open_silent
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(300)]
 
 NODES, ROUNDS, ROUND_SECONDS = 4, 3, 10
 WALL_CLOCK = [

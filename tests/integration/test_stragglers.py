@@ -12,7 +12,7 @@ from node.swarm import wait_for_maddrs
 from tests.integration.conftest import wait_until
 from verification.audit import AuditLog
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(300)]
 
 SECONDS = [
     "sync.trigger='seconds'",

@@ -19,7 +19,7 @@ import pytest
 from node.metrics import read_events
 from tests.integration.conftest import Swarm
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(900)]
 
 NODES, ROUNDS, FRAGMENTS = 16, 3, 2
 EXTRA = [

@@ -17,7 +17,7 @@ import pytest
 from node.metrics import read_events
 from tests.integration.conftest import Swarm
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(480)]
 
 NODES, ROUNDS = 6, 11
 CHECKS = [

@@ -43,7 +43,9 @@ def test_result_is_written_into_the_callers_output() -> None:
 
 
 @pytest.mark.parametrize(
-    "out", [torch.empty(999), torch.empty(1000, dtype=torch.float64), "itself"], ids=str
+    "out",
+    [torch.empty(999), torch.empty(1000, dtype=torch.float64), "itself"],
+    ids=["too-short", "float64", "itself"],
 )
 def test_an_output_that_does_not_fit_is_refused_before_anything_is_sent(out: object) -> None:
     me = Identity.from_seed(bytes(32))
