@@ -68,7 +68,10 @@ or cut off and sends what belongs to a round that is over); never held against i
 the wrong owner of the very same group is a replayed or misdirected message."""
 
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
-_HEURISTIC_REASONS = frozenset({"norm", "direction", "copy_norm"})
+_HEURISTIC_REASONS = frozenset({"norm", "direction"})
+"""Screens that need a robust centre: in a pair (no centre) they accuse no one."""
+_VICTIM_REASONS = frozenset({"copy_norm"})
+"""Screens whose failure is most often the holder's misfortune, never held against it."""
 
 
 class Verifier:
@@ -246,7 +249,9 @@ class Verifier:
                 good.append(c)
                 continue
             rejected[c.peer] = verdict.reason
-            if verdict.reason == "copy_norm" or (paired and verdict.reason in _HEURISTIC_REASONS):
+            if verdict.reason in _VICTIM_REASONS or (
+                paired and verdict.reason in _HEURISTIC_REASONS
+            ):
                 # Two inputs have no robust centre: an implausible pair is left out of
                 # this round without accusing anyone; so is a shrunken copy.
                 logger.info(

@@ -35,6 +35,7 @@ def _record(
     claimed: int = 16,
     reference_claimed: int = 16,
     peer: str = "p",
+    fragment: int = 0,
 ) -> CheckRecord:
     """A record whose windows all gain alike (no spread) by the given amounts."""
     before = 3.0
@@ -46,7 +47,7 @@ def _record(
         peer=peer,
         run="run",
         round=round_,
-        fragment=0,
+        fragment=fragment,
         contribution="a",
         reference="b",
         base="c",
@@ -267,13 +268,7 @@ def test_one_bad_round_is_not_a_habit() -> None:
     for r in range(2):
         for checker in ("c0", "c1"):
             for fragment in (0, 1):
-                record = CheckRecord(
-                    **{
-                        **_record(checker=checker, round_=r, gain=0.0, lift=0.0).__dict__,
-                        "fragment": fragment,
-                    }
-                )
-                scores.add(record, judge(record))
+                _add(scores, checker=checker, round_=r, gain=0.0, lift=0.0, fragment=fragment)
     assert scores.score("p")["short"] and not scores.flagged()
     assert scores.score("p")["records"] == 8 and MIN_ROUNDS == 3
     _add(scores, checker="c0", round_=2, gain=0.0, lift=0.0)
