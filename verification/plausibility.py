@@ -8,10 +8,12 @@ Two checks a node makes with what it saw before rather than with a robust centre
   would otherwise decide what "normal" is;
 * a member checks an owner's reduced result against its own contribution (norm ratio
   and cosine, :func:`~verification.screening.check_reduced`) and against the results
-  honest owners returned before (:meth:`Plausibility.check_result`).
+  honest owners returned before (:meth:`Plausibility.check_result`); a mean of global
+  copies also against being *shorter* than both (``owner_shrunk``).
 
 Each history is kept per ``(fragment, content)``: an update's norms say nothing about a
-global copy's.
+global copy's; a copy's, per part as well (a part of layer norms and a part of a weight
+matrix differ in their values' size far more than a round changes either).
 """
 
 from __future__ import annotations
@@ -31,6 +33,16 @@ __all__ = ["MIN_FOR_STATISTICS", "Plausibility"]
 MIN_FOR_STATISTICS = 3
 """Fewer inputs (or remembered norms) than this: a median is no longer robust."""
 _NORM_HISTORY = 32  # accepted norms remembered per fragment
+COPY_MIN_RATIO = 0.8
+"""A mean of global copies shorter than this share of both the member's own copy and the
+means honest owners returned for the same part before is refused (``owner_shrunk``).
+Copies in a mixing swarm sit 10 to 30 % of their norm apart and nearly parallel, so an
+honest mean is about as long as each (two copies 30 % apart average to 0.99 of either's
+length); an owner that mixes in a zeroed copy of its own returns (n - 1) / n of the
+mean: half in a pair, 0.75 in a group of 4 (groups of 5 or more pass: 0.8 and over)."""
+_COPY_HISTORY = 8
+"""Accepted means of copies remembered per part: few, so that the copies' slow drift
+over a run does not move the bound."""
 _MAX_PAIR_SPREAD = 4.0  # a partner's token claim widens its norm bound at most this much
 
 _Key = tuple[int, str]
@@ -50,6 +62,7 @@ class Plausibility:
         self.me = me
         self._norms: dict[_Key, deque[float]] = {}  # norms of accepted parts
         self._results: dict[_Key, deque[float]] = {}  # RMS of accepted results
+        self._copies: dict[tuple[int, int], deque[float]] = {}  # norms of accepted means
 
     def pair_verdicts(
         self, key: _Key, admitted: Sequence[Contribution], verdicts: list[Verdict]
@@ -108,6 +121,7 @@ class Plausibility:
         spread: float,
         included: bool,
         reduced_norm: float | None,
+        part: int = 0,
     ) -> str | None:
         """Why an owner's reduced part is implausible next to this node's ``own``
         contribution and the results accepted before (None: plausible). See
@@ -120,6 +134,38 @@ class Plausibility:
         reduced_norm, bad = finite_norm(reduced) if reduced_norm is None else (reduced_norm, 0)
         if bad:
             return "not_finite"
+        if key[1] == "weights":
+            copies = self._copies.setdefault((key[0], part), deque(maxlen=_COPY_HISTORY))
+            if self._shrunk(reduced_norm, own_norm, copies):
+                return "owner_shrunk"
+            reason = self._check_update(key, reduced, own, spread, included, reduced_norm, own_norm)
+            if reason is None:
+                copies.append(reduced_norm)
+            return reason
+        return self._check_update(key, reduced, own, spread, included, reduced_norm, own_norm)
+
+    @staticmethod
+    def _shrunk(reduced_norm: float, own_norm: float, accepted: deque) -> bool:
+        """Whether a mean of copies is shorter than :data:`COPY_MIN_RATIO` of both this
+        node's own copy and the means it accepted for the part before (never with fewer
+        than :data:`MIN_FOR_STATISTICS` of them: a newcomer that started from its own
+        initialisation holds a copy of another length)."""
+        if len(accepted) < MIN_FOR_STATISTICS:
+            return False
+        bound = COPY_MIN_RATIO * min(own_norm, statistics.median(accepted))
+        return reduced_norm < bound
+
+    def _check_update(
+        self,
+        key: _Key,
+        reduced: torch.Tensor,
+        own: torch.Tensor,
+        spread: float,
+        included: bool,
+        reduced_norm: float,
+        own_norm: float,
+    ) -> str | None:
+        """The length and direction checks of any result (see :meth:`check_result`)."""
         rms = reduced_norm / max(1.0, reduced.numel()) ** 0.5
         history = self._results.setdefault(key, deque(maxlen=_NORM_HISTORY))
         if not included:

@@ -381,7 +381,7 @@ class Verifier:
         if not self.policy.screening:
             return None
         return self.plausibility.check_result(
-            (fragment, content), reduced, own, spread, included, reduced_norm
+            (fragment, content), reduced, own, spread, included, reduced_norm, part
         )
 
     def on_missing(self, peer: str, round_: int, fragment: int, part: int, committed: bool) -> None:
