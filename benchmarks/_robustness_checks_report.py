@@ -134,11 +134,6 @@ _NOTES = {
     "without, mean over nodes and runs; check_share: the checks' forward seconds over "
     "the node's seconds in inner steps; fetched_to_sent: bytes fetched to check over the "
     "bytes the node's syncs sent",
-    "lift_probe": "single records of one fragment on the test model after 24, 72 and 144 "
-    "steps (benchmarks._lift_probe): each kind's mean lift over the honest median, with "
-    "the placebo (the checker's own contribution on the same windows, subtracted: the "
-    "shipped statistic) and against control text only (records before version 3); "
-    "separation: (1 - ratio) over the honest records' spread of the ratio",
 }
 
 

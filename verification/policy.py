@@ -95,20 +95,19 @@ class TrustPolicy:
             is below this even at the upper end of its interval falls short of the work
             it claims.
         check_min_specific: a peer whose pooled specific ratio (its lift on its claimed
-            batches beyond the placebo's and control text, over its rounds' reference
-            lifts) is below this even at the upper end of its interval falls short
-            too: it did not train on them, or not as much as it claims. A peer that
-            falls short over ``check_min_records`` records from two checkers or more,
-            with any one checker's records left out, is flagged (a ``useless_work``
+            batches beyond control text, over its rounds' reference lifts) is below this
+            even at the upper end of its interval falls short too: it did not train on
+            them, or not as much as it claims. A peer that falls
+            short over ``check_min_records`` records from two checkers or more, with
+            any one checker's records left out, is flagged (a ``useless_work``
             violation).
         check_audit: the share of other checkers' records of its own group a node
             recomputes itself (a record that accuses this node is always recomputed).
         check_assigned: judge a contribution by its gain on the batches it claims against
             control text of the run's train split; false judges it by its gain on
             validation text alone (for swarms whose nodes train on data of their own).
-        check_budget: the largest share of a node's time in inner steps its checks'
-            forward passes may take (they run on a worker thread beside training, and
-            each check waits while they are over it).
+        check_budget: the largest share of wall time a node's checks may be busy (they
+            run on a worker thread beside training and rest to stay under it).
     """
 
     allow: tuple[str, ...] = ()

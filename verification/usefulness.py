@@ -30,11 +30,6 @@ Everything here is reproducible by any member of the group, after the fact:
   base, the seed, the claims and every loss); another member recomputes the losses (a
   deterministic fp32 forward) and accepts them within :data:`LOSS_RTOL`.
 
-The checker's own contribution is measured on the same windows as the checked one, the
-claimed and the control windows alike: it is the *placebo*, work that did not train on
-the checked member's batches, so what it gains there is what any training gains on that
-text (:mod:`verification.workscores` subtracts it).
-
 This module knows neither the model nor the network: the node measures losses and
 fetches contributions (``node.checks``), and hands the numbers here.
 """
@@ -73,8 +68,8 @@ __all__ = [
 ]
 
 _SEED_DOMAIN = b"atoll/check-seed/v2\0"
-_RECORD_DOMAIN = b"atoll/check/v3\0"
-_VERSION = 3
+_RECORD_DOMAIN = b"atoll/check/v2\0"
+_VERSION = 2
 
 LOSS_RTOL = 1e-4
 """Relative tolerance between a record's losses and a recomputation: fp32 sums over a
@@ -83,9 +78,8 @@ far below any gain a check relies on (about 1e-2 nats)."""
 LOSS_ATOL = 1e-6
 """Absolute tolerance, for losses near zero."""
 MAX_RECORD_BYTES = 16384
-"""A signed record of 16 claimed windows and 32 control windows, four losses each, is
-about 2.3 KB (64 and 128 at the most: about 9 KB); anything above this is refused
-unread."""
+"""A signed record of 16 claimed windows of each member and 32 control windows is about
+2.2 KB; anything above this is refused unread."""
 MAX_WINDOWS = 128
 """Windows of any kind one record may hold (``trust.check_windows`` is at most 64)."""
 
@@ -192,6 +186,7 @@ def contribution_digest(part_digests: Sequence[bytes]) -> str:
     return h.hexdigest()
 
 
+Pair = tuple[float, float]
 Quad = tuple[float, float, float, float]
 
 
@@ -212,11 +207,12 @@ class CheckRecord:
         seed: the exchange's seed (hex).
         claimed: the batches the contribution's signed claim covers (all ranks).
         reference_claimed: the batches the checker's own claim covers.
-        assigned: ``(before, after, reference before, reference after)`` on each
-            sampled window of the contribution's claimed batches (none when the run
-            checks validation only): the checker's own contribution, which never trained
-            on them, is the placebo.
-        control: the same four on each control window.
+        assigned: ``(before, after)`` on each sampled window of the contribution's
+            claimed batches (none when the run checks validation only).
+        reference_assigned: ``(before, reference after)`` on each sampled window of the
+            checker's own claimed batches (none when the run checks validation only).
+        control: ``(before, after, reference before, reference after)`` on each control
+            window.
     """
 
     checker: str
@@ -231,7 +227,8 @@ class CheckRecord:
     seed: str
     claimed: int
     reference_claimed: int
-    assigned: tuple[Quad, ...]
+    assigned: tuple[Pair, ...]
+    reference_assigned: tuple[Pair, ...]
     control: tuple[Quad, ...]
     signature: bytes = field(default=b"", compare=False)
 
@@ -239,7 +236,7 @@ class CheckRecord:
         """The signed bytes (every field but the signature)."""
         fields = asdict(self)
         fields.pop("signature")
-        for name in ("assigned", "control"):
+        for name in ("assigned", "reference_assigned", "control"):
             fields[name] = [list(row) for row in getattr(self, name)]
         fields["v"] = _VERSION
         return msgpack.packb(fields, use_bin_type=True)
@@ -310,6 +307,7 @@ def open_record(data: bytes, run: str) -> CheckRecord:
         *_TEXT,
         *_INTS,
         "assigned",
+        "reference_assigned",
         "control",
     }:
         raise RecordError("malformed", "fields missing or unknown")
@@ -322,7 +320,10 @@ def open_record(data: bytes, run: str) -> CheckRecord:
         raise RecordError("malformed", "round, fragment and claims must be non-negative")
     record = CheckRecord(
         **{k: fields[k] for k in (*_TEXT, *_INTS)},
-        assigned=_losses(fields["assigned"], "assigned", 4),  # type: ignore[arg-type]
+        assigned=_losses(fields["assigned"], "assigned", 2),  # type: ignore[arg-type]
+        reference_assigned=_losses(  # type: ignore[arg-type]
+            fields["reference_assigned"], "reference_assigned", 2
+        ),
         control=_losses(fields["control"], "control", 4),  # type: ignore[arg-type]
         signature=signature,
     )
@@ -346,7 +347,7 @@ def reproduces(record: CheckRecord, mine: CheckRecord) -> bool:
         return False
     if (record.claimed, record.reference_claimed) != (mine.claimed, mine.reference_claimed):
         return False
-    names = ("assigned", "control")
+    names = ("assigned", "reference_assigned", "control")
     if any(len(getattr(record, n)) != len(getattr(mine, n)) for n in names):
         return False
     rows = [pair for n in names for pair in zip(getattr(record, n), getattr(mine, n))]

@@ -1,25 +1,20 @@
 """What a check record says of a contribution, and each peer's standing from its records.
 
 A record (:class:`verification.usefulness.CheckRecord`) holds per-window losses;
-:func:`judge` turns them into measurements of the checked contribution, and the gain of
-the checker's own contribution to the same exchange:
+:func:`judge` turns them into measurements of two contributions to the same exchange,
+the checked one and the checker's own:
 
-- a **gain**: the mean loss drop on the control windows, divided by the claimed
+- its **gain**: its mean loss drop on the control windows, divided by its claimed
   batches raised to :data:`WORK_EXPONENT`. A round's gain grows more slowly than its
   steps (on the demo model 10, 50 and 100 steps from one state gave gains in the ratio
   0.18 : 0.50 : 1, an exponent between 0.64 and 1.04; 0.75 sits inside), so an honest
   node that trained fewer steps and claims them compares evenly, while a member that
   trained a tenth of the steps it claims shows about 0.2 to 0.5 of an honest gain (gains
   are concave in steps: the first steps gain most);
-- the checked contribution's **lift**: what it gains on windows of its own claimed
-  batches beyond what the *placebo* (the checker's own contribution, which never
-  trained on them) gains there, less the same difference on control text. A member that
-  trained on the batches it claims keeps some of what it learned there; one that
-  trained elsewhere, or sends someone else's change, lifts nothing. The placebo takes
-  out what any training gains on those particular windows: measured against control
-  text alone, sampled windows that any update helps more than the control text (on the
-  test model by about 0.02 nats at round 4, a third of an honest lift) add to every
-  lift alike and pull a partial worker's ratio toward one.
+- its **lift**: its mean gain on windows of its own claimed batches beyond its mean
+  gain on control text. A member that trained on the batches it claims keeps some of
+  what it learned there; one that trained elsewhere, or sends someone else's change,
+  lifts nothing.
 
 :class:`Scores` compares each with its round's *reference*: the median over every
 contribution to that round measured so far (of peers not flagged), once
@@ -104,45 +99,43 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What one record measured, per claimed batch to :data:`WORK_EXPONENT` for gains
-    (so contributions of different claims compare) and in nats for the lift.
+    """What one record measured, each per claimed batch to :data:`WORK_EXPONENT` for
+    gains (so contributions of different claims compare) and in nats for lifts.
 
     Attributes:
         gain: the contribution's mean gain on the control windows.
         ref_gain: the checker's own contribution's gain on the same windows (None when
             the checker claimed nothing).
-        lift: the contribution's gain on its claimed windows beyond the placebo's, less
-            the same on control text (None without claimed windows).
+        lift: the contribution's gain on its claimed windows beyond its gain on control
+            text (None without claimed windows).
+        ref_lift: the checker's own, on its own claimed windows (None likewise).
     """
 
     gain: Estimate
     ref_gain: Estimate | None = None
     lift: Estimate | None = None
+    ref_lift: Estimate | None = None
 
 
 def judge(record: CheckRecord) -> Verdict:
     """What ``record`` measured (see the module docstring)."""
     gains = [before - after for before, after, _, _ in record.control]
-    ref_gain = None
+    ref_gains = [before - after for _, _, before, after in record.control]
+    ref_gain = ref_lift = None
     if record.reference_claimed > 0:
-        ref_gain = Estimate.of(
-            [before - after for _, _, before, after in record.control],
-            record.reference_claimed**-WORK_EXPONENT,
-        )
+        ref_gain = Estimate.of(ref_gains, record.reference_claimed**-WORK_EXPONENT)
+        if record.reference_assigned:
+            own = Estimate.of([b - a for b, a in record.reference_assigned])
+            ref_lift = own.minus(Estimate.of(ref_gains))
     if record.claimed <= 0:
         # a claim no one can draw from counts as no work at all
         nothing = Estimate(0.0, 0.0)
-        return Verdict(nothing, ref_gain, nothing if record.assigned else None)
+        return Verdict(nothing, ref_gain, nothing if ref_lift is not None else None, ref_lift)
     gain = Estimate.of(gains, record.claimed**-WORK_EXPONENT)
     lift = None
     if record.assigned:
-        lift = _beyond_placebo(record.assigned).minus(_beyond_placebo(record.control))
-    return Verdict(gain, ref_gain, lift)
-
-
-def _beyond_placebo(rows: tuple[tuple[float, float, float, float], ...]) -> Estimate:
-    """The mean over windows of what the contribution gained beyond the placebo."""
-    return Estimate.of([(b - a) - (pb - pa) for b, a, pb, pa in rows])
+        lift = Estimate.of([b - a for b, a in record.assigned]).minus(Estimate.of(gains))
+    return Verdict(gain, ref_gain, lift, ref_lift)
 
 
 @dataclass(frozen=True)
@@ -164,10 +157,9 @@ class _Kept:
 class Scores:
     """Per peer, its newest records' measurements, and whether it is flagged.
 
-    Every record adds two measured contributions to its round's pool (the checked one's
-    gain and lift, the checker's own gain); a round's *reference* is the median, over the
-    contributions measured in it of peers not flagged here, of each one's mean gain and
-    mean lift. A
+    Every record adds two measured contributions to its round's pool (the checked one
+    and the checker's own); a round's *reference* is the median, over the contributions
+    measured in it of peers not flagged here, of each one's mean gain and mean lift. A
     peer's pooled work ratio is the sum of its records' gains over the sum of their
     rounds' reference gains (the ratio estimator), with an interval from the larger of
     two variances: the records' scatter about that ratio (which takes in everything that
@@ -219,7 +211,8 @@ class Scores:
             lift = None if verdict.lift is None else verdict.lift.mean
             pool.setdefault((record.peer, record.fragment), []).append((verdict.gain.mean, lift))
             if verdict.ref_gain is not None:
-                own = (verdict.ref_gain.mean, None)
+                ref_lift = None if verdict.ref_lift is None else verdict.ref_lift.mean
+                own = (verdict.ref_gain.mean, ref_lift)
                 pool.setdefault((record.checker, record.fragment), []).append(own)
             for old in [r for r in self._pools if r <= record.round - _ROUNDS_POOLED]:
                 del self._pools[old]
@@ -250,8 +243,8 @@ class Scores:
 
     def relative(self, verdict: Verdict, round_: int) -> tuple[float | None, float | None]:
         """One record's work and specific ratios against its round's reference, or
-        where the round has no reference gain yet its work ratio against the checker's
-        own contribution in the record (None where there is no positive reference)."""
+        where the round has none yet against the checker's own contribution in the
+        record (None where neither is positive)."""
         with self._lock:
             work, specific = self._pooled(
                 [_Kept("", round_, verdict)], self._single(verdict, round_)
@@ -273,6 +266,8 @@ class Scores:
         gain, lift = self._reference(round_)
         if gain is None and verdict.ref_gain is not None:
             gain = verdict.ref_gain.mean
+        if lift is None and verdict.ref_lift is not None:
+            lift = verdict.ref_lift.mean
         return {round_: (gain, lift)}
 
     def _pooled(

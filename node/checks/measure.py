@@ -5,13 +5,13 @@ sees it) and evaluates any parameter values through it: the round's base, and th
 with one contribution applied to one fragment. For a contribution ``P`` checked by
 ``checker`` on exchange ``(r, f)`` it measures
 
-- on windows of ``P``'s claimed batches that the seed draws for ``checker``
-  (:func:`verification.usefulness.window_plan`), each window's loss before and after
-  ``P``, and before and after the checker's own contribution (the reference), which
-  never trained on them: the placebo;
-- the same four on the exchange's control windows (the same for every checker: a
-  stream keyed by the seed over the run's train tokens, or over its validation tokens
-  when the run checks validation only).
+- each window's loss before and after ``P``, on windows of ``P``'s claimed batches
+  that the seed draws for ``checker`` (:func:`verification.usefulness.window_plan`);
+- the same of the checker's own contribution (the reference), on windows of the
+  checker's own claimed batches;
+- on the exchange's control windows (the same for every checker: a stream keyed by the
+  seed over the run's train tokens, or over its validation tokens when the run checks
+  validation only), before and after ``P``, and before and after the reference.
 
 *Before* a contribution is the round's base (:meth:`RoundInputs.vectors`), except that
 where the group mixed copies the exchange's fragment holds the copy its member sent
@@ -23,9 +23,8 @@ with the pseudo-gradient subtracted from that fragment.
 
 Every loss is :func:`node.trainer.window_losses`: one fp32 forward of the windows in
 eval mode, each window's sum in float64, so two nodes agree to about 1e-6 relative.
-Losses at the same values on the same windows are computed once (those on the control
-windows at the base and with the reference, by all of a checker's records of an
-exchange; before ``P`` and before the reference, where no copies were mixed).
+Losses at the same values on the same windows are computed once (those at the base and
+with the reference, by all of a checker's records of an exchange).
 """
 
 from __future__ import annotations
@@ -141,13 +140,18 @@ class Measurer:
         )
         claimed = checked.claim.batches if checked.claim is not None else 0
         assigned: list[tuple[float, ...]] = []
+        reference_assigned: list[tuple[float, ...]] = []
         if s.assigned:
             windows = self._claimed(checked.claim, seed, peer, checker)
             if windows is None:
                 claimed = 0  # names data no one can draw: it claims nothing checkable
             else:
                 key = ("assigned", seed.hex(), peer, checker)
-                assigned = self._rows([before, after, ref_before, ref_after], key, windows)
+                assigned = self._rows([before, after], key, windows)
+            own = self._claimed(reference.claim, seed, checker, checker)
+            if own is not None:
+                key = ("assigned", seed.hex(), checker, checker)
+                reference_assigned = self._rows([ref_before, ref_after], key, own)
         return CheckRecord(
             checker=checker,
             peer=peer,
@@ -162,6 +166,7 @@ class Measurer:
             claimed=claimed,
             reference_claimed=reference.claim.batches if reference.claim is not None else 0,
             assigned=tuple(assigned),  # type: ignore[arg-type]
+            reference_assigned=tuple(reference_assigned),  # type: ignore[arg-type]
             control=tuple(control),  # type: ignore[arg-type]
         )
 

@@ -46,7 +46,8 @@ def _record(**changes) -> CheckRecord:
         seed="ef" * 32,
         claimed=24,
         reference_claimed=20,
-        assigned=((3.0, 2.5, 3.0, 2.9), (3.2, 2.6, 3.1, 3.0)),
+        assigned=((3.0, 2.5), (3.2, 2.6)),
+        reference_assigned=((2.9, 2.4),),
         control=((3.1, 2.9, 3.1, 2.95), (3.3, 3.2, 3.3, 3.1)),
     )
     fields.update(changes)
@@ -55,7 +56,7 @@ def _record(**changes) -> CheckRecord:
 
 def _signed_body(body: dict) -> bytes:
     packed = msgpack.packb(body)
-    signature = CHECKER.sign(b"atoll/check/v3\0" + hashlib.sha256(packed).digest())
+    signature = CHECKER.sign(b"atoll/check/v2\0" + hashlib.sha256(packed).digest())
     return msgpack.packb([packed, signature])
 
 
@@ -156,10 +157,9 @@ def test_malformed_records_are_refused(data: bytes) -> None:
         {"control": [[float("nan"), 1.0, 1.0, 1.0]]},
         {"control": [[1.0, 1.0, 1.0]]},  # not four losses
         {"control": []},  # no control window
-        {"assigned": [[1.0, 2.0]]},  # a version-2 row: no placebo
-        {"assigned": [[True, 1.0, 1.0, 1.0]]},
-        {"assigned": [[1.0, 1.0, 1.0, 1.0]] * 129},
-        {"reference_assigned": []},  # a version-2 field
+        {"assigned": [[1.0, 2.0, 3.0]]},
+        {"reference_assigned": [[True, 1.0]]},
+        {"assigned": [[1.0, 1.0]] * 129},
         {"round": -1},
         {"claimed": True},
         {"checker": "x" * 200},
@@ -185,7 +185,7 @@ def test_reproduction_holds_within_the_tolerance_and_not_beyond() -> None:
         {"base": "00" * 32},
         {"claimed": 25},
         {"assigned": ()},
-        {"assigned": ((3.0, 2.5, 3.0, 2.9), (3.2, 2.6, 3.1, 3.0 * (1 + 10 * LOSS_RTOL)))},
+        {"reference_assigned": ((2.9, 2.5),)},
     ):
         assert not reproduces(record, _record(**changes)), changes
 

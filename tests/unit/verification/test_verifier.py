@@ -206,6 +206,7 @@ def test_a_peer_keeps_the_share_of_its_claim_its_checked_work_bears_out(tmp_path
                 record = CheckRecord(
                     *(f"c{r}", peer, "run", r, 0, "a", "b", "c", "d", "e", 16, 16),
                     assigned=(),
+                    reference_assigned=(),
                     control=control,
                 )
                 v.work.add(record, judge(record))

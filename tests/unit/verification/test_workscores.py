@@ -31,17 +31,17 @@ def _record(
     gain: float = 0.2,
     ref_gain: float = 0.2,
     lift: float = 0.3,
+    ref_lift: float = 0.3,
     claimed: int = 16,
     reference_claimed: int = 16,
     peer: str = "p",
     fragment: int = 0,
 ) -> CheckRecord:
-    """A record whose windows all gain alike (no spread) by the given amounts; the
-    placebo (the reference) gains ``ref_gain`` on the claimed windows as on control
-    text."""
+    """A record whose windows all gain alike (no spread) by the given amounts."""
     before = 3.0
     control = tuple((before, before - gain, before, before - ref_gain) for _ in range(4))
-    assigned = tuple((before, before - gain - lift, before, before - ref_gain) for _ in range(4))
+    assigned = tuple((before, before - gain - lift) for _ in range(4))
+    reference_assigned = tuple((before, before - ref_gain - ref_lift) for _ in range(4))
     return CheckRecord(
         checker=checker,
         peer=peer,
@@ -56,6 +56,7 @@ def _record(
         claimed=claimed,
         reference_claimed=reference_claimed,
         assigned=assigned,
+        reference_assigned=reference_assigned,
         control=control,
     )
 
@@ -77,10 +78,10 @@ def test_a_record_by_hand() -> None:
         **{
             **_record().__dict__,
             # (before, after, reference before and after): gains 0.1 and 0.2, the
-            # reference's 0.2 and 0.2
+            # reference's 0.2
             "control": ((3.0, 2.9, 3.0, 2.8), (3.2, 3.0, 3.2, 3.0)),
-            # gains 0.4 and 0.3 on the claimed windows, the placebo's 0.3 and 0.1 there
-            "assigned": ((3.0, 2.6, 3.0, 2.7), (3.0, 2.7, 3.0, 2.9)),
+            "assigned": ((3.0, 2.6), (3.0, 2.7)),  # gains 0.4 and 0.3
+            "reference_assigned": ((3.0, 2.5), (3.0, 2.5)),  # 0.5
         }
     )
     verdict = judge(record)
@@ -88,12 +89,9 @@ def test_a_record_by_hand() -> None:
     assert verdict.gain.mean == pytest.approx(0.15 * per_claim)
     assert verdict.gain.se == pytest.approx(per_claim * math.sqrt(0.005) / math.sqrt(2))
     assert verdict.ref_gain.mean == pytest.approx(0.2 * per_claim) and verdict.ref_gain.se == 0
-    # the lift, in nats and not scaled by the claim: beyond the placebo 0.1 and 0.2 on
-    # the claimed windows, less -0.1 and 0.0 on control text
-    assert verdict.lift.mean == pytest.approx(0.15 - (-0.05))
-    assert verdict.lift.se == pytest.approx(math.hypot(0.05, 0.05))
-    # without the placebo the same windows would lift 0.35 - 0.15: what any training
-    # gains on them more than on control text counted as this member's
+    # lifts are in nats, not scaled by the claim
+    assert verdict.lift.mean == pytest.approx(0.35 - 0.15)
+    assert verdict.ref_lift.mean == pytest.approx(0.5 - 0.2)
     # claiming five times the batches scales the gain down by 5 ** 0.75, the
     # reference's (its own claim) not at all
     more = judge(CheckRecord(**{**record.__dict__, "claimed": 80}))
@@ -106,20 +104,17 @@ def test_a_record_of_a_claim_no_one_can_draw_counts_as_no_work() -> None:
     assert verdict.gain == Estimate(0.0, 0.0) and verdict.lift == Estimate(0.0, 0.0)
     assert verdict.ref_gain.mean > 0
     unreferenced = judge(_record(reference_claimed=0))
-    assert unreferenced.ref_gain is None and unreferenced.lift is not None
+    assert unreferenced.ref_gain is None and unreferenced.ref_lift is None
 
 
 def test_a_round_has_a_reference_once_enough_contributions_were_measured() -> None:
     scores = Scores(ME, 4, 0.5, 0.5)
     assert scores.reference(4) == (None, None)
-    _add(scores, peer="h1")  # h1 and the checker's own: two gains, one lift
+    _add(scores, peer="h1")  # h1 and the checker's own: two contributions
     assert scores.reference(4) == (None, None) and MIN_POOLED == 3
     _add(scores, peer="h2", gain=0.4, lift=0.9)
     gain, lift = scores.reference(4)
-    # the checker's own contribution has a gain but no lift (it is the placebo)
-    assert gain == pytest.approx(0.2 * 16**-WORK_EXPONENT) and lift is None
-    _add(scores, peer="h3", lift=0.1)
-    assert scores.reference(4)[1] == pytest.approx(0.3)
+    assert gain == pytest.approx(0.2 * 16**-WORK_EXPONENT) and lift == pytest.approx(0.3)
     assert scores.reference(5) == (None, None)  # references are per round
 
 
@@ -257,11 +252,10 @@ def test_one_records_figures_for_the_logs() -> None:
     assert scores.relative(verdict, 4) == (0.0, pytest.approx(1.0))
     assert scores.short(verdict, 4)
     assert not scores.short(judge(_record()), 4)
-    # a round without a reference yet: the work ratio against the checker's own
-    # contribution; no lift to compare with (the checker's own is the placebo)
-    quarter = judge(_record(gain=0.05, lift=0.1))
-    assert scores.relative(quarter, 9) == (pytest.approx(0.25), None)
-    assert scores.short(quarter, 9)
+    # a round without a reference yet: against the checker's own contribution
+    halved = judge(_record(gain=0.1, lift=0.1))
+    assert scores.relative(halved, 9) == (pytest.approx(0.5), pytest.approx(1 / 3))
+    assert scores.short(halved, 9)
     assert scores.relative(Verdict(Estimate(0.0, 0.0)), 9) == (None, None)
 
 
