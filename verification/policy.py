@@ -87,7 +87,8 @@ class TrustPolicy:
         check_fragments: fragments of each contributor checked per round (drawn after
             the round; the others go unchecked that round).
         check_from_round: the first round checked (the first rounds of a fresh model
-            learn what any text teaches, so no contribution gains more on its own data).
+            learn what any text teaches, so no contribution gains more on its own data,
+            and round 2's large gains would outweigh later rounds' in pooled ratios).
         check_min_records: records of a peer needed before it can be flagged (they must
             also span three rounds, :data:`verification.workscores.MIN_ROUNDS`).
         check_min_work: a peer whose pooled work ratio (its gain on control text per
@@ -106,8 +107,9 @@ class TrustPolicy:
         check_assigned: judge a contribution by its gain on the batches it claims against
             control text of the run's train split; false judges it by its gain on
             validation text alone (for swarms whose nodes train on data of their own).
-        check_budget: the largest share of wall time a node's checks may be busy (they
-            run on a worker thread beside training and rest to stay under it).
+        check_budget: the largest share of a node's time in inner steps its checks'
+            forward passes may take (they run on a worker thread beside training, and
+            each check waits while they are over it).
     """
 
     allow: tuple[str, ...] = ()
@@ -131,7 +133,7 @@ class TrustPolicy:
     checkers: int = Field(default=0, ge=0, le=16)
     check_windows: int = Field(default=16, ge=1, le=64)
     check_fragments: int = Field(default=1, ge=1)
-    check_from_round: int = Field(default=2, ge=1)
+    check_from_round: int = Field(default=3, ge=1)
     check_min_records: int = Field(default=4, ge=1)
     check_min_work: float = Field(default=0.5, ge=0, le=1)
     check_min_specific: float = Field(default=0.7, ge=0)

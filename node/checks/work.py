@@ -17,13 +17,13 @@ at a time:
   set each peer's weight in this node's aggregates; a peer the scores flag gets a
   ``useless_work`` violation once per round.
 
-The worker paces itself: it starts a round's checks only while the time its forward
-passes took so far is within ``trust.check_budget`` of the time the node spent in inner
-steps (waiting for a fetch costs no core and is not counted), so the checks never take
-more than that share of what the node gives training, however busy the machine is. When
-it falls more than two rounds behind, it drops the oldest round's checks (counted as
-``skipped``). Judging other checkers' records is not held back (their audits count in
-the same budget).
+The worker paces itself: it starts each check (one contribution's record) only while
+the time its forward passes took so far is within ``trust.check_budget`` of the time the
+node spent in inner steps (waiting for a fetch costs no core and is not counted), so the
+checks take no more than that share of what the node gives training, give or take one
+record, however busy the machine is. When it falls more than two rounds behind, it drops
+the oldest round's checks (counted as ``skipped``, once per round). Judging other
+checkers' records is not held back (their audits count in the same budget).
 """
 
 from __future__ import annotations
@@ -121,6 +121,9 @@ class UsefulWork:
         self._inputs: dict[int, RoundInputs | None] = {}
         """Rounds that ended here: their inputs, or None (went wrong, or incomplete)."""
         self._rounds: deque[RoundInputs] = deque()
+        """Rounds whose checks are not drawn yet."""
+        self._todo: deque[tuple[RoundInputs, int, str]] = deque()
+        """Drawn checks not made yet: a round's inputs, a fragment and a peer."""
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
         self._waiting: list[tuple[int, str, bytes]] = []
         self._newest = 0
@@ -165,9 +168,7 @@ class UsefulWork:
             self._newest = max(self._newest, round_)
             if inputs is not None:
                 self._rounds.append(inputs)
-                while len(self._rounds) > _BEHIND:
-                    self._rounds.popleft()
-                    self.counts["skipped"] += 1
+                self._drop_behind()
             ready = [(s, d) for r, s, d in self._waiting if r <= self._newest]
             self._waiting = [w for w in self._waiting if w[0] > self._newest]
             self._inbox.extend(ready)
@@ -198,26 +199,41 @@ class UsefulWork:
         budget = self.settings.budget
         return budget >= 1 or self.measurer.seconds <= budget * self.training_seconds()
 
+    def _drop_behind(self) -> None:
+        """Drop the checks of rounds more than :data:`_BEHIND` behind the newest that
+        has any (each such round counted once as skipped). Holds ``_wake``."""
+        pending = sorted({i.round for i in self._rounds} | {t[0].round for t in self._todo})
+        stale = set(pending[:-_BEHIND])
+        if stale:
+            self.counts["skipped"] += len(stale)
+            self._rounds = deque(i for i in self._rounds if i.round not in stale)
+            self._todo = deque(t for t in self._todo if t[0].round not in stale)
+
     def _next(self) -> Callable[[], None] | None:
-        """The next task: a record to judge whenever one is in; a round to check while the
-        checks are within their budget (see the module docstring)."""
+        """The next task: a record to judge whenever one is in; the next round's draw
+        once the checks drawn before are made; a check while the checks are within their
+        budget (see the module docstring)."""
         with self._wake:
             if self._inbox:
                 sender, data = self._inbox.popleft()
                 return lambda: self._judge(sender, data)
-            if self._rounds and self.within_budget():
+            if self._rounds and not self._todo:
                 inputs = self._rounds.popleft()
-                return lambda: self._check_round(inputs.prepare())
-            self._wake.wait(_IDLE_WAIT if self._rounds else 1.0)
+                return lambda: self._draw(inputs.prepare())
+            if self._todo and self.within_budget():
+                inputs, fragment, peer = self._todo.popleft()
+                return lambda: self._check(inputs, fragment, peer)
+            self._wake.wait(_IDLE_WAIT if self._todo else 1.0)
         return None
 
     # ---- this node's checks -------------------------------------------------------------
 
-    def _check_round(self, inputs: RoundInputs) -> None:
-        """Check every contribution of round ``inputs.round`` this node was drawn to."""
+    def _draw(self, inputs: RoundInputs) -> None:
+        """Queue every check of round ``inputs.round`` this node was drawn to."""
         s = self.settings
+        drawn_checks = []
         for f, exchange in enumerate(inputs.exchanges):
-            if self._stop.is_set() or self.me not in exchange.contributors:
+            if self.me not in exchange.contributors:
                 continue  # a member left out of the exchange checks no one in it
             seed = inputs.seed(s.run_id, f)
             for peer in exchange.contributors:
@@ -227,8 +243,11 @@ class UsefulWork:
                 if peer == self.me or f not in drawn:
                     continue
                 if self.me in checkers_for(seed, peer, exchange.contributors, s.checkers):
-                    self._check(inputs, f, peer)
+                    drawn_checks.append((inputs, f, peer))
         self.fetcher.forget(inputs.round - _ROUNDS_KEPT)
+        with self._wake:
+            self._todo.extend(drawn_checks)
+            self._drop_behind()
 
     def _check(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
         record = self._measure(inputs, fragment, peer, self.me)

@@ -380,9 +380,10 @@ def test_a_served_contribution_request_is_what_the_fetcher_sends(world) -> None:
     assert len(msgpack.unpackb(served)) == len(MEMBERS)
 
 
-def test_a_round_is_checked_only_within_the_budget_of_training_time(world, tmp_path) -> None:
-    """With ``check_budget`` 5 %, the checks wait while their forwards so far exceed 5 %
-    of the time spent in inner steps, and go on once training has caught up."""
+def test_each_check_waits_for_the_budget_of_training_time(world, tmp_path) -> None:
+    """With ``check_budget`` 5 %, a check waits while the forwards so far exceed 5 % of
+    the time spent in inner steps, and goes on once training has caught up: one check at
+    a time, not a round's checks at once."""
     budget = CheckSettings(**{**SETTINGS.__dict__, "budget": 0.05})
     a = _node(world, A, tmp_path)
     a.checks.settings = budget
@@ -393,6 +394,25 @@ def test_a_round_is_checked_only_within_the_budget_of_training_time(world, tmp_p
         _end_round(a, world)
         assert not wait_until(lambda: a.checks.counts["made"] > 0, 2)
         a.training[0] = 20.0  # 1 s of checks is 5 % of 20 s of training
+        assert wait_until(lambda: a.checks.counts["made"] >= 1, 60), a.checks.summary()
+        # that check's forwards took the share past 5 %: the round's next check waits
+        assert not wait_until(lambda: a.checks.counts["made"] >= 2, 2), a.checks.summary()
+        a.training[0] = 1e6
         assert wait_until(lambda: a.checks.counts["made"] >= 2, 60), a.checks.summary()
     finally:
         a.checks.close()
+
+
+def test_checks_more_than_two_rounds_behind_are_dropped(world, tmp_path) -> None:
+    """A worker that fell behind keeps the checks of the two newest rounds it has: the
+    drawn but unmade checks of an older round go, counted once as a skipped round."""
+    a = _node(world, A, tmp_path)  # its worker is not started: nothing is taken
+    work = a.checks
+    with work._wake:
+        work._todo.extend((SimpleNamespace(round=4), f, "p") for f in (0, 1))
+        work._todo.append((SimpleNamespace(round=5), 0, "p"))
+        work._rounds.append(SimpleNamespace(round=6))
+        work._drop_behind()
+        assert [t[0].round for t in work._todo] == [5]
+        assert [i.round for i in work._rounds] == [6]
+    assert work.counts["skipped"] == 1
