@@ -70,8 +70,10 @@ the wrong owner of the very same group is a replayed or misdirected message."""
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
 _HEURISTIC_REASONS = frozenset({"norm", "direction"})
 """Screens that need a robust centre: in a pair (no centre) they accuse no one."""
-_VICTIM_REASONS = frozenset({"copy_norm"})
-"""Screens whose failure is most often the holder's misfortune, never held against it."""
+_VICTIM_REASONS = frozenset({"copy_norm", "owner_shrunk"})
+"""Refusals of copies (a member's, or an owner's mean of them) whose failure is most often
+the holder's misfortune, never held against it: a copy a zero owner shrank before is
+short, and so is any mean its honest holder returns."""
 
 
 class Verifier:
@@ -410,7 +412,8 @@ class Verifier:
     ) -> None:
         with self._lock:
             self._audit_row(round_, fragment, part, owner, "owner_rejected", reason)
-        if reason not in BENIGN_REASONS and reason not in _POLICY_REASONS:
+        unaccused = BENIGN_REASONS | _POLICY_REASONS | _VICTIM_REASONS
+        if reason not in unaccused:
             self.standings.violation(owner, round_, fragment, reason, "reduced part refused")
 
     def convict(self, peer: str, round_: int, fragment: int, reason: str) -> None:

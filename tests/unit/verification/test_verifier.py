@@ -243,3 +243,21 @@ def test_a_shrunken_copy_is_left_out_of_the_mix_and_its_holder_not_accused(
     # the same norm in a pseudo-gradient is no offence either: an idle member's is zero
     update = verifier.reduce(5, 0, 0, parts).vector
     torch.testing.assert_close(update, _t([3.3 / 4, 3.3 / 4]))
+
+
+def test_a_short_mean_of_copies_is_refused_and_its_owner_not_accused(verifier: Verifier) -> None:
+    """An owner's mean of copies shorter than this member's copy and the means before is
+    refused (the member keeps its own copy), but charges no one: an honest owner whose
+    copy a zero owner shrank earlier returns one as short."""
+    own = _t([1.0, 1.0, 1.0, 1.0])
+    for r in (1, 2, 3):
+        assert verifier.check_reduced(PEER, r, 0, 0, own, own, content="weights") is None
+    verifier.round = 4
+    refused = verifier.check_reduced(PEER, 4, 0, 0, own * 0.5, own, content="weights")
+    assert refused == "owner_shrunk"
+    verifier.on_owner_refused(PEER, 4, 0, 0, refused)
+    assert verifier.reputation.standing(PEER, 5).violations == 0
+    assert [r.verdict for r in verifier.audit.rows(peer=PEER)] == ["owner_rejected"]
+    # a refusal that is an offence still is
+    verifier.on_owner_refused(PEER, 4, 0, 0, "owner_norm")
+    assert verifier.reputation.standing(PEER, 5).violations == 1
