@@ -28,7 +28,7 @@ from verification.policy import TrustPolicy
 from verification.records import Contribution
 from verification.screening import Verdict, check_reduced, finite_norm
 
-__all__ = ["MIN_FOR_STATISTICS", "Plausibility"]
+__all__ = ["COPY_MIN_RATIO", "MIN_FOR_STATISTICS", "Plausibility"]
 
 MIN_FOR_STATISTICS = 3
 """Fewer inputs (or remembered norms) than this: a median is no longer robust."""
