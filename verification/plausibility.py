@@ -134,15 +134,15 @@ class Plausibility:
         reduced_norm, bad = finite_norm(reduced) if reduced_norm is None else (reduced_norm, 0)
         if bad:
             return "not_finite"
+        copies = None
         if key[1] == "weights":
             copies = self._copies.setdefault((key[0], part), deque(maxlen=_COPY_HISTORY))
             if self._shrunk(reduced_norm, own_norm, copies):
                 return "owner_shrunk"
-            reason = self._check_update(key, reduced, own, spread, included, reduced_norm, own_norm)
-            if reason is None:
-                copies.append(reduced_norm)
-            return reason
-        return self._check_update(key, reduced, own, spread, included, reduced_norm, own_norm)
+        reason = self._check_update(key, reduced, own, spread, included, reduced_norm, own_norm)
+        if reason is None and copies is not None:
+            copies.append(reduced_norm)
+        return reason
 
     @staticmethod
     def _shrunk(reduced_norm: float, own_norm: float, accepted: deque) -> bool:
