@@ -33,9 +33,9 @@ standard errors. A peer *falls short* when even the upper end of its pooled work
 one-sided interval (:data:`Z` standard errors) is below the policy's ``check_min_work``,
 or that of its specific ratio below ``check_min_specific``; it is flagged once it has
 ``check_min_records`` records over :data:`MIN_ROUNDS` rounds or more, from two
-checkers or more (this node's own records are proof enough for itself) and it still
-falls short with any one checker's records left out, so one lying checker cannot get an
-honest peer flagged. :meth:`Scores.factor` is the share of its claimed weight a peer's
+checkers or more (this node's own records too are one checker's), and it still falls
+short with any one checker's records left out, so one checker, lying or unlucky, cannot
+get an honest peer flagged. :meth:`Scores.factor` is the share of its claimed weight a peer's
 contributions keep in an aggregate: its pooled work ratio over :data:`WORK_FULL`, at
 most one, so partial work buys partial influence before any flag.
 """
@@ -170,7 +170,6 @@ class Scores:
     transport's loop.
 
     Args:
-        me: this node's PeerID (its own records are proof enough for itself).
         min_records: records needed before a peer can be flagged.
         min_work: a peer whose pooled work ratio's upper bound is below this falls short.
         min_specific: likewise for its pooled specific ratio.
@@ -179,13 +178,11 @@ class Scores:
 
     def __init__(
         self,
-        me: str,
         min_records: int,
         min_work: float,
         min_specific: float,
         window: int = 24,
     ) -> None:
-        self.me = me
         self.min_records = min_records
         self.min_work = min_work
         self.min_specific = min_specific
@@ -323,7 +320,7 @@ class Scores:
                 len(records) >= self.min_records
                 and len(rounds) >= MIN_ROUNDS
                 and robust
-                and (len(checkers) >= 2 or self.me in checkers)
+                and len(checkers) >= 2
             ),
         }
 

@@ -108,7 +108,7 @@ def test_a_record_of_a_claim_no_one_can_draw_counts_as_no_work() -> None:
 
 
 def test_a_round_has_a_reference_once_enough_contributions_were_measured() -> None:
-    scores = Scores(ME, 4, 0.5, 0.5)
+    scores = Scores(4, 0.5, 0.5)
     assert scores.reference(4) == (None, None)
     _add(scores, peer="h1")  # h1 and the checker's own: two contributions
     assert scores.reference(4) == (None, None) and MIN_POOLED == 3
@@ -119,7 +119,7 @@ def test_a_round_has_a_reference_once_enough_contributions_were_measured() -> No
 
 
 def test_a_round_whose_reference_did_not_gain_measures_nothing() -> None:
-    scores = Scores(ME, 4, 0.5, 0.5)
+    scores = Scores(4, 0.5, 0.5)
     for peer in HONEST:
         _add(scores, peer=peer, gain=-0.1, ref_gain=-0.1)
     assert scores.relative(judge(_record(gain=0.0, ref_gain=-0.1)), 4) == (
@@ -143,7 +143,7 @@ def test_the_ratio_estimator_by_hand() -> None:
 
 
 def _scores(**kw) -> Scores:
-    return Scores(ME, min_records=kw.pop("min_records", 4), min_work=0.5, min_specific=0.5, **kw)
+    return Scores(min_records=kw.pop("min_records", 4), min_work=0.5, min_specific=0.5, **kw)
 
 
 def test_honest_records_never_fall_short_and_keep_full_weight() -> None:
@@ -186,7 +186,7 @@ def test_records_of_rounds_without_a_reference_wait_for_one() -> None:
     assert scores.flagged() == {"p"}
 
 
-def test_one_checker_cannot_get_a_peer_flagged_but_this_node_can() -> None:
+def test_one_checker_cannot_get_a_peer_flagged_not_even_this_node() -> None:
     liar = _scores()
     for r in range(6):
         _honest_round(liar, r)
@@ -197,10 +197,14 @@ def test_one_checker_cannot_get_a_peer_flagged_but_this_node_can() -> None:
     for r in range(6):
         _add(liar, checker="honest", round_=r)
     assert not liar.score("p")["flagged"]
+    # this node's own records are one checker's too: short, and not flagged on them
+    # alone, until a second checker's records agree
     mine = _scores()
     for r in range(4):
         _honest_round(mine, r)
         _add(mine, checker=ME, round_=r, gain=0.0, lift=0.0)
+    assert mine.score("p")["short"] and mine.flagged() == set()
+    _add(mine, checker="c2", round_=3, gain=0.0, lift=0.0)
     assert mine.flagged() == {"p"}
 
 
