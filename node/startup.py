@@ -104,6 +104,7 @@ def start_transport(
     """
     net = cfg.network
     deadline = time.monotonic() + net.join_timeout
+    wait = 1.0  # a bootstrap node starting beside this one answers within seconds
     while True:
         try:
             return Transport.start(transport_config(cfg, key_file, initial_peers))
@@ -114,9 +115,10 @@ def start_transport(
                     f"{exc} (tried for {net.join_timeout:.0f} s); check the addresses and "
                     "that those nodes run, with the port they listen on open to this host"
                 ) from exc
-            logger.warning("%s; trying again in %.0f s", exc, min(5.0, left))
+            logger.warning("%s; trying again in %.0f s", exc, min(wait, left))
             status.update(force=True, state="joining", join_error=str(exc))
-            stop.wait(min(5.0, left))
+            stop.wait(min(wait, left))
+            wait = min(5.0, 2 * wait)
         except NotDialable as exc:
             raise NotDialable(
                 f"a peer could not dial this node back at its PeerID "

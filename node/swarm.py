@@ -2,7 +2,8 @@
 
 Each node is a separate ``atoll run`` process with its own data directory under the
 swarm directory, its share of the CPU cores, and its own p2pd. The first node starts
-the swarm; the others join through its multiaddr. The launcher owns every process it
+the swarm; the others join through its multiaddr, known before it runs (the launcher
+makes its identity key and picks its port), so all start at once. The launcher owns every process it
 starts: on Ctrl-C, on an error, or when it is done it sends SIGTERM, waits, then
 SIGKILLs whatever is left (each node's watchdog then ends its p2pd and DHT). What the
 swarm did is summarised by :mod:`node.swarm_report`.
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,7 +105,9 @@ class SwarmSpec:
         return {i for i, args in self.extra_args.items() if "--byzantine" in args}
 
 
-def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str]) -> list[str]:
+def _node_command(
+    spec: SwarmSpec, index: int, data_dir: Path, peers: list[str], sets: list[str] = ()
+) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))
     # the node's stderr goes to DATA_DIR/node.log (start_node): no second copy
     cmd = [sys.executable, "-m", "node.cli", "run", "--data-dir", str(data_dir), "--log-file", "-"]
@@ -110,12 +115,13 @@ def _node_command(spec: SwarmSpec, index: int, data_dir: Path, peers: list[str])
         cmd += ["--config", path]
     start = []
     if spec.nodes > _NODES_PER_START_MINUTE:
-        # all but the first start at once and share the cores: give them time to meet
+        # all start at once and share the cores: give them time to meet
         start = [f"network.min_peers_timeout={60.0 * spec.nodes / _NODES_PER_START_MINUTE:g}"]
     for item in [
         f"run.threads={threads}",
         f"network.min_peers={spec.nodes}",
         *start,
+        *sets,
         *spec.overrides,
     ]:
         cmd += ["--set", item]
@@ -132,11 +138,13 @@ def start_node(
     spec: SwarmSpec,
     index: int,
     peers: list[str],
+    sets: list[str] = (),
     popen: Callable[..., subprocess.Popen] = subprocess.Popen,
 ) -> SwarmProcess:
     """Start node ``index`` as a separate process (its own session, log in its data dir).
 
     Args:
+        sets: ``--set`` overrides of this node only (before the spec's own).
         popen: starts the process (``subprocess.Popen``; tests pass one that starts it
             on another host of a network lab).
     """
@@ -145,7 +153,7 @@ def start_node(
     log = open(data_dir / "node.log", "ab")  # noqa: SIM115 - closed in stop_all
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
     proc = popen(
-        _node_command(spec, index, data_dir, peers),
+        _node_command(spec, index, data_dir, peers, sets),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -202,17 +210,61 @@ def stop_all(nodes: list[SwarmProcess], grace: float = 30.0) -> None:
 
 
 def launch(spec: SwarmSpec) -> list[SwarmProcess]:
-    """Start all nodes: the first one, then the rest joining through it."""
+    """Start all nodes, the rest joining through the first.
+
+    Where the first node's address can be known beforehand (on this machine, its port
+    left to the launcher), every node starts at once: the others import and build while
+    the first comes up, and keep trying it until it answers (``network.join_timeout``).
+    Otherwise the first starts alone and the others once it reports its address."""
     spec.directory.mkdir(parents=True, exist_ok=True)
-    nodes = [start_node(spec, 0, [])]
+    first = _first_address(spec)
+    nodes: list[SwarmProcess] = []
     try:
-        peers = wait_for_maddrs(nodes[0])
+        if first is None:
+            nodes.append(start_node(spec, 0, []))
+            peers = wait_for_maddrs(nodes[0])
+        else:
+            port, peers = first
+            nodes.append(start_node(spec, 0, [], [f"network.port={port}"]))
         for i in range(1, spec.nodes):
             nodes.append(start_node(spec, i, peers))
     except BaseException:
         stop_all(nodes)
         raise
     return nodes
+
+
+def _first_address(spec: SwarmSpec) -> tuple[int, list[str]] | None:
+    """The port and multiaddr the first node will have, where the launcher can choose
+    them: a swarm on 127.0.0.1 whose config leaves the port open and no node of which
+    brings its own initial peers or run spec (None otherwise)."""
+    from node.config import load_config
+    from verification.identity import Identity
+
+    if any("--initial-peers" in a or "--spec" in a for a in spec.extra_args.values()):
+        return None
+    cfg = load_config(spec.config_paths or None, spec.overrides)
+    if cfg.network.port or cfg.network.host not in ("127.0.0.1", "localhost"):
+        return None
+    port = _free_port()
+    if port is None:
+        return None
+    peer_id = Identity.load_or_create(spec.directory / "node0" / "identity.key").peer_id
+    return port, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"]
+
+
+def _free_port(tries: int = 20) -> int | None:
+    """A TCP port on 127.0.0.1 free now, below the kernel's ephemeral range (from
+    32768), where no port another process binds to 0 is handed out in the meantime."""
+    for _ in range(tries):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return None
 
 
 def run_to_end(spec: SwarmSpec, timeout: float) -> tuple[list[SwarmProcess], bool]:

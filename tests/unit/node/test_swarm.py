@@ -1,8 +1,16 @@
-"""The swarm summary's check of the butterfly schedule, on hand-built sync records."""
+"""The swarm summary's check of the butterfly schedule, on hand-built sync records, and
+how the launcher starts a swarm's nodes at once."""
 
 from __future__ import annotations
 
-from node.swarm import butterfly_reach
+import socket
+from pathlib import Path
+
+import pytest
+
+from node import swarm
+from node.swarm import SwarmSpec, butterfly_reach
+from verification.identity import Identity
 
 PEERS = ["a", "b", "c", "d"]
 # groups of two on the 2 x 2 grid: round 1 pairs along one axis, round 2 the other
@@ -64,3 +72,46 @@ def test_a_swarm_on_the_cell_grid_promises_no_exact_window() -> None:
     assert (found["windows"], found["reach_share"]) == (1, 1.0)
     found = butterfly_reach(_syncs({1: PAIRS[1], 2: PAIRS[1]}), group_size=2, cells_above=3)
     assert found["reach_share"] == 0.5
+
+
+def _spec(tmp_path: Path, overrides: tuple[str, ...] = (), extra: dict | None = None) -> SwarmSpec:
+    return SwarmSpec(3, [], list(overrides), tmp_path / "swarm", 2, dict(extra or {}))
+
+
+def test_the_first_nodes_address_is_known_before_it_runs(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    port, peers = swarm._first_address(spec)
+    key = Identity.load(spec.directory / "node0" / "identity.key")
+    assert peers == [f"/ip4/127.0.0.1/tcp/{port}/p2p/{key.peer_id}"]
+    assert 20000 <= port < 32768  # below the ephemeral range: nobody else is handed it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # and it was free
+    # the first node gets that port; the others join through it
+    first = swarm._node_command(spec, 0, spec.directory / "node0", [], [f"network.port={port}"])
+    other = swarm._node_command(spec, 1, spec.directory / "node1", peers)
+    assert f"network.port={port}" in first and "--initial-peers" not in first
+    assert other[other.index("--initial-peers") + 1] == peers[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, extra",
+    [
+        (("network.port=4001",), None),  # the operator chose the port
+        (("network.host='0.0.0.0'",), None),  # not only this machine's loopback
+        ((), {2: ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x"]}),
+        ((), {0: ["--spec", "run.toml"]}),
+    ],
+)
+def test_a_swarm_whose_first_address_the_launcher_cannot_choose_starts_it_alone(
+    tmp_path: Path, overrides: tuple[str, ...], extra: dict | None
+) -> None:
+    assert swarm._first_address(_spec(tmp_path, overrides, extra)) is None
+
+
+def test_a_port_already_taken_is_never_chosen(tmp_path: Path, monkeypatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(swarm.random, "randint", lambda a, b: busy)
+        assert swarm._free_port(tries=3) is None
+        assert swarm._first_address(_spec(tmp_path)) is None
