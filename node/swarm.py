@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,11 +177,15 @@ def error_line(node: SwarmProcess) -> str:
     return f"exited with code {node.proc.returncode}"
 
 
-def wait_for_maddrs(node: SwarmProcess, timeout: float = _START_TIMEOUT) -> list[str]:
-    """Wait until a node reports its multiaddrs; raise if it dies or takes too long.
+def wait_for_maddrs(
+    node: SwarmProcess, timeout: float = _START_TIMEOUT, others: Sequence[SwarmProcess] = ()
+) -> list[str]:
+    """Wait until a node reports its multiaddrs; raise if it dies or takes too long, or
+    if one of ``others`` (started beside it) exits with an error meanwhile.
 
     Raises:
-        NodeFailed: the node exited first, or did not come up within ``timeout``.
+        NodeFailed: the node exited first (or one of ``others`` failed: the first of
+            them by index), or it did not come up within ``timeout``.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -190,6 +194,9 @@ def wait_for_maddrs(node: SwarmProcess, timeout: float = _START_TIMEOUT) -> list
             return list(maddrs)
         if node.proc.poll() is not None:
             raise NodeFailed(node)
+        failed = [n for n in others if n.proc.poll() not in (None, 0)]
+        if failed:
+            raise NodeFailed(failed[0])
         time.sleep(0.2)
     raise NodeFailed(node, f"it did not come up within {timeout:.0f} s")
 
@@ -228,6 +235,8 @@ def launch(spec: SwarmSpec) -> list[SwarmProcess]:
             nodes.append(start_node(spec, 0, [], [f"network.port={port}"]))
         for i in range(1, spec.nodes):
             nodes.append(start_node(spec, i, peers))
+        if first is not None:
+            wait_for_maddrs(nodes[0], others=nodes[1:])
     except BaseException:
         stop_all(nodes)
         raise
@@ -249,8 +258,14 @@ def _first_address(spec: SwarmSpec) -> tuple[int, list[str]] | None:
     port = _free_port()
     if port is None:
         return None
-    peer_id = Identity.load_or_create(spec.directory / "node0" / "identity.key").peer_id
-    return port, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"]
+    key = spec.directory / "node0" / "identity.key"
+    if key.exists():  # a swarm directory used before: the node keeps its PeerID
+        identity = Identity.load(key)
+    else:
+        identity = Identity.generate()
+        key.parent.mkdir(parents=True, exist_ok=True)
+        identity.save(key)
+    return port, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{identity.peer_id}"]
 
 
 def _free_port(tries: int = 20) -> int | None:

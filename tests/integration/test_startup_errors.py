@@ -255,6 +255,7 @@ CASES: dict[str, tuple[Prepare, tuple[str, ...]]] = {
         lambda d, m: _run(d / "node", "--set", f"data.paths=[{str(d / 'none.txt')!r}]"),
         ("matches no readable file (it does not exist); check the path",),
     ),
+    # every node starts at once and fails alike: the line names the first node
     "swarm_whose_first_node_fails": (
         lambda d, m: _swarm_without_corpus(d),
         ("node 0 failed: data.paths:", "matches no readable file", "node.log"),

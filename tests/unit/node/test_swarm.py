@@ -115,3 +115,10 @@ def test_a_port_already_taken_is_never_chosen(tmp_path: Path, monkeypatch) -> No
         monkeypatch.setattr(swarm.random, "randint", lambda a, b: busy)
         assert swarm._free_port(tries=3) is None
         assert swarm._first_address(_spec(tmp_path)) is None
+
+
+def test_a_swarm_directory_used_before_keeps_the_first_nodes_peer_id(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    _, before = swarm._first_address(spec)
+    _, again = swarm._first_address(spec)
+    assert before[0].split("/p2p/")[1] == again[0].split("/p2p/")[1]
