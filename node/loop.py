@@ -250,7 +250,9 @@ class TrainingLoop:
     def _linger(self) -> None:
         """After the last round, stay reachable while a live peer is still behind
         (bounded by how long its last sync may take): a peer whose last sync failed
-        re-syncs from the swarm's state, and it can only take it from running nodes."""
+        re-syncs from the swarm's state, and it can only take it from running nodes. Not
+        for a peer this node holds in quarantine or a ban: waiting on a faulty peer
+        would cost the node's operator its time."""
         if self.stop.is_set() or not self.cfg.run.max_rounds:
             return
         net = self.cfg.network
@@ -258,7 +260,8 @@ class TrainingLoop:
         deadline = time.monotonic() + net.matchmaking_seconds + 3 * net.round_timeout
         self.status.update(force=True, state="lingering", round=self.progress.round)
         while time.monotonic() < deadline and not self.stop.is_set():
-            if not self.network.peers.behind(self.progress.round):
+            flagged = self.network.verifier.flagged(self.progress.round)
+            if not [p for p in self.network.peers.behind(self.progress.round) if p not in flagged]:
                 return
             self.stop.wait(0.5)
 

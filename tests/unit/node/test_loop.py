@@ -5,6 +5,7 @@ and the round's end: the loop's own decisions are what is tested)."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,8 +76,8 @@ class _Rounds:
         self.ended.append((r, resync, joining))
 
 
-def _loop(tmp_path: Path, fragments: int, max_rounds: int, **overrides: Any) -> Any:
-    cfg = load_config(None, [f"run.max_rounds={max_rounds}"])
+def _loop(tmp_path: Path, fragments: int, max_rounds: int, *sets: str) -> Any:
+    cfg = load_config(None, [f"run.max_rounds={max_rounds}", *sets])
     progress = Progress()
     training = Training(
         device=torch.device("cpu"),
@@ -94,11 +95,11 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, **overrides: Any) -> 
     syncer = _Syncer(fragments)
     network = SimpleNamespace(
         syncer=syncer,
-        verifier=SimpleNamespace(round=0, excluded=lambda peers, r: set()),
+        verifier=SimpleNamespace(round=0, excluded=lambda peers, r: set(), flagged=lambda r: {}),
         live_peers=lambda: {"peer"},
         heard=set,
         control=None,
-        peers=SimpleNamespace(behind=lambda r: False),
+        peers=SimpleNamespace(behind=lambda r: []),
         transport=SimpleNamespace(peer_id="me"),
     )
     rounds = _Rounds(progress)
@@ -106,6 +107,7 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, **overrides: Any) -> 
     loop = TrainingLoop(cfg, progress, training, network, rounds, logs, threading.Event())  # type: ignore[arg-type]
     return SimpleNamespace(
         loop=loop,
+        network=network,
         syncer=syncer,
         rounds=rounds,
         progress=progress,
@@ -234,3 +236,19 @@ def test_each_round_trains_the_batches_assigned_to_it(tmp_path) -> None:
     trained = [first for _, first in t.trainer.trained]
     assert trained[:3] == firsts(1, 3)  # steps 1-3: round 1's, then its sync starts
     assert trained[3:6] == firsts(2, 3)
+
+
+@pytest.mark.parametrize(
+    "status, lingers", [(None, True), ("quarantined", False), ("banned", False)]
+)
+def test_after_its_last_round_a_node_lingers_for_a_peer_behind_unless_it_flagged_it(
+    tmp_path, status: str | None, lingers: bool
+) -> None:
+    # lingering is bounded by matchmaking_seconds + 3 x round_timeout: 0.8 s here
+    t = _loop(tmp_path, 1, 1, "network.matchmaking_seconds=0.2", "network.round_timeout=0.2")
+    t.network.peers.behind = lambda r: ["slow"]
+    t.network.verifier.flagged = lambda r: {} if status is None else {"slow": status}
+    started = time.monotonic()
+    t.loop._linger()
+    took = time.monotonic() - started
+    assert (took >= 0.7) if lingers else (took < 0.3), took
