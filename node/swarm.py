@@ -3,10 +3,10 @@
 Each node is a separate ``atoll run`` process with its own data directory under the
 swarm directory, its share of the CPU cores, and its own p2pd. The first node starts
 the swarm; the others join through its multiaddr, known before it runs (the launcher
-makes its identity key and picks its port), so all start at once. The launcher owns every process it
-starts: on Ctrl-C, on an error, or when it is done it sends SIGTERM, waits, then
-SIGKILLs whatever is left (each node's watchdog then ends its p2pd and DHT). What the
-swarm did is summarised by :mod:`node.swarm_report`.
+makes its identity key and picks its port), so all start at once. The launcher owns
+every process it starts: on Ctrl-C, on an error, or when it is done it sends SIGTERM,
+waits, then SIGKILLs whatever is left (each node's watchdog then ends its p2pd and DHT).
+What the swarm did is summarised by :mod:`node.swarm_report`.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ the workload of the integration tests and of the benchmarks' quick modes."""
 _START_TIMEOUT = 90.0
 _NODES_PER_START_MINUTE = 8  # larger swarms wait longer than a minute for every node
 _LOG_TAIL_BYTES = 64 * 1024
+_FAIL_GRACE = 3.0  # seconds for nodes started together to fail alike before one is named
 
 
 class NodeFailed(Exception):
@@ -106,7 +107,7 @@ class SwarmSpec:
 
 
 def _node_command(
-    spec: SwarmSpec, index: int, data_dir: Path, peers: list[str], sets: list[str] = ()
+    spec: SwarmSpec, index: int, data_dir: Path, peers: list[str], sets: Sequence[str] = ()
 ) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))
     # the node's stderr goes to DATA_DIR/node.log (start_node): no second copy
@@ -138,7 +139,7 @@ def start_node(
     spec: SwarmSpec,
     index: int,
     peers: list[str],
-    sets: list[str] = (),
+    sets: Sequence[str] = (),
     popen: Callable[..., subprocess.Popen] = subprocess.Popen,
 ) -> SwarmProcess:
     """Start node ``index`` as a separate process (its own session, log in its data dir).
@@ -184,21 +185,35 @@ def wait_for_maddrs(
     if one of ``others`` (started beside it) exits with an error meanwhile.
 
     Raises:
-        NodeFailed: the node exited first (or one of ``others`` failed: the first of
-            them by index), or it did not come up within ``timeout``.
+        NodeFailed: the node exited first, or one of ``others`` failed (nodes started
+            together often fail alike: the first by index of those that exit within
+            ``_FAIL_GRACE`` seconds is named), or it did not come up within ``timeout``.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         maddrs = node.status.get("maddrs")
         if maddrs:
             return list(maddrs)
-        if node.proc.poll() is not None:
-            raise NodeFailed(node)
-        failed = [n for n in others if n.proc.poll() not in (None, 0)]
-        if failed:
-            raise NodeFailed(failed[0])
+        if node.proc.poll() is not None or any(_failed(n) for n in others):
+            _wait_until_exited([node, *others], _FAIL_GRACE)
+            raise NodeFailed(node if node.proc.poll() is not None else _first_failed(others))
         time.sleep(0.2)
     raise NodeFailed(node, f"it did not come up within {timeout:.0f} s")
+
+
+def _failed(node: SwarmProcess) -> bool:
+    return node.proc.poll() not in (None, 0)
+
+
+def _first_failed(nodes: Sequence[SwarmProcess]) -> SwarmProcess:
+    return next(n for n in nodes if _failed(n))
+
+
+def _wait_until_exited(nodes: Sequence[SwarmProcess], seconds: float) -> None:
+    """Wait up to ``seconds`` for every one of ``nodes`` to exit."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(n.proc.poll() is None for n in nodes):
+        time.sleep(0.1)
 
 
 def stop_all(nodes: list[SwarmProcess], grace: float = 30.0) -> None:
@@ -258,13 +273,8 @@ def _first_address(spec: SwarmSpec) -> tuple[int, list[str]] | None:
     port = _free_port()
     if port is None:
         return None
-    key = spec.directory / "node0" / "identity.key"
-    if key.exists():  # a swarm directory used before: the node keeps its PeerID
-        identity = Identity.load(key)
-    else:
-        identity = Identity.generate()
-        key.parent.mkdir(parents=True, exist_ok=True)
-        identity.save(key)
+    # a swarm directory used before keeps node 0's PeerID
+    identity = Identity.load_or_create(spec.directory / "node0" / "identity.key")
     return port, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{identity.peer_id}"]
 
 

@@ -35,8 +35,8 @@ or that of its specific ratio below ``check_min_specific``; it is flagged once i
 ``check_min_records`` records over :data:`MIN_ROUNDS` rounds or more, from two
 checkers or more (this node's own records too are one checker's), and it still falls
 short with any one checker's records left out, so one checker, lying or unlucky, cannot
-get an honest peer flagged. :meth:`Scores.factor` is the share of its claimed weight a peer's
-contributions keep in an aggregate: its pooled work ratio over :data:`WORK_FULL`, at
+get an honest peer flagged. :meth:`Scores.factor` is the share of its claimed weight a
+peer's contributions keep in an aggregate: its pooled work ratio over :data:`WORK_FULL`, at
 most one, so partial work buys partial influence before any flag.
 """
 

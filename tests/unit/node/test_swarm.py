@@ -4,6 +4,8 @@ how the launcher starts a swarm's nodes at once."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,28 @@ def test_a_swarm_directory_used_before_keeps_the_first_nodes_peer_id(tmp_path: P
     _, before = swarm._first_address(spec)
     _, again = swarm._first_address(spec)
     assert before[0].split("/p2p/")[1] == again[0].split("/p2p/")[1]
+
+
+def _exiting(tmp_path: Path, index: int, after: float, code: int) -> swarm.SwarmProcess:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time; time.sleep({after}); sys.exit({code})"]
+    )
+    return swarm.SwarmProcess(index, tmp_path / f"node{index}", proc, None)
+
+
+def test_nodes_started_together_that_fail_alike_are_named_by_the_first(tmp_path: Path) -> None:
+    # node 1 fails first, node 0 (still coming up) a moment later, as a swarm without a
+    # corpus does: the first node is named, not whichever exited first
+    nodes = [_exiting(tmp_path, 0, 0.6, 2), _exiting(tmp_path, 1, 0.0, 2)]
+    with pytest.raises(swarm.NodeFailed) as failed:
+        swarm.wait_for_maddrs(nodes[0], timeout=20, others=nodes[1:])
+    assert failed.value.index == 0
+    # a node that fails alone is named while the first is still coming up
+    nodes = [_exiting(tmp_path, 0, 30, 0), _exiting(tmp_path, 1, 0.0, 2)]
+    try:
+        with pytest.raises(swarm.NodeFailed) as failed:
+            swarm.wait_for_maddrs(nodes[0], timeout=20, others=nodes[1:])
+        assert failed.value.index == 1
+    finally:
+        nodes[0].proc.kill()
+        nodes[0].proc.wait()
