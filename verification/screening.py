@@ -4,8 +4,8 @@
 :class:`Verdict` per candidate, in input order. Cheap checks run first and never
 depend on other peers: the length (``"shape"``), finiteness (``"not_finite"``) and the
 token claim (``"tokens"``). The statistical checks then compare each survivor with the
-others: its norm against the median norm (``"norm"``) and its direction against a
-leave-one-out coordinate-wise median (``"direction"``).
+others: its norm against the median norm (``"norm"``), then, among those the norm check
+kept, its direction against a leave-one-out coordinate-wise median (``"direction"``).
 
 :func:`check_reduced` is the other side of a butterfly all-reduce: a member checks the
 part an owner sent back against the member's own contribution to it.
@@ -241,16 +241,24 @@ def _statistical_verdicts(
         return verdicts
     active_norms = [norms[i] for i in active]
     limit = cfg.norm_kappa * statistics.median(active_norms)
-    sample = _direction_sample([vectors[i] for i in active])
-    sample_norms, center_norms, dots = _row_stats(sample, _leave_one_out_medians(sample))
     for row, i in enumerate(active):
-        norm = active_norms[row]
-        if norm > limit:
+        if active_norms[row] > limit:
             verdicts[i] = Verdict(
-                peers[i], False, "norm", f"norm {norm:.4g} > {cfg.norm_kappa:g} x median"
+                peers[i],
+                False,
+                "norm",
+                f"norm {active_norms[row]:.4g} > {cfg.norm_kappa:g} x median",
             )
-            continue
-        # A zero leave-one-out median has no direction; the check cannot judge.
+    # The direction check's centres come from the inputs the norm check kept: a refused
+    # input would otherwise steer them (in a group of three, an honest member's
+    # leave-one-out centre is the mean of its partner and a hundredfold part).
+    kept = [i for i in active if verdicts[i].ok]
+    if len(kept) < _MIN_FOR_STATISTICS:
+        return verdicts
+    sample = _direction_sample([vectors[i] for i in kept])
+    sample_norms, center_norms, dots = _row_stats(sample, _direction_centres(sample))
+    for row, i in enumerate(kept):
+        # A zero centre has no direction; the check cannot judge.
         if center_norms[row] <= _TINY or sample_norms[row] <= _TINY:
             continue
         cosine = dots[row] / (sample_norms[row] * center_norms[row])
@@ -264,16 +272,30 @@ def _statistical_verdicts(
     return verdicts
 
 
+def _direction_centres(sample: torch.Tensor) -> torch.Tensor:
+    """Row i: the centre row i's direction is judged against.
+
+    The coordinate-wise median of the other rows, so that an input cannot pull its own
+    centre towards itself; with three rows that would be the mean of two (one of them
+    decides it), so three are judged against the median of all three, which a single
+    input cannot move past the other two.
+    """
+    if sample.shape[0] == _MIN_FOR_STATISTICS:
+        return sample.median(dim=0).values.expand_as(sample)
+    return _leave_one_out_medians(sample)
+
+
 def screen(candidates: Sequence[Candidate], cfg: ScreeningConfig) -> list[Verdict]:
     """Judges every contribution to one aggregation.
 
     Cheap checks first, each candidate on its own: shape (1-D, floating point,
     ``expected_numel`` long), finiteness, and, when enabled, the token claim. Then,
     when enabled, among the candidates that passed: the norm check
-    (``||x_i|| > norm_kappa * median_j ||x_j||``) and the direction check (cosine with
-    the coordinate-wise median of the *other* candidates below ``min_cosine``). Leaving
-    the candidate out of its own reference keeps an attacker from pulling the centre
-    towards itself.
+    (``||x_i|| > norm_kappa * median_j ||x_j||``) and, among those it kept, the direction
+    check (cosine with the coordinate-wise median of the *other* kept candidates below
+    ``min_cosine``; of all three when three were kept). Leaving the candidate out of its
+    own reference keeps an attacker from pulling the centre towards itself; leaving the
+    norm check's refusals out keeps a long part from steering everyone's centre.
 
     The statistical checks need at least three non-zero candidates: with fewer, a median
     is no more robust than a mean (one of two inputs moves it anywhere), so they are

@@ -121,6 +121,31 @@ def test_fewer_than_three_skips_norm_and_direction() -> None:
     assert _reasons(verdicts) == ["ok", "ok"]
 
 
+def test_a_part_refused_for_its_norm_does_not_steer_the_direction_check() -> None:
+    # A group of three: two honest members whose updates are nearly orthogonal, and a
+    # hundredfold part pointing away from the first. Left in the first member's
+    # leave-one-out centre, it made that centre the mean of the partner and itself:
+    # the honest member was charged with "direction" in a gossip swarm under load.
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(D, generator=g)
+    b = torch.randn(D, generator=g)
+    b = b - (b @ a) / (a @ a) * a + 0.05 * a  # cosine with a just above zero
+    attacker = 100 * (b - 2 * a)
+    verdicts = screen(_candidates([a, b, attacker]), CFG)
+    assert _reasons(verdicts) == ["ok", "ok", "norm"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("position", range(3))
+def test_in_a_group_of_three_a_sign_flip_is_still_refused(seed: int, position: int) -> None:
+    honest = _honest(seed, 2)
+    vectors = list(honest)
+    vectors.insert(position, -honest[0])
+    want = ["ok", "ok"]
+    want.insert(position, "direction")
+    assert _reasons(screen(_candidates(vectors), CFG)) == want
+
+
 def test_statistics_count_only_candidates_that_passed_the_cheap_checks() -> None:
     honest = _honest(2, 2)
     nan = honest[0].clone()
