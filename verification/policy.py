@@ -100,8 +100,8 @@ class TrustPolicy:
             even at the upper end of its interval falls short too: it did not train on
             them, or not as much as it claims. A peer that falls
             short over ``check_min_records`` records from two checkers or more, with
-            any one checker's records left out, is flagged (a ``useless_work``
-            violation).
+            any one checker's records left out and with any one round's, is flagged (a
+            ``useless_work`` violation).
         check_audit: the share of other checkers' records of its own group a node
             recomputes itself (a record that accuses this node is always recomputed).
         check_assigned: judge a contribution by its gain on the batches it claims against

@@ -35,9 +35,10 @@ or that of its specific ratio below ``check_min_specific``; it is flagged once i
 ``check_min_records`` records over :data:`MIN_ROUNDS` rounds or more, from two
 checkers or more (this node's own records too are one checker's), and it still falls
 short with any one checker's records left out, so one checker, lying or unlucky, cannot
-get an honest peer flagged. :meth:`Scores.factor` is the share of its claimed weight a
-peer's contributions keep in an aggregate: its pooled work ratio over :data:`WORK_FULL`, at
-most one, so partial work buys partial influence before any flag.
+get an honest peer flagged, and with any one round's, so one round cannot either.
+:meth:`Scores.factor` is the share of its claimed weight a peer's contributions keep in
+an aggregate: its pooled work ratio over :data:`WORK_FULL`, at most one, so partial work
+buys partial influence before any flag.
 """
 
 from __future__ import annotations
@@ -303,11 +304,7 @@ class Scores:
         checkers = {k.checker for k in records}
         rounds = {k.round for k in records}
         short = bool(records) and self._short(records, refs)
-        robust = short and all(
-            self._short(rest, refs)
-            for c in checkers
-            if (rest := [k for k in records if k.checker != c])
-        )
+        robust = short and self._robust(records, refs)
         work, specific = self._pooled(records, refs) if records else (None, None)
         return {
             "records": len(records),
@@ -323,6 +320,23 @@ class Scores:
                 and len(checkers) >= 2
             ),
         }
+
+    def _robust(
+        self, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
+    ) -> bool:
+        """Whether ``records`` still fall short with any one checker's records left out,
+        and with any one round's: one checker, lying or unlucky, and one round that went
+        wrong for a peer (a copy a faulty owner shrank, batches the peer's copy had
+        already learned) cannot flag it. A round's records all measure one
+        contribution, so they agree with each other whatever it was worth, and in a
+        pooled ratio the round with the most records would otherwise decide."""
+        leave_out = [("checker", c) for c in {k.checker for k in records}]
+        leave_out += [("round", r) for r in {k.round for k in records}]
+        for field, value in leave_out:
+            rest = [k for k in records if getattr(k, field) != value]
+            if rest and not self._short(rest, refs):
+                return False
+        return True
 
     def factor(self, peer: str) -> float:
         """The share of its claimed weight ``peer``'s contributions keep (1 with no

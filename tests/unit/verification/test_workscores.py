@@ -4,6 +4,7 @@ checker's word, weighted by its work."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -277,3 +278,39 @@ def test_one_bad_round_is_not_a_habit() -> None:
     assert scores.score("p")["records"] == 8 and MIN_ROUNDS == 3
     _add(scores, checker="c0", round_=2, gain=0.0, lift=0.0)
     assert scores.flagged() == {"p"}
+
+
+def _add_noisy(scores: Scores, spread: float, **kw) -> bool:
+    """:func:`_add` with claimed windows whose lifts alternate ``±spread`` about ``lift``."""
+    record = _record(**kw)
+    assigned = tuple(
+        (before, after + (spread if i % 2 else -spread))
+        for i, (before, after) in enumerate(record.assigned)
+    )
+    record = dataclasses.replace(record, assigned=assigned)
+    return scores.add(record, judge(record))
+
+
+def test_one_round_cannot_decide_a_flag_however_many_records_it_has() -> None:
+    """Seen in a clean member of a mixing swarm: four records of one round (two checkers,
+    two fragments) with no lift on its batches, then two rounds' single records near an
+    honest lift. Pooled, the round with the most records decided the specific ratio
+    (three checkers, three rounds: flagged); with that round left out the member is not
+    short, so it is not flagged."""
+    scores = _scores()
+    for r in range(4):
+        _honest_round(scores, r)
+    for checker in ("c0", "c1"):
+        for fragment in (0, 1):
+            _add_noisy(scores, 0.1, checker=checker, round_=1, lift=-0.3, fragment=fragment)
+    _add_noisy(scores, 0.1, checker="c2", round_=2, lift=0.0)
+    _add_noisy(scores, 0.1, checker="c0", round_=3, lift=0.2)
+    score = scores.score("p")
+    assert score["short"] and score["records"] == 6 and score["checkers"] == 3
+    assert not score["flagged"] and not scores.flagged()
+    # the same shortfall in three rounds is a habit, flagged
+    habit = _scores()
+    for r in range(4):
+        _honest_round(habit, r)
+        _add_noisy(habit, 0.1, checker=f"c{r % 2}", round_=r, lift=-0.3)
+    assert habit.flagged() == {"p"}
