@@ -259,6 +259,14 @@ class TrainingLoop:
         # as long as a lagging peer's last sync can take (see _apply), and no longer
         deadline = time.monotonic() + net.matchmaking_seconds + 3 * net.round_timeout
         self.status.update(force=True, state="lingering", round=self.progress.round)
+        # Say at once that this node finished: a peer that lingers for it would otherwise
+        # wait until its record of the round before went stale (network.registry_seconds
+        # may not come round again before this node exits).
+        record = self.network.record(self.progress.round, self.training.trainer.steps)
+        try:
+            self.network.transport.run(self.network.peers.publish(record), net.request_timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            logger.debug("final registry record not written: %s", exc)
         while time.monotonic() < deadline and not self.stop.is_set():
             flagged = self.network.verifier.flagged(self.progress.round)
             if not [p for p in self.network.peers.behind(self.progress.round) if p not in flagged]:

@@ -181,6 +181,12 @@ class PeerView:
     async def refresh(self, record: PeerRecord) -> None:
         """Publish ``record``, then :meth:`read`."""
         self._next_refresh = time.monotonic() + self.interval
+        await self.publish(record)
+        await self.read()
+
+    async def publish(self, record: PeerRecord) -> None:
+        """Write this node's ``record`` to the registry now (a failed write is logged at
+        debug level; the next refresh writes it again)."""
         try:
             await matchmaking.publish_record(
                 self.transport,
@@ -193,7 +199,6 @@ class PeerView:
             )
         except ProtocolError as exc:
             logger.debug("registry write failed: %s", exc)
-        await self.read()
 
     async def read(self) -> None:
         """Read the registry and act on what it says (a twin, isolation, too few shards)."""

@@ -4,6 +4,7 @@ and the round's end: the loop's own decisions are what is tested)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import Future
@@ -93,14 +94,20 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, *sets: str) -> Any:
         site=NoSite(),
     )
     syncer = _Syncer(fragments)
+    published: list[tuple[int, int]] = []
+
+    async def publish(record: tuple[int, int]) -> None:
+        published.append(record)
+
     network = SimpleNamespace(
         syncer=syncer,
         verifier=SimpleNamespace(round=0, excluded=lambda peers, r: set(), flagged=lambda r: {}),
         live_peers=lambda: {"peer"},
         heard=set,
         control=None,
-        peers=SimpleNamespace(behind=lambda r: []),
-        transport=SimpleNamespace(peer_id="me"),
+        record=lambda round_, steps: (round_, steps),
+        peers=SimpleNamespace(behind=lambda r: [], publish=publish, published=published),
+        transport=SimpleNamespace(peer_id="me", run=lambda coro, timeout: asyncio.run(coro)),
     )
     rounds = _Rounds(progress)
     logs = (StatusWriter(tmp_path / "status.json"), EventLog(tmp_path / "events.jsonl"))
@@ -252,3 +259,12 @@ def test_after_its_last_round_a_node_lingers_for_a_peer_behind_unless_it_flagged
     t.loop._linger()
     took = time.monotonic() - started
     assert (took >= 0.7) if lingers else (took < 0.3), took
+
+
+def test_after_its_last_round_a_node_says_so_in_the_registry_before_it_lingers(tmp_path) -> None:
+    # A peer lingering for this node reads its record: written only every few seconds,
+    # the record of the round before kept that peer waiting until it went stale.
+    t = _loop(tmp_path, 1, 1, "network.matchmaking_seconds=0.2", "network.round_timeout=0.2")
+    t.progress.round = 4
+    t.loop._linger()
+    assert t.network.peers.published == [(4, t.trainer.steps)]
