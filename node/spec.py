@@ -228,15 +228,24 @@ def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
         raise SpecError(f"run spec {path}: cannot write: {exc.strerror or exc}") from None
 
 
-def read_spec(path: str | Path) -> RunSpec:
+def read_spec(path: str | Path, operator: str | None = None) -> RunSpec:
     """Read and verify a spec file.
+
+    Args:
+        path: the file.
+        operator: the PeerID of the run's operator, as the volunteer got it from the
+            operator (``atoll run --operator``): a spec signed by any other key is
+            refused, however valid its signature. None trusts whoever signed it.
 
     Raises:
         SpecError: one line naming the file and the problem: missing, unreadable,
             not TOML, wrong version, a missing or mistyped field, an unknown shared
-            key, a bad signature, another protocol version or invalid settings.
+            key, a bad signature, a signer other than ``operator``, another protocol
+            version or invalid settings.
     """
     path = Path(path)
+    if operator is not None and not is_peer_id(operator):
+        raise SpecError(f"--operator {operator!r}: not a PeerID (12D3KooW..., from the operator)")
 
     def fail(problem: str) -> SpecError:
         return SpecError(f"run spec {path}: {problem}")
@@ -256,6 +265,12 @@ def read_spec(path: str | Path) -> RunSpec:
     spec = _parse(doc, fail)
     if not spec._signature_ok():
         raise fail(_bad_signature(spec.creator))
+    if operator is not None and spec.creator != operator:
+        raise fail(
+            f"signed by {spec.creator}, not by the operator {operator}: a copy of run "
+            f"{spec.run_id!r} by someone else (its settings and peers are theirs); get the "
+            "spec from the operator"
+        )
     if spec.protocol != PROTOCOL_VERSION:
         raise fail(
             f"the run speaks protocol {spec.protocol}, this atoll speaks {PROTOCOL_VERSION}: "

@@ -112,6 +112,12 @@ _RUN = Command(
             help="join the run this signed spec describes (atoll spec create makes one)",
         ),
         arg(
+            "--operator",
+            metavar="PEERID",
+            help="refuse a --spec not signed by this PeerID (the run's operator gives it "
+            "out beside the spec, so that a copy signed by someone else is not joined)",
+        ),
+        arg(
             "--nproc-per-node",
             type=int,
             metavar="N",

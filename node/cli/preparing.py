@@ -177,7 +177,7 @@ def cmd_spec_create(args: argparse.Namespace) -> int:
         print(f"round 1 starts at {_utc(spec.t0)} (t0 {spec.t0})")
     if not spec.bootstrap:
         print("no --bootstrap given: volunteers must pass --initial-peers to find the run")
-    print(f"volunteers join with: atoll run --spec {args.out}")
+    print(f"volunteers join with: atoll run --spec {args.out} --operator {spec.creator}")
     return 0
 
 

@@ -72,12 +72,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.slowdown is not None:
         overrides.append(f"run.slowdown={args.slowdown}")
     spec = None
+    if args.operator and not args.spec:
+        raise ValueError("--operator pins who signed a run spec: give the spec with --spec FILE")
     if args.spec:
         from node.config import load_config_data
         from node.spec import apply_spec, read_spec
 
         # The spec and the local config are checked before anything starts.
-        spec = read_spec(args.spec)
+        spec = read_spec(args.spec, operator=args.operator)
         cfg = apply_spec(spec, load_config_data(args.config, overrides))
     else:
         cfg = load_config(args.config, overrides)

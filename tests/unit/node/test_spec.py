@@ -149,6 +149,24 @@ def test_a_spec_claiming_another_creator_fails(tmp_path: Path) -> None:
         read_spec(path)
 
 
+def test_a_pinned_operator_refuses_a_copy_signed_by_anyone_else(tmp_path: Path) -> None:
+    # A stranger's copy of the run: the same run id, a valid signature, their settings.
+    stranger = create_spec(_cfg("sync.codec='int8'", "run.run_id='atoll-local'"), BOB, now=NOW)
+    path = _written(tmp_path, stranger)
+    assert read_spec(path) == stranger  # unpinned, whoever signed it is trusted
+    with pytest.raises(SpecError) as refused:
+        read_spec(path, operator=ALICE.peer_id)
+    line = _one_line(str(refused.value))
+    assert f"signed by {BOB.peer_id}, not by the operator {ALICE.peer_id}" in line
+    assert str(path) in line and "'atoll-local'" in line
+    # the operator's own spec passes the pin
+    (tmp_path / "mine").mkdir()
+    mine = _written(tmp_path / "mine")
+    assert read_spec(mine, operator=ALICE.peer_id).creator == ALICE.peer_id
+    with pytest.raises(SpecError, match="--operator 'alice': not a PeerID"):
+        read_spec(mine, operator="alice")
+
+
 def test_another_protocol_version_is_refused(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("node.spec.PROTOCOL_VERSION", 2)
     spec = _spec()
@@ -343,6 +361,24 @@ def test_cli_run_with_a_differing_shared_key_fails_before_any_node(
     err = _one_line(capsys.readouterr().err)
     assert err.startswith("atoll: config error: sync.codec = 'int4' differs")
     assert calls == []
+
+
+def test_cli_run_refuses_a_spec_not_signed_by_the_operator(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    assert main(_create(tmp_path)) == 0
+    creator = read_spec(tmp_path / "run.toml").creator
+    assert f"--operator {creator}" in capsys.readouterr().out
+    calls = _fake_daemon(monkeypatch)
+    spec = str(tmp_path / "run.toml")
+    assert main(["run", "--spec", spec, "--operator", BOB.peer_id]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"signed by {creator}, not by the operator {BOB.peer_id}" in err
+    assert main(["run", "--operator", creator]) == 2
+    assert "give the spec with --spec FILE" in _one_line(capsys.readouterr().err)
+    assert calls == []
+    assert main(["run", "--spec", spec, "--operator", creator]) == 0
+    assert len(calls) == 1 and calls[0]["spec"].creator == creator
 
 
 @pytest.mark.parametrize("content", [None, "[spec\nversion = 1\n"])
