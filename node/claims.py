@@ -59,6 +59,10 @@ class WorkLog:
                 del spans[:-_MAX_SPANS]
         self.position += draws
 
+    def forget(self) -> None:
+        """Drop every fragment's claim so far (the work it covers was dropped)."""
+        self._spans = [[] for _ in self._spans]
+
     def take(self, fragment: int) -> WorkClaim | None:
         """The claim of ``fragment``'s sync now (None when it trained nothing assigned);
         its spans start over."""

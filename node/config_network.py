@@ -155,6 +155,11 @@ class NetworkConfig:
     """Nodes of the run, this one included, to wait for before training starts."""
     min_peers_timeout: float = Field(default=60.0, gt=0.0)
     """Seconds to wait for ``min_peers`` before training with fewer."""
+    alone_rounds: int = Field(default=3, ge=1)
+    """Rounds in a row with no exchange with any peer after which a node says at WARN
+    (and in ``atoll status``) that it is training alone. A node that joined through
+    initial peers or a spec and ends its ``run.max_rounds`` without ever exchanging
+    with a peer exits with an error."""
     registry_seconds: float = Field(default=2.0, gt=0.0)
     """How often a node rewrites its registry record and reads everyone's, in a swarm
     of up to ``base_rate_peers`` nodes."""

@@ -40,9 +40,13 @@ from node.startup import (
 )
 from protocol.p2p.transport import Transport
 
-__all__ = ["Node", "__version__"]
+__all__ = ["Node", "TrainedAlone", "__version__"]
 
 logger = logging.getLogger(__name__)
+
+
+class TrainedAlone(ValueError):
+    """A node that joined a run ran all its rounds without exchanging with a peer."""
 
 
 class Node:
@@ -98,6 +102,8 @@ class Node:
 
         Raises:
             DuplicateIdentityError: another running node uses this node's key.
+            TrainedAlone: it joined through initial peers and ran ``run.max_rounds``
+                rounds without one exchange with a peer.
             ValueError: a start-up problem the operator can fix (data directory,
                 identity key, corpus, listen port), told in one line with the fix.
             OSError: a file in the data directory could not be written (a full disk).
@@ -126,10 +132,36 @@ class Node:
             loop.run(schedule_of(self.cfg, self.progress.round, clock))
             if network.peers.conflict:
                 raise DuplicateIdentityError(network.peers.conflict)
+            self._check_not_alone(network)
             failed = False
             return 0
         finally:
             self._teardown(quiet=failed)
+
+    def _check_not_alone(self, network: Network) -> None:
+        """A node that joined through initial peers (or a spec's bootstrap) and ran all
+        its rounds without one exchange with a peer did not take part in the run: an
+        error, so that scripts and supervisors see it (a node that starts a swarm and
+        is never joined only warns, see :meth:`TrainingLoop._alone`).
+
+        Raises:
+            TrainedAlone: as above.
+        """
+        max_rounds, progress = self.cfg.run.max_rounds, self.progress
+        if self.stop_event.is_set() or not self.initial_peers or not max_rounds:
+            return
+        if progress.round < max_rounds or progress.exchanges > 0:
+            return
+        refused = network.peers.refused()
+        why = (
+            f"; {len(refused)} peer(s) refused as on another spec (atoll status lists them)"
+            if refused
+            else "; check the initial peers (or the spec's bootstrap) and this node's network"
+        )
+        raise TrainedAlone(
+            f"trained {progress.round} round(s) without one exchange with a peer: its work "
+            f"reached no one{why}"
+        )
 
     def _setup(self) -> tuple[Network, Rounds]:
         """Open the data directory, build the training side, start the swarm side,

@@ -76,6 +76,7 @@ class TrainingLoop:
         self.status, self.events = logs
         self.stop = stop
         self.fragments = len(training.plan)
+        self._since = progress.round  # the round rounds alone are counted from
         stream = training.trainer.stream
         self.work = WorkLog(
             self.fragments,
@@ -104,6 +105,7 @@ class TrainingLoop:
         wall = schedule if isinstance(schedule, WallSchedule) else None
         if wall is not None:
             self._place(wall, book)
+        self._since = self.progress.round  # where the wall clock placed it
         self._assign(self.progress.round + 1)
         max_rounds, trainer = self.cfg.run.max_rounds, self.training.trainer
         while not self.stop.is_set():
@@ -129,7 +131,11 @@ class TrainingLoop:
                 r = self.progress.round + 1
                 went_wrong = book.close(r)
                 joining = schedule.skips(r)
-                self.rounds.end(r, resync=went_wrong or joining, joining=joining)
+                if self.rounds.end(r, resync=went_wrong or joining, joining=joining):
+                    # a joiner's work of the round it sat out went with the swarm's state
+                    book.forget_work()
+                    self.work.forget()
+                self._alone(r)
                 schedule.ended(self.progress.round)
         for p in book.clear():
             p.future.cancel()  # the interrupted round is abandoned; the last checkpoint stands
@@ -211,10 +217,30 @@ class TrainingLoop:
             logger.warning("%s", warning)
             self.status.update(alone_syncs=progress.alone_syncs, alone_warning=warning)
             return None
+        if len(record["group"]) > 1:
+            progress.exchanges += 1
+            progress.last_exchange = max(progress.last_exchange, pending.round)
         if record["fallback_parts"] and network.live_peers():
             # Parts kept at local values drift from the swarm: take its state at round end.
             return None
         return record
+
+    def _alone(self, round_: int) -> None:
+        """Say so (at WARN once per stretch, and in the status file every round) when
+        ``network.alone_rounds`` rounds in a row went by without an exchange with any
+        peer: the node trains, but nobody else's work reaches it, nor its theirs."""
+        alone = round_ - max(self.progress.last_exchange, self._since)
+        threshold = self.cfg.network.alone_rounds
+        self.status.update(alone_rounds=alone, training_alone=alone >= threshold)
+        if alone == threshold:
+            live = len(self.network.live_peers())
+            logger.warning(
+                "training alone: no exchange with any peer in the last %d rounds (%d live "
+                "peer(s) of this run; peers on another spec are listed in `atoll status`)",
+                alone,
+                live,
+            )
+            self.events.write("alone", round=round_, rounds=alone, live_peers=live)
 
     def _place(self, wall: WallSchedule, book: SyncBook) -> None:
         """Where this node comes in on the wall clock, from the state round it holds."""

@@ -68,6 +68,12 @@ _FAMILIES: tuple[_Family, ...] = (
         "alone_syncs",
     ),
     _Family(
+        "atoll_alone_rounds",
+        "gauge",
+        "Rounds in a row this node ended without an exchange with any peer.",
+        "alone_rounds",
+    ),
+    _Family(
         "atoll_host_bytes_per_parameter",
         "gauge",
         "Resident host memory of the node's process per model parameter, at the last round.",

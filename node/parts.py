@@ -73,6 +73,8 @@ class Progress:
         busy: seconds spent in inner steps.
         bytes_sent: bytes this node's syncs sent.
         alone_syncs: syncs averaged alone while peers were live.
+        exchanges: syncs whose group held another peer.
+        last_exchange: the round of the newest of them (0: none yet).
         train_started: when training began (``time.monotonic``).
         global_digest: ``(round, digest)`` of the global state last published.
         checkpointed_round: the round of the newest checkpoint written by this process.
@@ -83,6 +85,8 @@ class Progress:
     busy: float = 0.0
     bytes_sent: int = 0
     alone_syncs: int = 0
+    exchanges: int = 0
+    last_exchange: int = 0
     train_started: float = field(default_factory=time.monotonic)
     global_digest: tuple[int, str] | None = None
     checkpointed_round: int | None = None

@@ -146,9 +146,10 @@ class Rounds:
         self.events.write("catch_up", round=self.progress.round, sources=sources)
         return True
 
-    def take_swarm_state(self, r: int, digest: str, joining: bool) -> str:
+    def take_swarm_state(self, r: int, digest: str, joining: bool) -> tuple[str, bool]:
         """After a round that went wrong, take the swarm's state of round ``r`` if it is
-        not this node's own (``digest``); return the digest this node holds now.
+        not this node's own (``digest``); return the digest this node holds now, and
+        whether its unsynced local work was dropped (a joiner's, see below).
 
         The node signs its digest as unsettled (or joining), waits until every live peer
         has signed one for the round (at most ``max(5, network.round_timeout)`` s), and
@@ -165,17 +166,20 @@ class Rounds:
         target = swarm_state(signed)
         if target is None or target == digest:
             logger.info("round %d: this node's state is the swarm's", r)
-            return digest
+            return digest, False
         holders = sorted(p for p, s in signed[target].items() if s != "joining")
         while not self.stop.is_set():
-            if self.catch_up(min_round=r, rebase=True, digest=target, holders=holders):
+            # A node that sat the round out joining drops what it trained meanwhile: kept,
+            # its first contribution would carry that round's work too and fail the norm
+            # screens of the peers it joins.
+            if self.catch_up(min_round=r, rebase=not joining, digest=target, holders=holders):
                 logger.warning("round %d: took the swarm's state from a peer", r)
-                return server.publish(self.snapshot())
+                return server.publish(self.snapshot()), joining
             if time.monotonic() >= deadline:
                 break
             self.stop.wait(0.5)
         logger.warning("round %d: could not take the swarm's state from any peer", r)
-        return digest
+        return digest, False
 
     def _signatures(self, r: int, deadline: float) -> dict[str, dict[str, str]]:
         """The digests signed for round ``r``, once every live peer signed or at
@@ -199,7 +203,7 @@ class Rounds:
 
     # ---- a round's end ----------------------------------------------------------------
 
-    def end(self, r: int, resync: bool, joining: bool) -> None:
+    def end(self, r: int, resync: bool, joining: bool) -> bool:
         """Round ``r`` is over: settle the global state (taking the swarm's if a sync
         of the round went wrong, or this node's digest is apart from its peers'),
         publish and attest it, evaluate, checkpoint and report.
@@ -207,10 +211,14 @@ class Rounds:
         Args:
             resync: a sync of the round failed or was skipped.
             joining: the node sat the round out, joining the swarm.
+
+        Returns:
+            Whether the node's unsynced local work was dropped: a joiner that took the
+            swarm's state starts its first contribution from it.
         """
         self.progress.round = r
         self.pull()
-        digest, went_wrong = self._settle(r, resync, joining)
+        digest, went_wrong, dropped = self._settle(r, resync, joining)
         checks = self.network.checks
         if checks is not None:
             checks.round_ended(r, went_wrong)
@@ -229,10 +237,12 @@ class Rounds:
             f"{fields['val_bpb']:.3f}" if "val_bpb" in fields else "-",
             self.progress.bytes_sent,
         )
+        return dropped
 
-    def _settle(self, r: int, resync: bool, joining: bool) -> tuple[str, bool]:
+    def _settle(self, r: int, resync: bool, joining: bool) -> tuple[str, bool, bool]:
         """Publish this node's state of round ``r`` and take the swarm's where it must;
-        the digest it holds then, and whether the round went wrong here."""
+        the digest it holds then, whether the round went wrong here, and whether its
+        local work was dropped."""
         network = self.network
         mixing = network.exchange.settings.mixes(len(network.live_peers()) + 1)
         apart = None if mixing else self.agreement.check(r)
@@ -245,8 +255,9 @@ class Rounds:
             # take; the next rounds' mixing pulls this node's copy back in.
             logger.info("round %d: no re-sync while groups mix weights", r)
         elif resync and (network.live_peers() or network.heard()):
-            digest = self.take_swarm_state(r, digest, joining=joining)
-        return digest, resync
+            digest, dropped = self.take_swarm_state(r, digest, joining=joining)
+            return digest, resync, dropped
+        return digest, resync, False
 
     def _report(self, r: int, digest: str) -> dict[str, Any]:
         """The round event's fields (evaluating the global state when due)."""

@@ -64,6 +64,11 @@ class SyncBook:
         self.pending[f] = pending
         self.tokens_since[f] = 0
 
+    def forget_work(self) -> None:
+        """The tokens trained so far were dropped (a joiner's round sat out): no fragment's
+        next sync counts them."""
+        self.tokens_since = [0] * len(self.tokens_since)
+
     def finished(self, r: int, f: int, ok: bool) -> None:
         """Fragment ``f`` of round ``r`` is over: applied (``ok``), failed or skipped."""
         self.done.setdefault(r, set()).add(f)

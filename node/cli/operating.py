@@ -159,6 +159,11 @@ def _print_network(status: dict[str, Any]) -> None:
     warning = status.get("control_warning")
     if warning:
         print(f"WARNING: {warning}")
+    if status.get("training_alone"):
+        print(
+            f"WARNING: training alone: no exchange with any peer in the last "
+            f"{status.get('alone_rounds')} rounds"
+        )
     if status.get("alone_syncs"):
         print(
             f"WARNING: {status['alone_syncs']} sync(s) averaged alone while peers were live; "

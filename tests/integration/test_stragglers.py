@@ -141,3 +141,13 @@ def test_sigkilled_node_restarts_from_checkpoint_without_audit_gaps(local_swarm)
         for e in read_events(nodes[0].data_dir / "events.jsonl", "round")
     }
     assert last[final] == theirs[final]
+    # it came back as a joiner does, and its first contribution carried no more than its
+    # share: no one charged it (the work it did while sitting a round out was dropped)
+    me = again.status["peer_id"]
+    for node in nodes[:2]:
+        charged = [
+            (e["round"], e["reason"])
+            for e in read_events(node.data_dir / "events.jsonl", "violation")
+            if e["peer"] == me
+        ]
+        assert charged == [], (node.index, charged)

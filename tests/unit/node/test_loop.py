@@ -5,6 +5,7 @@ and the round's end: the loop's own decisions are what is tested)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import Future
@@ -18,7 +19,7 @@ import torch
 from node.config import load_config
 from node.data import BatchStream, assigned_stream
 from node.loop import TrainingLoop, exchange_budget
-from node.metrics import EventLog, StatusWriter
+from node.metrics import EventLog, StatusWriter, read_events
 from node.parts import Progress, Training
 from node.schedule import StepSchedule
 from node.site import NoSite
@@ -68,13 +69,15 @@ class _Rounds:
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self.ended: list[tuple[int, bool, bool]] = []
+        self.drops = False  # whether a joining round's end drops the node's local work
 
     def pull(self) -> None:
         pass
 
-    def end(self, r: int, resync: bool, joining: bool) -> None:
+    def end(self, r: int, resync: bool, joining: bool) -> bool:
         self.progress.round = r
         self.ended.append((r, resync, joining))
+        return joining and self.drops
 
 
 def _loop(tmp_path: Path, fragments: int, max_rounds: int, *sets: str) -> Any:
@@ -268,3 +271,46 @@ def test_after_its_last_round_a_node_says_so_in_the_registry_before_it_lingers(t
     t.progress.round = 4
     t.loop._linger()
     assert t.network.peers.published == [(4, t.trainer.steps)]
+
+
+def test_rounds_without_an_exchange_are_counted_and_said_once_a_stretch(tmp_path) -> None:
+    t = _loop(tmp_path, 1, 5, "network.alone_rounds=3")
+    t.syncer.group = ["me"]  # nobody to exchange with, and nobody live
+    t.network.live_peers = set
+    t.loop.run(StepSchedule(inner_steps=2, fragments=1, tau=1, round_=0))
+    assert t.progress.exchanges == 0 and t.progress.last_exchange == 0
+    said = read_events(tmp_path / "events.jsonl", "alone")
+    assert [(e["round"], e["rounds"]) for e in said] == [(3, 3)]  # once, not every round
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["alone_rounds"] == 5 and status["training_alone"] is True
+
+    together = _loop(tmp_path / "b", 2, 3, "network.alone_rounds=1")
+    together.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
+    assert together.progress.exchanges == 6 and together.progress.last_exchange == 3
+    assert read_events(tmp_path / "b" / "events.jsonl", "alone") == []
+
+
+class _Joining(_Scripted):
+    """Sits round 1 out (a joiner), syncs from round 2."""
+
+    def skips(self, r: int) -> bool:
+        return r < 2
+
+
+def test_a_joiner_whose_work_went_with_the_swarms_state_claims_only_what_it_trains_after(
+    tmp_path,
+) -> None:
+    """Its first contribution carries no more than its own share: the tokens and batches
+    of the round it sat out are not claimed, as its work of that round was dropped."""
+    t = _loop(tmp_path, fragments=1, max_rounds=2)
+    t.rounds.drops = True  # the joiner took the swarm's state at round 1's end
+    # round 1's sync is due (skipped) at step 2, round 2's at step 5: 3 steps after
+    t.loop.run(_Joining({2: [(1, 0)], 5: [(2, 0)]}, tau=1))
+    assert t.rounds.ended[0] == (1, True, True)
+    assert t.syncer.launched == [(2, 0, 3 * 8)]
+    (claim,) = t.syncer.claims
+    assert sum(span[2] for span in claim.spans) == 3  # three draws of one batch each
+    # where its state was not taken, its work stays and is claimed in full
+    kept = _loop(tmp_path / "kept", fragments=1, max_rounds=2)
+    kept.loop.run(_Joining({2: [(1, 0)], 5: [(2, 0)]}, tau=1))
+    assert kept.syncer.launched == [(2, 0, 5 * 8)]

@@ -133,3 +133,26 @@ def test_a_checkpoint_of_another_plan_is_refused(tmp_path) -> None:
 class _OtherPlan:
     def digest(self) -> str:
         return "another"
+
+
+@pytest.mark.parametrize("joining", [False, True])
+def test_a_joiner_takes_the_swarms_state_without_its_own_work_and_says_so(
+    tmp_path, joining: bool
+) -> None:
+    """A node that lost a sync keeps its local work, rebased onto the swarm's state; a
+    joiner drops what it trained while it sat the round out (its first contribution
+    would carry that round too), and the round's end tells the loop so."""
+    rounds, _ = _rounds(tmp_path, live={"p1"})
+    rounds.network.transport.run = lambda coro, timeout: None
+    rounds._signatures = lambda r, deadline: {"digest-swarm": {"p1": "settled"}}
+    calls: list[dict] = []
+
+    def catch_up(**kw: Any) -> bool:
+        calls.append(kw)
+        return True
+
+    rounds.catch_up = catch_up  # type: ignore[method-assign]
+    dropped = rounds.end(1, resync=True, joining=joining)
+    assert [c["rebase"] for c in calls] == [not joining]
+    assert calls[0]["digest"] == "digest-swarm" and calls[0]["holders"] == ["p1"]
+    assert dropped is joining

@@ -1,0 +1,51 @@
+"""Tests for node.daemon that need no network: how a finished node judges its run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from node.config import load_config
+from node.daemon import Node, TrainedAlone
+from verification.identity import Identity
+
+PEER = f"/ip4/127.0.0.1/tcp/4001/p2p/{Identity.from_seed(b'p' * 32).peer_id}"
+
+
+def _finished(initial_peers: tuple[str, ...], exchanges: int, rounds: int = 3) -> Node:
+    node = Node(load_config(None, ["run.max_rounds=3"]), initial_peers=initial_peers)
+    node.progress.round = rounds
+    node.progress.exchanges = exchanges
+    return node
+
+
+def _network(refused: dict[str, str] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(peers=SimpleNamespace(refused=lambda: dict(refused or {})))
+
+
+def test_a_node_that_joined_and_never_exchanged_ends_with_an_error() -> None:
+    node = _finished((PEER,), exchanges=0)
+    with pytest.raises(TrainedAlone, match=r"trained 3 round\(s\) without one exchange"):
+        node._check_not_alone(_network())
+    stranger = {"12D3KooWx": "spec_mismatch: runs spec abc, this node runs def"}
+    with pytest.raises(TrainedAlone, match=r"1 peer\(s\) refused as on another spec"):
+        node._check_not_alone(_network(stranger))
+
+
+@pytest.mark.parametrize(
+    "initial_peers, exchanges, rounds, stopped",
+    [
+        ((PEER,), 1, 3, False),  # it exchanged once: it took part
+        ((), 0, 3, False),  # it started the swarm and nobody came: a warning, not an error
+        ((PEER,), 0, 2, False),  # it did not finish its rounds
+        ((PEER,), 0, 3, True),  # stopped by a signal
+    ],
+)
+def test_no_error_for_a_node_that_took_part_started_the_swarm_or_was_stopped(
+    initial_peers: tuple[str, ...], exchanges: int, rounds: int, stopped: bool
+) -> None:
+    node = _finished(initial_peers, exchanges, rounds)
+    if stopped:
+        node.stop_event.set()
+    node._check_not_alone(_network())
