@@ -347,7 +347,9 @@ class PeerView:
         peer while it has someone to re-join through, or fewer than half of the peers
         its control channel hears."""
         live, heard = self.live(), self.heard() - {self.me}
-        if not live and (self.settings.initial_peers or self._known):
+        # Peers of another spec in the registry: it is read, so the DHT is not what is
+        # wrong (re-joining would find the same peers; `atoll status` lists them).
+        if not live and not self.refused() and (self.settings.initial_peers or self._known):
             return f"the registry shows no live peer (the control channel hears {len(heard)})"
         if heard and len(live) < len(heard) / 2:
             return (
@@ -382,5 +384,5 @@ class PeerView:
         )
         joined = await self.transport.rejoin(targets, self.settings.request_timeout)
         if joined:
+            # still cut off at the next refresh: tried again after the wait it printed
             logger.info("re-joined the DHT through %d peer address(es)", joined)
-            self._redial = replace(self._redial, next_at=now + _REDIAL_SECONDS[0])

@@ -341,3 +341,28 @@ def test_too_few_shards_for_the_swarm_is_said_once(monkeypatch, caplog) -> None:
     assert len(warnings) == 1, warnings
     assert "9 records in 2 DHT key(s)" in warnings[0]
     assert "network.registry_shards" in warnings[0]
+
+
+def test_a_node_whose_registry_shows_only_peers_of_another_spec_is_not_cut_off() -> None:
+    # It reads the registry fine: the peers there run another spec. Re-joining the DHT
+    # would find the same ones, and it once did so every 2 s for a whole run.
+    dht, me, stranger = FakeDHT(), Identity.generate(), Identity.generate()
+    transport = FakeTransport(dht, me.peer_id)
+    view = _view(dht, me, transport=transport, initial_peers=["/ip4/10.0.0.2/tcp/1/p2p/boot"])
+    _publish(dht, stranger, spec="another-spec")
+    for _ in range(3):
+        asyncio.run(view.refresh(view.record(1, 0)))
+    assert view.live() == set() and set(view.refused()) == {stranger.peer_id}
+    assert view.cut_off() is None and transport.rejoins == []
+
+
+def test_after_a_rejoin_that_did_not_help_the_next_waits_as_long_as_it_said() -> None:
+    dht, me = FakeDHT(), Identity.generate()
+    transport = FakeTransport(dht, me.peer_id)  # its re-joins connect, to no avail
+    view = _view(dht, me, transport=transport, initial_peers=["/ip4/10.0.0.2/tcp/1/p2p/boot"])
+    asyncio.run(view.refresh(view.record(1, 0)))
+    view._redial.next_at = 0.0
+    before = time.monotonic()
+    asyncio.run(view.refresh(view.record(1, 0)))
+    assert view._redial.attempts == 2
+    assert view._redial.next_at - before >= 4.0 - 0.5  # 2 s, then 4 s: not back to 2 s
