@@ -23,6 +23,7 @@ from protocol.averaging.grouping import rounds_to_mix
 __all__ = [
     "SwarmProcess",
     "butterfly_reach",
+    "copies_apart",
     "dump_json",
     "format_summary",
     "log_tail",
@@ -92,6 +93,7 @@ def summarize(
             int(s.get("steps", 0) * params * 4 * ddp_factor) for _, s, _ in per_node
         ],
         "params_agree": bool(common) and not mismatched,
+        "copies_apart": None if common and not mismatched else _apart(per_node),
         "rounds_checked": len(common),
         "rounds_disagreeing": mismatched,
         "exit_codes": [n.proc.returncode for n in nodes],
@@ -114,6 +116,38 @@ def summarize(
             cfg.network.cells_above,
         ),
     }
+
+
+def copies_apart(data_dirs: Sequence[Path]) -> dict[str, Any] | None:
+    """How far apart the nodes' global copies are, from their newest checkpoints: of
+    the round most of them checkpointed last, the largest distance of one node's copy
+    from the copies' mean, over the mean's norm (None with fewer than two checkpoints
+    of one round). Groups that mix hold different copies by design; this says how
+    different."""
+    import torch
+
+    from node.checkpoint import load_latest
+
+    by_round: dict[int, list[torch.Tensor]] = {}
+    for d in data_dirs:
+        found = load_latest(Path(d) / "checkpoints")
+        if found is None:
+            continue
+        info, state = found
+        globals_ = (state.get("outer") or {}).get("globals") or []
+        if globals_:
+            flat = torch.cat([g.detach().flatten().double() for g in globals_])
+            by_round.setdefault(info.round, []).append(flat)
+    if not by_round:
+        return None
+    round_, copies = max(by_round.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    if len(copies) < 2 or len({c.numel() for c in copies}) > 1:
+        return None
+    stacked = torch.stack(copies)
+    mean = stacked.mean(dim=0)
+    scale = float(mean.norm()) or 1.0
+    apart = max(float((c - mean).norm()) for c in stacked) / scale
+    return {"round": round_, "nodes": len(copies), "max_from_mean": round(apart, 6)}
 
 
 def log_tail(data_dir: Path, lines: int = 8) -> list[str]:
@@ -288,12 +322,20 @@ def format_summary(summary: dict[str, Any]) -> str:
     return (
         f"swarm of {summary['nodes']} nodes, {summary['rounds']} rounds in "
         f"{summary['seconds']:.0f}s; val bits/byte {bpb}; params agree: "
-        f"{summary['params_agree']}{_mix_line(summary)}{_ranks_line(summary)}; "
+        f"{summary['params_agree']}{_apart_line(summary)}{_mix_line(summary)}"
+        f"{_ranks_line(summary)}; "
         f"sent {sum(sent) / 2**20:.1f} MiB in all "
         f"({ratio:.0f}x less than fp32 DDP for the same steps)\n"
         f"{_failed_lines(summary)}"
         f"logs and checkpoints: {summary['directory']}"
     )
+
+
+def _apart(per_node: list[tuple[SwarmProcess, dict, dict]]) -> dict[str, Any] | None:
+    try:
+        return copies_apart([n.data_dir for n, _, _ in per_node])
+    except (OSError, RuntimeError, ValueError):  # a summary never fails on a bad file
+        return None
 
 
 def _failed_lines(summary: dict[str, Any]) -> str:
@@ -316,6 +358,17 @@ def _mix_line(summary: dict[str, Any]) -> str:
     return (
         f" (groups mix: every node reached every other within {d} rounds in "
         f"{mix['windows_mixed']} of {mix['windows']} windows)"
+    )
+
+
+def _apart_line(summary: dict[str, Any]) -> str:
+    """Copies that differ: by how much (groups that mix differ by design)."""
+    apart = summary.get("copies_apart")
+    if summary.get("params_agree") or not apart:
+        return ""
+    return (
+        f" (copies of round {apart['round']} up to {100 * apart['max_from_mean']:.2g} % "
+        f"of their norm from their mean; groups that mix hold different copies by design)"
     )
 
 

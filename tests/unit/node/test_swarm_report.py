@@ -85,3 +85,38 @@ def test_the_live_table_has_a_row_per_node(tmp_path: Path) -> None:
     table = render_table(nodes)
     assert table.row_count == 3 and table.columns[2].header == "state"
     assert list(table.columns[5].cells) == ["2.500"] * 3
+
+
+def test_copies_that_differ_are_reported_with_how_far_apart_they_are(tmp_path: Path) -> None:
+    """Groups that mix hold different copies by design: the summary says by how much,
+    from the nodes' newest checkpoints (of the round most of them reached)."""
+    import torch
+
+    from node.checkpoint import save_checkpoint
+
+    copies = {0: [1.0, 0.0], 1: [1.0, 0.2]}
+    nodes = [_node(tmp_path, i, ["aa", f"b{i}"]) for i in range(3)]
+    for i, values in copies.items():
+        g = torch.tensor(values)
+        save_checkpoint(
+            nodes[i].data_dir / "checkpoints", 2, {"outer": {"globals": [g[:1], g[1:]]}}
+        )
+    save_checkpoint(nodes[2].data_dir / "checkpoints", 1, {"outer": {"globals": [torch.ones(2)]}})
+    summary = summarize(nodes, load_config(None, []))
+    assert not summary["params_agree"]
+    apart = summary["copies_apart"]
+    # mean (1, 0.1): each copy 0.1 from it, over a norm of sqrt(1.01)
+    assert apart["round"] == 2 and apart["nodes"] == 2
+    assert abs(apart["max_from_mean"] - 0.1 / 1.01**0.5) < 1e-6
+    summary.update(seconds=3.0, directory=str(tmp_path))
+    text = format_summary(summary)
+    assert "params agree: False (copies of round 2 up to 10 % of their norm from their mean" in text
+    # nothing to compare: no figure, and no failure
+    (tmp_path / "other").mkdir()
+    assert (
+        summarize(
+            [_node(tmp_path / "other", 0, ["aa"]), _node(tmp_path / "other", 1, ["bb"])],
+            load_config(None, []),
+        )["copies_apart"]
+        is None
+    )
