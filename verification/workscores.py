@@ -330,13 +330,9 @@ class Scores:
         already learned) cannot flag it. A round's records all measure one
         contribution, so they agree with each other whatever it was worth, and in a
         pooled ratio the round with the most records would otherwise decide."""
-        leave_out = [("checker", c) for c in {k.checker for k in records}]
-        leave_out += [("round", r) for r in {k.round for k in records}]
-        for field, value in leave_out:
-            rest = [k for k in records if getattr(k, field) != value]
-            if rest and not self._short(rest, refs):
-                return False
-        return True
+        subsets = [[k for k in records if k.checker != c] for c in {k.checker for k in records}]
+        subsets += [[k for k in records if k.round != r] for r in {k.round for k in records}]
+        return all(self._short(rest, refs) for rest in subsets if rest)
 
     def factor(self, peer: str) -> float:
         """The share of its claimed weight ``peer``'s contributions keep (1 with no
