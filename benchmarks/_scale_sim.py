@@ -148,7 +148,7 @@ class ControlPolicy:
         sample: records in one sampled read.
         paced_above: None, or the node's ``base_rate_peers``: above that many nodes the
             heartbeat, registry and announcement-poll intervals all stretch by
-            ``n / paced_above`` (what ``node.peers`` and ``node.controlplane`` do).
+            ``n / paced_above`` (what ``node.peers`` and ``protocol.control`` do).
         commit_gossip_up_to: None (commitments always gossiped to every node), or the
             swarm size up to which they are; above it they go to the group only.
         cells_above: None (every announcement read), or the swarm size above which

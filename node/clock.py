@@ -80,11 +80,6 @@ class SecondsClock:
                 return out
             out.append((r, f))
 
-    def next_boundary(self, after: tuple[int, int]) -> tuple[int, int]:
-        """The sync that follows ``after``."""
-        r, f = after
-        return (r, f + 1) if f + 1 < self.fragments else (r + 1, 0)
-
     @staticmethod
     def start_time(round_seconds: float, lead: float = 2.0) -> float:
         """A ``t0`` a little in the future, on a whole second, for a new swarm."""

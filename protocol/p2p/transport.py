@@ -278,11 +278,6 @@ class Transport:
             self._reachability = found
         return self._reachability
 
-    async def connected_peers(self) -> list[str]:
-        """PeerIDs this node's p2pd holds a connection to now."""
-        assert self._p2p is not None, "transport not started"
-        return [p.peer_id.to_base58() for p in await self._p2p.list_peers()]
-
     async def rejoin(self, maddrs: list[str], timeout: float) -> int:
         """Dial ``maddrs`` again and re-enter the DHT through them (after losing every
         peer); returns how many answered."""

@@ -30,7 +30,6 @@ class FakeTransport:
         self.peer_id = peer_id
         self.maddrs = list(maddrs) or [f"/ip4/10.0.0.1/tcp/1/p2p/{peer_id}"]
         self.reachability = reachability or Reachability("public")
-        self.connected: list[str] = []
         self.rejoins: list[list[str]] = []
         self.rejoin_answers = 1
 
@@ -43,9 +42,6 @@ class FakeTransport:
     async def dht_get(self, key: str, **_: Any) -> dict[str, bytes] | None:
         found = self.dht.data.get(key)
         return dict(found) if found else None
-
-    async def connected_peers(self) -> list[str]:
-        return list(self.connected)
 
     async def rejoin(self, maddrs: list[str], timeout: float) -> int:
         self.rejoins.append(list(maddrs))

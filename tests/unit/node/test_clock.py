@@ -29,12 +29,6 @@ def test_due_lists_every_passed_sync_after_the_last_one_in_order() -> None:
     assert clock.due(1031.0, (2, 0)) == []
 
 
-def test_next_boundary_wraps_to_the_next_round() -> None:
-    clock = SecondsClock(t0=0.0, round_seconds=10.0, fragments=3)
-    assert clock.next_boundary((1, 0)) == (1, 1)
-    assert clock.next_boundary((1, 2)) == (2, 0)
-
-
 def test_start_time_is_a_whole_second_at_least_the_lead_ahead() -> None:
     now = time.time()
     t0 = SecondsClock.start_time(20.0, lead=5.0)
