@@ -14,18 +14,22 @@ Two ways in:
   (so a document and its exact copies always land on the same side). Tokens are
   ``uint16`` up to 65,536 tokens, else ``uint32``.
 
-Documents are tokenized in pieces of about ``piece_mb`` MiB of text by worker processes;
-each finished piece is written to ``DIR/.prepare/`` with its counts, and only when all
-are done are they joined into ``train.bin`` and ``val.bin`` and ``meta.json`` written
-(last, atomically). An interrupted prepare therefore resumes where it stopped when the
-same command runs again; one of other inputs or settings is refused, saying how to
-start over. ``meta.json`` records the tokenizer's digest and the text's bytes per
-validation token, so validation bits per byte compare across tokenizers.
+Documents are tokenized in pieces of about ``piece_mb`` MiB of text by worker processes,
+at most 256 KiB of text at a time (a longer document in parts cut at a space between
+words), so memory follows the piece, not the longest document; each finished piece is
+written to ``DIR/.prepare/`` with its counts and a digest of its documents, and only
+when all are done are they joined into ``train.bin`` and ``val.bin`` and ``meta.json``
+written (last, atomically). An interrupted prepare therefore resumes where it stopped
+when the same command runs again; if its inputs changed since, it starts over by itself,
+keeping the pieces whose documents are the same; a command of other settings is refused,
+saying how to start over. ``meta.json`` records the tokenizer's digest and the text's
+bytes per validation token, so validation bits per byte compare across tokenizers.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import shutil
 from collections.abc import Callable, Iterator, Sequence
@@ -33,14 +37,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from node.files import atomic_file, atomic_write
-from node.prepare_inputs import Part, file_kind, read_parts
+from node.files import atomic_write
+from node.prepare_inputs import Part, file_kind, read_parts, row_place
 from node.prepare_shards import join_pieces, prepare_bytes
+from node.prepare_tokens import WorkerSetup as _WorkerSetup
+from node.prepare_tokens import clear_worker, init_pool_worker, load_worker
+from node.prepare_tokens import digest_texts as _digest
+from node.prepare_tokens import tokenize_piece as _tokenize_piece
 from node.sources import BYTES_DIGEST, DataError, is_val, user_files
 
 __all__ = ["Interrupted", "prepare", "prepare_bytes", "prepare_documents"]
+
+log = logging.getLogger(__name__)
 
 _WORK = ".prepare"
 _JOB_VERSION = 1
@@ -157,6 +165,7 @@ def prepare_documents(
         val_fraction=job.val_fraction,
         dtype=dtype,
         folder=str(work),
+        piece_bytes=job.piece_bytes,
     )
     counts = _tokenize_all(docs, job.piece_bytes, setup, workers, progress)
     documents = {k: sum(c[k] for c in counts) for k in ("train_docs", "val_docs", "empty")}
@@ -193,20 +202,45 @@ def _identity(files: list[tuple[str, Path]], job: _Job, tokenizer: str | None) -
 
 
 def _resume_or_start(work: Path, identity: dict[str, Any]) -> None:
+    """Resume the unfinished prepare in ``work`` if it is this job, or start over if only
+    its inputs changed since (a fixed input, say): every finished piece is checked
+    against a digest of its documents (:func:`_done`), so those that did not change are
+    kept, unless a tokenizer trained on the old inputs made them all stale."""
     path = work / "job.json"
     if path.exists():
         try:
             found = json.loads(path.read_text())
         except (OSError, ValueError):
             found = None
-        if found != identity:
+        if found == identity:
+            return
+        if not isinstance(found, dict) or _settings(found) != _settings(identity):
             raise DataError(
-                f"{work} holds an unfinished prepare of other inputs or settings: run that "
-                "command again to finish it, or pass --force to start this one"
+                f"{work} holds an unfinished prepare of other settings: run that command "
+                "again to finish it, or pass --force to start this one"
             )
-        return
+        old, new = ({tuple(i) for i in job.get("inputs", [])} for job in (found, identity))
+        changed = sorted({rel for rel, *_ in old ^ new})
+        named = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if changed[3:] else "")
+        kept = "keeping the finished pieces whose documents did not change"
+        if identity["train_vocab"]:
+            kept = "training the tokenizer again"
+            for piece in work.glob("piece-*"):
+                piece.unlink()
+            (work / "trained.json").unlink(missing_ok=True)
+        shutil.rmtree(work / "cache", ignore_errors=True)
+        log.info(
+            "%s: inputs changed since its unfinished prepare (%s): starting over, %s",
+            work,
+            named,
+            kept,
+        )
     work.mkdir(parents=True, exist_ok=True)
     _write_json(path, identity)
+
+
+def _settings(identity: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in identity.items() if k != "inputs"}
 
 
 class _Documents:
@@ -223,7 +257,8 @@ class _Documents:
                 for text in batch[key]:
                     if not isinstance(text, str):
                         raise DataError(
-                            f"{where}: row {row + 1}: {key!r} is {type(text).__name__}, not text"
+                            f"{where}: {row_place(where, row + 1)}: {key!r} is "
+                            f"{type(text).__name__}, not text"
                         )
                     row += 1
                     yield text
@@ -278,65 +313,6 @@ class _BytesTokenizer:
         return {"digest": BYTES_DIGEST, "eos_token": None, "eos_id": None, "vocab_size": 256}
 
 
-@dataclass(frozen=True)
-class _WorkerSetup:
-    tokenizer_json: str
-    eos_id: int | None
-    val_fraction: float
-    dtype: str
-    folder: str
-
-
-_worker: dict[str, Any] = {}
-
-
-def _load_worker(setup: _WorkerSetup) -> None:
-    _worker["setup"] = setup
-    _worker["tok"] = None
-    if setup.tokenizer_json:
-        from tokenizers import Tokenizer
-
-        _worker["tok"] = Tokenizer.from_file(setup.tokenizer_json)
-
-
-def _init_pool_worker(setup: _WorkerSetup) -> None:
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool
-    _load_worker(setup)
-
-
-def _tokenize_piece(index: int, texts: list[str]) -> dict[str, int]:
-    """Tokenize one piece into ``piece-N.{train,val}.bin``; its counts go to
-    ``piece-N.json``, written last, so a piece with a json is whole."""
-    setup: _WorkerSetup = _worker["setup"]
-    tok = _worker["tok"]
-    kept = [t for t in texts if t]
-    if tok is not None:
-        ids = [e.ids for e in tok.encode_batch(kept, add_special_tokens=False)]
-    else:
-        ids = [list(t.encode("utf-8")) for t in kept]
-    counts = {"index": index, "empty": len(texts) - len(kept)}
-    for split in ("train", "val"):
-        counts.update({f"{split}_docs": 0, f"{split}_tokens": 0, f"{split}_bytes": 0})
-    arrays: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    for text, doc in zip(kept, ids):
-        if setup.eos_id is not None:
-            doc.append(setup.eos_id)
-        split = "val" if is_val(text, setup.val_fraction) else "train"
-        arrays[split].append(np.asarray(doc, dtype=setup.dtype))
-        counts[f"{split}_docs"] += 1
-        counts[f"{split}_tokens"] += len(doc)
-        counts[f"{split}_bytes"] += len(text.encode("utf-8"))
-    folder = Path(setup.folder)
-    for split, parts in arrays.items():
-        data = np.concatenate(parts) if parts else np.zeros(0, dtype=setup.dtype)
-        with atomic_file(folder / f"piece-{index:06d}.{split}.bin", durable=False) as f:
-            data.astype(np.dtype(setup.dtype).newbyteorder("<"), copy=False).tofile(f)
-    _write_json(folder / f"piece-{index:06d}.json", counts)
-    return counts
-
-
 def _pieces(docs: _Documents, piece_bytes: int) -> Iterator[tuple[int, list[str]]]:
     index, batch, size = 0, [], 0
     for text in docs:
@@ -349,12 +325,15 @@ def _pieces(docs: _Documents, piece_bytes: int) -> Iterator[tuple[int, list[str]
         yield index, batch
 
 
-def _done(folder: Path, index: int) -> dict[str, int] | None:
+def _done(folder: Path, index: int, texts: list[str]) -> dict[str, Any] | None:
+    """Piece ``index``'s counts if it was finished from these very ``texts``."""
     try:
         counts = json.loads((folder / f"piece-{index:06d}.json").read_text())
     except (OSError, ValueError):
         return None
-    return counts if isinstance(counts, dict) and counts.get("index") == index else None
+    if not isinstance(counts, dict) or counts.get("index") != index:
+        return None
+    return counts if counts.get("digest") == _digest(texts) else None
 
 
 def _tokenize_all(
@@ -363,16 +342,16 @@ def _tokenize_all(
     setup: _WorkerSetup,
     workers: int,
     progress: Progress | None,
-) -> list[dict[str, int]]:
+) -> list[dict[str, Any]]:
     """Every piece's counts, in order: finished pieces read back, the rest tokenized,
     by ``workers`` processes with at most two pieces each in flight (bounded memory)."""
     from collections import deque
 
     folder = Path(setup.folder)
-    counts: dict[int, dict[str, int]] = {}
+    counts: dict[int, dict[str, Any]] = {}
     done_docs = 0
 
-    def finished(c: dict[str, int], n: int) -> None:
+    def finished(c: dict[str, Any], n: int) -> None:
         nonlocal done_docs
         counts[c["index"]] = c
         done_docs += n
@@ -383,9 +362,9 @@ def _tokenize_all(
     inflight: deque[tuple[Any, int]] = deque()
     try:
         if workers <= 1:
-            _load_worker(setup)
+            load_worker(setup)
         for index, texts in _pieces(docs, piece_bytes):
-            found = _done(folder, index)
+            found = _done(folder, index, texts)
             if found is not None:
                 finished(found, len(texts))
             elif workers <= 1:
@@ -393,7 +372,7 @@ def _tokenize_all(
             else:
                 if pool is None:
                     pool = multiprocessing.get_context("spawn").Pool(
-                        workers, initializer=_init_pool_worker, initargs=(setup,)
+                        workers, initializer=init_pool_worker, initargs=(setup,)
                     )
                 inflight.append((pool.apply_async(_tokenize_piece, (index, texts)), len(texts)))
                 while len(inflight) >= 2 * workers:
@@ -411,7 +390,7 @@ def _tokenize_all(
         if pool is not None:
             pool.terminate()
             pool.join()
-        _worker.clear()
+        clear_worker()
     return [counts[i] for i in sorted(counts)]
 
 

@@ -3,17 +3,22 @@
 Text files hold one document each, ``.jsonl`` files one per line (a field), ``.parquet``
 files one per row (a column). They are read through ``datasets`` (memory-mapped Arrow),
 runs of text files in one call and every other file in a call of its own, so a broken
-input stops the prepare with one line naming it.
+input stops the prepare with one line naming it (and, in a ``.jsonl`` file, the line as
+an editor numbers it); ``datasets``' own log lines about it are not shown.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from node.sources import DataError
 
-__all__ = ["Part", "file_kind", "read_parts"]
+__all__ = ["Part", "file_kind", "read_parts", "refuse_binary", "row_place"]
 
 _READ_BYTES = 1 << 22
 
@@ -89,8 +94,7 @@ def _check_text(path: Path) -> None:
     try:
         with path.open("rb") as f:
             while chunk := f.read(_READ_BYTES):
-                if b"\0" in chunk:
-                    raise DataError(f"{path}: a binary file, not text (it holds NUL bytes)")
+                refuse_binary(path, chunk)
                 decoder.decode(chunk)
             decoder.decode(b"", final=True)
     except UnicodeDecodeError:
@@ -99,15 +103,89 @@ def _check_text(path: Path) -> None:
         raise DataError(f"cannot read corpus file {path} ({exc.strerror})") from None
 
 
+def refuse_binary(path: Path, chunk: bytes) -> None:
+    """A text input holds no NUL byte: one that does is refused, as bytes or documents."""
+    if b"\0" in chunk:
+        raise DataError(f"{path}: a binary file, not text (it holds NUL bytes)")
+
+
+def row_place(where: str, row: int) -> str:
+    """``line N`` of document ``row`` (from 1) of a JSON lines file, counting blank lines
+    as an editor does; ``row N`` of anything else."""
+    path = Path(where)
+    if file_kind(path) == "json":
+        with contextlib.suppress(OSError, EOFError), _open(path) as f:
+            for seen, (number, line) in enumerate(_json_lines(f), 1):
+                if seen == 1 and line.lstrip().startswith(b"["):
+                    break  # one JSON array, not lines
+                if seen == row:
+                    return f"line {number}"
+    return f"row {row}"
+
+
 def _load(kind: str, paths: list[str], cache: Path, **kwargs: Any) -> Any:
     import datasets
 
     try:
-        return datasets.load_dataset(
-            kind, data_files=paths, split="train", cache_dir=str(cache), **kwargs
-        )
+        with _quiet("datasets"):  # it logs the error it raises, twice: ours is the one line
+            return datasets.load_dataset(
+                kind, data_files=paths, split="train", cache_dir=str(cache), **kwargs
+            )
     except Exception as exc:  # datasets wraps what went wrong in its own errors
         cause = exc.__cause__ or exc
         what = {"json": "JSON lines", "parquet": "a parquet file", "text": "text"}[kind]
-        detail = " ".join(str(cause).split())[:200] or type(cause).__name__
-        raise DataError(f"{paths[0]}: cannot be read as {what} ({detail})") from None
+        where, detail = paths[0], " ".join(str(cause).split())[:200] or type(cause).__name__
+        # its row numbers count from 0 in a block of 10 MB, blank lines left out: an
+        # editor's line number is found here
+        bad = _bad_json_line(Path(where)) if kind == "json" else None
+        if bad is not None:
+            where, detail = f"{where}: line {bad[0]}", bad[1]
+        raise DataError(f"{where}: cannot be read as {what} ({detail})") from None
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """No log record of ``logger`` and its children while inside."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number"}
+
+
+def _bad_json_line(path: Path) -> tuple[int, str] | None:
+    """The first line of a JSON lines file that is not a JSON object, from 1, and why;
+    None if there is none (or the file is one JSON array, not lines)."""
+    with contextlib.suppress(OSError, EOFError), _open(path) as f:
+        for seen, (number, line) in enumerate(_json_lines(f), 1):
+            if seen == 1 and line.lstrip().startswith(b"["):
+                return None
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return number, f"{exc.msg} at column {exc.colno}"
+            except ValueError:
+                return number, "not UTF-8"
+            if not isinstance(value, dict):
+                return number, f"{_JSON_TYPES.get(type(value), json.dumps(value))}, not an object"
+    return None
+
+
+def _open(path: Path) -> IO[bytes]:
+    if path.name.lower().endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    return path.open("rb")
+
+
+def _json_lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """Each line that holds something, with its number from 1 (blank lines counted)."""
+    for number, line in enumerate(f, 1):
+        if line.strip():
+            yield number, line

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from node.files import atomic_write
+from node.prepare_inputs import refuse_binary
 from node.sources import BYTES_DIGEST, SHARDS_FORMAT, DataError, is_val
 
 __all__ = ["join_pieces", "prepare_bytes"]
@@ -24,13 +25,18 @@ _COPY_BYTES = 1 << 22
 
 def prepare_bytes(files: list[tuple[str, Path]], out: Path, val_fraction: float) -> dict:
     """Copy text files as byte tokens, split by a hash of their path (as
-    :func:`node.data.load_corpus` splits them), file by file (never all in memory)."""
+    :func:`node.data.load_corpus` splits them), file by file (never all in memory).
+
+    Raises:
+        DataError: a binary file (one holding NUL bytes, as the documents pipeline
+            refuses it), or too little text for two splits.
+    """
     paths = {"train": out / "train.bin", "val": out / "val.bin"}
     sizes = {"train": 0, "val": 0}
     with paths["train"].open("wb") as train, paths["val"].open("wb") as val:
         for rel, path in files:
             split = "val" if is_val(rel, val_fraction) else "train"
-            sizes[split] += _append(path, train if split == "train" else val)
+            sizes[split] += _append(path, train if split == "train" else val, text=True)
     if sizes["val"] == 0 or sizes["train"] == 0:
         # Too few files for a by-file split: the tail of the bytes goes to validation.
         _split_tail(paths, sizes, val_fraction, 1)
@@ -57,12 +63,15 @@ def prepare_bytes(files: list[tuple[str, Path]], out: Path, val_fraction: float)
     return meta
 
 
-def _append(path: Path, sink: Any) -> int:
-    """Copy ``path`` to the end of ``sink`` in chunks; returns the bytes copied."""
+def _append(path: Path, sink: Any, text: bool = False) -> int:
+    """Copy ``path`` to the end of ``sink`` in chunks; returns the bytes copied.
+    ``text``: refuse a binary file."""
     written = 0
     try:
         with path.open("rb") as source:
             while chunk := source.read(_COPY_BYTES):
+                if text:
+                    refuse_binary(path, chunk)
                 sink.write(chunk)
                 written += len(chunk)
     except OSError as exc:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from node import prepare as prep
+from node import prepare_tokens
 from node.data import BatchStream, DataError, load_shards, read_meta, stdlib_files
 from node.sources import is_val
 from node.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -207,7 +208,7 @@ def test_an_interrupted_prepare_resumes_without_redoing_finished_pieces(
         prep.prepare(patterns, tmp_path / "out", progress=stop_after_five, **options)
     assert len(list((tmp_path / "out" / ".prepare").glob("piece-*.json"))) == 5
     # another job in the same folder is refused, saying how to go on
-    with pytest.raises(DataError, match="holds an unfinished prepare of other inputs"):
+    with pytest.raises(DataError, match="holds an unfinished prepare of other settings"):
         prep.prepare(patterns, tmp_path / "out", tokenizer=str(tokenizer_dir), piece_mb=0.5)
     calls.clear()
     prep.prepare(patterns, tmp_path / "out", **options)
@@ -283,3 +284,168 @@ def test_ctrl_c_stops_the_workers_and_the_same_command_finishes_the_job(
     )
     assert fresh.returncode == 0
     assert _shards(tmp_path / "out") == _shards(tmp_path / "fresh")
+
+
+# ---- user reports: line numbers, a fixed input, binary files, datasets' logs, memory ----
+
+
+def _jsonl(path: Path, broken: bool = True) -> Path:
+    """60 documents, one a line; ``broken``: line 50 is not JSON."""
+    lines = [json.dumps({"text": DOCS[i % len(DOCS)]}) for i in range(60)]
+    if broken:
+        lines[49] = '{"text": broken'
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_broken_json_line_is_one_line_of_atoll_naming_the_file_and_line(
+    tmp_path: Path,
+) -> None:
+    bad = _jsonl(tmp_path / "bad.jsonl")
+    command = [sys.executable, "-m", "node.cli", "data", "prepare", str(bad)]
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    # not datasets' own two lines about it (its handler's and the root logger's)
+    assert done.stderr.splitlines() == [
+        f"atoll: {bad}: line 50: cannot be read as JSON lines (Expecting value at column 10)"
+    ]
+
+
+def test_a_field_that_is_not_text_is_named_by_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": "b"}\n{"text": null}\n')
+    with pytest.raises(DataError, match=r"x.jsonl: line 4: 'text' is NoneType, not text"):
+        prep.prepare([str(path)], tmp_path / "out")
+
+
+def test_a_prepare_that_failed_on_an_input_runs_again_once_it_is_fixed(
+    tmp_path: Path, tokenizer_dir: Path, caplog
+) -> None:
+    bad = _jsonl(tmp_path / "in" / "docs.jsonl")
+    options = {"tokenizer": str(tokenizer_dir), "piece_mb": 0.02}
+    with pytest.raises(DataError, match="line 50"):
+        prep.prepare([str(bad)], tmp_path / "out", **options)
+    _jsonl(bad, broken=False)  # the user fixes line 50 and runs the same command
+    with caplog.at_level("INFO", logger="node.prepare"):
+        meta = prep.prepare([str(bad)], tmp_path / "out", **options)  # no --force
+    said = [r.getMessage() for r in caplog.records if r.name == "node.prepare"]
+    assert len(said) == 1 and "inputs changed" in said[0] and str(bad) in said[0], said
+    prep.prepare([str(bad)], tmp_path / "fresh", **options)
+    assert _shards(tmp_path / "out") == _shards(tmp_path / "fresh")
+    assert meta["documents"]["train_docs"] + meta["documents"]["val_docs"] == 60
+
+
+def test_changed_inputs_start_over_keeping_the_pieces_that_did_not_change(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch
+) -> None:
+    patterns = _as_text(tmp_path / "in", DOCS)
+    options = {"tokenizer": str(tokenizer_dir), "piece_mb": 0.02}
+    calls: list[int] = []
+    real = prep._tokenize_piece
+
+    def counted(index: int, texts: list[str]) -> dict:
+        calls.append(index)
+        return real(index, texts)
+
+    monkeypatch.setattr(prep, "_tokenize_piece", counted)
+
+    def stop_after_five(done: int, total: int) -> None:
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(prep.Interrupted):
+        prep.prepare(patterns, tmp_path / "out", progress=stop_after_five, **options)
+    # the first document changes but keeps its length, and a new last one comes: the
+    # first piece is checked against its documents and done again, pieces 1 to 4 kept
+    first = tmp_path / "in" / "doc000.txt"
+    assert "import" in DOCS[0]
+    first.write_text(DOCS[0].replace("import", "IMPORT", 1), encoding="utf-8")
+    os.utime(first, ns=(first.stat().st_mtime_ns + 10**9,) * 2)
+    (tmp_path / "in" / "doc999.txt").write_text("a new last document", encoding="utf-8")
+    calls.clear()
+    prep.prepare(patterns, tmp_path / "out", **options)
+    assert calls[0] == 0 and sorted(calls[1:]) == list(range(5, max(calls) + 1)), calls
+    calls.clear()
+    prep.prepare(patterns, tmp_path / "fresh", **options)
+    assert _shards(tmp_path / "out") == _shards(tmp_path / "fresh")
+
+
+def test_changed_inputs_of_a_trained_tokenizer_train_it_again(tmp_path: Path) -> None:
+    patterns = _as_text(tmp_path / "in", DOCS[:12])
+    options = {"train_vocab": 300, "piece_mb": 0.02}
+
+    def stop(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(prep.Interrupted):
+        prep.prepare(patterns, tmp_path / "out", progress=stop, **options)
+    (tmp_path / "in" / "doc000.txt").write_text(DOCS[20], encoding="utf-8")
+    meta = prep.prepare(patterns, tmp_path / "out", **options)
+    fresh = prep.prepare(patterns, tmp_path / "fresh", **options)
+    assert meta["tokenizer"]["digest"] == fresh["tokenizer"]["digest"]
+    assert _shards(tmp_path / "out") == _shards(tmp_path / "fresh")
+
+
+@pytest.mark.parametrize("beside", [None, "other.txt", "other.jsonl"])
+def test_a_binary_file_is_refused_alone_or_among_others(tmp_path: Path, beside: str | None) -> None:
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"\0" * 4096)
+    paths = [str(nul)]
+    if beside:
+        other = tmp_path / beside
+        other.write_text(json.dumps({"text": "fine"}) if beside.endswith("jsonl") else "fine")
+        paths.append(str(other))
+    with pytest.raises(DataError) as info:
+        prep.prepare(paths, tmp_path / "out")  # bytes, or documents beside a .jsonl
+    assert str(info.value) == f"{nul}: a binary file, not text (it holds NUL bytes)"
+
+
+def _one_line(words: list[str], size: int) -> str:
+    out, n, i = [], 0, 0
+    while n < size:
+        out.append(words[i % len(words)])
+        n, i = n + len(out[-1]) + 1, i + 7
+    return " ".join(out)
+
+
+def test_a_document_longer_than_a_piece_gets_the_tokens_of_the_whole(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    doc = _one_line(" ".join(DOCS).split(), 300_000)
+    patterns = _as_text(tmp_path / "in", [doc])
+    prep.prepare(patterns, tmp_path / "out", tokenizer=str(tokenizer_dir), piece_mb=0.05)
+    tok = load_tokenizer(tokenizer_dir)
+    train, val, _ = _shards(tmp_path / "out")
+    ids = np.frombuffer(train + val, dtype="<u2").tolist()
+    assert ids == [*tok.encode(doc), tok.eos_id]
+    cut = list(prepare_tokens.cut(doc, 40_000))  # parts of the piece, cut between words
+    assert "".join(cut) == doc and len(cut) > 7 and max(map(len, cut)) <= 40_000
+    assert all(p[-1] != " " and q[0] == " " and q[1] != " " for p, q in zip(cut, cut[1:]))
+
+
+_PEAK = """
+import resource, sys
+from pathlib import Path
+import datasets, numpy, psutil, tokenizers  # their memory is not the document's
+from node import prepare
+doc, out, tokenizer = sys.argv[1:]
+before = psutil.Process().memory_info().rss
+prepare.prepare([doc], Path(out), tokenizer=tokenizer, piece_mb=1)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+"""
+
+
+def test_memory_follows_the_piece_not_the_longest_document(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    # one line of 8 MiB: tokenized whole it took ~185 bytes of memory per byte of text
+    doc = tmp_path / "one-line.txt"
+    doc.write_text(_one_line(" ".join(DOCS).split(), 8 * 2**20), encoding="utf-8")
+    command = [sys.executable, "-c", _PEAK, str(doc), str(tmp_path / "out"), str(tokenizer_dir)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    per_byte = int(done.stdout) / doc.stat().st_size
+    assert per_byte < 60, f"{per_byte:.0f} bytes of memory per byte of the document"

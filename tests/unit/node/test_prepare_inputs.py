@@ -55,3 +55,22 @@ def test_binary_and_undecodable_text_inputs_are_refused_before_reading(tmp_path:
         read_parts(_files(binary), "text", "text", tmp_path / "cache")
     with pytest.raises(DataError, match="not UTF-8 text"):
         read_parts(_files(latin), "text", "text", tmp_path / "cache")
+
+
+def test_a_malformed_json_line_is_named_by_its_line_as_an_editor_numbers_it(
+    tmp_path: Path,
+) -> None:
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(100)]
+    lines[9] = ""  # a blank line counts as a line, as in an editor
+    lines[49] = '{"text": broken'
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as info:
+        read_parts(_files(bad), "text", "text", tmp_path / "cache")
+    assert str(info.value) == (
+        f"{bad}: line 50: cannot be read as JSON lines (Expecting value at column 10)"
+    )
+    lines[49] = '["a list"]'
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl: line 50: .*\(an array, not an object\)"):
+        read_parts(_files(bad), "text", "text", tmp_path / "cache2")

@@ -34,12 +34,12 @@ def test_byte_shards_keep_each_file_whole_in_its_split(tmp_path: Path) -> None:
 
 def test_one_file_is_split_by_its_tail(tmp_path: Path) -> None:
     path = tmp_path / "one.txt"
-    path.write_bytes(bytes(range(100)))
+    path.write_bytes(bytes(range(1, 101)))  # no NUL byte: that would be a binary file
     out = tmp_path / "out"
     out.mkdir()
     meta = prepare_bytes([(path.as_posix(), path)], out, 0.1)
-    assert (out / "train.bin").read_bytes() == bytes(range(90))
-    assert (out / "val.bin").read_bytes() == bytes(range(90, 100))
+    assert (out / "train.bin").read_bytes() == bytes(range(1, 91))
+    assert (out / "val.bin").read_bytes() == bytes(range(91, 101))
     assert (meta["train_tokens"], meta["val_tokens"]) == (90, 10)
 
 
