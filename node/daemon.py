@@ -27,7 +27,7 @@ from node.peers import DuplicateIdentityError
 from node.reporter import Reporter, Upkeep, __version__
 from node.rounds import Rounds
 from node.site import SiteRank
-from node.spec import RunSpec, settings_digest
+from node.spec import RunSpec, settings_digest, spec_text
 from node.startup import (
     Teardown,
     install_signals,
@@ -39,6 +39,7 @@ from node.startup import (
     wait_for_peers,
 )
 from protocol.p2p.transport import Transport
+from protocol.runspec import SpecServer
 
 __all__ = ["Node", "TrainedAlone", "__version__"]
 
@@ -196,6 +197,8 @@ class Node:
         )
         network = start_network(cfg, transport, inputs, training, events, reporter.vitals)
         self.network = reporter.network = network
+        if self.spec is not None:  # joiners with the run's address fetch it from any node
+            SpecServer(transport, self.spec.run_id, spec_text(self.spec).encode()).register()
         status.update(
             force=True,
             reachability=transport.reachability.to_dict(),

@@ -60,8 +60,10 @@ __all__ = [
     "SpecError",
     "apply_spec",
     "create_spec",
+    "parse_spec",
     "read_spec",
     "settings_digest",
+    "spec_text",
     "write_spec",
 ]
 
@@ -193,13 +195,9 @@ def create_spec(
     return dataclasses.replace(unsigned, signature=signature)
 
 
-def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
-    """Write ``spec`` as TOML, atomically (:func:`node.files.atomic_write`).
-
-    Raises:
-        SpecError: if ``path`` exists and ``force`` is false, or it cannot be written.
-    """
-    path = Path(path)
+def spec_text(spec: RunSpec, name: str = "run.toml") -> str:
+    """The spec file's text: a comment header (its join and check commands naming the
+    file ``name``), the signed head and the shared settings, as TOML."""
     head: dict[str, Any] = {
         "version": SPEC_VERSION,
         "run_id": spec.run_id,
@@ -211,15 +209,25 @@ def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
         head["t0"] = spec.t0
     head["bootstrap"] = list(spec.bootstrap)
     head["signature"] = base64.b64encode(spec.signature).decode("ascii")
-    name = shlex.quote(path.name)
+    name = shlex.quote(name)
     header = (
         f"# Atoll run spec for run {spec.run_id!r} (spec {spec.short}): the settings every\n"
         f"# node of the run shares, signed by its creator {spec.creator}.\n"
-        f"# Join the run:    atoll run --spec {name}\n"
+        f"# Join the run:    atoll run --spec {name} --operator {spec.creator}\n"
         f"# Check the file:  atoll spec show {name}\n"
         "# Any edit breaks the signature; to change a setting, create a new spec.\n\n"
     )
-    text = header + tomli_w.dumps({"spec": head, "shared": spec.shared})
+    return header + tomli_w.dumps({"spec": head, "shared": spec.shared})
+
+
+def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
+    """Write ``spec`` as TOML (:func:`spec_text`), atomically (:func:`node.files.atomic_write`).
+
+    Raises:
+        SpecError: if ``path`` exists and ``force`` is false, or it cannot be written.
+    """
+    path = Path(path)
+    text = spec_text(spec, path.name)
     try:
         atomic_write(path, text, perms=0o644, prefix=f".{path.name}.{os.getpid()}.", replace=force)
     except FileExistsError:
@@ -244,18 +252,38 @@ def read_spec(path: str | Path, operator: str | None = None) -> RunSpec:
             version or invalid settings.
     """
     path = Path(path)
-    if operator is not None and not is_peer_id(operator):
-        raise SpecError(f"--operator {operator!r}: not a PeerID (12D3KooW..., from the operator)")
+    _check_operator(operator)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(
+            f"run spec {path}: no such file (a run's creator makes one with `atoll spec create`)"
+        ) from None
+    except OSError as exc:
+        raise SpecError(f"run spec {path}: cannot read: {exc.strerror or exc}") from None
+    return parse_spec(data, f"run spec {path}", operator)
+
+
+def parse_spec(data: bytes, source: str, operator: str | None = None) -> RunSpec:
+    """Parse and verify a spec file's bytes (from a file, or from a peer that serves its
+    run's spec); the checks are :func:`read_spec`'s.
+
+    Args:
+        data: the file's bytes.
+        source: what the bytes are, for the error (``run spec run.toml``, ``the run
+            spec from 12D3KooW...``).
+        operator: as in :func:`read_spec`.
+
+    Raises:
+        SpecError: as :func:`read_spec`, beginning with ``source``.
+    """
+    _check_operator(operator)
 
     def fail(problem: str) -> SpecError:
-        return SpecError(f"run spec {path}: {problem}")
+        return SpecError(f"{source}: {problem}")
 
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise fail("no such file (a run's creator makes one with `atoll spec create`)") from None
-    except OSError as exc:
-        raise fail(f"cannot read: {exc.strerror or exc}") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise fail("not UTF-8 text, so not a run spec") from None
     try:
@@ -287,6 +315,11 @@ def read_spec(path: str | Path, operator: str | None = None) -> RunSpec:
             f"spec.t0 must be set exactly when sync.trigger = 'seconds' (here {cfg.sync.trigger!r})"
         )
     return spec
+
+
+def _check_operator(operator: str | None) -> None:
+    if operator is not None and not is_peer_id(operator):
+        raise SpecError(f"--operator {operator!r}: not a PeerID (12D3KooW..., from the operator)")
 
 
 def apply_spec(spec: RunSpec, data: dict[str, Any]) -> AtollConfig:

@@ -14,7 +14,8 @@ from node.fault_modes import ALL_MODES as _BYZANTINE_MODES
 __all__ = ["COMMANDS", "atoll_parser"]
 
 _DESCRIPTION = (
-    "Atoll: train one model across scattered machines. Run a node (atoll run), "
+    "Atoll: train one model across scattered machines. Run a node (atoll run), join "
+    "a public run from its address (atoll join), "
     "try a swarm on this machine (atoll swarm), and watch and manage a node "
     "(status, peers, ban, pardon, audit, export); prepare a large corpus (data) "
     "and plan a run's links (plan)."
@@ -80,6 +81,36 @@ _SIMULATE = Command(
     ),
 )
 
+_NODE_ARGS = (
+    arg("--data-dir", help="run.data_dir (key, checkpoints, logs)"),
+    arg("--rounds", type=int, help="stop after this many rounds"),
+    arg(
+        "--slowdown",
+        type=float,
+        metavar="X",
+        help="run X times slower than this hardware (stands in for a slower machine)",
+    ),
+    arg(
+        "--byzantine",
+        metavar="MODE",
+        help="fault injection for tests and benchmarks: " + ", ".join(_BYZANTINE_MODES),
+    ),
+    arg(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="run this node as a site of N processes (torchrun; gloo on CPU, NCCL on "
+        "GPUs): rank 0 joins the swarm, all N train data-parallel",
+    ),
+    arg(
+        "--log-file",
+        metavar="PATH",
+        help="where the node logs besides stderr, rotated at 10 MiB (default "
+        "DATA_DIR/node.log; - for none)",
+    ),
+)
+"""Options of every command that runs a node (``run`` and ``join``)."""
+
 _RUN = Command(
     "run",
     "run one training node",
@@ -93,42 +124,43 @@ _RUN = Command(
             metavar="MADDR",
             help="multiaddrs to join through",
         ),
-        arg("--data-dir", help="run.data_dir (key, checkpoints, logs)"),
-        arg("--rounds", type=int, help="stop after this many rounds"),
-        arg(
-            "--slowdown",
-            type=float,
-            metavar="X",
-            help="run X times slower than this hardware (stands in for a slower machine)",
-        ),
-        arg(
-            "--byzantine",
-            metavar="MODE",
-            help="fault injection for tests and benchmarks: " + ", ".join(_BYZANTINE_MODES),
-        ),
+        *_NODE_ARGS,
         arg(
             "--spec",
             metavar="FILE",
             help="join the run this signed spec describes (atoll spec create makes one)",
         ),
         arg(
+            "--join",
+            metavar="ADDRESS",
+            help="join the run at this address (RUN_ID@MULTIADDR): as atoll join ADDRESS",
+        ),
+        arg(
             "--operator",
             metavar="PEERID",
-            help="refuse a --spec not signed by this PeerID (the run's operator gives it "
-            "out beside the spec, so that a copy signed by someone else is not joined)",
+            help="refuse a --spec (or a --join's spec) not signed by this PeerID (the run's "
+            "operator gives it out, so that a copy signed by someone else is not joined)",
         ),
+    ),
+)
+
+_JOIN = Command(
+    "join",
+    "join a run from its address (fetch the operator's signed spec from the swarm, then run)",
+    "running:cmd_join",
+    (
         arg(
-            "--nproc-per-node",
-            type=int,
-            metavar="N",
-            help="run this node as a site of N processes (torchrun; gloo on CPU, NCCL on "
-            "GPUs): rank 0 joins the swarm, all N train data-parallel",
+            "address",
+            help="the run address the operator gives out, RUN_ID@MULTIADDR (atoll spec "
+            "create prints it)",
         ),
+        *_CONFIG,
+        *_NODE_ARGS,
         arg(
-            "--log-file",
-            metavar="PATH",
-            help="where the node logs besides stderr, rotated at 10 MiB (default "
-            "DATA_DIR/node.log; - for none)",
+            "--operator",
+            metavar="PEERID",
+            help="the PeerID that must have signed the spec (default: the address's, "
+            "for an address through another node of the run)",
         ),
     ),
 )
@@ -395,6 +427,22 @@ _SPEC = Group(
             ),
         ),
         Command(
+            "fetch",
+            "fetch a run's signed spec from its address and verify it",
+            "preparing:cmd_spec_fetch",
+            (
+                arg("address", help="the run address, RUN_ID@MULTIADDR"),
+                arg("--out", required=True, help="spec file to write, e.g. run.toml"),
+                arg(
+                    "--operator",
+                    metavar="PEERID",
+                    help="the PeerID that must have signed it (default: the address's)",
+                ),
+                arg("--host", default="127.0.0.1", help="IP address to listen on meanwhile"),
+                arg("--force", action="store_true", help="replace an existing file"),
+            ),
+        ),
+        Command(
             "show",
             "verify a run spec and print it",
             "preparing:cmd_spec_show",
@@ -409,6 +457,7 @@ _SPEC = Group(
 COMMANDS: tuple[Command | Group, ...] = (
     _SIMULATE,
     _RUN,
+    _JOIN,
     _SWARM,
     _AUDIT_GROUP,
     *_WATCH,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,6 +153,7 @@ def _private_dir(directory: Path) -> None:
 def cmd_spec_create(args: argparse.Namespace) -> int:
     """``atoll spec create``: sign a config's shared settings into a run spec."""
     from node.bindings import bind
+    from node.join import run_addresses
     from node.spec import create_spec, write_spec
     from protocol.p2p.addrs import with_peer_id
     from verification.errors import VerificationError
@@ -177,7 +179,33 @@ def cmd_spec_create(args: argparse.Namespace) -> int:
         print(f"round 1 starts at {_utc(spec.t0)} (t0 {spec.t0})")
     if not spec.bootstrap:
         print("no --bootstrap given: volunteers must pass --initial-peers to find the run")
-    print(f"volunteers join with: atoll run --spec {args.out} --operator {spec.creator}")
+    addresses = run_addresses(spec)
+    for address in addresses:
+        print(f"run address: {address}")
+    from_file = f"atoll run --spec {shlex.quote(args.out)} --operator {spec.creator}"
+    if addresses:
+        # the bootstrap node serves the spec it runs, so volunteers fetch it from there
+        print(f"start the bootstrap node with: atoll run --spec {shlex.quote(args.out)}")
+        print(f"volunteers join with: atoll join {shlex.quote(str(addresses[0]))}")
+        print(f"or, from a copy of the file: {from_file}")
+    else:
+        print(f"volunteers join with: {from_file}")
+    return 0
+
+
+def cmd_spec_fetch(args: argparse.Namespace) -> int:
+    """``atoll spec fetch``: a run's spec from its address, verified, written to a file."""
+    from node.join import RunAddress, fetch_spec, save_spec
+    from node.spec import SpecError
+
+    address = RunAddress.parse(args.address)
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise SpecError(f"run spec {out}: already exists (use --force to replace it)")
+    spec, raw = fetch_spec(address, args.operator, host=args.host)
+    save_spec(raw, out)
+    print(f"wrote {out}: run {spec.run_id}, spec {spec.short}, signed by {spec.creator}")
+    print(f"run it with: atoll run --spec {shlex.quote(str(out))} --operator {spec.creator}")
     return 0
 
 

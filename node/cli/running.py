@@ -1,5 +1,6 @@
-"""``atoll simulate``, ``atoll run`` and ``atoll swarm``: training, in one process, as one
-node, or as a swarm of real nodes on this machine."""
+"""``atoll simulate``, ``atoll run``, ``atoll join`` and ``atoll swarm``: training, in one
+process, as one node (from a config, a spec file or a run address), or as a swarm of
+real nodes on this machine."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from node.config import ConfigError, load_config
 from node.fault_modes import parse_mode
 
 if TYPE_CHECKING:
+    from node.config import AtollConfig
     from node.daemon import Node
+    from node.spec import RunSpec
     from node.swarm import SwarmProcess, SwarmSpec
 
-__all__ = ["cmd_run", "cmd_simulate", "cmd_swarm", "initial_peers"]
+__all__ = ["cmd_join", "cmd_run", "cmd_simulate", "cmd_swarm", "initial_peers"]
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -64,14 +67,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``atoll run``: one training node (or, under torchrun, one rank of a site)."""
-    overrides = list(args.overrides)
-    if args.data_dir:
-        overrides.append(f"run.data_dir={json.dumps(args.data_dir)}")
-    if args.rounds is not None:
-        overrides.append(f"run.max_rounds={args.rounds}")
-    if args.slowdown is not None:
-        overrides.append(f"run.slowdown={args.slowdown}")
+    overrides = _node_overrides(args)
     spec = None
+    if args.join:
+        if args.spec:
+            raise ValueError("--join fetches the run's spec: give --join or --spec, not both")
+        return _join(args, args.join, initial_peers(args.initial_peers))
     if args.operator and not args.spec:
         raise ValueError("--operator pins who signed a run spec: give the spec with --spec FILE")
     if args.spec:
@@ -83,7 +84,114 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = apply_spec(spec, load_config_data(args.config, overrides))
     else:
         cfg = load_config(args.config, overrides)
-    peers = initial_peers(args.initial_peers)
+    return _start_node(args, cfg, spec, initial_peers(args.initial_peers))
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """``atoll join ADDRESS``: ``atoll run --join ADDRESS``."""
+    return _join(args, args.address, ())
+
+
+def _join(args: argparse.Namespace, text: str, peers: tuple[str, ...]) -> int:
+    """Fetch the run's spec from the swarm, pinned to its operator, keep a copy in the
+    data directory and run from it."""
+    from node.config import load_config_data
+    from node.join import RunAddress, fetch_spec, save_spec
+    from node.site import SiteRank
+    from node.spec import apply_spec
+
+    address = RunAddress.parse(text)
+    if SiteRank.from_env() is not None:
+        raise ValueError(
+            "joining by address under torchrun: give the node --nproc-per-node instead, or "
+            "fetch the spec once (atoll spec fetch ADDRESS --out FILE) and start the ranks "
+            "with atoll run --spec FILE --operator PEERID"
+        )
+    operator = args.operator or address.peer_id
+    data = load_config_data(args.config, _node_overrides(args))
+    # the node's own network settings: where to listen, how long to wait for the peer
+    net = _fetch_settings(data.get("network", {}))
+    print(f"fetching run {address.run_id!r}'s spec from {address.peer_id}", flush=True)
+    spec, raw = fetch_spec(
+        address, operator, host=net.host, timeout=net.request_timeout, wait=net.join_timeout
+    )
+    cfg = apply_spec(spec, data)  # the local config is checked before anything is written
+    path = Path(cfg.run.data_dir).expanduser() / "run-spec.toml"
+    save_spec(raw, path)
+    print(
+        f"run {spec.run_id!r}: spec {spec.short} signed by the operator {spec.creator}; "
+        f"a copy is in {path}",
+        flush=True,
+    )
+    if args.nproc_per_node is not None:
+        # torchrun starts every rank with the spec file instead of the address
+        args.argv = _with_spec_file(args.argv, text, str(path), operator)
+    return _start_node(args, cfg, spec, peers)
+
+
+_FETCH_KEYS = ("host", "request_timeout", "join_timeout")
+"""The network keys of a node's own config that its spec fetch follows."""
+
+
+def _fetch_settings(network: dict[str, Any]) -> Any:
+    """The :data:`_FETCH_KEYS` of a node's raw ``[network]`` table, checked.
+
+    Raises:
+        ConfigError: one of them is invalid.
+    """
+    from pydantic import ValidationError
+
+    from node.config import NetworkConfig
+
+    try:
+        return NetworkConfig(**{k: v for k, v in network.items() if k in _FETCH_KEYS})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(p) for p in error["loc"])
+        raise ConfigError(f"network.{key}: {error['msg']}") from None
+
+
+def _node_overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` values and the options of ``run`` and ``join`` that stand for keys."""
+    overrides = list(args.overrides)
+    if args.data_dir:
+        overrides.append(f"run.data_dir={json.dumps(args.data_dir)}")
+    if args.rounds is not None:
+        overrides.append(f"run.max_rounds={args.rounds}")
+    if args.slowdown is not None:
+        overrides.append(f"run.slowdown={args.slowdown}")
+    return overrides
+
+
+def _with_spec_file(argv: list[str], address: str, path: str, operator: str) -> list[str]:
+    """A join's command line (``join ADDRESS`` or ``run --join ADDRESS``) as ``run
+    --spec PATH --operator OPERATOR``, its other arguments kept."""
+    spec = ["--spec", path, "--operator", operator]
+    out: list[str] = []
+    command, dropped, i = None, False, 0
+    while i < len(argv):
+        a = argv[i]
+        if command is None and a in ("join", "run"):
+            command = a
+            out.extend(["run", *spec] if a == "join" else ["run"])
+        elif command == "join" and a == address and not dropped:
+            dropped = True  # join's positional address
+        elif command == "run" and a == "--join":
+            out.extend(spec)
+            i += 1  # and its value
+        elif command == "run" and a.startswith("--join="):
+            out.extend(spec)
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
+def _start_node(
+    args: argparse.Namespace, cfg: AtollConfig, spec: RunSpec | None, peers: tuple[str, ...]
+) -> int:
+    """Run the node of ``cfg``: as it is, as torchrun of ``--nproc-per-node`` ranks, or
+    as a follower rank of a site."""
     from node.site import SiteRank
     from node.site_process import die_with_parent, leave, run_follower, site_command
 

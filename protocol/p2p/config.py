@@ -66,6 +66,9 @@ class TransportConfig:
             calls a peer whose port is not encrypted through p2pd. Needs
             ``identity_path``.
         data_port: TCP port of the direct data plane on ``host``; 0 picks a free one.
+        dht: start the DHT process and join the DHT; False for a transport that only
+            calls the initial peers (fetching a run spec before a node starts), which
+            then has no DHT and skips the dial-back check.
     """
 
     host: str = "127.0.0.1"
@@ -90,6 +93,7 @@ class TransportConfig:
     inbound_rate_window: float = 10.0
     data_plane: Literal["p2pd", "tcp", "tls"] = "p2pd"
     data_port: int = 0
+    dht: bool = True
 
     def __post_init__(self) -> None:
         if self.data_plane not in ("p2pd", "tcp", "tls"):

@@ -154,7 +154,10 @@ class Transport:
         maddrs = await asyncio.wait_for(self._p2p.get_visible_maddrs(), cfg.request_timeout)
         self._listen_maddrs = [str(m) for m in maddrs]
         self._maddrs = addrs.publishable(self._listen_maddrs, cfg.host)
-        await self._start_dht()
+        if cfg.dht:
+            await self._start_dht()
+        else:
+            self._reachability = Reachability.forced_to("private")
 
     async def _start_dht(self) -> None:
         cfg = self.config

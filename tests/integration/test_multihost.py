@@ -3,7 +3,9 @@
 Hosts ``a``, ``b`` and ``c`` sit on one bridge, each node listening on its own address;
 ``d`` sits behind a NAT router (it can dial out, nobody can dial in); ``e`` is a public
 host whose node runs another spec of the same run id. The bootstrap operator (on ``a``)
-writes and signs the run spec; every node joins with ``atoll run --spec``.
+writes and signs the run spec; the nodes on ``b`` and ``c`` join with ``atoll run --spec``,
+and the volunteer behind NAT with the run's address alone (``atoll run --join``, which
+fetches the spec from the bootstrap node and checks it was signed by that node's key).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from node import swarm
 from node.metrics import read_events
+from node.spec import read_spec
 from tests.integration.conftest import SMALL, wait_until
 from tests.netlab import NetLab
 from verification.audit import AuditLog
@@ -129,8 +132,11 @@ def spec_swarm(
     try:
         spec_args = ["--spec", str(root / "run.toml")]
         nodes.start(0, "a", shared, spec_args, nodes=4, rounds=ROUNDS)
-        for index, host in ((1, "b"), (2, "c"), (3, "d")):
+        for index, host in ((1, "b"), (2, "c")):
             nodes.start(index, host, shared, spec_args, nodes=4, rounds=ROUNDS)
+        # the volunteer behind NAT has only the run address (started with the others:
+        # it keeps asking until the bootstrap node serves the spec)
+        nodes.start(3, "d", shared, ["--join", f"itest@{bootstrap}"], nodes=4, rounds=ROUNDS)
         # Same run id, another spec (int4): it must be refused, and refuse the others.
         # It runs longer than the others, so it is there for all of their run.
         stranger = ["--spec", str(root / "other.toml")]
@@ -157,6 +163,17 @@ def test_three_hosts_and_a_nat_host_train_and_agree_every_round(spec_swarm) -> N
         assert refused == [], f"node {node.index} refused parts: {refused[:3]}"
         for sync in read_events(node.data_dir / "events.jsonl", "sync"):
             assert sync["complete"], sync
+
+
+def test_a_volunteer_behind_nat_joins_from_the_run_address_alone(spec_swarm) -> None:
+    nat, boot = spec_swarm.nodes[3], spec_swarm.nodes[0]
+    fetched = nat.data_dir / "run-spec.toml"
+    spec = read_spec(fetched, operator=boot.status["peer_id"])  # kept, and it verifies
+    assert spec.digest == read_spec(spec_swarm.root / "run.toml").digest
+    assert nat.status["spec"] == boot.status["spec"] == spec.digest
+    log = (nat.data_dir / "node.log").read_text()
+    assert f"a copy is in {fetched}" in log
+    assert nat.proc.returncode == 0 and _rounds(nat)
 
 
 def test_nat_node_contributes_every_round_owns_no_part_and_says_unreachable(spec_swarm) -> None:
