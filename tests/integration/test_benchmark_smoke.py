@@ -111,6 +111,7 @@ def test_robustness_smoke(tmp_path: Path) -> None:
     assert cell["mode"] == "scale" and cell["exit_codes"] == [0, 0], cell
 
 
+@pytest.mark.slow  # the checks themselves in make test: tests/integration/test_useful_work.py
 @pytest.mark.timeout(240)
 def test_robustness_checks_smoke(tmp_path: Path) -> None:
     # the checks mode writes robustness-checks.*, which the docs' tables do not list

@@ -58,7 +58,7 @@ def test_every_node_sees_every_heartbeat_within_seconds(local_swarm):
     ],
 )
 def test_a_proven_cheat_is_banned_by_every_honest_node(local_swarm, mode, proof):
-    local_swarm.launch(4, rounds=3, args={3: ["--byzantine", mode]})
+    local_swarm.launch(4, rounds=2, args={3: ["--byzantine", mode]})
     assert local_swarm.wait_all(240)
     summary = local_swarm.summary()
     cheat = local_swarm.nodes[3].status["peer_id"]

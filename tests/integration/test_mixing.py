@@ -53,7 +53,9 @@ def test_gossip_trains_within_five_percent_of_group_allreduce(allreduce, local_s
 
 
 def test_butterfly_groups_of_two_follow_the_hypercube(allreduce, local_swarm):
-    summary = _run(local_swarm, ["network.group_size=2"])
+    # the registry split over 2 DHT keys (network.registry_shards): every node must still
+    # see every other, or the hypercube would not close (16 nodes in test_swarm16.py)
+    summary = _run(local_swarm, ["network.group_size=2", "network.registry_shards=2"])
     assert summary["exit_codes"] == [0] * NODES, summary["failed_nodes"]
     partners: dict[int, list[set[str]]] = {}
     for i in range(NODES):

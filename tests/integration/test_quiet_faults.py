@@ -82,8 +82,21 @@ def _syncs(node) -> list[dict]:
     return read_events(node.data_dir / "events.jsonl", "sync")
 
 
-def test_a_member_that_announces_and_sends_nothing_costs_only_its_contribution(clean, local_swarm):
-    summary = _run(local_swarm, mode="silent")
+def test_a_member_that_announces_and_sends_nothing_costs_only_its_contribution(
+    local_swarm, tmp_path
+):
+    # the clean swarm runs beside it, at the same time: both share the machine alike
+    clean_swarm = Swarm(tmp_path / "clean")
+    try:
+        clean_swarm.launch(NODES, ROUNDS, WALL_CLOCK)
+        local_swarm.launch(NODES, ROUNDS, WALL_CLOCK, {NODES - 1: ["--byzantine", "silent"]})
+        assert clean_swarm.wait_all(240) and local_swarm.wait_all(240), "swarms did not finish"
+        clean = clean_swarm.summary()
+    finally:
+        clean_swarm.close()
+    assert not clean_swarm.leftovers()
+    assert clean["params_agree"] and clean["exit_codes"] == [0] * NODES, clean
+    summary = local_swarm.summary()
     _assert_contained(summary, clean, local_swarm)
     silent = local_swarm.nodes[NODES - 1].status["peer_id"]
     for node in local_swarm.nodes[: NODES - 1]:
@@ -110,7 +123,7 @@ def test_a_member_training_on_random_bytes_is_bounded_and_no_honest_node_is_flag
 
 
 def test_a_frozen_node_is_not_punished_rejoins_and_contributes_again(local_swarm):
-    rounds = 7
+    rounds = 6
     nodes = local_swarm.launch(NODES, rounds, WALL_CLOCK)
     frozen = nodes[NODES - 1]
     assert wait_until(lambda: frozen.status.get("round", 0) >= 1, 120)

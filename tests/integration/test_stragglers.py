@@ -112,7 +112,7 @@ def test_late_joiner_takes_the_global_state_and_contributes(local_swarm):
 def test_sigkilled_node_restarts_from_checkpoint_without_audit_gaps(local_swarm):
     # Two nodes, each waiting for the other (min_peers = 2): the survivor trains alone
     # meanwhile and cannot attest a round with anyone; both must train together again.
-    nodes = local_swarm.launch(2, rounds=7, extra=[*SLOW_ROUNDS, "network.min_peers=2"])
+    nodes = local_swarm.launch(2, rounds=6, extra=[*SLOW_ROUNDS, "network.min_peers=2"])
     victim = nodes[1]
     assert wait_until(lambda: victim.status.get("round", 0) >= 2, 120, 0.05)
     killed_after = victim.status["round"]
@@ -120,7 +120,7 @@ def test_sigkilled_node_restarts_from_checkpoint_without_audit_gaps(local_swarm)
     victim.proc.wait(10)
     peers = wait_for_maddrs(nodes[0])
     again = local_swarm.start_one(
-        1, rounds=7, extra=[*SLOW_ROUNDS, "network.min_peers=2"], peers=peers, nodes=2
+        1, rounds=6, extra=[*SLOW_ROUNDS, "network.min_peers=2"], peers=peers, nodes=2
     )
     assert local_swarm.wait_all(240)
     assert again.proc.returncode == 0

@@ -19,7 +19,14 @@ import pytest
 from node.metrics import read_events
 from tests.integration.conftest import Swarm
 
-pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(900)]
+# make test-all: two minutes of a 2-core machine for what smaller swarms in make test
+# show too (butterfly mixing, the cell grid, a sharded registry: test_mixing.py)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.exclusive,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+]
 
 NODES, ROUNDS, FRAGMENTS = 16, 3, 2
 EXTRA = [

@@ -116,12 +116,12 @@ def test_strict_policy_refuses_a_peer_not_on_its_allow_list(local_swarm):
         (base / f"node{i}").mkdir(parents=True)
         key.save(base / f"node{i}" / "identity.key")
     strict = [f"trust.allow=['{keys[1].peer_id}']", "trust.accept_unknown=false"]
-    nodes = [local_swarm.start_one(0, 2, extra=strict, nodes=3)]
+    nodes = [local_swarm.start_one(0, 1, extra=strict, nodes=3)]
     from node.swarm import wait_for_maddrs
 
     peers = wait_for_maddrs(nodes[0])
     for i in (1, 2):
-        nodes.append(local_swarm.start_one(i, 2, peers=peers, nodes=3))
+        nodes.append(local_swarm.start_one(i, 1, peers=peers, nodes=3))
     assert local_swarm.wait_all(200)
     assert [n.proc.returncode for n in nodes] == [0, 0, 0]
     from verification.audit import AuditLog
