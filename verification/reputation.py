@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import sqlite3
 import threading
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from verification.auditchain import check_count
 from verification.database import open_database, transaction
 
 if TYPE_CHECKING:
@@ -77,15 +77,7 @@ class Standing:
 
 def _round(value: Any, name: str = "round") -> int:
     """A non-negative round number (bools refused)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if number < 0:
-        raise ValueError(f"{name} must be >= 0, got {number}")
-    return number
+    return check_count(name, value)
 
 
 def _unit(value: float, name: str) -> float:
