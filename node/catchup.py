@@ -109,6 +109,12 @@ class StateSnapshot:
             steps=steps,
         )
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its values and momentum (what a peer sends to hand it over)."""
+        tensors = [*self.globals, *(m for m in self.momentum if m is not None)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def apply(self, outer: OuterOptimizer) -> None:
         """Load into ``outer``: globals and momentum. A fragment the snapshot holds no
         momentum for (its holder never stepped it) drops this node's own, so both

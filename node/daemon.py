@@ -203,6 +203,7 @@ class Node:
             force=True,
             reachability=transport.reachability.to_dict(),
             maddrs=transport.maddrs,
+            relayed=any("/p2p-circuit" in m for m in transport.maddrs),
             params=training.plan.numel,
             ranks=self.site.world if self.site is not None else 1,
             helper_pids=network.helper_pids(),

@@ -220,10 +220,21 @@ class TrainingLoop:
         if len(record["group"]) > 1:
             progress.exchanges += 1
             progress.last_exchange = max(progress.last_exchange, pending.round)
+            if progress.first_exchange is None:
+                self._first_exchange(pending.round)
         if record["fallback_parts"] and network.live_peers():
             # Parts kept at local values drift from the swarm: take its state at round end.
             return None
         return record
+
+    def _first_exchange(self, round_: int) -> None:
+        """The node's first exchange with a peer: how long it took from launch (in the
+        status, the metrics and a ``first_exchange`` event)."""
+        seconds = round(time.time() - self.progress.launched, 2)
+        self.progress.first_exchange = seconds
+        logger.info("first exchange with a peer (round %d), %.1f s after launch", round_, seconds)
+        self.status.update(first_exchange_s=seconds)
+        self.events.write("first_exchange", round=round_, seconds=seconds)
 
     def _alone(self, round_: int) -> None:
         """Say so (at WARN once per stretch, and in the status file every round) when

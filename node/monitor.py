@@ -74,6 +74,31 @@ _FAMILIES: tuple[_Family, ...] = (
         "alone_rounds",
     ),
     _Family(
+        "atoll_first_exchange_seconds",
+        "gauge",
+        "Seconds from this node's launch to its first exchange with a peer.",
+        "first_exchange_s",
+    ),
+    _Family(
+        "atoll_join_attempts",
+        "gauge",
+        "Tries this node's start took to reach an initial peer (1: at once).",
+        "join_attempts",
+    ),
+    _Family(
+        "atoll_catch_ups",
+        "counter",
+        "Global states taken from peers (joining, or after a round that went wrong).",
+        "catch_ups",
+    ),
+    _Family("atoll_catch_up_bytes", "counter", "Bytes of those states.", "catch_up_bytes"),
+    _Family(
+        "atoll_catch_up_seconds",
+        "counter",
+        "Seconds spent downloading and checking those states.",
+        "catch_up_seconds",
+    ),
+    _Family(
         "atoll_host_bytes_per_parameter",
         "gauge",
         "Resident host memory of the node's process per model parameter, at the last round.",

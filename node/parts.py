@@ -64,6 +64,16 @@ __all__ = [
 ]
 
 
+def _process_start() -> float:
+    """When this process started (``time.time``), as the kernel says."""
+    import psutil
+
+    try:
+        return float(psutil.Process().create_time())
+    except psutil.Error:  # pragma: no cover - /proc unreadable
+        return time.time()
+
+
 @dataclass
 class Progress:
     """Where a node's training stands.
@@ -75,6 +85,12 @@ class Progress:
         alone_syncs: syncs averaged alone while peers were live.
         exchanges: syncs whose group held another peer.
         last_exchange: the round of the newest of them (0: none yet).
+        launched: when this process started (``time.time``).
+        first_exchange: seconds from ``launched`` to the first exchange (None: none yet).
+        catch_ups: global states taken from peers (joining, or after a round that went
+            wrong).
+        catch_up_bytes: bytes of those states (values and momentum).
+        catch_up_seconds: seconds spent downloading and checking them.
         train_started: when training began (``time.monotonic``).
         global_digest: ``(round, digest)`` of the global state last published.
         checkpointed_round: the round of the newest checkpoint written by this process.
@@ -87,6 +103,11 @@ class Progress:
     alone_syncs: int = 0
     exchanges: int = 0
     last_exchange: int = 0
+    launched: float = field(default_factory=_process_start)
+    first_exchange: float | None = None
+    catch_ups: int = 0
+    catch_up_bytes: int = 0
+    catch_up_seconds: float = 0.0
     train_started: float = field(default_factory=time.monotonic)
     global_digest: tuple[int, str] | None = None
     checkpointed_round: int | None = None

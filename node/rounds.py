@@ -117,6 +117,7 @@ class Rounds:
         self.pull()
         record = self.network.record(self.progress.round, t.trainer.steps)
         self.network.transport.run(peers.refresh(record), net.request_timeout * 2 + 5)
+        started = time.monotonic()
         found = catchup.download(
             self.network.transport,
             peers.identity,
@@ -130,6 +131,7 @@ class Rounds:
         if found is None:
             return False
         snap, sources = found
+        seconds, size = time.monotonic() - started, snap.nbytes
         before = [t.outer.global_vector(f) for f in range(len(t.plan))]
         snap.apply(t.outer)
         for f in range(len(t.plan)):
@@ -143,7 +145,22 @@ class Rounds:
         # Follow the swarm's place in the inner learning-rate schedule: a newcomer at
         # its warmup peak would take steps far larger than everyone else's.
         t.trainer.steps = max(t.trainer.steps, snap.steps)
-        self.events.write("catch_up", round=self.progress.round, sources=sources)
+        progress = self.progress
+        progress.catch_ups += 1
+        progress.catch_up_bytes += size
+        progress.catch_up_seconds += seconds
+        self.status.update(
+            catch_ups=progress.catch_ups,
+            catch_up_bytes=progress.catch_up_bytes,
+            catch_up_seconds=round(progress.catch_up_seconds, 2),
+        )
+        self.events.write(
+            "catch_up",
+            round=progress.round,
+            sources=sources,
+            bytes=size,
+            seconds=round(seconds, 3),
+        )
         return True
 
     def take_swarm_state(self, r: int, digest: str, joining: bool) -> tuple[str, bool]:

@@ -105,7 +105,10 @@ def start_transport(
     net = cfg.network
     deadline = time.monotonic() + net.join_timeout
     wait = 1.0  # a bootstrap node starting beside this one answers within seconds
+    attempts = 0
     while True:
+        attempts += 1
+        status.update(force=True, join_attempts=attempts)
         try:
             return Transport.start(transport_config(cfg, key_file, initial_peers))
         except BootstrapUnreachable as exc:

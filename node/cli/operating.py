@@ -42,6 +42,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     _print_state(status, age)
     _print_progress(status)
     _print_network(status)
+    _print_joining(status)
     _print_join_line(status)
     if swarm is None:
         print("no control channel (control.enabled = false, or the node has not started it yet)")
@@ -128,6 +129,29 @@ def _print_progress(status: dict[str, Any]) -> None:
     flagged = status.get("flagged") or {}
     listed = ", ".join(f"{peer} ({why})" for peer, why in sorted(flagged.items()))
     print(f"flagged peers: {listed or 'none'}")
+
+
+def _print_joining(status: dict[str, Any]) -> None:
+    """How this node joined: tries to reach a peer, time to its first exchange, states
+    taken from peers."""
+    parts = []
+    attempts = status.get("join_attempts")
+    if isinstance(attempts, int) and attempts > 1:
+        parts.append(f"reached a peer on try {attempts}")
+    first = status.get("first_exchange_s")
+    if isinstance(first, (int, float)):
+        parts.append(f"first exchange {first:.1f} s after launch")
+    elif status.get("state") in _RUNNING_STATES:
+        parts.append("no exchange with a peer yet")
+    count = status.get("catch_ups")
+    if isinstance(count, int) and count:
+        size = (status.get("catch_up_bytes") or 0) / 2**20
+        seconds = status.get("catch_up_seconds") or 0.0
+        parts.append(f"took the swarm's state {count} time(s): {size:.1f} MiB in {seconds:.1f} s")
+    if status.get("relayed"):
+        parts.append("reachable through a relay")
+    if parts:
+        print("joining: " + "; ".join(parts))
 
 
 def _print_join_line(status: dict[str, Any]) -> None:

@@ -174,6 +174,12 @@ def test_a_volunteer_behind_nat_joins_from_the_run_address_alone(spec_swarm) -> 
     log = (nat.data_dir / "node.log").read_text()
     assert f"a copy is in {fetched}" in log
     assert nat.proc.returncode == 0 and _rounds(nat)
+    # its join figures: the tries its start took, and its first contribution's time
+    assert nat.status["join_attempts"] >= 1 and nat.status["relayed"] is False
+    first = [
+        e for e in read_events(nat.data_dir / "events.jsonl") if e["event"] == "first_exchange"
+    ]
+    assert len(first) == 1 and 0 < first[0]["seconds"] == nat.status["first_exchange_s"] < 300
 
 
 def test_nat_node_contributes_every_round_owns_no_part_and_says_unreachable(spec_swarm) -> None:

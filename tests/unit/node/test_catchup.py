@@ -180,3 +180,49 @@ def test_a_repeated_catch_up_failure_is_logged_at_warning_once(
     assert len(said) == 6  # the spread try and the lone try, three times
     assert [level for level, _ in said] == [logging.WARNING] + [logging.DEBUG] * 5
     assert "unattested" in said[0][1] and len({text for _, text in said}) == 1
+
+
+def test_a_source_that_dies_mid_download_is_left_for_another_that_serves_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Three fragments spread over A and B: A's first fragment arrives, then A is gone
+    (killed mid-download); the state is taken whole from B, which serves the same one."""
+    monkeypatch.setattr(catchup, "_SAID", deque(maxlen=64))
+    network = _Network()
+    globals_ = (torch.arange(10, dtype=torch.float32), torch.ones(3), torch.zeros(5))
+    snapshot = StateSnapshot(4, PLAN, globals_, (None, None, None), steps=40)
+    a, digest = _serving(network, A, tmp_path / "a", snapshot)
+    b, same = _serving(network, B, tmp_path / "b", snapshot)
+    assert same == digest
+    served = network.handlers[A.peer_id][catchup.RPC_NAME]
+    calls = 0
+
+    async def dies_after_one_chunk(peer: str, data: bytes) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise ProtocolError("connection_lost", "the peer is gone", A.peer_id)
+        return await served(peer, data)  # type: ignore[operator]
+
+    network.handlers[A.peer_id][catchup.RPC_NAME] = dies_after_one_chunk
+    plan = SimpleNamespace(
+        fragments=[SimpleNamespace(numel=n) for n in (10, 3, 5)], digest=lambda: PLAN
+    )
+    sources = [SimpleNamespace(peer=p, round=4) for p in (A.peer_id, B.peer_id)]
+    try:
+        taken = download(
+            _Transport(network, JOINER.peer_id),  # type: ignore[arg-type]
+            JOINER,
+            CatchUpSettings(RUN, timeout=5),
+            sources,  # type: ignore[arg-type]
+            plan,  # type: ignore[arg-type]
+            min_round=4,
+            signers=2,
+        )
+    finally:
+        a.close()
+        b.close()
+    assert taken is not None and calls >= 2  # A answered once (fragment 0), then failed
+    snap, peers = taken
+    assert peers == [B.peer_id] and state_digest(snap.globals) == digest
+    assert all(torch.equal(x, y) for x, y in zip(snap.globals, snapshot.globals))

@@ -290,6 +290,24 @@ def test_rounds_without_an_exchange_are_counted_and_said_once_a_stretch(tmp_path
     assert read_events(tmp_path / "b" / "events.jsonl", "alone") == []
 
 
+def test_the_first_exchange_is_timed_from_the_launch_once(tmp_path) -> None:
+    alone = _loop(tmp_path / "a", 1, 2)
+    alone.syncer.group = ["me"]
+    alone.network.live_peers = set
+    alone.loop.run(StepSchedule(inner_steps=2, fragments=1, tau=1, round_=0))
+    assert alone.progress.first_exchange is None
+    assert read_events(tmp_path / "a" / "events.jsonl", "first_exchange") == []
+
+    t = _loop(tmp_path / "b", 2, 3)
+    t.progress.launched = time.time() - 30.0  # launched half a minute ago
+    t.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
+    (said,) = read_events(tmp_path / "b" / "events.jsonl", "first_exchange")  # once
+    assert said["round"] == 1 and 30.0 <= said["seconds"] < 60.0
+    assert t.progress.first_exchange == said["seconds"]
+    status = json.loads((tmp_path / "b" / "status.json").read_text())
+    assert status["first_exchange_s"] == said["seconds"]
+
+
 class _Joining(_Scripted):
     """Sits round 1 out (a joiner), syncs from round 2."""
 

@@ -32,6 +32,11 @@ STATE = {
     "control_dropped": {"malformed": 4},
     "checkpoint_age_seconds": 12.5,
     "alone_syncs": 2,
+    "first_exchange_s": 14.25,
+    "join_attempts": 3,
+    "catch_ups": 1,
+    "catch_up_bytes": 4096,
+    "catch_up_seconds": 0.5,
     "host_bytes_per_param": 41.5,
     "device_bytes_per_param": None,
 }
@@ -86,6 +91,11 @@ def test_metrics_follow_prometheus_conventions_and_the_snapshot(served) -> None:
     assert got[("atoll_control_dropped_total", (("reason", "malformed"),))] == 4
     assert got[("atoll_checkpoint_age_seconds", ())] == 12.5
     assert got[("atoll_alone_syncs_total", ())] == 2
+    assert got[("atoll_first_exchange_seconds", ())] == 14.25
+    assert got[("atoll_join_attempts", ())] == 3
+    assert got[("atoll_catch_ups_total", ())] == 1
+    assert got[("atoll_catch_up_bytes_total", ())] == 4096
+    assert got[("atoll_catch_up_seconds_total", ())] == 0.5
     info = (("peer_id", "12D3KooWme"), ("run_id", "r"), ("version", "0.1.0"))
     assert got[("atoll_info", info)] == 1
     # every scrape reads the node anew

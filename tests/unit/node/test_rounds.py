@@ -156,3 +156,34 @@ def test_a_joiner_takes_the_swarms_state_without_its_own_work_and_says_so(
     assert [c["rebase"] for c in calls] == [not joining]
     assert calls[0]["digest"] == "digest-swarm" and calls[0]["holders"] == ["p1"]
     assert dropped is joining
+
+
+def test_a_state_taken_from_peers_is_counted_with_its_bytes_and_seconds(
+    tmp_path, monkeypatch
+) -> None:
+    from node import catchup
+
+    rounds, training = _rounds(tmp_path, live={"p1", "p2"})
+    snap = catchup.StateSnapshot.take(3, training.plan.digest(), training.outer, steps=40)
+    rounds.network.transport.run = lambda coro, timeout: None
+    rounds.network.record = lambda r, steps: None
+    rounds.network.peers = SimpleNamespace(
+        identity=None, refresh=lambda record: None, sources=lambda r: ["p1"], live=lambda: {"p1"}
+    )
+    found: list[Any] = [None, (snap, ["p1", "p2"]), (snap, ["p2"])]
+    monkeypatch.setattr(catchup, "download", lambda *a, **k: found.pop(0))
+    assert rounds.catch_up(min_round=3) is False  # nobody served: nothing counted
+    assert rounds.progress.catch_ups == 0
+    assert rounds.catch_up(min_round=3) and rounds.catch_up(min_round=3)
+    rounds.events.close()
+    size = sum(4 * f.numel for f in training.plan.fragments)  # values; momentum once stepped
+    assert snap.nbytes >= size and rounds.progress.catch_ups == 2
+    assert rounds.progress.catch_up_bytes == 2 * snap.nbytes
+    said = [e for e in _events(tmp_path) if e["event"] == "catch_up"]
+    assert [(e["round"], e["sources"], e["bytes"]) for e in said] == [
+        (3, ["p1", "p2"], snap.nbytes),
+        (3, ["p2"], snap.nbytes),
+    ]
+    assert all(e["seconds"] >= 0 for e in said)
+    status = rounds.status.current
+    assert status["catch_ups"] == 2 and status["catch_up_bytes"] == 2 * snap.nbytes

@@ -149,6 +149,27 @@ def test_status_shows_the_nodes_own_progress_and_flagged_peers(tmp_path: Path, c
     )
 
 
+def test_status_says_how_the_node_joined(tmp_path: Path, capsys) -> None:
+    fields = {
+        "state": "training",
+        "join_attempts": 3,
+        "first_exchange_s": 14.24,
+        "catch_ups": 1,
+        "catch_up_bytes": 3 * 2**19,
+        "catch_up_seconds": 0.4,
+    }
+    assert main(["status", "--data-dir", str(_write(tmp_path, **fields))]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "joining: reached a peer on try 3; first exchange 14.2 s after launch; took the "
+        "swarm's state 1 time(s): 1.5 MiB in 0.4 s"
+    ) in out
+    assert main(["status", "--data-dir", str(_write(tmp_path, state="training"))]) == 0
+    assert "joining: no exchange with a peer yet" in capsys.readouterr().out
+    assert main(["status", "--data-dir", str(_write(tmp_path, state="stopped"))]) == 0
+    assert "joining:" not in capsys.readouterr().out
+
+
 def test_a_peer_not_judged_yet_shows_the_stores_starting_score(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
