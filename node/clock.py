@@ -15,7 +15,9 @@ manifest there, so a node takes one only from a signer it trusts: the keys in
 ``run.clock_signers``, or else the nodes it joins through (the PeerIDs of its initial
 peers), and itself (a restart); and only with the run's round length
 (``sync.round_seconds``, a shared setting). Every other manifest is refused, its
-reason logged once. A node that takes a clock signs it again under its own key, so
+reason logged once: at INFO when its only fault is an untrusted signer and its clock is
+the trusted one (the other nodes of the run, which sign the clock they took), else at
+WARNING. A node that takes a clock signs it again under its own key, so
 the nodes that join through it trust it in turn. Of the manifests it trusts, the
 earliest ``t0`` wins. Public swarms should use a run spec: its creator's signature is
 the clock's.
@@ -123,18 +125,32 @@ async def _read(
     transport: Transport, settings: ClockSettings, me: str, refused: dict[str, str]
 ) -> tuple[float, float, str] | None:
     """The earliest trusted manifest of the run: ``(t0, length, signer)``; manifests
-    refused for the first time are logged (``refused``: signer -> reason, so far)."""
+    refused for the first time are logged (``refused``: signer -> reason, so far): at
+    INFO one whose only fault is an untrusted signer and whose clock is the trusted one
+    (every node of a run signs the clock it took), else at WARNING."""
     found = await transport.dht_get(_key(settings.run_id), timeout=settings.timeout, kind="clock")
-    clocks = []
+    clocks, untrusted = [], []
     for signer, value in found.items() if isinstance(found, dict) else []:
         try:
             clocks.append((*_check(value, signer, settings, me), signer))
         except ProtocolError as exc:
-            reason = str(exc)
-            if refused.get(signer) != reason:
-                refused[signer] = reason
-                logger.warning("round clock under %s refused: %s", signer, reason)
-    return min(clocks) if clocks else None
+            if exc.reason == "untrusted_signer":
+                untrusted.append((signer, value, str(exc)))
+            else:
+                _say(refused, signer, str(exc), logging.WARNING)
+    chosen = min(clocks) if clocks else None
+    for signer, value, reason in untrusted:
+        t0, _ = _check(value, signer, settings, me=signer)  # checked but for the trust
+        same = chosen is not None and t0 == chosen[0]
+        _say(refused, signer, reason, logging.INFO if same else logging.WARNING)
+    return chosen
+
+
+def _say(refused: dict[str, str], signer: str, reason: str, level: int) -> None:
+    """Log a refused manifest once per signer and reason."""
+    if refused.get(signer) != reason:
+        refused[signer] = reason
+        logger.log(level, "round clock under %s refused: %s", signer, reason)
 
 
 def _check(value: object, signer: str, settings: ClockSettings, me: str) -> tuple[float, float]:

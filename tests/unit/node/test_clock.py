@@ -89,3 +89,33 @@ def test_clock_signers_default_to_the_initial_peers() -> None:
     assert clock_settings(named, "d" * 64, 2, peers, None).signers == {b}
     first = clock_settings(cfg, "d" * 64, 2, (), None)
     assert first.signers == frozenset() and first.wait == 0.0  # the first node trusts itself
+
+
+def test_an_untrusted_manifest_of_the_trusted_clock_is_said_at_info_another_at_warning(
+    caplog,
+) -> None:
+    import asyncio
+    import logging
+
+    from node.clock import _read
+    from verification.identity import Identity
+
+    first, me, peer, outsider = (Identity.generate() for _ in range(4))
+
+    class _DHT:
+        async def dht_get(self, key: str, **_: object) -> dict[str, bytes]:
+            return {
+                first.peer_id: _manifest(first, t0=1000.0),
+                peer.peer_id: _manifest(peer, t0=1000.0),  # a node of the run, same clock
+                outsider.peer_id: _manifest(outsider, t0=10.0),  # an earlier, other clock
+            }
+
+    refused: dict[str, str] = {}
+    settings = _settings(first.peer_id)
+    with caplog.at_level(logging.INFO, logger="node.clock"):
+        found = asyncio.run(_read(_DHT(), settings, me.peer_id, refused))  # type: ignore[arg-type]
+        asyncio.run(_read(_DHT(), settings, me.peer_id, refused))  # type: ignore[arg-type]
+    assert found == (1000.0, 10.0, first.peer_id)
+    said = {(r.levelno, r.getMessage().split()[3]) for r in caplog.records}
+    assert said == {(logging.INFO, peer.peer_id), (logging.WARNING, outsider.peer_id)}
+    assert len(caplog.records) == 2  # once each
