@@ -37,8 +37,10 @@ class RunConfig:
     """Threads torch may use for this node's compute (``torch.set_num_threads``); 0 leaves
     torch's default."""
     max_rounds: int = Field(default=0, ge=0)
-    """Rounds after which the node stops (and stays reachable a moment for peers that
-    still need it); 0 runs until it is stopped."""
+    """The run's round after which the node stops (and stays reachable a moment for peers
+    that still need it); 0 runs until it is stopped. A round of the run, not a count of
+    this node's rounds: a node restarted or joining later stops at the same round, and
+    one that starts at or past it stops at once with an error."""
     slowdown: float = Field(default=1.0, ge=1.0)
     """Stretch every inner step to this many times its time (sleeping the rest), so a node
     stands in for a slower machine in tests and benchmarks; 1 runs at full speed."""

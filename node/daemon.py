@@ -41,13 +41,17 @@ from node.startup import (
 from protocol.p2p.transport import Transport
 from protocol.runspec import SpecServer
 
-__all__ = ["Node", "TrainedAlone", "__version__"]
+__all__ = ["Node", "PastLastRound", "TrainedAlone", "__version__"]
 
 logger = logging.getLogger(__name__)
 
 
 class TrainedAlone(ValueError):
     """A node that joined a run ran all its rounds without exchanging with a peer."""
+
+
+class PastLastRound(ValueError):
+    """A node starts (from its checkpoint or the swarm's state) at or past its last round."""
 
 
 class Node:
@@ -105,6 +109,7 @@ class Node:
             DuplicateIdentityError: another running node uses this node's key.
             TrainedAlone: it joined through initial peers and ran ``run.max_rounds``
                 rounds without one exchange with a peer.
+            PastLastRound: it starts at or past ``run.max_rounds``.
             ValueError: a start-up problem the operator can fix (data directory,
                 identity key, corpus, listen port), told in one line with the fix.
             OSError: a file in the data directory could not be written (a full disk).
@@ -113,6 +118,7 @@ class Node:
         failed = True
         try:
             network, rounds = self._setup()
+            self._check_rounds_left()
             wait_for_peers(self.cfg, network.live_peers, self.stop_event)
             clock = None
             if self.cfg.sync.trigger == "seconds":
@@ -138,6 +144,23 @@ class Node:
             return 0
         finally:
             self._teardown(quiet=failed)
+
+    def _check_rounds_left(self) -> None:
+        """``run.max_rounds`` is the run's round at which a node stops, not a count of its
+        own rounds: a node that starts at or past it (a volunteer joining a swarm further
+        on, or a node restarted after its last round) has nothing to train.
+
+        Raises:
+            PastLastRound: as above, saying how to go on.
+        """
+        last, at = self.cfg.run.max_rounds, self.progress.round
+        if last and at >= last:
+            source = "the swarm's state" if self.initial_peers else "its checkpoint"
+            raise PastLastRound(
+                f"this node starts at round {at} ({source}), at or past its last round "
+                f"(run.max_rounds = {last}, --rounds): nothing to train; --rounds counts the "
+                f"run's rounds, so give more than {at}, or 0 to train until stopped"
+            )
 
     def _check_not_alone(self, network: Network) -> None:
         """A node that joined through initial peers (or a spec's bootstrap) and ran all

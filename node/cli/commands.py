@@ -83,7 +83,12 @@ _SIMULATE = Command(
 
 _NODE_ARGS = (
     arg("--data-dir", help="run.data_dir (key, checkpoints, logs)"),
-    arg("--rounds", type=int, help="stop after this many rounds"),
+    arg(
+        "--rounds",
+        type=int,
+        help="stop after this round of the run (run.max_rounds; a node joining later stops "
+        "at the same round)",
+    ),
     arg(
         "--slowdown",
         type=float,

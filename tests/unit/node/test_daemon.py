@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from node.config import load_config
-from node.daemon import Node, TrainedAlone
+from node.daemon import Node, PastLastRound, TrainedAlone
 from verification.identity import Identity
 
 PEER = f"/ip4/127.0.0.1/tcp/4001/p2p/{Identity.from_seed(b'p' * 32).peer_id}"
@@ -49,3 +49,21 @@ def test_no_error_for_a_node_that_took_part_started_the_swarm_or_was_stopped(
     if stopped:
         node.stop_event.set()
     node._check_not_alone(_network())
+
+
+@pytest.mark.parametrize(
+    "initial_peers, at, source",
+    [((PEER,), 7, "the swarm's state"), ((), 3, "its checkpoint")],
+)
+def test_a_node_that_starts_at_or_past_its_last_round_says_it_has_nothing_to_train(
+    initial_peers: tuple[str, ...], at: int, source: str
+) -> None:
+    node = _finished(initial_peers, exchanges=0, rounds=at)
+    with pytest.raises(PastLastRound, match=f"starts at round {at} \\({source}\\)") as raised:
+        node._check_rounds_left()
+    assert "--rounds counts the run's rounds" in str(raised.value)
+    node.progress.round = 2  # rounds left: it trains
+    node._check_rounds_left()
+    endless = Node(load_config(None, []), initial_peers=initial_peers)
+    endless.progress.round = 50
+    endless._check_rounds_left()  # run.max_rounds = 0: no last round
