@@ -54,6 +54,7 @@ BENCHMARKS: dict[str, str] = {
     "cuda_site": "benchmarks.cuda_site",
     "models": "benchmarks.models",
     "partitions": "benchmarks.partitions",
+    "join": "benchmarks.join",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""
 

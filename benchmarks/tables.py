@@ -458,10 +458,30 @@ def _sites(d: dict[str, Any]) -> list[_Cells]:
     return [(what, result, "about half the bytes")]
 
 
+def _join(d: dict[str, Any]) -> list[_Cells]:
+    mode = "smoke" if d["smoke"] else "quick" if d["quick"] else "full"
+    cells = []
+    for name, r in d["rows"].items():
+        first = r["first_exchange_s_median"]
+        result = f"**{r['succeeded']} of {r['joins']} joins** exchanged with the swarm"
+        if first is not None:
+            result += (
+                f"; seconds from launch to the first exchange: median **{first:.1f}**, "
+                f"max {r['first_exchange_s_max']:.1f}"
+            )
+        what = (
+            f"joining by run address ({name}): volunteers one after another with "
+            f"`atoll run --join`, {mode} mode"
+        )
+        cells.append((what, result, "every join succeeds, within seconds"))
+    return cells
+
+
 ROW_BUILDERS: dict[str, Callable[[dict[str, Any]], list[_Cells]]] = {
     "allreduce": _allreduce,
     "codec": _codec,
     "convergence": _convergence,
+    "join": _join,
     "mixing": _mixing,
     "models": _models,
     "partitions": _partitions,

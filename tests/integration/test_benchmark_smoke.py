@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.integration]
 
 SMOKED = {
     "allreduce",
+    "join",
     "verification",
     "convergence",
     "robustness",
@@ -196,3 +197,11 @@ def test_partitions_smoke(tmp_path: Path) -> None:
     # one run of three minutes in a network lab, like the partitions test it repeats
     report = smoke("partitions", tmp_path)
     assert report["of"] == 1
+
+
+@pytest.mark.slow  # joining by address in make test: test_join.py, test_multihost.py
+@pytest.mark.timeout(240)
+def test_join_smoke(tmp_path: Path) -> None:
+    report = smoke("join", tmp_path)
+    row = report["rows"]["127.0.0.1"]
+    assert row["joins"] == 1 and row["succeeded"] == 1, report["joins"]

@@ -16,6 +16,7 @@ FILES = [
     "convergence.json",
     "convergence-long.json",
     "convergence-sparse.json",
+    "join.json",
     "mixing.json",
     "models.json",
     "partitions.json",
