@@ -93,11 +93,8 @@ def probe(lab: NetLab, src: Host, address: str, timeout: float = 1.0) -> str:
 
 
 def wait_listening(lab: NetLab, host: Host) -> None:
-    for _ in range(50):
-        if probe(lab, host, host.ip) == "connected":
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"nothing listening on {host.name}:{PORT}")
+    listening = wait_until(lambda: probe(lab, host, host.ip) == "connected", 5.0, 0.1)
+    assert listening, f"nothing listening on {host.name}:{PORT}"
 
 
 def root_links() -> set[str]:

@@ -20,6 +20,7 @@ from hivemind.p2p import PeerID
 
 from protocol.p2p import _framing
 from protocol.p2p.transport import Transport, TransportConfig
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -73,15 +74,6 @@ def _rss_mib() -> float:
     return psutil.Process().memory_info().rss / MiB
 
 
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / 0.05) + 1):
-        if predicate() or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    return bool(predicate())
-
-
 @pytest.mark.timeout(120)
 def test_silent_streams_cost_no_memory_and_are_dropped() -> None:
     started: list[Transport] = []
@@ -113,11 +105,11 @@ def test_silent_streams_cost_no_memory_and_are_dropped() -> None:
         before = _rss_mib()
         attack = _open_silent(attacker._p2p, server.peer_id, "/atoll/rpc/echo/1", 50, limit)
         streams = attacker.run(attack, 30)
-        assert _wait_for(lambda: gate.open == held, 2), gate.open
+        assert wait_until(lambda: gate.open == held, 2, 0.05), gate.open
         answer = bystander.run(bystander.call(server.peer_id, "echo", b"hello", timeout=10), 15)
         # the attack was still on while the bystander was answered (whose own stream the
         # server may count for a moment after the answer went out)
-        assert _wait_for(lambda: gate.open == held, 2), gate.open
+        assert wait_until(lambda: gate.open == held, 2, 0.05), gate.open
         during = _rss_mib()
         print(f"server-process RSS: {before:.0f} MiB before, {during:.0f} MiB with 50 streams")
         assert answer == b"hello"
@@ -137,7 +129,7 @@ def test_silent_streams_cost_no_memory_and_are_dropped() -> None:
         # the others were refused at once (a refusal can lose a race to p2pd's reset)
         refused = [r for r in reasons if r != "too_slow"]
         assert refused.count("busy") >= 1 and set(refused) <= {"busy", "closed", "reset"}
-        assert _wait_for(lambda: gate.open == 0, 2), gate.open
+        assert wait_until(lambda: gate.open == 0, 2, 0.05), gate.open
         after = _rss_mib()
         print(f"server-process RSS after the attack: {after:.0f} MiB")
         assert after - before < 64
