@@ -27,9 +27,9 @@ import torch
 
 from node.outer import OuterOptimizer
 from protocol.averaging.fragments import FragmentPlan
-from protocol.averaging.matchmaking import PeerRecord
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
+from protocol.registry import PeerRecord
 from protocol.wire.messages import Envelope, Header, open_envelope, seal
 from verification.identity import Identity
 

@@ -39,10 +39,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from protocol.averaging import matchmaking
-from protocol.averaging.matchmaking import PeerRecord
+from protocol import registry
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
+from protocol.registry import PeerRecord
 from verification.identity import Identity
 
 __all__ = [
@@ -188,7 +188,7 @@ class PeerView:
         """Write this node's ``record`` to the registry now (a failed write is logged at
         debug level; the next refresh writes it again)."""
         try:
-            await matchmaking.publish_record(
+            await registry.publish_record(
                 self.transport,
                 self.identity,
                 self.settings.run_id,
@@ -214,7 +214,7 @@ class PeerView:
         await self._rejoin_if_cut_off()
 
     async def _read_registry(self) -> dict[str, PeerRecord]:
-        return await matchmaking.read_registry(
+        return await registry.read_registry(
             self.transport,
             self.settings.run_id,
             timeout=self.settings.request_timeout,

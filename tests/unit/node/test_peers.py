@@ -13,7 +13,7 @@ import pytest
 
 from node import peers as peers_module
 from node.peers import LIVE_SECONDS, DuplicateIdentityError, PeerView, PeerViewSettings
-from protocol.averaging import matchmaking
+from protocol import registry
 from protocol.errors import ProtocolError
 from protocol.p2p.reachability import Reachability
 from tests.unit._fakes import FakeDHT, FakeTransport
@@ -37,8 +37,8 @@ def _view(dht: FakeDHT, identity: Identity, spec: str = SPEC, **kw) -> PeerView:
     return PeerView(transport, identity, settings)
 
 
-async def _store(dht: FakeDHT, identity: Identity, **fields) -> matchmaking.PeerRecord:
-    record = matchmaking.PeerRecord(
+async def _store(dht: FakeDHT, identity: Identity, **fields) -> registry.PeerRecord:
+    record = registry.PeerRecord(
         peer=identity.peer_id,
         round=fields.pop("round", 1),
         step=fields.pop("step", 10),
@@ -47,13 +47,13 @@ async def _store(dht: FakeDHT, identity: Identity, **fields) -> matchmaking.Peer
         **{"spec": SPEC, **{k: v for k, v in fields.items() if k != "shards"}},
     )
     transport = FakeTransport(dht, identity.peer_id)
-    await matchmaking.publish_record(
+    await registry.publish_record(
         transport, identity, RUN, record, expiration=10, timeout=1, shards=fields.get("shards", 1)
     )
     return record
 
 
-def _publish(dht: FakeDHT, identity: Identity, **fields) -> matchmaking.PeerRecord:
+def _publish(dht: FakeDHT, identity: Identity, **fields) -> registry.PeerRecord:
     return asyncio.run(_store(dht, identity, **fields))
 
 
@@ -229,7 +229,7 @@ def _fixed_identities(count: int, shards: int) -> list[Identity]:
         found.append(identity)
         per = [0] * shards
         for x in found:
-            per[matchmaking.registry_shard(x.peer_id, shards)] += 1
+            per[registry.registry_shard(x.peer_id, shards)] += 1
         if len(found) >= count and min(per) >= 2:
             return found
     raise AssertionError("no fixed identities cover every shard")
@@ -237,16 +237,16 @@ def _fixed_identities(count: int, shards: int) -> list[Identity]:
 
 def test_registry_shard_is_stable_in_range_and_spreads_peers() -> None:
     peers = [x.peer_id for x in _fixed_identities(400, 8)]
-    shards = [matchmaking.registry_shard(p, 8) for p in peers]
-    assert shards == [matchmaking.registry_shard(p, 8) for p in peers]  # the same every time
+    shards = [registry.registry_shard(p, 8) for p in peers]
+    assert shards == [registry.registry_shard(p, 8) for p in peers]  # the same every time
     counts = [shards.count(i) for i in range(8)]
     assert min(counts) >= 25 and max(counts) <= 80, counts  # about 50 each
-    assert {matchmaking.registry_shard(p, 1) for p in peers} == {0}
+    assert {registry.registry_shard(p, 1) for p in peers} == {0}
     with pytest.raises(ValueError, match="shards must be >= 1"):
-        matchmaking.registry_shard(peers[0], 0)
+        registry.registry_shard(peers[0], 0)
     transport = FakeTransport(FakeDHT(), peers[0])
     with pytest.raises(ValueError, match="shards must be >= 1"):
-        asyncio.run(matchmaking.read_registry(transport, RUN, timeout=1, shards=0))
+        asyncio.run(registry.read_registry(transport, RUN, timeout=1, shards=0))
 
 
 def test_a_sharded_registry_spreads_records_over_its_keys_and_reads_them_all() -> None:
@@ -261,7 +261,7 @@ def test_a_sharded_registry_spreads_records_over_its_keys_and_reads_them_all() -
     assert set(dht.data) == keys  # nothing under the unsharded key
     for i in range(4):
         held = set(dht.data[f"{RUN}:nodes:4:{i}"])
-        assert held and all(matchmaking.registry_shard(p, 4) == i for p in held)
+        assert held and all(registry.registry_shard(p, 4) == i for p in held)
     # a node on another shard count reads other keys: it sees no one (a shared setting)
     single = _view(dht, Identity.generate())
     asyncio.run(single.read())
@@ -271,7 +271,7 @@ def test_a_sharded_registry_spreads_records_over_its_keys_and_reads_them_all() -
 def test_a_record_under_another_shard_than_its_own_is_refused() -> None:
     dht, me, intruder = FakeDHT(), Identity.generate(), Identity.generate()
     record = _publish(dht, intruder, shards=4)
-    own = matchmaking.registry_shard(intruder.peer_id, 4)
+    own = registry.registry_shard(intruder.peer_id, 4)
     wrong = (own + 1) % 4
     dht.data[f"{RUN}:nodes:4:{wrong}"] = dht.data.pop(f"{RUN}:nodes:4:{own}")
     view = _view(dht, me, shards=4)
@@ -308,14 +308,14 @@ def test_a_shard_that_cannot_be_read_keeps_its_last_records() -> None:
     # shard 0's read times out and a peer of shard 1 leaves: shard 0's peers stay known,
     # the one gone from shard 1 is gone
     transport.failing = {f"{RUN}:nodes:3:0"}
-    gone = next(p for p in others if matchmaking.registry_shard(p.peer_id, 3) == 1)
+    gone = next(p for p in others if registry.registry_shard(p.peer_id, 3) == 1)
     dht.data[f"{RUN}:nodes:3:1"].pop(gone.peer_id)
     asyncio.run(view.read())
     assert view.live() == everyone - {gone.peer_id}
     # no shard readable: the read fails as a whole and the view is kept
     transport.failing = {f"{RUN}:nodes:3:{i}" for i in range(3)}
     with pytest.raises(ProtocolError):
-        asyncio.run(matchmaking.read_registry(transport, RUN, timeout=1, shards=3))
+        asyncio.run(registry.read_registry(transport, RUN, timeout=1, shards=3))
     asyncio.run(view.read())
     assert view.live() == everyone - {gone.peer_id}
 
