@@ -5,7 +5,7 @@ Two views, one rule.
 * **After a round that went wrong** (a sync failed or averaged alone while peers were
   live, a part kept local values, the node joined mid-round), a node signs its state's
   digest for the round as *unsettled* and waits for its peers' signed digests
-  (:func:`node.catchup.attested`). :func:`swarm_state` picks the round's state from
+  (:func:`protocol.catchup.attested`). :func:`swarm_state` picks the round's state from
   them the same way on every node: the digest the most *settled* peers signed, then the
   one the most peers signed, then the smallest digest. Two nodes that both lost a sync
   thus agree on one of their two states instead of each waiting for the other's.
@@ -36,7 +36,7 @@ def swarm_state(attestations: Mapping[str, Mapping[str, str]]) -> str | None:
 
     Args:
         attestations: each signed digest of the round, with ``{signer: standing}``
-            (:data:`node.catchup.STANDINGS`).
+            (:data:`protocol.catchup.STANDINGS`).
 
     Returns:
         The digest with the most ``settled`` signers, then the most signers, then the

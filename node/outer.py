@@ -20,6 +20,7 @@ from torch import nn
 
 from node.config import OuterConfig
 from protocol.averaging.fragments import FragmentPlan
+from protocol.catchup import StateSnapshot
 
 __all__ = ["OuterOptimizer", "make_outer_optimizer", "sync_schedule"]
 
@@ -271,6 +272,41 @@ class OuterOptimizer:
     def set_global(self, fragment: int, value: torch.Tensor) -> None:
         with torch.no_grad():
             self.globals[fragment].copy_(value)
+
+    def snapshot(
+        self, round_: int, plan_digest: str, steps: int = 0, copy_tensors: bool = True
+    ) -> StateSnapshot:
+        """The global state now, to serve to peers; ``copy_tensors=False`` refers to the
+        live tensors (for :meth:`protocol.catchup.StateServer.publish` at once, which
+        copies them into its replies)."""
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().clone() if copy_tensors else t.detach()
+
+        momentum = []
+        for opt in self.optimizers:
+            buf = next(iter(opt.state.values()), {}).get("momentum_buffer")
+            momentum.append(None if buf is None else own(buf))
+        return StateSnapshot(
+            round=round_,
+            plan_digest=plan_digest,
+            globals=tuple(own(g) for g in self.globals),
+            momentum=tuple(momentum),
+            steps=steps,
+        )
+
+    def load_snapshot(self, snap: StateSnapshot) -> None:
+        """Load a peer's state: globals and momentum. A fragment the snapshot holds no
+        momentum for (its holder never stepped it) drops this node's own, so both apply
+        the next outer step alike."""
+        for f, value in enumerate(snap.globals):
+            self.set_global(f, value)
+            buf = snap.momentum[f]
+            state = self.optimizers[f].state[self.globals[f]]
+            if buf is not None:
+                state["momentum_buffer"] = buf.clone()
+            elif state.get("momentum_buffer") is not None:
+                state["momentum_buffer"].zero_()  # stepped from zero: as from none, bitwise
 
     def state_dict(self, copy_tensors: bool = True) -> dict[str, Any]:
         """Global copies and optimizer states; ``copy_tensors=False`` hands out the live

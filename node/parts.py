@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from node import catchup
 from node.admin import AdminInbox, Command
 from node.byzantine import make_behaviour, trainer_class, training_data
 from node.checks import Fetcher, Measurer, UsefulWork
@@ -43,6 +42,7 @@ from node.simulate import resolve_device
 from node.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
 from node.syncer import Syncer
 from node.trainer import InnerTrainer, evaluate
+from protocol import catchup
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import FragmentPlan, plan_fragments

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node import catchup
 from node.agreement import AgreementWatch, swarm_state
 from node.checkpoint import load_latest, save_checkpoint
 from node.config import AtollConfig
@@ -24,6 +23,7 @@ from node.metrics import EventLog, StatusWriter
 from node.parts import Network, Progress, Training
 from node.settings import catchup_settings
 from node.trainer import make_inner_optimizer
+from protocol import catchup
 from protocol.errors import ProtocolError
 
 __all__ = ["Rounds"]
@@ -133,7 +133,7 @@ class Rounds:
         snap, sources = found
         seconds, size = time.monotonic() - started, snap.nbytes
         before = [t.outer.global_vector(f) for f in range(len(t.plan))]
-        snap.apply(t.outer)
+        t.outer.load_snapshot(snap)
         for f in range(len(t.plan)):
             if rebase:
                 t.outer.rebase_local(t.model, f, before[f])
@@ -303,8 +303,8 @@ class Rounds:
         """The global state to serve to peers (the live tensors: publishing copies them
         into its replies before anything steps)."""
         t = self.training
-        return catchup.StateSnapshot.take(
-            self.progress.round, t.plan.digest(), t.outer, t.trainer.steps, copy_tensors=False
+        return t.outer.snapshot(
+            self.progress.round, t.plan.digest(), t.trainer.steps, copy_tensors=False
         )
 
     def checkpoint(self) -> None:

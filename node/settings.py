@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
-    from node.catchup import CatchUpSettings
     from node.checks import CheckSettings
     from node.clock import ClockSettings
     from node.config import AtollConfig
     from node.peers import PeerViewSettings
     from protocol.averaging.exchange import ExchangeSettings
     from protocol.averaging.parts import AllReduceSettings
+    from protocol.catchup import CatchUpSettings
     from protocol.control.settings import ControlSettings
     from protocol.p2p.transport import TransportConfig
 
@@ -177,7 +177,7 @@ def peer_view_settings(
 
 def catchup_settings(cfg: AtollConfig) -> CatchUpSettings:
     """How a node takes a peer's state: the run, one request's deadline, the reply cap."""
-    from node.catchup import CatchUpSettings
+    from protocol.catchup import CatchUpSettings
 
     net = cfg.network
     return CatchUpSettings(

@@ -17,8 +17,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node.catchup import RPC_NAME as STATE_RPC
-from node.catchup import CatchUpSettings, StateServer, StateSnapshot, fetch_state
 from node.config import ModelConfig, OuterConfig
 from node.model import build_model
 from node.outer import OuterOptimizer
@@ -34,6 +32,8 @@ from protocol.averaging.parts import (
     part_bounds,
     weighted_mean_reducer,
 )
+from protocol.catchup import RPC_NAME as STATE_RPC
+from protocol.catchup import CatchUpSettings, StateServer, StateSnapshot, fetch_state
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire import codec as codecs
@@ -805,7 +805,7 @@ def test_catch_up_is_bitwise_and_checked(
     assert info.value.reason == "remote_error"
     assert info.value.detail.startswith("no_state:")
 
-    snapshot = StateSnapshot.take(5, digest, outer)
+    snapshot = outer.snapshot(5, digest)
     assert all(m is not None for m in snapshot.momentum)
     state_server.publish(snapshot)
     with pytest.raises(ProtocolError) as info:  # served, but no peer signed its digest yet
@@ -828,7 +828,7 @@ def test_catch_up_is_bitwise_and_checked(
     # loaded into a node built from other weights, the next outer step matches bitwise
     model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8), seed=1)
     joiner = OuterOptimizer(model, outer.plan, OuterConfig())
-    got.apply(joiner)
+    joiner.load_snapshot(got)
     grad = torch.randn(sizes[0], generator=torch.Generator().manual_seed(8))
     assert torch.equal(joiner.step(0, grad), outer.step(0, grad))
 
@@ -848,7 +848,7 @@ def test_catch_up_without_momentum(swarm: SimpleNamespace, state_server: StateSe
     model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, context=8))
     plan = plan_fragments(model, 2)
     fresh = OuterOptimizer(model, plan, OuterConfig())  # never stepped: no momentum yet
-    snapshot = StateSnapshot.take(0, plan.digest(), fresh)
+    snapshot = fresh.snapshot(0, plan.digest())
     _publish(swarm, state_server, snapshot)
     got = _fetch(swarm, plan.digest(), [f.numel for f in plan.fragments], 0)
     assert got.momentum == (None, None)
@@ -865,7 +865,7 @@ def test_catch_up_spreads_fragments_and_refuses_mixed_states(
     other = StateServer(swarm.transports[2], swarm.identities[2], RUN, tmp_path / "other")
     other.register()
     try:
-        snapshot = StateSnapshot.take(7, digest, outer)
+        snapshot = outer.snapshot(7, digest)
         _publish(swarm, state_server, snapshot)
         _publish(swarm, other, snapshot)
         both = [swarm.transports[0].peer_id, swarm.transports[2].peer_id]
@@ -888,15 +888,15 @@ def test_catch_up_spreads_fragments_and_refuses_mixed_states(
 def test_catch_up_takes_a_large_fragment_in_chunks_from_the_file_it_was_published_to(
     swarm: SimpleNamespace, state_server: StateServer, outer: OuterOptimizer, monkeypatch
 ) -> None:
-    from node import catchup
+    from protocol import catchup
 
     monkeypatch.setattr(catchup, "CHUNK_VALUES", 1000)  # fragments of thousands of values
     digest = outer.plan.digest()
     sizes = [f.numel for f in outer.plan.fragments]
     assert min(sizes) > 3000
-    kept = StateSnapshot.take(9, digest, outer)  # copies, to compare with
+    kept = outer.snapshot(9, digest)  # copies, to compare with
     # published from the live tensors, which then move on: what is served stays round 9's
-    _publish(swarm, state_server, StateSnapshot.take(9, digest, outer, copy_tensors=False))
+    _publish(swarm, state_server, outer.snapshot(9, digest, copy_tensors=False))
     for f in range(len(sizes)):
         outer.step(f, torch.ones(sizes[f]))
     got = _fetch(swarm, digest, sizes, 9)

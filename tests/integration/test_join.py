@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,10 @@ import pytest
 from node import swarm
 from node.spec import read_spec
 from tests.integration.conftest import SMALL, Swarm, wait_until
+from tests.integration.test_multihost import _cli
 from verification.identity import Identity
 
 pytestmark = pytest.mark.integration
-
-
-def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "node.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def _free_port() -> int:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from node.cli.running import _with_spec_file
 from node.config import load_config
 from node.join import RunAddress, fetch_spec, run_addresses, save_spec
 from node.spec import SpecError, create_spec, parse_spec, read_spec, spec_text
+from tests.unit.node.test_spec import _fake_daemon
 from verification.identity import Identity
 
 ALICE = Identity.from_seed(b"a" * 32)
@@ -133,22 +132,6 @@ def test_a_site_that_joins_starts_its_ranks_from_the_fetched_file(
     argv: list[str], expected: list[str]
 ) -> None:
     assert _with_spec_file(argv, "A", "F", "P") == expected
-
-
-def _fake_daemon(monkeypatch) -> list[dict]:
-    calls: list[dict] = []
-
-    class Node:
-        def __init__(self, cfg, **kwargs) -> None:
-            calls.append({"cfg": cfg, **kwargs})
-
-        def run(self) -> int:
-            return 0
-
-    module = types.ModuleType("node.daemon")
-    module.Node = Node
-    monkeypatch.setitem(sys.modules, "node.daemon", module)
-    return calls
 
 
 def test_cli_join_runs_the_fetched_spec_and_keeps_a_copy(tmp_path: Path, monkeypatch, capsys):

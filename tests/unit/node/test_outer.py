@@ -177,7 +177,6 @@ def test_beside_a_gpu_the_outer_state_stays_in_pinned_host_memory(monkeypatch) -
 def test_a_snapshot_without_momentum_clears_the_takers_own():
     """A node that takes the state of a peer that never stepped a fragment steps it next
     exactly as that peer does (its own momentum from before would set it apart)."""
-    from node.catchup import StateSnapshot
 
     def stepped(steps: int) -> OuterOptimizer:
         model = Toy()
@@ -187,6 +186,6 @@ def test_a_snapshot_without_momentum_clears_the_takers_own():
         return outer
 
     fresh, used = stepped(0), stepped(2)
-    StateSnapshot.take(3, "plan", fresh).apply(used)
+    used.load_snapshot(fresh.snapshot(3, "plan"))
     a, b = fresh.step(0, torch.tensor([0.1, 0.2])), used.step(0, torch.tensor([0.1, 0.2]))
     assert torch.equal(a, b)

@@ -161,10 +161,10 @@ def test_a_joiner_takes_the_swarms_state_without_its_own_work_and_says_so(
 def test_a_state_taken_from_peers_is_counted_with_its_bytes_and_seconds(
     tmp_path, monkeypatch
 ) -> None:
-    from node import catchup
+    from protocol import catchup
 
     rounds, training = _rounds(tmp_path, live={"p1", "p2"})
-    snap = catchup.StateSnapshot.take(3, training.plan.digest(), training.outer, steps=40)
+    snap = training.outer.snapshot(3, training.plan.digest(), steps=40)
     rounds.network.transport.run = lambda coro, timeout: None
     rounds.network.record = lambda r, steps: None
     rounds.network.peers = SimpleNamespace(

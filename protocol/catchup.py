@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from node.outer import OuterOptimizer
 from protocol.averaging.fragments import FragmentPlan
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport
@@ -74,7 +73,9 @@ class CatchUpSettings:
 
 @dataclass(frozen=True)
 class StateSnapshot:
-    """Global values and outer momentum of every fragment after ``round``."""
+    """Global values and outer momentum of every fragment after ``round`` (a node
+    takes one from its outer optimizer and loads one into it:
+    :meth:`node.outer.OuterOptimizer.snapshot`, :meth:`~node.outer.OuterOptimizer.load_snapshot`)."""
 
     round: int
     plan_digest: str
@@ -82,51 +83,11 @@ class StateSnapshot:
     momentum: tuple[torch.Tensor | None, ...]
     steps: int = 0
 
-    @classmethod
-    def take(
-        cls,
-        round_: int,
-        plan_digest: str,
-        outer: OuterOptimizer,
-        steps: int = 0,
-        copy_tensors: bool = True,
-    ) -> StateSnapshot:
-        """The state of ``outer`` now; ``copy_tensors=False`` refers to its live tensors
-        (for :meth:`StateServer.publish` at once, which copies them into its replies)."""
-
-        def own(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().clone() if copy_tensors else t.detach()
-
-        momentum = []
-        for opt in outer.optimizers:
-            buf = next(iter(opt.state.values()), {}).get("momentum_buffer")
-            momentum.append(None if buf is None else own(buf))
-        return cls(
-            round=round_,
-            plan_digest=plan_digest,
-            globals=tuple(own(g) for g in outer.globals),
-            momentum=tuple(momentum),
-            steps=steps,
-        )
-
     @property
     def nbytes(self) -> int:
         """Bytes of its values and momentum (what a peer sends to hand it over)."""
         tensors = [*self.globals, *(m for m in self.momentum if m is not None)]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-    def apply(self, outer: OuterOptimizer) -> None:
-        """Load into ``outer``: globals and momentum. A fragment the snapshot holds no
-        momentum for (its holder never stepped it) drops this node's own, so both
-        apply the next outer step alike."""
-        for f, value in enumerate(self.globals):
-            outer.set_global(f, value)
-            buf = self.momentum[f]
-            state = outer.optimizers[f].state[outer.globals[f]]
-            if buf is not None:
-                state["momentum_buffer"] = buf.clone()
-            elif state.get("momentum_buffer") is not None:
-                state["momentum_buffer"].zero_()  # stepped from zero: as from none, bitwise
 
 
 def _raw(t: torch.Tensor) -> memoryview:

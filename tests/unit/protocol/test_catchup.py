@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node import catchup
-from node.catchup import (
+from protocol import catchup
+from protocol.catchup import (
     CatchUpSettings,
     StateServer,
     StateSnapshot,
@@ -162,7 +162,7 @@ def test_a_repeated_catch_up_failure_is_logged_at_warning_once(
     transport = _Transport(network, JOINER.peer_id)
     sources = [SimpleNamespace(peer=A.peer_id, round=4)]
     try:
-        with caplog.at_level(logging.DEBUG, logger="node.catchup"):
+        with caplog.at_level(logging.DEBUG, logger="protocol.catchup"):
             for _ in range(3):  # a node settling a round retries, twice a second
                 taken = download(
                     transport,  # type: ignore[arg-type]
