@@ -159,15 +159,7 @@ def _local(n: int) -> list[dict[str, Any]]:
 
         def start(index: int, args: list[str], rounds: int) -> Any:
             sets = [f"network.port={port}"] if index == 0 else []
-            plan = swarm.SwarmSpec(
-                nodes=2,
-                config_paths=[],
-                overrides=[*_overrides(), *sets],
-                directory=root,
-                rounds=rounds,
-                extra_args={index: args},
-            )
-            return swarm.start_node(plan, index, [])
+            return swarm.start_node(_plan(root, index, args, rounds, sets), index, [])
 
         return _joins(start, spec, address, n)
 
@@ -186,17 +178,24 @@ def _behind_nat(n: int) -> list[dict[str, Any]]:
         def start(index: int, args: list[str], rounds: int) -> Any:
             host = lab.hosts["a" if index == 0 else "d"]
             sets = [f"network.host='{host.ip}'", f"network.port={_PORT}"]
-            plan = swarm.SwarmSpec(
-                nodes=2,
-                config_paths=[],
-                overrides=[*_overrides(), *sets],
-                directory=root,
-                rounds=rounds,
-                extra_args={index: args},
-            )
+            plan = _plan(root, index, args, rounds, sets)
             return swarm.start_node(plan, index, [], popen=functools.partial(lab.popen, host))
 
         return _joins(start, spec, address, n)
+
+
+def _plan(root: pathlib.Path, index: int, args: list[str], rounds: int, sets: list[str]) -> Any:
+    """Node ``index`` of a row: the test settings, ``sets`` and its own arguments."""
+    from node import swarm
+
+    return swarm.SwarmSpec(
+        nodes=2,
+        config_paths=[],
+        overrides=[*_overrides(), *sets],
+        directory=root,
+        rounds=rounds,
+        extra_args={index: args},
+    )
 
 
 def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
