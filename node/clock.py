@@ -132,15 +132,18 @@ async def _read(
     clocks, untrusted = [], []
     for signer, value in found.items() if isinstance(found, dict) else []:
         try:
-            clocks.append((*_check(value, signer, settings, me), signer))
+            t0, length = _manifest(value, signer, settings)
         except ProtocolError as exc:
-            if exc.reason == "untrusted_signer":
-                untrusted.append((signer, value, str(exc)))
-            else:
-                _say(refused, signer, str(exc), logging.WARNING)
+            _say(refused, signer, str(exc), logging.WARNING)
+            continue
+        try:
+            _trust(signer, settings, me)
+        except ProtocolError as exc:
+            untrusted.append((signer, t0, str(exc)))
+            continue
+        clocks.append((t0, length, signer))
     chosen = min(clocks) if clocks else None
-    for signer, value, reason in untrusted:
-        t0, _ = _check(value, signer, settings, me=signer)  # checked but for the trust
+    for signer, t0, reason in untrusted:
         same = chosen is not None and t0 == chosen[0]
         _say(refused, signer, reason, logging.INFO if same else logging.WARNING)
     return chosen
@@ -160,6 +163,18 @@ def _check(value: object, signer: str, settings: ClockSettings, me: str) -> tupl
         ProtocolError: a bad signature or body, another spec, another round length, or a
             signer this node does not trust.
     """
+    clock = _manifest(value, signer, settings)
+    _trust(signer, settings, me)
+    return clock
+
+
+def _manifest(value: object, signer: str, settings: ClockSettings) -> tuple[float, float]:
+    """``(t0, round_seconds)`` of a well-formed manifest of this run's settings, whoever
+    signed it.
+
+    Raises:
+        ProtocolError: a bad signature or body, another spec, another round length.
+    """
     env = open_envelope(
         value,
         max_bytes=_MANIFEST_BYTES,
@@ -178,13 +193,17 @@ def _check(value: object, signer: str, settings: ClockSettings, me: str) -> tupl
             f"{length!r} s rounds, but the run's sync.round_seconds is {settings.round_seconds:g}",
             signer,
         )
+    return t0, length
+
+
+def _trust(signer: str, settings: ClockSettings, me: str) -> None:
+    """Raises ProtocolError ``untrusted_signer`` unless this node takes clocks from ``signer``."""
     if signer != me and signer not in settings.signers:
         raise ProtocolError(
             "untrusted_signer",
             "not a clock signer this node trusts (its initial peers, or run.clock_signers)",
             signer,
         )
-    return t0, length
 
 
 async def _sign(

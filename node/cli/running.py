@@ -67,12 +67,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``atoll run``: one training node (or, under torchrun, one rank of a site)."""
-    overrides = _node_overrides(args)
-    spec = None
     if args.join:
         if args.spec:
             raise ValueError("--join fetches the run's spec: give --join or --spec, not both")
         return _join(args, args.join, initial_peers(args.initial_peers))
+    overrides = _node_overrides(args)
+    spec = None
     if args.operator and not args.spec:
         raise ValueError("--operator pins who signed a run spec: give the spec with --spec FILE")
     if args.spec:
@@ -139,16 +139,26 @@ def _fetch_settings(network: dict[str, Any]) -> Any:
     Raises:
         ConfigError: one of them is invalid.
     """
+    fields = {k: v for k, v in network.items() if k in _FETCH_KEYS}
+    return _network_config(fields, lambda key: f"network.{key}")
+
+
+def _network_config(fields: dict[str, Any], name: Callable[[str], str]) -> Any:
+    """A :class:`node.config.NetworkConfig` of ``fields`` (defaults for the rest).
+
+    Raises:
+        ConfigError: a field is invalid, named by ``name(its key)``.
+    """
     from pydantic import ValidationError
 
     from node.config import NetworkConfig
 
     try:
-        return NetworkConfig(**{k: v for k, v in network.items() if k in _FETCH_KEYS})
+        return NetworkConfig(**fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         key = ".".join(str(p) for p in error["loc"])
-        raise ConfigError(f"network.{key}: {error['msg']}") from None
+        raise ConfigError(f"{name(key)}: {error['msg'].removeprefix('Value error, ')}") from None
 
 
 def _node_overrides(args: argparse.Namespace) -> list[str]:
@@ -236,15 +246,9 @@ def _run_node(node: Node, args: argparse.Namespace, data_dir: Path) -> int:
 
 def initial_peers(values: Sequence[str]) -> tuple[str, ...]:
     """``--initial-peers``, checked by the rules of ``network.initial_peers``."""
-    from pydantic import ValidationError
-
-    from node.config import NetworkConfig
-
-    try:
-        return NetworkConfig(initial_peers=tuple(values)).initial_peers
-    except ValidationError as exc:
-        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"--initial-peers: {reason}") from None
+    return _network_config(
+        {"initial_peers": tuple(values)}, lambda key: "--initial-peers"
+    ).initial_peers
 
 
 def cmd_swarm(args: argparse.Namespace) -> int:

@@ -185,12 +185,8 @@ def test_existing_shards_are_kept_unless_forced(tmp_path: Path, tokenizer_dir: P
     assert meta["dtype"] == "uint8" and not (tmp_path / "out" / "tokenizer").exists()
 
 
-def test_an_interrupted_prepare_resumes_without_redoing_finished_pieces(
-    tmp_path: Path, tokenizer_dir: Path, monkeypatch
-) -> None:
-    patterns = _as_text(tmp_path / "in", DOCS)
-    options = {"tokenizer": str(tokenizer_dir), "piece_mb": 0.02}
-    prep.prepare(patterns, tmp_path / "whole", **options)
+def _count_pieces(monkeypatch) -> list[int]:
+    """The index of every piece tokenized from now on, in order."""
     calls: list[int] = []
     real = prep._tokenize_piece
 
@@ -199,6 +195,16 @@ def test_an_interrupted_prepare_resumes_without_redoing_finished_pieces(
         return real(index, texts)
 
     monkeypatch.setattr(prep, "_tokenize_piece", counted)
+    return calls
+
+
+def test_an_interrupted_prepare_resumes_without_redoing_finished_pieces(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch
+) -> None:
+    patterns = _as_text(tmp_path / "in", DOCS)
+    options = {"tokenizer": str(tokenizer_dir), "piece_mb": 0.02}
+    prep.prepare(patterns, tmp_path / "whole", **options)
+    calls = _count_pieces(monkeypatch)
 
     def stop_after_five(done: int, total: int) -> None:
         if len(calls) == 5:
@@ -343,14 +349,7 @@ def test_changed_inputs_start_over_keeping_the_pieces_that_did_not_change(
 ) -> None:
     patterns = _as_text(tmp_path / "in", DOCS)
     options = {"tokenizer": str(tokenizer_dir), "piece_mb": 0.02}
-    calls: list[int] = []
-    real = prep._tokenize_piece
-
-    def counted(index: int, texts: list[str]) -> dict:
-        calls.append(index)
-        return real(index, texts)
-
-    monkeypatch.setattr(prep, "_tokenize_piece", counted)
+    calls = _count_pieces(monkeypatch)
 
     def stop_after_five(done: int, total: int) -> None:
         if len(calls) == 5:

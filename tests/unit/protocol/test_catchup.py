@@ -150,29 +150,30 @@ def test_a_node_without_a_completed_round_serves_nothing(tmp_path: Path) -> None
     assert pytest.raises(ProtocolError, _fetch, network, []).value.reason == "no_peer"
 
 
+def _download(network: _Network, peers: list[str], sizes: tuple[int, ...], min_round: int):
+    """The joiner's :func:`download` from ``peers`` (all at round 4), two signers needed."""
+    plan = SimpleNamespace(fragments=[SimpleNamespace(numel=n) for n in sizes], digest=lambda: PLAN)
+    return download(
+        _Transport(network, JOINER.peer_id),  # type: ignore[arg-type]
+        JOINER,
+        CatchUpSettings(RUN, timeout=5),
+        [SimpleNamespace(peer=p, round=4) for p in peers],  # type: ignore[misc]
+        plan,  # type: ignore[arg-type]
+        min_round=min_round,
+        signers=2,
+    )
+
+
 def test_a_repeated_catch_up_failure_is_logged_at_warning_once(
     tmp_path: Path, caplog, monkeypatch
 ) -> None:
     monkeypatch.setattr(catchup, "_SAID", deque(maxlen=64))  # nothing said before
     network = _Network()
     server, _ = _serving(network, A, tmp_path / "a", _snapshot())
-    plan = SimpleNamespace(
-        fragments=[SimpleNamespace(numel=10), SimpleNamespace(numel=3)], digest=lambda: PLAN
-    )
-    transport = _Transport(network, JOINER.peer_id)
-    sources = [SimpleNamespace(peer=A.peer_id, round=4)]
     try:
         with caplog.at_level(logging.DEBUG, logger="protocol.catchup"):
             for _ in range(3):  # a node settling a round retries, twice a second
-                taken = download(
-                    transport,  # type: ignore[arg-type]
-                    JOINER,
-                    CatchUpSettings(RUN, timeout=5),
-                    sources,  # type: ignore[arg-type]
-                    plan,  # type: ignore[arg-type]
-                    min_round=0,
-                    signers=2,
-                )
+                taken = _download(network, [A.peer_id], (10, 3), min_round=0)
                 assert taken is None
     finally:
         server.close()
@@ -205,20 +206,8 @@ def test_a_source_that_dies_mid_download_is_left_for_another_that_serves_it(
         return await served(peer, data)  # type: ignore[operator]
 
     network.handlers[A.peer_id][catchup.RPC_NAME] = dies_after_one_chunk
-    plan = SimpleNamespace(
-        fragments=[SimpleNamespace(numel=n) for n in (10, 3, 5)], digest=lambda: PLAN
-    )
-    sources = [SimpleNamespace(peer=p, round=4) for p in (A.peer_id, B.peer_id)]
     try:
-        taken = download(
-            _Transport(network, JOINER.peer_id),  # type: ignore[arg-type]
-            JOINER,
-            CatchUpSettings(RUN, timeout=5),
-            sources,  # type: ignore[arg-type]
-            plan,  # type: ignore[arg-type]
-            min_round=4,
-            signers=2,
-        )
+        taken = _download(network, [A.peer_id, B.peer_id], (10, 3, 5), min_round=4)
     finally:
         a.close()
         b.close()
