@@ -90,7 +90,7 @@ class TrustPolicy:
             learn what any text teaches, so no contribution gains more on its own data,
             and round 2's large gains would outweigh later rounds' in pooled ratios).
         check_min_records: records of a peer needed before it can be flagged (they must
-            also span three rounds, :data:`verification.workscores.MIN_ROUNDS`).
+            also span two rounds, :data:`verification.workscores.MIN_ROUNDS`).
         check_min_work: a peer whose pooled work ratio (its gain on control text per
             claimed batch over its rounds' reference gains, :mod:`verification.workscores`)
             is below this even at the upper end of its interval falls short of the work

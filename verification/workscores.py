@@ -73,10 +73,13 @@ Z = 1.645
 """Standard errors of the one-sided 95 % bounds the scores use."""
 MIN_POOLED = 3
 """Contributions a round needs measured before it has a reference."""
-MIN_ROUNDS = 3
+MIN_ROUNDS = 2
 """Rounds a peer's records must span before it can be flagged: a round's records (two
 checkers on each checked fragment) all measure one contribution, and one round's bad
-luck (a damaged copy, a group that went wrong) must not read as a habit."""
+luck (a damaged copy, a group that went wrong) must not read as a habit. With any one
+round's records left out the rest must still fall short (:meth:`Scores._robust`), so
+over two rounds each round alone must. Three rounds flagged no honest peer either in 21
+replayed benchmark swarms, one round later (docs/trust.md)."""
 _ROUNDS_POOLED = 32
 """Rounds whose measured contributions are kept for references."""
 

@@ -32,9 +32,9 @@ CHECKS = [
     "train.total_steps=400",
 ]
 CHECKS_CHARGES = ("useless_work", "bad_check_record")
-GOAL_ROUND = 7
+GOAL_ROUND = 6
 """The round by which every honest node's checks flag the zero member: checks start at
-round 3 and a flag needs records of three rounds, so its are in during round 6 (7 where
+round 3 and a flag needs records of two rounds, so its are in during round 5 (6 where
 a round's records come late)."""
 BOUND = 1.08
 """The honest nodes' bits per byte at most this over the best honest node's (the two

@@ -266,18 +266,32 @@ def test_one_records_figures_for_the_logs() -> None:
 
 def test_one_bad_round_is_not_a_habit() -> None:
     """Two checkers on two fragments give four records of one contribution in a round:
-    enough records, but a flag waits for a third round's."""
+    enough records, but a flag waits for a second round's."""
     scores = _scores()
-    for r in range(3):
-        _honest_round(scores, r)
     for r in range(2):
-        for checker in ("c0", "c1"):
-            for fragment in (0, 1):
-                _add(scores, checker=checker, round_=r, gain=0.0, lift=0.0, fragment=fragment)
+        _honest_round(scores, r)
+    for checker in ("c0", "c1"):
+        for fragment in (0, 1):
+            _add(scores, checker=checker, round_=0, gain=0.0, lift=0.0, fragment=fragment)
     assert scores.score("p")["short"] and not scores.flagged()
-    assert scores.score("p")["records"] == 8 and MIN_ROUNDS == 3
-    _add(scores, checker="c0", round_=2, gain=0.0, lift=0.0)
+    assert scores.score("p")["records"] == 4 and MIN_ROUNDS == 2
+    _add(scores, checker="c0", round_=1, gain=0.0, lift=0.0)
     assert scores.flagged() == {"p"}
+
+
+def test_two_rounds_flag_only_when_each_falls_short_alone() -> None:
+    """Over two rounds, leaving one round out leaves the other alone: a peer short in
+    one round and honest in the other is not flagged, however short the pooled ratio."""
+    scores = _scores()
+    for r in range(2):
+        _honest_round(scores, r)
+    for checker in ("c0", "c1"):
+        for fragment in (0, 1):
+            _add(scores, checker=checker, round_=0, gain=0.0, lift=0.0, fragment=fragment)
+    _add(scores, checker="c0", round_=1)
+    score = scores.score("p")
+    assert score["records"] == 5 and score["checkers"] == 2
+    assert not score["flagged"] and not scores.flagged()
 
 
 def _add_noisy(scores: Scores, spread: float, **kw) -> bool:
