@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node.files import atomic_write
+from verification.files import atomic_write
 from verification.identity import public_key_from_peer_id
 
 __all__ = ["ADMIN_DIR", "OPS", "AdminInbox", "Command", "submit"]

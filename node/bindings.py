@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from node.config import AtollConfig, ConfigError, DataConfig
-from node.files import atomic_write
 from node.sources import BYTES_DIGEST, DataError, user_files
+from verification.files import atomic_write
 
 __all__ = ["DIGEST_CACHE", "bind", "dataset_digest"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from node.files import atomic_file
+from verification.files import atomic_file
 
 __all__ = [
     "CheckpointError",

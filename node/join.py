@@ -20,11 +20,11 @@ import logging
 import time
 from pathlib import Path
 
-from node.files import atomic_write
 from node.spec import RunSpec, SpecError, parse_spec
 from protocol.errors import ProtocolError
 from protocol.p2p.config import TransportConfig
 from protocol.runspec import fetch_spec_bytes
+from verification.files import atomic_write
 from verification.policy import is_peer_id
 
 __all__ = ["RunAddress", "fetch_spec", "run_addresses", "save_spec"]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.files import atomic_write
+from verification.files import atomic_write
 
 __all__ = ["EventLog", "StatusWriter", "read_events", "read_status"]
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node.files import atomic_write
 from node.prepare_inputs import Part, file_kind, read_parts, row_place
 from node.prepare_shards import join_pieces, prepare_bytes
 from node.prepare_tokens import WorkerSetup as _WorkerSetup
@@ -45,6 +44,7 @@ from node.prepare_tokens import clear_worker, init_pool_worker, load_worker
 from node.prepare_tokens import digest_texts as _digest
 from node.prepare_tokens import tokenize_piece as _tokenize_piece
 from node.sources import BYTES_DIGEST, DataError, is_val, user_files
+from verification.files import atomic_write
 
 __all__ = ["Interrupted", "prepare", "prepare_bytes", "prepare_documents"]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from node.files import atomic_write
 from node.prepare_inputs import refuse_binary
 from node.sources import BYTES_DIGEST, SHARDS_FORMAT, DataError, is_val
+from verification.files import atomic_write
 
 __all__ = ["join_pieces", "prepare_bytes"]
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from node.files import atomic_file, atomic_write
 from node.sources import is_val
+from verification.files import atomic_file, atomic_write
 
 __all__ = [
     "ENCODE_CHARS",

@@ -36,7 +36,6 @@ import msgpack
 import tomli_w
 
 from node.config import AtollConfig, ConfigError, build_config
-from node.files import atomic_write
 from node.shared_settings import (
     SHARED_KEYS,
     canonical,
@@ -45,6 +44,7 @@ from node.shared_settings import (
     shared_settings,
 )
 from protocol.wire.messages import PROTOCOL_VERSION
+from verification.files import atomic_write
 from verification.identity import Identity, verify
 from verification.policy import is_peer_id
 
@@ -221,7 +221,7 @@ def spec_text(spec: RunSpec, name: str = "run.toml") -> str:
 
 
 def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
-    """Write ``spec`` as TOML (:func:`spec_text`), atomically (:func:`node.files.atomic_write`).
+    """Write ``spec`` as TOML (:func:`spec_text`), atomically (:func:`verification.files.atomic_write`).
 
     Raises:
         SpecError: if ``path`` exists and ``force`` is false, or it cannot be written.

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from verification.errors import VerificationError
+from verification.files import atomic_write
 
 __all__ = [
     "Identity",
@@ -36,6 +37,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SEED_LEN = 32
+_KEY_FILE = {"perms": 0o600, "replace": False}
+"""How a key file is written (:func:`verification.files.atomic_file`): created 0600
+under a temporary name (never readable by others, not even briefly; a planted symlink
+there is refused, not followed), and published by a hard link that fails where another
+process wrote the key first."""
 _PUBLIC_KEY_LEN = 32
 _SIGNATURE_LEN = 64
 
@@ -142,17 +148,10 @@ class Identity:
             pass
         path.parent.mkdir(parents=True, exist_ok=True)
         identity = cls.generate()
-        tmp = _write_private(path, identity._key_file_bytes())
         try:
-            os.link(tmp, path)
+            atomic_write(path, identity._key_file_bytes(), **_KEY_FILE)
         except FileExistsError:
             return cls.load(path)
-        except OSError:
-            # Some filesystems have no hard links; fall back to a plain atomic rename.
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
         logger.info("created identity %s at %s", identity.peer_id, path)
         return identity
 
@@ -166,14 +165,7 @@ class Identity:
         Raises:
             OSError: if the file cannot be written.
         """
-        path = Path(path)
-        tmp = _write_private(path, self._key_file_bytes())
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
+        atomic_write(Path(path), self._key_file_bytes(), perms=0o600)
 
     @property
     def public_key_bytes(self) -> bytes:
@@ -357,37 +349,3 @@ def _decode_private_key_file(data: bytes) -> Ed25519PrivateKey:
     if derived != key_data[_SEED_LEN:]:
         raise VerificationError("bad_key_file", "stored public key does not match the seed")
     return private_key
-
-
-def _write_private(path: Path, data: bytes) -> Path:
-    """Write ``data`` to a fresh 0600 file next to ``path``, fsynced; returns its path."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    # O_EXCL + mode at creation: the file is never briefly world-readable, and a
-    # planted symlink at the temporary name is refused rather than followed.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # The umask cannot widen 0600, but a restrictive one could narrow it to
-            # unreadable by the owner; pin the mode explicitly.
-            os.fchmod(f.fileno(), 0o600)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not every platform lets a directory be opened.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -134,6 +134,18 @@ def test_save_load_keeps_peer_id_and_mode(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["key"]  # no temporary file left
 
 
+def test_a_restrictive_umask_leaves_the_key_readable_by_its_owner(tmp_path: Path) -> None:
+    old = os.umask(0o677)  # would narrow a plain 0600 to nothing
+    try:
+        Identity.generate().save(tmp_path / "saved")
+        Identity.load_or_create(tmp_path / "created")
+    finally:
+        os.umask(old)
+    for name in ("saved", "created"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
+        Identity.load(tmp_path / name)
+
+
 def test_save_overwrites_read_only_file(tmp_path: Path) -> None:
     # hivemind writes its own identity files with mode 0400.
     path = tmp_path / "key"

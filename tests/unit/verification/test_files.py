@@ -1,4 +1,4 @@
-"""Whole-or-nothing writes (node/files.py): the file is replaced whole, a failed write
+"""Whole-or-nothing writes (verification/files.py): the file is replaced whole, a failed write
 leaves the previous file and no temporary file, and durable writes reach the disk."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node.files import atomic_file, atomic_write
+from verification.files import atomic_file, atomic_write
 
 
 def test_a_write_replaces_the_file_whole_and_leaves_no_temporary_file(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Whole-or-nothing file writes for a node's data directory.
+"""Whole-or-nothing file writes: a node's data directory, its key file.
 
 A file is written to a temporary sibling (same directory, hence same filesystem, so
 the rename is atomic), optionally fsynced, and renamed over its final name; a durable
@@ -19,6 +19,7 @@ from typing import IO, Any
 __all__ = ["atomic_file", "atomic_write", "fsync_dir"]
 
 _TMP_ATTEMPTS = 100
+_DEFAULT_PERMS = 0o666
 
 
 def fsync_dir(directory: Path) -> None:
@@ -41,7 +42,7 @@ def atomic_file(
     mode: str = "wb",
     *,
     durable: bool = True,
-    perms: int = 0o666,
+    perms: int = _DEFAULT_PERMS,
     prefix: str | None = None,
     suffix: str = ".tmp",
     replace: bool = True,
@@ -54,7 +55,9 @@ def atomic_file(
         mode: ``"wb"`` or ``"w"``.
         durable: fsync the file before the rename and the directory after it; a live
             view rewritten constantly (``status.json``) leaves both out.
-        perms: permission bits of the new file (the umask applies, as for ``open``).
+        perms: permission bits of the new file: the default is narrowed by the umask,
+            as for ``open``; any other value is set exactly (a key file's 0600 must
+            stay readable by its owner under a restrictive umask).
         prefix: the temporary file's name starts with this (default ``.NAME.``); its
             suffix is ``suffix``, with random characters between.
         replace: replace an existing ``path``; False refuses one with
@@ -70,6 +73,8 @@ def atomic_file(
     fd, tmp = _create_temp(path, prefix if prefix is not None else f".{path.name}.", suffix, perms)
     try:
         with os.fdopen(fd, mode, encoding=encoding) as f:
+            if perms != _DEFAULT_PERMS:
+                os.fchmod(f.fileno(), perms)
             yield f
             if durable:
                 f.flush()
