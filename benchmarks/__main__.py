@@ -301,4 +301,11 @@ def failures(report: Any, where: str = "") -> list[tuple[str, str]]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from node.swarm import interrupt_on_sigterm
+
+    interrupt_on_sigterm()  # a killed run stops the swarms it started
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("benchmarks: interrupted", file=sys.stderr)
+        sys.exit(130)

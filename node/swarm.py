@@ -4,8 +4,9 @@ Each node is a separate ``atoll run`` process with its own data directory under 
 swarm directory, its share of the CPU cores, and its own p2pd. The first node starts
 the swarm; the others join through its multiaddr, known before it runs (the launcher
 makes its identity key and picks its port), so all start at once. The launcher owns
-every process it starts: on Ctrl-C, on an error, or when it is done it sends SIGTERM,
-waits, then SIGKILLs whatever is left (each node's watchdog then ends its p2pd and DHT).
+every process it starts: on Ctrl-C or SIGTERM (:func:`interrupt_on_sigterm`), on an
+error, or when it is done it sends SIGTERM, waits, then SIGKILLs whatever is left (each
+node's watchdog then ends its p2pd and DHT).
 What the swarm did is summarised by :mod:`node.swarm_report`.
 """
 
@@ -45,6 +46,7 @@ __all__ = [
     "dump_json",
     "error_line",
     "format_summary",
+    "interrupt_on_sigterm",
     "launch",
     "render_table",
     "run_swarm",
@@ -214,6 +216,19 @@ def _wait_until_exited(nodes: Sequence[SwarmProcess], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(n.proc.poll() is None for n in nodes):
         time.sleep(0.1)
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM to a launcher stop its swarm as Ctrl-C does: a ``KeyboardInterrupt``
+    in the main thread, so the launcher's ``finally`` stops every node it started (the
+    default action would end the launcher alone and leave its nodes running). For
+    ``atoll swarm`` and the benchmarks, never for a node itself, which stops its own
+    way on SIGTERM."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def stop_all(nodes: list[SwarmProcess], grace: float = 30.0) -> None:

@@ -257,6 +257,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # validate once, before starting anything
     spec = _swarm_spec(args, cfg.run.max_rounds)
+    swarm.interrupt_on_sigterm()
     out = sys.stderr if args.json else sys.stdout
     print(f"starting {args.nodes} nodes in {spec.directory} (Ctrl-C stops them all)", file=out)
     if out.isatty():

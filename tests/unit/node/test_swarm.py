@@ -3,16 +3,21 @@ how the launcher starts a swarm's nodes at once."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from node import swarm
 from node.swarm import SwarmSpec, butterfly_reach
+from tests.waiting import wait_until
 from verification.identity import Identity
+
+ROOT = Path(__file__).resolve().parents[3]
 
 PEERS = ["a", "b", "c", "d"]
 # groups of two on the 2 x 2 grid: round 1 pairs along one axis, round 2 the other
@@ -149,3 +154,33 @@ def test_nodes_started_together_that_fail_alike_are_named_by_the_first(tmp_path:
     finally:
         nodes[0].proc.kill()
         nodes[0].proc.wait()
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+from node.swarm import interrupt_on_sigterm
+interrupt_on_sigterm()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+try:
+    time.sleep(60)
+finally:
+    child.terminate()
+    child.wait(10)
+"""
+
+
+def test_a_launcher_sent_sigterm_stops_what_it_started(tmp_path: Path) -> None:
+    """Without :func:`node.swarm.interrupt_on_sigterm` SIGTERM ends a launcher at once,
+    its ``finally`` unrun, and the node it started lives on."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        child = int(launcher.stdout.readline())
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(20) != 0
+        assert wait_until(lambda: not psutil.pid_exists(child), 10), "the child outlived it"
+    finally:
+        launcher.kill()
+        launcher.wait(10)
