@@ -74,3 +74,16 @@ class Prefix:
     plan: StreamPlan
     out: torch.Tensor
     upto: int
+
+    def complete(
+        self, peers: Sequence[str], weights: Sequence[float], vectors: Sequence[torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The reduction completed over ``vectors`` (one per peer, in order), or None
+        when ``peers`` and ``weights`` are not the plan's (the caller then reduces from
+        scratch)."""
+        plan = self.plan
+        if tuple(peers) != plan.peers or tuple(float(w) for w in weights) != plan.weights:
+            return None
+        if self.upto < self.out.numel():
+            self.out[self.upto :] = plan.combine([v[self.upto :] for v in vectors])
+        return self.out

@@ -486,9 +486,5 @@ def _complete(
 ) -> Aggregate | None:
     """The prefix's reduction completed over ``good``, or None when ``good`` and its
     weights are not the ones the prefix was reduced with."""
-    plan = prefix.plan
-    if tuple(c.peer for c in good) != plan.peers or tuple(weights) != plan.weights:
-        return None
-    if prefix.upto < prefix.out.numel():
-        prefix.out[prefix.upto :] = plan.combine([c.vector[prefix.upto :] for c in good])
-    return Aggregate(prefix.out, list(range(len(good))))
+    out = prefix.complete([c.peer for c in good], weights, [c.vector for c in good])
+    return None if out is None else Aggregate(out, list(range(len(good))))

@@ -169,15 +169,11 @@ def weighted_mean_reducer(
     :func:`verification.aggregators.weighted_mean` of the contributions, in order."""
     peers = [c.peer for c in contributions]
     weights = [c.weight for c in contributions]
-    if prefix is not None and (
-        tuple(peers) == prefix.plan.peers
-        and tuple(float(w) for w in weights) == prefix.plan.weights
-    ):
-        if prefix.upto < prefix.out.numel():
-            rest = [c.vector[prefix.upto :] for c in contributions]
-            prefix.out[prefix.upto :] = weighted_mean(rest, weights)
-        return Reduction(prefix.out, peers)
-    return Reduction(weighted_mean([c.vector for c in contributions], weights), peers)
+    vectors = [c.vector for c in contributions]
+    done = None if prefix is None else prefix.complete(peers, weights, vectors)
+    if done is not None:
+        return Reduction(done, peers)
+    return Reduction(weighted_mean(vectors, weights), peers)
 
 
 class Judge:
