@@ -1,6 +1,7 @@
-"""A node's control plane: heartbeats, round commitments and verdicts over GossipSub.
+"""A node's control plane: heartbeats, round commitments, verdicts and useful-work check
+records over GossipSub.
 
-Three topics on the node's :class:`~protocol.control.channel.ControlChannel` (a py-libp2p
+Four topics on the node's :class:`~protocol.control.channel.ControlChannel` (a py-libp2p
 sidecar), every message signed by the node key and checked on receipt:
 
 * ``heartbeat``: alive, version, capabilities, throughput, round and step
@@ -10,7 +11,9 @@ sidecar), every message signed by the node key and checked on receipt:
   member of the group, over the node's transport (RPC
   :data:`~protocol.control.commitments.COMMIT_RPC`, which the plane serves);
 * ``verdict``: an accusation with its evidence, checked by every receiver
-  (:mod:`protocol.control.verdicts`, by the rules of :mod:`verification.evidence`).
+  (:mod:`protocol.control.verdicts`, by the rules of :mod:`verification.evidence`);
+* ``check``: a useful-work check record, signed by its checker and judged by each
+  receiver (:mod:`node.checks`; the plane only carries it).
 
 :class:`ControlPlane` is what the node holds: it starts and closes the channel and the
 heartbeats, hands each message to its part, and reports what it sees.
