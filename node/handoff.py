@@ -152,6 +152,9 @@ def export_hf(
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
+        # serving stacks pick the model class from it (a config read as a run's leaves it
+        # out, node/hf.py): the class the weights were built for
+        lm.config.architectures = [type(lm).__name__]
         lm.config.save_pretrained(str(tmp))
         lm.generation_config.save_pretrained(str(tmp))
         _save_tokenizer(record, tok, tmp)

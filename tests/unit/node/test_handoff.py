@@ -43,6 +43,9 @@ FAMILIES = {
     },
     "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128},
 }
+CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+"""The class each family's export must name in ``architectures`` (serving stacks pick
+the model class from it); the llama config below names it itself, the others not."""
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,8 @@ def test_an_exported_model_loads_offline_with_the_nodes_logits(
     tmp_path: Path, tokenizer_dir: Path, family: str
 ) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**FAMILIES[family], "vocab_size": 300}))
+    named = {"architectures": [CLASSES[family]]} if family == "llama" else {}
+    config.write_text(json.dumps({**FAMILIES[family], **named, "vocab_size": 300}))
     reference = _node_checkpoint(
         tmp_path / "node",
         ["model.arch='hf'", f"model.hf_config={json.dumps(str(config))}"],
@@ -103,6 +107,8 @@ def test_an_exported_model_loads_offline_with_the_nodes_logits(
     )
     done = export_hf(tmp_path / "node", tmp_path / "out")
     assert done["model_type"] == family and done["round"] == "4"
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == [CLASSES[family]]
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     lm = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
@@ -131,6 +137,8 @@ def test_the_byte_model_exports_as_gpt2_with_a_byte_tokenizer(tmp_path: Path) ->
     reference = _node_checkpoint(tmp_path / "node", small, None)
     done = export_hf(tmp_path / "node", tmp_path / "out")
     assert done["model_type"] == "gpt2"
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == [CLASSES["gpt2"]]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     lm = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
