@@ -55,8 +55,12 @@ class RunConfig:
     clock_signers: tuple[str, ...] = ()
     """Without a run spec: the PeerIDs whose round-clock manifests this node takes
     (empty: the nodes it joins through, its initial peers)."""
+    spec_signers: tuple[str, ...] = ()
+    """PeerIDs besides its creator that may sign the next version of this run's spec
+    (``atoll spec create --previous``): a new key for the operator, or a co-operator.
+    Shared by every node (the spec that names them is signed)."""
 
-    @field_validator("clock_signers")
+    @field_validator("clock_signers", "spec_signers")
     @classmethod
     def _signers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         from verification.policy import is_peer_id

@@ -27,7 +27,8 @@ from node.peers import DuplicateIdentityError
 from node.reporter import Reporter, Upkeep, __version__
 from node.rounds import Rounds
 from node.site import SiteRank
-from node.spec import RunSpec, settings_digest, spec_text
+from node.spec import RunSpec, settings_digest, version_line
+from node.spec_file import spec_text
 from node.startup import (
     Teardown,
     install_signals,
@@ -192,6 +193,10 @@ class Node:
         resume or catch up, and evaluate the starting point."""
         cfg, progress = self.cfg, self.progress
         status, events = self.logs = open_logs(cfg, self.data_dir)
+        replaced = None if self.spec is None else version_line(self.spec)
+        if replaced:
+            logger.info("%s", replaced)
+            events.write("spec_version", line=replaced, versions=len(self.spec.chain()))
         key_file = self.data_dir / "identity.key"
         identity = load_identity(key_file)
         spec_file = self.spec is not None

@@ -20,7 +20,8 @@ import logging
 import time
 from pathlib import Path
 
-from node.spec import RunSpec, SpecError, parse_spec
+from node.spec import RunSpec, SpecError
+from node.spec_file import parse_spec
 from protocol.errors import ProtocolError
 from protocol.p2p.config import TransportConfig
 from protocol.runspec import fetch_spec_bytes

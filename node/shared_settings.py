@@ -29,8 +29,9 @@ def _keys(cls: type) -> tuple[str, ...]:
 
 SHARED_KEYS: dict[str, tuple[str, ...]] = {
     # The run's name, and the seed the model is initialised from: nodes must start
-    # from the same weights or averaging mixes unrelated models.
-    "run": ("run_id", "seed"),
+    # from the same weights or averaging mixes unrelated models. And who may sign the
+    # spec's next version.
+    "run": ("run_id", "seed", "spec_signers"),
     # The architecture: parameters must line up tensor by tensor on every node. Paths
     # are each node's own; what they hold is bound by digest (node.bindings).
     "model": tuple(k for k in _keys(ModelConfig) if k not in ("hf_config", "init_from")),

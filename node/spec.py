@@ -3,37 +3,39 @@
 A bootstrap operator runs ``atoll spec create`` once: it takes the shared settings
 (:data:`SHARED_KEYS`) from a config, adds the round clock's start ``t0`` and the
 bootstrap multiaddrs, signs them with the operator's Ed25519 key and writes a TOML
-file. Volunteers join with ``atoll run --spec FILE``: :func:`read_spec` checks the
-file and its signature, and :func:`apply_spec` lays the shared settings over the
+file. Volunteers join with ``atoll run --spec FILE``: :func:`node.spec_file.read_spec` checks
+the file and its signature, and :func:`apply_spec` lays the shared settings over the
 node's own config, refusing any local value that differs, so no node trains another
-model, codec or clock by accident. Nodes announce :attr:`RunSpec.digest` (or, when
+model, codec or clock by accident.
+
+A spec may be a later *version* of another (``atoll spec create --previous``): it then
+carries the previous version whole, inside what it signs, and is trusted only if its
+signer is the previous version's creator or one of the ``run.spec_signers`` that
+version named, for the same run, created later, all the way down the chain. An operator
+pin (``--operator``, a run address) holds for a chain whose versions include one signed
+by the pinned key, so an operator can rotate keys without volunteers changing their
+pin, and nobody else can publish a version of the run. Nodes announce :attr:`RunSpec.digest` (or, when
 started without a spec, :func:`settings_digest`) so peers on other settings are told
 apart before they exchange anything::
 
     signed_bytes = msgpack({version, run_id, protocol, creator, created, t0,
-                            bootstrap, shared})          # keys sorted at every level
+                            bootstrap, shared[, previous]})  # keys sorted at every level
+    previous     = msgpack([previous version's signed_bytes, its signature])
     digest       = sha256(signed_bytes)
     signature    = Ed25519(creator's key, b"atoll/spec/v1\\0" + digest)
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import hashlib
 import math
-import os
-import shlex
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import msgpack
-import tomli_w
 
 from node.config import AtollConfig, ConfigError, build_config
 from node.shared_settings import (
@@ -44,27 +46,24 @@ from node.shared_settings import (
     shared_settings,
 )
 from protocol.wire.messages import PROTOCOL_VERSION
-from verification.files import atomic_write
 from verification.identity import Identity, verify
 from verification.policy import is_peer_id
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 __all__ = [
+    "HEAD_KEYS",
+    "MAX_VERSIONS",
     "SHARED_KEYS",
+    "SIGNATURE_LEN",
     "SPEC_VERSION",
     "RunSpec",
     "SpecError",
     "apply_spec",
+    "bad_signature",
+    "bootstrap_problem",
     "create_spec",
-    "parse_spec",
-    "read_spec",
     "settings_digest",
-    "spec_text",
-    "write_spec",
+    "spec_changes",
+    "version_line",
 ]
 
 SPEC_VERSION = 1
@@ -72,9 +71,21 @@ SPEC_VERSION = 1
 
 
 _SIGN_DOMAIN = b"atoll/spec/v1\0"
-_SIGNATURE_LEN = 64
+SIGNATURE_LEN = 64
 _T0_LEAD_SECONDS = 60.0
-_HEAD_KEYS = ("version", "run_id", "protocol", "creator", "created", "t0", "bootstrap", "signature")
+HEAD_KEYS = (
+    "version",
+    "run_id",
+    "protocol",
+    "creator",
+    "created",
+    "t0",
+    "bootstrap",
+    "previous",
+    "signature",
+)
+MAX_VERSIONS = 64
+"""Versions a spec's chain may hold (each carries the one before it)."""
 
 
 class SpecError(ValueError):
@@ -96,6 +107,8 @@ class RunSpec:
         shared: the shared settings, ``{section: {key: value}}`` for every key of
             :data:`SHARED_KEYS`.
         signature: the creator's 64-byte Ed25519 signature (see the module docstring).
+        previous: the version this one replaces, as signed (``msgpack([signed_bytes,
+            signature])``); None for a run's first spec.
     """
 
     run_id: str
@@ -106,6 +119,7 @@ class RunSpec:
     bootstrap: tuple[str, ...]
     shared: dict[str, dict[str, Any]]
     signature: bytes
+    previous: bytes | None = None
 
     def signed_bytes(self) -> bytes:
         """Canonical msgpack of every field but the signature, with the spec version."""
@@ -119,6 +133,8 @@ class RunSpec:
             "bootstrap": self.bootstrap,
             "shared": self.shared,
         }
+        if self.previous is not None:
+            fields["previous"] = self.previous
         return msgpack.packb(canonical(fields), use_bin_type=True)
 
     @property
@@ -131,6 +147,19 @@ class RunSpec:
         """The first 12 hex characters of :attr:`digest`, for messages."""
         return self.digest[:12]
 
+    @property
+    def signers(self) -> tuple[str, ...]:
+        """Who may sign this spec's next version: its creator and ``run.spec_signers``."""
+        return (self.creator, *self.shared["run"]["spec_signers"])
+
+    def chain(self) -> list[RunSpec]:
+        """This version and every one before it, newest first (signatures unchecked:
+        :func:`node.spec_file.parse_spec` checks the chain)."""
+        out: list[RunSpec] = [self]
+        while out[-1].previous is not None and len(out) <= MAX_VERSIONS:
+            out.append(_unpack_version(out[-1].previous))
+        return out
+
     def verify(self) -> None:
         """Check the creator's signature.
 
@@ -138,7 +167,7 @@ class RunSpec:
             SpecError: if the signature is not ``creator``'s over these fields.
         """
         if not self._signature_ok():
-            raise SpecError(f"run spec {self.short}: {_bad_signature(self.creator)}")
+            raise SpecError(f"run spec {self.short}: {bad_signature(self.creator)}")
 
     def _signature_ok(self) -> bool:
         return verify(self.creator, _signing_payload(self.signed_bytes()), self.signature)
@@ -150,6 +179,7 @@ def create_spec(
     bootstrap: Sequence[str] = (),
     t0: float | None = None,
     now: float | None = None,
+    previous: RunSpec | None = None,
 ) -> RunSpec:
     """Sign a spec of ``cfg``'s shared settings with ``identity``.
 
@@ -161,15 +191,33 @@ def create_spec(
             the first multiple of ``sync.round_seconds`` at least 60 s from ``now``,
             so every node has time to start before the clock does.
         now: the current unix time (for tests); ``time.time()`` when None.
+        previous: the version this one replaces (verified by the caller): the new one
+            is for the same run, signed by one of ``previous.signers``, and keeps its
+            ``t0`` unless one is given.
 
     Raises:
-        SpecError: a bootstrap entry that is not a ``/p2p/`` multiaddr, or a ``t0``
-            that is not finite or is given for the ``steps`` trigger.
+        SpecError: a bootstrap entry that is not a ``/p2p/`` multiaddr, a ``t0``
+            that is not finite or is given for the ``steps`` trigger, or a
+            ``previous`` of another run or whose signers do not include ``identity``.
     """
     now = time.time() if now is None else float(now)
+    if previous is not None:
+        if cfg.run.run_id != previous.run_id:
+            raise SpecError(
+                f"run.run_id = {cfg.run.run_id!r}, but the previous version is of run "
+                f"{previous.run_id!r}: a new version keeps its run's id"
+            )
+        if identity.peer_id not in previous.signers:
+            raise SpecError(
+                f"key {identity.peer_id} may not sign a version of run {previous.run_id!r}: "
+                f"its previous version {previous.short} names as signers "
+                f"{', '.join(previous.signers)} (its creator and run.spec_signers)"
+            )
+        if t0 is None and cfg.sync.trigger == "seconds":
+            t0 = previous.t0
     peers = tuple(bootstrap)
     for maddr in peers:
-        problem = _bootstrap_problem(maddr)
+        problem = bootstrap_problem(maddr)
         if problem:
             raise SpecError(problem)
     if cfg.sync.trigger == "seconds":
@@ -190,136 +238,84 @@ def create_spec(
         bootstrap=peers,
         shared=shared_settings(cfg),
         signature=b"",
+        previous=None if previous is None else _pack_version(previous),
     )
     signature = identity.sign(_signing_payload(unsigned.signed_bytes()))
     return dataclasses.replace(unsigned, signature=signature)
 
 
-def spec_text(spec: RunSpec, name: str = "run.toml") -> str:
-    """The spec file's text: a comment header (its join and check commands naming the
-    file ``name``), the signed head and the shared settings, as TOML."""
-    head: dict[str, Any] = {
-        "version": SPEC_VERSION,
-        "run_id": spec.run_id,
-        "protocol": spec.protocol,
-        "creator": spec.creator,
-        "created": spec.created,
-    }
-    if spec.t0 is not None:
-        head["t0"] = spec.t0
-    head["bootstrap"] = list(spec.bootstrap)
-    head["signature"] = base64.b64encode(spec.signature).decode("ascii")
-    name = shlex.quote(name)
-    header = (
-        f"# Atoll run spec for run {spec.run_id!r} (spec {spec.short}): the settings every\n"
-        f"# node of the run shares, signed by its creator {spec.creator}.\n"
-        f"# Join the run:    atoll run --spec {name} --operator {spec.creator}\n"
-        f"# Check the file:  atoll spec show {name}\n"
-        "# Any edit breaks the signature; to change a setting, create a new spec.\n\n"
+def spec_changes(old: RunSpec, new: RunSpec) -> list[str]:
+    """What ``new`` changes of ``old``: one ``key: old -> new`` line per shared setting,
+    and the bootstrap addresses and ``t0`` where they moved."""
+    lines = [
+        f"{section}.{key}: {old.shared[section][key]!r} -> {new.shared[section][key]!r}"
+        for section, keys in SHARED_KEYS.items()
+        for key in keys
+        if old.shared[section][key] != new.shared[section][key]
+    ]
+    if old.t0 != new.t0:
+        lines.append(f"t0: {old.t0!r} -> {new.t0!r}")
+    if old.bootstrap != new.bootstrap:
+        lines.append(f"bootstrap: {' '.join(old.bootstrap)} -> {' '.join(new.bootstrap)}")
+    return lines
+
+
+def version_line(spec: RunSpec) -> str | None:
+    """One line saying which version of its run ``spec`` is and what it changed of the
+    one before (None for a run's first spec): what a node logs at start and ``atoll
+    spec create --previous`` prints."""
+    chain = spec.chain()
+    if len(chain) < 2:
+        return None
+    before = chain[1]
+    changed = "; ".join(spec_changes(before, spec)) or "nothing but the signer"
+    return (
+        f"run spec {spec.short} is version {len(chain)} of run {spec.run_id!r}, signed by "
+        f"{spec.creator}; it replaces spec {before.short} by {before.creator}; changed: {changed}"
     )
-    return header + tomli_w.dumps({"spec": head, "shared": spec.shared})
 
 
-def write_spec(spec: RunSpec, path: str | Path, *, force: bool = False) -> None:
-    """Write ``spec`` as TOML (:func:`spec_text`), atomically (:func:`verification.files.atomic_write`).
-
-    Raises:
-        SpecError: if ``path`` exists and ``force`` is false, or it cannot be written.
-    """
-    path = Path(path)
-    text = spec_text(spec, path.name)
-    try:
-        atomic_write(path, text, perms=0o644, prefix=f".{path.name}.{os.getpid()}.", replace=force)
-    except FileExistsError:
-        raise SpecError(f"run spec {path}: already exists (use --force to replace it)") from None
-    except OSError as exc:
-        raise SpecError(f"run spec {path}: cannot write: {exc.strerror or exc}") from None
+def _pack_version(spec: RunSpec) -> bytes:
+    return msgpack.packb([spec.signed_bytes(), spec.signature], use_bin_type=True)
 
 
-def read_spec(path: str | Path, operator: str | None = None) -> RunSpec:
-    """Read and verify a spec file.
-
-    Args:
-        path: the file.
-        operator: the PeerID of the run's operator, as the volunteer got it from the
-            operator (``atoll run --operator``): a spec signed by any other key is
-            refused, however valid its signature. None trusts whoever signed it.
+def _unpack_version(data: bytes) -> RunSpec:
+    """A previous version from :func:`_pack_version`'s bytes (its signature unchecked).
 
     Raises:
-        SpecError: one line naming the file and the problem: missing, unreadable,
-            not TOML, wrong version, a missing or mistyped field, an unknown shared
-            key, a bad signature, a signer other than ``operator``, another protocol
-            version or invalid settings.
+        SpecError: bytes that are not a packed version, or whose fields are not the
+            canonical encoding they were signed as.
     """
-    path = Path(path)
-    _check_operator(operator)
+    bad = SpecError("spec.previous is not a packed run spec")
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise SpecError(
-            f"run spec {path}: no such file (a run's creator makes one with `atoll spec create`)"
-        ) from None
-    except OSError as exc:
-        raise SpecError(f"run spec {path}: cannot read: {exc.strerror or exc}") from None
-    return parse_spec(data, f"run spec {path}", operator)
-
-
-def parse_spec(data: bytes, source: str, operator: str | None = None) -> RunSpec:
-    """Parse and verify a spec file's bytes (from a file, or from a peer that serves its
-    run's spec); the checks are :func:`read_spec`'s.
-
-    Args:
-        data: the file's bytes.
-        source: what the bytes are, for the error (``run spec run.toml``, ``the run
-            spec from 12D3KooW...``).
-        operator: as in :func:`read_spec`.
-
-    Raises:
-        SpecError: as :func:`read_spec`, beginning with ``source``.
-    """
-    _check_operator(operator)
-
-    def fail(problem: str) -> SpecError:
-        return SpecError(f"{source}: {problem}")
-
+        signed, signature = msgpack.unpackb(data, raw=False)
+        fields = msgpack.unpackb(signed, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        raise bad from None
+    if not (isinstance(signed, bytes) and isinstance(signature, bytes)):
+        raise bad
+    if not isinstance(fields, dict) or fields.get("version") != SPEC_VERSION:
+        raise bad
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise fail("not UTF-8 text, so not a run spec") from None
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise fail(f"not TOML: {' '.join(str(exc).split())}") from None
-    spec = _parse(doc, fail)
-    if not spec._signature_ok():
-        raise fail(_bad_signature(spec.creator))
-    if operator is not None and spec.creator != operator:
-        raise fail(
-            f"signed by {spec.creator}, not by the operator {operator}: a copy of run "
-            f"{spec.run_id!r} by someone else (its settings and peers are theirs); get the "
-            "spec from the operator"
+        t0 = fields["t0"]
+        spec = RunSpec(
+            run_id=fields["run_id"],
+            protocol=fields["protocol"],
+            creator=fields["creator"],
+            created=fields["created"],
+            t0=None if t0 is None else float(t0),
+            bootstrap=tuple(fields["bootstrap"]),
+            shared=fields["shared"],
+            signature=signature,
+            previous=fields.get("previous"),
         )
-    if spec.protocol != PROTOCOL_VERSION:
-        raise fail(
-            f"the run speaks protocol {spec.protocol}, this atoll speaks {PROTOCOL_VERSION}: "
-            f"use an atoll release that speaks protocol {spec.protocol}"
-        )
-    try:
-        cfg = build_config(spec.shared)
-    except ConfigError as exc:
-        raise fail(f"shared settings do not validate: {str(exc).splitlines()[0]}") from None
-    if cfg.run.run_id != spec.run_id:
-        raise fail(f"spec.run_id {spec.run_id!r} differs from shared.run.run_id")
-    if (spec.t0 is None) != (cfg.sync.trigger == "steps"):
-        raise fail(
-            f"spec.t0 must be set exactly when sync.trigger = 'seconds' (here {cfg.sync.trigger!r})"
-        )
+        same = spec.signed_bytes() == signed and set(fields) <= {*HEAD_KEYS, "shared"}
+        spec.signers  # noqa: B018  (a spec that names no signers is not one)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise bad from None
+    if not same or not is_peer_id(spec.creator):
+        raise bad
     return spec
-
-
-def _check_operator(operator: str | None) -> None:
-    if operator is not None and not is_peer_id(operator):
-        raise SpecError(f"--operator {operator!r}: not a PeerID (12D3KooW..., from the operator)")
 
 
 def apply_spec(spec: RunSpec, data: dict[str, Any]) -> AtollConfig:
@@ -369,14 +365,14 @@ def _signing_payload(signed_bytes: bytes) -> bytes:
     return _SIGN_DOMAIN + hashlib.sha256(signed_bytes).digest()
 
 
-def _bad_signature(creator: str) -> str:
+def bad_signature(creator: str) -> str:
     return (
         "signature does not verify: the file was changed after it was signed, "
         f"or was not signed by {creator}"
     )
 
 
-def _bootstrap_problem(maddr: Any) -> str | None:
+def bootstrap_problem(maddr: Any) -> str | None:
     if isinstance(maddr, str) and maddr.startswith("/") and not any(c.isspace() for c in maddr):
         host, sep, peer = maddr.rpartition("/p2p/")
         if sep and host and is_peer_id(peer):
@@ -385,83 +381,3 @@ def _bootstrap_problem(maddr: Any) -> str | None:
         f"bootstrap address {maddr!r} is not a multiaddr ending in /p2p/<peer id>, "
         "e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
     )
-
-
-def _parse(doc: dict[str, Any], fail: Callable[[str], SpecError]) -> RunSpec:
-    """Check a spec document's layout and field types; the signature is checked after."""
-    for table in doc:
-        if table not in ("spec", "shared"):
-            raise fail(f"unknown table [{table}]: a run spec has only [spec] and [shared.*]")
-    head = doc.get("spec")
-    if not isinstance(head, dict):
-        raise fail("no [spec] table, so not an Atoll run spec")
-    version = head.get("version")
-    if type(version) is not int or version != SPEC_VERSION:
-        later = type(version) is int and version > SPEC_VERSION
-        raise fail(
-            f"spec.version = {version!r}: this atoll reads version {SPEC_VERSION}"
-            + ("; upgrade atoll" if later else "")
-        )
-    for key in head:
-        if key not in _HEAD_KEYS:
-            raise fail(f"unknown key spec.{key}")
-
-    def field(key: str, kind: type, what: str) -> Any:
-        if key not in head:
-            raise fail(f"spec.{key} is missing")
-        value = head[key]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise fail(f"spec.{key} = {value!r}: expected {what}")
-        return value
-
-    creator = field("creator", str, "a PeerID")
-    if not is_peer_id(creator):
-        raise fail(f"spec.creator = {creator!r}: expected a PeerID (12D3KooW...)")
-    t0 = head.get("t0")
-    if t0 is not None and (not isinstance(t0, (int, float)) or isinstance(t0, bool)):
-        raise fail(f"spec.t0 = {t0!r}: expected a unix time")
-    bootstrap = field("bootstrap", list, "a list of multiaddrs")
-    for maddr in bootstrap:
-        problem = _bootstrap_problem(maddr)
-        if problem:
-            raise fail(f"spec.bootstrap: {problem}")
-    try:
-        signature = base64.b64decode(field("signature", str, "base64 text"), validate=True)
-    except binascii.Error:
-        raise fail("spec.signature is not valid base64") from None
-    if len(signature) != _SIGNATURE_LEN:
-        raise fail(f"spec.signature is {len(signature)} bytes, expected {_SIGNATURE_LEN}")
-    return RunSpec(
-        run_id=field("run_id", str, "a string"),
-        protocol=field("protocol", int, "an integer"),
-        creator=creator,
-        created=field("created", str, "an ISO-8601 time"),
-        t0=None if t0 is None else float(t0),
-        bootstrap=tuple(bootstrap),
-        shared=_parse_shared(doc.get("shared"), fail),
-        signature=signature,
-    )
-
-
-def _parse_shared(shared: Any, fail: Callable[[str], SpecError]) -> dict[str, dict[str, Any]]:
-    if not isinstance(shared, dict):
-        raise fail("no [shared.*] tables: the spec carries no settings")
-    for section, values in shared.items():
-        if section not in SHARED_KEYS:
-            raise fail(f"[shared.{section}]: {section} has no shared settings")
-        if not isinstance(values, dict):
-            raise fail(f"shared.{section} must be a table")
-        for key in values:
-            if key not in SHARED_KEYS[section]:
-                raise fail(f"shared.{section}.{key} is not a setting a run shares")
-    for section, keys in SHARED_KEYS.items():
-        for key in keys:
-            if key not in shared.get(section, {}):
-                raise fail(
-                    f"shared.{section}.{key} is missing (a spec made by another atoll "
-                    "release: make it again with `atoll spec create`)"
-                )
-    return {
-        section: {key: canonical(shared[section][key]) for key in keys}
-        for section, keys in SHARED_KEYS.items()
-    }

@@ -425,7 +425,13 @@ _SPEC = Group(
                     type=float,
                     metavar="UNIX_TIME",
                     help="round 1's start for sync.trigger = seconds (default: a round "
-                    "boundary >= 60 s ahead)",
+                    "boundary >= 60 s ahead; a new version keeps its previous one's)",
+                ),
+                arg(
+                    "--previous",
+                    metavar="FILE",
+                    help="the run's current spec: make its next version (same run, signed "
+                    "by its creator or one of its run.spec_signers)",
                 ),
                 arg("--out", required=True, help="spec file to write, e.g. run.toml"),
                 arg("--force", action="store_true", help="replace an existing file"),

@@ -154,11 +154,13 @@ def cmd_spec_create(args: argparse.Namespace) -> int:
     """``atoll spec create``: sign a config's shared settings into a run spec."""
     from node.bindings import bind
     from node.join import run_addresses
-    from node.spec import create_spec, write_spec
+    from node.spec import create_spec, version_line
+    from node.spec_file import read_spec, write_spec
     from protocol.p2p.addrs import with_peer_id
     from verification.errors import VerificationError
     from verification.identity import Identity
 
+    previous = read_spec(args.previous) if args.previous else None
     # the spec binds what the model config, first weights and tokenizer hold
     cfg = bind(load_config(args.config, args.overrides))
     key = Path(args.key) if args.key else Path(args.data_dir).expanduser() / "identity.key"
@@ -172,9 +174,15 @@ def cmd_spec_create(args: argparse.Namespace) -> int:
         print(f"created identity key {key}; PeerID {identity.peer_id}")
     # The creator usually runs the bootstrap node: an address without /p2p/ is its own.
     bootstrap = [with_peer_id(m, identity.peer_id) for m in args.bootstrap]
-    spec = create_spec(cfg, identity, bootstrap=bootstrap, t0=args.t0)
+    spec = create_spec(cfg, identity, bootstrap=bootstrap, t0=args.t0, previous=previous)
     write_spec(spec, args.out, force=args.force)
     print(f"wrote {args.out}: run {spec.run_id}, spec {spec.short}, creator {spec.creator}")
+    if previous is not None:
+        print(version_line(spec))
+        print(
+            "nodes take it when restarted on it (atoll run --spec FILE, or atoll join once "
+            "the bootstrap node runs it); nodes of the two versions refuse each other"
+        )
     if spec.t0 is not None:
         print(f"round 1 starts at {_utc(spec.t0)} (t0 {spec.t0})")
     if not spec.bootstrap:
@@ -219,7 +227,7 @@ def cmd_spec_show(args: argparse.Namespace) -> int:
     """``atoll spec show``: verify a run spec and print it."""
     import base64
 
-    from node.spec import read_spec
+    from node.spec_file import read_spec
 
     spec = read_spec(args.file)  # verifies the signature
     if args.json:
@@ -233,6 +241,10 @@ def cmd_spec_show(args: argparse.Namespace) -> int:
             "bootstrap": list(spec.bootstrap),
             "shared": spec.shared,
             "signature": base64.b64encode(spec.signature).decode("ascii"),
+            "versions": [
+                {"digest": v.digest, "creator": v.creator, "created": v.created}
+                for v in spec.chain()
+            ],
         }
         print(json.dumps(fields))
         return 0
@@ -245,6 +257,11 @@ def cmd_spec_show(args: argparse.Namespace) -> int:
     t0 = f"{spec.t0} ({_utc(spec.t0)})" if spec.t0 is not None else "none (steps trigger)"
     print(f"  t0         {t0}")
     print(f"  bootstrap  {' '.join(spec.bootstrap) or 'none'}")
+    chain = spec.chain()
+    signers = ", ".join(spec.signers[1:]) or "none"
+    print(f"  version    {len(chain)}; next version may also be signed by: {signers}")
+    for older in chain[1:]:
+        print(f"  replaces   spec {older.short} by {older.creator} ({older.created})")
     print("shared settings")
     for section, values in spec.shared.items():
         for key, value in values.items():

@@ -77,7 +77,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--operator pins who signed a run spec: give the spec with --spec FILE")
     if args.spec:
         from node.config import load_config_data
-        from node.spec import apply_spec, read_spec
+        from node.spec import apply_spec
+        from node.spec_file import read_spec
 
         # The spec and the local config are checked before anything starts.
         spec = read_spec(args.spec, operator=args.operator)

@@ -24,7 +24,7 @@ import pytest
 
 from node import swarm
 from node.metrics import read_events
-from node.spec import read_spec
+from node.spec_file import read_spec
 from tests.integration.conftest import SMALL, wait_until
 from tests.netlab import NetLab
 from verification.audit import AuditLog

@@ -14,7 +14,8 @@ from node.config import ConfigError, load_config
 from node.data import stdlib_files
 from node.hf import config_digest, load_config_dict
 from node.prepare import prepare
-from node.spec import read_spec, settings_digest
+from node.spec import settings_digest
+from node.spec_file import read_spec
 
 TINY = {
     "model_type": "llama",

@@ -12,7 +12,8 @@ from node.cli import main
 from node.cli.running import _with_spec_file
 from node.config import load_config
 from node.join import RunAddress, fetch_spec, run_addresses, save_spec
-from node.spec import SpecError, create_spec, parse_spec, read_spec, spec_text
+from node.spec import SpecError, create_spec
+from node.spec_file import parse_spec, read_spec, spec_text
 from tests.unit.node.test_spec import _fake_daemon
 from verification.identity import Identity
 

@@ -39,7 +39,7 @@ def test_shared_values_are_canonical() -> None:
     assert list(canonical({"z": 1, "a": 2})) == ["a", "z"]
     shared = shared_settings(load_config(None, []))
     assert set(shared) == set(SHARED_KEYS)
-    assert shared["run"] == {"run_id": shared["run"]["run_id"], "seed": 0}
+    assert shared["run"] == {"run_id": shared["run"]["run_id"], "seed": 0, "spec_signers": []}
 
 
 def test_values_are_compared_once_validated() -> None:

@@ -20,10 +20,10 @@ from node.spec import (
     SpecError,
     apply_spec,
     create_spec,
-    read_spec,
     settings_digest,
-    write_spec,
+    spec_changes,
 )
+from node.spec_file import read_spec, write_spec
 from verification.identity import Identity
 
 ALICE = Identity.from_seed(b"a" * 32)
@@ -72,7 +72,7 @@ def test_every_shared_key_is_a_config_key() -> None:
     assert "tau" not in SHARED_KEYS["sync"] and "alpha" not in SHARED_KEYS["sync"]
     # a topk part is refused unless it keeps the run's count of the run's chunk in its bits
     assert {"topk_chunk", "topk_density", "topk_bits"} <= set(SHARED_KEYS["sync"])
-    assert SHARED_KEYS["run"] == ("run_id", "seed")
+    assert SHARED_KEYS["run"] == ("run_id", "seed", "spec_signers")
 
 
 # --- create / write / read ----------------------------------------------------------------
@@ -399,3 +399,118 @@ def test_cli_bootstrap_without_peer_id_is_the_creators_own_address(tmp_path: Pat
     peer = Identity.load(tmp_path / "node" / "identity.key").peer_id
     spec = read_spec(tmp_path / "run.toml")
     assert spec.bootstrap == (f"/ip4/203.0.113.5/tcp/31337/p2p/{peer}",)
+
+
+# --- versions ------------------------------------------------------------------------------
+
+CAROL = Identity.from_seed(b"c" * 32)
+
+
+def _versions() -> tuple[RunSpec, RunSpec]:
+    """Alice's first spec names Bob as a signer; Bob signs the second, with another lr."""
+    first = _spec(f"run.spec_signers=['{BOB.peer_id}']", bootstrap=[BOOT])
+    cfg = _cfg(
+        "sync.codec='int8'",
+        "sync.round_seconds=30.0",
+        "outer.lr=0.5",
+        f"run.spec_signers=['{BOB.peer_id}']",
+    )
+    return first, create_spec(cfg, BOB, bootstrap=[BOOT], now=NOW + 60, previous=first)
+
+
+def test_a_rotated_signer_is_accepted_under_the_operators_pin(tmp_path: Path) -> None:
+    first, second = _versions()
+    path = _written(tmp_path, second)
+    read = read_spec(path, operator=ALICE.peer_id)  # the pin the volunteers hold
+    assert read.creator == BOB.peer_id and read.digest == second.digest
+    assert [v.digest for v in read.chain()] == [second.digest, first.digest]
+    assert read_spec(path, operator=BOB.peer_id).digest == second.digest  # the new key's pin
+    with pytest.raises(SpecError, match=f"not by the operator {CAROL.peer_id}"):
+        read_spec(path, operator=CAROL.peer_id)
+    assert spec_changes(first, second) == ["outer.lr: 0.30000000000000004 -> 0.5"]
+    assert "Version 2 of the run's spec" in path.read_text() and first.short in path.read_text()
+    assert first.digest != second.digest and first.t0 == second.t0
+
+
+def test_a_version_by_a_key_the_previous_does_not_name_is_refused(tmp_path: Path) -> None:
+    first, _ = _versions()
+    # the creator may refuse to sign for a stranger, but a stranger signs anyway
+    with pytest.raises(SpecError, match=f"key {CAROL.peer_id} may not sign a version"):
+        create_spec(_cfg("outer.lr=0.5"), CAROL, now=NOW, previous=first)
+    forged = dataclasses.replace(
+        _spec("outer.lr=0.9"), creator=CAROL.peer_id, previous=_pack(first)
+    )
+    forged = dataclasses.replace(forged, signature=_sign(CAROL, forged))
+    path = _written(tmp_path, forged)
+    line = _one_line(_raises(lambda: read_spec(path, operator=ALICE.peer_id)))
+    assert f"signed by {CAROL.peer_id}, whom its previous version {first.short}" in line
+    # also without a pin: a version is the run's only if its signer was named
+    assert "does not name as a signer" in _raises(lambda: read_spec(path))
+
+
+def test_a_version_of_another_run_or_a_tampered_previous_is_refused(tmp_path: Path) -> None:
+    first, second = _versions()
+    with pytest.raises(SpecError, match="a new version keeps its run's id"):
+        create_spec(_cfg("run.run_id='other'"), BOB, now=NOW, previous=first)
+    other = dataclasses.replace(first, run_id="other")
+    moved = dataclasses.replace(second, previous=_pack(other))
+    moved = dataclasses.replace(moved, signature=_sign(BOB, moved))
+    assert "signature does not verify" in _raises(lambda: read_spec(_written(tmp_path, moved)))
+    (tmp_path / "other").mkdir()
+    theirs = create_spec(_cfg("run.run_id='other'", f"run.spec_signers=['{BOB.peer_id}']"), ALICE)
+    crossed = dataclasses.replace(second, previous=_pack(theirs))
+    crossed = dataclasses.replace(crossed, signature=_sign(BOB, crossed))
+    text = _raises(lambda: read_spec(_written(tmp_path / "other", crossed)))
+    assert "replaces a version of run 'other'" in text
+    (tmp_path / "junk").mkdir()
+    junk = dataclasses.replace(second, previous=b"\x93\x01\x02\x03")
+    junk = dataclasses.replace(junk, signature=_sign(BOB, junk))
+    text = _raises(lambda: read_spec(_written(tmp_path / "junk", junk)))
+    assert "spec.previous is not a packed run spec" in text
+
+
+def test_the_cli_makes_a_version_and_the_node_says_what_changed(
+    tmp_path: Path, capsys, caplog
+) -> None:
+    first, _ = _versions()
+    old = _written(tmp_path, first)
+    bob = tmp_path / "bob.key"
+    BOB.save(bob)
+    config = tmp_path / "next.toml"
+    config.write_text(
+        '[run]\nspec_signers = ["' + BOB.peer_id + '"]\n'
+        "[sync]\ncodec = 'int8'\nround_seconds = 30.0\n[outer]\nlr = 0.5\n"
+    )
+    out = tmp_path / "v2.toml"
+    args = ["spec", "create", "--config", str(config), "--key", str(bob), "--out", str(out)]
+    assert main([*args, "--previous", str(old)]) == 0
+    printed = capsys.readouterr().out
+    assert f"replaces spec {first.short}" in printed and "outer.lr: " in printed
+    new = read_spec(out, operator=ALICE.peer_id)
+    assert new.chain()[1].digest == first.digest and new.t0 == first.t0
+    assert main(["spec", "show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"version\s+2;", shown) and f"replaces   spec {first.short}" in shown
+    # a key the previous version does not name: one line, exit 2
+    CAROL.save(tmp_path / "carol.key")
+    args[args.index(str(bob))] = str(tmp_path / "carol.key")
+    assert main([*args, "--previous", str(old), "--force"]) == 2
+    assert "may not sign a version" in capsys.readouterr().err
+
+
+def _pack(spec: RunSpec) -> bytes:
+    import msgpack
+
+    return msgpack.packb([spec.signed_bytes(), spec.signature], use_bin_type=True)
+
+
+def _sign(identity: Identity, spec: RunSpec) -> bytes:
+    import hashlib
+
+    return identity.sign(b"atoll/spec/v1\0" + hashlib.sha256(spec.signed_bytes()).digest())
+
+
+def _raises(call) -> str:
+    with pytest.raises(SpecError) as info:
+        call()
+    return str(info.value)
