@@ -20,7 +20,7 @@ import logging
 import time
 from pathlib import Path
 
-from node.spec import RunSpec, SpecError
+from node.spec import RunSpec, SpecError, bootstrap_problem
 from node.spec_file import parse_spec
 from protocol.errors import ProtocolError
 from protocol.p2p.config import TransportConfig
@@ -67,20 +67,24 @@ class RunAddress:
             raise SpecError(f"run address {text!r}: expected {_EXAMPLE}")
         if len(run_id) > 64:
             raise SpecError(f"run address {text!r}: a run id has at most 64 characters")
-        host, sep, peer = maddr.rpartition("/p2p/")
-        if not maddr.startswith("/") or any(c.isspace() for c in maddr) or not sep or not host:
+        if bootstrap_problem(maddr) is not None:
+            _, sep, peer = maddr.rpartition("/p2p/")
+            if sep and not is_peer_id(peer):
+                raise SpecError(f"run address {text!r}: {peer!r} is not a PeerID (12D3KooW...)")
             raise SpecError(
-                f"run address {text!r}: the part after @ must be a multiaddr ending in /p2p/<PeerID>, as in {_EXAMPLE}"
+                f"run address {text!r}: the part after @ must be a multiaddr ending in "
+                f"/p2p/<PeerID>, as in {_EXAMPLE}"
             )
-        if not is_peer_id(peer):
-            raise SpecError(f"run address {text!r}: {peer!r} is not a PeerID (12D3KooW...)")
         return cls(run_id, maddr)
 
 
 def run_addresses(spec: RunSpec) -> list[RunAddress]:
-    """The run addresses of ``spec``: one per bootstrap peer that is its creator."""
+    """The run addresses of ``spec``: one per bootstrap peer that signed a version of it
+    (its creator, or where the spec is a later version, the creator of one before it: an
+    address pins the key it names, and a pin holds for the whole chain)."""
+    signers = {version.creator for version in spec.chain()}
     return [
-        RunAddress(spec.run_id, m) for m in spec.bootstrap if m.endswith(f"/p2p/{spec.creator}")
+        RunAddress(spec.run_id, m) for m in spec.bootstrap if m.rpartition("/p2p/")[2] in signers
     ]
 
 

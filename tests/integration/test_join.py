@@ -58,6 +58,7 @@ def test_a_node_serves_its_spec_and_a_fetch_checks_operator_run_and_reachability
                 "--out", str(spec_file))  # fmt: skip
     assert made.returncode == 0, made.stderr
     assert "version 2 of run 'itest'" in made.stdout and "outer.lr: " in made.stdout
+    assert f"run address: {address}" in made.stdout  # the address pins the first key still
     spec = local_swarm.spec(1, 0, [f"network.port={port}"], {0: ["--spec", str(spec_file)]})
     node = swarm.start_node(spec, 0, [])
     local_swarm.nodes.append(node)
