@@ -150,7 +150,7 @@ class RunSpec:
     @property
     def signers(self) -> tuple[str, ...]:
         """Who may sign this spec's next version: its creator and ``run.spec_signers``."""
-        return (self.creator, *self.shared["run"]["spec_signers"])
+        return tuple(dict.fromkeys((self.creator, *self.shared["run"]["spec_signers"])))
 
     def chain(self) -> list[RunSpec]:
         """This version and every one before it, newest first (signatures unchecked:

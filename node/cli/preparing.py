@@ -258,8 +258,8 @@ def cmd_spec_show(args: argparse.Namespace) -> int:
     print(f"  t0         {t0}")
     print(f"  bootstrap  {' '.join(spec.bootstrap) or 'none'}")
     chain = spec.chain()
-    signers = ", ".join(spec.signers[1:]) or "none"
-    print(f"  version    {len(chain)}; next version may also be signed by: {signers}")
+    signers = ", ".join(dict.fromkeys(spec.signers))
+    print(f"  version    {len(chain)}; the next may be signed by {signers}")
     for older in chain[1:]:
         print(f"  replaces   spec {older.short} by {older.creator} ({older.created})")
     print("shared settings")
