@@ -54,6 +54,7 @@ from protocol.p2p.helpers import Helpers
 from protocol.p2p.loop import LoopThread
 from protocol.p2p.p2pd import BootstrapUnreachable, NotDialable, startup_error
 from protocol.p2p.reachability import Reachability
+from protocol.p2p.watchdog import remove_sockets
 
 __all__ = [
     "BootstrapUnreachable",
@@ -472,6 +473,10 @@ class Transport:
                 await asyncio.wait_for(self._p2p.shutdown(), 5.0)
             except asyncio.TimeoutError:
                 logger.warning("p2pd did not exit within 5 s of SIGTERM; it gets SIGKILL")
+            # hivemind removes p2pd's socket only when p2pd was still running
+            listen = getattr(self._p2p, "_daemon_listen_maddr", None)
+            with contextlib.suppress(Exception):
+                remove_sockets([listen.value_for_protocol("unix")])
         # in-flight handlers and calls end here rather than being dropped with the loop
         await LoopThread.cancel_others(timeout=2.0)
 

@@ -30,6 +30,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -37,7 +38,15 @@ from collections.abc import Iterable
 
 import psutil
 
-__all__ = ["Watchdog", "set_parent_death_signal", "terminate_processes"]
+__all__ = [
+    "Watchdog",
+    "remove_sockets",
+    "set_parent_death_signal",
+    "terminate_processes",
+    "unix_sockets",
+]
+
+_LISTEN_UNIX = "-listen=/unix"
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +112,7 @@ def terminate_processes(
                 procs.append(proc)
         except psutil.Error:
             continue
+    sockets = [path for proc in procs for path in unix_sockets(proc)]
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
@@ -110,7 +120,29 @@ def terminate_processes(
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    return [p.pid for p in _wait_gone(alive, 2.0)]
+    left = [p.pid for p in _wait_gone(alive, 2.0)]
+    if not left:
+        remove_sockets(sockets)
+    return left
+
+
+def unix_sockets(proc: psutil.Process) -> list[str]:
+    """The unix socket paths a p2pd listens on (its ``-listen=/unix/PATH`` argument):
+    p2pd leaves them behind when it is killed, and hivemind removes one only when it
+    stops a p2pd that is still running."""
+    try:
+        args = proc.cmdline()
+    except psutil.Error:
+        return []
+    return [a.removeprefix(_LISTEN_UNIX) for a in args if a.startswith(_LISTEN_UNIX)]
+
+
+def remove_sockets(paths: Iterable[str]) -> None:
+    """Remove the given unix socket files (anything else at those paths is left alone)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
 
 
 class Watchdog:

@@ -3,12 +3,15 @@ that fails raised in the operator's words with nothing left running."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
 
 from protocol.p2p.config import TransportConfig
 from protocol.p2p.transport import BootstrapUnreachable, Transport
+from tests.waiting import wait_until
 
 PEER = "/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -54,3 +57,15 @@ def test_the_facade_runs_coroutines_on_its_own_loop(monkeypatch) -> None:
         assert transport.run(answer(), timeout=5) == 42
         assert transport.submit(answer()).result(5) == 42
     assert len(_transport_threads()) == before  # its loop thread ended with it
+
+
+def test_a_transport_whose_p2pd_died_leaves_no_socket_behind() -> None:
+    """hivemind removes p2pd's socket only when it stops a p2pd still running; one that
+    died first (killed, or crashed) left its socket in /tmp, one per node start."""
+    transport = Transport.start(TransportConfig(dht=False, reachability="private"))
+    path = transport._p2p._daemon_listen_maddr.value_for_protocol("unix")
+    assert os.path.exists(path)
+    os.kill(transport._p2p._child.pid, signal.SIGKILL)
+    assert wait_until(lambda: transport._p2p._child.returncode is not None, 10)
+    transport.shutdown()
+    assert not os.path.exists(path)

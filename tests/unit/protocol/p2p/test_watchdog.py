@@ -215,3 +215,31 @@ def test_report_lines_that_do_not_parse_are_ignored() -> None:
     assert _parse(b"[[12, 1.5], [34, 2]]") == [(12, 1.5), (34, 2.0)]
     for line in (b"", b"not json", b'{"a": 1}', b"[[1]]", b'[["x", 1.0]]'):
         assert _parse(line) is None
+
+
+@pytest.mark.timeout(30)
+def test_terminate_removes_the_socket_a_killed_p2pd_listened_on(
+    reap: list[int | subprocess.Popen], tmp_path: Path
+) -> None:
+    """p2pd leaves its ``-listen=/unix/PATH`` socket behind when it is killed; the
+    watchdog removes it (and nothing else: a plain file named the same stays)."""
+    path, plain = tmp_path / "p2pd-x.sock", tmp_path / "p2pd-y.sock"
+    plain.write_text("not a socket")
+    code = (
+        "import socket, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        f"s.bind({str(path)!r})\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    listening = subprocess.Popen(
+        [sys.executable, "-c", code, f"-listen=/unix{path}", f"-listen=/unix{plain}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    reap.append(listening)
+    assert listening.stdout is not None and listening.stdout.readline().strip() == "ready"
+    assert path.is_socket()
+    created = psutil.Process(listening.pid).create_time()
+    assert terminate_processes([(listening.pid, created)], grace=0.5) == []
+    assert not path.exists() and plain.read_text() == "not a socket"
