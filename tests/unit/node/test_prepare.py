@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from node import prepare_tokens
 from node.data import BatchStream, DataError, load_shards, read_meta, stdlib_files
 from node.sources import is_val
 from node.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from tests.waiting import wait_until
 
 DOCS = [path.read_text(encoding="utf-8") for _, path in stdlib_files()[:30]]
 DOCS += ["short note", "naïve café 🚀", DOCS[0]]  # a duplicate lands where its twin does
@@ -269,9 +269,7 @@ def test_ctrl_c_stops_the_workers_and_the_same_command_finishes_the_job(
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     work = tmp_path / "out" / ".prepare"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(work.glob("piece-*.json")):
-            time.sleep(0.01)
+        wait_until(lambda: any(work.glob("piece-*.json")), 60, interval=0.01)
         children = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)

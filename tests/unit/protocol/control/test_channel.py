@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 
 from protocol.control.channel import ChannelSettings, ControlChannel, ControlChannelError
 from protocol.control.frames import ControlMessage, read_frame, sign_control, write_frame
+from tests.waiting import wait_until
 from verification.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -95,12 +95,7 @@ def _alive(pid: int) -> bool:
 
 
 def _wait(condition: Callable[[], bool], timeout: float = DEADLINE_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
+    return wait_until(condition, timeout, interval=0.1)
 
 
 def _mesh(nodes: list[Node]) -> None:
