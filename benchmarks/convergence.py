@@ -80,14 +80,8 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import (
-    free_port,
-    gloo_group,
-    head_bytes,
-    machine_info,
-    params_digest,
-    run_ranks,
-)
+from benchmarks._common import head_bytes, machine_info
+from benchmarks._ddp import DdpRun, run_ddp
 from node.config import load_config
 
 __all__ = [
@@ -347,97 +341,19 @@ def _topk_overrides(setting: Setting) -> list[str]:
 # ---- DDP, one rank per spawned process ------------------------------------------------
 
 
-def _ddp_worker(
-    rank: int,
-    port: int,
-    overrides: list[str],
-    steps: int,
-    eval_every: int,
-    workers: int,
-    results: Any,
-) -> None:
-    """One DDP rank of ``workers``: ``steps`` steps on its own stream; rank 0 evaluates
-    and reports."""
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    from node.data import BatchStream, load_corpus, validation_batches
-    from node.model import build_model
-    from node.trainer import evaluate, lr_at, make_inner_optimizer
-
-    torch.set_num_threads(1)
-    cfg = load_config(None, overrides)
-    ring_share = _Grid(workers=workers).ring_share
-    with gloo_group(port, rank, workers, timeout_s=300) as dist:
-        corpus = load_corpus(cfg.data, cfg.model.context)
-        model = build_model(cfg.model, seed=cfg.run.seed)
-        ddp = DistributedDataParallel(model)
-        optimizer = make_inner_optimizer(model, cfg.train)
-        stream = BatchStream(
-            corpus.train, cfg.data.batch_size, cfg.model.context, (cfg.run.seed, rank)
-        )
-        val = validation_batches(
-            corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
-        )
-        params = sum(p.numel() for p in model.parameters())
-        tokens_per_step = cfg.data.batch_size * cfg.model.context
-        history: list[dict[str, Any]] = []
-        started = time.monotonic()
-
-        def record(step: int) -> None:
-            # Only rank 0 evaluates; the others wait for it in the next all-reduce.
-            if rank == 0:
-                history.append(
-                    {
-                        "step": step,
-                        "tokens": step * tokens_per_step,
-                        "bytes_sent": step * params * _FP32_BYTES * ring_share,
-                        "val_bpb": evaluate(model, val),
-                        "seconds": time.monotonic() - started,
-                    }
-                )
-
-        record(0)
-        for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg.train)
-            inputs, targets = stream.next()
-            logits = ddp(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP averages the gradients across ranks here
-            if cfg.train.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            optimizer.step()
-            if (step + 1) % eval_every == 0 or step + 1 == steps:
-                record(step + 1)
-        digests: list[Any] = [None] * workers
-        dist.all_gather_object(digests, params_digest(model))
-        if rank == 0:
-            results.put(
-                {
-                    "params": params,
-                    "history": history,
-                    "params_agree": len(set(digests)) == 1,
-                    "seconds": time.monotonic() - started,
-                }
-            )
-
-
 def _run_ddp(overrides: list[str], steps: int, eval_every: int, workers: int) -> dict[str, Any]:
-    """DDP ranks as spawned processes; always joined, terminated or killed."""
-    port = free_port()
-    reports, exit_codes = run_ranks(
-        _ddp_worker,
-        [(port, overrides, steps, eval_every, workers)] * workers,
-        expected=1,  # rank 0 reports for all
-        timeout=300.0 + steps * 1.0,
-        grace=30,
-    )
-    report = reports[0] if reports else None
-    if report is None:
-        return {"error": f"rank 0 reported nothing; exit codes {exit_codes}"}
+    """DDP ranks as spawned processes (:mod:`benchmarks._ddp`), each on the stream of
+    ``(run.seed, rank)``, rank 0 evaluating every ``eval_every`` steps and at the end;
+    with the bytes a rank would have sent by each evaluation (a ring all-reduce of fp32
+    gradients every step)."""
+    eval_at = (*range(0, steps, eval_every), steps)
+    run = DdpRun(tuple(overrides), steps, workers, eval_at, seeded_streams=True)
+    report = run_ddp(run, timeout=300.0 + steps * 1.0)
+    if "error" in report:
+        return report
+    ring_share = _Grid(workers=workers).ring_share
+    for entry in report["history"]:
+        entry["bytes_sent"] = entry["step"] * report["params"] * _FP32_BYTES * ring_share
     report["val_bpb_end"] = report["history"][-1]["val_bpb"]
     report["bytes_sent_per_worker"] = report["history"][-1]["bytes_sent"]
     return report

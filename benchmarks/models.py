@@ -54,12 +54,11 @@ from typing import Any
 import torch
 
 from benchmarks._common import (
-    free_port,
-    gloo_group,
     machine_info,
     prepare_stdlib_shards,
     run_ranks,
 )
+from benchmarks._ddp import DdpRun, run_ddp
 from node.config import load_config
 
 __all__ = ["run"]
@@ -412,52 +411,6 @@ def _memory(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, 
 # ---- convergence --------------------------------------------------------------------------
 
 
-def _ddp_worker(
-    rank: int, port: int, overrides: list[str], steps: int, nodes: int, results: Any
-) -> None:
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    from node.bindings import bind
-    from node.data import BatchStream, load_shards, validation_batches
-    from node.model import build_model, vocab_of
-    from node.trainer import evaluate, lr_at, make_inner_optimizer
-
-    cfg = bind(load_config(None, overrides))
-    torch.set_num_threads(1)
-    with gloo_group(port, rank, nodes, timeout_s=600) as dist:
-        corpus = load_shards(cfg.data.shards, cfg.model.context, vocab_of(cfg.model))
-        model = build_model(cfg.model, seed=cfg.run.seed)
-        ddp = DistributedDataParallel(model)
-        optimizer = make_inner_optimizer(model, cfg.train)
-        stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("ddp", rank))
-        val = validation_batches(
-            corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
-        )
-        start = evaluate(model, val, bytes_per_token=corpus.bytes_per_token) if rank == 0 else None
-        for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg.train)
-            inputs, targets = stream.next()
-            logits = ddp(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            optimizer.step()
-        dist.barrier()
-        if rank == 0:
-            end = evaluate(model, val, bytes_per_token=corpus.bytes_per_token)
-            results.put(
-                {
-                    "val_bpb_start": start,
-                    "val_bpb_end": end,
-                    "tokens": steps * targets.numel() * nodes,
-                }
-            )
-
-
 def _convergence(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, Any]:
     inner, rounds, count = plan.conv_inner, plan.conv_rounds, plan.conv_nodes
     steps = inner * rounds
@@ -470,15 +423,11 @@ def _convergence(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[
             f"train.total_steps={steps}",
             "train.eval_batches=8",
         ]
-        port = free_port()
-        reports, codes = run_ranks(
-            _ddp_worker,
-            [(port, overrides, steps, count)] * count,
-            expected=1,
-            timeout=1800.0,
-            grace=20,
-        )
-        ddp = reports[0] if reports else {"error": f"exit codes {codes}"}
+        run = DdpRun(tuple(overrides), steps, count, (0, steps), shards=True, gloo_timeout=600)
+        ddp = run_ddp(run, timeout=1800.0, grace=20)
+        if "history" in ddp:
+            ddp["val_bpb_start"] = ddp["history"][0]["val_bpb"]
+            ddp["val_bpb_end"] = ddp["history"][-1]["val_bpb"]
         node_overrides = [*overrides, *_NODE, "sync.trigger='steps'", f"sync.inner_steps={inner}"]
         nodes = _swarm(node_overrides, count, rounds, work / f"convergence-{seed}")
         finals = [n["rounds"][-1].get("val_bpb") for n in nodes if n["rounds"]]
