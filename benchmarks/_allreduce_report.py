@@ -11,6 +11,7 @@ import pathlib
 from typing import Any
 
 from benchmarks import _allreduce_codecs as codec_rows
+from benchmarks._common import figure
 
 __all__ = ["NOTES", "plot", "ratios"]
 
@@ -61,20 +62,12 @@ def _bars(ax: Any, results: dict, bars: list[tuple[str, str, str, str]], title: 
 
 def plot(results: dict, peers: int, path: pathlib.Path) -> None:
     """Writes the figure of ``results`` (``results[method][size]``) to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.6), width_ratios=(3, 2))
-    _bars(left, results, _BARS, "codec none")
-    codec_bars = [(m, label, "median_s", color) for m, label, color in codec_rows.PLOT_BARS]
-    _bars(right, results, codec_bars, "encode + exchange + decode (bytes sent per peer)")
-    left.set_ylabel("median seconds per all-reduce (slowest peer)")
-    fig.suptitle(f"{peers}-peer average on 127.0.0.1, one process per peer")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(13, 5.6), width_ratios=(3, 2)) as (fig, (left, right)):
+        _bars(left, results, _BARS, "codec none")
+        codec_bars = [(m, label, "median_s", color) for m, label, color in codec_rows.PLOT_BARS]
+        _bars(right, results, codec_bars, "encode + exchange + decode (bytes sent per peer)")
+        left.set_ylabel("median seconds per all-reduce (slowest peer)")
+        fig.suptitle(f"{peers}-peer average on 127.0.0.1, one process per peer")
 
 
 def ratios(results: dict) -> dict:

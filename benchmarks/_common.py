@@ -9,6 +9,7 @@ import functools
 import importlib.metadata
 import multiprocessing as mp
 import os
+import pathlib
 import platform
 import queue
 import socket
@@ -27,6 +28,7 @@ from protocol.p2p.shaper import LinkShape
 __all__ = [
     "TimedDdp",
     "end_processes",
+    "figure",
     "free_port",
     "gloo_group",
     "head_bytes",
@@ -273,6 +275,25 @@ def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
                 "val_bpb": val_bpb,
             }
         )
+
+
+@contextlib.contextmanager
+def figure(path: pathlib.Path, *grid: int, dpi: int = 120, **options: Any) -> Iterator[Any]:
+    """A headless matplotlib figure, ``(fig, axes)`` of ``plt.subplots(*grid,
+    **options)``, laid out and saved to ``path`` when the block ends (and closed
+    whatever happens): every benchmark's PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*grid, **options)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
 
 
 def free_port() -> int:

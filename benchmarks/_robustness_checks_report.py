@@ -14,6 +14,8 @@ import datetime
 import pathlib
 from typing import Any
 
+from benchmarks._common import figure
+
 __all__ = ["GOAL_ROUNDS", "plot", "report", "table_row"]
 
 GOAL_ROUNDS = {"lazy": 5, "zero": 5, "copy": 5, "random_data": 5, "lazy=0.5": 10}
@@ -139,23 +141,15 @@ _NOTES = {
 
 def plot(data: dict[str, Any], path: pathlib.Path) -> None:
     """Rounds until flagged per attack and shape, and what the checks cost."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=[3, 1])
-    _plot_rounds(left, data["attacks"], data["rounds"])
-    _plot_cost(right, data["costs"])
-    met = data["met"]
-    fig.suptitle(
-        f"Useful-work checks, {data['rounds']} rounds; honest peers flagged: "
-        f"{met['honest_flagged_count']}, honest peers charged: {met['honest_charges_count']}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(13, 4.8), width_ratios=[3, 1]) as (fig, (left, right)):
+        _plot_rounds(left, data["attacks"], data["rounds"])
+        _plot_cost(right, data["costs"])
+        met = data["met"]
+        fig.suptitle(
+            f"Useful-work checks, {data['rounds']} rounds; honest peers flagged: "
+            f"{met['honest_flagged_count']}, honest peers charged: {met['honest_charges_count']}",
+            fontsize=10,
+        )
 
 
 def _plot_rounds(ax: Any, attacks: dict[str, dict], rounds: int) -> None:

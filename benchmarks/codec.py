@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from benchmarks._common import figure
 from protocol.wire.codec import DENSE, decode, encode
 
 __all__ = ["run"]
@@ -65,45 +66,37 @@ def _measure(x: torch.Tensor, codec: str, stochastic: bool, args: dict) -> dict:
 
 
 def _plot(results: dict, n: int, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = list(results)
     pos = list(range(len(labels)))
-    fig, (ax_tp, ax_err) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_tp.bar(pos, [r["throughput_mb_s"] for r in results.values()], color="tab:blue")
-    ax_tp.set_yscale("log")
-    ax_tp.set_ylabel("encode+decode MB/s of float32 input")
-    ax_tp.set_title(f"Throughput, {n / 1e6:g}M values (bar label: compression)")
-    for i, r in enumerate(results.values()):
-        ax_tp.annotate(
-            f"{r['compression_ratio']:.1f}x",
-            (i, r["throughput_mb_s"]),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, (ax_tp, ax_err)):
+        ax_tp.bar(pos, [r["throughput_mb_s"] for r in results.values()], color="tab:blue")
+        ax_tp.set_yscale("log")
+        ax_tp.set_ylabel("encode+decode MB/s of float32 input")
+        ax_tp.set_title(f"Throughput, {n / 1e6:g}M values (bar label: compression)")
+        for i, r in enumerate(results.values()):
+            ax_tp.annotate(
+                f"{r['compression_ratio']:.1f}x",
+                (i, r["throughput_mb_s"]),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
 
-    # A lossless codec has zero error, which a log axis cannot show; label it instead.
-    rmse = [r["rel_rmse"] for r in results.values()]
-    ax_err.bar(pos, [v if v > 0 else float("nan") for v in rmse], color="tab:orange")
-    ax_err.set_yscale("log")
-    ax_err.set_ylabel("RMSE / input std")
-    ax_err.set_title(f"Relative RMSE (block size {_BLOCK_SIZE})")
-    positive = [v for v in rmse if v > 0]
-    floor = min(positive) / 3 if positive else 1e-6
-    ax_err.set_ylim(bottom=floor)
-    for i, v in enumerate(rmse):
-        if v == 0:
-            ax_err.annotate("exact", (i, floor), ha="center", va="bottom", fontsize=8)
-    for ax in (ax_tp, ax_err):
-        ax.set_xticks(pos, labels, rotation=30)
-        ax.grid(axis="y", which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        # A lossless codec has zero error, which a log axis cannot show; label it instead.
+        rmse = [r["rel_rmse"] for r in results.values()]
+        ax_err.bar(pos, [v if v > 0 else float("nan") for v in rmse], color="tab:orange")
+        ax_err.set_yscale("log")
+        ax_err.set_ylabel("RMSE / input std")
+        ax_err.set_title(f"Relative RMSE (block size {_BLOCK_SIZE})")
+        positive = [v for v in rmse if v > 0]
+        floor = min(positive) / 3 if positive else 1e-6
+        ax_err.set_ylim(bottom=floor)
+        for i, v in enumerate(rmse):
+            if v == 0:
+                ax_err.annotate("exact", (i, floor), ha="center", va="bottom", fontsize=8)
+        for ax in (ax_tp, ax_err):
+            ax.set_xticks(pos, labels, rotation=30)
+            ax.grid(axis="y", which="both", alpha=0.3)
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:

@@ -80,7 +80,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import head_bytes, machine_info
+from benchmarks._common import figure, head_bytes, machine_info
 from benchmarks._ddp import DdpRun, run_ddp
 from node.config import load_config
 
@@ -1139,39 +1139,31 @@ def _rounds_study(
 
 
 def _plot_sparse(report: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for h, marker in zip(_TOPK_INNER_STEPS, ("o", "s")):
-        rows = [r for r in report["sweep"] if r["setting"]["inner_steps"] == h]
-        ax.scatter(
-            [r["bytes_ratio_ddp_over_atoll"] for r in rows],
-            [r["gap_to_ddp_percent_seed0"] for r in rows],
-            marker=marker,
-            label=f"topk variants, H={h} (seed 0)",
-        )
-        ref = report["int8"].get(f"H={h}")
-        if ref and ref.get("gap_to_ddp_percent", {}).get("mean") is not None:
+    with figure(path, figsize=(9, 5.5)) as (fig, ax):
+        for h, marker in zip(_TOPK_INNER_STEPS, ("o", "s")):
+            rows = [r for r in report["sweep"] if r["setting"]["inner_steps"] == h]
             ax.scatter(
-                [ref["bytes_ratio_ddp_over_atoll"]],
-                [ref["gap_to_ddp_percent"]["mean"]],
+                [r["bytes_ratio_ddp_over_atoll"] for r in rows],
+                [r["gap_to_ddp_percent_seed0"] for r in rows],
                 marker=marker,
-                color="black",
-                label=f"int8, H={h} (mean of seeds, payload only)",
+                label=f"topk variants, H={h} (seed 0)",
             )
-    ax.axvline(_TARGET_TOPK_RATIO, color="gray", linestyle="--", label="10,000x goal")
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes DDP sends / bytes Atoll sends, per worker (heads included)")
-    ax.set_ylabel("final bits/byte above DDP (%)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(f"topk on the quick model ({report['params']:,} parameters)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            ref = report["int8"].get(f"H={h}")
+            if ref and ref.get("gap_to_ddp_percent", {}).get("mean") is not None:
+                ax.scatter(
+                    [ref["bytes_ratio_ddp_over_atoll"]],
+                    [ref["gap_to_ddp_percent"]["mean"]],
+                    marker=marker,
+                    color="black",
+                    label=f"int8, H={h} (mean of seeds, payload only)",
+                )
+        ax.axvline(_TARGET_TOPK_RATIO, color="gray", linestyle="--", label="10,000x goal")
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes DDP sends / bytes Atoll sends, per worker (heads included)")
+        ax.set_ylabel("final bits/byte above DDP (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title(f"topk on the quick model ({report['params']:,} parameters)", fontsize=10)
 
 
 @dataclass(frozen=True)

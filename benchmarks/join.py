@@ -32,7 +32,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from benchmarks._common import free_port, machine_info
+from benchmarks._common import figure, free_port, machine_info
 
 __all__ = ["run"]
 
@@ -211,22 +211,14 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3))
-    for y, results in enumerate(report["joins"].values()):
-        ok = [r["first_exchange_s"] for r in results if r["succeeded"]]
-        failed = [r for r in results if not r["succeeded"]]
-        ax.scatter(ok, [y] * len(ok), color="#2a7", label="joined" if y == 0 else None)
-        if failed:
-            ax.scatter([0] * len(failed), [y] * len(failed), color="#a22", marker="x")
-    ax.set_yticks(range(len(report["joins"])), list(report["joins"]))
-    ax.set_xlabel("seconds from launch to first exchange")
-    ax.set_title("joining a run by its address")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(7, 3), dpi=110) as (fig, ax):
+        for y, results in enumerate(report["joins"].values()):
+            ok = [r["first_exchange_s"] for r in results if r["succeeded"]]
+            failed = [r for r in results if not r["succeeded"]]
+            ax.scatter(ok, [y] * len(ok), color="#2a7", label="joined" if y == 0 else None)
+            if failed:
+                ax.scatter([0] * len(failed), [y] * len(failed), color="#a22", marker="x")
+        ax.set_yticks(range(len(report["joins"])), list(report["joins"]))
+        ax.set_xlabel("seconds from launch to first exchange")
+        ax.set_title("joining a run by its address")
+        ax.legend()

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import (
+    figure,
     machine_info,
     prepare_stdlib_shards,
     run_ranks,
@@ -542,46 +543,38 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
-    t = report["throughput"]
-    a.bar(
-        ["bare loop", "Atoll node"],
-        [t["bare_median"] or 0, t["node_median"] or 0],
-        color=["#999", "#2a7"],
-    )
-    a.set_title(f"llama-tiny tokens/s per process (ratio {t['ratio'] or float('nan'):.3f})")
-    m = report["memory"]["presets"]
-    names = [r["preset"] for r in m]
-    b.bar(names, [r["beyond_per_param"] or 0 for r in m], color="#27a")
-    b.axhline(20, color="#a22", linestyle="--", label="goal: 20 B/param")
-    slope = report["memory"]["beyond_bytes_per_param"]
-    b.set_title(f"host bytes/param beyond a bare loop (slope {slope or float('nan'):.1f})")
-    b.legend()
-    for e in report["convergence"]["entries"]:
-        hist = e["atoll"]["history"]
-        c.plot(
-            [h["tokens"] * report["convergence"]["nodes"] for h in hist],
-            [h["val_bpb"] for h in hist],
-            marker="o",
-            label=f"{report['convergence']['nodes']} nodes, seed {e['seed']}",
+    with figure(path, 1, 3, figsize=(15, 4.5), dpi=110) as (fig, (a, b, c)):
+        t = report["throughput"]
+        a.bar(
+            ["bare loop", "Atoll node"],
+            [t["bare_median"] or 0, t["node_median"] or 0],
+            color=["#999", "#2a7"],
         )
-        if e["ddp"].get("val_bpb_end"):
-            c.scatter(
-                [e["ddp"]["tokens"]],
-                [e["ddp"]["val_bpb_end"]],
-                marker="x",
-                s=80,
-                label=f"DDP end, seed {e['seed']}",
+        a.set_title(f"llama-tiny tokens/s per process (ratio {t['ratio'] or float('nan'):.3f})")
+        m = report["memory"]["presets"]
+        names = [r["preset"] for r in m]
+        b.bar(names, [r["beyond_per_param"] or 0 for r in m], color="#27a")
+        b.axhline(20, color="#a22", linestyle="--", label="goal: 20 B/param")
+        slope = report["memory"]["beyond_bytes_per_param"]
+        b.set_title(f"host bytes/param beyond a bare loop (slope {slope or float('nan'):.1f})")
+        b.legend()
+        for e in report["convergence"]["entries"]:
+            hist = e["atoll"]["history"]
+            c.plot(
+                [h["tokens"] * report["convergence"]["nodes"] for h in hist],
+                [h["val_bpb"] for h in hist],
+                marker="o",
+                label=f"{report['convergence']['nodes']} nodes, seed {e['seed']}",
             )
-    c.set_xlabel("tokens (all nodes)")
-    c.set_ylabel("validation bits per byte")
-    c.set_title(f"{report['convergence']['nodes']} nodes against DDP at equal tokens")
-    c.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            if e["ddp"].get("val_bpb_end"):
+                c.scatter(
+                    [e["ddp"]["tokens"]],
+                    [e["ddp"]["val_bpb_end"]],
+                    marker="x",
+                    s=80,
+                    label=f"DDP end, seed {e['seed']}",
+                )
+        c.set_xlabel("tokens (all nodes)")
+        c.set_ylabel("validation bits per byte")
+        c.set_title(f"{report['convergence']['nodes']} nodes against DDP at equal tokens")
+        c.legend()

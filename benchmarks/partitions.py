@@ -24,7 +24,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from benchmarks._common import machine_info
+from benchmarks._common import figure, machine_info
 from node.swarm_report import log_tail
 
 __all__ = ["run"]
@@ -110,32 +110,24 @@ def _verdict(judge: Any, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3 + 0.3 * len(report["runs"])))
-    for i, r in enumerate(report["runs"]):
-        ax.scatter(
-            r["due"],
-            [i] * len(r["due"]),
-            color="#2a7",
-            marker="s",
-            label="agreed" if i == 0 else None,
-        )
-        ax.scatter(
-            r["late"],
-            [i] * len(r["late"]),
-            color="#a22",
-            marker="x",
-            s=80,
-            label="late" if i == 0 else None,
-        )
-    ax.set_xlabel("round")
-    ax.set_ylabel("run")
-    ax.set_title(f"flapping node back in the swarm: {report['passed']} of {report['of']} runs")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(8, 3 + 0.3 * len(report["runs"])), dpi=110) as (fig, ax):
+        for i, r in enumerate(report["runs"]):
+            ax.scatter(
+                r["due"],
+                [i] * len(r["due"]),
+                color="#2a7",
+                marker="s",
+                label="agreed" if i == 0 else None,
+            )
+            ax.scatter(
+                r["late"],
+                [i] * len(r["late"]),
+                color="#a22",
+                marker="x",
+                s=80,
+                label="late" if i == 0 else None,
+            )
+        ax.set_xlabel("round")
+        ax.set_ylabel("run")
+        ax.set_title(f"flapping node back in the swarm: {report['passed']} of {report['of']} runs")
+        ax.legend()

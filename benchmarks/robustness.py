@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks import _robustness_checks
-from benchmarks._common import machine_info
+from benchmarks._common import figure, machine_info
 from benchmarks._robustness_swarm import (
     CODECS,
     SMALL,
@@ -274,36 +274,25 @@ def _run_grid(settings: list[_Setting], blocks: list[_Block], base: pathlib.Path
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     """One heat map per codec block (rows) and setting (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     settings, blocks = report["settings"], report["blocks"]
     width = max(7.0, 2.5 + 1.3 * max(len(b["aggregators"]) for b in blocks))
     height = max(3.8, 2.2 + 0.5 * max(len(b["modes"]) for b in blocks))
-    fig, axes = plt.subplots(
-        len(blocks),
-        len(settings),
-        figsize=(width * len(settings), height * len(blocks)),
-        squeeze=False,
-    )
-    for row, block in zip(axes, blocks):
-        for ax, key in zip(row, settings):
-            codec = block["codec"]
-            cells = [c for c in report["cells"] if (c["setting"], c["codec"]) == (key, codec)]
-            _heat_map(fig, ax, cells, block["modes"], block["aggregators"])
-            byzantine, nodes = key.split("_of_")
-            title = f"{codec}: {byzantine} Byzantine of {nodes} nodes, {report['rounds']} rounds"
-            ax.set_title(title, fontsize=10)
-    fig.suptitle(
-        "Final honest validation bits/byte under attack / clean run of the same aggregator"
-        " and codec",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    size = (width * len(settings), height * len(blocks))
+    with figure(path, len(blocks), len(settings), figsize=size, squeeze=False) as (fig, axes):
+        for row, block in zip(axes, blocks):
+            for ax, key in zip(row, settings):
+                codec = block["codec"]
+                cells = [c for c in report["cells"] if (c["setting"], c["codec"]) == (key, codec)]
+                _heat_map(fig, ax, cells, block["modes"], block["aggregators"])
+                byzantine, nodes = key.split("_of_")
+                rounds = report["rounds"]
+                ax.set_title(f"{codec}: {byzantine} Byzantine of {nodes} nodes, {rounds} rounds",
+                             fontsize=10)  # fmt: skip
+        fig.suptitle(
+            "Final honest validation bits/byte under attack / clean run of the same aggregator"
+            " and codec",
+            fontsize=10,
+        )
 
 
 def _heat_map(fig: Any, ax: Any, cells: list[dict], modes: list[str], labels: list[str]) -> None:

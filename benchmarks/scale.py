@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import _scale_real, _scale_sim
-from benchmarks._common import machine_info
+from benchmarks._common import figure, machine_info
 from protocol.averaging.grouping import cell_dims
 from protocol.p2p.shaper import ENV_VAR
 
@@ -366,60 +366,62 @@ def _wan(
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 5, figsize=(25, 4.8))
-    real = report["real"]
-    check = report["calibration"]["sizes"]
-    ns = sorted(int(n) for n in check)
-    ax = axes[0]
-    ax.plot(ns, [check[n]["real_round_seconds"] for n in ns], "o-", label="real")
-    ax.plot(ns, [check[n]["model_round_seconds"] for n in ns], "s--", label="model")
-    ax.plot(ns, [check[n]["protocol_bound_seconds"] for n in ns], ":", label="simulator alone")
-    link = report["calibration"].get("link_check", {}).get("sizes", {})
-    if link:
-        ls = sorted(int(n) for n in link)
-        ax.plot(ls, [link[n]["real_round_seconds"] for n in ls], "^-", label="real, shaped")
-        ax.plot(ls, [link[n]["sim_round_seconds"] for n in ls], "v--", label="simulator, shaped")
-    ax.set_title("round seconds here (2 shared cores)", fontsize=9)
-    ax.set_xlabel("nodes")
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    for key, label in (
-        ("control_messages_per_second", "control msgs / s"),
-        ("dht_ops_per_second", "DHT ops / s"),
-        ("control_cpu_s_per_second", "sidecar CPU (x100 %)"),
-    ):
-        xs = [n for n in sorted(real) if (real[n].get("load_per_second") or {}).get(key)]
-        scale = 100.0 if "cpu" in key else 1.0
-        ax.plot(xs, [real[n]["load_per_second"][key] * scale for n in xs], "o-", label=label)
-    ax.set_title(
-        "real: per node and second (rounds here last as long as the CPU makes them)", fontsize=8
-    )
-    ax.set_xlabel("nodes")
-    ax.legend(fontsize=7)
-    sims = report["simulated"]
-    for ax, key, title in (
-        (axes[2], "control_cpu_s_per_node_round", "simulated WAN: control CPU s per node-round"),
-        (axes[3], "dht_bytes_per_node_round", "simulated WAN: DHT bytes per node-round"),
-        (axes[4], "dht_hotspot_bytes_per_round", "simulated WAN: busiest DHT node, bytes/round"),
-    ):
-        for name, rows in sims.items():
-            xs = sorted(rows)
-            ax.plot(xs, [rows[n]["control"][key] for n in xs], "o-", label=name)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+    with figure(path, 1, 5, figsize=(25, 4.8), dpi=110) as (fig, axes):
+        real = report["real"]
+        check = report["calibration"]["sizes"]
+        ns = sorted(int(n) for n in check)
+        ax = axes[0]
+        ax.plot(ns, [check[n]["real_round_seconds"] for n in ns], "o-", label="real")
+        ax.plot(ns, [check[n]["model_round_seconds"] for n in ns], "s--", label="model")
+        ax.plot(ns, [check[n]["protocol_bound_seconds"] for n in ns], ":", label="simulator alone")
+        link = report["calibration"].get("link_check", {}).get("sizes", {})
+        if link:
+            ls = sorted(int(n) for n in link)
+            ax.plot(ls, [link[n]["real_round_seconds"] for n in ls], "^-", label="real, shaped")
+            ax.plot(
+                ls, [link[n]["sim_round_seconds"] for n in ls], "v--", label="simulator, shaped"
+            )
+        ax.set_title("round seconds here (2 shared cores)", fontsize=9)
         ax.set_xlabel("nodes")
-        ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax = axes[1]
+        for key, label in (
+            ("control_messages_per_second", "control msgs / s"),
+            ("dht_ops_per_second", "DHT ops / s"),
+            ("control_cpu_s_per_second", "sidecar CPU (x100 %)"),
+        ):
+            xs = [n for n in sorted(real) if (real[n].get("load_per_second") or {}).get(key)]
+            scale = 100.0 if "cpu" in key else 1.0
+            ax.plot(xs, [real[n]["load_per_second"][key] * scale for n in xs], "o-", label=label)
+        ax.set_title(
+            "real: per node and second (rounds here last as long as the CPU makes them)", fontsize=8
+        )
+        ax.set_xlabel("nodes")
+        ax.legend(fontsize=7)
+        sims = report["simulated"]
+        for ax, key, title in (
+            (
+                axes[2],
+                "control_cpu_s_per_node_round",
+                "simulated WAN: control CPU s per node-round",
+            ),
+            (axes[3], "dht_bytes_per_node_round", "simulated WAN: DHT bytes per node-round"),
+            (
+                axes[4],
+                "dht_hotspot_bytes_per_round",
+                "simulated WAN: busiest DHT node, bytes/round",
+            ),
+        ):
+            for name, rows in sims.items():
+                xs = sorted(rows)
+                ax.plot(xs, [rows[n]["control"][key] for n in xs], "o-", label=name)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("nodes")
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=7)
+        for ax in axes:
+            ax.grid(True, alpha=0.3)
 
 
 def _say(kind: str, n: int, r: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks._common import machine_info
+from benchmarks._common import figure, machine_info
 from node import swarm
 from node.config import load_config
 from node.metrics import read_events
@@ -97,29 +97,21 @@ def _run(
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(9, 3.6))
-    names = list(report["setups"])
-    per_round = [report["setups"][k].get("slow_link_bytes_per_round", 0) / 1e3 for k in names]
-    bars.bar(names, per_round, color=["tab:blue", "tab:gray"])
-    bars.set_ylabel("kB sent to the swarm per round")
-    bars.set_title("bytes over the slow links", fontsize=9)
-    for name, color in zip(names, ["tab:blue", "tab:gray"]):
-        curves = report["setups"][name].get("curves") or [[]]
-        xs = [r for r, _ in curves[0]]
-        ys = [v for _, v in curves[0]]
-        lines.plot(xs, ys, marker="o", color=color, label=name)
-    lines.set_xlabel("round")
-    lines.set_ylabel("val bits/byte (global model)")
-    lines.legend(fontsize=8)
-    lines.set_title("same processes, same tokens per round", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(9, 3.6)) as (fig, (bars, lines)):
+        names = list(report["setups"])
+        per_round = [report["setups"][k].get("slow_link_bytes_per_round", 0) / 1e3 for k in names]
+        bars.bar(names, per_round, color=["tab:blue", "tab:gray"])
+        bars.set_ylabel("kB sent to the swarm per round")
+        bars.set_title("bytes over the slow links", fontsize=9)
+        for name, color in zip(names, ["tab:blue", "tab:gray"]):
+            curves = report["setups"][name].get("curves") or [[]]
+            xs = [r for r, _ in curves[0]]
+            ys = [v for _, v in curves[0]]
+            lines.plot(xs, ys, marker="o", color=color, label=name)
+        lines.set_xlabel("round")
+        lines.set_ylabel("val bits/byte (global model)")
+        lines.legend(fontsize=8)
+        lines.set_title("same processes, same tokens per round", fontsize=9)
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:

@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks._common import TimedDdp, machine_info, run_timed_ddp
+from benchmarks._common import TimedDdp, figure, machine_info, run_timed_ddp
 from node import swarm
 from node.config import load_config
 from node.metrics import read_events
@@ -189,38 +189,30 @@ def _method(
 
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = report["methods"]
     # Own y scales: the steps-mode swarm trains for far less time than the others.
-    fig, axes = plt.subplots(1, len(methods), figsize=(4.2 * len(methods), 3.8))
-    for ax, (name, m) in zip(axes, methods.items()):
-        workers = m.get("per_worker", [])
-        xs = range(len(workers))
-        ax.bar([x - 0.2 for x in xs], [w["busy"] for w in workers], 0.4, label="busy")
-        ax.bar([x + 0.2 for x in xs], [w["idle"] for w in workers], 0.4, label="idle")
-        ax.set_xticks(list(xs), [f"slowdown {w['slowdown']}" for w in workers], fontsize=8)
-        if m.get("utilization") is None:
-            ax.set_title(f"{name}: no result", fontsize=9)
-            continue
-        ax.set_title(
-            f"{name}\nutilization {m['utilization']:.0%} (ideal {m['expected_utilization']:.0%})"
-            f"\ncompute {m['compute_utilization']:.0%} "
-            f"(ideal {m['expected_compute_utilization']:.0%})",
-            fontsize=9,
+    with figure(path, 1, len(methods), figsize=(4.2 * len(methods), 3.8)) as (fig, axes):
+        for ax, (name, m) in zip(axes, methods.items()):
+            workers = m.get("per_worker", [])
+            xs = range(len(workers))
+            ax.bar([x - 0.2 for x in xs], [w["busy"] for w in workers], 0.4, label="busy")
+            ax.bar([x + 0.2 for x in xs], [w["idle"] for w in workers], 0.4, label="idle")
+            ax.set_xticks(list(xs), [f"slowdown {w['slowdown']}" for w in workers], fontsize=8)
+            if m.get("utilization") is None:
+                ax.set_title(f"{name}: no result", fontsize=9)
+                continue
+            ax.set_title(
+                f"{name}\nutilization {m['utilization']:.0%} (ideal {m['expected_utilization']:.0%})"
+                f"\ncompute {m['compute_utilization']:.0%} "
+                f"(ideal {m['expected_compute_utilization']:.0%})",
+                fontsize=9,
+            )
+        axes[0].set_ylabel("seconds per worker")
+        axes[0].legend(fontsize=8, loc="center right")
+        slowdowns = report["slowdowns"]
+        fig.suptitle(
+            f"{len(slowdowns)} workers at slowdowns {', '.join(map(str, slowdowns))}", fontsize=10
         )
-    axes[0].set_ylabel("seconds per worker")
-    axes[0].legend(fontsize=8, loc="center right")
-    slowdowns = report["slowdowns"]
-    fig.suptitle(
-        f"{len(slowdowns)} workers at slowdowns {', '.join(map(str, slowdowns))}", fontsize=10
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:

@@ -43,7 +43,7 @@ from typing import Any
 import blake3
 import torch
 
-from benchmarks._common import machine_info
+from benchmarks._common import figure, machine_info
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.parts import (
     AllReduceResult,
@@ -349,58 +349,50 @@ def _signature_cost(n: int, codec: str, identities: list[Identity]) -> dict[str,
 
 
 def _plot(results: dict[str, dict[str, Any]], members: int, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = list(results)
-    fig, (ax, ax_parts) = plt.subplots(1, 2, figsize=(14, 4.5))
-    width = 0.38
-    for k, (mode, color) in enumerate((("off", "tab:gray"), ("on", "tab:blue"))):
-        xs = [i + (k - 0.5) * width for i in range(len(keys))]
-        ys = [results[key][mode].get("median_s") or 0.0 for key in keys]
-        label = "verification on (trimmed mean, screening, audit)" if mode == "on" else "off"
-        ax.bar(xs, ys, width, color=color, label=label)
-    for i, key in enumerate(keys):
-        ratio, top = (
-            results[key].get("ratio"),
-            max(
-                results[key]["on"].get("median_s") or 0.0,
-                results[key]["off"].get("median_s") or 0.0,
-            ),
-        )
-        text = f"{ratio:.2f}x" if ratio else "n/a"
-        ax.annotate(text, (i, top), ha="center", va="bottom", fontsize=9, fontweight="bold")
-    ax.set_xticks(range(len(keys)), [_label(key) for key in keys])
-    ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the ratio labels and the legend
-    ax.set_ylabel(f"median seconds per all-reduce (all {members} members done)")
-    ax.set_title(f"{members} members, one process each, 127.0.0.1; ratio = on / off")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    with figure(path, 1, 2, figsize=(14, 4.5)) as (fig, (ax, ax_parts)):
+        width = 0.38
+        for k, (mode, color) in enumerate((("off", "tab:gray"), ("on", "tab:blue"))):
+            xs = [i + (k - 0.5) * width for i in range(len(keys))]
+            ys = [results[key][mode].get("median_s") or 0.0 for key in keys]
+            label = "verification on (trimmed mean, screening, audit)" if mode == "on" else "off"
+            ax.bar(xs, ys, width, color=color, label=label)
+        for i, key in enumerate(keys):
+            ratio, top = (
+                results[key].get("ratio"),
+                max(
+                    results[key]["on"].get("median_s") or 0.0,
+                    results[key]["off"].get("median_s") or 0.0,
+                ),
+            )
+            text = f"{ratio:.2f}x" if ratio else "n/a"
+            ax.annotate(text, (i, top), ha="center", va="bottom", fontsize=9, fontweight="bold")
+        ax.set_xticks(range(len(keys)), [_label(key) for key in keys])
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the ratio labels and the legend
+        ax.set_ylabel(f"median seconds per all-reduce (all {members} members done)")
+        ax.set_title(f"{members} members, one process each, 127.0.0.1; ratio = on / off")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
 
-    parts = [
-        ("signatures (off and on)", lambda r: r["signatures"]["per_member_per_round_s"]),
-        ("reduce, off", lambda r: r["off"].get("per_member_per_round_s", {}).get("reduce_s")),
-        ("screening, on", lambda r: _part(r["on"], "screen_s")),
-        ("trimmed mean, on", lambda r: _part(r["on"], "aggregate_s")),
-        ("SQLite audit + reputation, on", lambda r: _part(r["on"], "sqlite_s")),
-        ("check reduced part", lambda r: _part(r["on"], "check_reduced_s")),
-    ]
-    width = 0.8 / len(parts)
-    for k, (label, get) in enumerate(parts):
-        xs = [i + (k - (len(parts) - 1) / 2) * width for i in range(len(keys))]
-        ys = [1e3 * (get(results[key]) or 0.0) for key in keys]
-        ax_parts.bar(xs, ys, width, label=label)
-    ax_parts.set_xticks(range(len(keys)), [_label(key) for key in keys])
-    ax_parts.set_yscale("log")  # the parts span three orders of magnitude
-    ax_parts.set_ylabel("ms per member per all-reduce (log)")
-    ax_parts.set_title("Where the time goes (one member's share)")
-    ax_parts.grid(axis="y", alpha=0.3)
-    ax_parts.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        parts = [
+            ("signatures (off and on)", lambda r: r["signatures"]["per_member_per_round_s"]),
+            ("reduce, off", lambda r: r["off"].get("per_member_per_round_s", {}).get("reduce_s")),
+            ("screening, on", lambda r: _part(r["on"], "screen_s")),
+            ("trimmed mean, on", lambda r: _part(r["on"], "aggregate_s")),
+            ("SQLite audit + reputation, on", lambda r: _part(r["on"], "sqlite_s")),
+            ("check reduced part", lambda r: _part(r["on"], "check_reduced_s")),
+        ]
+        width = 0.8 / len(parts)
+        for k, (label, get) in enumerate(parts):
+            xs = [i + (k - (len(parts) - 1) / 2) * width for i in range(len(keys))]
+            ys = [1e3 * (get(results[key]) or 0.0) for key in keys]
+            ax_parts.bar(xs, ys, width, label=label)
+        ax_parts.set_xticks(range(len(keys)), [_label(key) for key in keys])
+        ax_parts.set_yscale("log")  # the parts span three orders of magnitude
+        ax_parts.set_ylabel("ms per member per all-reduce (log)")
+        ax_parts.set_title("Where the time goes (one member's share)")
+        ax_parts.grid(axis="y", alpha=0.3)
+        ax_parts.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def _part(record: dict[str, Any], name: str) -> float | None:
