@@ -232,13 +232,30 @@ class ControlPolicy:
 CURRENT_POLICY = ControlPolicy()
 """The node before pacing: heartbeat every second, every record read every 2 s, every
 commitment gossiped to every node."""
-NODE_POLICY = ControlPolicy(
-    paced_above=8, commit_gossip_up_to=8, cells_above=256, shard_records=256
-)
-"""Today's node: as :data:`CURRENT_POLICY` up to 8 nodes; above, intervals paced by
-``n / 8`` and commitments sent to the group only; above 256 nodes matchmaking on the
-cell grid and the registry in ``n / 256`` shards (``network.registry_shards`` as the
-README recommends)."""
+
+
+def _node_policy() -> ControlPolicy:
+    """Today's node, from the node's own defaults (so that a changed default shows here):
+    as :data:`CURRENT_POLICY` up to ``base_rate_peers`` nodes (8); above, intervals
+    paced by ``n / base_rate_peers`` (``protocol.control.heartbeats.Pace``, and
+    ``node.peers`` for the registry) and commitments sent to the group only; above
+    ``network.cells_above`` nodes (256) matchmaking on the cell grid; the registry in
+    ``n / 256`` shards (``network.registry_shards`` as the README recommends)."""
+    from node.config import AtollConfig
+
+    cfg = AtollConfig()
+    return ControlPolicy(
+        heartbeat_seconds=cfg.control.heartbeat_seconds,
+        registry_seconds=cfg.network.registry_seconds,
+        paced_above=cfg.network.base_rate_peers,
+        commit_gossip_up_to=cfg.control.base_rate_peers,
+        cells_above=cfg.network.cells_above,
+        shard_records=256,
+    )
+
+
+NODE_POLICY = _node_policy()
+"""Today's node (:func:`_node_policy`)."""
 ADAPTIVE_POLICY = ControlPolicy(
     heartbeat_swarm_rate=32.0, read="sample", sample=32, commit_gossip_up_to=8, cells_above=256
 )
