@@ -3,20 +3,20 @@
 A bootstrap operator runs ``atoll spec create`` once: it takes the shared settings
 (:data:`SHARED_KEYS`) from a config, adds the round clock's start ``t0`` and the
 bootstrap multiaddrs, signs them with the operator's Ed25519 key and writes a TOML
-file. Volunteers join with ``atoll run --spec FILE``: :func:`node.spec_file.read_spec` checks
-the file and its signature, and :func:`apply_spec` lays the shared settings over the
-node's own config, refusing any local value that differs, so no node trains another
+file. Volunteers join with ``atoll run --spec FILE``: :func:`node.spec_file.read_spec`
+checks the file and its signature, and :func:`apply_spec` lays the shared settings over
+the node's own config, refusing any local value that differs, so no node trains another
 model, codec or clock by accident.
 
 A spec may be a later *version* of another (``atoll spec create --previous``): it then
 carries the previous version whole, inside what it signs, and is trusted only if its
 signer is the previous version's creator or one of the ``run.spec_signers`` that
-version named, for the same run, created later, all the way down the chain. An operator
-pin (``--operator``, a run address) holds for a chain whose versions include one signed
-by the pinned key, so an operator can rotate keys without volunteers changing their
-pin, and nobody else can publish a version of the run. Nodes announce :attr:`RunSpec.digest` (or, when
-started without a spec, :func:`settings_digest`) so peers on other settings are told
-apart before they exchange anything::
+version named, for the same run, all the way down the chain. An operator pin
+(``--operator``, a run address) holds for a chain whose versions include one signed by
+the pinned key, so an operator can rotate keys without volunteers changing their pin,
+and nobody else can publish a version of the run. Nodes announce :attr:`RunSpec.digest`
+(or, when started without a spec, :func:`settings_digest`) so peers on other settings
+are told apart before they exchange anything::
 
     signed_bytes = msgpack({version, run_id, protocol, creator, created, t0,
                             bootstrap, shared[, previous]})  # keys sorted at every level
