@@ -367,16 +367,17 @@ def _wan(
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     with figure(path, 1, 5, figsize=(25, 4.8), dpi=110) as (fig, axes):
-        real = report["real"]
-        check = report["calibration"]["sizes"]
-        ns = sorted(int(n) for n in check)
+        # keyed by size: ints as measured, strings once read back from the JSON
+        real = _by_size(report["real"])
+        check = _by_size(report["calibration"]["sizes"])
+        ns = sorted(check)
         ax = axes[0]
         ax.plot(ns, [check[n]["real_round_seconds"] for n in ns], "o-", label="real")
         ax.plot(ns, [check[n]["model_round_seconds"] for n in ns], "s--", label="model")
         ax.plot(ns, [check[n]["protocol_bound_seconds"] for n in ns], ":", label="simulator alone")
-        link = report["calibration"].get("link_check", {}).get("sizes", {})
+        link = _by_size(report["calibration"].get("link_check", {}).get("sizes", {}))
         if link:
-            ls = sorted(int(n) for n in link)
+            ls = sorted(link)
             ax.plot(ls, [link[n]["real_round_seconds"] for n in ls], "^-", label="real, shaped")
             ax.plot(
                 ls, [link[n]["sim_round_seconds"] for n in ls], "v--", label="simulator, shaped"
@@ -413,6 +414,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
             ),
         ):
             for name, rows in sims.items():
+                rows = _by_size(rows)
                 xs = sorted(rows)
                 ax.plot(xs, [rows[n]["control"][key] for n in xs], "o-", label=name)
             ax.set_xscale("log")
@@ -422,6 +424,10 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
             ax.legend(fontsize=7)
         for ax in axes:
             ax.grid(True, alpha=0.3)
+
+
+def _by_size(rows: dict[Any, Any]) -> dict[int, Any]:
+    return {int(n): r for n, r in rows.items()}
 
 
 def _say(kind: str, n: int, r: dict[str, Any]) -> None:
