@@ -161,8 +161,8 @@ import subprocess, sys, time
 from node.swarm import interrupt_on_sigterm
 interrupt_on_sigterm()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-print(child.pid, flush=True)
 try:
+    print(child.pid, flush=True)  # inside the try: a signal after it finds the finally armed
     time.sleep(60)
 finally:
     child.terminate()
