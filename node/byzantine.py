@@ -167,9 +167,21 @@ def _nan(encoded: codecs.Encoded) -> codecs.Encoded:
 
 
 class _Silent(FaultInjection):
-    """Takes part in matchmaking and the commit phase, then goes quiet."""
+    """Takes part in matchmaking and the commit phase, then goes quiet: in every
+    exchange, or in the share ``share`` of them (drawn from the round, the fragment and
+    ``seed``: the same exchanges in every run of one seed)."""
 
-    silent = True
+    def __init__(self, share: float, seed: int) -> None:
+        self.share = share
+        self.seed = seed
+        self.silent = share >= 1.0
+
+    def silent_in(self, round_: int, fragment: int) -> bool:
+        if self.silent:
+            return True
+        key = f"{self.seed}:{round_}:{fragment}".encode()
+        draw = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2**64
+        return draw < self.share
 
 
 class _CopyAttack(FaultInjection):
@@ -299,7 +311,7 @@ def make_behaviour(
     """
     if mode in (None, "", "honest"):
         return FaultInjection()
-    mode, _ = parse_mode(mode)
+    mode, share = parse_mode(mode)
     if mode in ("sign_flip", "scale", "noise", "zero", "alie", "ipm"):
         return _VectorAttack(mode, seed)
     if mode in ("replay", "bad_signature", "inflated_tokens", "wrong_shape", "nan"):
@@ -311,7 +323,7 @@ def make_behaviour(
     if mode in COMMIT_MODES:
         return _CommitAttack(mode)
     if mode == "silent":
-        return _Silent()
+        return _Silent(1.0 if share is None else share, seed)
     if mode in ("random_data", "poison", "lazy"):
         # its all-reduce is honest; its data (training_data) or its inner loop
         # (trainer_class) is not

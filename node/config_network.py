@@ -138,7 +138,15 @@ class NetworkConfig:
     in seconds."""
     round_timeout: float = Field(default=60.0, gt=0.0)
     """Deadline of one all-reduce (parts, reduction and results), in seconds; an
-    announcement stays in the DHT for four of them."""
+    announcement stays in the DHT for four of them. With ``adaptive_deadlines`` it is
+    the most an all-reduce may take, and the most a node waits for its peers' signed
+    states after a round that went wrong."""
+    adaptive_deadlines: bool = True
+    """Exchange budgets follow what this node measured (:mod:`node.deadlines`): four
+    times the 90th percentile of its last 16 complete exchanges, never below the
+    matchmaking wait and the commit window plus 10 s, never above the configured
+    ``matchmaking_seconds + round_timeout`` (and commit window); doubled after an
+    exchange that ran out of time. False: always the configured budget."""
     max_message_mb: float = Field(default=256.0, gt=0.0)
     """Largest request or response a node sends or accepts (a part, a result, a state
     reply), in MiB."""

@@ -27,7 +27,9 @@ COMMIT_MODES = ("equivocate", "skip_commit", "late_commit", "bad_owner")
 QUIET_MODES = ("silent", "random_data", "poison", "lazy", "copy")
 """Faults that break no rule a receiver can check:
 
-- ``silent`` announces and commits, then sends no part and answers nothing;
+- ``silent`` announces and commits, then sends no part and answers nothing (``silent=F``
+  does so in the share ``F`` of its exchanges, drawn by round and fragment, and is honest
+  in the others: a peer that vanishes now and then);
 - ``random_data`` trains honestly on random bytes (a broken data pipeline);
 - ``poison`` trains honestly on its train tokens in reverse order (poisoned data);
 - ``lazy`` runs one inner step in ten and claims the tokens of all ten (``lazy=F`` runs
@@ -37,7 +39,7 @@ QUIET_MODES = ("silent", "random_data", "poison", "lazy", "copy")
 
 ALL_MODES = MODES + COMMIT_MODES + QUIET_MODES
 
-_PARAMETERS = {"lazy": 0.1}
+_PARAMETERS = {"lazy": 0.1, "silent": 1.0}
 """Modes that take a parameter (``MODE=VALUE``), with its default."""
 
 
@@ -62,7 +64,8 @@ def parse_mode(text: str) -> tuple[str, float | None]:
     except ValueError:
         share = -1.0
     if not 0 < share <= 1:
-        raise ValueError(f"--byzantine {text!r}: the share of steps run must be in (0, 1]")
+        what = "steps run" if name == "lazy" else "exchanges it is silent in"
+        raise ValueError(f"--byzantine {text!r}: the share of {what} must be in (0, 1]")
     return name, share
 
 

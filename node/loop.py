@@ -23,9 +23,19 @@ from node.rounds import Rounds
 from node.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
 from node.syncer import Pending
 
-__all__ = ["TrainingLoop", "exchange_budget"]
+__all__ = ["TrainingLoop", "exchange_budget", "exchange_floor"]
 
 logger = logging.getLogger(__name__)
+
+
+def exchange_floor(cfg: AtollConfig, commit_window: float | None) -> float:
+    """Seconds any exchange needs before its all-reduce: the matchmaking wait and, where
+    the control plane runs one, the commit window (the least an adaptive budget keeps,
+    :class:`node.deadlines.Deadlines`)."""
+    floor = cfg.network.matchmaking_seconds
+    if cfg.control.commit:
+        floor += commit_window if commit_window is not None else cfg.control.commit_seconds
+    return floor
 
 
 def exchange_budget(cfg: AtollConfig, commit_window: float | None) -> float:
@@ -36,9 +46,7 @@ def exchange_budget(cfg: AtollConfig, commit_window: float | None) -> float:
     Args:
         commit_window: the control plane's commit window, when it runs.
     """
-    budget = cfg.network.matchmaking_seconds + cfg.network.round_timeout
-    if cfg.control.commit:
-        budget += commit_window if commit_window is not None else cfg.control.commit_seconds
+    budget = exchange_floor(cfg, commit_window) + cfg.network.round_timeout
     if cfg.sync.trigger == "seconds":
         length = cfg.sync.round_seconds
         budget = min(budget, length - max(0.5, 0.05 * length))
@@ -189,7 +197,9 @@ class TrainingLoop:
         expected = self.network.live_peers()
         excludes = verifier.excluded(list(expected), r)
         control = self.network.control
-        budget = exchange_budget(self.cfg, control.commit_window if control else None)
+        window = control.commit_window if control else None
+        ceiling = exchange_budget(self.cfg, window)
+        budget = self.network.deadlines.budget(ceiling, exchange_floor(self.cfg, window))
         steps = self.training.trainer.steps
         claim = self.work.take(f)
         syncer = self.network.syncer

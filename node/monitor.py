@@ -166,6 +166,12 @@ _FAMILIES: tuple[_Family, ...] = (
         label="reason",
     ),
     _Family(
+        "atoll_exchange_budget_seconds",
+        "gauge",
+        "Seconds the latest exchange was given (network.adaptive_deadlines: measured).",
+        "exchange_budget_seconds",
+    ),
+    _Family(
         "atoll_checkpoint_age_seconds",
         "gauge",
         "Seconds since this node's last checkpoint.",

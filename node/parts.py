@@ -25,6 +25,7 @@ from node.byzantine import make_behaviour, trainer_class, training_data
 from node.checks import Fetcher, Measurer, UsefulWork
 from node.config import AtollConfig
 from node.data import BatchStream, load_data, validation_batches
+from node.deadlines import Deadlines
 from node.handoff import workload_record
 from node.load import LoadMeter
 from node.metrics import EventLog
@@ -267,6 +268,7 @@ class Network:
     allreduce: AllReduceService
     exchange: FragmentExchange
     syncer: Syncer
+    deadlines: Deadlines
     checks: UsefulWork | None
     state_server: catchup.StateServer
     load: LoadMeter
@@ -377,6 +379,7 @@ def _swarm_side(
     settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))
     exchange = FragmentExchange(transport, identity, allreduce, settings)
     checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
+    deadlines = Deadlines(cfg.network.adaptive_deadlines)
     syncer = Syncer(
         cfg,
         training.model,
@@ -387,6 +390,7 @@ def _swarm_side(
         events,
         training.device,
         checks,
+        deadlines,
     )
     state_server = catchup.StateServer(
         transport, identity, cfg.run.run_id, inputs.data_dir / "state"
@@ -404,6 +408,7 @@ def _swarm_side(
         allreduce=allreduce,
         exchange=exchange,
         syncer=syncer,
+        deadlines=deadlines,
         checks=checks,
         state_server=state_server,
         load=_load_meter(transport, control),

@@ -78,6 +78,7 @@ class Reporter:
                 sidecar_restarts=swarm.get("sidecar_restarts", 0),
                 control_dropped=dict(swarm.get("dropped") or {}),
             )
+        state["exchange_budget_seconds"] = (state.get("deadlines") or {}).get("exchange_seconds")
         if self.progress.checkpoint_time is not None:
             state["checkpoint_age_seconds"] = time.time() - self.progress.checkpoint_time
         # for the health page: bits/byte per round and recent violations, from the log

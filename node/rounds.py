@@ -169,7 +169,8 @@ class Rounds:
         whether its unsynced local work was dropped (a joiner's, see below).
 
         The node signs its digest as unsettled (or joining), waits until every live peer
-        has signed one for the round (at most ``max(5, network.round_timeout)`` s), and
+        has signed one for the round (at most ``network.round_timeout``, less where the
+        node's exchanges showed that its peers answer sooner: :mod:`node.deadlines`), and
         takes :func:`node.agreement.swarm_state` of the signatures: every node that lost
         a sync picks the same state, so none waits on another that is re-syncing too.
         """
@@ -178,7 +179,7 @@ class Rounds:
         standing = "joining" if joining else "unsettled"
         attesting = server.attest(r, digest, timeout=net.request_timeout, standing=standing)
         transport.run(attesting, net.request_timeout + 5)
-        deadline = time.monotonic() + max(5.0, net.round_timeout)
+        deadline = time.monotonic() + self.network.deadlines.state_wait(net.round_timeout)
         signed = self._signatures(r, deadline)
         target = swarm_state(signed)
         if target is None or target == digest:
@@ -289,6 +290,7 @@ class Rounds:
             fields["checks"] = network.checks.summary()
         fields["flagged"] = network.verifier.flagged(r)
         fields["live_peers"] = len(network.live_peers())
+        fields["deadlines"] = network.deadlines.summary()
         fields["load"] = network.load.sample()
         fields.update(memory_per_param(t.plan.numel, t.device))
         ranks = t.site.agree()

@@ -32,13 +32,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from node.checks.inputs import ExchangeBase
 from node.config import AtollConfig
+from node.deadlines import Deadlines
 from node.metrics import EventLog
 from node.outer import OuterOptimizer
 from protocol.averaging.contributions import WorkClaim
@@ -87,6 +88,9 @@ class Pending:
     sent_from: torch.Tensor | None = None
     """The fragment's local copy the pseudo-gradient was taken from (see
     :meth:`~node.outer.OuterOptimizer.merge_local`)."""
+    ended: list[float] = field(default_factory=list)
+    """``time.monotonic()`` when the exchange ended, once it did (written on the
+    transport's loop)."""
 
 
 class Syncer:
@@ -102,6 +106,7 @@ class Syncer:
         events: the node's event log (one ``sync`` or ``sync_failed`` line per sync).
         device: where the model lives.
         checks: useful-work checks, handed each exchange applied (None: no checks).
+        deadlines: told how long each exchange took (None: nobody listens).
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Syncer:
         events: EventLog,
         device: torch.device,
         checks: UsefulWork | None = None,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -130,6 +136,7 @@ class Syncer:
         self.refused: dict[str, str] = {}
         """Peers the latest exchanges left out for running another spec, with why."""
         self.checks = checks
+        self.deadlines = deadlines
 
     def launch(
         self,
@@ -173,12 +180,12 @@ class Syncer:
         wire = claim.to_wire() if claim is not None else None
         # the group mixes when its members' copies differ: each announces its own
         base = fragment_digest(own)
-        future = self.submit(
-            self.exchange.run(
-                r, f, weight, contribution, weights, expected, excludes, deadline, base, wire
-            )
+        ended: list[float] = []
+        running = self.exchange.run(
+            r, f, weight, contribution, weights, expected, excludes, deadline, base, wire
         )
-        return Pending(r, f, weight, step, started, future, weights, deadline, sent_from)
+        future = self.submit(_timed(running, ended))
+        return Pending(r, f, weight, step, started, future, weights, deadline, sent_from, ended)
 
     def apply(self, pending: Pending, step: int) -> dict[str, Any] | None:
         """Wait for ``pending`` (until its deadline), apply it; None when the sync failed.
@@ -188,6 +195,7 @@ class Syncer:
         """
         f = pending.fragment
         done = self._wait(pending)
+        self._timed(pending, done)
         if done is None:
             return None
         self.refused.update(done.refused)
@@ -230,6 +238,18 @@ class Syncer:
             self.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
             return None
 
+    def _timed(self, pending: Pending, done: ExchangeOutcome | None) -> None:
+        """Tell the deadlines how long the exchange took and whether it completed."""
+        if self.deadlines is None:
+            return
+        ended = pending.ended[0] if pending.ended else time.monotonic()
+        complete = done is not None and all(
+            r.complete for r in (done.result, done.mixed) if r is not None
+        )
+        self.deadlines.finished(
+            ended - pending.started, pending.deadline - pending.started, complete
+        )
+
     def _step(self, pending: Pending, done: ExchangeOutcome) -> None:
         """The outer step on the group's mean, or on it and the mixed copies."""
         f, mixed = pending.fragment, done.mixed
@@ -242,6 +262,14 @@ class Syncer:
         self.outer.step_mixed(
             f, averaged, pending.weights, mixed.vector.to(self.device), pull, pending.round
         )
+
+
+async def _timed(running: Coroutine[Any, Any, ExchangeOutcome], ended: list[float]) -> Any:
+    """``running``'s outcome; the time it ended (returned or raised) goes into ``ended``."""
+    try:
+        return await running
+    finally:
+        ended.append(time.monotonic())
 
 
 def _checkable(done: ExchangeOutcome) -> bool:

@@ -176,6 +176,9 @@ def _print_network(status: dict[str, Any]) -> None:
         print(f"{source} {str(spec)[:12]}; live peers {status.get('live_peers', '-')}")
     for peer, reason in sorted((status.get("refused_peers") or {}).items()):
         print(f"refused peer {peer}: {reason}")
+    deadline = _deadline_line(status.get("deadlines"))
+    if deadline:
+        print(deadline)
     if status.get("metrics_url"):
         print(
             f"metrics {status['metrics_url']}/metrics, state {status['metrics_url']}/api/v1/state"
@@ -193,6 +196,21 @@ def _print_network(status: dict[str, Any]) -> None:
             f"WARNING: {status['alone_syncs']} sync(s) averaged alone while peers were live; "
             f"last: {status.get('alone_warning')}"
         )
+
+
+def _deadline_line(deadlines: Any) -> str | None:
+    """The exchange budget in force and where it comes from (:mod:`node.deadlines`)."""
+    if not isinstance(deadlines, dict) or deadlines.get("exchange_seconds") is None:
+        return None
+    line = f"exchange budget {deadlines['exchange_seconds']:.1f} s"
+    measured = deadlines.get("measured_p90")
+    if not deadlines.get("adaptive"):
+        return line + " (configured; network.adaptive_deadlines is off)"
+    if measured is None:
+        return line + " (configured, until 4 exchanges completed)"
+    line += f" (measured: 90 % of exchanges within {measured:.1f} s"
+    backoff = deadlines.get("backoff") or 1
+    return line + (f", x{backoff} after exchanges that ran out)" if backoff > 1 else ")")
 
 
 # ---- peers, ban, pardon ---------------------------------------------------------------------

@@ -214,7 +214,7 @@ class PartMember:
             run.out[lo:hi] = await self.owner.reduce(run.session)
             assert run.session.owned is not None
             return j, True, list(run.session.owned.reply_contributors)
-        if self.context.faults.silent:
+        if self.context.faults.silent_in(run.key[0], run.key[1]):
             return j, False, []
         result = await self._send_part(run, j)
         if result[1]:

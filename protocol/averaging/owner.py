@@ -105,11 +105,11 @@ class PartOwner:
         """The session ``env`` is for, once this node joined it; refusals (and silence,
         as a fault) before the part's values are looked at."""
         ctx = self.context
-        if self.context.faults.silent:
-            await asyncio.sleep(ctx.settings.timeout * 2)  # never answers in time
-            raise ProtocolError("timeout", "silent", peer)
         h = env.header
         at = (h.round, h.fragment)
+        if self.context.faults.silent_in(*at):
+            await asyncio.sleep(ctx.settings.timeout * 2)  # never answers in time
+            raise ProtocolError("timeout", "silent", peer)
         blocked = ctx.judge.blocks(peer, h.round)
         if blocked:
             raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)

@@ -336,6 +336,11 @@ class FaultInjection:
 
     silent: bool = False
     """Announce and commit, then send no part and answer no one (a silent member)."""
+
+    def silent_in(self, round_: int, fragment: int) -> bool:
+        """Whether to go quiet in the exchange of ``round_`` and ``fragment``."""
+        return self.silent
+
     stream_results: bool = True
     """As an owner, stream its result back while reducing (when settings allow it)."""
 

@@ -103,7 +103,20 @@ def test_owner_attacks_forge_inputs_or_wreck_the_result() -> None:
     assert meta["digests"] != [b"a" * 32]
     wrecked = make_behaviour("malicious_owner").reduced(torch.ones(2))
     assert wrecked.tolist() == [-11.0, -11.0]
-    assert make_behaviour("silent").silent
+    assert make_behaviour("silent").silent_in(3, 1)
+
+
+def test_a_silent_share_goes_quiet_in_that_share_of_exchanges_drawn_by_seed() -> None:
+    flaky = make_behaviour("silent=0.3", seed=5)
+    quiet = [(r, f) for r in range(1, 201) for f in range(2) if flaky.silent_in(r, f)]
+    assert 0.2 < len(quiet) / 400 < 0.4
+    again = make_behaviour("silent=0.3", seed=5)
+    assert quiet == [(r, f) for r in range(1, 201) for f in range(2) if again.silent_in(r, f)]
+    other = make_behaviour("silent=0.3", seed=6)
+    assert quiet != [(r, f) for r in range(1, 201) for f in range(2) if other.silent_in(r, f)]
+    assert not make_behaviour(None).silent_in(1, 0)
+    with pytest.raises(ValueError, match="exchanges it is silent in"):
+        make_behaviour("silent=2")
 
 
 def test_random_data_replaces_the_bytes_a_node_trains_on() -> None:

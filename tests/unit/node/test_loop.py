@@ -18,6 +18,7 @@ import torch
 
 from node.config import load_config
 from node.data import BatchStream, assigned_stream
+from node.deadlines import MIN_SAMPLES, SLACK_SECONDS, Deadlines
 from node.loop import TrainingLoop, exchange_budget
 from node.metrics import EventLog, StatusWriter, read_events
 from node.parts import Progress, Training
@@ -49,12 +50,14 @@ class _Syncer:
         self.refused: dict[str, str] = {}
         self.launched: list[tuple[int, int, int]] = []
         self.claims: list[Any] = []
+        self.budgets: list[float] = []
         self.group = ["me", "peer"]
         self.fail: set[tuple[int, int]] = set()
 
     def launch(self, r: int, f: int, tokens: int, steps: int, *rest: Any) -> Any:
         self.launched.append((r, f, tokens))
         self.claims.append(rest[-1])
+        self.budgets.append(rest[-2])
         future: Future = Future()
         future.set_result(None)
         return SimpleNamespace(round=r, fragment=f, step=steps, future=future)
@@ -104,6 +107,7 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, *sets: str) -> Any:
 
     network = SimpleNamespace(
         syncer=syncer,
+        deadlines=Deadlines(),
         verifier=SimpleNamespace(round=0, excluded=lambda peers, r: set(), flagged=lambda r: {}),
         live_peers=lambda: {"peer"},
         heard=set,
@@ -230,6 +234,23 @@ def test_the_commit_window_is_part_of_the_budget() -> None:
     base = cfg.network.matchmaking_seconds + cfg.network.round_timeout
     assert exchange_budget(cfg, 4.0) == pytest.approx(base + 4.0)
     assert exchange_budget(cfg, None) == pytest.approx(base + cfg.control.commit_seconds)
+
+
+def test_each_sync_gets_the_budget_its_node_measured(tmp_path) -> None:
+    sets = (
+        "network.matchmaking_seconds=3",
+        "network.round_timeout=60",
+        "control.commit=false",
+        "sync.trigger='steps'",
+    )
+    t = _loop(tmp_path, 1, 2, *sets)
+    t.loop.run(StepSchedule(inner_steps=2, fragments=1, tau=1, round_=0))
+    assert t.syncer.budgets == [63.0, 63.0]  # nothing measured: the configured budget
+    t = _loop(tmp_path, 1, 2, *sets)
+    for _ in range(MIN_SAMPLES):
+        t.network.deadlines.finished(1.0, 63.0, complete=True)
+    t.loop.run(StepSchedule(inner_steps=2, fragments=1, tau=1, round_=0))
+    assert t.syncer.budgets == [3.0 + SLACK_SECONDS] * 2  # the floor: 4 x 1 s is under it
 
 
 def test_each_round_trains_the_batches_assigned_to_it(tmp_path) -> None:

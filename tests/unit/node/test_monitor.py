@@ -31,6 +31,7 @@ STATE = {
     "sidecar_restarts": 1,
     "control_dropped": {"malformed": 4},
     "checkpoint_age_seconds": 12.5,
+    "exchange_budget_seconds": 13.0,
     "alone_syncs": 2,
     "first_exchange_s": 14.25,
     "join_attempts": 3,
@@ -90,6 +91,7 @@ def test_metrics_follow_prometheus_conventions_and_the_snapshot(served) -> None:
     assert got[("atoll_sidecar_restarts_total", ())] == 1
     assert got[("atoll_control_dropped_total", (("reason", "malformed"),))] == 4
     assert got[("atoll_checkpoint_age_seconds", ())] == 12.5
+    assert got[("atoll_exchange_budget_seconds", ())] == 13.0
     assert got[("atoll_alone_syncs_total", ())] == 2
     assert got[("atoll_first_exchange_seconds", ())] == 14.25
     assert got[("atoll_join_attempts", ())] == 3

@@ -14,6 +14,7 @@ import torch
 
 from node.agreement import AgreementWatch
 from node.config import load_config
+from node.deadlines import Deadlines
 from node.metrics import EventLog, StatusWriter
 from node.parts import Progress, Training, build_training
 from node.rounds import Rounds
@@ -51,6 +52,7 @@ def _network(live: set[str]) -> Any:
         verifier=SimpleNamespace(flagged=lambda r: [], flush=lambda: True),
         load=SimpleNamespace(sample=lambda: {"cpu": 0.1}),
         syncer=SimpleNamespace(),
+        deadlines=Deadlines(),
         checks=None,
         live_peers=lambda: live,
         heard=set,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from node.config import AtollConfig
+from node.deadlines import MIN_SAMPLES, Deadlines
 from node.metrics import EventLog, read_events
 from node.outer import OuterOptimizer
 from node.syncer import Syncer, staleness_weight
@@ -178,3 +179,23 @@ def test_steps_taken_while_the_exchange_runs_are_kept_for_the_next_sync(tmp_path
     # ... and is what the next sync contributes
     syncer.launch(2, 0, 100, 0, set(), set(), 5.0)
     torch.testing.assert_close(exchange.calls[-1][3], torch.full((4,), -0.25))
+
+
+def test_each_exchange_tells_the_deadlines_how_long_it_took(tmp_path: Path) -> None:
+    exchange = FakeExchange(averaged=torch.zeros(4))
+    syncer, model, _ = _syncer(tmp_path, exchange)
+    deadlines = Deadlines()
+    syncer.deadlines = deadlines
+    for r in range(1, MIN_SAMPLES + 1):
+        pending = syncer.launch(r, 0, tokens=10, step=r, expected=set(), excludes=set(), budget=5.0)
+        time.sleep(0.05)  # applied later than the exchange ended: that wait does not count
+        assert syncer.apply(pending, step=r) is not None
+    # every exchange ended at once (in _submit): measured well under the 50 ms waits
+    measured = deadlines.summary()["measured_p90"]
+    assert measured is not None and 0.0 <= measured < 0.04
+    # a failed exchange that used up its budget doubles the next one
+    before = deadlines.budget(60.0, 1.0)
+    exchange.fail = ProtocolError("timeout", "a peer never answered")
+    pending = syncer.launch(9, 0, tokens=10, step=9, expected=set(), excludes=set(), budget=0.0)
+    assert syncer.apply(pending, step=9) is None
+    assert deadlines.budget(60.0, 1.0) == pytest.approx(min(60.0, 2 * before))

@@ -248,3 +248,32 @@ def test_blame_of_a_round_without_rows_says_so(data_dir: Path, capsys) -> None:
     assert "round 9: no rows in this node's audit log" in capsys.readouterr().out
     assert main(["audit", "blame", "--round", "1", "--data-dir", str(data_dir)]) == 0
     assert "accepted   2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("deadlines", "line"),
+    [
+        (
+            {"adaptive": True, "exchange_seconds": 65.0, "measured_p90": None, "backoff": 1},
+            "exchange budget 65.0 s (configured, until 4 exchanges completed)",
+        ),
+        (
+            {"adaptive": True, "exchange_seconds": 13.0, "measured_p90": 0.6, "backoff": 1},
+            "exchange budget 13.0 s (measured: 90 % of exchanges within 0.6 s)",
+        ),
+        (
+            {"adaptive": True, "exchange_seconds": 26.0, "measured_p90": 0.6, "backoff": 2},
+            "exchange budget 26.0 s (measured: 90 % of exchanges within 0.6 s, x2 after",
+        ),
+        (
+            {"adaptive": False, "exchange_seconds": 65.0, "measured_p90": None, "backoff": 1},
+            "exchange budget 65.0 s (configured; network.adaptive_deadlines is off)",
+        ),
+    ],
+)
+def test_status_shows_the_exchange_budget_and_where_it_comes_from(
+    tmp_path: Path, capsys, deadlines: dict, line: str
+) -> None:
+    _write(tmp_path, spec="ab" * 32, deadlines=deadlines)
+    assert main(["status", "--data-dir", str(tmp_path)]) == 0
+    assert line in capsys.readouterr().out
