@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, str] = {
     "models": "benchmarks.models",
     "partitions": "benchmarks.partitions",
     "join": "benchmarks.join",
+    "churn": "benchmarks.churn",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""
 

@@ -1,7 +1,8 @@
 """A simulation of an Atoll swarm's round schedule, for 16 to 10,000 nodes over a WAN.
 
 Real swarms on one machine stop at a few dozen nodes; this model says what the same
-protocol costs at 10,000. It replays the ``steps`` trigger of ``node.loop`` round by
+protocol costs at 10,000. It replays the ``steps`` trigger of ``node.loop`` (or, with
+``round_seconds``, the ``seconds`` trigger: rounds on the swarm's wall clock) round by
 round, vectorized over nodes and groups (numpy; no torch, no network, no event heap:
 each phase of a group's exchange is computed in closed form), and the control plane in
 closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
@@ -275,7 +276,14 @@ class SimConfig:
             the group's global copies of the fragment (``sync.mix_codec``, fp16 by
             default: about twice the int8 fragment); 0 (the default) leaves it out.
         model_bytes: the full state a joining or re-syncing node fetches (bf16: 2 GB).
-        inner_steps: ``H``, inner steps per round.
+        inner_steps: ``H``, inner steps per round (``sync.trigger = "steps"``).
+        round_seconds: None (the default) replays the ``steps`` trigger; a length in
+            seconds replays ``sync.trigger = "seconds"``: rounds on the swarm's wall
+            clock, fragment ``f`` launched ``f / F`` of the way into the round by every
+            node at once (within ``clock_skew_s``), training never waiting for a result,
+            and an exchange not over by 95 % of a round later failed.
+        clock_skew_s: standard deviation of nodes' clocks around the swarm's (seconds
+            trigger only).
         tau: steps of compute that may hide a sync before its result must be applied.
         step_seconds: median inner step time.
         step_spread: lognormal sigma of per-node step times (hardware differences).
@@ -320,6 +328,8 @@ class SimConfig:
     mix_bytes: float = 0.0
     model_bytes: float = 2e9
     inner_steps: int = 100
+    round_seconds: float | None = None
+    clock_skew_s: float = 0.05
     tau: int = 0
     step_seconds: float = 1.0
     step_spread: float = 0.005
@@ -373,6 +383,12 @@ class SimConfig:
             *((k, getattr(self, k) > 0, "> 0") for k in positive),
             *((k, getattr(self, k) >= 0, ">= 0") for k in non_negative),
             ("churn", 0 <= self.churn < 1, "0 <= churn < 1"),
+            (
+                "round_seconds",
+                self.round_seconds is None or self.round_seconds > 0,
+                "None or > 0",
+            ),  # fmt: skip
+            ("clock_skew_s", self.clock_skew_s >= 0, ">= 0"),
             ("crash_share", 0 <= self.crash_share <= 1, "0 <= crash_share <= 1"),
             ("sites", bool(self.sites) and min(x.weight for x in self.sites) > 0, sites),
             ("control", isinstance(self.control, ControlPolicy), "a ControlPolicy"),
@@ -682,7 +698,13 @@ class _Run:
     """One simulation: the swarm, its round loop and its tallies."""
 
     def __init__(
-        self, cfg: SimConfig, n: int, rounds: int, seed: int, names: Sequence[str] = ()
+        self,
+        cfg: SimConfig,
+        n: int,
+        rounds: int,
+        seed: int,
+        names: Sequence[str] = (),
+        mix_rounds: int | None = None,
     ) -> None:
         self.cfg, self.n, self.rounds = cfg, n, rounds
         self.rng = np.random.default_rng(seed)
@@ -693,6 +715,8 @@ class _Run:
         self.index = {name: i for i, name in enumerate(self.sw.names)}
         self.next_slot = n
         window, self.exact = _mix_window(n, cfg.group_size, cfg.control.cells(n))
+        if mix_rounds is not None:
+            window, self.exact = mix_rounds, False
         self.window = min(window, rounds)
         self.mixing = _Mixing(cfg, capacity, self.window, rounds - self.window + 1)
         weights = np.array([s.weight for s in cfg.sites])
@@ -720,7 +744,10 @@ class _Run:
         step = np.full(sw.site.size, np.nan)
         step[act] = sw.step[act] * rng.lognormal(0.0, cfg.step_jitter, act.size)
         leaving = act[rng.random(act.size) < cfg.churn]
-        spans = cfg.inner_steps * step[leaving] + self.sync_guess
+        if cfg.round_seconds is not None:
+            spans = np.full(leaving.size, cfg.round_seconds)
+        else:
+            spans = cfg.inner_steps * step[leaving] + self.sync_guess
         sw.leave[leaving] = sw.start[leaving] + rng.random(leaving.size) * spans
         crashes = rng.random(leaving.size) < cfg.crash_share
         sw.notice[leaving] = np.where(crashes, cfg.request_timeout, 2 * self.mean_lag)
@@ -728,6 +755,9 @@ class _Run:
         clock = np.full(sw.site.size, np.nan)
         clock[act] = sw.start[act]
         failed = np.zeros(sw.site.size, bool)
+        if cfg.round_seconds is not None:
+            self._wall_round(r, act, clock, failed)
+            return
         launches, applies = _launch_steps(cfg)
         results: dict[int, np.ndarray] = {}
         done = 0
@@ -741,6 +771,32 @@ class _Run:
         self.t["contributions"] += act.size * cfg.fragments
         began = float(sw.start[act].min()) if act.size else 0.0
         self._end_round(act, clock, failed, cfg.inner_steps * step[act])
+        self._join(r, began, clock)
+        self.mixing.finish(r, np.flatnonzero(sw.present))
+
+    def _wall_round(self, r: int, act: np.ndarray, clock: np.ndarray, failed: np.ndarray) -> None:
+        """Round ``r`` on the swarm's wall clock (``sync.trigger = "seconds"``): every
+        node launches fragment ``f`` at ``(r - 1 + f / F) L``, a joiner from the first
+        launch after its state arrived; nobody waits for a result, and one that is not
+        back by 95 % of a round later is a failed sync."""
+        cfg, sw, rng = self.cfg, self.sw, self.rng
+        length = float(cfg.round_seconds or 0.0)
+        began = (r - 1) * length
+        act = act[sw.start[act] < began + length]  # still fetching the state: not in it
+        for f in range(cfg.fragments):
+            at = began + f * length / cfg.fragments
+            ready = act[sw.start[act] <= at]  # a joiner still fetching skips this sync
+            skew = rng.normal(0.0, cfg.clock_skew_s, ready.size) if cfg.clock_skew_s else 0.0
+            clock[ready] = at + np.abs(skew)
+            result = self._sync(r, f, ready, clock, failed)
+            late = ready[~(result[ready] <= at + 0.95 * length)]
+            failed[late] = True
+        late_joiners = act[sw.start[act] > began]
+        clock[act] = began + length
+        self.t["contributions"] += act.size * cfg.fragments
+        compute = clock[act] - np.maximum(sw.start[act], began)
+        failed[late_joiners] = False  # it sat the round out joining, as a node does
+        self._end_round(act, clock, failed, compute)
         self._join(r, began, clock)
         self.mixing.finish(r, np.flatnonzero(sw.present))
 
@@ -963,12 +1019,19 @@ class _Run:
 
 
 def simulate(
-    cfg: SimConfig, n: int, rounds: int, seed: int = 0, names: Sequence[str] = ()
+    cfg: SimConfig,
+    n: int,
+    rounds: int,
+    seed: int = 0,
+    names: Sequence[str] = (),
+    mix_rounds: int | None = None,
 ) -> dict[str, Any]:
     """Simulate ``rounds`` rounds of ``n`` nodes; the same seed gives the same result.
 
     ``names`` are the first nodes' PeerIDs (a real swarm's, to form its very groups);
-    the others are named ``p00000``, ``p00001``, ...
+    the others are named ``p00000``, ``p00001``, ... ``mix_rounds``: the rounds after
+    which reach is measured (default ``rounds_to_mix``, or ``ceil(log_G n)`` where no
+    exact butterfly applies; at most ``rounds``).
 
     Returns a JSON-ready dict: bytes sent per node and round (exchange, repair and
     served state), round wall time (mean and p95 over nodes that finished the round),
@@ -978,14 +1041,17 @@ def simulate(
     fits) and :func:`control_load` at the simulated round time.
 
     Raises:
-        ValueError: ``n < 1``, ``rounds < 1``, more ``names`` than ``n`` or a name twice.
+        ValueError: ``n < 1``, ``rounds < 1``, more ``names`` than ``n``, a name twice
+            or ``mix_rounds < 1``.
     """
     _check_n(n)
+    if mix_rounds is not None and (not isinstance(mix_rounds, int) or mix_rounds < 1):
+        raise ValueError(f"mix_rounds = {mix_rounds!r}: expected at least 1 round")
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds = {rounds!r}: expected at least 1 round")
     if len(names) > n or len(set(names)) != len(names):
         raise ValueError(f"names: expected at most n = {n} distinct names, got {len(names)}")
-    return _Run(cfg, n, rounds, seed, list(names)).run()
+    return _Run(cfg, n, rounds, seed, list(names), mix_rounds).run()
 
 
 CALIBRATION_KEYS: dict[str, str] = {

@@ -12,6 +12,7 @@ import pytest
 RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 
 PLOTS = {
+    "churn": ("benchmarks.churn", "_plot"),
     "join": ("benchmarks.join", "_plot"),
     "mixing": ("benchmarks.mixing", "_plot"),
     "models": ("benchmarks.models", "_plot"),

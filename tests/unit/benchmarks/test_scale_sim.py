@@ -95,6 +95,35 @@ def test_churn_lowers_the_share_that_reaches_the_global_average() -> None:
     assert churned["resync_bytes_per_node_round"] > 0  # joiners fetched the state
 
 
+def test_wall_clock_rounds_keep_a_churning_swarm_in_phase() -> None:
+    """Under churn, step-triggered rounds drift apart (a node whose sync failed starts
+    its next round early and misses its line's view again), wall-clock rounds do not:
+    on the cell grid at 5 % churn, nearly every contribution is included and reaches
+    nearly every node after log_G n + 2 rounds."""
+    cfg = dataclasses.replace(SimConfig(), churn=0.05, control=sim.NODE_POLICY)
+    steps = simulate(cfg, 600, 7, seed=1, mix_rounds=7)
+    wall = simulate(dataclasses.replace(cfg, round_seconds=120.0), 600, 7, seed=1, mix_rounds=7)
+    assert wall["mix_rounds"] == 7 and wall["left"] > 0 and wall["joined"] > 0
+    assert wall["included_share"] > 0.95 and wall["reach_share"] > 0.95
+    assert steps["reach_share"] < 0.6 < wall["reach_share"]
+    # training never waits for a result on the wall clock: every round is the round length
+    assert wall["round_seconds_mean"] == pytest.approx(120.0, rel=0.01)  # joiners: less
+    assert wall["utilization"] > 0.99
+
+
+def test_a_wall_clock_exchange_that_outlasts_its_round_fails() -> None:
+    """Four nodes in one group: a sync not back by 95 % of a round after its launch
+    failed, and (one group spanning the swarm) the node re-syncs at the round's end."""
+    fast = dataclasses.replace(_CLEAN, group_size=4, round_seconds=20.0)
+    assert simulate(fast, 4, 2, seed=0)["resyncs"] == 0
+    slow = dataclasses.replace(fast, upload_gbit=1e-4, download_gbit=1e-4)  # 2 min a part
+    out = simulate(slow, 4, 2, seed=0)
+    # every node after round 1; the download over that link outlasts round 2, which they
+    # sit out fetching (as a joiner does)
+    assert out["resyncs"] == 4
+    assert out["round_seconds_mean"] > 20.0
+
+
 @pytest.mark.parametrize(("group_size", "fragments"), [(2, 1), (4, 1), (4, 3)])
 def test_bytes_per_node_per_clean_round_are_2_g_minus_1_over_g_of_each_fragment(
     group_size: int, fragments: int
@@ -183,6 +212,8 @@ def test_the_same_seed_gives_the_same_result() -> None:
         (lambda: SimConfig(upload_gbit=-1.0), "upload_gbit = -1.0: expected > 0"),
         (lambda: SimConfig(download_gbit=0.0), "download_gbit = 0.0: expected > 0"),
         (lambda: SimConfig(churn=1.0), "churn = 1.0"),
+        (lambda: SimConfig(round_seconds=0.0), "round_seconds = 0.0"),
+        (lambda: simulate(SimConfig(), 16, 3, mix_rounds=0), "mix_rounds = 0"),
         (lambda: SimConfig(sites=()), "sites"),
         (lambda: ControlPolicy(read="most"), "control.read = 'most'"),
         (lambda: control_load(SimConfig(), 0, 10.0), "at least 1 node"),

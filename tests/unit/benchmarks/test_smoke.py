@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks import __main__ as bench_cli
-from benchmarks import codec, tables
+from benchmarks import churn, codec, tables
 
 # benchmark -> where its smoke test lives: every registered benchmark has one
-SMOKED_HERE = {"codec"}
+SMOKED_HERE = {"codec", "churn"}
 
 
 def _results_stamps() -> dict[Path, int]:
@@ -49,6 +49,19 @@ def test_the_codec_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     assert report["numel"] == 20_000
     assert (tmp_path / "codec.png").is_file()
     assert _results_stamps() == before
+
+
+def test_the_churn_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
+    report = churn.run(False, tmp_path, smoke=True)
+    check_smoke_report("churn", report, tmp_path)
+    assert {(r["trigger"], r["churn"]) for r in report["rows"]} == {
+        (t, c) for t in ("steps", "seconds") for c in (0.0, 0.05)
+    }
+    calm = [r for r in report["rows"] if r["churn"] == 0.0]
+    assert all(r["reach"] == 1.0 and r["included"] == 1.0 and r["left"] == 0 for r in calm)
+    assert set(report["goals"]) == {"steps n=64", "seconds n=64"}
+    assert "| seconds | 64 | 5.0 % |" in churn.table(report)
+    assert (tmp_path / "churn.png").is_file()
 
 
 def test_every_benchmark_takes_smoke_and_has_a_smoke_test() -> None:

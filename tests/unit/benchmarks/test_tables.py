@@ -12,6 +12,7 @@ from benchmarks import tables
 FILES = [
     "allreduce.json",
     "allreduce-full/allreduce.json",
+    "churn.json",
     "codec.json",
     "convergence.json",
     "convergence-long.json",
