@@ -56,6 +56,7 @@ BENCHMARKS: dict[str, str] = {
     "partitions": "benchmarks.partitions",
     "join": "benchmarks.join",
     "churn": "benchmarks.churn",
+    "islands": "benchmarks.islands",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""
 

@@ -10,9 +10,12 @@ exited 0 when stopped. Per join: the seconds from launch to
 its first exchange, the tries its start took to reach the bootstrap, the states it took
 from the swarm (bytes, seconds), and the wall time from launch to its first exchange.
 
-Rows: on 127.0.0.1, and (as root, where the network lab can be built) a volunteer
-behind a masquerading NAT router joining a public bootstrap host
-(``tests/netlab.py``). Runs through a relay and over a 100 ms link are not measured.
+Rows: on 127.0.0.1; on 127.0.0.1 with every Atoll message (matchmaking, all-reduce,
+catch-up, the spec fetch) delayed 100 ms one way by each sender
+(``protocol.p2p.shaper``; the DHT's and p2pd's own traffic is not delayed, and the
+kernel here has no netem to do it below them); and (as root, where the network lab can
+be built) a volunteer behind a masquerading NAT router joining a public bootstrap host
+(``tests/netlab.py``). Runs through a relay are not measured.
 
 Run ``python -m benchmarks join [--quick]`` (quick: 3 joins per row; full: 10;
 ``--smoke``: 1 join on 127.0.0.1); writes ``join.json`` and ``join.png``.
@@ -33,10 +36,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from benchmarks._common import figure, free_port, machine_info
+from protocol.p2p.shaper import ENV_VAR
 
 __all__ = ["run"]
 
 _RUN_ID = "join-bench"
+_DELAYED = "127.0.0.1, 100 ms one way"
 _PORT = 31337  # on a lab host, which has its own network stack
 
 
@@ -50,12 +55,14 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     rows = {"127.0.0.1": _local(joins)}
     lab, why = netlab_available()
     if smoke:
-        rows_skipped = {"behind NAT": "not in a smoke run"}
-    elif lab:
-        rows["behind NAT"] = _behind_nat(joins)
-        rows_skipped = {}
+        rows_skipped = {name: "not in a smoke run" for name in (_DELAYED, "behind NAT")}
     else:
-        rows_skipped = {"behind NAT": f"the network lab is unavailable: {why}"}
+        rows[_DELAYED] = _local(joins, {ENV_VAR: "delay_ms=100"})
+        rows_skipped = {}
+        if lab:
+            rows["behind NAT"] = _behind_nat(joins)
+        else:
+            rows_skipped["behind NAT"] = f"the network lab is unavailable: {why}"
     report = {
         "benchmark": "join",
         "quick": quick,
@@ -150,7 +157,8 @@ def _result(node: Any, wall: float) -> dict[str, Any]:
     }
 
 
-def _local(n: int) -> list[dict[str, Any]]:
+def _local(n: int, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Joins on 127.0.0.1; ``env``: extra environment of every node (a link shape)."""
     from node import swarm
 
     with tempfile.TemporaryDirectory(prefix="atoll-join-") as tmp:
@@ -159,7 +167,8 @@ def _local(n: int) -> list[dict[str, Any]]:
 
         def start(index: int, args: list[str], rounds: int) -> Any:
             sets = [f"network.port={port}"] if index == 0 else []
-            return swarm.start_node(_plan(root, index, args, rounds, sets), index, [])
+            plan = _plan(root, index, args, rounds, sets, env or {})
+            return swarm.start_node(plan, index, [])
 
         return _joins(start, spec, address, n)
 
@@ -184,8 +193,16 @@ def _behind_nat(n: int) -> list[dict[str, Any]]:
         return _joins(start, spec, address, n)
 
 
-def _plan(root: pathlib.Path, index: int, args: list[str], rounds: int, sets: list[str]) -> Any:
-    """Node ``index`` of a row: the test settings, ``sets`` and its own arguments."""
+def _plan(
+    root: pathlib.Path,
+    index: int,
+    args: list[str],
+    rounds: int,
+    sets: list[str],
+    env: dict[str, str] | None = None,
+) -> Any:
+    """Node ``index`` of a row: the test settings, ``sets``, its own arguments and
+    environment."""
     from node import swarm
 
     return swarm.SwarmSpec(
@@ -195,6 +212,7 @@ def _plan(root: pathlib.Path, index: int, args: list[str], rounds: int, sets: li
         directory=root,
         rounds=rounds,
         extra_args={index: args},
+        env=env or {},
     )
 
 

@@ -8,6 +8,13 @@ outer step: ``sync.tau`` inner steps after the sync started (or at the round's e
 whichever comes first), merging the steps taken meanwhile as the node does
 (:meth:`~node.outer.OuterOptimizer.merge_local`, with ``sync.alpha``). Each round's
 score is the global copy's validation bits per byte.
+
+With more replicas than ``network.group_size``, each sync averages within the groups
+the node forms (:func:`protocol.averaging.grouping.form_groups`, ``sync.layout``, the
+replicas named ``replica-000``, ...), and the groups mix their global copies as a
+node's do (:meth:`~node.outer.OuterOptimizer.step_mixed`: the group's mean copy in
+``sync.mix_codec``, adopted in ``allreduce`` mode, a NoLoCo pull in ``gossip`` mode).
+Copies then differ between groups; the score is replica 0's, as a node scores its own.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from node.outer import OuterOptimizer, sync_schedule
 from node.settings import allreduce_settings
 from node.trainer import InnerTrainer, evaluate
 from protocol.averaging.fragments import plan_fragments
+from protocol.averaging.grouping import form_groups
 from protocol.wire import codec as codecs
 from protocol.wire.feedback import ErrorFeedback
 from verification import aggregators
@@ -70,14 +78,17 @@ def weighted_mean(vectors: list[torch.Tensor], weights: list[float]) -> torch.Te
 
 @dataclass
 class _Pending:
-    """A fragment's averaged pseudo-gradient waiting to be applied."""
+    """A fragment's averaged pseudo-gradients waiting to be applied."""
 
     step: int
     """The inner step its sync was launched at."""
     fragment: int
-    averaged: torch.Tensor
+    averaged: list[torch.Tensor]
+    """Each replica's group's mean pseudo-gradient (the same tensor across a group)."""
     sent_from: list[torch.Tensor]
     """Each replica's local copy of the fragment it came from (empty: applied as is)."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Where groups mix: each replica's global copy as sent and its group's mean copy."""
 
 
 class _Simulation:
@@ -112,6 +123,8 @@ class _Simulation:
             self.corpus.val, cfg.data.batch_size, cfg.model.context, cfg.train.eval_batches
         )
         self.schedule = sync_schedule(cfg.sync.inner_steps, len(self.plan))
+        self.names = [f"replica-{i:03d}" for i in range(replicas)]
+        self.mixes = replicas > cfg.network.group_size
         # What is scored is the global copy (the averaged model every replica agrees on,
         # the one a node evaluates and a user keeps), loaded into a model of its own.
         self.scored = build_model(cfg.model, seed=cfg.run.seed).to(device)
@@ -138,16 +151,16 @@ class _Simulation:
                 round_tokens[i] += result.tokens
                 losses.append(result.loss)
             for f in self.schedule.get(step, []):
-                pending.append(self._sync(step, f, round_tokens))
+                pending.append(self._sync(r, step, f, round_tokens))
             due = [p for p in pending if step - p.step >= sync.tau or step == sync.inner_steps]
             for p in due:  # a round ends with every sync applied, as on a node
                 pending.remove(p)
                 self._apply(p, r)
         return losses
 
-    def _sync(self, step: int, f: int, round_tokens: list[int]) -> _Pending:
+    def _sync(self, r: int, step: int, f: int, round_tokens: list[int]) -> _Pending:
         """Every replica's pseudo-gradient of fragment ``f`` through the codec, averaged
-        by the tokens each trained this round."""
+        by the tokens each trained this round, over the swarm or within each group."""
         sync = self.cfg.sync
         decoded, sent_from = [], []
         for i, model in enumerate(self.models):
@@ -162,24 +175,70 @@ class _Simulation:
             decoded.append(codecs.decode(enc, expected_numel=pg.numel()))
             if sync.tau or sync.alpha:
                 sent_from.append(self.outers[i].local_vector(model, f))
-        averaged = weighted_mean(decoded, [float(t) for t in round_tokens])
+        everyone = list(range(len(self.models)))
+        groups = [everyone]
+        if self.mixes:
+            formed = form_groups(self.names, r, f, self.cfg.network.group_size, sync.layout)
+            groups = [[self.names.index(name) for name in g] for g in formed]
+        averaged: list[torch.Tensor] = [torch.empty(0)] * len(self.models)
+        for group in groups:
+            mean = weighted_mean(
+                [decoded[i] for i in group], [float(round_tokens[i]) for i in group]
+            )
+            mean = self._result(mean, len(enc.payload) if 0 in group else 0).to(self.device)
+            for i in group:
+                averaged[i] = mean
+        copies = self._mix(f, groups, round_tokens) if self.mixes else None
+        return _Pending(step, f, averaged, sent_from, copies)
+
+    def _result(self, averaged: torch.Tensor, payload: int) -> torch.Tensor:
+        """The mean as owners answer it (for ``topk`` parts the union of the kept values,
+        as ``sparse``), its bytes counted for replica 0's group (``payload``: the size of
+        a non-sparse answer, 0 for another group)."""
         if self.result_codec["codec"] == "sparse":
-            # owners answer topk parts with the union of the kept values
             result = codecs.encode(averaged, **self.result_codec)
-            averaged = codecs.decode(result)
-            self.result_bytes += len(result.payload)
-        else:
-            self.result_bytes += len(enc.payload)
-        return _Pending(step, f, averaged.to(self.device), sent_from)
+            if payload:
+                self.result_bytes += len(result.payload)
+            return codecs.decode(result)
+        self.result_bytes += payload
+        return averaged
+
+    def _mix(
+        self, f: int, groups: list[list[int]], round_tokens: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each replica's global copy of ``f`` as sent (``sync.mix_codec``) and its group's
+        token-weighted mean of them."""
+        sync = self.cfg.sync
+        sent = []
+        for i, outer in enumerate(self.outers):
+            own = outer.global_vector(f)
+            enc = codecs.encode(own, sync.mix_codec, block_size=sync.block_size)
+            if i == 0:
+                self.payload_bytes += len(enc.payload)
+            sent.append(codecs.decode(enc, expected_numel=own.numel()))
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = [(sent[0], sent[0])] * len(sent)
+        for group in groups:
+            mean = weighted_mean([sent[i] for i in group], [float(round_tokens[i]) for i in group])
+            for i in group:
+                copies[i] = (sent[i], mean.to(self.device))
+        return copies
 
     def _apply(self, p: _Pending, r: int) -> None:
         """Every replica's outer step with ``p``, merging the steps taken meanwhile."""
+        sync = self.cfg.sync
+        pull = sync.gossip_gamma / self.cfg.outer.lr if sync.averaging == "gossip" else None
         for i, model in enumerate(self.models):
-            if p.sent_from:
-                self.outers[i].step(p.fragment, p.averaged, r)
-                self.outers[i].merge_local(model, p.fragment, self.cfg.sync.alpha, p.sent_from[i])
+            outer, averaged = self.outers[i], p.averaged[i]
+            if p.copies is not None:
+                own, mean = p.copies[i]
+                outer.step_mixed(p.fragment, averaged, own, mean, pull, r)
+                sent_from = p.sent_from[i] if p.sent_from else None
+                outer.merge_local(model, p.fragment, sync.alpha, sent_from)
+            elif p.sent_from:
+                outer.step(p.fragment, averaged, r)
+                outer.merge_local(model, p.fragment, sync.alpha, p.sent_from[i])
             else:
-                self.outers[i].apply(model, p.fragment, p.averaged, r)
+                outer.apply(model, p.fragment, averaged, r)
 
 
 def _error_feedback(cfg: AtollConfig, replica: int, fragment: int) -> ErrorFeedback:

@@ -13,8 +13,8 @@ A real swarm costs about 25 s here however small (starting and stopping each nod
 dominates), so ``make test`` smokes the benchmarks that cover the most per second
 (verification, convergence, mixing, wan, robustness and its checks mode: about 3.5
 minutes) and marks the others ``slow`` (``make test-all``: allreduce's seven methods,
-stragglers, sites, scale, models, wan in network namespaces and partitions' 3-minute lab
-run).
+stragglers, sites, scale, models, wan in network namespaces, partitions' 3-minute lab
+run, and islands: 30 s of DDP ranks and simulated sites).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from benchmarks import __main__ as bench_cli
-from benchmarks import tables
+from benchmarks import islands, tables
 from tests.unit.benchmarks.test_smoke import check_smoke_report
 
 pytestmark = [pytest.mark.integration]
@@ -47,6 +47,7 @@ SMOKED = {
     "models",
     "partitions",
     "cuda_site",
+    "islands",
 }
 """The benchmarks smoked here (the unit test checks every registered one is somewhere)."""
 
@@ -205,3 +206,28 @@ def test_join_smoke(tmp_path: Path) -> None:
     report = smoke("join", tmp_path)
     row = report["rows"]["127.0.0.1"]
     assert row["joins"] == 1 and row["succeeded"] == 1, report["joins"]
+    assert set(report["rows_not_run"]) == {"127.0.0.1, 100 ms one way", "behind NAT"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_islands_smoke(tmp_path: Path) -> None:
+    report = smoke("islands", tmp_path)
+    arms = report["summary"]["small"]
+    assert set(arms) == {
+        "ddp",
+        "two sites, AdamW",
+        "two sites, SOAP",
+        "eight cells in pairs, AdamW",
+    }
+    # every arm trained and was scored at every round's end, DDP at the same steps
+    entry = report["entries"][0]
+    steps = [h["step"] for h in entry["ddp"]["history"]]
+    for arm in arms:
+        assert [h["step"] for h in entry[arm]["history"]] == steps == [0, 10, 20]
+        assert entry[arm]["history"][-1]["val_bpb"] < entry[arm]["history"][0]["val_bpb"]
+    assert (
+        entry["two sites, AdamW"]["batch"] == 8
+        and entry["eight cells in pairs, AdamW"]["batch"] == 2
+    )
+    assert "| small | two sites, AdamW |" in islands.table(report)

@@ -95,3 +95,35 @@ def test_topk_simulation_learns_and_counts_its_sparse_results():
     assert topk["payload_bytes_per_replica"] < topk["result_bytes"]
     assert topk["result_bytes"] < 3 * topk["payload_bytes_per_replica"]
     assert int8["result_bytes"] == int8["payload_bytes_per_replica"]
+
+
+def test_replicas_beyond_one_group_average_in_groups_that_mix_their_copies():
+    """Four replicas in pairs (butterfly): each sync averages within the pairs the node
+    would form; with a plain SGD outer step a pair adopts its mean copy and steps it
+    alike, so after a round its members hold one copy and the two pairs two."""
+    from node.simulate import _Simulation
+    from protocol.averaging.grouping import form_groups
+
+    overrides = [
+        *SMALL,
+        "network.group_size=2",
+        "outer.optimizer='sgd'",
+        "outer.momentum=0",
+        "sync.mix_codec='none'",
+    ]
+    cfg = load_config(None, overrides)
+    sim = _Simulation(cfg, 4, torch.device("cpu"))
+    assert sim.mixes
+    sim.round(1)
+    pairs = form_groups(sim.names, 1, 0, 2, "butterfly")
+    assert sorted(len(p) for p in pairs) == [2, 2]
+    copies = {name: sim.outers[i].global_vector(0) for i, name in enumerate(sim.names)}
+    for a, b in pairs:
+        assert torch.equal(copies[a], copies[b])
+    (a, _), (c, _) = pairs
+    assert not torch.equal(copies[a], copies[c])
+    result = simulate(cfg, replicas=4, rounds=2)
+    assert result["val_bpb_end"] < result["val_bpb_start"] - 1.0
+    # replica 0 sent its copy besides its pseudo-gradient: twice the bytes of one group
+    alone = simulate(load_config(None, overrides[:-4] + ["sync.mix_codec='none'"]), 2, 2)
+    assert result["payload_bytes_per_replica"] == 2 * alone["payload_bytes_per_replica"]

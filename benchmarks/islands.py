@@ -1,0 +1,328 @@
+"""Compute islands in miniature: two sites that train one model over a slow link, and
+eight cells that mix in pairs, against DDP over the same ranks at equal tokens.
+
+The case this project starts from trained one model on two clusters 14,000 km apart,
+syncing fragments in 50-step windows with asynchronous updates, a Shampoo-family
+optimizer and int4 pseudo-gradients with stochastic rounding and error feedback, and
+ended 0.9 % better than standard training at the same compute. Here, at the scale two
+cores allow:
+
+- **Data**: BPE shards of the standard library (``atoll data prepare
+  --train-tokenizer``, :data:`_VOCAB` tokens), windows of :data:`_CONTEXT` tokens.
+- **Models**: Llama models from ``transformers``, built from configs: ``small``
+  (hidden 128, 2 layers) and, in full mode, ``llama-tiny`` (hidden 256, 4 layers).
+- **DDP** (:func:`benchmarks._ddp.run_ddp`): :data:`_RANKS` ranks of :data:`_BATCH`
+  windows each, an fp32 gradient all-reduce every step, AdamW.
+- **Two sites** (:func:`node.simulate.simulate`, the reference of the networked node's
+  algorithm): 2 replicas, each a site of ``_RANKS / 2`` ranks (a batch of
+  ``_RANKS / 2 * _BATCH`` windows a step: what a torchrun site's gradient all-reduce
+  trains on), the ``configs/islands.toml`` recipe at ``H = 50``: 5 fragments staggered
+  over each 50-step round (one sync every 10 steps), a result applied 5 steps after
+  its sync started, int4 with stochastic rounding and error feedback, Nesterov outer
+  steps (lr 0.7, momentum 0.9 after 3 rounds of warmup); inner AdamW and SOAP.
+- **Eight cells in pairs**: 8 replicas of ``_RANKS * _BATCH / 8`` windows in groups of
+  2 (butterfly layout: no all-reduce over the swarm, the pairs mix their global
+  copies in fp16), the same recipe with AdamW; scored on replica 0's copy.
+
+Every run trains the same number of steps, so the same tokens; each is scored in bits
+per byte on the same validation batches every 50 steps. A run's **gap** is its final
+bits per byte over DDP's of the same seed, less one, in %; the gap at half the run is
+reported beside it (how the gap moves with the run's length). Goal: the two sites
+within 1 % of DDP or better, as in the case study.
+
+Run ``python -m benchmarks islands [--quick]``: quick, the small model for 600 steps,
+seed 0 (about 25 minutes here); full, both models for 2,000 steps, seeds 0-2 (about
+five hours); ``--smoke``: a 40-file corpus, 20 steps, 2 ranks. Writes ``islands.json``
+and ``islands.png``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks._common import figure, machine_info, prepare_stdlib_shards
+from benchmarks._ddp import DdpRun, run_ddp
+from benchmarks._formats import markdown_table, signed
+
+__all__ = ["run", "table", "table_row"]
+
+_VOCAB = 2048
+_CONTEXT = 128
+_BATCH = 8
+_RANKS = 4
+_H = 50
+_THREADS = 2
+_GOAL_GAP_PERCENT = 1.0
+
+_SMALL = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+
+_RECIPE = [
+    "sync.trigger='steps'",
+    f"sync.inner_steps={_H}",
+    "sync.fragments=5",
+    "sync.tau=5",
+    "sync.codec='int4'",
+    "sync.stochastic_rounding=true",
+    "sync.error_feedback=true",
+    "outer.optimizer='nesterov'",
+    "outer.lr=0.7",
+    "outer.momentum=0.9",
+    "outer.momentum_warmup=3",
+]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    models: tuple[str, ...]
+    steps: int
+    seeds: int
+    ranks: int = _RANKS
+    files: int | None = None
+    inner_steps: int = _H
+
+
+def _plan(quick: bool, smoke: bool) -> _Plan:
+    if smoke:
+        return _Plan(models=("small",), steps=20, seeds=1, ranks=2, files=40, inner_steps=10)
+    if quick:
+        return _Plan(models=("small",), steps=600, seeds=1)
+    return _Plan(models=("small", "llama-tiny"), steps=2000, seeds=3)
+
+
+def _model_overrides(name: str, work: pathlib.Path) -> list[str]:
+    if name == "llama-tiny":
+        return ["model.arch='hf'", "model.preset='llama-tiny'"]
+    preset = json.loads(
+        (pathlib.Path(__file__).resolve().parents[1] / "node/presets/llama-tiny.json").read_text()
+    )
+    path = work / f"{name}.json"
+    path.write_text(json.dumps({**preset, **_SMALL, "vocab_size": _VOCAB}))
+    return ["model.arch='hf'", f"model.hf_config={json.dumps(str(path))}"]
+
+
+def _base(plan: _Plan, shards: pathlib.Path, model: list[str], seed: int) -> list[str]:
+    return [
+        *model,
+        f"model.context={_CONTEXT}",
+        f"data.shards={json.dumps(str(shards))}",
+        f"run.seed={seed}",
+        f"run.threads={_THREADS}",
+        "train.lr=3e-3",
+        f"train.warmup_steps={max(2, plan.steps // 20)}",
+        f"train.total_steps={plan.steps}",
+        "train.grad_clip=1.0",
+        "train.eval_batches=8",
+    ]
+
+
+def _ddp(plan: _Plan, base: list[str]) -> dict[str, Any]:
+    every = plan.inner_steps
+    eval_at = tuple(range(0, plan.steps + 1, every))
+    run = DdpRun(
+        (*base, f"data.batch_size={_BATCH}", "run.threads=1"),
+        plan.steps,
+        plan.ranks,
+        eval_at,
+        shards=True,
+        seeded_streams=True,
+        gloo_timeout=900,
+    )
+    out = run_ddp(run, timeout=6 * 3600.0, grace=30)
+    if "history" not in out:
+        return out
+    return {
+        "history": [{"step": h["step"], "val_bpb": h["val_bpb"]} for h in out["history"]],
+        "params": out.get("params"),
+        "seconds": out.get("seconds"),
+    }
+
+
+def _diloco(plan: _Plan, base: list[str], replicas: int, extra: list[str]) -> dict[str, Any]:
+    from node.config import load_config
+    from node.simulate import simulate
+
+    batch = plan.ranks * _BATCH // replicas
+    recipe = [*_RECIPE, f"sync.inner_steps={plan.inner_steps}"]
+    cfg = load_config(None, [*base, *recipe, f"data.batch_size={batch}", *extra])
+    result = simulate(cfg, replicas=replicas, rounds=plan.steps // plan.inner_steps)
+    return {
+        "history": [
+            {"step": h["round"] * plan.inner_steps, "val_bpb": h["val_bpb"]}
+            for h in result["history"]
+        ],
+        "params": result["params"],
+        "batch": batch,
+        "payload_bytes_per_replica": result["payload_bytes_per_replica"],
+        "seconds": result["seconds"],
+    }
+
+
+_ARMS = {
+    "two sites, AdamW": (2, ["train.optimizer='adamw'"]),
+    "two sites, SOAP": (2, ["train.optimizer='soap'"]),
+    "eight cells in pairs, AdamW": (
+        8,
+        ["train.optimizer='adamw'", "network.group_size=2", "sync.layout='butterfly'"],
+    ),
+}
+
+
+def _at(history: list[dict[str, Any]], step: int) -> float | None:
+    return next((h["val_bpb"] for h in history if h["step"] == step), None)
+
+
+def _gap(run: dict[str, Any], ddp: dict[str, Any], step: int) -> float | None:
+    mine, theirs = _at(run.get("history", []), step), _at(ddp.get("history", []), step)
+    if mine is None or theirs is None:
+        return None
+    return 100.0 * (mine / theirs - 1.0)
+
+
+def _summary(entries: list[dict[str, Any]], plan: _Plan) -> dict[str, Any]:
+    half = plan.steps // 2 // plan.inner_steps * plan.inner_steps
+    out: dict[str, Any] = {}
+    for model in plan.models:
+        mine = [e for e in entries if e["model"] == model]
+        arms: dict[str, Any] = {}
+        for arm in ["ddp", *_ARMS]:
+            finals = [_at(e[arm]["history"], plan.steps) for e in mine if "history" in e[arm]]
+            finals = [f for f in finals if f is not None]
+            row: dict[str, Any] = {
+                "val_bpb_end": statistics.fmean(finals) if finals else None,
+                "val_bpb_spread": statistics.stdev(finals) if len(finals) > 1 else None,
+            }
+            if arm != "ddp":
+                gaps = [g for e in mine if (g := _gap(e[arm], e["ddp"], plan.steps)) is not None]
+                halves = [g for e in mine if (g := _gap(e[arm], e["ddp"], half)) is not None]
+                row.update(
+                    gap_percent=statistics.fmean(gaps) if gaps else None,
+                    gap_spread=statistics.stdev(gaps) if len(gaps) > 1 else None,
+                    gap_percent_at_half=statistics.fmean(halves) if halves else None,
+                )
+                if arm.startswith("two sites"):
+                    row["goal_percent"] = _GOAL_GAP_PERCENT
+                    row["meets_goal"] = bool(gaps) and max(gaps) <= _GOAL_GAP_PERCENT
+            arms[arm] = row
+        out[model] = arms
+    return out
+
+
+def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+    """Every model, seed and arm of the plan; writes ``islands.json`` and ``islands.png``."""
+    plan = _plan(quick, smoke)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-islands-"))
+    started = time.time()
+    try:
+        shards, corpus = prepare_stdlib_shards(work / "shards", _VOCAB, plan.files)
+        entries = []
+        for model in plan.models:
+            overrides = _model_overrides(model, work)
+            for seed in range(plan.seeds):
+                base = _base(plan, shards, overrides, seed)
+                entry: dict[str, Any] = {"model": model, "seed": seed, "ddp": _ddp(plan, base)}
+                for arm, (replicas, extra) in _ARMS.items():
+                    entry[arm] = _diloco(plan, base, replicas, extra)
+                    gap = _gap(entry[arm], entry["ddp"], plan.steps)
+                    print(f"islands: {model} seed {seed} {arm}: gap {gap}", flush=True)
+                entries.append(entry)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = {
+        "benchmark": "islands",
+        "quick": quick,
+        "smoke": smoke,
+        "corpus": corpus,
+        "steps": plan.steps,
+        "ranks": plan.ranks,
+        "batch_per_rank": _BATCH,
+        "context": _CONTEXT,
+        "inner_steps": plan.inner_steps,
+        "recipe": _RECIPE,
+        "entries": entries,
+        "summary": _summary(entries, plan),
+        "seconds": time.time() - started,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+    }
+    (out_dir / "islands.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out_dir / "islands.png")
+    return report
+
+
+def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+    models = list(report["summary"])
+    with figure(path, 1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False) as (
+        fig,
+        axes,
+    ):
+        for ax, model in zip(axes[0], models, strict=True):
+            entry = next(e for e in report["entries"] if e["model"] == model)
+            for arm in ["ddp", *_ARMS]:
+                history = entry[arm].get("history") or []
+                steps = [h["step"] for h in history if h["step"] > 0]
+                values = [h["val_bpb"] for h in history if h["step"] > 0]
+                ax.plot(steps, values, "-" if arm == "ddp" else "--", label=arm)
+            ax.set_title(f"{model}, seed {entry['seed']}: validation bits per byte", fontsize=9)
+            ax.set_xlabel("step (equal tokens)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+
+
+# ---- the docs' rows ---------------------------------------------------------------------
+
+
+def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The summary row: each model's two-site gaps to DDP."""
+    mode = "smoke" if data["smoke"] else "quick" if data["quick"] else "full"
+    parts = []
+    for model, arms in data["summary"].items():
+        for arm, row in arms.items():
+            if arm == "ddp" or row.get("gap_percent") is None:
+                continue
+            parts.append(f"{model}, {arm}: **{signed(row['gap_percent'])} %**")
+    what = (
+        f"compute islands ({mode} mode): two sites (and eight cells in pairs) against DDP "
+        f"over {data['ranks']} ranks at equal tokens, {data['steps']} steps, H = "
+        f"{data['inner_steps']}, int4 with stochastic rounding and error feedback"
+    )
+    return [(what, "; ".join(parts), f"two sites within {_GOAL_GAP_PERCENT:g} % of DDP")]
+
+
+def table(data: dict[str, Any]) -> str:
+    """Every model and arm: final bits per byte, gap to DDP and at half the run."""
+    header = ["model", "run", "bits per byte", "gap to DDP", "gap at half the run", "goal"]
+    body = []
+    for model, arms in data["summary"].items():
+        for arm, row in arms.items():
+            end = row["val_bpb_end"]
+            spread = row.get("val_bpb_spread")
+            gap, half = row.get("gap_percent"), row.get("gap_percent_at_half")
+            goal = "" if "meets_goal" not in row else ("met" if row["meets_goal"] else "missed")
+            body.append(
+                [
+                    model,
+                    arm,
+                    "-" if end is None else f"{end:.4f}" + (f" ± {spread:.4f}" if spread else ""),
+                    "" if gap is None else f"{signed(gap)} %",
+                    "" if half is None else f"{signed(half)} %",
+                    goal,
+                ]
+            )
+    return markdown_table(header, body)
