@@ -25,7 +25,7 @@ cores allow:
   copies in fp16), the same recipe with AdamW; scored on replica 0's copy.
 
 Every run trains the same number of steps, so the same tokens; each is scored in bits
-per byte on the same validation batches every 50 steps. A run's **gap** is its final
+per byte on the same :data:`_EVAL_WINDOWS` validation windows every 50 steps. A run's **gap** is its final
 bits per byte over DDP's of the same seed, less one, in %; the gap at half the run is
 reported beside it (how the gap moves with the run's length). Goal: the two sites
 within 1 % of DDP or better, as in the case study.
@@ -60,6 +60,9 @@ _BATCH = 8
 _RANKS = 4
 _H = 50
 _THREADS = 2
+_EVAL_WINDOWS = 128
+"""Validation windows every evaluation scores: each arm takes them in batches of its own
+size, drawn from one seeded stream, so every arm is scored on the very same windows."""
 _GOAL_GAP_PERCENT = 1.0
 
 _SMALL = {
@@ -126,15 +129,19 @@ def _base(plan: _Plan, shards: pathlib.Path, model: list[str], seed: int) -> lis
         f"train.warmup_steps={max(2, plan.steps // 20)}",
         f"train.total_steps={plan.steps}",
         "train.grad_clip=1.0",
-        "train.eval_batches=8",
     ]
+
+
+def _batch(size: int) -> list[str]:
+    """A batch of ``size`` windows, evaluated on :data:`_EVAL_WINDOWS` windows."""
+    return [f"data.batch_size={size}", f"train.eval_batches={_EVAL_WINDOWS // size}"]
 
 
 def _ddp(plan: _Plan, base: list[str]) -> dict[str, Any]:
     every = plan.inner_steps
     eval_at = tuple(range(0, plan.steps + 1, every))
     run = DdpRun(
-        (*base, f"data.batch_size={_BATCH}", "run.threads=1"),
+        (*base, *_batch(_BATCH), "run.threads=1"),
         plan.steps,
         plan.ranks,
         eval_at,
@@ -158,7 +165,7 @@ def _diloco(plan: _Plan, base: list[str], replicas: int, extra: list[str]) -> di
 
     batch = plan.ranks * _BATCH // replicas
     recipe = [*_RECIPE, f"sync.inner_steps={plan.inner_steps}"]
-    cfg = load_config(None, [*base, *recipe, f"data.batch_size={batch}", *extra])
+    cfg = load_config(None, [*base, *recipe, *_batch(batch), *extra])
     result = simulate(cfg, replicas=replicas, rounds=plan.steps // plan.inner_steps)
     return {
         "history": [
@@ -253,6 +260,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         "ranks": plan.ranks,
         "batch_per_rank": _BATCH,
         "context": _CONTEXT,
+        "eval_windows": _EVAL_WINDOWS,
         "inner_steps": plan.inner_steps,
         "recipe": _RECIPE,
         "entries": entries,

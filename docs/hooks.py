@@ -9,8 +9,8 @@ A page asks for a generated section with a marker on a line of its own:
 - ``<!-- benchmark-tables -->``: one row per headline of ``benchmarks/results/*.json``
   with the command that reproduces it and the date it was measured;
 - ``<!-- benchmark-table scale-load -->`` and ``<!-- benchmark-table scale-simulated -->``:
-  the scale benchmark's detail tables; ``<!-- benchmark-table churn -->`` the churn
-  benchmark's.
+  the scale benchmark's detail tables; ``<!-- benchmark-table churn -->`` and
+  ``<!-- benchmark-table islands -->`` those benchmarks' own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the docs build may run without the project installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import churn, tables  # noqa: E402
+from benchmarks import churn, islands, tables  # noqa: E402
 
 __all__ = ["config_reference", "on_page_markdown"]
 
@@ -48,8 +48,9 @@ def _generate(name: str) -> str:
     if name == "benchmark-tables":
         return _benchmark_summary()
     detail = name.removeprefix("benchmark-table ")
-    if detail == "churn":
-        return churn.table(json.loads((tables.RESULTS / "churn.json").read_text()))
+    if detail in ("churn", "islands"):
+        module = churn if detail == "churn" else islands
+        return module.table(json.loads((tables.RESULTS / f"{detail}.json").read_text()))
     scale = json.loads((tables.RESULTS / "scale.json").read_text())
     if detail == "scale-load":
         return tables.scale_load_table(scale)
