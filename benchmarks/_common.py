@@ -37,6 +37,7 @@ __all__ = [
     "prepare_stdlib_shards",
     "ring_allreduce_seconds",
     "run_ranks",
+    "run_swarm",
     "run_timed_ddp",
 ]
 
@@ -455,6 +456,30 @@ def head_bytes(members: int) -> tuple[int, int]:
         body,
     )
     return len(part.to_bytes()) - len(body), len(result.to_bytes()) - len(body)
+
+
+def run_swarm(overrides: list[str], nodes: int, rounds: int, where: pathlib.Path) -> list[dict]:
+    """Run ``nodes`` real nodes (``atoll swarm``'s way, in ``where``) for ``rounds``
+    rounds to the end; each node's exit code, status and round events."""
+    from node import swarm
+    from node.metrics import read_events
+
+    spec = swarm.SwarmSpec(
+        nodes=nodes, config_paths=[], overrides=overrides, directory=where, rounds=rounds
+    )
+    procs, finished = swarm.run_to_end(spec, timeout=600.0 + 120.0 * rounds)
+    out = []
+    for n in procs:
+        events = read_events(n.data_dir / "events.jsonl")
+        out.append(
+            {
+                "exit_code": n.proc.returncode,
+                "finished": finished,
+                "status": n.status,
+                "rounds": [e for e in events if e["event"] == "round"],
+            }
+        )
+    return out
 
 
 def prepare_stdlib_shards(

@@ -24,6 +24,12 @@ cores allow:
   2 (butterfly layout: no all-reduce over the swarm, the pairs mix their global
   copies in fp16), the same recipe with AdamW; scored on replica 0's copy.
 
+**The real swarm against its reference**: the two-site AdamW arm of the first model
+and seed again as two real Atoll nodes (``sync.trigger = "steps"``, one core each, on
+the batches their PeerIDs are assigned), against ``node.simulate`` at seeds 0-2: the
+real swarm's final bits per byte should lie within two standard deviations of the
+reference's seeds.
+
 Every run trains the same number of steps, so the same tokens; each is scored in bits
 per byte on the same :data:`_EVAL_WINDOWS` validation windows every 50 steps. A run's **gap** is its final
 bits per byte over DDP's of the same seed, less one, in %; the gap at half the run is
@@ -48,7 +54,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks._common import figure, machine_info, prepare_stdlib_shards
+from benchmarks._common import figure, machine_info, prepare_stdlib_shards, run_swarm
 from benchmarks._ddp import DdpRun, run_ddp
 from benchmarks._formats import markdown_table, signed
 
@@ -189,6 +195,69 @@ _ARMS = {
 }
 
 
+def _real(plan: _Plan, base: list[str], where: pathlib.Path) -> dict[str, Any]:
+    """The two-site AdamW arm as two real Atoll nodes (``atoll swarm``'s way, one core
+    each, ``sync.trigger = "steps"``): the same model, recipe, seed and batch size as the
+    reference, on the batches each node's PeerID is assigned (so not the reference's
+    batches: they agree within the seeds' spread, not bit for bit)."""
+    batch = plan.ranks * _BATCH // 2
+    overrides = [
+        *base,
+        *_RECIPE,
+        f"sync.inner_steps={plan.inner_steps}",
+        *_batch(batch),
+        "train.optimizer='adamw'",
+        "run.threads=1",
+        "network.matchmaking_seconds=10",
+        "network.round_timeout=30",
+    ]
+    rounds = plan.steps // plan.inner_steps
+    nodes = run_swarm(overrides, 2, rounds, where)
+    finals = [n["rounds"][-1].get("val_bpb") for n in nodes if n["rounds"]]
+    return {
+        "exit_codes": [n["exit_code"] for n in nodes],
+        "rounds": [len(n["rounds"]) for n in nodes],
+        "digests_agree": len({n["rounds"][-1].get("global_digest") for n in nodes if n["rounds"]})
+        == 1,
+        "history": [
+            {"step": r["round"] * plan.inner_steps, "val_bpb": r.get("val_bpb")}
+            for r in (nodes[0]["rounds"] if nodes else [])
+        ],
+        "val_bpb_end": statistics.fmean(finals) if finals else None,
+    }
+
+
+def _reference_check(
+    plan: _Plan, base: list[str], reference: dict[str, Any], where: pathlib.Path
+) -> dict[str, Any]:
+    """Real nodes against ``node.simulate`` on the two-site AdamW arm: the reference at
+    three seeds (its spread), the real swarm at the first."""
+    arm = "two sites, AdamW"
+    replicas, extra = _ARMS[arm]
+    runs = [reference]
+    for seed in range(1, 3):
+        seeded = [o for o in base if not o.startswith("run.seed=")] + [f"run.seed={seed}"]
+        runs.append(_diloco(plan, seeded, replicas, extra))
+    ends = [_at(r["history"], plan.steps) for r in runs]
+    ends = [e for e in ends if e is not None]
+    real = _real(plan, base, where)
+    mean = statistics.fmean(ends) if ends else None
+    spread = statistics.stdev(ends) if len(ends) > 1 else None
+    end = real["val_bpb_end"]
+    agrees = None
+    if end is not None and mean is not None and spread is not None:
+        agrees = abs(end - mean) <= 2 * spread
+    return {
+        "arm": arm,
+        "reference_val_bpb_end": ends,
+        "reference_mean": mean,
+        "reference_spread": spread,
+        "real": real,
+        "difference_percent": None if end is None or not mean else 100 * (end / mean - 1),
+        "agrees_within_two_spreads": agrees,
+    }
+
+
 def _at(history: list[dict[str, Any]], step: int) -> float | None:
     return next((h["val_bpb"] for h in history if h["step"] == step), None)
 
@@ -249,6 +318,14 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
                     gap = _gap(entry[arm], entry["ddp"], plan.steps)
                     print(f"islands: {model} seed {seed} {arm}: gap {gap}", flush=True)
                 entries.append(entry)
+        first = entries[0]
+        model = _model_overrides(first["model"], work)
+        check = _reference_check(
+            plan, _base(plan, shards, model, 0), first["two sites, AdamW"], work / "real"
+        )
+        print(
+            f"islands: real nodes against the reference: {check['difference_percent']}", flush=True
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {
@@ -265,6 +342,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         "recipe": _RECIPE,
         "entries": entries,
         "summary": _summary(entries, plan),
+        "reference_check": check,
         "seconds": time.time() - started,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

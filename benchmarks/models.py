@@ -58,6 +58,7 @@ from benchmarks._common import (
     machine_info,
     prepare_stdlib_shards,
     run_ranks,
+    run_swarm,
 )
 from benchmarks._ddp import DdpRun, run_ddp
 from node.config import load_config
@@ -203,29 +204,6 @@ def _bare(overrides: list[str], ranks: int, steps: int, seconds: float) -> list[
 # ---- nodes --------------------------------------------------------------------------------
 
 
-def _swarm(overrides: list[str], nodes: int, rounds: int, where: pathlib.Path) -> list[dict]:
-    """Run real nodes to the end; each node's status and round events."""
-    from node import swarm
-    from node.metrics import read_events
-
-    spec = swarm.SwarmSpec(
-        nodes=nodes, config_paths=[], overrides=overrides, directory=where, rounds=rounds
-    )
-    procs, finished = swarm.run_to_end(spec, timeout=600.0 + 120.0 * rounds)
-    out = []
-    for n in procs:
-        events = read_events(n.data_dir / "events.jsonl")
-        out.append(
-            {
-                "exit_code": n.proc.returncode,
-                "finished": finished,
-                "status": n.status,
-                "rounds": [e for e in events if e["event"] == "round"],
-            }
-        )
-    return out
-
-
 def _node_throughput(shards: pathlib.Path, plan: _Plan, where: pathlib.Path) -> dict[str, Any]:
     overrides = [
         *_TRAIN,
@@ -235,7 +213,7 @@ def _node_throughput(shards: pathlib.Path, plan: _Plan, where: pathlib.Path) -> 
         f"sync.round_seconds={plan.round_seconds:g}",
         "train.total_steps=100000",
     ]
-    nodes = _swarm(overrides, 2, plan.throughput_rounds, where)
+    nodes = run_swarm(overrides, 2, plan.throughput_rounds, where)
     rates, helpers = [], []
     for n in nodes:
         st = n["status"]
@@ -290,7 +268,7 @@ def _side_by_side(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict
     out: dict[str, Any] = {}
     where = work / "side-by-side"
     node = threading.Thread(
-        target=lambda: out.update(nodes=_swarm(overrides, 1, plan.side_rounds, where)),
+        target=lambda: out.update(nodes=run_swarm(overrides, 1, plan.side_rounds, where)),
         daemon=True,
     )
     node.start()
@@ -375,7 +353,7 @@ def _memory(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, 
             f"sync.inner_steps={_MEMORY_STEPS}",
             "train.eval_batches=2",
         ]
-        node = _swarm(node_overrides, 1, 1, work / f"memory-{preset}")[0]
+        node = run_swarm(node_overrides, 1, 1, work / f"memory-{preset}")[0]
         params = bare["params"]
         last = node["rounds"][-1] if node["rounds"] else {}
         node_peak = last.get("host_peak_bytes_per_param", 0.0) * params
@@ -430,7 +408,7 @@ def _convergence(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[
             ddp["val_bpb_start"] = ddp["history"][0]["val_bpb"]
             ddp["val_bpb_end"] = ddp["history"][-1]["val_bpb"]
         node_overrides = [*overrides, *_NODE, "sync.trigger='steps'", f"sync.inner_steps={inner}"]
-        nodes = _swarm(node_overrides, count, rounds, work / f"convergence-{seed}")
+        nodes = run_swarm(node_overrides, count, rounds, work / f"convergence-{seed}")
         finals = [n["rounds"][-1].get("val_bpb") for n in nodes if n["rounds"]]
         digests = {n["rounds"][-1].get("global_digest") for n in nodes if n["rounds"]}
         atoll = {
@@ -479,7 +457,7 @@ def _cuda(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, An
     ]
     bare = _bare(overrides, 1, steps=5, seconds=plan.cuda_seconds)[0]
     on_clock = ["sync.trigger='seconds'", f"sync.round_seconds={plan.cuda_seconds / 2:g}"]
-    node = _swarm([*overrides, *_NODE, *on_clock], 1, plan.cuda_rounds, work / "cuda")[0]
+    node = run_swarm([*overrides, *_NODE, *on_clock], 1, plan.cuda_rounds, work / "cuda")[0]
     st = node["status"]
     wall = st.get("busy_seconds", 0.0) + st.get("idle_seconds", 0.0)
     node_rate = st.get("tokens", 0) / wall if wall else None
