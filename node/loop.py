@@ -155,14 +155,14 @@ class TrainingLoop:
         s = t.trainer.stream
         peer = self.network.transport.peer_id
         run = self.cfg.run.run_id
-        t.trainer.stream = assigned_stream(s.data, s.batch_size, s.context, run, peer, round_)
+        t.trainer.draw_from(assigned_stream(s.data, s.batch_size, s.context, run, peer, round_))
         t.site.assign(round_)
         self.work.assign(round_)
 
     def _skip(self, book: SyncBook, r: int, f: int) -> None:
         """Fragment ``f`` of round ``r`` is not exchanged: its work goes into the next
         sync, and the round's state is taken from the swarm when it ends."""
-        self.network.syncer.missed[f] += 1
+        self.network.syncer.skipped(f)
         book.finished(r, f, ok=False)
 
     def _step(self, book: SyncBook) -> None:
@@ -210,7 +210,7 @@ class TrainingLoop:
         self.rounds.pull()
         network, progress = self.network, self.progress
         record = network.syncer.apply(pending, self.training.trainer.steps)
-        self.training.site.changed = True
+        self.training.site.model_changed()
         if record is None:
             return None
         progress.bytes_sent += record["bytes_sent"]

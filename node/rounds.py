@@ -141,7 +141,7 @@ class Rounds:
                 t.outer.sync_local(t.model, f)
                 t.feedback[f].reset()
         self.progress.round = max(self.progress.round, snap.round)
-        t.site.changed = True
+        t.site.model_changed()
         # Follow the swarm's place in the inner learning-rate schedule: a newcomer at
         # its warmup peak would take steps far larger than everyone else's.
         t.trainer.steps = max(t.trainer.steps, snap.steps)

@@ -270,7 +270,7 @@ class SiteGroup:
             elif op == _DIGEST:
                 self.guard(dist.gather_object, self._digest(model), None, dst=0)
             elif op == _ASSIGN and assigned is not None:
-                trainer.stream = assigned(arg)
+                trainer.draw_from(assigned(arg))
             elif op == _STOP:
                 self.guard(dist.barrier)
                 return taken
@@ -357,6 +357,11 @@ class SiteLeader:
         self.ahead = self.group.sharded
         return result
 
+    def model_changed(self) -> None:
+        """The model changed outside an inner step (a sync applied, a re-sync, a
+        catch-up): the ranks take it before the next one."""
+        self.changed = True
+
     def share(self) -> None:
         """The ranks take the leader's parameters if they changed since the last inner
         step (a sync applied, a re-sync, a catch-up)."""
@@ -405,6 +410,9 @@ class NoSite:
 
     def __init__(self) -> None:
         self.changed = False  # nothing to share, ever
+
+    def model_changed(self) -> None:
+        pass
 
     def step(self, trainer: Any) -> Any:
         return trainer.step()

@@ -138,6 +138,11 @@ class Syncer:
         self.checks = checks
         self.deadlines = deadlines
 
+    def skipped(self, f: int) -> None:
+        """Fragment ``f``'s sync was not made: its work goes into the next one, which then
+        counts as spanning one more sync (:func:`staleness_weight`)."""
+        self.missed[f] += 1
+
     def launch(
         self,
         r: int,
@@ -232,7 +237,7 @@ class Syncer:
         except Exception as exc:  # any failure of the exchange: nothing to apply
             pending.future.cancel()
             f = pending.fragment
-            self.missed[f] += 1
+            self.skipped(f)
             self.outcomes["failed"] += 1
             logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
             self.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))

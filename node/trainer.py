@@ -182,6 +182,10 @@ class InnerTrainer:
         self.seconds = 0.0
         """Wall time spent in inner steps (what checks beside training are paced by)."""
 
+    def draw_from(self, stream: BatchStream) -> None:
+        """Train on ``stream``'s batches from the next step on (a round's assignment)."""
+        self.stream = stream
+
     def step(self) -> StepResult:
         """One optimizer step on the next ``train.grad_accum`` batches."""
         started = time.perf_counter()

@@ -36,6 +36,9 @@ class _Trainer:
         self.trained: list[tuple[int, int]] = []
         """(step, the first value of the batch it drew)"""
 
+    def draw_from(self, stream: BatchStream) -> None:
+        self.stream = stream
+
     def step(self) -> Any:
         self.steps += 1
         self.tokens += 8
@@ -53,6 +56,9 @@ class _Syncer:
         self.budgets: list[float] = []
         self.group = ["me", "peer"]
         self.fail: set[tuple[int, int]] = set()
+
+    def skipped(self, f: int) -> None:
+        self.missed[f] += 1
 
     def launch(self, r: int, f: int, tokens: int, steps: int, *rest: Any) -> Any:
         self.launched.append((r, f, tokens))
