@@ -18,8 +18,9 @@ cores allow:
   ``_RANKS / 2 * _BATCH`` windows a step: what a torchrun site's gradient all-reduce
   trains on), the ``configs/islands.toml`` recipe at ``H = 50``: 5 fragments staggered
   over each 50-step round (one sync every 10 steps), a result applied 5 steps after
-  its sync started, int4 with stochastic rounding and error feedback, Nesterov outer
-  steps (lr 0.7, momentum 0.9 after 3 rounds of warmup); inner AdamW and SOAP.
+  its sync started, int4 with stochastic rounding and error feedback, the outer step
+  the convergence sweep picked for ``H = 50`` (Nesterov, lr 0.7, momentum 0.5); inner
+  AdamW and SOAP, both at the lr the sweep picked for AdamW (3e-3), as DDP's AdamW.
 - **Eight cells in pairs**: 8 replicas of ``_RANKS * _BATCH / 8`` windows in groups of
   2 (butterfly layout: no all-reduce over the swarm, the pairs mix their global
   copies in fp16), the same recipe with AdamW; scored on replica 0's copy.
@@ -90,9 +91,11 @@ _RECIPE = [
     "sync.error_feedback=true",
     "outer.optimizer='nesterov'",
     "outer.lr=0.7",
-    "outer.momentum=0.9",
-    "outer.momentum_warmup=3",
+    "outer.momentum=0.5",
 ]
+"""``configs/islands.toml``'s sync settings at ``H = 50``, with the outer step the
+convergence sweep picked for ``H = 50`` (``convergence-picks.json``: Nesterov, lr 0.7,
+momentum 0.5; the config's momentum 0.9 is for runs of hundreds of outer steps)."""
 
 
 @dataclass(frozen=True)
