@@ -38,7 +38,7 @@ reported beside it (how the gap moves with the run's length). Goal: the two site
 within 1 % of DDP or better, as in the case study.
 
 Run ``python -m benchmarks islands [--quick]``: quick, the small model for 600 steps,
-seed 0 (about 25 minutes here); full, both models for 2,000 steps, seeds 0-2 (about
+seed 0 (16 minutes here); full, both models for 2,000 steps, seeds 0-2 (about
 five hours); ``--smoke``: a 40-file corpus, 20 steps, 2 ranks. Writes ``islands.json``
 and ``islands.png``.
 """
@@ -71,6 +71,9 @@ _EVAL_WINDOWS = 128
 """Validation windows every evaluation scores: each arm takes them in batches of its own
 size, drawn from one seeded stream, so every arm is scored on the very same windows."""
 _GOAL_GAP_PERCENT = 1.0
+_GOAL_ARM = "two sites, AdamW"
+"""The arm the goal is for: the one whose inner optimizer is DDP's (SOAP's gap is to DDP
+with AdamW, so it says what SOAP buys as much as what the sites cost)."""
 
 _SMALL = {
     "hidden_size": 128,
@@ -293,7 +296,7 @@ def _summary(entries: list[dict[str, Any]], plan: _Plan) -> dict[str, Any]:
                     gap_spread=statistics.stdev(gaps) if len(gaps) > 1 else None,
                     gap_percent_at_half=statistics.fmean(halves) if halves else None,
                 )
-                if arm.startswith("two sites"):
+                if arm == _GOAL_ARM:  # the arm whose inner optimizer is DDP's
                     row["goal_percent"] = _GOAL_GAP_PERCENT
                     row["meets_goal"] = bool(gaps) and max(gaps) <= _GOAL_GAP_PERCENT
             arms[arm] = row
@@ -391,12 +394,15 @@ def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         f"over {data['ranks']} ranks at equal tokens, {data['steps']} steps, H = "
         f"{data['inner_steps']}, int4 with stochastic rounding and error feedback"
     )
-    return [(what, "; ".join(parts), f"two sites within {_GOAL_GAP_PERCENT:g} % of DDP")]
+    target = f"two sites within {_GOAL_GAP_PERCENT:g} % of DDP (both AdamW)"
+    return [(what, "; ".join(parts), target)]
 
 
 def table(data: dict[str, Any]) -> str:
     """Every model and arm: final bits per byte, gap to DDP and at half the run."""
-    header = ["model", "run", "bits per byte", "gap to DDP", "gap at half the run", "goal"]
+    header = [
+        "model", "run", "bits per byte", "gap to DDP (AdamW)", "gap at half the run", "goal"
+    ]  # fmt: skip
     body = []
     for model, arms in data["summary"].items():
         for arm, row in arms.items():

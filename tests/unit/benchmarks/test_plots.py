@@ -13,6 +13,7 @@ RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 
 PLOTS = {
     "churn": ("benchmarks.churn", "_plot"),
+    "islands": ("benchmarks.islands", "_plot"),
     "join": ("benchmarks.join", "_plot"),
     "mixing": ("benchmarks.mixing", "_plot"),
     "models": ("benchmarks.models", "_plot"),

@@ -17,6 +17,7 @@ FILES = [
     "convergence.json",
     "convergence-long.json",
     "convergence-sparse.json",
+    "islands.json",
     "join.json",
     "mixing.json",
     "models.json",
