@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 __all__ = [
+    "run_mode",
     "bpb",
     "kb",
     "markdown_table",
@@ -70,6 +71,11 @@ def bpb(x: float) -> str:
 def size(n: int) -> str:
     """A vector length in millions: ``10M``."""
     return f"{n / 1e6:g}M"
+
+
+def run_mode(data: dict) -> str:
+    """``smoke``, ``quick`` or ``full``: the mode a results file was measured in."""
+    return "smoke" if data.get("smoke") else "quick" if data.get("quick") else "full"
 
 
 def _cell(text: str) -> str:

@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks import _scale_sim
 from benchmarks._common import figure, machine_info
-from benchmarks._formats import markdown_table, pct
+from benchmarks._formats import markdown_table, pct, run_mode
 
 __all__ = ["mix_rounds", "run", "table", "table_row"]
 
@@ -163,7 +163,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 
 def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The summary row: reach at the goal's churn rate per trigger and size."""
-    mode = "smoke" if data["smoke"] else "quick" if data["quick"] else "full"
+    mode = run_mode(data)
     parts = []
     for name, goal in data["goals"].items():
         mark = "" if goal["meets_goal"] else " (goal missed)"

@@ -57,7 +57,7 @@ from typing import Any
 
 from benchmarks._common import figure, machine_info, prepare_stdlib_shards, run_swarm
 from benchmarks._ddp import DdpRun, run_ddp
-from benchmarks._formats import markdown_table, signed
+from benchmarks._formats import markdown_table, run_mode, signed
 
 __all__ = ["run", "table", "table_row"]
 
@@ -234,16 +234,15 @@ def _real(plan: _Plan, base: list[str], where: pathlib.Path) -> dict[str, Any]:
 
 
 def _reference_check(
-    plan: _Plan, base: list[str], reference: dict[str, Any], where: pathlib.Path
+    plan: _Plan, bases: list[list[str]], reference: dict[str, Any], where: pathlib.Path
 ) -> dict[str, Any]:
     """Real nodes against ``node.simulate`` on the two-site AdamW arm: the reference at
-    three seeds (its spread), the real swarm at the first."""
+    the seeds of ``bases`` (its spread; ``reference`` is the first's), the real swarm at
+    the first."""
     arm = "two sites, AdamW"
     replicas, extra = _ARMS[arm]
-    runs = [reference]
-    for seed in range(1, 3):
-        seeded = [o for o in base if not o.startswith("run.seed=")] + [f"run.seed={seed}"]
-        runs.append(_diloco(plan, seeded, replicas, extra))
+    runs = [reference, *(_diloco(plan, base, replicas, extra) for base in bases[1:])]
+    base = bases[0]
     ends = [_at(r["history"], plan.steps) for r in runs]
     ends = [e for e in ends if e is not None]
     real = _real(plan, base, where)
@@ -326,9 +325,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
                 entries.append(entry)
         first = entries[0]
         model = _model_overrides(first["model"], work)
-        check = _reference_check(
-            plan, _base(plan, shards, model, 0), first["two sites, AdamW"], work / "real"
-        )
+        bases = [_base(plan, shards, model, seed) for seed in range(3)]
+        check = _reference_check(plan, bases, first["two sites, AdamW"], work / "real")
         print(
             f"islands: real nodes against the reference: {check['difference_percent']}", flush=True
         )
@@ -382,7 +380,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 
 def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The summary row: each model's two-site gaps to DDP."""
-    mode = "smoke" if data["smoke"] else "quick" if data["quick"] else "full"
+    mode = run_mode(data)
     parts = []
     for model, arms in data["summary"].items():
         for arm, row in arms.items():

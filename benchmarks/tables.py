@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import churn, islands
-from benchmarks._formats import bpb, kb, markdown_table, mb, pct, sci, size, span, times
+from benchmarks._formats import bpb, kb, markdown_table, mb, pct, run_mode, sci, size, span, times
 from benchmarks._robustness_checks_report import table_row as checks_row
 from benchmarks._scale_tables import scale_load_table, scale_row, scale_simulated_table
 from benchmarks._sparse_tables import allreduce_codecs_row, sparse_row
@@ -460,7 +460,7 @@ def _sites(d: dict[str, Any]) -> list[_Cells]:
 
 
 def _join(d: dict[str, Any]) -> list[_Cells]:
-    mode = "smoke" if d["smoke"] else "quick" if d["quick"] else "full"
+    mode = run_mode(d)
     cells = []
     for name, r in d["rows"].items():
         first = r["first_exchange_s_median"]
