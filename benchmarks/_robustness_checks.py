@@ -234,6 +234,7 @@ def _measure(
         "attackers": [_caught(ids[i], i, rounds, honest, job.shape.group) for i in byzantine],
         "honest_flagged_ever": sorted(flagged_ever & honest_ids),
         "honest_charges": _honest_charges(ids, honest, honest_ids),
+        "honest_outliers": _honest_charges(ids, honest, honest_ids, "outlier"),
         "checked_rounds": _checked_rounds(rounds, from_round),
         "round_seconds_checked": _round_seconds(rounds.values(), from_round),
         "checks": {k: sum(c.get(k, 0) for _, c, _ in last) for k in _COUNTS} if checked else None,
@@ -301,13 +302,17 @@ def _factors(peer: str | None, logs: dict[int, list[dict]]) -> dict[int, float]:
 
 
 def _honest_charges(
-    ids: list[str | None], logs: dict[int, list[dict]], honest_ids: set[str]
+    ids: list[str | None],
+    logs: dict[int, list[dict]],
+    honest_ids: set[str],
+    event: str = "violation",
 ) -> list[dict[str, Any]]:
-    """Every violation an honest node charged an honest peer with, and why."""
+    """Every violation an honest node charged an honest peer with, and why (``event =
+    "outlier"``: every vector of an honest peer a screen left out without a charge)."""
     out = []
     for i, log in logs.items():
         for e in log:
-            if e["event"] == "violation" and e.get("peer") in honest_ids:
+            if e["event"] == event and e.get("peer") in honest_ids:
                 out.append(
                     {
                         "by": i,

@@ -60,6 +60,7 @@ def _by_attack(runs: list[dict]) -> dict[str, dict[str, Any]]:
 def _verdicts(attacks: dict[str, dict], costs: dict[str, dict], runs: list[dict]) -> dict:
     """Each goal, met or not (None where nothing measured it)."""
     charged = sum(len(r.get("honest_charges") or []) for r in runs)
+    outliers = sum(len(r.get("honest_outliers") or []) for r in runs)
     flagged = sum(len(r.get("honest_flagged_ever", [])) for r in runs)
     ratios = [a["bpb_ratio_to_clean_max"] for a in attacks.values()]
     cost = [c["ratio"] for c in costs.values() if c.get("ratio") is not None]
@@ -72,6 +73,7 @@ def _verdicts(attacks: dict[str, dict], costs: dict[str, dict], runs: list[dict]
         "honest_flagged": flagged == 0 and charged == 0,
         "honest_flagged_count": flagged,
         "honest_charges_count": charged,
+        "honest_outliers_count": outliers,
         "bpb_within": all(x <= _GOAL_BPB_RATIO for x in ratios if x) if any(ratios) else None,
         "tokens_per_second": all(x >= _GOAL_COST for x in cost) if cost else None,
     }
@@ -128,6 +130,8 @@ _NOTES = {
     "averaged over the rounds before it was flagged; share_honest_equal is 1 / G",
     "honest_flagged_ever": "honest peers flagged by an honest node in any round",
     "honest_charges": "every violation an honest node charged an honest peer with",
+    "honest_outliers": "every vector of an honest peer a statistical screen left out "
+    "without a charge (trust.outlier_rounds: it counts when repeated)",
     "bpb_ratio_to_clean": "honest val_bpb_end over the clean run with checks of the same "
     "shape and seed; above the goal means the attack cost more than 2 %",
     "checked_rounds": "the share of honest nodes' rounds after trust.check_from_round "
@@ -196,7 +200,8 @@ def table_row(d: dict[str, Any]) -> list[tuple[str, str, str]]:
     result = (
         "flagged by every honest node in: " + "; ".join(parts) + " (honest bits/byte over "
         f"the clean run); honest peers flagged: **{met['honest_flagged_count']}**, charged: "
-        f"**{met['honest_charges_count']}**; tokens/s with checks over without: {costs}"
+        f"**{met['honest_charges_count']}** (outliers left out, not charged: "
+        f"{met.get('honest_outliers_count', 0)}); tokens/s with checks over without: {costs}"
     )
     what = (
         "useful-work checks: attackers in each swarm shape (groups of 4 that mix, gossip "

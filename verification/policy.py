@@ -66,6 +66,13 @@ class TrustPolicy:
         max_tokens: cap on the token count a peer may claim for one contribution.
         max_share: maximum share of an aggregate that one peer's weight may carry.
         on_violation: what a screened-out contribution costs its sender.
+        outlier_rounds: a vector the statistical screens refuse (``norm``,
+            ``direction``, ``owner_norm``, ``owner_direction``) is always left out, but
+            counts as a violation only once its sender has failed one in this many
+            different rounds within ``outlier_window`` rounds (1: at once). The
+            deterministic checks (shape, finiteness, tokens, signatures, replays) count
+            at once.
+        outlier_window: see ``outlier_rounds``.
         quarantine_rounds: how many rounds a quarantine lasts.
         min_reputation: peers whose score is below this are not grouped with.
         state_signers: a downloaded global state is loaded only when at least this
@@ -123,6 +130,8 @@ class TrustPolicy:
     max_tokens: int = Field(default=10**9, ge=1)
     max_share: float = Field(default=1.0, gt=0, le=1)
     on_violation: Literal["drop", "quarantine", "ban"] = "quarantine"
+    outlier_rounds: int = Field(default=2, ge=1)
+    outlier_window: int = Field(default=5, ge=1)
     quarantine_rounds: int = Field(default=5, ge=1)
     min_reputation: float = Field(default=0.0, ge=0, le=1)
     state_signers: int = Field(default=2, ge=1)

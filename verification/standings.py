@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -57,6 +58,7 @@ class Standings:
         """The newest round this node works on (a flag counts from it at the earliest)."""
         self._lock = lock
         self._flagged_at: dict[str, int] = {}
+        self._outliers: dict[str, deque[int]] = {}  # rounds a peer failed a screen in
 
     # ---- who is in -------------------------------------------------------------------
 
@@ -177,6 +179,40 @@ class Standings:
                 status=standing.status,
                 score=standing.score,
             )
+
+    def outlier(
+        self, peer: str, round_: int, fragment: int | None, reason: str, detail: str
+    ) -> bool:
+        """A statistical screen refused ``peer``'s vector (its norm or direction against
+        the others', or an owner's result against history): a violation only once the
+        peer has failed one in ``policy.outlier_rounds`` different rounds within
+        ``policy.outlier_window`` rounds. Before that the vector is left out and the
+        outlier logged, and nothing else is held against the peer: one round's outlier is
+        as often an honest peer's misfortune (a base an owner that lied shrank, a
+        noisy round) as a fault, and a faulty peer fails round after round.
+
+        Returns:
+            Whether this one counted as a violation.
+        """
+        with self._lock:
+            rounds = self._outliers.setdefault(peer, deque())
+            if round_ not in rounds:
+                rounds.append(round_)
+            while rounds and rounds[0] <= round_ - self.policy.outlier_window:
+                rounds.popleft()
+            repeated = len(rounds) >= self.policy.outlier_rounds
+            if repeated:
+                rounds.clear()
+        if repeated:
+            self.violation(peer, round_, fragment, reason, detail)
+            return True
+        logger.info(
+            "peer %s round %d fragment %s: outlier left out (%s: %s), not yet a violation",
+            *(peer, round_, fragment, reason, detail),
+        )
+        if self.events is not None:
+            self.events.write("outlier", peer=peer, round=round_, fragment=fragment, reason=reason)
+        return False
 
     def convict(self, peer: str, round_: int, fragment: int, reason: str) -> None:
         """Act on checked proof of misbehaviour (e.g. equivocation): the policy's

@@ -70,6 +70,9 @@ the wrong owner of the very same group is a replayed or misdirected message."""
 _POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
 _HEURISTIC_REASONS = frozenset({"norm", "direction"})
 """Screens that need a robust centre: in a pair (no centre) they accuse no one."""
+_OUTLIER_REASONS = _HEURISTIC_REASONS | {"owner_norm", "owner_direction"}
+"""Statistical verdicts: a violation only when repeated
+(:meth:`verification.standings.Standings.outlier`)."""
 _VICTIM_REASONS = frozenset({"copy_norm", "owner_shrunk"})
 """Refusals of copies (a member's, or an owner's mean of them) whose failure is most often
 the holder's misfortune, never held against it: a copy a zero owner shrank before is
@@ -264,7 +267,10 @@ class Verifier:
                     verdict.detail,
                 )
                 continue
-            self.standings.violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
+            if verdict.reason in _OUTLIER_REASONS:
+                self.standings.outlier(c.peer, round_, fragment, verdict.reason, verdict.detail)
+            else:
+                self.standings.violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
         return good
 
     def _copies(
@@ -413,7 +419,9 @@ class Verifier:
         with self._lock:
             self._audit_row(round_, fragment, part, owner, "owner_rejected", reason)
         unaccused = BENIGN_REASONS | _POLICY_REASONS | _VICTIM_REASONS
-        if reason not in unaccused:
+        if reason in _OUTLIER_REASONS:
+            self.standings.outlier(owner, round_, fragment, reason, "reduced part refused")
+        elif reason not in unaccused:
             self.standings.violation(owner, round_, fragment, reason, "reduced part refused")
 
     def convict(self, peer: str, round_: int, fragment: int, reason: str) -> None:

@@ -75,3 +75,23 @@ def test_an_operator_ban_counts_from_the_current_round(make) -> None:
     assert standings.ban(PEER, "flooding").status == "banned"
     assert standings.blocks(PEER, 7) is None  # this round's groups are formed
     assert standings.blocks(PEER, 8) == "banned"
+
+
+def test_an_outlier_counts_once_repeated_in_another_round_within_the_window(make) -> None:
+    standings, events = make(outlier_rounds=2, outlier_window=3)
+    # two fragments of one round are one outlier round
+    assert not standings.outlier(PEER, 2, 0, "norm", "norm 9 > 3")
+    assert not standings.outlier(PEER, 2, 1, "norm", "norm 9 > 3")
+    # round 5 is out of round 2's window (rounds 3-5)
+    assert not standings.outlier(PEER, 5, 0, "direction", "cosine -0.5")
+    assert standings.flagged(6) == {}
+    assert standings.outlier(PEER, 6, 0, "norm", "norm 9 > 3")
+    assert standings.flagged(7) == {PEER: "quarantined"}
+    assert [(e, f["round"], f["reason"]) for e, f in events.lines] == [
+        ("outlier", 2, "norm"),
+        ("outlier", 2, "norm"),
+        ("outlier", 5, "direction"),
+        ("violation", 6, "norm"),
+    ]
+    # the count starts again after a violation
+    assert not standings.outlier(PEER, 7, 0, "norm", "norm 9 > 3")

@@ -258,6 +258,44 @@ def test_a_short_mean_of_copies_is_refused_and_its_owner_not_accused(verifier: V
     verifier.on_owner_refused(PEER, 4, 0, 0, refused)
     assert verifier.reputation.standing(PEER, 5).violations == 0
     assert [r.verdict for r in verifier.audit.rows(peer=PEER)] == ["owner_rejected"]
-    # a refusal that is an offence still is
+    # a refusal that is an offence still is, once repeated in another round
     verifier.on_owner_refused(PEER, 4, 0, 0, "owner_norm")
-    assert verifier.reputation.standing(PEER, 5).violations == 1
+    assert verifier.reputation.standing(PEER, 5).violations == 0
+    verifier.on_owner_refused(PEER, 5, 0, 0, "owner_norm")
+    assert verifier.reputation.standing(PEER, 6).violations == 1
+
+
+def test_a_screened_outlier_is_left_out_at_once_and_charged_when_it_repeats(
+    tmp_path: Path,
+) -> None:
+    """A contribution whose norm is far above the group's median is left out of every
+    aggregate it fails, but its sender is charged only in the second round it fails;
+    deterministic refusals charge at once."""
+    v = Verifier(TrustPolicy(quarantine_rounds=1), tmp_path / "atoll.db", ME)
+    others = [Identity.from_seed(bytes([i]) * 32).peer_id for i in (3, 4, 5)]
+    try:
+        for round_ in (1, 2, 4):
+            v.round = round_
+            parts = [_contribution(p, [1.0, 1.0]) for p in (ME, *others)]
+            parts.append(_contribution(PEER, [50.0, 50.0]))
+            reduced = v.reduce(round_, 0, 0, parts)
+            assert PEER not in reduced.used and reduced.rejected[PEER] == "norm"
+            assert reduced.vector.tolist() == [1.0, 1.0]
+            charged = v.reputation.standing(PEER, round_ + 1).violations
+            assert charged == {1: 0, 2: 1, 4: 1}[round_], round_
+        # quarantined for round 3; round 4 alone is a new first outlier (the two before
+        # made one violation)
+        assert v.flagged(2) == {PEER: "quarantined"} and v.flagged(4) == {}
+        v.on_refusal(others[0], 4, 0, "not_finite")
+        assert v.reputation.standing(others[0], 5).violations == 1
+    finally:
+        v.close()
+
+
+def test_outlier_rounds_one_charges_the_first_outlier(tmp_path: Path) -> None:
+    v = Verifier(TrustPolicy(outlier_rounds=1), tmp_path / "atoll.db", ME)
+    try:
+        v.on_owner_refused(PEER, 3, 0, 0, "owner_direction")
+        assert v.reputation.standing(PEER, 4).violations == 1
+    finally:
+        v.close()
