@@ -19,6 +19,7 @@ from node.agreement import AgreementWatch
 from node.bindings import bind
 from node.byzantine import make_behaviour
 from node.config import AtollConfig
+from node.keyfile import load_identity
 from node.loop import TrainingLoop, schedule_of
 from node.metrics import EventLog, StatusWriter
 from node.monitor import Monitor
@@ -32,7 +33,6 @@ from node.spec_file import spec_text
 from node.startup import (
     Teardown,
     install_signals,
-    load_identity,
     open_logs,
     run_clock,
     start_monitor,

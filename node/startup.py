@@ -1,4 +1,4 @@
-"""A node's start and stop: its data directory and key, its transport (tried again while
+"""A node's start and stop: its data directory, its transport (tried again while
 the bootstrap node is not up yet), its metrics endpoint, the wait for peers, the run's
 clock, and stopping what was started in order.
 
@@ -25,13 +25,11 @@ from node.metrics import EventLog, StatusWriter
 from node.monitor import Monitor
 from node.settings import clock_settings, transport_config
 from protocol.p2p.transport import BootstrapUnreachable, NotDialable, Transport
-from verification.errors import VerificationError
 from verification.identity import Identity
 
 __all__ = [
     "Teardown",
     "install_signals",
-    "load_identity",
     "open_logs",
     "run_clock",
     "start_monitor",
@@ -62,28 +60,6 @@ def open_logs(cfg: AtollConfig, data_dir: Path) -> tuple[StatusWriter, EventLog]
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     return StatusWriter(data_dir / "status.json"), EventLog(data_dir / "events.jsonl")
-
-
-def load_identity(key_file: Path) -> Identity:
-    """The node's key, made on first start.
-
-    Raises:
-        ValueError: the file is not a key, or is a directory (with what to do).
-    """
-    new = "to make a new identity (the node gets a new PeerID)"
-    try:
-        return Identity.load_or_create(key_file)
-    except VerificationError as exc:
-        detail = exc.detail.removeprefix(f"{key_file}: ")
-        raise ValueError(
-            f"{key_file} is not a valid identity key ({detail}); "
-            f"restore it from a backup or delete it {new}"
-        ) from exc
-    except IsADirectoryError as exc:
-        raise ValueError(
-            f"{key_file} is a directory, not an identity key file; put the key file "
-            f"back from a backup, or remove the directory {new}"
-        ) from exc
 
 
 def start_transport(

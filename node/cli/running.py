@@ -20,7 +20,7 @@ from node.fault_modes import parse_mode
 
 if TYPE_CHECKING:
     from node.config import AtollConfig
-    from node.daemon import Node
+    from node.site import SiteRank
     from node.spec import RunSpec
     from node.swarm import SwarmProcess, SwarmSpec
 
@@ -223,19 +223,31 @@ def _start_node(
     if site is not None and not site.leader:
         # a follower rank: no identity, network or files of its own; it logs to stderr
         leave(run_follower(cfg, site))
-    from node.daemon import Node
-
-    node = Node(cfg, initial_peers=peers, byzantine=args.byzantine, spec=spec, site=site)
-    return _run_node(node, args, Path(cfg.run.data_dir).expanduser())
+    return _run_node(args, cfg, spec, peers, site)
 
 
-def _run_node(node: Node, args: argparse.Namespace, data_dir: Path) -> int:
-    """Run ``node`` with its log file; a data directory that cannot be written is one line."""
+def _run_node(
+    args: argparse.Namespace,
+    cfg: AtollConfig,
+    spec: RunSpec | None,
+    peers: tuple[str, ...],
+    site: SiteRank | None,
+) -> int:
+    """Run the node with its log file. The data directory and the identity key are
+    checked before torch loads, so a directory that cannot be written or a broken key
+    is one line within a second; a file the run cannot write later is one line too."""
+    from node.keyfile import load_identity
+
+    data_dir = Path(cfg.run.data_dir).expanduser()
     handler = None
     try:
-        # the log file is the first thing written in the data directory: a directory that
-        # cannot be written is reported as such, in one line
+        # the log file is the first thing written in the data directory
         handler = log_file(args, data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        load_identity(data_dir / "identity.key")
+        from node.daemon import Node
+
+        node = Node(cfg, initial_peers=peers, byzantine=args.byzantine, spec=spec, site=site)
         return node.run()
     except OSError as exc:
         raise ValueError(file_problem(exc, data_dir)) from exc

@@ -1,4 +1,4 @@
-"""A node's start and stop: its data directory and key, the listen mistakes p2pd
+"""A node's start and stop: its data directory, the listen mistakes p2pd
 reports, the metrics port, the wait for peers, and a teardown that never raises."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from node.metrics import StatusWriter
 from node.startup import (
     Teardown,
     _listen_problem,
-    load_identity,
     open_logs,
     start_monitor,
     wait_for_peers,
@@ -30,20 +29,6 @@ def test_the_data_directory_is_made_with_its_status_and_events(tmp_path) -> None
     events.close()
     assert (tmp_path / "a" / "b" / "status.json").exists()
     assert "start" in (tmp_path / "a" / "b" / "events.jsonl").read_text()
-
-
-def test_a_key_is_made_once_and_read_back(tmp_path) -> None:
-    first = load_identity(tmp_path / "identity.key")
-    assert load_identity(tmp_path / "identity.key").peer_id == first.peer_id
-
-
-def test_a_broken_key_or_a_directory_is_one_line_with_the_fix(tmp_path) -> None:
-    (tmp_path / "identity.key").write_bytes(b"")
-    with pytest.raises(ValueError, match="is not a valid identity key .*delete it"):
-        load_identity(tmp_path / "identity.key")
-    (tmp_path / "dir.key").mkdir()
-    with pytest.raises(ValueError, match="is a directory, not an identity key file"):
-        load_identity(tmp_path / "dir.key")
 
 
 def test_p2pds_listen_errors_become_what_to_change() -> None:
