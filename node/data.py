@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sysconfig
 import warnings
 from collections.abc import Sequence
@@ -92,11 +93,12 @@ def stdlib_files() -> list[tuple[str, Path]]:
     """The standard library's ``.py`` files as ``(relative posix path, path)``, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]):
-            continue
-        out.append((rel.as_posix(), path))
+    # the excluded folders are not entered at all: site-packages alone holds most of
+    # the files under the standard library's folder, and every node reads this list
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+        rel = Path(folder).relative_to(root)
+        out.extend(((rel / f).as_posix(), Path(folder, f)) for f in files if f.endswith(".py"))
     out.sort(key=lambda item: item[0])
     return out
 
