@@ -185,6 +185,10 @@ def run_clock(
     return transport.run(agreeing, settings.wait + 4 * cfg.network.request_timeout + 10)
 
 
+_SLOW_STOP_SECONDS = 1.0
+"""A teardown step that takes this long or longer is logged with its time."""
+
+
 class Teardown:
     """Stop what was started, in order, each step on its own: one that fails is logged
     and the next still runs, so the error that ended the node (a read-only or full
@@ -199,8 +203,13 @@ class Teardown:
         self.level = logging.DEBUG if quiet else logging.WARNING
 
     def __call__(self, what: str, step: Callable[[], object]) -> None:
+        started = time.monotonic()
         try:
             step()
         except Exception as exc:
             logger.log(self.level, "%s failed: %s", what, exc)
             logger.debug("%s failed", what, exc_info=True)
+        finally:
+            took = time.monotonic() - started
+            if took >= _SLOW_STOP_SECONDS:
+                logger.info("%s took %.1f s", what, took)

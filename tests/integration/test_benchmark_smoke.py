@@ -11,10 +11,11 @@ starts no process, is smoked in ``tests/unit/benchmarks/test_smoke.py``.
 
 A real swarm costs about 25 s here however small (starting and stopping each node
 dominates), so ``make test`` smokes the benchmarks that cover the most per second
-(verification, convergence, mixing, wan, robustness and its checks mode: about 3.5
+(verification, convergence, mixing, robustness and its checks mode: about 2.5
 minutes) and marks the others ``slow`` (``make test-all``: allreduce's seven methods,
-stragglers, sites, scale, models, wan in network namespaces, partitions' 3-minute lab
-run, and islands: DDP ranks, simulated sites and two real nodes, 2.5 min).
+stragglers, sites, scale, models, wan on 127.0.0.1 and in network namespaces,
+partitions' 3-minute lab run, and islands: DDP ranks, simulated sites and two real
+nodes, 2.5 min).
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def test_stragglers_smoke(tmp_path: Path) -> None:
     assert all(m["utilization"] for m in report["methods"].values()), report["methods"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_wan_smoke(tmp_path: Path) -> None:
     report = smoke("wan", tmp_path)

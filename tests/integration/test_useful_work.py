@@ -19,7 +19,7 @@ from tests.integration.conftest import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.exclusive, pytest.mark.timeout(480)]
 
-NODES, ROUNDS = 6, 11
+NODES, ROUNDS = 6, 8
 CHECKS = [
     "sync.inner_steps=24",
     "network.group_size=3",

@@ -80,6 +80,7 @@ def test_one_byzantine_node_is_contained(mode, clean, local_swarm):
             assert first <= 3
 
 
+@pytest.mark.slow  # the control of the matrix above, in make test-all with it
 def test_without_defences_the_same_attack_hurts(clean, local_swarm):
     undefended = ["trust.aggregator='mean'", "trust.screening=false"]
     summary = _run(local_swarm, undefended, mode="scale")
