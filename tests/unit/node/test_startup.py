@@ -87,3 +87,13 @@ def test_teardown_logs_each_failure_and_goes_on(caplog) -> None:
     assert any(
         r.levelno == logging.WARNING and "third failed" in r.getMessage() for r in caplog.records
     )
+
+
+def test_a_slow_teardown_step_is_logged_with_its_time(caplog, monkeypatch) -> None:
+    monkeypatch.setattr("node.startup._SLOW_STOP_SECONDS", 0.05)
+    with caplog.at_level(logging.INFO, logger="node.startup"):
+        attempt = Teardown(quiet=False)
+        attempt("quick", lambda: None)
+        attempt("slow", lambda: time.sleep(0.1))
+    timed = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert len(timed) == 1 and timed[0].startswith("slow took 0.1"), timed
