@@ -235,6 +235,7 @@ def _measure(
         "honest_flagged_ever": sorted(flagged_ever & honest_ids),
         "honest_charges": _honest_charges(ids, honest, honest_ids),
         "honest_outliers": _honest_charges(ids, honest, honest_ids, "outlier"),
+        "charged_records": _charged_records(ids, honest, honest_ids),
         "checked_rounds": _checked_rounds(rounds, from_round),
         "round_seconds_checked": _round_seconds(rounds.values(), from_round),
         "checks": {k: sum(c.get(k, 0) for _, c, _ in last) for k in _COUNTS} if checked else None,
@@ -321,6 +322,38 @@ def _honest_charges(
                         "reason": e.get("reason"),
                     }
                 )
+    return out
+
+
+_RECORD_KEYS = ("round", "fragment", "claimed", "work", "specific", "short", "factor")
+
+
+def _charged_records(
+    ids: list[str | None], logs: dict[int, list[dict]], honest_ids: set[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """For each honest peer an honest node charged with ``useless_work``, every check
+    record about it in the honest nodes' events (who checked, of which round, what it
+    measured): the evidence a check false positive is diagnosed from, kept because the
+    swarm's folder is not."""
+    charged = {
+        e["peer"]
+        for log in logs.values()
+        for e in log
+        if e["event"] == "violation" and e.get("reason") == "useless_work"
+    }
+    out: dict[str, list[dict[str, Any]]] = {}
+    for peer in sorted(charged & honest_ids):
+        records = []
+        for i, log in logs.items():
+            for e in log:
+                if e["event"] == "check" and e.get("peer") == peer:
+                    checker = e.get("checker")
+                    record = {k: e.get(k) for k in _RECORD_KEYS}
+                    records.append(
+                        {"by": i, "checker": ids.index(checker) if checker in ids else None}
+                        | record
+                    )
+        out[str(ids.index(peer))] = records
     return out
 
 

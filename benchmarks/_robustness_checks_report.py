@@ -132,6 +132,8 @@ _NOTES = {
     "honest_charges": "every violation an honest node charged an honest peer with",
     "honest_outliers": "every vector of an honest peer a statistical screen left out "
     "without a charge (trust.outlier_rounds: it counts when repeated)",
+    "charged_records": "per honest peer charged with useless_work (by index), every "
+    "check record about it: checker, round, claimed steps, work and specific ratios",
     "bpb_ratio_to_clean": "honest val_bpb_end over the clean run with checks of the same "
     "shape and seed; above the goal means the attack cost more than 2 %",
     "checked_rounds": "the share of honest nodes' rounds after trust.check_from_round "

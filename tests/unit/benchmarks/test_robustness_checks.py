@@ -153,6 +153,33 @@ def test_an_attacker_flagged_by_no_one_and_an_honest_peer_charged_are_reported()
     assert measured["honest_charges"] == [
         {"by": 0, "peer": 1, "round": 1, "reason": "useless_work"}
     ]
+    assert measured["charged_records"] == {"1": []}  # no record of it in these logs
+
+
+def test_the_records_behind_an_honest_peers_useless_work_charge_are_kept() -> None:
+    summary = {"peer_ids": ["A", "B", "Z"], "busy_seconds": [1.0] * 3, "idle_seconds": [0.0] * 3}
+    record = {"event": "check", "checker": "A", "peer": "B", "round": 3, "fragment": 0}
+    record |= {"claimed": 24, "work": 0.4, "specific": -0.8, "short": True, "factor": 0.5}
+    charge = {"event": "violation", "peer": "B", "round": 4, "reason": "useless_work"}
+    other = {"event": "check", "checker": "A", "peer": "Z", "round": 3, "factor": 0.0}
+    logs = {0: [record, other, charge, _round(4, 0.0, ["B"])], 1: [_round(4, 0.0)], 2: []}
+    job = checks.Job(checks.SHAPES["groups"], 0, "zero", 1)
+    measured = checks._measure(summary, logs, [2], from_round=1, job=job)
+    assert measured["charged_records"] == {
+        "1": [
+            {
+                "by": 0,
+                "checker": 0,
+                "round": 3,
+                "fragment": 0,
+                "claimed": 24,
+                "work": 0.4,
+                "specific": -0.8,
+                "short": True,
+                "factor": 0.5,
+            }
+        ]
+    }
 
 
 def test_a_node_that_exits_badly_or_a_short_run_is_a_named_failure() -> None:
