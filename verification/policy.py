@@ -69,9 +69,10 @@ class TrustPolicy:
         outlier_rounds: a vector the statistical screens refuse (``norm``,
             ``direction``, ``owner_norm``, ``owner_direction``) is always left out, but
             counts as a violation only once its sender has failed one in this many
-            different rounds within ``outlier_window`` rounds (1: at once). The
-            deterministic checks (shape, finiteness, tokens, signatures, replays) count
-            at once.
+            different rounds within ``outlier_window`` rounds (1, the default: at once).
+            2 spares an honest peer one round's bad luck and leaves an attacker that
+            owns parts in the groups a round longer (docs/trust.md). The deterministic
+            checks (shape, finiteness, tokens, signatures, replays) count at once.
         outlier_window: see ``outlier_rounds``.
         quarantine_rounds: how many rounds a quarantine lasts.
         min_reputation: peers whose score is below this are not grouped with.
@@ -130,7 +131,7 @@ class TrustPolicy:
     max_tokens: int = Field(default=10**9, ge=1)
     max_share: float = Field(default=1.0, gt=0, le=1)
     on_violation: Literal["drop", "quarantine", "ban"] = "quarantine"
-    outlier_rounds: int = Field(default=2, ge=1)
+    outlier_rounds: int = Field(default=1, ge=1)
     outlier_window: int = Field(default=5, ge=1)
     quarantine_rounds: int = Field(default=5, ge=1)
     min_reputation: float = Field(default=0.0, ge=0, le=1)

@@ -103,25 +103,16 @@ def test_a_byzantine_partner_in_gossip_is_screened_out_and_quarantined(allreduce
     attacker = local_swarm.nodes[NODES - 1].status["peer_id"]
     honest = local_swarm.nodes[: NODES - 1]
     assert [n.proc.returncode for n in honest] == [0] * (NODES - 1)
-    quarantined = 0
     for node in honest:
-        events = node.data_dir / "events.jsonl"
-        outliers, violations = (
-            [e for e in read_events(events, kind) if e["peer"] == attacker]
-            for kind in ("outlier", "violation")
-        )
-        partnered = {s["round"] for s in _syncs(local_swarm, node.index) if attacker in s["group"]}
+        violations = [
+            e
+            for e in read_events(node.data_dir / "events.jsonl", "violation")
+            if e["peer"] == attacker
+        ]
+        partnered = any(attacker in s["group"] for s in _syncs(local_swarm, node.index))
         if partnered:  # only a node paired with the attacker sees its parts
-            # refused as a partner's part (norm) or as an owner's result (owner_norm): an
-            # outlier in the first round it is seen, a violation in the second (4 rounds
-            # are within trust.outlier_window)
-            assert outliers and outliers[0]["reason"] in ("norm", "owner_norm"), outliers
-            assert outliers[0]["round"] in partnered, (outliers, partnered)
-        if len(partnered) >= 2:
+            # refused as a partner's part (norm) or as an owner's result (owner_norm)
             assert violations and violations[0]["reason"] in ("norm", "owner_norm"), violations
             assert summary["flagged"][str(node.index)].get(attacker) == "quarantined"
-            quarantined += 1
         assert not set(summary["flagged"][str(node.index)]) - {attacker}
-    # every round pairs the attacker with one of three partners: one of them twice at least
-    assert quarantined >= 1
     assert summary["val_bpb_end"] <= allreduce["val_bpb_end"] * 1.05

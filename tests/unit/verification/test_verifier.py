@@ -258,20 +258,18 @@ def test_a_short_mean_of_copies_is_refused_and_its_owner_not_accused(verifier: V
     verifier.on_owner_refused(PEER, 4, 0, 0, refused)
     assert verifier.reputation.standing(PEER, 5).violations == 0
     assert [r.verdict for r in verifier.audit.rows(peer=PEER)] == ["owner_rejected"]
-    # a refusal that is an offence still is, once repeated in another round
+    # a refusal that is an offence still is
     verifier.on_owner_refused(PEER, 4, 0, 0, "owner_norm")
-    assert verifier.reputation.standing(PEER, 5).violations == 0
-    verifier.on_owner_refused(PEER, 5, 0, 0, "owner_norm")
-    assert verifier.reputation.standing(PEER, 6).violations == 1
+    assert verifier.reputation.standing(PEER, 5).violations == 1
 
 
 def test_a_screened_outlier_is_left_out_at_once_and_charged_when_it_repeats(
     tmp_path: Path,
 ) -> None:
     """A contribution whose norm is far above the group's median is left out of every
-    aggregate it fails, but its sender is charged only in the second round it fails;
-    deterministic refusals charge at once."""
-    v = Verifier(TrustPolicy(quarantine_rounds=1), tmp_path / "atoll.db", ME)
+    aggregate it fails, but with ``outlier_rounds = 2`` its sender is charged only in the
+    second round it fails; deterministic refusals charge at once."""
+    v = Verifier(TrustPolicy(quarantine_rounds=1, outlier_rounds=2), tmp_path / "atoll.db", ME)
     others = [Identity.from_seed(bytes([i]) * 32).peer_id for i in (3, 4, 5)]
     try:
         for round_ in (1, 2, 4):
@@ -292,8 +290,8 @@ def test_a_screened_outlier_is_left_out_at_once_and_charged_when_it_repeats(
         v.close()
 
 
-def test_outlier_rounds_one_charges_the_first_outlier(tmp_path: Path) -> None:
-    v = Verifier(TrustPolicy(outlier_rounds=1), tmp_path / "atoll.db", ME)
+def test_by_default_the_first_outlier_is_charged(tmp_path: Path) -> None:
+    v = Verifier(TrustPolicy(), tmp_path / "atoll.db", ME)
     try:
         v.on_owner_refused(PEER, 3, 0, 0, "owner_direction")
         assert v.reputation.standing(PEER, 4).violations == 1
