@@ -265,8 +265,12 @@ def test_the_training_thread_is_never_held_by_a_check(world, tmp_path) -> None:
             trainer.step()  # training goes on while the check waits for its fetch
         assert handed < 0.5 and trainer.steps == 5 and a.checks.counts["made"] == 0
         a.net.hold.set()
-        assert wait_until(lambda: a.checks.counts["made"] >= 2, 60), a.checks.summary()
-        assert len(a.published) == a.checks.counts["made"]
+        # a record is counted as made just before it is published: wait for both
+        made = lambda: a.checks.counts["made"]  # noqa: E731
+        assert wait_until(lambda: made() >= 2 and len(a.published) == made(), 60), (
+            a.checks.summary(),
+            len(a.published),
+        )
     finally:
         a.net.hold.set()
         a.checks.close()
