@@ -20,9 +20,25 @@ from typing import Protocol
 from verification.policy import TrustPolicy
 from verification.reputation import ReputationStore, Standing
 
-__all__ = ["EventSink", "Standings"]
+__all__ = ["EventSink", "Standings", "repeated"]
 
 logger = logging.getLogger(__name__)
+
+
+def repeated(
+    history: deque[int], round_: int, window: int, needed: int, distinct: bool = False
+) -> bool:
+    """Record ``round_`` in ``history`` (once per round with ``distinct``) and say whether
+    it now holds ``needed`` entries within the last ``window`` rounds; when it does, the
+    history starts again (the caller charges one violation for them)."""
+    if not (distinct and round_ in history):
+        history.append(round_)
+    while history and history[0] <= round_ - window:
+        history.popleft()
+    if len(history) < needed:
+        return False
+    history.clear()
+    return True
 
 
 class EventSink(Protocol):
@@ -195,15 +211,10 @@ class Standings:
             Whether this one counted as a violation.
         """
         with self._lock:
-            rounds = self._outliers.setdefault(peer, deque())
-            if round_ not in rounds:
-                rounds.append(round_)
-            while rounds and rounds[0] <= round_ - self.policy.outlier_window:
-                rounds.popleft()
-            repeated = len(rounds) >= self.policy.outlier_rounds
-            if repeated:
-                rounds.clear()
-        if repeated:
+            history = self._outliers.setdefault(peer, deque())
+            policy = self.policy
+            again = repeated(history, round_, policy.outlier_window, policy.outlier_rounds, True)
+        if again:
             self.violation(peer, round_, fragment, reason, detail)
             return True
         logger.info(

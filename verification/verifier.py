@@ -40,7 +40,7 @@ from verification.records import Contribution, Prefix, Reduction, StreamPlan
 from verification.reputation import ReputationStore
 from verification.screening import Candidate, ScreeningConfig, Verdict, screen, screen_copies
 from verification.shares import max_share_weights
-from verification.standings import EventSink, Standings
+from verification.standings import EventSink, Standings, repeated
 from verification.workscores import Scores
 from verification.writer import Writer
 
@@ -402,13 +402,8 @@ class Verifier:
             if not committed:
                 return
             misses = self._missed.setdefault(peer, deque())
-            misses.append(round_)
-            while misses and misses[0] <= round_ - self.policy.missed_window:
-                misses.popleft()
-            repeated = len(misses) >= self.policy.max_missed
-            if repeated:
-                misses.clear()
-        if repeated:
+            broken = repeated(misses, round_, self.policy.missed_window, self.policy.max_missed)
+        if broken:
             self.standings.violation(
                 peer, round_, fragment, "no_delivery", "committed, delivered nothing"
             )
