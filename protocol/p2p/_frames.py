@@ -48,6 +48,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
+_ONE_WRITE_BYTES = 1 << 16  # a frame this small is copied into one write
 STATUS_OK = 0
 STATUS_ERROR = 1
 MAX_ERROR_BYTES = 64 * 1024
@@ -117,8 +118,14 @@ async def _write_body(writer: asyncio.StreamWriter, header: bytes, data: Payload
     """Write ``header`` then ``data`` (after the link's one-way delay, when emulated)."""
     if _SHAPER is not None:
         await _SHAPER.delay()
+    views = _views(data)
+    if len(header) + sum(v.nbytes for v in views) <= _ONE_WRITE_BYTES:
+        # a small frame goes out in one write, so a stream closed right after it (a
+        # refusal) cannot carry its header without its body
+        await _write_slices(writer, memoryview(b"".join([header, *views])))
+        return
     await _write_slices(writer, memoryview(header))
-    for view in _views(data):
+    for view in views:
         await _write_slices(writer, view)
 
 

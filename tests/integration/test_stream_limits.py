@@ -56,7 +56,9 @@ async def _ending(reader: asyncio.StreamReader, limit_s: float) -> tuple[str, fl
     if len(data) < 9:
         return "closed", ended
     status, length = struct.unpack(">BQ", data[:9])
-    assert status == _framing.STATUS_ERROR and len(data) == 9 + length
+    assert status == _framing.STATUS_ERROR, data
+    if len(data) != 9 + length:  # p2pd's reset overtook part of the frame
+        return "cut", ended
     return _framing.decode_error(data[9:])[0], ended
 
 
@@ -128,7 +130,7 @@ def test_silent_streams_cost_no_memory_and_are_dropped() -> None:
         assert min(slow) > WINDOW - 0.5, slow
         # the others were refused at once (a refusal can lose a race to p2pd's reset)
         refused = [r for r in reasons if r != "too_slow"]
-        assert refused.count("busy") >= 1 and set(refused) <= {"busy", "closed", "reset"}
+        assert refused.count("busy") >= 1 and set(refused) <= {"busy", "closed", "reset", "cut"}
         assert wait_until(lambda: gate.open == 0, 2, 0.05), gate.open
         after = _rss_mib()
         print(f"server-process RSS after the attack: {after:.0f} MiB")
