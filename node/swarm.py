@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from node import forkserver
 from node.config import AtollConfig
 from node.swarm_report import (
     SwarmProcess,
@@ -142,14 +143,14 @@ def start_node(
     index: int,
     peers: list[str],
     sets: Sequence[str] = (),
-    popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+    popen: Callable[..., subprocess.Popen] = forkserver.popen,
 ) -> SwarmProcess:
     """Start node ``index`` as a separate process (its own session, log in its data dir).
 
     Args:
         sets: ``--set`` overrides of this node only (before the spec's own).
-        popen: starts the process (``subprocess.Popen``; tests pass one that starts it
-            on another host of a network lab).
+        popen: starts the process (forked from :mod:`node.forkserver` where it can be;
+            tests pass one that starts it on another host of a network lab).
     """
     data_dir = spec.directory / f"node{index}"
     data_dir.mkdir(parents=True, exist_ok=True)
