@@ -236,6 +236,7 @@ def _measure(
         "honest_charges": _honest_charges(ids, honest, honest_ids),
         "honest_outliers": _honest_charges(ids, honest, honest_ids, "outlier"),
         "charged_records": _charged_records(ids, honest, honest_ids),
+        "check_log": check_log(ids, honest),
         "checked_rounds": _checked_rounds(rounds, from_round),
         "round_seconds_checked": _round_seconds(rounds.values(), from_round),
         "checks": {k: sum(c.get(k, 0) for _, c, _ in last) for k in _COUNTS} if checked else None,
@@ -326,6 +327,41 @@ def _honest_charges(
 
 
 _RECORD_KEYS = ("round", "fragment", "claimed", "work", "specific", "short", "factor")
+_MEASURED = ("gain", "ref_gain", "lift", "ref_lift")
+
+
+def check_log(ids: list[str | None], logs: dict[int, list[dict]]) -> dict[str, list[list]]:
+    """Per honest node, in its order, every check record it counted and every round's
+    end: ``["r", round]`` and ``["c", checker, peer, round, fragment, claimed, *m]``, with
+    peers as node indices (-1: not a node of the swarm) and ``m`` each measured estimate's
+    mean and standard error (None where absent). What :mod:`benchmarks._checks_replay`
+    replays through the scores under other settings."""
+
+    def index(peer: str | None) -> int:
+        return ids.index(peer) if peer in ids else -1
+
+    out: dict[str, list[list]] = {}
+    for i, log in logs.items():
+        entries: list[list] = []
+        for e in log:
+            if e["event"] == "round":
+                entries.append(["r", e["round"]])
+            elif e["event"] == "check" and e.get("measured"):
+                m = e["measured"]
+                flat = [x for k in _MEASURED for x in (m.get(k) or [None, None])]
+                entries.append(
+                    [
+                        "c",
+                        index(e.get("checker")),
+                        index(e.get("peer")),
+                        e["round"],
+                        e["fragment"],
+                        e["claimed"],
+                        *flat,
+                    ]
+                )
+        out[str(i)] = entries
+    return out
 
 
 def _charged_records(
@@ -436,6 +472,7 @@ def run(quick: bool, out_dir: Any, smoke: bool = False) -> dict[str, Any]:
     Returns:
         The report (:func:`benchmarks._robustness_checks_report.report`).
     """
+    import gzip
     import json
     import pathlib
     import tempfile
@@ -455,11 +492,18 @@ def run(quick: bool, out_dir: Any, smoke: bool = False) -> dict[str, Any]:
         "shapes": {s.name: list(s.overrides) for s in {j.shape for j in plan.jobs}},
         "workload": list(SMALL),
     }
+    logs = [
+        {k: r.get(k) for k in ("name", "shape", "mode", "seed", "checkers", "nodes", "byzantine")}
+        | {"log": r.pop("check_log", None)}
+        for r in runs
+    ]
     report = report_of.report(runs, costs, setup, quick, smoke)
     report["replay"] = replay
     report["seconds"] = round(time.monotonic() - started, 1)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "robustness-checks.json").write_text(json.dumps(report, indent=2) + "\n")
+    with gzip.open(out / "robustness-checks-records.json.gz", "wt") as f:
+        json.dump({"overrides": setup["overrides"], "runs": logs}, f)
     report_of.plot(report, out / "robustness-checks.png")
     return report
