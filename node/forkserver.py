@@ -326,8 +326,8 @@ def popen(
     """``subprocess.Popen`` for a ``python -m MODULE ...`` command, forked from the
     fork server where it can be (see the module docstring), else started as usual.
 
-    Takes the arguments :func:`node.swarm.start_node` passes: ``stdout`` a file (or
-    None), ``stderr`` a file, ``subprocess.STDOUT`` or None, ``stdin`` only
+    ``stdout`` and ``stderr`` may be a file, ``subprocess.DEVNULL`` or None (this
+    process's own), ``stderr`` also ``subprocess.STDOUT``; ``stdin`` only
     ``subprocess.DEVNULL`` or None (a forked child reads /dev/null)."""
     kwargs = {
         "stdout": stdout,
@@ -342,24 +342,37 @@ def popen(
         and args[0] == sys.executable
         and args[1] == "-m"
         and stdin in (None, subprocess.DEVNULL)
-        and (stdout is None or hasattr(stdout, "fileno"))
-        and (stderr in (None, subprocess.STDOUT) or hasattr(stderr, "fileno"))
+        and _stream_ok(stdout)
+        and (stderr is subprocess.STDOUT or _stream_ok(stderr))
         and _wanted()
     )
     server = _server() if forkable else None
     if server is None:
         return subprocess.Popen(args, **kwargs)
-    out_fd = stdout.fileno() if stdout is not None else 1
-    err_fd = out_fd if stderr is subprocess.STDOUT else 2 if stderr is None else stderr.fileno()
-    child = server.spawn(
-        args,
-        env=os.environ if env is None else env,
-        cwd=os.fspath(cwd) if cwd is not None else os.getcwd(),
-        out_fd=out_fd,
-        err_fd=err_fd,
-        new_session=start_new_session,
-    )
+    with contextlib.ExitStack() as opened:
+        out_fd = _fd(stdout, 1, opened)
+        err_fd = out_fd if stderr is subprocess.STDOUT else _fd(stderr, 2, opened)
+        child = server.spawn(
+            args,
+            env=os.environ if env is None else env,
+            cwd=os.fspath(cwd) if cwd is not None else os.getcwd(),
+            out_fd=out_fd,
+            err_fd=err_fd,
+            new_session=start_new_session,
+        )
     return child if child is not None else subprocess.Popen(args, **kwargs)
+
+
+def _stream_ok(stream: Any) -> bool:
+    return stream is None or stream is subprocess.DEVNULL or hasattr(stream, "fileno")
+
+
+def _fd(stream: Any, default: int, opened: contextlib.ExitStack) -> int:
+    if stream is None:
+        return default
+    if stream is subprocess.DEVNULL:
+        return opened.enter_context(open(os.devnull, "wb")).fileno()
+    return stream.fileno()
 
 
 # ---------------------------------------------------------------- the server's side

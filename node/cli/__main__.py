@@ -1,7 +1,5 @@
 """``python -m node.cli``: the ``atoll`` command."""
 
-import sys
+from node.cli import console
 
-from node.cli import main
-
-sys.exit(main())
+console()

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from node import forkserver
 from node.checkpoint import load_latest
 from node.swarm import QUICK_WORKLOAD
 from tests.integration.conftest import alive, wait_until
@@ -60,7 +61,7 @@ def run_atoll(
     """
     seen: set[int] = set()
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
+        proc = forkserver.popen(
             [*ATOLL, *args],
             cwd=REPO,
             stdin=subprocess.DEVNULL,
