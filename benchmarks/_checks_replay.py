@@ -42,6 +42,7 @@ class Setting:
     min_specific: float = 0.7
     min_rounds: int = workscores.MIN_ROUNDS
     z: float = workscores.Z
+    rounds: int | None = 3
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,12 @@ def _estimate(mean: float | None, se: float | None) -> Estimate | None:
 
 def replay_node(entries: list[list], setting: Setting) -> dict[int, int]:
     """Per peer index, the first round at whose end the scores fed ``entries`` flag it."""
-    scores = Scores(setting.min_records, setting.min_work, setting.min_specific)
+    scores = Scores(
+        setting.min_records,
+        setting.min_work,
+        setting.min_specific,
+        rounds=setting.rounds,
+    )
     first: dict[int, int] = {}
     pending: set[int] = set()
     with _constants(setting):
@@ -120,10 +126,10 @@ def replay_runs(runs: list[dict[str, Any]], setting: Setting) -> dict[str, Any]:
 
 def _grid() -> list[Setting]:
     out = []
-    for from_round, min_records, min_rounds, z, work, specific in itertools.product(
-        (2, 3), (2, 3, 4), (1, 2), (1.0, 1.645), (0.5, 0.6), (0.7, 0.8)
+    for from_round, rounds, min_records, z, work, specific in itertools.product(
+        (2, 3), (None, 2, 3, 4), (2, 4), (1.28, 1.645), (0.5, 0.6), (0.7, 0.8)
     ):
-        out.append(Setting(from_round, min_records, work, specific, min_rounds, z))
+        out.append(Setting(from_round, min_records, work, specific, 2, z, rounds))
     return out
 
 

@@ -110,6 +110,10 @@ class TrustPolicy:
             short over ``check_min_records`` records from two checkers or more, with
             any one checker's records left out and with any one round's, is flagged (a
             ``useless_work`` violation).
+        check_rounds: a peer is judged on its records of its newest this many rounds
+            (0: on its newest 24 records, however old), so that its first checked
+            rounds, whose gains say least of the work, stop vetoing a flag once
+            newer rounds agree.
         check_audit: the share of other checkers' records of its own group a node
             recomputes itself (a record that accuses this node is always recomputed).
         check_assigned: judge a contribution by its gain on the batches it claims against
@@ -147,6 +151,7 @@ class TrustPolicy:
     check_min_records: int = Field(default=4, ge=1)
     check_min_work: float = Field(default=0.5, ge=0, le=1)
     check_min_specific: float = Field(default=0.7, ge=0)
+    check_rounds: int = Field(default=3, ge=0)
     check_audit: float = Field(default=0.1, ge=0, le=1)
     check_assigned: bool = True
     check_budget: float = Field(default=0.05, gt=0, le=1)

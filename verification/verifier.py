@@ -112,7 +112,12 @@ class Verifier:
         self.standings = Standings(policy, me, self.reputation, self._lock, events)
         """Who is in, and what a violation costs."""
         self.work = (
-            Scores(policy.check_min_records, policy.check_min_work, policy.check_min_specific)
+            Scores(
+                policy.check_min_records,
+                policy.check_min_work,
+                policy.check_min_specific,
+                rounds=policy.check_rounds or None,
+            )
             if policy.checkers
             else None
         )

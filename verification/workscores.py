@@ -47,6 +47,7 @@ import math
 import statistics
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +179,9 @@ class Scores:
         min_work: a peer whose pooled work ratio's upper bound is below this falls short.
         min_specific: likewise for its pooled specific ratio.
         window: records kept per peer (the newest).
+        rounds: where set, a peer is judged on its records of its newest this many
+            rounds only, so that rounds long past (a fresh model's first, whose gains
+            say little of the work) stop weighing on it.
     """
 
     def __init__(
@@ -186,11 +190,13 @@ class Scores:
         min_work: float,
         min_specific: float,
         window: int = 24,
+        rounds: int | None = None,
     ) -> None:
         self.min_records = min_records
         self.min_work = min_work
         self.min_specific = min_specific
         self.window = window
+        self.rounds = rounds
         self._seen: dict[str, deque[tuple[str, str, int, int]]] = {}
         self._records: dict[str, deque[_Kept]] = {}
         # round -> (peer, fragment) -> its measured (gain, lift) pairs
@@ -217,9 +223,16 @@ class Scores:
                 pool.setdefault((record.checker, record.fragment), []).append(own)
             for old in [r for r in self._pools if r <= record.round - _ROUNDS_POOLED]:
                 del self._pools[old]
-            flagged = self._score(record.peer, list(kept), {})["flagged"]
+            flagged = self._score(record.peer, self._recent(kept), {})["flagged"]
             (self._flagged.add if flagged else self._flagged.discard)(record.peer)
             return True
+
+    def _recent(self, kept: Iterable[_Kept]) -> list[_Kept]:
+        records = list(kept)
+        if self.rounds is None or not records:
+            return records
+        newest = max(k.round for k in records)
+        return [k for k in records if k.round > newest - self.rounds]
 
     def reference(self, round_: int) -> tuple[float | None, float | None]:
         """Round ``round_``'s reference gain and lift (None where fewer than
@@ -299,7 +312,7 @@ class Scores:
         """``{"records", "checkers", "work", "specific", "factor", "short", "flagged"}``
         for ``peer``."""
         with self._lock:
-            return self._score(peer, list(self._records.get(peer, ())), {})
+            return self._score(peer, self._recent(self._records.get(peer, ())), {})
 
     def _score(
         self, peer: str, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
@@ -341,7 +354,7 @@ class Scores:
         """The share of its claimed weight ``peer``'s contributions keep (1 with no
         evidence yet)."""
         with self._lock:
-            records = list(self._records.get(peer, ()))
+            records = self._recent(self._records.get(peer, ()))
             work = self._pooled(records, {})[0] if records else None
         return _factor(None if work is None else work.ratio)
 
@@ -350,7 +363,9 @@ class Scores:
         with self._lock:
             refs: dict[int, tuple[float | None, float | None]] = {}
             found = {
-                p for p, r in self._records.items() if self._score(p, list(r), refs)["flagged"]
+                p
+                for p, r in self._records.items()
+                if self._score(p, self._recent(r), refs)["flagged"]
             }
             self._flagged = found
             return set(found)
@@ -359,7 +374,10 @@ class Scores:
         """Every scored peer's :meth:`score`."""
         with self._lock:
             refs: dict[int, tuple[float | None, float | None]] = {}
-            return {p: self._score(p, list(self._records[p]), refs) for p in sorted(self._records)}
+            return {
+                p: self._score(p, self._recent(self._records[p]), refs)
+                for p in sorted(self._records)
+            }
 
 
 def _ratio(items: list[tuple[float, float, float]]) -> Pooled | None:

@@ -250,6 +250,27 @@ def test_only_the_newest_records_count() -> None:
     assert not scores.flagged() and scores.score("p")["records"] == 4
 
 
+def test_with_a_rounds_window_an_early_round_stops_vetoing_a_flag() -> None:
+    """A tenth of the work gains much in a fresh model's first rounds: its first checked
+    round looks honest, and with every record kept that round vetoes a flag (leaving any
+    other round out leaves it in); judged on its newest rounds only, it ages out."""
+    flags = {}
+    for rounds in (None, 3):
+        scores = _scores(rounds=rounds)
+        for r in range(4):
+            _honest_round(scores, r)
+        _add(scores, checker="c0", round_=0)  # the early round: as much as anyone
+        _add(scores, checker="c1", round_=0)
+        for r in range(1, 4):
+            for fragment in (0, 1):
+                _add(
+                    scores, checker=f"c{fragment}", round_=r, gain=0.02, lift=0.0, fragment=fragment
+                )
+        flags[rounds] = scores.flagged()
+        assert scores.score("p")["records"] == (8 if rounds is None else 6)
+    assert flags == {None: set(), 3: {"p"}}
+
+
 def test_one_records_figures_for_the_logs() -> None:
     scores = _scores()
     _honest_round(scores, 4)
