@@ -43,6 +43,7 @@ class Setting:
     min_rounds: int = workscores.MIN_ROUNDS
     z: float = workscores.Z
     rounds: int | None = 3
+    clip: float | None = workscores.CLIP
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def replay_node(entries: list[list], setting: Setting) -> dict[int, int]:
         setting.min_work,
         setting.min_specific,
         rounds=setting.rounds,
+        clip=setting.clip,
     )
     first: dict[int, int] = {}
     pending: set[int] = set()

@@ -57,6 +57,7 @@ __all__ = [
     "WORK_EXPONENT",
     "WORK_FULL",
     "Z",
+    "CLIP",
     "MIN_POOLED",
     "MIN_ROUNDS",
     "Estimate",
@@ -72,6 +73,10 @@ WORK_FULL = 0.8
 """A pooled work ratio at or above this keeps a peer's full claimed weight."""
 Z = 1.645
 """Standard errors of the one-sided 95 % bounds the scores use."""
+CLIP = 3.0
+"""A record's gain and lift are held within ``1 ± CLIP`` times its round's reference
+before pooling (:class:`Scores`): honest lifts on the test model ran from eight times the
+reference below zero to a hundred above, and one such record decided a pooled ratio."""
 MIN_POOLED = 3
 """Contributions a round needs measured before it has a reference."""
 MIN_ROUNDS = 2
@@ -182,6 +187,8 @@ class Scores:
         rounds: where set, a peer is judged on its records of its newest this many
             rounds only, so that rounds long past (a fresh model's first, whose gains
             say little of the work) stop weighing on it.
+        clip: each record's value is held within ``1 ± clip`` times its round's
+            reference before it is pooled (:data:`CLIP`; None: as measured).
     """
 
     def __init__(
@@ -191,12 +198,14 @@ class Scores:
         min_specific: float,
         window: int = 24,
         rounds: int | None = None,
+        clip: float | None = CLIP,
     ) -> None:
         self.min_records = min_records
         self.min_work = min_work
         self.min_specific = min_specific
         self.window = window
         self.rounds = rounds
+        self.clip = clip
         self._seen: dict[str, deque[tuple[str, str, int, int]]] = {}
         self._records: dict[str, deque[_Kept]] = {}
         # round -> (peer, fragment) -> its measured (gain, lift) pairs
@@ -295,10 +304,15 @@ class Scores:
             gain_ref, lift_ref = refs[kept.round]
             v = kept.verdict
             if gain_ref is not None and gain_ref > 0:
-                work.append((v.gain.mean, v.gain.se, gain_ref))
+                work.append((self._held(v.gain.mean, gain_ref), v.gain.se, gain_ref))
             if v.lift is not None and lift_ref is not None and lift_ref > 0:
-                specific.append((v.lift.mean, v.lift.se, lift_ref))
+                specific.append((self._held(v.lift.mean, lift_ref), v.lift.se, lift_ref))
         return _ratio(work), _ratio(specific)
+
+    def _held(self, value: float, reference: float) -> float:
+        if self.clip is None:
+            return value
+        return min(max(value, (1 - self.clip) * reference), (1 + self.clip) * reference)
 
     def _short(
         self, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]

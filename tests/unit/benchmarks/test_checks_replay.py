@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 from benchmarks import _checks_replay as replay
 from benchmarks._checks_replay import Setting, replay_node, replay_runs
@@ -62,3 +63,17 @@ def test_runs_give_rounds_to_flag_and_honest_flags(tmp_path, capsys) -> None:
     replay.main([str(path)])
     out = capsys.readouterr().out
     assert "honest 3" in out and "groups zero 1_of_4: [4]" in out
+
+
+def test_a_recorded_false_flag_is_gone_with_records_held_near_their_reference() -> None:
+    """The honest nodes' check records of a CI run of the six-node useful-work test
+    (groups of 3, a zero and a lazy member, 8 rounds) in which the checks flagged an
+    honest member in round 5: pooled as measured it is flagged again; held within
+    ``1 ± CLIP`` of their references no honest peer is, and both attackers still are."""
+    path = Path(__file__).parent / "data" / "useful_work_ci.json"
+    runs = json.loads(path.read_text())["runs"]
+    raw = replay_runs(runs, Setting(clip=None))
+    assert {(by, peer) for _, by, peer, _ in raw["honest_flagged"]} == {(2, 1)}
+    held = replay_runs(runs, Setting())
+    assert held["honest_flagged"] == []
+    assert held["attacks"] == {"useful-work test, CI 2026-12-06": [5, 6]}

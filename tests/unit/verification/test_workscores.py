@@ -11,6 +11,7 @@ import pytest
 
 from verification.usefulness import CheckRecord
 from verification.workscores import (
+    CLIP,
     MIN_POOLED,
     MIN_ROUNDS,
     WORK_EXPONENT,
@@ -269,6 +270,22 @@ def test_with_a_rounds_window_an_early_round_stops_vetoing_a_flag() -> None:
         flags[rounds] = scores.flagged()
         assert scores.score("p")["records"] == (8 if rounds is None else 6)
     assert flags == {None: set(), 3: {"p"}}
+
+
+def test_records_are_held_within_the_clip_of_their_reference() -> None:
+    scores = _scores()
+    for r in range(2):
+        _honest_round(scores, r)
+    # a lift of 10 times the reference counts as 1 + CLIP times it, -8 times as 1 - CLIP
+    _add(scores, checker="c0", round_=0, lift=3.0)
+    _add(scores, checker="c1", round_=1, lift=-2.4)
+    assert scores.score("p")["specific"] == pytest.approx(((1 + CLIP) + (1 - CLIP)) / 2)
+    raw = _scores(clip=None)
+    for r in range(2):
+        _honest_round(raw, r)
+    _add(raw, checker="c0", round_=0, lift=3.0)
+    _add(raw, checker="c1", round_=1, lift=-2.4)
+    assert raw.score("p")["specific"] == pytest.approx((10 - 8) / 2)
 
 
 def test_one_records_figures_for_the_logs() -> None:
