@@ -137,7 +137,10 @@ def _grid() -> list[Setting]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._checks_replay")
-    parser.add_argument("records", help="robustness-checks-records.json.gz")
+    parser.add_argument(
+        "records",
+        help="robustness-checks-records.json.gz, or one in benchmarks/results/checks-records/",
+    )
     parser.add_argument("--grid", action="store_true", help="try a grid of settings")
     args = parser.parse_args(argv)
     with gzip.open(args.records, "rt") as f:

@@ -73,10 +73,14 @@ WORK_FULL = 0.8
 """A pooled work ratio at or above this keeps a peer's full claimed weight."""
 Z = 1.645
 """Standard errors of the one-sided 95 % bounds the scores use."""
-CLIP = 3.0
+CLIP = 4.0
 """A record's gain and lift are held within ``1 ± CLIP`` times its round's reference
 before pooling (:class:`Scores`): honest lifts on the test model ran from eight times the
-reference below zero to a hundred above, and one such record decided a pooled ratio."""
+reference below zero to a hundred above, and one such record decided a pooled ratio.
+Replayed (:mod:`benchmarks._checks_replay`), 4 cleared the honest member a CI run of the
+useful-work test flagged and delayed no attacker in a quick checks run of seed 0, and in
+one of seed 1 two by a round (``copy`` and ``random_data`` in groups); 3 delayed
+``random_data`` further, 5 left the honest member flagged."""
 MIN_POOLED = 3
 """Contributions a round needs measured before it has a reference."""
 MIN_ROUNDS = 2
