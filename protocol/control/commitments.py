@@ -62,6 +62,10 @@ Convict = Callable[[str, int, int, str, Any, bool], None]
 cheated, and publish the verdict when ``publish``."""
 
 _ROUNDS_KEPT = 4  # commitments older than this many rounds are forgotten
+_ROUNDS_AHEAD = 4
+"""A peer's commitment for a round further than this past this node's own newest is
+ignored: it concerns no exchange of this node's, and counted it would move the store's
+newest round there and forget the commitments of the rounds being exchanged."""
 _MAX_COMMITS = 65536
 _POLL_SECONDS = 0.02
 _OVERTAKE_SECONDS = 1.0
@@ -155,6 +159,7 @@ class CommitmentStore(Commitments):
         self._lock = threading.Lock()
         self._commits: dict[tuple[str, int, int, str], _Commit] = {}
         self._newest = 0
+        self._mine: int | None = None  # this node's newest committed round
         self._sending: set[asyncio.Task] = set()
 
     # ---- this node's commitments ------------------------------------------------------
@@ -230,6 +235,8 @@ class CommitmentStore(Commitments):
             self._commits[(self.me, round_, fragment, content)] = _Commit(
                 dict(digests), time.monotonic(), wire
             )
+            self._mine = round_ if self._mine is None else max(self._mine, round_)
+            self._forget_old(round_)
         return wire
 
     # ---- commitments received ---------------------------------------------------------
@@ -260,6 +267,14 @@ class CommitmentStore(Commitments):
         key = (msg.sender, r, f, content)
         new = _Commit(digests, time.monotonic(), _wire(msg))
         with self._lock:
+            if self._mine is not None and r > self._mine + _ROUNDS_AHEAD:
+                logger.debug(
+                    "control: commitment of %s for round %d ignored (this node is at %d)",
+                    msg.sender[:16],
+                    r,
+                    self._mine,
+                )
+                return
             old = self._commits.get(key)
             if old is None:
                 self._commits[key] = new

@@ -229,3 +229,21 @@ def test_commit_sends_the_signed_commitment_to_every_other_member(make_plane) ->
     assert sorted(p for p, _ in sent) == sorted([OTHER.peer_id, CHEAT.peer_id])
     msg = open_control(sent[0][1], RUN, topic_name(RUN, "commit"))
     assert msg.sender == ME.peer_id and msg.body["digests"] == [[0, D1]]
+
+
+def test_a_commitment_for_a_round_far_ahead_cannot_wipe_the_stored_ones(
+    plane: ControlPlane,
+) -> None:
+    """A member's signed commitment for round 10**6 once advanced the store's newest round
+    and dropped every commitment of the rounds being exchanged, so that honest parts
+    looked uncommitted; past this node's own newest round by more than the rounds kept,
+    it is ignored."""
+    asyncio.run(plane.commitments.publish_commit(3, 0, {1: D1}))
+    deliver(plane, "commit", commitment(OTHER, {0: D1}))
+    closed = time.monotonic()
+    deliver(plane, "commit", commitment(CHEAT, {0: D2}, round_=10**6))
+    assert check_part(plane, OTHER.peer_id, 3, 0, 0, D1, closed) is None
+    assert check_part(plane, CHEAT.peer_id, 10**6, 0, 0, D2, time.monotonic()) == "uncommitted"
+    # a peer a round or two ahead is still heard
+    deliver(plane, "commit", commitment(CHEAT, {0: D2}, round_=5))
+    assert check_part(plane, CHEAT.peer_id, 5, 0, 0, D2, time.monotonic()) is None
