@@ -32,6 +32,7 @@ ordinary way as well, with a warning.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -145,7 +146,6 @@ class ForkServer:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._alive = False
-        self._failed = False
 
     @property
     def alive(self) -> bool:
@@ -180,7 +180,6 @@ class ForkServer:
         if not isinstance(ready, dict) or "ready" not in ready:
             logger.warning("fork server did not start (%s); starting nodes the ordinary way", ready)
             self.close()
-            self._failed = True
             return False
         mine.settimeout(None)
         self._alive = True
@@ -261,10 +260,11 @@ class ForkServer:
             self._changed.notify_all()
 
     def exit_code(self, pid: int) -> int | None:
-        """``pid``'s exit code once the server reported it (negative: the signal)."""
+        """``pid``'s exit code once the server reported it (negative: the signal); it is
+        handed over once (:class:`ForkedProcess` keeps it), so reports do not pile up."""
         with self._changed:
             if pid in self._exits:
-                return self._exits[pid]
+                return self._exits.pop(pid)
             if self._alive:
                 return None
         try:  # the server is gone, and the child's status with it
@@ -307,8 +307,6 @@ def _server() -> ForkServer | None:
         if _default is None:
             _default = ForkServer()
             if _default.start():
-                import atexit
-
                 atexit.register(_default.close)
         return _default if _default.alive else None
 
@@ -380,7 +378,7 @@ def _fd(stream: Any, default: int, opened: contextlib.ExitStack) -> int:
 
 def _refusal(env: Mapping[str, str], base: Mapping[str, str]) -> str | None:
     """Why a child with ``env`` cannot be forked from a server imported under ``base``."""
-    for key in sorted(set(env) ^ set(base) | {k for k in env if env.get(k) != base.get(k)}):
+    for key in sorted(k for k in set(env) | set(base) if env.get(k) != base.get(k)):
         if key in _SAME_AT_RUN_TIME:
             continue
         if key.startswith(_IMPORT_TIME_ENV):
