@@ -63,6 +63,10 @@ class WorkLog:
         """Drop every fragment's claim so far (the work it covers was dropped)."""
         self._spans = [[] for _ in self._spans]
 
+    def open_spans(self) -> list[tuple[int, int, int]]:
+        """Every span not claimed yet, of any fragment (what a claim to come may name)."""
+        return [(s[0], s[1], s[2]) for spans in self._spans for s in spans]
+
     def take(self, fragment: int) -> WorkClaim | None:
         """The claim of ``fragment``'s sync now (None when it trained nothing assigned);
         its spans start over."""

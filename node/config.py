@@ -96,6 +96,12 @@ class AtollConfig:
                 f"trust.checkers = {self.trust.checkers} needs control.commit = true (a "
                 "checker compares the contribution it fetches with the one committed)"
             )
+        if self.trust.replay_steps and self.train.sharding == "fsdp":
+            raise ValueError(
+                "trust.replay_steps with train.sharding = 'fsdp': a window's start state "
+                "would have to be gathered from every shard; use 'ddp' or set "
+                "trust.replay_steps = 0"
+            )
         # On the wall clock an exchange must end before its fragment syncs again.
         if self.sync.trigger == "seconds":
             waits = self.network.matchmaking_seconds

@@ -169,7 +169,13 @@ class TrainingLoop:
         """One inner step, stretched by ``run.slowdown``; counts busy time."""
         started = time.monotonic()
         trainer, progress = self.training.trainer, self.progress
+        tracer = self.network.tracer
+        if tracer is not None:
+            at = None if self.work.stream is None else (self.work.stream, self.work.position)
+            tracer.before(trainer.model, trainer.optimizer, trainer.steps, at)
         result = self.training.site.step(trainer)
+        if tracer is not None:
+            tracer.after(trainer.model, result.loss)
         if self.cfg.run.slowdown > 1.0:
             # Stand in for slower hardware: the extra time is compute time, not idle.
             time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))
@@ -202,6 +208,11 @@ class TrainingLoop:
         budget = self.network.deadlines.budget(ceiling, exchange_floor(self.cfg, window))
         steps = self.training.trainer.steps
         claim = self.work.take(f)
+        tracer = self.network.tracer
+        if tracer is not None:
+            if claim is not None:
+                claim = tracer.claim(claim, r, f)
+            tracer.keep(self.work.open_spans())
         syncer = self.network.syncer
         return syncer.launch(r, f, tokens, steps, expected, excludes, budget, claim)
 

@@ -23,6 +23,7 @@ from torch import nn
 from node.admin import AdminInbox, Command
 from node.byzantine import make_behaviour, trainer_class, training_data
 from node.checks import Fetcher, Measurer, UsefulWork
+from node.checks.replay import Replayer
 from node.config import AtollConfig
 from node.data import BatchStream, load_data, validation_batches
 from node.deadlines import Deadlines
@@ -38,10 +39,12 @@ from node.settings import (
     control_settings,
     exchange_settings,
     peer_view_settings,
+    replay_settings,
 )
 from node.simulate import resolve_device
 from node.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
 from node.syncer import Syncer
+from node.trace import REPLAY_RPC, Tracer
 from node.trainer import InnerTrainer, evaluate
 from protocol import catchup
 from protocol.averaging.allreduce import AllReduceService
@@ -272,6 +275,8 @@ class Network:
     checks: UsefulWork | None
     state_server: catchup.StateServer
     load: LoadMeter
+    tracer: Tracer | None = None
+    """This node's trace of its training (``trust.replay_steps``), served to checkers."""
 
     def live_peers(self) -> set[str]:
         """Peers of this run and spec whose registry record is fresh (this node excluded)."""
@@ -379,6 +384,7 @@ def _swarm_side(
     settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))
     exchange = FragmentExchange(transport, identity, allreduce, settings)
     checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
+    tracer = _tracer(cfg, inputs.identity, transport) if checks is not None else None
     deadlines = Deadlines(cfg.network.adaptive_deadlines)
     syncer = Syncer(
         cfg,
@@ -412,6 +418,7 @@ def _swarm_side(
         checks=checks,
         state_server=state_server,
         load=_load_meter(transport, control),
+        tracer=tracer,
     )
 
 
@@ -443,6 +450,11 @@ def _useful_work(
     )
     train, val = training.tokens
     measurer = Measurer(settings, training.model, plan, train, val, training.device)
+    replayer = None
+    if cfg.trust.replay_steps:
+        replayer = Replayer(
+            replay_settings(cfg), training.model, cfg.train, train, training.device, fetcher.replay
+        )
     checks = UsefulWork(
         settings,
         inputs.identity,
@@ -453,9 +465,20 @@ def _useful_work(
         control.publish_check,
         events.write,
         lambda: training.trainer.seconds,
+        replayer,
     )
     control.on_check = checks.receive
     return checks
+
+
+def _tracer(cfg: AtollConfig, identity: Identity, transport: Transport) -> Tracer | None:
+    """This node's trace of its training, served on :data:`~node.trace.REPLAY_RPC`, when
+    the run replays (``trust.replay_steps``)."""
+    if not cfg.trust.replay_steps:
+        return None
+    tracer = Tracer(identity, cfg.run.run_id, cfg.trust.replay_steps, cfg.train.grad_accum)
+    transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
+    return tracer
 
 
 def _load_meter(transport: Transport, control: ControlPlane | None) -> LoadMeter:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
     from node.checks import CheckSettings
+    from node.checks.replay import ReplaySettings
     from node.clock import ClockSettings
     from node.config import AtollConfig
     from node.peers import PeerViewSettings
@@ -25,6 +26,7 @@ __all__ = [
     "allreduce_settings",
     "catchup_settings",
     "check_settings",
+    "replay_settings",
     "clock_settings",
     "control_settings",
     "exchange_settings",
@@ -203,4 +205,17 @@ def check_settings(cfg: AtollConfig) -> CheckSettings:
         context=cfg.model.context,
         timeout=cfg.network.request_timeout,
         budget=t.check_budget,
+    )
+
+
+def replay_settings(cfg: AtollConfig) -> ReplaySettings:
+    """Replay checks: ``trust.replay_*`` and the window shape."""
+    from node.checks.replay import ReplaySettings
+
+    t = cfg.trust
+    return ReplaySettings(
+        run_id=cfg.run.run_id,
+        steps=t.replay_steps,
+        tolerance=t.replay_tolerance,
+        context=cfg.model.context,
     )

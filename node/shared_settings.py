@@ -81,6 +81,7 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
         "check_fragments",
         "check_from_round",
         "check_assigned",
+        "replay_steps",
     ),
 }
 """The settings every node of a run must share: ``{section: (key, ...)}``."""

@@ -32,6 +32,7 @@ __all__ = [
     "lr_at",
     "make_inner_optimizer",
     "mean_loss",
+    "replay_step",
     "window_losses",
 ]
 
@@ -205,7 +206,6 @@ class InnerTrainer:
         tokens = 0
         for micro in range(accum):
             inputs, targets = self.stream.next()
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
             # under DDP only the last micro-batch's backward all-reduces the gradients
             last = micro == accum - 1
             sync = (
@@ -214,23 +214,69 @@ class InnerTrainer:
                 else self.model.no_sync()
             )
             with sync:
-                # bf16: forward and loss under autocast; the weights, their gradients and
-                # the optimizer state stay float32 (the master copy)
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                    logits = self.model(inputs)
-                    loss = F.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
-                    )
-                (loss / accum if accum > 1 else loss).backward()
-            total += loss.detach()
+                total += _backward(self.model, inputs, targets, accum, self.bf16, self.device)
             tokens += targets.numel()
-        if self.cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        _optimizer_step(self.model, self.optimizer, self.cfg)
         self.steps += 1
         tokens *= self.ranks
         self.tokens += tokens
         return StepResult(loss=float(total) / accum, tokens=tokens, lr=lr)
+
+
+def _backward(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    share: int,
+    bf16: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """One micro-batch's next-token loss, its gradient added at weight ``1 / share``;
+    the loss, detached. bf16: forward and loss under autocast; the weights, their
+    gradients and the optimizer state stay float32 (the master copy)."""
+    inputs, targets = inputs.to(device), targets.to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    (loss / share if share > 1 else loss).backward()
+    return loss.detach()
+
+
+def _optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSet, cfg: TrainConfig
+) -> None:
+    if cfg.grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+
+
+def replay_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | OptimizerSet,
+    cfg: TrainConfig,
+    batches: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    lr: float,
+    device: torch.device | str = "cpu",
+) -> float:
+    """One inner step trained again, as :meth:`InnerTrainer.step` trained it, in one
+    process: ``batches[rank]`` are each rank's ``train.grad_accum`` micro-batches (a
+    site's ranks average their gradients, as DDP does). Returns rank 0's mean loss (what
+    the site's leader recorded)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    device = torch.device(device)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    share = sum(len(b) for b in batches)
+    bf16 = cfg.precision == "bf16"
+    first = torch.zeros((), device=device)
+    for rank, micro in enumerate(batches):
+        for inputs, targets in micro:
+            loss = _backward(model, inputs, targets, share, bf16, device)
+            if rank == 0:
+                first += loss
+    _optimizer_step(model, optimizer, cfg)
+    return float(first) / max(1, len(batches[0]))
 
 
 @torch.no_grad()

@@ -215,6 +215,8 @@ class Scores:
         # round -> (peer, fragment) -> its measured (gain, lift) pairs
         self._pools: dict[int, dict[tuple[str, int], list[tuple[float, float | None]]]] = {}
         self._flagged: set[str] = set()
+        # peer -> checker -> (round, proven) of its failed replay checks
+        self._replays: dict[str, dict[str, tuple[int, bool]]] = {}
         self._lock = threading.Lock()
 
     def add(self, record: CheckRecord, verdict: Verdict) -> bool:
@@ -239,6 +241,38 @@ class Scores:
             flagged = self._score(record.peer, self._recent(kept), {})["flagged"]
             (self._flagged.add if flagged else self._flagged.discard)(record.peer)
             return True
+
+    def replay_failed(self, peer: str, checker: str, round_: int, proven: bool) -> bool:
+        """Count a failed replay check of ``peer`` (:mod:`verification.replay`):
+        ``proven`` where this node replayed the window itself and it failed here too,
+        else on ``checker``'s word. Whether ``peer`` is flagged now."""
+        with self._lock:
+            mine = self._replays.setdefault(peer, {})
+            held = mine.get(checker)
+            if held is None or held[0] < round_ or (proven and not held[1]):
+                mine[checker] = (round_, proven or (held is not None and held[1]))
+            flagged = self._replay_flagged(peer)
+            if flagged:
+                self._flagged.add(peer)
+            return flagged
+
+    def proven(self, peer: str) -> bool:
+        """Whether a replay of ``peer``'s trace failed on this node."""
+        with self._lock:
+            return any(p for _, p in self._replays.get(peer, {}).values())
+
+    def _replay_flagged(self, peer: str) -> bool:
+        """A failed replay proven here flags its peer; failures on others' word need two
+        checkers (one lying checker cannot get an honest peer flagged), within the
+        rounds a peer is judged on."""
+        failed = self._replays.get(peer)
+        if not failed:
+            return False
+        if any(proven for _, proven in failed.values()):
+            return True
+        newest = max(r for r, _ in failed.values())
+        span = self.rounds if self.rounds is not None else 24
+        return len([c for c, (r, _) in failed.items() if r > newest - span]) >= 2
 
     def _recent(self, kept: Iterable[_Kept]) -> list[_Kept]:
         records = list(kept)
@@ -332,6 +366,18 @@ class Scores:
         with self._lock:
             return self._score(peer, self._recent(self._records.get(peer, ())), {})
 
+    def _with_replays(self, peer: str, score: dict[str, Any]) -> dict[str, Any]:
+        failed = self._replays.get(peer, {})
+        if not failed:
+            return score
+        replayed = self._replay_flagged(peer)
+        return {
+            **score,
+            "replays_failed": len(failed),
+            "factor": 0.0 if replayed else score["factor"],
+            "flagged": score["flagged"] or replayed,
+        }
+
     def _score(
         self, peer: str, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
     ) -> dict[str, Any]:
@@ -340,20 +386,23 @@ class Scores:
         short = bool(records) and self._short(records, refs)
         robust = short and self._robust(records, refs)
         work, specific = self._pooled(records, refs) if records else (None, None)
-        return {
-            "records": len(records),
-            "checkers": len(checkers),
-            "work": None if work is None else round(work.ratio, 4),
-            "specific": None if specific is None else round(specific.ratio, 4),
-            "factor": _factor(None if work is None else work.ratio),
-            "short": short,
-            "flagged": (
-                len(records) >= self.min_records
-                and len(rounds) >= MIN_ROUNDS
-                and robust
-                and len(checkers) >= 2
-            ),
-        }
+        return self._with_replays(
+            peer,
+            {
+                "records": len(records),
+                "checkers": len(checkers),
+                "work": None if work is None else round(work.ratio, 4),
+                "specific": None if specific is None else round(specific.ratio, 4),
+                "factor": _factor(None if work is None else work.ratio),
+                "short": short,
+                "flagged": (
+                    len(records) >= self.min_records
+                    and len(rounds) >= MIN_ROUNDS
+                    and robust
+                    and len(checkers) >= 2
+                ),
+            },
+        )
 
     def _robust(
         self, records: list[_Kept], refs: dict[int, tuple[float | None, float | None]]
@@ -372,6 +421,8 @@ class Scores:
         """The share of its claimed weight ``peer``'s contributions keep (1 with no
         evidence yet)."""
         with self._lock:
+            if self._replay_flagged(peer):
+                return 0.0
             records = self._recent(self._records.get(peer, ()))
             work = self._pooled(records, {})[0] if records else None
         return _factor(None if work is None else work.ratio)
@@ -385,6 +436,7 @@ class Scores:
                 for p, r in self._records.items()
                 if self._score(p, self._recent(r), refs)["flagged"]
             }
+            found |= {p for p in self._replays if self._replay_flagged(p)}
             self._flagged = found
             return set(found)
 
@@ -392,9 +444,9 @@ class Scores:
         """Every scored peer's :meth:`score`."""
         with self._lock:
             refs: dict[int, tuple[float | None, float | None]] = {}
+            peers = sorted(set(self._records) | set(self._replays))
             return {
-                p: self._score(p, self._recent(self._records[p]), refs)
-                for p in sorted(self._records)
+                p: self._score(p, self._recent(self._records.get(p, deque())), refs) for p in peers
             }
 
 

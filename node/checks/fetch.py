@@ -15,6 +15,8 @@ from collections import OrderedDict
 
 import msgpack
 
+from node.checks.replay import Unavailable
+from node.trace import REPLAY_RPC
 from protocol.averaging.contributions import (
     CONTRIBUTION_RPC,
     CommittedDigests,
@@ -103,6 +105,29 @@ class Fetcher:
             while len(self._cache) > _CACHED:
                 self._cache.popitem(last=False)
         return fetched
+
+    def replay(self, peer: str, request: list) -> bytes:
+        """``peer``'s answer to a :data:`node.trace.REPLAY_RPC` request (a trace or a
+        start state; empty where it keeps none).
+
+        Raises:
+            Unavailable: no answer (a timeout, a refused or broken stream).
+        """
+        try:
+            data = self.transport.run(
+                self.transport.call(
+                    peer,
+                    REPLAY_RPC,
+                    msgpack.packb(request),
+                    timeout=self.timeout,
+                    max_response_bytes=self.wire.max_message_bytes,
+                ),
+                self.timeout + 5,
+            )
+        except Exception as exc:  # whatever the reason, nothing is known of the peer
+            raise Unavailable(f"{type(exc).__name__}: {exc}") from None
+        self.bytes_fetched += len(data)
+        return data
 
     def forget(self, before: int) -> None:
         """Drop cached contributions of rounds before ``before``."""

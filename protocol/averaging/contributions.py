@@ -90,6 +90,7 @@ class SentParts:
 
 _MAX_SPANS = 64
 _MAX_COUNT = 2**40
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,15 @@ class WorkClaim:
         ranks: processes that trained in step (a site's ranks; 1 for a single process).
         slice: ``(index, count)`` of the data slice (``data.site``, ``data.sites``).
         batch: windows per batch (``data.batch_size``).
+        trace: the digest of the member's signed trace of this training, where the run
+            replays windows of it (``trust.replay_steps``; :mod:`verification.replay`).
     """
 
     spans: tuple[tuple[int, int, int], ...]
     ranks: int = 1
     slice: tuple[int, int] = (0, 1)
     batch: int = 1
+    trace: str | None = None
 
     @property
     def batches(self) -> int:
@@ -120,12 +124,15 @@ class WorkClaim:
         return self.ranks * sum(count for _, _, count in self.spans)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "spans": [list(s) for s in self.spans],
             "ranks": self.ranks,
             "slice": list(self.slice),
             "batch": self.batch,
         }
+        if self.trace is not None:
+            wire["trace"] = self.trace
+        return wire
 
     @classmethod
     def from_wire(cls, value: Any, peer: str) -> WorkClaim:
@@ -134,8 +141,14 @@ class WorkClaim:
         Raises:
             ProtocolError: ``malformed``.
         """
-        if not isinstance(value, dict) or set(value) != {"spans", "ranks", "slice", "batch"}:
+        keys = {"spans", "ranks", "slice", "batch"}
+        if not isinstance(value, dict) or set(value) not in (keys, keys | {"trace"}):
             raise ProtocolError("malformed", "a work claim holds spans, ranks, slice, batch", peer)
+        trace = value.get("trace")
+        if trace is not None and not (
+            isinstance(trace, str) and len(trace) == 64 and all(c in _HEX for c in trace)
+        ):
+            raise ProtocolError("malformed", "a claim's trace is a hex SHA-256 digest", peer)
         spans, ranks, slice_, batch = (value[k] for k in ("spans", "ranks", "slice", "batch"))
         if not isinstance(spans, list) or len(spans) > _MAX_SPANS:
             raise ProtocolError("malformed", f"a work claim has at most {_MAX_SPANS} spans", peer)
@@ -147,7 +160,8 @@ class WorkClaim:
             raise ProtocolError("malformed", "a claim's ranks and batch are out of range", peer)
         if not _ints(slice_, 2) or not 0 <= slice_[0] < slice_[1] <= 2**20:
             raise ProtocolError("malformed", "a claim's data slice is out of range", peer)
-        return cls(tuple((s[0], s[1], s[2]) for s in spans), ranks, (slice_[0], slice_[1]), batch)
+        spans_ = tuple((s[0], s[1], s[2]) for s in spans)
+        return cls(spans_, ranks, (slice_[0], slice_[1]), batch, trace)
 
 
 def _ints(value: Any, n: int) -> bool:

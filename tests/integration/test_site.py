@@ -1,5 +1,6 @@
 """Sites of several processes (torchrun, gloo on CPU): two sites of two ranks train
-together and check each other's work against their ranks' assigned batches; a rank
+together and check each other's work against their ranks' assigned batches (and replay
+windows of each other's training, both ranks' batches in one process); a rank
 that dies stops its site cleanly while the other site goes on."""
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ CHECKS = [
 # two-site run is in make test-all
 @pytest.mark.parametrize("sharding", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm, sharding):
-    extra = [f"train.sharding='{sharding}'", *CHECKS]
+    # a DDP site's windows are replayed (FSDP would need every shard's state)
+    replay = ["trust.replay_steps=4"] if sharding == "ddp" else []
+    extra = [f"train.sharding='{sharding}'", *CHECKS, *replay]
     nodes = local_swarm.launch(2, rounds=3, extra=extra, procs_per_node=2)
     assert wait_until(lambda: all(len(_rank_processes(n)) == 2 for n in nodes), 60)
     local_swarm.record_helpers()
@@ -64,6 +67,9 @@ def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm
         assert all(e["claimed"] > 0 and e["claimed"] % 2 == 0 for e in checks), checks
         assert any(e["measured"]["lift"] is not None for e in checks), checks
         assert not [e for e in log if e["event"] == "violation"], log
+        if replay:  # the other site's windows, each rank's batches, trained again alike
+            replays = [e for e in log if e["event"] == "replay"]
+            assert replays and all(e["passed"] for e in replays), replays
 
 
 def test_a_dead_rank_stops_its_site_cleanly_and_the_other_site_goes_on(local_swarm):

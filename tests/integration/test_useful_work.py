@@ -3,12 +3,11 @@
 In a swarm larger than one group (six nodes in groups of three that mix their global
 copies, two fragments), one member sends nothing but zeros and one trains a tenth of the
 steps it claims. Neither breaks a rule a screen can see; every honest node's checks flag
-the zero member from what its contributions do to the loss, none flags an honest node,
-and the honest nodes end near each other. The lazy member is not required to be flagged:
-on this model the checks flagged it in round 5, 6 or 9 of some runs and not at all in
-another, where its copy lagged and gained as much per step as honest work
-(docs/limits.md). In a clean swarm of one group with two fragments, the checks run
-every round and charge no one."""
+the zero member from what its contributions do to the loss, and the lazy member from
+replays of its trace (the windows it skipped do not replay); none flags an honest node,
+every replay of an honest member's window passes, and the honest nodes end near each
+other. In a clean swarm of one group with two fragments, the checks run every round and
+charge no one."""
 
 from __future__ import annotations
 
@@ -30,12 +29,17 @@ CHECKS = [
     "trust.check_budget=1.0",
     "trust.quarantine_rounds=10",
     "train.total_steps=400",
+    "trust.replay_steps=4",
 ]
 CHECKS_CHARGES = ("useless_work", "bad_check_record")
 GOAL_ROUND = 6
 """The round by which every honest node's checks flag the zero member: checks start at
 round 3 and a flag needs records of two rounds, so its are in during round 5 (6 where
 a round's records come late)."""
+LAZY_ROUND = 5
+"""The round by which every honest node flags the lazy member: its checkers replay a
+window of its round-3 trace and fail, and every other node replays the same window on
+the evidence they gossip (a round's checks run in the round after)."""
 BOUND = 1.08
 """The honest nodes' bits per byte at most this over the best honest node's (the two
 attackers cost the swarm some of its work until they are flagged)."""
@@ -54,6 +58,7 @@ def test_a_zero_member_is_flagged_by_every_honest_node_in_mixing_groups_beside_a
     summary = local_swarm.summary()
     honest = local_swarm.nodes[: NODES - 2]
     zero = local_swarm.nodes[NODES - 2].status["peer_id"]
+    lazy = local_swarm.nodes[NODES - 1].status["peer_id"]
     honest_ids = {n.status["peer_id"] for n in honest}
     assert [n.proc.returncode for n in honest] == [0] * len(honest), summary["failed_nodes"]
     finals = []
@@ -75,6 +80,12 @@ def test_a_zero_member_is_flagged_by_every_honest_node_in_mixing_groups_beside_a
         checks = [e["checks"] for e in rounds if e["round"] > 3]
         assert all(c["made"] + c["taken"] > 0 for c in checks), checks
         assert zero in rounds[-1]["checks"]["flagged"], rounds[-1]["checks"]
+        lazy_at = min((e["round"] for e in rounds if lazy in e["checks"]["flagged"]), default=None)
+        replays = [e for e in log if e["event"] == "replay" and e["peer"] == lazy]
+        assert lazy_at is not None and lazy_at <= LAZY_ROUND, (node.index, lazy_at, replays)
+        # every replay of an honest member's window passed
+        honest_replays = [e for e in log if e["event"] == "replay" and e["peer"] in honest_ids]
+        assert honest_replays and all(e["passed"] for e in honest_replays), honest_replays
         mixed = [e for e in log if e["event"] == "sync" and e["mixed"]]
         assert mixed, "the groups never mixed"
         finals.append(next(e["val_bpb"] for e in reversed(rounds) if "val_bpb" in e))

@@ -119,6 +119,7 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, *sets: str) -> Any:
         heard=set,
         control=None,
         record=lambda round_, steps: (round_, steps),
+        tracer=None,
         peers=SimpleNamespace(behind=lambda r: [], publish=publish, published=published),
         transport=SimpleNamespace(peer_id="me", run=lambda coro, timeout: asyncio.run(coro)),
     )

@@ -86,7 +86,9 @@ def node(tmp_path: Path):
         allreduce=allreduce, syncer=syncer, transport=SimpleNamespace(reachability=None)
     )
     logs = (status, None)
-    loop = TrainingLoop(cfg, progress, training, None, None, logs, threading.Event())  # type: ignore[arg-type]
+    loop = TrainingLoop(
+        cfg, progress, training, SimpleNamespace(tracer=None), None, logs, threading.Event()
+    )  # type: ignore[arg-type]
     stand_in = _StandIn(
         status=status,
         progress=progress,

@@ -1,0 +1,266 @@
+"""Replaying a window of a member's training (:mod:`verification.replay`).
+
+:class:`Replayer` keeps a copy of the model and an inner optimizer of its own (the
+training thread never sees them). A replay check of a contribution takes its member's
+signed trace (whose digest the contribution's claim carries), checks that its windows
+tile the claimed batches and are no longer than ``trust.replay_steps``, draws one window
+from the exchange's seed, fetches that window's start state (it must hash to the
+recorded digest), loads it and trains the window's steps again on the claimed batches
+(:func:`node.trainer.replay_step`, each rank's batches for a site) at the learning rate
+of the recorded step count, then compares the change and the losses with the recorded
+ones (:func:`verification.replay.agreement`).
+
+The same replay confirms or refutes another checker's failed record: anyone holding the
+run's tokens can run it, in the member's group or not.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from node.config import TrainConfig
+from node.data import DataError, assigned_stream, site_slice
+from node.trace import StateError, load_state
+from node.trainer import lr_at, make_inner_optimizer, replay_step
+from protocol.averaging.contributions import WorkClaim
+from verification.replay import (
+    ReplayError,
+    ReplayRecord,
+    Sketcher,
+    Trace,
+    TraceWindow,
+    agreement,
+    covers,
+    drawn_window,
+    open_trace,
+    state_digest,
+)
+
+__all__ = ["Fetch", "ReplaySettings", "Replayer", "Unavailable"]
+
+logger = logging.getLogger(__name__)
+
+Fetch = Callable[[str, list], bytes]
+"""``(peer, request)`` to its :data:`node.trace.REPLAY_RPC` answer (empty: not kept).
+Raises :class:`Unavailable` when the peer cannot be asked."""
+
+
+class Unavailable(Exception):
+    """The member could not be asked (a timeout, a closed stream): nothing is known."""
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """``trust.replay_*`` and what a replay needs of the run.
+
+    Attributes:
+        run_id: the run.
+        steps: the longest window a trace may hold (``trust.replay_steps``).
+        tolerance: the largest distance and loss difference a replay may show
+            (``trust.replay_tolerance``).
+        context: tokens per window of text.
+    """
+
+    run_id: str
+    steps: int
+    tolerance: float
+    context: int
+
+
+class Replayer:
+    """Replays windows of members' training.
+
+    Args:
+        settings: the replay settings.
+        model: the node's model (copied once; its values are never read).
+        train_cfg: the run's inner-loop settings (the optimizer, precision, clipping,
+            the learning-rate schedule).
+        train: the run's train tokens (every slice of them).
+        device: where to train.
+        fetch: asks a member for a trace or a state.
+    """
+
+    def __init__(
+        self,
+        settings: ReplaySettings,
+        model: nn.Module,
+        train_cfg: TrainConfig,
+        train: torch.Tensor,
+        device: torch.device,
+        fetch: Fetch,
+    ) -> None:
+        self.settings = settings
+        self.model = copy.deepcopy(getattr(model, "module", model)).to(device).train()
+        for p in self.model.parameters():
+            p.requires_grad_(True)
+        self.cfg = train_cfg
+        self.optimizer = make_inner_optimizer(self.model, train_cfg)
+        self.train = train
+        self.device = device
+        self.fetch = fetch
+        self.sketcher = Sketcher(settings.run_id)
+        self.steps = 0
+        """Steps replayed so far."""
+        self.seconds = 0.0
+        """Time spent replaying them."""
+        self.bytes_fetched = 0
+
+    # ---- a check ----------------------------------------------------------------------
+
+    def check(
+        self, checker: str, peer: str, key: tuple[int, int], claim: WorkClaim, seed: bytes
+    ) -> ReplayRecord | None:
+        """``checker``'s unsigned replay record of ``peer``'s contribution to exchange
+        ``key``, trained on ``claim``; None when the member could not be asked."""
+        round_, fragment = key
+
+        def failed(
+            why: str, trace: bytes = b"", window: int = 0, state: bool = True
+        ) -> ReplayRecord:
+            return ReplayRecord(
+                checker, peer, round_, fragment, trace, window, False, why=why, state=state
+            )
+
+        if claim.trace is None:
+            return failed("its claim carries no trace")
+        try:
+            data = self._ask(peer, ["trace", round_, fragment])
+        except Unavailable:
+            return None
+        if not data:
+            return failed("it served no trace")
+        try:
+            trace = open_trace(data, self.settings.run_id, peer)
+        except ReplayError as exc:
+            return failed(f"its trace is refused: {exc}")
+        if trace.digest != claim.trace or (trace.round, trace.fragment) != key:
+            return failed("its trace is not the one its claim names")
+        if trace.spans != claim.spans or trace.shape != _shape(claim):
+            return failed("its trace names other batches than its claim")
+        why = self.inconsistent(trace)
+        if why:
+            return failed(why, data)  # false on its face: anyone can see it
+        index = drawn_window(seed, checker, len(trace.windows))
+        try:
+            state = self._ask(peer, ["state", trace.windows[index].state])
+        except Unavailable:
+            return None
+        if not state:
+            return failed("it served no start state", data, index, state=False)
+        if state_digest(state) != trace.windows[index].state:
+            return failed("its start state is not the one its trace names", data, index, False)
+        return self.judge(checker, trace, data, index, state)
+
+    def inconsistent(self, trace: Trace) -> str:
+        """What makes ``trace`` false on its face ("" when nothing does): windows that do
+        not tile the batches it names, or longer than ``trust.replay_steps``."""
+        if not trace.windows:
+            return "its trace holds no window"
+        if not covers(trace.windows, trace.spans):
+            return "its windows do not tile the batches it claims"
+        longest = max(w.steps for w in trace.windows)
+        if longest > self.settings.steps:
+            return (
+                f"a window of {longest} steps, longer than trust.replay_steps = "
+                f"{self.settings.steps}"
+            )
+        return ""
+
+    def judge(
+        self, checker: str, trace: Trace, data: bytes, index: int, state: bytes
+    ) -> ReplayRecord:
+        """The record of replaying window ``index`` of ``trace`` from ``state``."""
+        window = trace.windows[index]
+        try:
+            change, losses = self.replay(trace, window, state)
+        except (StateError, DataError) as exc:
+            return ReplayRecord(
+                checker,
+                trace.peer,
+                trace.round,
+                trace.fragment,
+                data,
+                index,
+                False,
+                why=f"its window does not replay: {exc}",
+            )
+        distance, loss = agreement(window, change, losses)
+        tol = self.settings.tolerance
+        passed = distance <= tol and loss <= tol
+        why = (
+            ""
+            if passed
+            else f"replayed {distance:.3g} of its change apart, losses {loss:.3g} apart"
+        )
+        return ReplayRecord(
+            checker,
+            trace.peer,
+            trace.round,
+            trace.fragment,
+            data,
+            index,
+            passed,
+            distance=distance,
+            loss=loss,
+            why=why,
+        )
+
+    # ---- the replay -------------------------------------------------------------------
+
+    def replay(
+        self, trace: Trace, window: TraceWindow, state: bytes
+    ) -> tuple[list[float], list[float]]:
+        """Train ``window`` again from ``state``: the sketch of the change and each
+        step's loss (rank 0's).
+
+        Raises:
+            StateError: the state does not fit this model and optimizer.
+            DataError: the window names data this node cannot draw.
+        """
+        started = time.perf_counter()
+        try:
+            params = list(self.model.parameters())
+            load_state(state, params, self.optimizer)
+            begin = self.sketcher.sketch(params)
+            batches = self._batches(trace, window)
+            losses = []
+            for i in range(window.steps):
+                micro = [rank[i * window.accum : (i + 1) * window.accum] for rank in batches]
+                lr = lr_at(window.step + i, self.cfg)
+                losses.append(
+                    replay_step(self.model, self.optimizer, self.cfg, micro, lr, self.device)
+                )
+            change = (self.sketcher.sketch(params) - begin).tolist()
+        finally:
+            self.seconds += time.perf_counter() - started
+        self.steps += window.steps
+        return change, losses
+
+    def _batches(
+        self, trace: Trace, window: TraceWindow
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each rank's batches of ``window``, in order."""
+        ranks, index, count, batch = trace.shape
+        context, run = self.settings.context, self.settings.run_id
+        out = []
+        for rank in range(ranks):
+            data = site_slice(self.train, index * ranks + rank, count * ranks, context)
+            stream = assigned_stream(data, batch, context, run, trace.peer, window.stream, rank)
+            out.append(stream.batches_at(range(window.start, window.start + window.draws)))
+        return out
+
+    def _ask(self, peer: str, request: list) -> bytes:
+        data = self.fetch(peer, request)
+        self.bytes_fetched += len(data)
+        return data
+
+
+def _shape(claim: WorkClaim) -> tuple[int, int, int, int]:
+    return claim.ranks, claim.slice[0], claim.slice[1], claim.batch

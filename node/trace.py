@@ -1,0 +1,321 @@
+"""The node's trace of its own training, kept so that checkers can replay it.
+
+With ``trust.replay_steps = w`` the training loop tells :class:`Tracer` about every
+inner step. The tracer cuts the steps into windows of at most ``w``: a window starts
+with a snapshot of the trained model's parameters and inner optimizer state (packed by
+:func:`pack_state`, kept in memory under its digest) and ends after ``w`` steps, or
+earlier where anything but an inner step changed the parameters (a sync applied, a
+catch-up: the sketch before a step differs from the one after the step before), the
+stream changed, or a sync takes its claim. When a sync takes its claim
+(:meth:`Tracer.claim`), the windows of the claimed batches become a signed
+:class:`~verification.replay.Trace` whose digest goes into the claim, and so into every
+part and the commitment. The tracer serves traces and start states on
+:data:`REPLAY_RPC` for :data:`~protocol.averaging.contributions.ROUNDS_KEPT` rounds.
+
+What it costs: two sketches a step (one pass over the parameters each) and one packed
+state per window, ``12 bytes`` a parameter with AdamW, kept while a claim may still
+name it (docs/trust.md, "Replay checks").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+from torch import nn
+
+from protocol.averaging.contributions import ROUNDS_KEPT, WorkClaim
+from protocol.errors import ProtocolError
+from verification.identity import Identity
+from verification.replay import Sketcher, Trace, TraceWindow, state_digest
+
+__all__ = ["REPLAY_RPC", "StateError", "Tracer", "load_state", "pack_state"]
+
+REPLAY_RPC = "atoll.replay"
+"""``msgpack(["trace", round, fragment])`` for a signed trace, ``msgpack(["state",
+digest])`` for a window's packed start state; an empty answer when it is not kept."""
+_VERSION = 1
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+class StateError(ValueError):
+    """A packed training state that does not fit the model or its optimizer."""
+
+
+def _tensor(t: torch.Tensor) -> list[Any]:
+    t = t.detach().to("cpu").contiguous()
+    return [
+        str(t.dtype).removeprefix("torch."),
+        list(t.shape),
+        t.reshape(-1).view(torch.uint8).numpy().tobytes(),
+    ]
+
+
+def _untensor(value: Any) -> torch.Tensor:
+    if not isinstance(value, list) or len(value) != 3:
+        raise StateError("a tensor is [dtype, shape, bytes]")
+    dtype, shape, data = value
+    if dtype not in _DTYPES or not isinstance(shape, list) or not isinstance(data, bytes):
+        raise StateError(f"a tensor of dtype {dtype!r}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**40 for n in shape):
+        raise StateError("a tensor's shape holds sizes")
+    dt = _DTYPES[dtype]
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * torch.empty((), dtype=dt).element_size() != len(data):
+        raise StateError("a tensor's bytes do not match its shape")
+    if not data:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(data), dtype=dt).reshape(shape)
+
+
+def _tree(value: Any) -> Any:
+    """An optimizer's state (dicts of tensors and numbers) for msgpack."""
+    if isinstance(value, torch.Tensor):
+        return {"__t": _tensor(value)}
+    if isinstance(value, dict):
+        return {k: _tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_tree(v) for v in value]
+    return value
+
+
+def _untree(value: Any, depth: int = 0) -> Any:
+    if depth > 8:
+        raise StateError("an optimizer state nested too deep")
+    if isinstance(value, dict):
+        if set(value) == {"__t"}:
+            return _untensor(value["__t"])
+        if not all(isinstance(k, int | str) for k in value):
+            raise StateError("an optimizer state's keys are indices or names")
+        return {k: _untree(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_untree(v, depth + 1) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise StateError(f"an optimizer state holds a {type(value).__name__}")
+
+
+def _optimizer_states(optimizer: Any) -> list[dict]:
+    state = optimizer.state_dict()
+    return list(state["optimizers"]) if "optimizers" in state else [state]
+
+
+def pack_state(params: Sequence[torch.Tensor], optimizer: Any) -> bytes:
+    """The parameters' values and the inner optimizer's state (a window's start), as
+    bytes whose :func:`~verification.replay.state_digest` a trace commits to."""
+    return msgpack.packb(
+        {
+            "v": _VERSION,
+            "params": [_tensor(p) for p in params],
+            "state": [_tree(s["state"]) for s in _optimizer_states(optimizer)],
+        },
+        use_bin_type=True,
+    )
+
+
+def load_state(data: bytes, params: Sequence[torch.Tensor], optimizer: Any) -> None:
+    """Set ``params`` and ``optimizer`` (of the same model and ``train.optimizer``) to a
+    packed state. The optimizer keeps its own hyperparameters: a state sets only the
+    values and the per-parameter buffers.
+
+    Raises:
+        StateError: the bytes are malformed or do not fit the model or its optimizer.
+    """
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise StateError(f"not a packed state: {type(exc).__name__}") from None
+    if not isinstance(fields, dict) or set(fields) != {"v", "params", "state"}:
+        raise StateError("a packed state holds v, params and state")
+    if fields["v"] != _VERSION or not isinstance(fields["params"], list):
+        raise StateError(f"not a version-{_VERSION} state")
+    values = [_untensor(v) for v in fields["params"]]
+    if len(values) != len(params) or any(
+        v.shape != p.shape or v.dtype != p.dtype for v, p in zip(values, params, strict=True)
+    ):
+        raise StateError("its parameters are not this model's")
+    if not all(torch.isfinite(v).all() for v in values if v.is_floating_point()):
+        raise StateError("its parameters hold non-finite values")
+    own = _optimizer_states(optimizer)
+    states = fields["state"]
+    if not isinstance(states, list) or len(states) != len(own):
+        raise StateError("its optimizer state is not this optimizer's")
+    loaded = [
+        {"state": _untree(s), "param_groups": mine["param_groups"]}
+        for s, mine in zip(states, own, strict=True)
+    ]
+    if not all(isinstance(s["state"], dict) for s in loaded):
+        raise StateError("an optimizer state maps parameters to buffers")
+    with torch.no_grad():
+        for p, v in zip(params, values, strict=True):
+            p.copy_(v)
+    try:
+        if "optimizers" in optimizer.state_dict():
+            optimizer.load_state_dict({"optimizers": loaded})
+        else:
+            optimizer.load_state_dict(loaded[0])
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise StateError(f"its optimizer state does not load: {exc}") from None
+
+
+@dataclass
+class _Open:
+    """The window being recorded."""
+
+    stream: int
+    start: int
+    step: int
+    accum: int
+    state: str
+    begin: torch.Tensor
+    losses: list[float] = field(default_factory=list)
+
+
+class Tracer:
+    """This node's trace (see the module docstring).
+
+    Args:
+        identity: signs traces.
+        run_id: the run (the sketches' seed).
+        steps: the longest window (``trust.replay_steps``).
+        accum: draws per step (``train.grad_accum``).
+    """
+
+    def __init__(self, identity: Identity, run_id: str, steps: int, accum: int) -> None:
+        if steps < 1:
+            raise ValueError("trust.replay_steps must be at least 1 to trace")
+        self.identity = identity
+        self.run_id = run_id
+        self.steps = steps
+        self.accum = accum
+        self.sketcher = Sketcher(run_id)
+        self.snapshots = 0
+        """Start states packed so far."""
+        self._open: _Open | None = None
+        self._last: torch.Tensor | None = None
+        self._done: list[TraceWindow] = []
+        self._states: dict[str, bytes] = {}
+        self._traces: dict[tuple[int, int], tuple[bytes, tuple[str, ...]]] = {}
+        self._lock = threading.Lock()
+
+    # ---- the training thread -------------------------------------------------------------
+
+    def before(
+        self, model: nn.Module, optimizer: Any, steps: int, at: tuple[int, int] | None
+    ) -> None:
+        """An inner step is about to start at draw ``at = (stream, position)`` (None: the
+        stream is not an assigned one, nothing is traced), the trainer at ``steps``."""
+        params = list(model.parameters())
+        now = self.sketcher.sketch(params)
+        w = self._open
+        if w is not None and (
+            at is None
+            or (w.stream, w.start + len(w.losses) * w.accum) != at
+            or len(w.losses) >= self.steps
+            or self._last is None
+            or not torch.equal(now, self._last)
+        ):
+            self._close()
+        if at is None or self._open is not None:
+            return
+        packed = pack_state(params, optimizer)
+        digest = state_digest(packed)
+        with self._lock:
+            self._states[digest] = packed
+        self.snapshots += 1
+        self._open = _Open(at[0], at[1], steps, self.accum, digest, now)
+
+    def after(self, model: nn.Module, loss: float) -> None:
+        """The step ended with mean loss ``loss``."""
+        if self._open is None:
+            return
+        self._open.losses.append(float(loss))
+        self._last = self.sketcher.sketch(model.parameters())
+
+    def _close(self) -> None:
+        w, self._open = self._open, None
+        if w is None or not w.losses or self._last is None:
+            return
+        change = (self._last - w.begin).tolist()
+        window = TraceWindow(
+            w.stream,
+            w.start,
+            len(w.losses),
+            w.accum,
+            w.step,
+            w.state,
+            tuple(w.losses),
+            tuple(change),
+        )
+        with self._lock:
+            self._done.append(window)
+
+    def claim(self, claim: WorkClaim, round_: int, fragment: int) -> WorkClaim:
+        """``claim`` with the digest of its signed trace: the windows of its batches."""
+        self._close()
+        spans = claim.spans
+        inside = [w for w in self._done if any(_within(w, s) for s in spans)]
+        shape = (claim.ranks, claim.slice[0], claim.slice[1], claim.batch)
+        trace = Trace(
+            self.identity.peer_id, self.run_id, round_, fragment, tuple(inside), spans, shape
+        ).signed(self.identity)
+        with self._lock:
+            self._traces[(round_, fragment)] = (trace.to_bytes(), tuple(w.state for w in inside))
+            for old in [k for k in self._traces if k[0] <= round_ - ROUNDS_KEPT]:
+                del self._traces[old]
+        return dataclasses.replace(claim, trace=trace.digest)
+
+    def keep(self, open_spans: Sequence[tuple[int, int, int]]) -> None:
+        """Drop every window (and its state) that no kept trace names and no claim to come
+        can name (``open_spans``: the spans not claimed yet, of every fragment)."""
+        with self._lock:
+            named = {d for _, states in self._traces.values() for d in states}
+            self._done = [w for w in self._done if any(_within(w, s) for s in open_spans)]
+            named |= {w.state for w in self._done}
+            if self._open is not None:
+                named.add(self._open.state)
+            for digest in [d for d in self._states if d not in named]:
+                del self._states[digest]
+
+    # ---- serving (the transport's loop) ---------------------------------------------------
+
+    async def serve(self, peer: str, request: bytes) -> bytes:
+        """The :data:`REPLAY_RPC` handler."""
+        try:
+            fields = msgpack.unpackb(request, raw=False)
+            if not isinstance(fields, list) or not fields:
+                raise ValueError("expected a list")
+            if fields[0] == "trace" and len(fields) == 3:
+                with self._lock:
+                    kept = self._traces.get((int(fields[1]), int(fields[2])))
+                return kept[0] if kept is not None else b""
+            if fields[0] == "state" and len(fields) == 2 and isinstance(fields[1], str):
+                with self._lock:
+                    return self._states.get(fields[1], b"")
+            raise ValueError(f"unknown request {fields[0]!r}")
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise ProtocolError("malformed", f"replay request: {exc}", peer) from None
+
+    def kept_bytes(self) -> int:
+        """Bytes of start states kept now."""
+        with self._lock:
+            return sum(len(v) for v in self._states.values())
+
+
+def _within(w: TraceWindow, span: tuple[int, int, int]) -> bool:
+    stream, start, count = span
+    return w.stream == stream and start <= w.start and w.start + w.draws <= start + count
