@@ -271,6 +271,8 @@ class Node:
             attempt("stopping the metrics endpoint", self.monitor.close)
         if network is not None and network.checks is not None:
             attempt("stopping the useful-work checks", network.checks.close)
+        if network is not None and network.tracer is not None:
+            attempt("removing the trace's spilled states", network.tracer.close)
         if network is not None and network.control is not None:
             attempt("closing the control channel", network.control.close)
         if self.transport is not None:

@@ -384,7 +384,9 @@ def _swarm_side(
     settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))
     exchange = FragmentExchange(transport, identity, allreduce, settings)
     checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
-    tracer = _tracer(cfg, inputs.identity, transport) if checks is not None else None
+    tracer = None
+    if checks is not None:
+        tracer = _tracer(cfg, inputs.identity, transport, inputs.data_dir / "trace")
     deadlines = Deadlines(cfg.network.adaptive_deadlines)
     syncer = Syncer(
         cfg,
@@ -471,12 +473,15 @@ def _useful_work(
     return checks
 
 
-def _tracer(cfg: AtollConfig, identity: Identity, transport: Transport) -> Tracer | None:
+def _tracer(
+    cfg: AtollConfig, identity: Identity, transport: Transport, spill: Path
+) -> Tracer | None:
     """This node's trace of its training, served on :data:`~node.trace.REPLAY_RPC`, when
-    the run replays (``trust.replay_steps``)."""
+    the run replays (``trust.replay_steps``); start states beyond 1 GiB go to ``spill``."""
     if not cfg.trust.replay_steps:
         return None
-    tracer = Tracer(identity, cfg.run.run_id, cfg.trust.replay_steps, cfg.train.grad_accum)
+    t = cfg.trust
+    tracer = Tracer(identity, cfg.run.run_id, t.replay_steps, cfg.train.grad_accum, spill)
     transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
     return tracer
 

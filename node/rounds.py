@@ -288,6 +288,8 @@ class Rounds:
         )
         if network.checks is not None:
             fields["checks"] = network.checks.summary()
+        if network.tracer is not None:
+            fields["trace"] = network.tracer.summary()
         fields["flagged"] = network.verifier.flagged(r)
         fields["live_peers"] = len(network.live_peers())
         fields["deadlines"] = network.deadlines.summary()

@@ -13,16 +13,19 @@ part and the commitment. The tracer serves traces and start states on
 :data:`REPLAY_RPC` for :data:`~protocol.averaging.contributions.ROUNDS_KEPT` rounds.
 
 What it costs: two sketches a step (one pass over the parameters each) and one packed
-state per window, ``12 bytes`` a parameter with AdamW, kept while a claim may still
-name it (docs/trust.md, "Replay checks").
+state per window, 12 bytes a parameter with AdamW, kept while a claim may still name
+it: in memory up to :data:`MEMORY_BYTES`, beyond that in files of the node's
+``trace/`` folder (docs/trust.md, "Replay checks").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -39,6 +42,8 @@ __all__ = ["REPLAY_RPC", "StateError", "Tracer", "load_state", "pack_state"]
 REPLAY_RPC = "atoll.replay"
 """``msgpack(["trace", round, fragment])`` for a signed trace, ``msgpack(["state",
 digest])`` for a window's packed start state; an empty answer when it is not kept."""
+MEMORY_BYTES = 1 << 30
+"""Bytes of start states a node keeps in memory; beyond them, in files."""
 _VERSION = 1
 _DTYPES = {
     "float32": torch.float32,
@@ -121,7 +126,10 @@ def pack_state(params: Sequence[torch.Tensor], optimizer: Any) -> bytes:
         {
             "v": _VERSION,
             "params": [_tensor(p) for p in params],
-            "state": [_tree(s["state"]) for s in _optimizer_states(optimizer)],
+            "state": [
+                {"state": _tree(s["state"]), "steps": [g.get("step") for g in s["param_groups"]]}
+                for s in _optimizer_states(optimizer)
+            ],
         },
         use_bin_type=True,
     )
@@ -154,12 +162,7 @@ def load_state(data: bytes, params: Sequence[torch.Tensor], optimizer: Any) -> N
     states = fields["state"]
     if not isinstance(states, list) or len(states) != len(own):
         raise StateError("its optimizer state is not this optimizer's")
-    loaded = [
-        {"state": _untree(s), "param_groups": mine["param_groups"]}
-        for s, mine in zip(states, own, strict=True)
-    ]
-    if not all(isinstance(s["state"], dict) for s in loaded):
-        raise StateError("an optimizer state maps parameters to buffers")
+    loaded = [_optimizer_state(s, mine) for s, mine in zip(states, own, strict=True)]
     with torch.no_grad():
         for p, v in zip(params, values, strict=True):
             p.copy_(v)
@@ -170,6 +173,27 @@ def load_state(data: bytes, params: Sequence[torch.Tensor], optimizer: Any) -> N
             optimizer.load_state_dict(loaded[0])
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise StateError(f"its optimizer state does not load: {exc}") from None
+
+
+def _optimizer_state(served: Any, mine: dict) -> dict:
+    """One optimizer's served buffers under this node's own hyperparameters: of a
+    parameter group only its step count (SOAP keeps one) is taken."""
+    if not isinstance(served, dict) or set(served) != {"state", "steps"}:
+        raise StateError("an optimizer's state holds its buffers and its groups' steps")
+    state, steps = _untree(served["state"]), served["steps"]
+    if not isinstance(state, dict):
+        raise StateError("an optimizer state maps parameters to buffers")
+    groups = [dict(g) for g in mine["param_groups"]]
+    if not isinstance(steps, list) or len(steps) != len(groups):
+        raise StateError("an optimizer state's groups are not this optimizer's")
+    for group, step in zip(groups, steps, strict=True):
+        if step is None:
+            group.pop("step", None)
+        elif isinstance(step, int | float) and not isinstance(step, bool) and 0 <= step < 2**53:
+            group["step"] = step
+        else:
+            raise StateError("a group's step count is a number")
+    return {"state": state, "param_groups": groups}
 
 
 @dataclass
@@ -193,9 +217,19 @@ class Tracer:
         run_id: the run (the sketches' seed).
         steps: the longest window (``trust.replay_steps``).
         accum: draws per step (``train.grad_accum``).
+        spill: a folder for start states beyond ``memory`` bytes (None: all in memory).
+        memory: bytes of start states kept in memory before they go to ``spill``.
     """
 
-    def __init__(self, identity: Identity, run_id: str, steps: int, accum: int) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        steps: int,
+        accum: int,
+        spill: Path | None = None,
+        memory: int = MEMORY_BYTES,
+    ) -> None:
         if steps < 1:
             raise ValueError("trust.replay_steps must be at least 1 to trace")
         self.identity = identity
@@ -208,7 +242,10 @@ class Tracer:
         self._open: _Open | None = None
         self._last: torch.Tensor | None = None
         self._done: list[TraceWindow] = []
-        self._states: dict[str, bytes] = {}
+        self.spill = spill
+        self.memory = memory
+        self._states: dict[str, bytes | Path] = {}
+        self._in_memory = 0
         self._traces: dict[tuple[int, int], tuple[bytes, tuple[str, ...]]] = {}
         self._lock = threading.Lock()
 
@@ -234,10 +271,35 @@ class Tracer:
             return
         packed = pack_state(params, optimizer)
         digest = state_digest(packed)
-        with self._lock:
-            self._states[digest] = packed
+        self._store(digest, packed)
         self.snapshots += 1
         self._open = _Open(at[0], at[1], steps, self.accum, digest, now)
+
+    def _store(self, digest: str, packed: bytes) -> None:
+        """Keep a start state: in memory while they fit in ``memory`` bytes, else in a
+        file of the spill folder (written whole, then renamed)."""
+        if self.spill is None or self._in_memory + len(packed) <= self.memory:
+            with self._lock:
+                self._states[digest] = packed
+                self._in_memory += len(packed)
+            return
+        self.spill.mkdir(parents=True, exist_ok=True)
+        path = self.spill / f"{digest}.state"
+        part = path.with_suffix(".part")
+        part.write_bytes(packed)
+        os.replace(part, path)
+        with self._lock:
+            self._states[digest] = path
+
+    def _read(self, digest: str) -> bytes:
+        with self._lock:
+            kept = self._states.get(digest, b"")
+        if isinstance(kept, bytes):
+            return kept
+        try:
+            return kept.read_bytes()
+        except OSError:
+            return b""
 
     def after(self, model: nn.Module, loss: float) -> None:
         """The step ended with mean loss ``loss``."""
@@ -288,8 +350,11 @@ class Tracer:
             named |= {w.state for w in self._done}
             if self._open is not None:
                 named.add(self._open.state)
-            for digest in [d for d in self._states if d not in named]:
-                del self._states[digest]
+            dropped = [self._states.pop(d) for d in list(self._states) if d not in named]
+            self._in_memory -= sum(len(v) for v in dropped if isinstance(v, bytes))
+        for kept in dropped:
+            if isinstance(kept, Path):
+                kept.unlink(missing_ok=True)
 
     # ---- serving (the transport's loop) ---------------------------------------------------
 
@@ -304,16 +369,36 @@ class Tracer:
                     kept = self._traces.get((int(fields[1]), int(fields[2])))
                 return kept[0] if kept is not None else b""
             if fields[0] == "state" and len(fields) == 2 and isinstance(fields[1], str):
-                with self._lock:
-                    return self._states.get(fields[1], b"")
+                return self._read(fields[1])
             raise ValueError(f"unknown request {fields[0]!r}")
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
             raise ProtocolError("malformed", f"replay request: {exc}", peer) from None
 
     def kept_bytes(self) -> int:
-        """Bytes of start states kept now."""
+        """Bytes of start states kept now, in memory and spilled."""
         with self._lock:
-            return sum(len(v) for v in self._states.values())
+            kept = list(self._states.values())
+        return sum(len(v) if isinstance(v, bytes) else _size(v) for v in kept)
+
+    def summary(self) -> dict[str, int]:
+        """Windows snapshotted so far and the bytes of start states kept now (the round
+        event's ``trace``)."""
+        return {"snapshots": self.snapshots, "kept_bytes": self.kept_bytes()}
+
+    def close(self) -> None:
+        """Remove the spilled states (they are of no use to a later run)."""
+        with self._lock:
+            kept, self._states, self._in_memory = list(self._states.values()), {}, 0
+        for v in kept:
+            if isinstance(v, Path):
+                v.unlink(missing_ok=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _within(w: TraceWindow, span: tuple[int, int, int]) -> bool:

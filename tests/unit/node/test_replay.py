@@ -347,3 +347,42 @@ def test_a_failure_without_evidence_counts_as_its_checkers_word(tmp_path) -> Non
     # two checkers' word flags it (one lying checker cannot)
     assert A.peer_id in node.checks.scores.flagged()
     assert not node.checks.scores.proven(A.peer_id)
+
+
+def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_path) -> None:
+    world = _world()
+    cfg = world.cfg
+    model = build_model(cfg.model, seed=0)
+    stream = assigned_stream(world.corpus.train, 8, cfg.model.context, RUN, A.peer_id, 1)
+    trainer = InnerTrainer(model, cfg.train, stream)
+    spill = tmp_path / "trace"
+    tracer = Tracer(A, RUN, 2, 1, spill=spill, memory=0)
+    work = WorkLog(1, batch=8)
+    work.assign(1)
+    for _ in range(4):
+        tracer.before(model, trainer.optimizer, trainer.steps, (work.stream, work.position))
+        tracer.after(model, trainer.step().loss)
+        work.trained(1)
+    claim = tracer.claim(work.take(0), 1, 0)
+    files = sorted(spill.glob("*.state"))
+    assert len(files) == 2 and not list(spill.glob("*.part"))
+    assert tracer.summary() == {"snapshots": 2, "kept_bytes": sum(f.stat().st_size for f in files)}
+    trace = open_trace(asyncio.run(tracer.serve("c", msgpack.packb(["trace", 1, 0]))), RUN)
+    assert trace.digest == claim.trace
+    state = asyncio.run(tracer.serve("c", msgpack.packb(["state", trace.windows[1].state])))
+    assert state == files[[f.stem for f in files].index(trace.windows[1].state)].read_bytes()
+    # the claim's trace is dropped three rounds on: its states with it
+    tracer.claim(dataclasses.replace(claim, spans=((9, 0, 1),)), 1 + 3, 0)
+    tracer.keep([])
+    assert not list(spill.glob("*.state"))
+    tracer.close()
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "muon", "sgd"])
+def test_every_inner_optimizer_replays(optimizer: str) -> None:
+    world = _world(overrides=(f"train.optimizer='{optimizer}'",))
+    member = _train(world, steps=4, window=2)
+    records = _every_window(world, member)
+    assert [r.passed for r in records] == [True, True], [r.why for r in records]
+    lazy = _train(world, steps=4, window=2, share=0.5)
+    assert not any(r.passed for r in _every_window(world, lazy))

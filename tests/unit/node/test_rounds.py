@@ -54,6 +54,7 @@ def _network(live: set[str]) -> Any:
         syncer=SimpleNamespace(),
         deadlines=Deadlines(),
         checks=None,
+        tracer=None,
         live_peers=lambda: live,
         heard=set,
     )
