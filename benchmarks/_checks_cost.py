@@ -2,8 +2,9 @@
 with checks against without, side by side.
 
 Two workloads, each a clean swarm of real node processes on 127.0.0.1 run twice, with
-the checks (``trust.checkers = 2``, every other ``trust.check*`` key at its default: 16
-windows, one fragment of each contributor a round, a budget of 5 % of training time)
+the checks (``trust.checkers = 2`` and replay checks in windows of 4 steps,
+``trust.replay_steps = 4``; every other ``trust.check*`` key at its default: 16 windows,
+one fragment of each contributor a round, a budget of 5 % of training time)
 and without (``trust.checkers = 0``), the runs alternating (with, without, without,
 with in the full mode) so that a machine getting busier favours neither:
 
@@ -68,7 +69,7 @@ COST_CASES = {
         shards=True,
     ),
 }
-_CHECKS = ("trust.checkers=2", "trust.aggregator='centered_clip'")
+_CHECKS = ("trust.checkers=2", "trust.aggregator='centered_clip'", "trust.replay_steps=4")
 
 
 def overrides_of(case: CostCase, checks: bool, shards: pathlib.Path | None) -> list[str]:
@@ -120,6 +121,10 @@ def _one(
                     "made": counts.get("made"),
                     "taken": counts.get("taken"),
                     "skipped": counts.get("skipped"),
+                    "replayed_steps": counts.get("replayed_steps"),
+                    "trace_kept_bytes": (rounds_seen[-1].get("trace") or {}).get("kept_bytes")
+                    if rounds_seen
+                    else None,
                 }
             )
         error = (

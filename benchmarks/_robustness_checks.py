@@ -4,7 +4,8 @@ in every swarm shape, what it takes of the aggregate meanwhile, and what the che
 Every run is a real swarm of node processes on 127.0.0.1 (``node.swarm``) with the small
 model of :mod:`benchmarks.robustness`, int8, two fragments, rounds of 24 inner steps,
 centered clipping with screening, ``trust.checkers = 2`` on both fragments from round 3
-(a flagged peer sits out 10 rounds), for 10 rounds. The checks run unpaced here
+with replay checks in windows of 4 steps (``trust.replay_steps = 4``; a flagged peer
+sits out 10 rounds), for 10 rounds. The checks run unpaced here
 (``trust.check_budget = 1``): on a model this small, rounds this short hold too little
 training for the default 5 % budget (what they cost at realistic lengths is the cost
 part, :mod:`benchmarks._checks_cost`). Swarm shapes, each larger than one group but the
@@ -63,6 +64,7 @@ CHECKS = (
     "trust.check_from_round=3",
     "trust.check_budget=1.0",
     "trust.quarantine_rounds=10",
+    "trust.replay_steps=4",
 )
 _ROUNDS = 10
 _SMOKE = ("sync.inner_steps=8", "trust.check_from_round=2", "trust.check_min_records=2")
@@ -210,7 +212,19 @@ def _problem(nodes: list, finished: bool, reached: int, rounds: int) -> str | No
     return None
 
 
-_COUNTS = ("made", "taken", "recomputed", "refused", "unserved", "forwards", "bytes_fetched")
+_COUNTS = (
+    "made",
+    "taken",
+    "recomputed",
+    "refused",
+    "unserved",
+    "forwards",
+    "bytes_fetched",
+    "replayed",
+    "replay_failed",
+    "replays_confirmed",
+    "replayed_steps",
+)
 
 
 def _measure(
@@ -236,6 +250,12 @@ def _measure(
         "honest_charges": _honest_charges(ids, honest, honest_ids),
         "honest_outliers": _honest_charges(ids, honest, honest_ids, "outlier"),
         "charged_records": _charged_records(ids, honest, honest_ids),
+        "honest_replays_failed": [
+            [e["round"], e["checker"][-6:], e["peer"][-6:], e["why"]]
+            for log in honest.values()
+            for e in log
+            if e["event"] == "replay" and e["peer"] in honest_ids and not e["passed"]
+        ],
         "check_log": check_log(ids, honest),
         "checked_rounds": _checked_rounds(rounds, from_round),
         "round_seconds_checked": _round_seconds(rounds.values(), from_round),
@@ -268,6 +288,12 @@ def _caught(
         bool(r and peer in (r[-1].get("checks") or {}).get("flagged", [])) for r in rounds.values()
     )
     factors = _factors(peer, logs)
+    failed = [
+        (i, e)
+        for i, log in logs.items()
+        for e in log
+        if e["event"] == "replay" and e.get("peer") == peer and not e["passed"]
+    ]
     flagged_at = max(got) if len(got) == len(rounds) and got else None
     before = [f for r, f in factors.items() if flagged_at is None or r < flagged_at]
     share = [f / (f + group - 1) for f in before]
@@ -279,7 +305,11 @@ def _caught(
         "honest_nodes": len(rounds),
         "first_round_by_node": {str(i): r for i, r in firsts.items()},
         "checks_flagged_by": by_checks,
-        "flagged_through": "checks" if by_checks else "screens" if got else "never",
+        "flagged_through": (
+            ("replay" if failed else "checks") if by_checks else "screens" if got else "never"
+        ),
+        "replay_failed_first": min((e["round"] for _, e in failed), default=None),
+        "replay_proven_by": len({i for i, e in failed if e.get("proven")}),
         "weight_factor_by_round": {str(r): round(f, 4) for r, f in factors.items()},
         "share_before_flag": round(_mean_of(share), 4) if share else None,
         "share_honest_equal": round(1 / group, 4),

@@ -60,6 +60,7 @@ def _by_attack(runs: list[dict]) -> dict[str, dict[str, Any]]:
 def _verdicts(attacks: dict[str, dict], costs: dict[str, dict], runs: list[dict]) -> dict:
     """Each goal, met or not (None where nothing measured it)."""
     charged = sum(len(r.get("honest_charges") or []) for r in runs)
+    replays = sum(len(r.get("honest_replays_failed") or []) for r in runs)
     outliers = sum(len(r.get("honest_outliers") or []) for r in runs)
     flagged = sum(len(r.get("honest_flagged_ever", [])) for r in runs)
     ratios = [a["bpb_ratio_to_clean_max"] for a in attacks.values()]
@@ -70,7 +71,8 @@ def _verdicts(attacks: dict[str, dict], costs: dict[str, dict], runs: list[dict]
             for k, a in attacks.items()
             if a["goal_rounds"]
         },
-        "honest_flagged": flagged == 0 and charged == 0,
+        "honest_flagged": flagged == 0 and charged == 0 and replays == 0,
+        "honest_replays_failed_count": replays,
         "honest_flagged_count": flagged,
         "honest_charges_count": charged,
         "honest_outliers_count": outliers,
@@ -124,7 +126,10 @@ _NOTES = {
     "round event's flagged (quarantined or banned by the verifier) holds it; per attack, "
     "the latest over its runs, None unless every honest node flagged every attacker",
     "flagged_through": "checks: the attacker is in checks.flagged of an honest node's last "
-    "round event; screens: flagged by the verifier but not by the checks; never",
+    "round event; replay: so, and a replay of its trace failed on an honest node; "
+    "screens: flagged by the verifier but not by the checks; never",
+    "honest_replays_failed": "every replay of an honest peer's window that failed on an "
+    "honest node (round, checker, peer, why)",
     "share_before_flag": "the attacker's weight factor (from the honest nodes' check "
     "events, median over nodes) as a share of a group of equal claims, f / (f + G - 1), "
     "averaged over the rounds before it was flagged; share_honest_equal is 1 / G",

@@ -123,11 +123,11 @@ class TrustPolicy:
             forward passes may take (they run on a worker thread beside training, and
             each check waits while they are over it).
         replay_steps: with checks on, every node traces its training in windows of at
-            most this many inner steps (a start state kept per window) and each checker
-            trains one drawn window of the contribution it checks again
+            most this many inner steps (a start state kept per window) and the first
+            checker drawn for a contribution trains one drawn window of it again
             (:mod:`verification.replay`): a window the member did not train does not
-            replay. 0 turns replay checks off. Longer windows keep fewer states and
-            cost a checker more steps per check.
+            replay. 0 turns replay checks off, and so does ``checkers = 0``. Longer
+            windows keep fewer states and cost a checker more steps per check.
         replay_tolerance: the largest distance a replayed window's change may lie from
             the recorded one (relative to its size), and the largest difference of a
             step's loss (relative to the loss, at least 1), before the replay fails.
@@ -195,11 +195,6 @@ class TrustPolicy:
             # Such a node would refuse every peer; almost surely a forgotten allow list.
             raise ValueError("accept_unknown = false with an empty allow list admits no peer")
         _check_aggregator(self.aggregator, self.aggregator_params)
-        if self.replay_steps and not self.checkers:
-            raise ValueError(
-                "trust.replay_steps needs trust.checkers > 0: windows are replayed by the "
-                "checkers drawn for a contribution"
-            )
         return self
 
     def admits(self, peer: str) -> tuple[bool, str]:
