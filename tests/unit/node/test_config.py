@@ -169,3 +169,16 @@ def test_topk_refuses_coordinatewise_aggregators_naming_both_keys(aggregator: st
         params = ["trust.aggregator_params={f = 0}"] if accepted == "krum" else []
         cfg = load_config(None, ["sync.codec='topk'", f"trust.aggregator='{accepted}'", *params])
         assert cfg.trust.aggregator == accepted
+
+
+def test_replay_checks_are_refused_on_an_fsdp_site_with_what_to_do():
+    with pytest.raises(ConfigError, match="trust.replay_steps with train.sharding = 'fsdp'"):
+        load_config(None, ["trust.checkers=2", "trust.replay_steps=4", "train.sharding='fsdp'"])
+    # off, it is not in the way
+    assert load_config(None, ["train.sharding='fsdp'"]).trust.replay_steps == 0
+
+
+def test_the_public_swarm_config_replays_windows():
+    root = __import__("pathlib").Path(__file__).resolve().parents[3]
+    cfg = load_config(root / "configs" / "volunteer.toml")
+    assert cfg.trust.checkers == 2 and cfg.trust.replay_steps == 8
