@@ -179,6 +179,5 @@ def test_replay_checks_are_refused_on_an_fsdp_site_with_what_to_do():
 
 
 def test_the_public_swarm_config_replays_windows():
-    root = __import__("pathlib").Path(__file__).resolve().parents[3]
-    cfg = load_config(root / "configs" / "volunteer.toml")
+    cfg = load_config(Path(__file__).resolve().parents[3] / "configs" / "volunteer.toml")
     assert cfg.trust.checkers == 2 and cfg.trust.replay_steps == 8
