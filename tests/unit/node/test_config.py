@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from node.config import AtollConfig, ConfigError, load_config, parse_overrides
