@@ -118,7 +118,9 @@ class Replayer:
         self, checker: str, peer: str, key: tuple[int, int], claim: WorkClaim, seed: bytes
     ) -> ReplayRecord | None:
         """``checker``'s unsigned replay record of ``peer``'s contribution to exchange
-        ``key``, trained on ``claim``; None when the member could not be asked."""
+        ``key``, trained on ``claim``; None when the member could not be asked or did
+        not serve its trace or the window's start state (a node that restarted holds
+        neither: not served counts against no one, as a contribution not served)."""
         round_, fragment = key
 
         def failed(
@@ -135,7 +137,7 @@ class Replayer:
         except Unavailable:
             return None
         if not data:
-            return failed("it served no trace")
+            return None  # not kept (a restart lost it): not served, against no one
         try:
             trace = open_trace(data, self.settings.run_id, peer)
         except ReplayError as exc:
@@ -153,7 +155,7 @@ class Replayer:
         except Unavailable:
             return None
         if not state:
-            return failed("it served no start state", data, index, state=False)
+            return None
         if state_digest(state) != trace.windows[index].state:
             return failed("its start state is not the one its trace names", data, index, False)
         return self.judge(checker, trace, data, index, state)

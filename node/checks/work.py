@@ -131,6 +131,7 @@ class UsefulWork:
             "replayed": 0,
             "replay_failed": 0,
             "replays_confirmed": 0,
+            "replay_unserved": 0,
         }
         self.seconds = 0.0
         """Time the worker spent checking (fetching, measuring, judging), in total."""
@@ -300,7 +301,7 @@ class UsefulWork:
         seed = inputs.seed(self.settings.run_id, fragment)
         made = self.replayer.check(self.me, peer, (inputs.round, fragment), claim, seed)
         if made is None:
-            self.counts["unserved"] += 1
+            self.counts["replay_unserved"] += 1
             return
         self.counts["replayed"] += 1
         record = made.signed(self.identity)
