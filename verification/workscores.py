@@ -179,6 +179,8 @@ class Scores:
     two variances: the records' scatter about that ratio (which takes in everything that
     differs from record to record: the text, the checker, how far the peer's copy had
     come) and their windows' standard errors. The specific ratio likewise from lifts.
+    Failed replay checks (:mod:`verification.replay`) flag a peer besides: one this
+    node replayed itself at once, others' words from two checkers (:meth:`replay_failed`).
 
     Thread-safe: records are added on the checks' worker, weights read on the
     transport's loop.
