@@ -26,8 +26,9 @@ cannot move. A contribution's *work ratio* is its gain over the reference gain, 
 *specific ratio* its lift over the reference lift.
 
 One record is noisy (single honest records on the test model gave specific ratios from
-below zero to above four), so :class:`Scores` pools a peer's newest records with the
-ratio estimator: the sum of their values over the sum of their rounds' references, with
+below zero to above four), so :class:`Scores` pools a peer's records of its newest
+rounds (``trust.check_rounds``), each first held within ``1 ± CLIP`` times its round's
+reference, with the ratio estimator: the sum of their values over the sum of their rounds' references, with
 an interval from the larger of the records' scatter about that ratio and their windows'
 standard errors. A peer *falls short* when even the upper end of its pooled work ratio's
 one-sided interval (:data:`Z` standard errors) is below the policy's ``check_min_work``,
@@ -38,7 +39,8 @@ short with any one checker's records left out, so one checker, lying or unlucky,
 get an honest peer flagged, and with any one round's, so one round cannot either.
 :meth:`Scores.factor` is the share of its claimed weight a peer's contributions keep in
 an aggregate: its pooled work ratio over :data:`WORK_FULL`, at most one, so partial work
-buys partial influence before any flag.
+buys partial influence before any flag. A failed replay check
+(:mod:`verification.replay`) flags its peer besides, with a weight factor of 0.
 """
 
 from __future__ import annotations
