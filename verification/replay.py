@@ -62,7 +62,6 @@ __all__ = [
     "is_replay_record",
     "open_replay_record",
     "open_trace",
-    "state_digest",
 ]
 
 SKETCH_SIZE = 64
@@ -76,7 +75,6 @@ messages are at most 256 KiB)."""
 _MAX_STEPS = 1024
 _TRACE_DOMAIN = b"atoll/trace/v1\0"
 _REPLAY_DOMAIN = b"atoll/replay/v1\0"
-_STATE_DOMAIN = b"atoll/train-state/v1\0"
 _SKETCH_DOMAIN = b"atoll/sketch/v1\0"
 _VERSION = 1
 _REPLAY_TAG = msgpack.packb(["replay", b"", b""])[:8]
@@ -92,48 +90,49 @@ class ReplayError(ValueError):
         self.detail = detail
 
 
-def state_digest(packed: bytes) -> str:
-    """The hex digest a window's packed start state is committed to."""
-    return hashlib.sha256(_STATE_DOMAIN + packed).hexdigest()
-
-
 class Sketcher:
-    """CountSketches of a model's parameters, the same on every node of a run.
+    """Sketches of a model's parameters, the same on every node of a run.
 
     Each parameter tensor ``i`` (in the model's order) gets, from the run's seed, a
-    bucket in ``[0, SKETCH_SIZE)`` and a sign for every element; a sketch is the 64
-    bucket sums, in float64. Linear: the sketch of a change is the change of the
-    sketches. The buckets are drawn once per tensor and kept (5 bytes a parameter).
+    random sign for every element; its signed elements are cut into
+    :data:`SKETCH_SIZE` runs of consecutive ones (the last run also takes the
+    remainder), and a sketch is each run's sum, added over tensors. Linear: the sketch of
+    a change is the change of the sketches; and its size keeps a change's size on
+    average (each sum is a random-sign sum of its elements). The signs are drawn once
+    per tensor and kept (4 bytes a parameter); the sums are float32 reductions (one pass
+    over the parameters), returned as float64 on the CPU.
     """
 
     def __init__(self, run_id: str, size: int = SKETCH_SIZE) -> None:
         self.run_id = run_id
         self.size = size
-        self._drawn: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._signs: dict[tuple[int, int, str], torch.Tensor] = {}
 
-    def _buckets(self, index: int, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _signs_of(self, index: int, t: torch.Tensor) -> torch.Tensor:
         key = (index, t.numel(), str(t.device))
-        if key not in self._drawn:
+        if key not in self._signs:
             h = hashlib.sha256(_SKETCH_DOMAIN + f"{self.run_id}/{index}/{t.numel()}".encode())
             g = torch.Generator().manual_seed(int.from_bytes(h.digest()[:8], "big") >> 1)
-            drawn = torch.randint(0, 2 * self.size, (t.numel(),), generator=g)
-            bucket = (drawn % self.size).to(torch.int32)
-            sign = (1 - 2 * (drawn // self.size)).to(torch.int8)
-            self._drawn[key] = (bucket.to(t.device), sign.to(t.device))
-        return self._drawn[key]
+            bits = torch.randint(0, 2, (t.numel(),), generator=g, dtype=torch.int8)
+            self._signs[key] = (1 - 2 * bits).to(torch.float32).to(t.device)
+        return self._signs[key]
 
     @torch.no_grad()
     def sketch(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-        """The sketch of ``tensors`` (a model's parameters, in its order), float64 on the CPU."""
-        out: torch.Tensor | None = None
+        """The sketch of ``tensors`` (a model's parameters, in its order)."""
+        out = torch.zeros(self.size, dtype=torch.float64)
+        k = self.size
         for i, t in enumerate(tensors):
-            bucket, sign = self._buckets(i, t)
-            if out is None:
-                out = torch.zeros(self.size, dtype=torch.float64, device=t.device)
-            out.index_add_(0, bucket, t.detach().reshape(-1).double() * sign)
-        if out is None:
-            return torch.zeros(self.size, dtype=torch.float64)
-        return out.cpu()
+            x = t.detach().reshape(-1).float()
+            signs = self._signs_of(i, t)
+            n = x.numel() // k * k
+            sums = torch.zeros(k, dtype=torch.float32, device=x.device)
+            if n:
+                sums += (x[:n].view(k, -1) * signs[:n].view(k, -1)).sum(1)
+            if n < x.numel():
+                sums[k - 1] += (x[n:] * signs[n:]).sum()
+            out += sums.double().cpu()
+        return out
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,7 @@ class TraceWindow:
         steps: steps in the window.
         accum: draws per step (``train.grad_accum``).
         step: the trainer's step count at the window's start (the learning rate's).
-        state: :func:`state_digest` of the packed start state.
+        state: the BLAKE3 digest of the packed start state (:class:`node.trace.Snapshot`).
         losses: each step's mean loss.
         change: the sketch of the parameters' change over the window.
     """

@@ -27,7 +27,7 @@ from torch import nn
 
 from node.config import TrainConfig
 from node.data import DataError, assigned_stream, site_slice
-from node.trace import StateError, load_state
+from node.trace import StateError, load_state, state_digest
 from node.trainer import lr_at, make_inner_optimizer, replay_step
 from protocol.averaging.contributions import WorkClaim
 from verification.replay import (
@@ -40,7 +40,6 @@ from verification.replay import (
     covers,
     drawn_window,
     open_trace,
-    state_digest,
 )
 
 __all__ = ["Fetch", "ReplaySettings", "Replayer", "Unavailable"]

@@ -41,6 +41,7 @@ from node.checks.inputs import CheckSettings, ExchangeBase, RoundBook, RoundInpu
 from node.checks.judge import believe
 from node.checks.measure import Checked, Measurer
 from node.checks.replay import Replayer, Unavailable
+from node.trace import state_digest
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.replay import (
@@ -48,7 +49,6 @@ from verification.replay import (
     ReplayRecord,
     is_replay_record,
     open_replay_record,
-    state_digest,
 )
 from verification.usefulness import (
     CheckRecord,

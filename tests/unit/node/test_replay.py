@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import struct
 from types import SimpleNamespace
 
 import msgpack
@@ -22,7 +23,7 @@ from node.config import load_config
 from node.data import assigned_stream, load_data
 from node.model import build_model
 from node.swarm import QUICK_WORKLOAD
-from node.trace import StateError, Tracer, load_state, pack_state
+from node.trace import Snapshot, StateError, Tracer, load_state, pack_state, state_digest
 from node.trainer import InnerTrainer, make_inner_optimizer
 from protocol.errors import ProtocolError
 from verification.identity import Identity
@@ -232,22 +233,23 @@ def test_a_packed_state_loads_only_into_its_model_and_optimizer() -> None:
         load_state(b"junk", list(other.parameters()), other_opt)
     with pytest.raises(StateError, match="not this model"):
         load_state(packed, list(other.parameters())[:-1], other_opt)
-    fields = msgpack.unpackb(packed, raw=False, strict_map_key=False)
-    fields["params"][0][2] = fields["params"][0][2][:-4]
-    with pytest.raises(StateError, match="bytes do not match"):
-        load_state(msgpack.packb(fields), list(other.parameters()), other_opt)
-    fields = msgpack.unpackb(packed, raw=False, strict_map_key=False)
-    nan = torch.full((4,), float("nan")).numpy().tobytes()
-    fields["params"][-1] = (
-        ["float32", [4], nan] if list(model.parameters())[-1].numel() == 4 else fields["params"][-1]
-    )
-    fields["params"][0] = [
-        "float32",
-        list(fields["params"][0][1]),
-        torch.full(list(fields["params"][0][1]), float("nan")).numpy().tobytes(),
-    ]
+    # bytes cut short, or one byte more, or a header that runs past the end
+    with pytest.raises(StateError, match="run past its end|do not match"):
+        load_state(packed[:-4], list(other.parameters()), other_opt)
+    with pytest.raises(StateError, match="do not match"):
+        load_state(packed + b"\x00", list(other.parameters()), other_opt)
+    with pytest.raises(StateError, match="header runs past"):
+        load_state(struct.pack("<Q", 1 << 40) + packed[8:], list(other.parameters()), other_opt)
+    # a state whose first parameter is NaN: refused before anything is written
+    (length,) = struct.unpack("<Q", packed[:8])
+    first = list(model.parameters())[0]
+    nan = torch.full_like(first, float("nan")).reshape(-1).view(torch.uint8).numpy().tobytes()
+    poisoned = packed[: 8 + length] + nan + packed[8 + length + len(nan) :]
     with pytest.raises(StateError, match="non-finite"):
-        load_state(msgpack.packb(fields), list(other.parameters()), other_opt)
+        load_state(poisoned, list(other.parameters()), other_opt)
+    assert pack_state(list(other.parameters()), other_opt) == packed
+    # the digest a trace names is the packed bytes'
+    assert Snapshot(list(model.parameters()), optimizer).digest == state_digest(packed)
 
 
 def test_the_tracer_serves_what_it_keeps_and_refuses_malformed_requests() -> None:

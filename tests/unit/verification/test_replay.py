@@ -25,7 +25,6 @@ from verification.replay import (
     is_replay_record,
     open_replay_record,
     open_trace,
-    state_digest,
 )
 from verification.workscores import Scores
 
@@ -39,7 +38,7 @@ def _window(stream: int = 3, start: int = 0, steps: int = 2, change: float = 1.0
         steps,
         1,
         10 + start,
-        state_digest(b"s%d" % start),
+        f"{start:064x}",
         (2.0,) * steps,
         (change,) * SKETCH_SIZE,
     )
