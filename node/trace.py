@@ -328,6 +328,9 @@ class Tracer:
         self._done: list[TraceWindow] = []
         self.spill = spill
         self.memory = memory
+        if spill is not None and spill.is_dir():  # left by a node that did not stop cleanly
+            for stale in [*spill.glob("*.state"), *spill.glob("*.part")]:
+                stale.unlink(missing_ok=True)
         self._states: dict[str, Snapshot | Path] = {}
         self._in_memory = 0
         self._traces: dict[tuple[int, int], tuple[bytes, tuple[str, ...]]] = {}

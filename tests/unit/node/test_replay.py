@@ -380,6 +380,11 @@ def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_pat
     tracer.keep([])
     assert not list(spill.glob("*.state"))
     tracer.close()
+    # files a node that did not stop cleanly left are removed by the next one
+    (spill / "old.state").write_bytes(b"x")
+    (spill / "old.part").write_bytes(b"x")
+    Tracer(A, RUN, 2, 1, spill=spill, memory=0)
+    assert not list(spill.iterdir())
 
 
 @pytest.mark.parametrize("optimizer", ["soap", "muon", "sgd"])
