@@ -385,8 +385,11 @@ def _swarm_side(
     exchange = FragmentExchange(transport, identity, allreduce, settings)
     checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
     tracer = None
-    if checks is not None:
-        tracer = _tracer(cfg, inputs.identity, transport, inputs.data_dir / "trace")
+    if checks is not None and cfg.trust.replay_steps:
+        # this node's trace of its training, served to its checkers (node/trace.py)
+        steps, accum = cfg.trust.replay_steps, cfg.train.grad_accum
+        tracer = Tracer(identity, cfg.run.run_id, steps, accum, inputs.data_dir / "trace")
+        transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
     deadlines = Deadlines(cfg.network.adaptive_deadlines)
     syncer = Syncer(
         cfg,
@@ -471,19 +474,6 @@ def _useful_work(
     )
     control.on_check = checks.receive
     return checks
-
-
-def _tracer(
-    cfg: AtollConfig, identity: Identity, transport: Transport, spill: Path
-) -> Tracer | None:
-    """This node's trace of its training, served on :data:`~node.trace.REPLAY_RPC`, when
-    the run replays (``trust.replay_steps``); start states beyond 1 GiB go to ``spill``."""
-    if not cfg.trust.replay_steps:
-        return None
-    t = cfg.trust
-    tracer = Tracer(identity, cfg.run.run_id, t.replay_steps, cfg.train.grad_accum, spill)
-    transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
-    return tracer
 
 
 def _load_meter(transport: Transport, control: ControlPlane | None) -> LoadMeter:

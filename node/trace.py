@@ -2,8 +2,8 @@
 
 With ``trust.replay_steps = w`` the training loop tells :class:`Tracer` about every
 inner step. The tracer cuts the steps into windows of at most ``w``: a window starts
-with a snapshot of the trained model's parameters and inner optimizer state (packed by
-:func:`pack_state`, kept in memory under its digest) and ends after ``w`` steps, or
+with a snapshot of the trained model's parameters and inner optimizer state
+(:class:`node.trainstate.Snapshot`, kept in memory under its digest) and ends after ``w`` steps, or
 earlier where anything but an inner step changed the parameters (a sync applied, a
 catch-up: values probed before a step differ from those after the step before), the
 stream changed, or a sync takes its claim. When a sync takes its claim
@@ -22,34 +22,24 @@ it: in memory up to :data:`MEMORY_BYTES`, beyond that in files of the node's
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import blake3
 import msgpack
 import torch
 from torch import nn
 
+from node.trainstate import Snapshot
 from protocol.averaging.contributions import ROUNDS_KEPT, WorkClaim
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.replay import Sketcher, Trace, TraceWindow
 
-__all__ = [
-    "REPLAY_RPC",
-    "Snapshot",
-    "StateError",
-    "Tracer",
-    "load_state",
-    "pack_state",
-    "state_digest",
-]
+__all__ = ["REPLAY_RPC", "Tracer"]
 
 REPLAY_RPC = "atoll.replay"
 """``msgpack(["trace", round, fragment])`` for a signed trace, ``msgpack(["state",
@@ -60,218 +50,6 @@ _PROBES = 16
 """Values of each parameter tensor probed before and after every step."""
 MEMORY_BYTES = 1 << 30
 """Bytes of start states a node keeps in memory; beyond them, in files."""
-_VERSION = 2
-_MAX_HEADER = 64 << 20
-_STATE_DOMAIN = b"atoll/train-state/v2\0"
-_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
-
-
-class StateError(ValueError):
-    """A packed training state that does not fit the model or its optimizer."""
-
-
-class Snapshot:
-    """A window's start state, copied: the parameters and the optimizer's buffers (on
-    the CPU), and the structure around them. Packed only when served:
-    ``u64 header length | msgpack header | every tensor's bytes, in order``, where the
-    header lists each tensor's dtype and shape and holds the optimizers' state with each
-    tensor as ``{"__t": index}``. Its digest is BLAKE3 over those bytes, taken here over
-    the copies, without packing them."""
-
-    def __init__(
-        self, params: Sequence[torch.Tensor], optimizer: Any, reuse: Snapshot | None = None
-    ) -> None:
-        self._reuse = reuse.tensors if reuse is not None else []
-        self.tensors: list[torch.Tensor] = []
-        with torch.no_grad():
-            for p in params:
-                self._keep(p)
-            states = [
-                {
-                    "state": self._tree(s["state"]),
-                    "steps": [g.get("step") for g in s["param_groups"]],
-                }
-                for s in _optimizer_states(optimizer)
-            ]
-        described = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in self.tensors]
-        self.header = msgpack.packb(
-            {"v": _VERSION, "params": len(params), "tensors": described, "state": states},
-            use_bin_type=True,
-        )
-        h = blake3.blake3(_STATE_DOMAIN)
-        h.update(struct.pack("<Q", len(self.header)))
-        h.update(self.header)
-        for t in self.tensors:
-            h.update(_raw(t))
-        self.digest = h.hexdigest()
-        self._reuse = []
-        self.size = 8 + len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def _keep(self, t: torch.Tensor) -> int:
-        """Copy ``t`` into the snapshot (into a dropped one's tensor where it fits: writing
-        into memory already mapped is about twice as fast as a fresh copy)."""
-        i = len(self.tensors)
-        old = self._reuse[i] if i < len(self._reuse) else None
-        if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-            self.tensors.append(old.copy_(t.detach()))
-        else:
-            self.tensors.append(t.detach().to("cpu", copy=True).contiguous())
-        return i
-
-    def _tree(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {"__t": self._keep(value)}
-        if isinstance(value, dict):
-            return {k: self._tree(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [self._tree(v) for v in value]
-        return value
-
-    def pack(self) -> bytes:
-        return b"".join(
-            [struct.pack("<Q", len(self.header)), self.header, *(_raw(t) for t in self.tensors)]
-        )
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def state_digest(packed: bytes) -> str:
-    """The digest a trace names a packed start state by (:class:`Snapshot`)."""
-    return blake3.blake3(_STATE_DOMAIN + packed).hexdigest()
-
-
-def pack_state(params: Sequence[torch.Tensor], optimizer: Any) -> bytes:
-    """The parameters' values and the inner optimizer's state, packed (a window's start)."""
-    return Snapshot(params, optimizer).pack()
-
-
-def _unpack(data: bytes) -> tuple[int, list[torch.Tensor], Any]:
-    """``(parameters, tensors, optimizers' states)`` of a packed state."""
-    if not isinstance(data, bytes) or len(data) < 8:
-        raise StateError("not a packed state")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > min(len(data) - 8, _MAX_HEADER):
-        raise StateError("a packed state's header runs past its end")
-    try:
-        fields = msgpack.unpackb(data[8 : 8 + length], raw=False, strict_map_key=False)
-    except Exception as exc:
-        raise StateError(f"not a packed state: {type(exc).__name__}") from None
-    if not isinstance(fields, dict) or set(fields) != {"v", "params", "tensors", "state"}:
-        raise StateError("a packed state holds v, params, tensors and state")
-    if fields["v"] != _VERSION or not isinstance(fields["tensors"], list):
-        raise StateError(f"not a version-{_VERSION} state")
-    tensors, at = [], 8 + length
-    for described in fields["tensors"]:
-        if not isinstance(described, list) or len(described) != 2:
-            raise StateError("a tensor is described by [dtype, shape]")
-        dtype, shape = described
-        if dtype not in _DTYPES or not isinstance(shape, list):
-            raise StateError(f"a tensor of dtype {dtype!r}")
-        if not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**40 for n in shape
-        ):
-            raise StateError("a tensor's shape holds sizes")
-        dt = _DTYPES[dtype]
-        size = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        if at + size > len(data):
-            raise StateError("a packed state's tensors run past its end")
-        raw = bytearray(data[at : at + size])
-        tensors.append(
-            torch.frombuffer(raw, dtype=dt).reshape(shape) if size else torch.empty(shape, dtype=dt)
-        )
-        at += size
-    if at != len(data):
-        raise StateError("a packed state's bytes do not match its tensors")
-    count = fields["params"]
-    if not isinstance(count, int) or not 0 <= count <= len(tensors):
-        raise StateError("a packed state's parameter count is out of range")
-    return count, tensors, fields["state"]
-
-
-def _untree(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
-    if depth > 8:
-        raise StateError("an optimizer state nested too deep")
-    if isinstance(value, dict):
-        if set(value) == {"__t"}:
-            index = value["__t"]
-            if not isinstance(index, int) or not 0 <= index < len(tensors):
-                raise StateError("an optimizer state names a tensor it does not hold")
-            return tensors[index]
-        if not all(isinstance(k, int | str) for k in value):
-            raise StateError("an optimizer state's keys are indices or names")
-        return {k: _untree(v, tensors, depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_untree(v, tensors, depth + 1) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    raise StateError(f"an optimizer state holds a {type(value).__name__}")
-
-
-def _optimizer_states(optimizer: Any) -> list[dict]:
-    state = optimizer.state_dict()
-    return list(state["optimizers"]) if "optimizers" in state else [state]
-
-
-def load_state(data: bytes, params: Sequence[torch.Tensor], optimizer: Any) -> None:
-    """Set ``params`` and ``optimizer`` (of the same model and ``train.optimizer``) to a
-    packed state. The optimizer keeps its own hyperparameters: a state sets only the
-    values and the per-parameter buffers.
-
-    Raises:
-        StateError: the bytes are malformed or do not fit the model or its optimizer.
-    """
-    count, tensors, states = _unpack(data)
-    values = tensors[:count]
-    if len(values) != len(params) or any(
-        v.shape != p.shape or v.dtype != p.dtype for v, p in zip(values, params, strict=True)
-    ):
-        raise StateError("its parameters are not this model's")
-    if not all(torch.isfinite(v).all() for v in values if v.is_floating_point()):
-        raise StateError("its parameters hold non-finite values")
-    own = _optimizer_states(optimizer)
-    if not isinstance(states, list) or len(states) != len(own):
-        raise StateError("its optimizer state is not this optimizer's")
-    loaded = [_optimizer_state(st, mine, tensors) for st, mine in zip(states, own, strict=True)]
-    with torch.no_grad():
-        for p, v in zip(params, values, strict=True):
-            p.copy_(v)
-    try:
-        if "optimizers" in optimizer.state_dict():
-            optimizer.load_state_dict({"optimizers": loaded})
-        else:
-            optimizer.load_state_dict(loaded[0])
-    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise StateError(f"its optimizer state does not load: {exc}") from None
-
-
-def _optimizer_state(served: Any, mine: dict, tensors: list[torch.Tensor]) -> dict:
-    """One optimizer's served buffers under this node's own hyperparameters: of a
-    parameter group only its step count (SOAP keeps one) is taken."""
-    if not isinstance(served, dict) or set(served) != {"state", "steps"}:
-        raise StateError("an optimizer's state holds its buffers and its groups' steps")
-    state, steps = _untree(served["state"], tensors), served["steps"]
-    if not isinstance(state, dict):
-        raise StateError("an optimizer state maps parameters to buffers")
-    groups = [dict(g) for g in mine["param_groups"]]
-    if not isinstance(steps, list) or len(steps) != len(groups):
-        raise StateError("an optimizer state's groups are not this optimizer's")
-    for group, step in zip(groups, steps, strict=True):
-        if step is None:
-            group.pop("step", None)
-        elif isinstance(step, int | float) and not isinstance(step, bool) and 0 <= step < 2**53:
-            group["step"] = step
-        else:
-            raise StateError("a group's step count is a number")
-    return {"state": state, "param_groups": groups}
 
 
 @dataclass

@@ -416,10 +416,6 @@ class ReplayRecord:
         """Whether others can replay it: the trace and the start state were served."""
         return self.opened is not None and self.state
 
-    @property
-    def key(self) -> tuple[str, str, int, int]:
-        return self.checker, self.peer, self.round, self.fragment
-
 
 def is_replay_record(data: bytes) -> bool:
     """Whether ``data`` on the ``check`` topic is a replay record (a check record is a

@@ -17,6 +17,7 @@ run's tokens can run it, in the member's group or not.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -27,8 +28,8 @@ from torch import nn
 
 from node.config import TrainConfig
 from node.data import DataError, assigned_stream, site_slice
-from node.trace import StateError, load_state, state_digest
 from node.trainer import lr_at, make_inner_optimizer, replay_step
+from node.trainstate import StateError, load_state, state_digest
 from protocol.averaging.contributions import WorkClaim
 from verification.replay import (
     ReplayError,
@@ -182,24 +183,12 @@ class Replayer:
         try:
             change, losses = self.replay(trace, window, state)
         except (StateError, DataError) as exc:
-            return ReplayRecord(
-                checker,
-                trace.peer,
-                trace.round,
-                trace.fragment,
-                data,
-                index,
-                False,
-                why=f"its window does not replay: {exc}",
-            )
-        distance, loss = agreement(window, change, losses)
-        tol = self.settings.tolerance
-        passed = distance <= tol and loss <= tol
-        why = (
-            ""
-            if passed
-            else f"replayed {distance:.3g} of its change apart, losses {loss:.3g} apart"
-        )
+            distance, loss, passed = 0.0, 0.0, False
+            why = f"its window does not replay: {exc}"
+        else:
+            distance, loss = agreement(window, change, losses)
+            passed = distance <= self.settings.tolerance and loss <= self.settings.tolerance
+            why = f"replayed {distance:.3g} of its change apart, losses {loss:.3g} apart"
         return ReplayRecord(
             checker,
             trace.peer,
@@ -210,8 +199,26 @@ class Replayer:
             passed,
             distance=distance,
             loss=loss,
-            why=why,
+            why="" if passed else why,
         )
+
+    def confirm(self, record: ReplayRecord, me: str) -> ReplayRecord | None:
+        """``me``'s own replay of another checker's failed ``record`` (which must hold its
+        evidence, :attr:`~verification.replay.ReplayRecord.proof`); None when the start
+        state could not be had."""
+        trace = record.opened
+        assert trace is not None
+        why = self.inconsistent(trace)
+        if why:  # false on its face: nothing to replay
+            return dataclasses.replace(record, checker=me, why=why)
+        window = trace.windows[record.window]
+        try:
+            state = self._ask(record.peer, ["state", window.state])
+        except Unavailable:
+            return None
+        if not state or state_digest(state) != window.state:
+            return None
+        return self.judge(me, trace, record.trace, record.window, state)
 
     # ---- the replay -------------------------------------------------------------------
 

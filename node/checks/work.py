@@ -33,23 +33,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from node.checks.fetch import Fetcher
 from node.checks.inputs import CheckSettings, ExchangeBase, RoundBook, RoundInputs
 from node.checks.judge import believe
 from node.checks.measure import Checked, Measurer
-from node.checks.replay import Replayer, Unavailable
-from node.trace import state_digest
+from node.checks.replay import Replayer
+from node.checks.replays import Outlets, ReplayChecks
 from protocol.errors import ProtocolError
 from verification.identity import Identity
-from verification.replay import (
-    ReplayError,
-    ReplayRecord,
-    is_replay_record,
-    open_replay_record,
-)
+from verification.replay import ReplayRecord, is_replay_record
 from verification.usefulness import (
     CheckRecord,
     RecordError,
@@ -119,7 +113,6 @@ class UsefulWork:
         self.publish = publish
         self.events = events
         self.training_seconds = training_seconds
-        self.replayer = replayer
         self.book = RoundBook(fragments)
         self.counts = {
             "made": 0,
@@ -135,6 +128,16 @@ class UsefulWork:
         }
         self.seconds = 0.0
         """Time the worker spent checking (fetching, measuring, judging), in total."""
+        self.replays = ReplayChecks(
+            replayer,
+            identity,
+            settings,
+            verifier,
+            fetcher,
+            self.counts,
+            Outlets(publish, events, self._charge, self._refuse),
+        )
+        """Replay checks: this node's, and other checkers' failed ones."""
         self._inputs: dict[int, RoundInputs | None] = {}
         """Rounds that ended here: their inputs, or None (went wrong, or incomplete)."""
         self._rounds: deque[RoundInputs] = deque()
@@ -218,8 +221,8 @@ class UsefulWork:
 
     def compute_seconds(self) -> float:
         """Time the checks' forward passes and replayed steps took so far."""
-        replayed = self.replayer.seconds if self.replayer is not None else 0.0
-        return self.measurer.seconds + replayed
+        replayer = self.replays.replayer
+        return self.measurer.seconds + (replayer.seconds if replayer is not None else 0.0)
 
     def _drop_behind(self) -> None:
         """Drop the checks of rounds more than :data:`_BEHIND` behind the newest that
@@ -279,39 +282,7 @@ class UsefulWork:
         self.counts["made"] += 1
         self.publish(record.to_bytes())
         self._count(record)
-        if self.replayer is not None and self._replays(inputs, fragment, peer):
-            self._replay(inputs, fragment, peer)
-
-    def _replays(self, inputs: RoundInputs, fragment: int, peer: str) -> bool:
-        """Whether this node is the checker of ``peer``'s contribution that replays a
-        window of it: the first the seed draws (one replay a contribution: a window the
-        member skipped fails it whoever replays)."""
-        exchange = inputs.exchanges[fragment]
-        seed = inputs.seed(self.settings.run_id, fragment)
-        drawn = checkers_for(seed, peer, exchange.contributors, self.settings.checkers)
-        return bool(drawn) and drawn[0] == self.me
-
-    def _replay(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
-        """Replay a window of ``peer``'s trace of its contribution to the exchange
-        (:mod:`node.checks.replay`); a failure is signed and gossiped."""
-        assert self.replayer is not None
-        claim = self.fetcher.get(peer, inputs.round, fragment).claim  # fetched: cached
-        if claim is None:
-            return  # nothing claimed, nothing to replay (a member without assigned data)
-        seed = inputs.seed(self.settings.run_id, fragment)
-        made = self.replayer.check(self.me, peer, (inputs.round, fragment), claim, seed)
-        if made is None:
-            self.counts["replay_unserved"] += 1
-            return
-        self.counts["replayed"] += 1
-        record = made.signed(self.identity)
-        if record.passed:
-            self._replayed(record, proven=False)
-            return
-        self.counts["replay_failed"] += 1
-        self.publish(record.to_bytes())
-        # this node replayed it: where the trace and state were served, that is proof
-        self._replayed(record, proven=record.proof or bool(record.trace and record.state))
+        self.replays.check(inputs, fragment, peer)
 
     def _measure(
         self, inputs: RoundInputs, fragment: int, peer: str, checker: str
@@ -342,7 +313,7 @@ class UsefulWork:
 
     def _judge(self, sender: str, data: bytes) -> None:
         if is_replay_record(data):
-            self._judge_replay(sender, data)
+            self.replays.judge(sender, data)
             return
         s = self.settings
         try:
@@ -379,115 +350,16 @@ class UsefulWork:
         self.counts["taken"] += 1
         self._count(record)
 
-    def _judge_replay(self, sender: str, data: bytes) -> None:
-        """Another checker's failed replay: replayed here where its evidence allows,
-        else counted on its checker's word (:meth:`~verification.workscores.Scores.replay_failed`)."""
-        try:
-            record = open_replay_record(data, self.settings.run_id)
-        except ReplayError as exc:
-            self.counts["refused"] += 1
-            logger.warning("replay record from %s refused: %s", sender[:16], exc)
-            return
-        if record.checker != sender or record.passed or record.peer == sender:
-            return  # only failures are gossiped, by their checker
-        if record.round < self.settings.from_round:
-            return
-        if self.verifier.blocks(record.checker, record.round) is not None:
-            return  # a quarantined or banned checker's word counts for nothing
-        if self.scores.proven(record.peer):
-            return  # already proven here: nothing to add
-        self.counts["taken"] += 1
-        if self.replayer is None or not record.proof:
-            self._replayed(record, proven=False)
-            return
-        mine = self._confirm(record)
-        if mine is None:
-            self._replayed(record, proven=False)  # the evidence could not be had: its word
-        elif not mine.passed:
-            self.counts["replays_confirmed"] += 1
-            self._replayed(mine, proven=True, checker=record.checker)
-        else:
-            why = "its failed replay does not reproduce: the window replays here"
-            self._refuse_replay(record, why)
-
-    def _confirm(self, record: ReplayRecord) -> ReplayRecord | None:
-        """This node's own replay of ``record``'s window (None: the start state could
-        not be had)."""
-        assert self.replayer is not None
-        trace = record.opened
-        assert trace is not None
-        why = self.replayer.inconsistent(trace)
-        if why:  # false on its face: nothing to replay
-            return replace(record, checker=self.me, why=why)
-        window = trace.windows[record.window]
-        try:
-            state = self.fetcher.replay(record.peer, ["state", window.state])
-        except Unavailable:
-            return None
-        if not state or state_digest(state) != window.state:
-            return None
-        return self.replayer.judge(self.me, trace, record.trace, record.window, state)
-
-    def _replayed(self, record: ReplayRecord, proven: bool, checker: str | None = None) -> None:
-        """Count a replay check's outcome (``checker``: whose record this node's replay
-        confirmed), and charge a peer its failures flag."""
-        checker = checker or record.checker
-        flagged = False
-        if not record.passed:
-            flagged = self.scores.replay_failed(record.peer, checker, record.round, proven)
-        self.events(
-            "replay",
-            checker=checker,
-            peer=record.peer,
-            round=record.round,
-            fragment=record.fragment,
-            window=record.window,
-            passed=record.passed,
-            distance=None if record.distance == float("inf") else round(record.distance, 6),
-            loss=round(record.loss, 6),
-            why=record.why,
-            proven=proven,
-            flagged=flagged,
-        )
-        key = (record.peer, record.round)
-        if flagged and key not in self._charged and record.peer != self.me:
-            self._charged.add(key)
-            self._charged = {k for k in self._charged if k[1] > record.round - _ROUNDS_KEPT}
-            how = "replayed here" if proven else f"on the word of {checker[:16]} and others"
-            self.verifier.standings.violation(
-                record.peer,
-                record.round,
-                record.fragment,
-                "useless_work",
-                f"window {record.window} of its trace does not replay ({how}): {record.why}",
-            )
-
-    def _refuse_replay(self, record: ReplayRecord, why: str) -> None:
+    def _refuse(self, record: CheckRecord | ReplayRecord, why: str) -> None:
+        """``record`` is false: its checker is charged for it."""
         self.counts["refused"] += 1
+        what = "replay record" if isinstance(record, ReplayRecord) else "record"
         self.verifier.standings.violation(
             record.checker,
             record.round,
             record.fragment,
             "bad_check_record",
-            f"its replay record of {record.peer[:16]}: {why}",
-        )
-        self.events(
-            "check_refused",
-            checker=record.checker,
-            peer=record.peer,
-            round=record.round,
-            fragment=record.fragment,
-            why=why,
-        )
-
-    def _refuse(self, record: CheckRecord, why: str) -> None:
-        self.counts["refused"] += 1
-        self.verifier.standings.violation(
-            record.checker,
-            record.round,
-            record.fragment,
-            "bad_check_record",
-            f"its record of {record.peer[:16]}: {why}",
+            f"its {what} of {record.peer[:16]}: {why}",
         )
         self.events(
             "check_refused",
@@ -518,18 +390,21 @@ class UsefulWork:
             factor=score["factor"],
             flagged=score["flagged"],
         )
-        key = (record.peer, record.round)
-        if score["flagged"] and key not in self._charged and record.peer != self.me:
-            self._charged.add(key)
-            self._charged = {k for k in self._charged if k[1] > record.round - _ROUNDS_KEPT}
-            self.verifier.standings.violation(
-                record.peer,
-                record.round,
-                record.fragment,
-                "useless_work",
+        if score["flagged"]:
+            why = (
                 f"pooled work ratio {score['work']} and specific ratio {score['specific']} "
-                f"over {score['records']} records from {score['checkers']} checkers",
+                f"over {score['records']} records from {score['checkers']} checkers"
             )
+            self._charge(record.peer, record.round, record.fragment, why)
+
+    def _charge(self, peer: str, round_: int, fragment: int, why: str) -> None:
+        """A ``useless_work`` violation for a flagged peer, once per round."""
+        key = (peer, round_)
+        if key in self._charged or peer == self.me:
+            return
+        self._charged.add(key)
+        self._charged = {k for k in self._charged if k[1] > round_ - _ROUNDS_KEPT}
+        self.verifier.standings.violation(peer, round_, fragment, "useless_work", why)
 
     # ---- reports ------------------------------------------------------------------------
 
@@ -539,7 +414,7 @@ class UsefulWork:
             **self.counts,
             "bytes_fetched": self.fetcher.bytes_fetched,
             "forwards": self.measurer.forwards,
-            "replayed_steps": self.replayer.steps if self.replayer is not None else 0,
+            "replayed_steps": self.replays.replayer.steps if self.replays.replayer else 0,
             "seconds": round(self.seconds, 3),
             "compute_seconds": round(self.compute_seconds(), 3),
             "flagged": sorted(self.scores.flagged()),

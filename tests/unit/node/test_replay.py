@@ -23,8 +23,9 @@ from node.config import load_config
 from node.data import assigned_stream, load_data
 from node.model import build_model
 from node.swarm import QUICK_WORKLOAD
-from node.trace import Snapshot, StateError, Tracer, load_state, pack_state, state_digest
+from node.trace import Tracer
 from node.trainer import InnerTrainer, make_inner_optimizer
+from node.trainstate import Snapshot, StateError, load_state, pack_state, state_digest
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.policy import TrustPolicy

@@ -126,7 +126,12 @@ def test_a_replay_record_carries_its_evidence_and_is_told_from_a_check_record() 
     assert is_replay_record(data) and not is_replay_record(msgpack.packb([b"body", b"sig"]))
     opened = open_replay_record(data, "run")
     assert opened.proof and opened.distance == math.inf and opened.opened == trace
-    assert opened.key == (B.peer_id, A.peer_id, 3, 1)
+    assert (opened.checker, opened.peer, opened.round, opened.fragment) == (
+        B.peer_id,
+        A.peer_id,
+        3,
+        1,
+    )
     word = ReplayRecord(B.peer_id, A.peer_id, 3, 1, b"", 0, False, why="no trace").signed(B)
     assert not open_replay_record(word.to_bytes(), "run").proof
     with pytest.raises(ValueError):

@@ -1,0 +1,160 @@
+"""The replay side of a node's checks, run by the checks' worker (:mod:`node.checks.work`).
+
+- A check this node made of a contribution (:meth:`ReplayChecks.check`): where this node
+  is the first checker the seed draws for it, it replays a window of the contribution's
+  trace (:mod:`node.checks.replay`); a failure is signed and gossiped on the ``check``
+  topic.
+- Another checker's failed replay (:meth:`ReplayChecks.judge`): replayed here where its
+  evidence allows (the member's signed trace and the window's start state, served by
+  the member): a failure here too proves the member; a replay that passes here makes
+  the record false and charges its checker. Without evidence a failure counts as its
+  checker's word (:meth:`verification.workscores.Scores.replay_failed`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from node.checks.fetch import Fetcher
+from node.checks.inputs import CheckSettings, RoundInputs
+from node.checks.replay import Replayer
+from verification.identity import Identity
+from verification.replay import ReplayError, ReplayRecord, open_replay_record
+from verification.usefulness import checkers_for
+from verification.verifier import Verifier
+
+__all__ = ["Outlets", "ReplayChecks"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outlets:
+    """Where a replay check's outcome goes: ``publish`` gossips a signed record,
+    ``events`` writes the node's event log, ``charge(peer, round, fragment, why)`` a
+    ``useless_work`` violation (once per round), ``refuse(record, why)`` charges a false
+    record's checker."""
+
+    publish: Callable[[bytes], bool]
+    events: Callable[..., None]
+    charge: Callable[[str, int, int, str], None]
+    refuse: Callable[[Any, str], None]
+
+
+class ReplayChecks:
+    """Replay checks of one node (see the module docstring).
+
+    Args:
+        replayer: replays windows (None: this node replays nothing, and counts others'
+            failures on their checkers' word).
+        identity: this node's key (signs records).
+        settings: the check settings.
+        verifier: whose ``work`` scores take the outcomes; its standings say whose word
+            counts.
+        fetcher: asks members for their start states.
+        counts: the checks' counters (shared with :class:`~node.checks.work.UsefulWork`).
+        outlets: where outcomes go.
+    """
+
+    def __init__(
+        self,
+        replayer: Replayer | None,
+        identity: Identity,
+        settings: CheckSettings,
+        verifier: Verifier,
+        fetcher: Fetcher,
+        counts: dict[str, int],
+        outlets: Outlets,
+    ) -> None:
+        assert verifier.work is not None
+        self.replayer = replayer
+        self.identity = identity
+        self.me = identity.peer_id
+        self.settings = settings
+        self.verifier = verifier
+        self.scores = verifier.work
+        self.fetcher = fetcher
+        self.counts = counts
+        self.out = outlets
+
+    def check(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
+        """Replay a window of ``peer``'s contribution to exchange ``(inputs.round,
+        fragment)`` where this node is the first checker the seed draws for it (one replay
+        a contribution: a window the member skipped fails whoever replays it)."""
+        if self.replayer is None:
+            return
+        seed = inputs.seed(self.settings.run_id, fragment)
+        contributors = inputs.exchanges[fragment].contributors
+        if checkers_for(seed, peer, contributors, self.settings.checkers)[:1] != [self.me]:
+            return
+        claim = self.fetcher.get(peer, inputs.round, fragment).claim  # fetched: cached
+        if claim is None:
+            return  # nothing claimed, nothing to replay (a member without assigned data)
+        made = self.replayer.check(self.me, peer, (inputs.round, fragment), claim, seed)
+        if made is None:
+            self.counts["replay_unserved"] += 1
+            return
+        self.counts["replayed"] += 1
+        record = made.signed(self.identity)
+        if record.passed:
+            self._counted(record, proven=False)
+            return
+        self.counts["replay_failed"] += 1
+        self.out.publish(record.to_bytes())
+        # this node replayed it: where the trace and state were served, that is proof
+        self._counted(record, proven=bool(record.trace and record.state))
+
+    def judge(self, sender: str, data: bytes) -> None:
+        """Another checker's failed replay, gossiped by ``sender``."""
+        try:
+            record = open_replay_record(data, self.settings.run_id)
+        except ReplayError as exc:
+            self.counts["refused"] += 1
+            logger.warning("replay record from %s refused: %s", sender[:16], exc)
+            return
+        if record.checker != sender or record.passed or record.peer == sender:
+            return  # only failures are gossiped, by their checker
+        if record.round < self.settings.from_round:
+            return
+        if self.verifier.blocks(record.checker, record.round) is not None:
+            return  # a quarantined or banned checker's word counts for nothing
+        if self.scores.proven(record.peer):
+            return  # already proven here: nothing to add
+        self.counts["taken"] += 1
+        mine = self.replayer.confirm(record, self.me) if self.replayer and record.proof else None
+        if mine is None:
+            self._counted(record, proven=False)  # no evidence to be had: its word
+        elif not mine.passed:
+            self.counts["replays_confirmed"] += 1
+            self._counted(mine, proven=True, checker=record.checker)
+        else:
+            self.out.refuse(record, "its failed replay does not reproduce: the window replays here")
+
+    def _counted(self, record: ReplayRecord, proven: bool, checker: str | None = None) -> None:
+        """Count a replay check's outcome (``checker``: whose record this node's replay
+        confirmed), and charge a peer its failures flag."""
+        checker = checker or record.checker
+        flagged = False
+        if not record.passed:
+            flagged = self.scores.replay_failed(record.peer, checker, record.round, proven)
+        self.out.events(
+            "replay",
+            checker=checker,
+            peer=record.peer,
+            round=record.round,
+            fragment=record.fragment,
+            window=record.window,
+            passed=record.passed,
+            distance=None if record.distance == float("inf") else round(record.distance, 6),
+            loss=round(record.loss, 6),
+            why=record.why,
+            proven=proven,
+            flagged=flagged,
+        )
+        if flagged:
+            how = "replayed here" if proven else f"on the word of {checker[:16]} and others"
+            why = f"window {record.window} of its trace does not replay ({how}): {record.why}"
+            self.out.charge(record.peer, record.round, record.fragment, why)
