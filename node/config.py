@@ -102,6 +102,12 @@ class AtollConfig:
                 "would have to be gathered from every shard; use 'ddp' or set "
                 "trust.replay_steps = 0"
             )
+        if self.trust.replay_steps and self.trust.checkers and self.sync.alpha:
+            raise ValueError(
+                f"trust.replay_steps with sync.alpha = {self.sync.alpha:g}: checkers hold a "
+                "contribution to the sum of its trace's windows, which it is only with "
+                "sync.alpha = 0; set sync.alpha = 0 or trust.replay_steps = 0"
+            )
         # On the wall clock an exchange must end before its fragment syncs again.
         if self.sync.trigger == "seconds":
             waits = self.network.matchmaking_seconds

@@ -223,7 +223,8 @@ class TrainingLoop:
         record = network.syncer.apply(pending, self.training.trainer.steps)
         self.training.site.model_changed()
         if record is None:
-            return None
+            return None  # nothing applied: its claim's batches go into the next claim
+        self.work.settled(pending.fragment)
         progress.bytes_sent += record["bytes_sent"]
         self.status.update(peers=len(record["group"]), bytes_sent=progress.bytes_sent)
         others = network.live_peers() | network.heard()

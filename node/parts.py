@@ -388,7 +388,8 @@ def _swarm_side(
     if checks is not None and cfg.trust.replay_steps:
         # this node's trace of its training, served to its checkers (node/trace.py)
         steps, accum = cfg.trust.replay_steps, cfg.train.grad_accum
-        tracer = Tracer(identity, cfg.run.run_id, steps, accum, inputs.data_dir / "trace")
+        spill, plan = inputs.data_dir / "trace", training.plan
+        tracer = Tracer(identity, cfg.run.run_id, steps, accum, spill, plan=plan)
         transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
     deadlines = Deadlines(cfg.network.adaptive_deadlines)
     syncer = Syncer(
@@ -457,9 +458,8 @@ def _useful_work(
     measurer = Measurer(settings, training.model, plan, train, val, training.device)
     replayer = None
     if cfg.trust.replay_steps:
-        replayer = Replayer(
-            replay_settings(cfg), training.model, cfg.train, train, training.device, fetcher.replay
-        )
+        at = (training.device, fetcher.replay, plan)
+        replayer = Replayer(replay_settings(cfg), training.model, cfg.train, train, *at)
     checks = UsefulWork(
         settings,
         inputs.identity,

@@ -95,6 +95,11 @@ class Rounds:
                 )
                 t.trainer.optimizer = make_inner_optimizer(t.trainer.model, self.cfg.train)
         t.trainer.steps, t.trainer.tokens = state["steps"], state["tokens"]
+        if self.network is not None and self.network.tracer is not None:
+            # no trace holds the unsynced work of the run before: a claim could not name
+            # it, and the sent check would fail on it (verification/binding.py)
+            for f in range(len(t.plan)):
+                t.outer.sync_local(t.model, f)
         self.progress.round = state["round"]
         logger.info("resumed from %s (round %d)", info.path.name, self.progress.round)
         self.events.write("resume", round=self.progress.round, checkpoint=info.path.name)

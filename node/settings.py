@@ -211,6 +211,7 @@ def check_settings(cfg: AtollConfig) -> CheckSettings:
 def replay_settings(cfg: AtollConfig) -> ReplaySettings:
     """Replay checks: ``trust.replay_*`` and the window shape."""
     from node.checks.replay import ReplaySettings
+    from node.claims import MAX_SPANS
 
     t = cfg.trust
     return ReplaySettings(
@@ -218,4 +219,9 @@ def replay_settings(cfg: AtollConfig) -> ReplaySettings:
         steps=t.replay_steps,
         tolerance=t.replay_tolerance,
         context=cfg.model.context,
+        codec=cfg.sync.codec,
+        block_size=cfg.sync.block_size,
+        stochastic=cfg.sync.stochastic_rounding,
+        feedback=cfg.sync.error_feedback,
+        spans=MAX_SPANS,
     )

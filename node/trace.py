@@ -35,9 +35,11 @@ from torch import nn
 
 from node.trainstate import Snapshot
 from protocol.averaging.contributions import ROUNDS_KEPT, WorkClaim
+from protocol.averaging.fragments import FragmentPlan
 from protocol.errors import ProtocolError
 from verification.identity import Identity
-from verification.replay import Sketcher, Trace, TraceWindow
+from verification.replay import Trace, TraceWindow
+from verification.sketch import Sketcher
 
 __all__ = ["REPLAY_RPC", "Tracer"]
 
@@ -75,6 +77,8 @@ class Tracer:
         accum: draws per step (``train.grad_accum``).
         spill: a folder for start states beyond ``memory`` bytes (None: all in memory).
         memory: bytes of start states kept in memory before they go to ``spill``.
+        plan: the model's fragments (None: one): a fragment's trace records that
+            fragment's change in each window (:mod:`verification.binding`).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Tracer:
         accum: int,
         spill: Path | None = None,
         memory: int = MEMORY_BYTES,
+        plan: FragmentPlan | None = None,
     ) -> None:
         if steps < 1:
             raise ValueError("trust.replay_steps must be at least 1 to trace")
@@ -93,17 +98,23 @@ class Tracer:
         self.steps = steps
         self.accum = accum
         self.sketcher = Sketcher(run_id)
+        self.plan = plan
+        self.fragments = len(plan) if plan is not None else 1
+        self._owners: list[int] | None = None
+        """The fragment of each parameter tensor, in the model's order."""
         self.snapshots = 0
         """Start states packed so far."""
         self._open: _Open | None = None
         self._last: torch.Tensor | None = None
-        """The sketch after the last step traced."""
+        """Each fragment's sketch after the last step traced."""
         self._probed: torch.Tensor | None = None
         """Its probe (:meth:`_probe`)."""
         self._places: list[torch.Tensor] | None = None
         self._free: list[Snapshot] = []
         """Dropped snapshots whose memory the next ones are copied into."""
         self._done: list[TraceWindow] = []
+        self._moved: dict[tuple[int, int], torch.Tensor] = {}
+        """Each fragment's change over a done window, by its ``(stream, start)``."""
         self.spill = spill
         self.memory = memory
         if spill is not None and spill.is_dir():  # left by a node that did not stop cleanly
@@ -122,6 +133,9 @@ class Tracer:
         """An inner step is about to start at draw ``at = (stream, position)`` (None: the
         stream is not an assigned one, nothing is traced), the trainer at ``steps``."""
         params = list(model.parameters())
+        if self._owners is None:
+            names = [n for n, _ in model.named_parameters()]
+            self._owners = self.plan.owners(names) if self.plan else [0] * len(names)
         probe = self._probe(params)
         unchanged = self._probed is not None and torch.equal(probe, self._probed)
         w = self._open
@@ -140,7 +154,7 @@ class Tracer:
         self._store(snapshot)
         self.snapshots += 1
         # the last step's sketch is this state's where nothing else moved the model
-        begin = self._last if unchanged and self._last is not None else self.sketcher.sketch(params)
+        begin = self._last if unchanged and self._last is not None else self._sketch(params)
         self._open = _Open(at[0], at[1], steps, self.accum, snapshot.digest, begin)
 
     def _probe(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -196,14 +210,18 @@ class Tracer:
             return
         params = list(model.parameters())
         self._open.losses.append(float(loss))
-        self._last = self.sketcher.sketch(params)
+        self._last = self._sketch(params)
         self._probed = self._probe(params)
+
+    def _sketch(self, params: list[torch.Tensor]) -> torch.Tensor:
+        assert self._owners is not None
+        return self.sketcher.by_fragment(params, self._owners, self.fragments)
 
     def _close(self) -> None:
         w, self._open = self._open, None
         if w is None or not w.losses or self._last is None:
             return
-        change = (self._last - w.begin).tolist()
+        moved = self._last - w.begin
         window = TraceWindow(
             w.stream,
             w.start,
@@ -212,16 +230,17 @@ class Tracer:
             w.step,
             w.state,
             tuple(w.losses),
-            tuple(change),
+            tuple(moved.sum(0).tolist()),
         )
         with self._lock:
             self._done.append(window)
+            self._moved[(w.stream, w.start)] = moved
 
     def claim(self, claim: WorkClaim, round_: int, fragment: int) -> WorkClaim:
         """``claim`` with the digest of its signed trace: the windows of its batches."""
         self._close()
         spans = claim.spans
-        inside = [w for w in self._done if any(_within(w, s) for s in spans)]
+        inside = [self._of(w, fragment) for w in self._done if any(_within(w, s) for s in spans)]
         shape = (claim.ranks, claim.slice[0], claim.slice[1], claim.batch)
         trace = Trace(
             self.identity.peer_id, self.run_id, round_, fragment, tuple(inside), spans, shape
@@ -232,6 +251,13 @@ class Tracer:
                 del self._traces[old]
         return dataclasses.replace(claim, trace=trace.digest)
 
+    def _of(self, w: TraceWindow, fragment: int) -> TraceWindow:
+        """``w`` as fragment ``fragment``'s trace holds it: with that fragment's change."""
+        moved = self._moved.get((w.stream, w.start))
+        if self.plan is None or moved is None or fragment >= len(moved):
+            return w
+        return dataclasses.replace(w, moved=tuple(moved[fragment].tolist()))
+
     def keep(self, open_spans: Sequence[tuple[int, int, int]]) -> None:
         """Drop every window (and its state) that no kept trace names and no claim to come
         can name (``open_spans``: the spans not claimed yet, of every fragment)."""
@@ -239,6 +265,8 @@ class Tracer:
             named = {d for _, states in self._traces.values() for d in states}
             self._done = [w for w in self._done if any(_within(w, s) for s in open_spans)]
             named |= {w.state for w in self._done}
+            done = {(w.stream, w.start) for w in self._done}
+            self._moved = {k: v for k, v in self._moved.items() if k in done}
             if self._open is not None:
                 named.add(self._open.state)
             dropped = [self._states.pop(d) for d in list(self._states) if d not in named]

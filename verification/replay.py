@@ -46,6 +46,7 @@ import msgpack
 import torch
 
 from verification.identity import Identity, verify
+from verification.sketch import SKETCH_SIZE, Sketcher
 
 __all__ = [
     "MAX_REPLAY_BYTES",
@@ -64,9 +65,6 @@ __all__ = [
     "open_trace",
 ]
 
-SKETCH_SIZE = 64
-"""Signed sums a sketch holds (a CountSketch: each parameter adds its value, with a sign,
-to one of them, both drawn from the run's seed)."""
 MAX_WINDOWS = 512
 """Windows a trace may hold."""
 MAX_REPLAY_BYTES = 192 * 1024
@@ -75,7 +73,6 @@ messages are at most 256 KiB)."""
 _MAX_STEPS = 1024
 _TRACE_DOMAIN = b"atoll/trace/v1\0"
 _REPLAY_DOMAIN = b"atoll/replay/v1\0"
-_SKETCH_DOMAIN = b"atoll/sketch/v1\0"
 _VERSION = 1
 _REPLAY_TAG = msgpack.packb(["replay", b"", b""])[:8]
 """How a replay record starts on the wire (``msgpack([\"replay\", ...])``)."""
@@ -88,51 +85,6 @@ class ReplayError(ValueError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-class Sketcher:
-    """Sketches of a model's parameters, the same on every node of a run.
-
-    Each parameter tensor ``i`` (in the model's order) gets, from the run's seed, a
-    random sign for every element; its signed elements are cut into
-    :data:`SKETCH_SIZE` runs of consecutive ones (the last run also takes the
-    remainder), and a sketch is each run's sum, added over tensors. Linear: the sketch of
-    a change is the change of the sketches; and its size keeps a change's size on
-    average (each sum is a random-sign sum of its elements). The signs are drawn once
-    per tensor and kept (4 bytes a parameter); the sums are float32 reductions (one pass
-    over the parameters), returned as float64 on the CPU.
-    """
-
-    def __init__(self, run_id: str, size: int = SKETCH_SIZE) -> None:
-        self.run_id = run_id
-        self.size = size
-        self._signs: dict[tuple[int, int, str], torch.Tensor] = {}
-
-    def _signs_of(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        key = (index, t.numel(), str(t.device))
-        if key not in self._signs:
-            h = hashlib.sha256(_SKETCH_DOMAIN + f"{self.run_id}/{index}/{t.numel()}".encode())
-            g = torch.Generator().manual_seed(int.from_bytes(h.digest()[:8], "big") >> 1)
-            bits = torch.randint(0, 2, (t.numel(),), generator=g, dtype=torch.int8)
-            self._signs[key] = (1 - 2 * bits).to(torch.float32).to(t.device)
-        return self._signs[key]
-
-    @torch.no_grad()
-    def sketch(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-        """The sketch of ``tensors`` (a model's parameters, in its order)."""
-        out = torch.zeros(self.size, dtype=torch.float64)
-        k = self.size
-        for i, t in enumerate(tensors):
-            x = t.detach().reshape(-1).float()
-            signs = self._signs_of(i, t)
-            n = x.numel() // k * k
-            sums = torch.zeros(k, dtype=torch.float32, device=x.device)
-            if n:
-                sums += (x[:n].view(k, -1) * signs[:n].view(k, -1)).sum(1)
-            if n < x.numel():
-                sums[k - 1] += (x[n:] * signs[n:]).sum()
-            out += sums.double().cpu()
-        return out
 
 
 @dataclass(frozen=True)
@@ -148,6 +100,8 @@ class TraceWindow:
         state: the BLAKE3 digest of the packed start state (:class:`node.trace.Snapshot`).
         losses: each step's mean loss.
         change: the sketch of the parameters' change over the window.
+        moved: in a fragment's trace, the sketch of that fragment's change over the
+            window (:mod:`verification.binding`); empty elsewhere.
     """
 
     stream: int
@@ -158,6 +112,7 @@ class TraceWindow:
     state: str
     losses: tuple[float, ...]
     change: tuple[float, ...]
+    moved: tuple[float, ...] = ()
 
     @property
     def draws(self) -> int:
@@ -173,13 +128,14 @@ class TraceWindow:
             self.state,
             list(self.losses),
             list(self.change),
+            list(self.moved),
         ]
 
     @classmethod
     def from_wire(cls, value: Any) -> TraceWindow:
-        if not isinstance(value, list) or len(value) != 8:
-            raise ReplayError("malformed", "a window holds 8 fields")
-        stream, start, steps, accum, step, state, losses, change = value
+        if not isinstance(value, list) or len(value) != 9:
+            raise ReplayError("malformed", "a window holds 9 fields")
+        stream, start, steps, accum, step, state, losses, change, moved = value
         if not all(_count(v) for v in (stream, start, step)) or not _count(steps, 1, _MAX_STEPS):
             raise ReplayError("malformed", "a window's stream, draws and steps are counts")
         if not _count(accum, 1, 4096):
@@ -187,10 +143,12 @@ class TraceWindow:
         if not isinstance(state, str) or len(state) != 64:
             raise ReplayError("malformed", "a window's state digest is 64 hex digits")
         losses_ = _floats(losses, "losses")
-        change_ = _floats(change, "change")
+        change_, moved_ = _floats(change, "change"), _floats(moved, "moved")
         if len(losses_) != steps or len(change_) != SKETCH_SIZE:
             raise ReplayError("malformed", "a window holds a loss per step and a full sketch")
-        return cls(stream, start, steps, accum, step, state, losses_, change_)
+        if len(moved_) not in (0, SKETCH_SIZE):
+            raise ReplayError("malformed", "a window's fragment sketch is full or empty")
+        return cls(stream, start, steps, accum, step, state, losses_, change_, moved_)
 
 
 @dataclass(frozen=True)
@@ -366,6 +324,9 @@ class ReplayRecord:
         why: what failed, in words ("" when it passed).
         state: whether the member served the window's start state (a failure without
             it is the checker's word).
+        sent: the record is of the sent check (:mod:`verification.binding`): the
+            contribution the member sent against the sum of its trace's windows, no
+            window replayed (``window`` is 0).
     """
 
     checker: str
@@ -379,6 +340,7 @@ class ReplayRecord:
     loss: float = 0.0
     why: str = ""
     state: bool = True
+    sent: bool = False
     signature: bytes = b""
     opened: Trace | None = field(default=None, compare=False, repr=False)
 
@@ -398,6 +360,7 @@ class ReplayRecord:
                 "loss": self.loss,
                 "why": self.why,
                 "state": self.state,
+                "sent": self.sent,
             },
             use_bin_type=True,
         )
@@ -413,7 +376,8 @@ class ReplayRecord:
 
     @property
     def proof(self) -> bool:
-        """Whether others can replay it: the trace and the start state were served."""
+        """Whether others can check it: the trace was served, and for a replay the
+        window's start state."""
         return self.opened is not None and self.state
 
 
@@ -438,7 +402,7 @@ def open_replay_record(data: bytes, run: str) -> ReplayRecord:
     except Exception as exc:
         raise ReplayError("malformed", f"not a replay record: {type(exc).__name__}") from None
     keys = {"v", "checker", "peer", "round", "fragment", "trace", "window", "passed"}
-    keys |= {"distance", "loss", "why", "state"}
+    keys |= {"distance", "loss", "why", "state", "sent"}
     if tag != "replay" or not isinstance(fields, dict) or set(fields) != keys:
         raise ReplayError("malformed", "a replay record's fields are missing or unknown")
     if fields["v"] != _VERSION or not isinstance(signature, bytes):
@@ -450,8 +414,8 @@ def open_replay_record(data: bytes, run: str) -> ReplayRecord:
         raise ReplayError("malformed", "the trace is bytes, the round a count")
     if not _count(fields["fragment"], 0, 4096) or not _count(fields["window"], 0, MAX_WINDOWS):
         raise ReplayError("malformed", "fragment and window are indices")
-    if not isinstance(fields["passed"], bool) or not isinstance(fields["state"], bool):
-        raise ReplayError("malformed", "passed and state are bools")
+    if not all(isinstance(fields[k], bool) for k in ("passed", "state", "sent")):
+        raise ReplayError("malformed", "passed, state and sent are bools")
     if not isinstance(fields["why"], str) or not all(
         _number(fields[k]) for k in ("distance", "loss")
     ):
@@ -478,6 +442,7 @@ def open_replay_record(data: bytes, run: str) -> ReplayRecord:
         float(fields["loss"]),
         fields["why"][:200],
         fields["state"],
+        fields["sent"],
         signature,
         opened,
     )

@@ -10,6 +10,10 @@ recorded digest), loads it and trains the window's steps again on the claimed ba
 of the recorded step count, then compares the change and the losses with the recorded
 ones (:func:`verification.replay.agreement`).
 
+Before it replays, every checker drawn for the contribution (not only the first, which
+replays) makes the sent check (:mod:`verification.binding`): the contribution's sketch
+against the sum of its trace's windows.
+
 The same replay confirms or refutes another checker's failed record: anyone holding the
 run's tokens can run it, in the member's group or not.
 """
@@ -31,10 +35,11 @@ from node.data import DataError, assigned_stream, site_slice
 from node.trainer import lr_at, make_inner_optimizer, replay_step
 from node.trainstate import StateError, load_state, state_digest
 from protocol.averaging.contributions import WorkClaim
+from protocol.averaging.fragments import FragmentPlan
+from verification import binding
 from verification.replay import (
     ReplayError,
     ReplayRecord,
-    Sketcher,
     Trace,
     TraceWindow,
     agreement,
@@ -42,6 +47,7 @@ from verification.replay import (
     drawn_window,
     open_trace,
 )
+from verification.sketch import Sketcher
 
 __all__ = ["Fetch", "ReplaySettings", "Replayer", "Unavailable"]
 
@@ -66,12 +72,22 @@ class ReplaySettings:
         tolerance: the largest distance and loss difference a replay may show
             (``trust.replay_tolerance``).
         context: tokens per window of text.
+        codec: the sync's codec, its ``block_size``, ``stochastic`` rounding and error
+            ``feedback`` (how far a sent vector may be from its work:
+            :func:`verification.binding.slack`).
+        spans: the most spans a claim holds (:data:`node.claims.MAX_SPANS`; a claim
+            that holds them may have lost its oldest work: no sent check).
     """
 
     run_id: str
     steps: int
     tolerance: float
     context: int
+    codec: str = "none"
+    block_size: int = 256
+    stochastic: bool = False
+    feedback: bool = False
+    spans: int = 32
 
 
 class Replayer:
@@ -85,6 +101,7 @@ class Replayer:
         train: the run's train tokens (every slice of them).
         device: where to train.
         fetch: asks a member for a trace or a state.
+        plan: the model's fragments (None: no sent check).
     """
 
     def __init__(
@@ -95,6 +112,7 @@ class Replayer:
         train: torch.Tensor,
         device: torch.device,
         fetch: Fetch,
+        plan: FragmentPlan | None = None,
     ) -> None:
         self.settings = settings
         self.model = copy.deepcopy(getattr(model, "module", model)).to(device).train()
@@ -106,6 +124,8 @@ class Replayer:
         self.device = device
         self.fetch = fetch
         self.sketcher = Sketcher(settings.run_id)
+        self.plan = plan
+        self._index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self.steps = 0
         """Steps replayed so far."""
         self.seconds = 0.0
@@ -115,12 +135,25 @@ class Replayer:
     # ---- a check ----------------------------------------------------------------------
 
     def check(
-        self, checker: str, peer: str, key: tuple[int, int], claim: WorkClaim, seed: bytes
+        self,
+        checker: str,
+        peer: str,
+        key: tuple[int, int],
+        claim: WorkClaim,
+        seed: bytes,
+        sent: torch.Tensor | None = None,
+        replay: bool = True,
     ) -> ReplayRecord | None:
         """``checker``'s unsigned replay record of ``peer``'s contribution to exchange
         ``key``, trained on ``claim``; None when the member could not be asked or did
         not serve its trace or the window's start state (a node that restarted holds
-        neither: not served counts against no one, as a contribution not served)."""
+        neither: not served counts against no one, as a contribution not served).
+
+        Args:
+            sent: the contribution's values, for the sent check (None: none made).
+            replay: replay a window where the sent check passes (False: the sent
+                check's record, or None where it does not apply).
+        """
         round_, fragment = key
 
         def failed(
@@ -149,6 +182,9 @@ class Replayer:
         why = self.inconsistent(trace)
         if why:
             return failed(why, data)  # false on its face: anyone can see it
+        bound = self.sent_check(checker, trace, data, sent) if sent is not None else None
+        if (bound is not None and not bound.passed) or not replay:
+            return bound
         index = drawn_window(seed, checker, len(trace.windows))
         try:
             state = self._ask(peer, ["state", trace.windows[index].state])
@@ -201,6 +237,24 @@ class Replayer:
             loss=loss,
             why="" if passed else why,
         )
+
+    def sent_check(
+        self, checker: str, trace: Trace, data: bytes, sent: torch.Tensor
+    ) -> ReplayRecord | None:
+        """The record of the sent check of ``trace``'s contribution, whose values are
+        ``sent`` (:mod:`verification.binding`); None where it does not apply: sparse
+        codecs, a claim at the most spans, a trace without fragment sketches."""
+        s, moved = self.settings, binding.trace_sum(trace.windows)
+        allowed = binding.slack(sent, s.codec, s.block_size, s.stochastic, s.feedback)
+        if self.plan is None or moved is None or allowed is None or len(trace.spans) >= s.spans:
+            return None
+        views = self.plan.views(sent.detach().float().cpu(), trace.fragment)
+        sketch = self.sketcher.pieces((self._index[n], v) for n, v in views.items())
+        distance = binding.sent_apart(moved, sketch)
+        passed = binding.passes(moved, sketch, s.tolerance, allowed)
+        why = f"what it sent is {distance:.3g} of its trace's change apart from it"
+        record = ReplayRecord(checker, trace.peer, trace.round, trace.fragment, data, 0, passed)
+        return dataclasses.replace(record, distance=distance, why="" if passed else why, sent=True)
 
     def confirm(self, record: ReplayRecord, me: str) -> ReplayRecord | None:
         """``me``'s own replay of another checker's failed ``record`` (which must hold its

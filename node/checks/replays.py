@@ -1,18 +1,20 @@
 """The replay side of a node's checks, run by the checks' worker (:mod:`node.checks.work`).
 
-- A check this node made of a contribution (:meth:`ReplayChecks.check`): where this node
-  is the first checker the seed draws for it, it replays a window of the contribution's
-  trace (:mod:`node.checks.replay`); a failure is signed and gossiped on the ``check``
-  topic.
+- A check this node made of a contribution (:meth:`ReplayChecks.check`): every checker
+  the seed draws for it makes the sent check (:mod:`verification.binding`), and the
+  first one also replays a window of the contribution's trace (:mod:`node.checks.replay`);
+  a failure is signed and gossiped on the ``check`` topic.
 - Another checker's failed replay (:meth:`ReplayChecks.judge`): replayed here where its
   evidence allows (the member's signed trace and the window's start state, served by
-  the member): a failure here too proves the member; a replay that passes here makes
-  the record false and charges its checker. Without evidence a failure counts as its
+  the member; for a sent check, the trace and the contribution): a failure here too
+  proves the member; a check that passes here makes the record false and charges its
+  checker. Without evidence a failure counts as its
   checker's word (:meth:`verification.workscores.Scores.replay_failed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from typing import Any
 from node.checks.fetch import Fetcher
 from node.checks.inputs import CheckSettings, RoundInputs
 from node.checks.replay import Replayer
+from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.replay import ReplayError, ReplayRecord, open_replay_record
 from verification.usefulness import checkers_for
@@ -81,28 +84,31 @@ class ReplayChecks:
         self.out = outlets
 
     def check(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
-        """Replay a window of ``peer``'s contribution to exchange ``(inputs.round,
-        fragment)`` where this node is the first checker the seed draws for it (one replay
-        a contribution: a window the member skipped fails whoever replays it)."""
+        """Check ``peer``'s contribution to exchange ``(inputs.round, fragment)`` against
+        its trace (this node is one of its checkers), and replay a window of it where this
+        node is the first checker the seed draws for it (one replay a contribution: a
+        window the member skipped fails whoever replays it)."""
         if self.replayer is None:
             return
         seed = inputs.seed(self.settings.run_id, fragment)
         contributors = inputs.exchanges[fragment].contributors
-        if checkers_for(seed, peer, contributors, self.settings.checkers)[:1] != [self.me]:
-            return
-        claim = self.fetcher.get(peer, inputs.round, fragment).claim  # fetched: cached
-        if claim is None:
+        drawn = checkers_for(seed, peer, contributors, self.settings.checkers)
+        fetched = self.fetcher.get(peer, inputs.round, fragment)  # fetched: cached
+        if fetched.claim is None or self.me not in drawn:
             return  # nothing claimed, nothing to replay (a member without assigned data)
-        made = self.replayer.check(self.me, peer, (inputs.round, fragment), claim, seed)
+        first = drawn[:1] == [self.me]
+        made = self.replayer.check(
+            self.me, peer, (inputs.round, fragment), fetched.claim, seed, fetched.vector, first
+        )
         if made is None:
-            self.counts["replay_unserved"] += 1
+            self.counts["replay_unserved"] += first
             return
-        self.counts["replayed"] += 1
+        self.counts["sent_checked" if made.sent else "replayed"] += 1
         record = made.signed(self.identity)
         if record.passed:
             self._counted(record, proven=False)
             return
-        self.counts["replay_failed"] += 1
+        self.counts["sent_failed" if made.sent else "replay_failed"] += 1
         self.out.publish(record.to_bytes())
         # this node replayed it: where the trace and state were served, that is proof
         self._counted(record, proven=bool(record.trace and record.state))
@@ -124,14 +130,29 @@ class ReplayChecks:
         if self.scores.proven(record.peer):
             return  # already proven here: nothing to add
         self.counts["taken"] += 1
-        mine = self.replayer.confirm(record, self.me) if self.replayer and record.proof else None
+        mine = self._confirm(record) if self.replayer and record.proof else None
         if mine is None:
             self._counted(record, proven=False)  # no evidence to be had: its word
         elif not mine.passed:
             self.counts["replays_confirmed"] += 1
             self._counted(mine, proven=True, checker=record.checker)
         else:
-            self.out.refuse(record, "its failed replay does not reproduce: the window replays here")
+            self.out.refuse(record, f"its failed {_what(record)} does not reproduce here")
+
+    def _confirm(self, record: ReplayRecord) -> ReplayRecord | None:
+        """This node's own check of another checker's failed ``record``; None where the
+        evidence could not be had."""
+        assert self.replayer is not None and record.opened is not None
+        if not record.sent:
+            return self.replayer.confirm(record, self.me)
+        why = self.replayer.inconsistent(record.opened)
+        if why:  # false on its face
+            return dataclasses.replace(record, checker=self.me, why=why)
+        try:
+            sent = self.fetcher.get(record.peer, record.round, record.fragment).vector
+        except (ProtocolError, TimeoutError):
+            return None
+        return self.replayer.sent_check(self.me, record.opened, record.trace, sent)
 
     def _counted(self, record: ReplayRecord, proven: bool, checker: str | None = None) -> None:
         """Count a replay check's outcome (``checker``: whose record this node's replay
@@ -148,6 +169,7 @@ class ReplayChecks:
             fragment=record.fragment,
             window=record.window,
             passed=record.passed,
+            sent=record.sent,
             distance=None if record.distance == float("inf") else round(record.distance, 6),
             loss=round(record.loss, 6),
             why=record.why,
@@ -155,6 +177,11 @@ class ReplayChecks:
             flagged=flagged,
         )
         if flagged:
-            how = "replayed here" if proven else f"on the word of {checker[:16]} and others"
-            why = f"window {record.window} of its trace does not replay ({how}): {record.why}"
+            how = "checked here" if proven else f"on the word of {checker[:16]} and others"
+            what = "its sent contribution" if record.sent else f"window {record.window}"
+            why = f"{what} fails the {_what(record)} ({how}): {record.why}"
             self.out.charge(record.peer, record.round, record.fragment, why)
+
+
+def _what(record: ReplayRecord) -> str:
+    return "sent check" if record.sent else "replay"

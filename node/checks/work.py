@@ -125,6 +125,8 @@ class UsefulWork:
             "replay_failed": 0,
             "replays_confirmed": 0,
             "replay_unserved": 0,
+            "sent_checked": 0,
+            "sent_failed": 0,
         }
         self.seconds = 0.0
         """Time the worker spent checking (fetching, measuring, judging), in total."""

@@ -10,7 +10,7 @@ order, and a fragment travels as one flat float32 vector.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +62,12 @@ class FragmentPlan:
             for name, shape in zip(frag.names, frag.shapes):
                 h.update(f"{name}:{','.join(map(str, shape))};".encode())
         return h.hexdigest()
+
+    def owners(self, names: Sequence[str]) -> list[int]:
+        """The fragment of each of ``names`` (a model's parameter names, in its order);
+        -1 for a name no fragment holds (a frozen parameter)."""
+        where = {n: frag.index for frag in self.fragments for n in frag.names}
+        return [where.get(n, -1) for n in names]
 
     def flatten(self, params: Mapping[str, torch.Tensor], index: int) -> torch.Tensor:
         """Copy fragment ``index`` out of ``params`` as one flat float32 CPU vector."""

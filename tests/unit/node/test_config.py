@@ -173,6 +173,14 @@ def test_topk_refuses_coordinatewise_aggregators_naming_both_keys(aggregator: st
         assert cfg.trust.aggregator == accepted
 
 
+def test_replay_checks_are_refused_with_a_local_share_of_the_sync_with_what_to_do():
+    keys = ["trust.checkers=2", "trust.replay_steps=4", "sync.alpha=0.5"]
+    with pytest.raises(ConfigError, match="sync.alpha = 0.5: .*set sync.alpha = 0"):
+        load_config(None, keys)
+    load_config(None, keys[:2] + ["sync.alpha=0"])
+    load_config(None, ["trust.checkers=0", "trust.replay_steps=4", "sync.alpha=0.5"])
+
+
 def test_replay_checks_are_refused_on_an_fsdp_site_with_what_to_do():
     with pytest.raises(ConfigError, match="trust.replay_steps with train.sharding = 'fsdp'"):
         load_config(None, ["trust.checkers=2", "trust.replay_steps=4", "train.sharding='fsdp'"])
