@@ -96,13 +96,19 @@ class ReplayChecks:
         fetched = self.fetcher.get(peer, inputs.round, fragment)  # fetched: cached
         if fetched.claim is None or self.me not in drawn:
             return  # nothing claimed, nothing to replay (a member without assigned data)
-        first = drawn[:1] == [self.me]
-        made = self.replayer.check(
-            self.me, peer, (inputs.round, fragment), fetched.claim, seed, fetched.vector, first
-        )
-        if made is None:
-            self.counts["replay_unserved"] += first
-            return
+        key, claim = (inputs.round, fragment), fetched.claim
+        made = self.replayer.check(self.me, peer, key, claim, seed, fetched.vector, replay=False)
+        if made is not None:
+            self._made(made)
+        if drawn[:1] == [self.me] and (made is None or (made.sent and made.passed)):
+            replayed = self.replayer.check(self.me, peer, key, claim, seed)
+            if replayed is None:
+                self.counts["replay_unserved"] += 1
+            else:
+                self._made(replayed)
+
+    def _made(self, made: ReplayRecord) -> None:
+        """Sign, count and (a failure) gossip a check this node made."""
         self.counts["sent_checked" if made.sent else "replayed"] += 1
         record = made.signed(self.identity)
         if record.passed:
@@ -110,7 +116,7 @@ class ReplayChecks:
             return
         self.counts["sent_failed" if made.sent else "replay_failed"] += 1
         self.out.publish(record.to_bytes())
-        # this node replayed it: where the trace and state were served, that is proof
+        # this node checked it: where the trace and state were served, that is proof
         self._counted(record, proven=bool(record.trace and record.state))
 
     def judge(self, sender: str, data: bytes) -> None:
