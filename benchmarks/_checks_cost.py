@@ -289,3 +289,77 @@ def replay_probe(steps: int = 40, window: int = 5) -> dict[str, Any]:
         "start_state_bytes": params * 4 + moments,
         "start_state_bytes_per_param": (params * 4 + moments) / params,
     }
+
+
+def tracer_probe(window: int = 4, steps: int = 24, repeats: int = 2) -> dict[str, Any]:
+    """What the trace costs the training thread on llama-tiny (the cost case's model and
+    context, a 2,048-token vocabulary, one thread): inner steps with and without a
+    :class:`node.trace.Tracer` in windows of ``window``, alternating (ABBA, ``repeats``
+    times), and one start state's copy and hash timed apart."""
+    import torch
+
+    from node.data import BatchStream
+    from node.model import build_model
+    from node.trace import Tracer
+    from node.trainer import InnerTrainer
+    from node.trainstate import Snapshot
+    from protocol.averaging.fragments import plan_fragments
+    from verification.identity import Identity
+
+    case = COST_CASES["llama-tiny"]
+    cfg = load_config([str(_ROOT / case.config)], [*case.overrides, "model.vocab_size=2048"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(cfg.model, seed=0)
+        tokens = torch.randint(0, 2048, (1 << 20,), generator=torch.Generator().manual_seed(0))
+        stream = BatchStream(
+            tokens.to(torch.int16).view(torch.uint16), cfg.data.batch_size, cfg.model.context, "t"
+        )
+        trainer = InnerTrainer(model, cfg.train, stream)
+        trainer.step()
+        plan = plan_fragments(model, cfg.sync.fragments)
+        tracer = Tracer(Identity.from_seed(b"\x01" * 32), "probe", window, 1, plan=plan)
+
+        def run(traced: bool) -> float:
+            began = time.perf_counter()
+            for i in range(steps):
+                if traced:
+                    tracer.before(model, trainer.optimizer, trainer.steps, (1, i))
+                result = trainer.step()
+                if traced:
+                    tracer.after(model, result.loss)
+            if traced:
+                tracer.seal()
+                tracer.keep([])
+            return (time.perf_counter() - began) / steps
+
+        timed: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeats):
+            for traced in (False, True, True, False):
+                timed[traced].append(run(traced))
+        params = list(model.parameters())
+        began = time.perf_counter()
+        snapshot = Snapshot(params, trainer.optimizer)
+        copy_and_hash = time.perf_counter() - began
+        began = time.perf_counter()
+        snapshot._hash()
+        hash_only = time.perf_counter() - began
+        began = time.perf_counter()
+        tracer.sketcher.sketch(params)
+        sketch = time.perf_counter() - began
+        tracer.close()
+    finally:
+        torch.set_num_threads(threads)
+    without, with_ = statistics.fmean(timed[False]), statistics.fmean(timed[True])
+    return {
+        "model_params": sum(p.numel() for p in params),
+        "window": window,
+        "step_seconds_without": without,
+        "step_seconds_with": with_,
+        "step_ratio": with_ / without,
+        "start_state_bytes": snapshot.size,
+        "copy_and_hash_seconds": copy_and_hash,
+        "hash_seconds": hash_only,
+        "sketch_seconds": sketch,
+    }

@@ -220,6 +220,8 @@ class TrainingLoop:
         """Apply a finished sync; None when it failed or averaged alone while peers live."""
         self.rounds.pull()
         network, progress = self.network, self.progress
+        if network.tracer is not None:
+            network.tracer.seal()  # the sync is about to change the model
         record = network.syncer.apply(pending, self.training.trainer.steps)
         self.training.site.model_changed()
         if record is None:

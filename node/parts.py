@@ -383,14 +383,7 @@ def _swarm_side(
     allreduce.register()
     settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))
     exchange = FragmentExchange(transport, identity, allreduce, settings)
-    checks = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
-    tracer = None
-    if checks is not None and cfg.trust.replay_steps:
-        # this node's trace of its training, served to its checkers (node/trace.py)
-        steps, accum = cfg.trust.replay_steps, cfg.train.grad_accum
-        spill, plan = inputs.data_dir / "trace", training.plan
-        tracer = Tracer(identity, cfg.run.run_id, steps, accum, spill, plan=plan)
-        transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
+    checks, tracer = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
     deadlines = Deadlines(cfg.network.adaptive_deadlines)
     syncer = Syncer(
         cfg,
@@ -436,12 +429,13 @@ def _useful_work(
     verifier: Verifier,
     control: ControlPlane | None,
     allreduce: AllReduceService,
-) -> UsefulWork | None:
+) -> tuple[UsefulWork | None, Tracer | None]:
     """The useful-work checks when the policy asks for them (``trust.checkers``): this
     node keeps and serves its contributions, checks its share and judges records (not
-    started yet)."""
+    started yet); with replay checks, the trace of its training it serves its checkers
+    (:mod:`node.trace`), whose time counts in the checks' budget."""
     if not cfg.trust.checkers or control is None:
-        return None
+        return None, None
     settings = check_settings(cfg)
     sent = allreduce.keep_contributions()
     plan = training.plan
@@ -456,10 +450,14 @@ def _useful_work(
     )
     train, val = training.tokens
     measurer = Measurer(settings, training.model, plan, train, val, training.device)
-    replayer = None
+    replayer = tracer = None
     if cfg.trust.replay_steps:
         at = (training.device, fetcher.replay, plan)
         replayer = Replayer(replay_settings(cfg), training.model, cfg.train, train, *at)
+        steps, accum = cfg.trust.replay_steps, cfg.train.grad_accum
+        spill = inputs.data_dir / "trace"
+        tracer = Tracer(inputs.identity, cfg.run.run_id, steps, accum, spill, plan=plan)
+        allreduce.transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
     checks = UsefulWork(
         settings,
         inputs.identity,
@@ -471,9 +469,10 @@ def _useful_work(
         events.write,
         lambda: training.trainer.seconds,
         replayer,
+        tracer.spent if tracer is not None else None,
     )
     control.on_check = checks.receive
-    return checks
+    return checks, tracer
 
 
 def _load_meter(transport: Transport, control: ControlPlane | None) -> LoadMeter:

@@ -138,6 +138,8 @@ class Rounds:
         snap, sources = found
         seconds, size = time.monotonic() - started, snap.nbytes
         before = [t.outer.global_vector(f) for f in range(len(t.plan))]
+        if self.network.tracer is not None:
+            self.network.tracer.seal()  # the catch-up is about to change the model
         t.outer.load_snapshot(snap)
         for f in range(len(t.plan)):
             if rebase:

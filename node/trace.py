@@ -3,31 +3,38 @@
 With ``trust.replay_steps = w`` the training loop tells :class:`Tracer` about every
 inner step. The tracer cuts the steps into windows of at most ``w``: a window starts
 with a snapshot of the trained model's parameters and inner optimizer state
-(:class:`node.trainstate.Snapshot`, kept in memory under its digest) and ends after ``w`` steps, or
-earlier where anything but an inner step changed the parameters (a sync applied, a
-catch-up: values probed before a step differ from those after the step before), the
-stream changed, or a sync takes its claim. When a sync takes its claim
-(:meth:`Tracer.claim`), the windows of the claimed batches become a signed
-:class:`~verification.replay.Trace` whose digest goes into the claim, and so into every
-part and the commitment. The tracer serves traces and start states on
+(:class:`node.trainstate.Snapshot`, kept in memory under its digest) and ends after
+``w`` steps, or earlier where the loop is about to change the model otherwise
+(:meth:`Tracer.seal`: a sync applied, a catch-up), the stream changed, or a sync takes
+its claim. A window records each fragment's sketch of its change (end minus start).
+Values probed after each step guard the windows: a model changed unannounced since a
+window's last step drops that window rather than record a wrong change. When a sync
+takes its claim (:meth:`Tracer.claim`), the windows of the claimed batches become a
+signed :class:`~verification.replay.Trace` whose digest goes into the claim, and so
+into every part and the commitment. The tracer serves traces and start states on
 :data:`REPLAY_RPC` for :data:`~protocol.averaging.contributions.ROUNDS_KEPT` rounds.
 
-What it costs: a sketch a step (one pass over the parameters) and a few probed values
-before and after it, and one copied state per window (hashed with BLAKE3 as it is
-copied), 12 bytes a parameter with AdamW, kept while a claim may still name
-it: in memory up to :data:`MEMORY_BYTES`, beyond that in files of the node's
+What it costs the training thread: a sketch a window (one pass over the parameters:
+the last window's end is the next one's start), a few probed values after each step,
+and one copied state per window, 12 bytes a parameter with AdamW, hashed with BLAKE3 on
+a thread of its own beside the next steps; states are kept while a claim may still
+name them: in memory up to :data:`MEMORY_BYTES`, beyond that in files of the node's
 ``trace/`` folder (docs/trust.md, "Replay checks").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
@@ -42,6 +49,10 @@ from verification.replay import Trace, TraceWindow
 from verification.sketch import Sketcher
 
 __all__ = ["REPLAY_RPC", "Tracer"]
+
+logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 REPLAY_RPC = "atoll.replay"
 """``msgpack(["trace", round, fragment])`` for a signed trace, ``msgpack(["state",
@@ -62,9 +73,26 @@ class _Open:
     start: int
     step: int
     accum: int
-    state: str
+    snapshot: Snapshot
     begin: torch.Tensor
+    """Each fragment's sketch at the window's start."""
     losses: list[float] = field(default_factory=list)
+    probed: torch.Tensor | None = None
+    """The probe (:meth:`Tracer._probe`) after the last step."""
+
+
+def _timed(method: Callable[..., _R]) -> Callable[..., _R]:
+    """Count a training-thread method's time in :meth:`Tracer.spent`."""
+
+    @functools.wraps(method)
+    def timed(self: Tracer, *args: Any, **kwargs: Any) -> _R:
+        began = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._seconds += time.perf_counter() - began
+
+    return timed
 
 
 class Tracer:
@@ -103,12 +131,15 @@ class Tracer:
         self._owners: list[int] | None = None
         """The fragment of each parameter tensor, in the model's order."""
         self.snapshots = 0
+        self._seconds = 0.0
         """Start states packed so far."""
         self._open: _Open | None = None
-        self._last: torch.Tensor | None = None
-        """Each fragment's sketch after the last step traced."""
-        self._probed: torch.Tensor | None = None
-        """Its probe (:meth:`_probe`)."""
+        self._params: list[torch.Tensor] = []
+        """The model's parameters (updated in place by every step)."""
+        self._end: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The last window's end sketch, and its probe."""
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="atoll-trace-hash")
+        """Hashes start states beside the training thread."""
         self._places: list[torch.Tensor] | None = None
         self._free: list[Snapshot] = []
         """Dropped snapshots whose memory the next ones are copied into."""
@@ -127,6 +158,7 @@ class Tracer:
 
     # ---- the training thread -------------------------------------------------------------
 
+    @_timed
     def before(
         self, model: nn.Module, optimizer: Any, steps: int, at: tuple[int, int] | None
     ) -> None:
@@ -136,26 +168,42 @@ class Tracer:
         if self._owners is None:
             names = [n for n, _ in model.named_parameters()]
             self._owners = self.plan.owners(names) if self.plan else [0] * len(names)
-        probe = self._probe(params)
-        unchanged = self._probed is not None and torch.equal(probe, self._probed)
+        self._params = params
         w = self._open
         if w is not None and (
             at is None
             or (w.stream, w.start + len(w.losses) * w.accum) != at
-            or len(w.losses) >= self.steps
-            or not unchanged
+            or (w.probed is not None and not torch.equal(self._probe(params), w.probed))
         ):
-            self._close()
+            self._close()  # the stream changed, or the model did unannounced (dropped)
         if at is None or self._open is not None:
             return
         with self._lock:
             reuse = self._free.pop() if self._free else None
-        snapshot = Snapshot(params, optimizer, reuse)
-        self._store(snapshot)
+        snapshot = Snapshot(params, optimizer, reuse, self._hasher)
         self.snapshots += 1
-        # the last step's sketch is this state's where nothing else moved the model
-        begin = self._last if unchanged and self._last is not None else self._sketch(params)
-        self._open = _Open(at[0], at[1], steps, self.accum, snapshot.digest, begin)
+        # the last window's end is this one's start where nothing else moved the model
+        probe = self._probe(params)
+        unchanged = self._end is not None and torch.equal(probe, self._end[1])
+        begin = self._end[0] if unchanged and self._end is not None else self._sketch(params)
+        self._open = _Open(at[0], at[1], steps, self.accum, snapshot, begin)
+
+    @_timed
+    def after(self, model: nn.Module, loss: float) -> None:
+        """The step ended with mean loss ``loss``."""
+        w = self._open
+        if w is None:
+            return
+        w.losses.append(float(loss))
+        w.probed = self._probe(self._params)
+        if len(w.losses) >= self.steps:
+            self._close()
+
+    @_timed
+    def seal(self) -> None:
+        """Something other than an inner step is about to change the model (a sync
+        applied, a catch-up): the open window ends here."""
+        self._close()
 
     def _probe(self, params: list[torch.Tensor]) -> torch.Tensor:
         """A few values of every parameter, at fixed places: what tells a step's model from
@@ -172,6 +220,47 @@ class Tracer:
             return torch.cat(
                 [p.detach().reshape(-1)[i].float().cpu() for p, i in zip(params, self._places)]
             )
+
+    def _sketch(self, params: list[torch.Tensor]) -> torch.Tensor:
+        assert self._owners is not None
+        return self.sketcher.by_fragment(params, self._owners, self.fragments)
+
+    def _close(self) -> None:
+        """End the open window after its last step: its end sketch, its start state
+        kept. A window whose model changed since its last step without :meth:`seal` is
+        dropped (its end is not known): no claim can name its batches."""
+        w, self._open = self._open, None
+        if w is None:
+            return
+        probe = self._probe(self._params) if w.losses else None
+        if probe is None or w.probed is None or not torch.equal(probe, w.probed):
+            if w.losses:
+                logger.warning("a traced window was dropped: the model changed unannounced")
+            self._release(w.snapshot)
+            return
+        end = self._sketch(self._params)
+        self._end = (end, probe)
+        moved = end - w.begin
+        self._store(w.snapshot)
+        window = TraceWindow(
+            w.stream,
+            w.start,
+            len(w.losses),
+            w.accum,
+            w.step,
+            w.snapshot.digest,
+            tuple(w.losses),
+            tuple(moved.sum(0).tolist()),
+        )
+        with self._lock:
+            self._done.append(window)
+            self._moved[(w.stream, w.start)] = moved
+
+    def _release(self, snapshot: Snapshot) -> None:
+        """A start state no window keeps: its memory goes to the next one (once hashed)."""
+        snapshot.digest  # noqa: B018 - waits until the hasher no longer reads it
+        with self._lock:
+            self._free = [*self._free, snapshot][-_FREE:]
 
     def _store(self, snapshot: Snapshot) -> None:
         """Keep a start state: in memory while they fit in ``memory`` bytes, else in a
@@ -203,39 +292,7 @@ class Tracer:
         except OSError:
             return b""
 
-    def after(self, model: nn.Module, loss: float) -> None:
-        """The step ended with mean loss ``loss``."""
-        if self._open is None:
-            self._probed = None
-            return
-        params = list(model.parameters())
-        self._open.losses.append(float(loss))
-        self._last = self._sketch(params)
-        self._probed = self._probe(params)
-
-    def _sketch(self, params: list[torch.Tensor]) -> torch.Tensor:
-        assert self._owners is not None
-        return self.sketcher.by_fragment(params, self._owners, self.fragments)
-
-    def _close(self) -> None:
-        w, self._open = self._open, None
-        if w is None or not w.losses or self._last is None:
-            return
-        moved = self._last - w.begin
-        window = TraceWindow(
-            w.stream,
-            w.start,
-            len(w.losses),
-            w.accum,
-            w.step,
-            w.state,
-            tuple(w.losses),
-            tuple(moved.sum(0).tolist()),
-        )
-        with self._lock:
-            self._done.append(window)
-            self._moved[(w.stream, w.start)] = moved
-
+    @_timed
     def claim(self, claim: WorkClaim, round_: int, fragment: int) -> WorkClaim:
         """``claim`` with the digest of its signed trace: the windows of its batches."""
         self._close()
@@ -258,6 +315,7 @@ class Tracer:
             return w
         return dataclasses.replace(w, moved=tuple(moved[fragment].tolist()))
 
+    @_timed
     def keep(self, open_spans: Sequence[tuple[int, int, int]]) -> None:
         """Drop every window (and its state) that no kept trace names and no claim to come
         can name (``open_spans``: the spans not claimed yet, of every fragment)."""
@@ -267,8 +325,6 @@ class Tracer:
             named |= {w.state for w in self._done}
             done = {(w.stream, w.start) for w in self._done}
             self._moved = {k: v for k, v in self._moved.items() if k in done}
-            if self._open is not None:
-                named.add(self._open.state)
             dropped = [self._states.pop(d) for d in list(self._states) if d not in named]
             self._in_memory -= sum(v.size for v in dropped if isinstance(v, Snapshot))
             self._free = [v for v in dropped if isinstance(v, Snapshot)][-_FREE:]
@@ -294,19 +350,28 @@ class Tracer:
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
             raise ProtocolError("malformed", f"replay request: {exc}", peer) from None
 
+    def spent(self) -> float:
+        """Seconds the trace took the training thread so far."""
+        return self._seconds
+
     def kept_bytes(self) -> int:
         """Bytes of start states kept now, in memory and spilled."""
         with self._lock:
             kept = list(self._states.values())
         return sum(v.size if isinstance(v, Snapshot) else _size(v) for v in kept)
 
-    def summary(self) -> dict[str, int]:
-        """Windows snapshotted so far and the bytes of start states kept now (the round
-        event's ``trace``)."""
-        return {"snapshots": self.snapshots, "kept_bytes": self.kept_bytes()}
+    def summary(self) -> dict[str, float]:
+        """Windows snapshotted so far, the bytes of start states kept now and the
+        training thread's seconds spent on the trace (the round event's ``trace``)."""
+        return {
+            "snapshots": self.snapshots,
+            "kept_bytes": self.kept_bytes(),
+            "seconds": round(self._seconds, 3),
+        }
 
     def close(self) -> None:
         """Remove the spilled states (they are of no use to a later run)."""
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             kept, self._states, self._in_memory = list(self._states.values()), {}, 0
             self._free = []

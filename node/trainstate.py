@@ -2,8 +2,9 @@
 replay check needs them at the start of a window (:mod:`node.trace` keeps them,
 :mod:`node.checks.replay` loads them).
 
-A :class:`Snapshot` copies the state (to the CPU) and hashes it with BLAKE3 as it is
-copied; it is packed only when served: ``u64 header length | msgpack header | every
+A :class:`Snapshot` copies the state (to the CPU) and hashes it with BLAKE3, on the
+calling thread or on an executor's (BLAKE3 lets go of the GIL while it hashes, so that
+runs beside the next inner steps); it is packed only when served: ``u64 header length | msgpack header | every
 tensor's bytes, in order``. :func:`load_state` sets a model and an optimizer of the same
 kind to a packed state, keeping the optimizer's own hyperparameters (a state sets only
 values and buffers, and SOAP's step count).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import blake3
@@ -44,11 +46,16 @@ class Snapshot:
     the CPU), and the structure around them. Packed only when served:
     ``u64 header length | msgpack header | every tensor's bytes, in order``, where the
     header lists each tensor's dtype and shape and holds the optimizers' state with each
-    tensor as ``{"__t": index}``. Its digest is BLAKE3 over those bytes, taken here over
-    the copies, without packing them."""
+    tensor as ``{"__t": index}``. Its digest is BLAKE3 over those bytes, taken over the
+    copies without packing them: here, or on ``hasher`` (then :attr:`digest` waits for
+    it)."""
 
     def __init__(
-        self, params: Sequence[torch.Tensor], optimizer: Any, reuse: Snapshot | None = None
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: Any,
+        reuse: Snapshot | None = None,
+        hasher: Executor | None = None,
     ) -> None:
         self._reuse = reuse.tensors if reuse is not None else []
         self.tensors: list[torch.Tensor] = []
@@ -67,14 +74,27 @@ class Snapshot:
             {"v": _VERSION, "params": len(params), "tensors": described, "state": states},
             use_bin_type=True,
         )
+        self._reuse = []
+        self.size = 8 + len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
+        self._digest: str | Future[str] = (
+            self._hash() if hasher is None else hasher.submit(self._hash)
+        )
+
+    def _hash(self) -> str:
         h = blake3.blake3(_STATE_DOMAIN)
         h.update(struct.pack("<Q", len(self.header)))
         h.update(self.header)
         for t in self.tensors:
             h.update(_raw(t))
-        self.digest = h.hexdigest()
-        self._reuse = []
-        self.size = 8 + len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
+        return h.hexdigest()
+
+    @property
+    def digest(self) -> str:
+        """The BLAKE3 digest of the packed state (waits for it where it is being taken on
+        an executor)."""
+        if isinstance(self._digest, Future):
+            self._digest = self._digest.result()
+        return self._digest
 
     def _keep(self, t: torch.Tensor) -> int:
         """Copy ``t`` into the snapshot (into a dropped one's tensor where it fits: writing

@@ -183,6 +183,7 @@ class Scores:
     come) and their windows' standard errors. The specific ratio likewise from lifts.
     Failed replay checks (:mod:`verification.replay`) flag a peer besides: one this
     node replayed itself at once, others' words from two checkers (:meth:`replay_failed`).
+    A checker proven so here has its own records left out of every peer's score.
 
     Thread-safe: records are added on the checks' worker, weights read on the
     transport's loop.
@@ -279,7 +280,11 @@ class Scores:
         return len([c for c, (r, _) in failed.items() if r > newest - span]) >= 2
 
     def _recent(self, kept: Iterable[_Kept]) -> list[_Kept]:
-        records = list(kept)
+        """The records a peer is judged on: those of its newest rounds, less any whose
+        checker this node proved to cheat (its word counts for nothing, back to its
+        first record)."""
+        cheats = {p for p, failed in self._replays.items() if any(v for _, v in failed.values())}
+        records = [k for k in kept if k.checker not in cheats]
         if self.rounds is None or not records:
             return records
         newest = max(k.round for k in records)

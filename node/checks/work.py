@@ -18,10 +18,11 @@ at a time:
   ``useless_work`` violation once per round.
 
 The worker paces itself: it starts each check (one contribution's record) only while
-the time its forward passes took so far is within ``trust.check_budget`` of the time the
-node spent in inner steps (waiting for a fetch costs no core and is not counted), so the
-checks take no more than that share of what the node gives training, give or take one
-record, however busy the machine is. When it falls more than two rounds behind, it drops
+the time its forward passes and replayed steps took so far, with the time the node's own
+trace took its training thread (:mod:`node.trace`), is within ``trust.check_budget`` of
+the time the node spent in inner steps (waiting for a fetch costs no core and is not
+counted), so the checks take no more than that share of what the node gives training,
+give or take one record, however busy the machine is. When it falls more than two rounds behind, it drops
 the oldest round's checks (counted as ``skipped``, once per round). Judging other
 checkers' records is not held back (their audits count in the same budget).
 """
@@ -85,6 +86,8 @@ class UsefulWork:
         training_seconds: the time the node spent in inner steps so far.
         replayer: replays windows of checked members' traces (``trust.replay_steps``;
             None: no replay checks).
+        tracing: the time this node's own trace took the training thread so far
+            (:meth:`node.trace.Tracer.spent`; it counts in the budget).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class UsefulWork:
         events: Callable[..., None],
         training_seconds: Callable[[], float],
         replayer: Replayer | None = None,
+        tracing: Callable[[], float] | None = None,
     ) -> None:
         if verifier.work is None:
             raise ValueError("useful-work checks need trust.checkers > 0")
@@ -113,6 +117,7 @@ class UsefulWork:
         self.publish = publish
         self.events = events
         self.training_seconds = training_seconds
+        self.tracing = tracing or (lambda: 0.0)
         self.book = RoundBook(fragments)
         self.counts = {
             "made": 0,
@@ -217,9 +222,11 @@ class UsefulWork:
             self.seconds += time.monotonic() - started
 
     def within_budget(self) -> bool:
-        """Whether the checks' forwards so far are within their share of training."""
+        """Whether the checks' forwards and replays so far, and the trace's time, are
+        within their share of training."""
         budget = self.settings.budget
-        return budget >= 1 or self.compute_seconds() <= budget * self.training_seconds()
+        spent = self.compute_seconds() + self.tracing()
+        return budget >= 1 or spent <= budget * self.training_seconds()
 
     def compute_seconds(self) -> float:
         """Time the checks' forward passes and replayed steps took so far."""
@@ -419,6 +426,7 @@ class UsefulWork:
             "replayed_steps": self.replays.replayer.steps if self.replays.replayer else 0,
             "seconds": round(self.seconds, 3),
             "compute_seconds": round(self.compute_seconds(), 3),
+            "trace_seconds": round(self.tracing(), 3),
             "flagged": sorted(self.scores.flagged()),
         }
 

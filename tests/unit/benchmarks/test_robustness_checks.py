@@ -20,10 +20,10 @@ from node.config import load_config
 _ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_quick_runs_five_quiet_faults_in_mixing_groups_and_gossip_pairs() -> None:
+def test_quick_runs_eight_faults_in_mixing_groups_and_gossip_pairs() -> None:
     plan = checks.plan_of(quick=True, smoke=False)
     names = [j.name for j in plan.jobs]
-    assert plan.rounds == 10 and len(plan.jobs) == 2 * (2 + 5)
+    assert plan.rounds == 10 and len(plan.jobs) == 2 * (2 + 8)
     assert names[:7] == [
         "groups clean 0_of_8",
         "groups clean 0_of_8",
@@ -35,9 +35,11 @@ def test_quick_runs_five_quiet_faults_in_mixing_groups_and_gossip_pairs() -> Non
     ]
     assert [j.checkers for j in plan.jobs[:2]] == [0, 2]  # one clean run without checks
     assert {j.shape.name for j in plan.jobs} == {"groups", "gossip"}
+    assert names[7:10] == ["groups poison 1_of_8", "groups alie 1_of_8", "groups alie 3_of_8"]
+    assert not any(j.site for j in plan.jobs)
 
 
-def test_full_adds_one_group_poison_alie_a_site_attacker_and_a_second_seed() -> None:
+def test_full_adds_one_group_a_site_attacker_and_a_second_seed() -> None:
     plan = checks.plan_of(quick=False, smoke=False)
     names = {j.name for j in plan.jobs}
     assert {"one_group lazy 1_of_6", "groups alie 3_of_8", "gossip poison 1_of_8"} <= names
@@ -193,7 +195,15 @@ def test_a_node_that_exits_badly_or_a_short_run_is_a_named_failure() -> None:
 
 
 # per mode: the round every honest node had flagged the attacker by (None: never)
-_FLAGGED_AT = {"lazy": 4, "lazy=0.5": 9, "zero": 4, "copy": 6, "random_data": None}
+_FLAGGED_AT = {
+    "lazy": 4,
+    "lazy=0.5": 9,
+    "zero": 4,
+    "copy": 6,
+    "random_data": None,
+    "poison": 5,
+    "alie": 4,
+}
 
 
 def _stand_in(plan: checks.Plan, job: checks.Job, base: Path, index: int) -> dict[str, Any]:
@@ -231,9 +241,10 @@ def test_quick_report_judges_each_goal_names_what_is_not_flagged_and_draws(
 ) -> None:
     monkeypatch.setattr(checks, "run_job", _stand_in)
     monkeypatch.setattr("benchmarks._checks_cost.measure_costs", _costs)
+    monkeypatch.setattr("benchmarks._checks_cost.tracer_probe", lambda: {"step_ratio": 1.02})
     report = robustness.run(True, tmp_path, checks=True)
     assert report["mode"] == "checks" and report["benchmark"] == "robustness"
-    assert len(report["runs"]) == 14
+    assert len(report["runs"]) == 20
     attacks = report["attacks"]
     assert attacks["groups zero 1_of_8"]["rounds_to_flag"] == 4
     assert attacks["groups lazy=0.5 1_of_8"]["goal_rounds"] == 10

@@ -49,11 +49,12 @@ def _train(
     window: int,
     share: float = 1.0,
     poke_at: int | None = None,
+    announce: bool = True,
 ) -> SimpleNamespace:
     """A member that trains ``steps`` steps of its round-``ROUND`` assignment (a
     ``share`` of them really, the rest counted only: ``--byzantine lazy``'s trainer),
     traced in windows of ``window``; ``poke_at``: a sync changes the model before that
-    step."""
+    step (announced to the tracer as the loop does, or not)."""
     cfg = world.cfg
     torch.manual_seed(0)
     model = build_model(cfg.model, seed=0)
@@ -69,6 +70,8 @@ def _train(
     tracer = Tracer(A, RUN, window, cfg.train.grad_accum)
     for i in range(steps):
         if i == poke_at:
+            if announce:
+                tracer.seal()
             with torch.no_grad():
                 next(model.parameters()).add_(0.01)  # an outer step, applied mid-round
         tracer.before(model, trainer.optimizer, trainer.steps, (work.stream, work.position))
@@ -132,6 +135,20 @@ def test_an_honest_trace_replays_window_by_window_across_thread_counts() -> None
     assert all(r.passed for r in records), [r.why for r in records]
     assert max(r.distance for r in records) < 1e-3
     assert max(r.loss for r in records) < 1e-4
+
+
+def test_a_model_changed_unannounced_drops_its_window_rather_than_record_it() -> None:
+    """A change the loop did not announce (:meth:`Tracer.seal`) would put a change no
+    inner step made into the window: the window is dropped, and the claim's batches are
+    no longer tiled, which a checker sees on its face."""
+    world = _world()
+    member = _train(world, steps=10, window=4, poke_at=6, announce=False)
+    trace = open_trace(
+        asyncio.run(member.tracer.serve("c", msgpack.packb(["trace", ROUND, 0]))), RUN
+    )
+    assert [w.steps for w in trace.windows] == [4, 4]  # steps 4 and 5 are in none
+    replayer = _replayer(world, member)
+    assert replayer.inconsistent(trace) == "its windows do not tile the batches it claims"
 
 
 def test_gradient_accumulation_replays() -> None:
@@ -371,7 +388,9 @@ def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_pat
     claim = tracer.claim(work.take(0), 1, 0)
     files = sorted(spill.glob("*.state"))
     assert len(files) == 2 and not list(spill.glob("*.part"))
-    assert tracer.summary() == {"snapshots": 2, "kept_bytes": sum(f.stat().st_size for f in files)}
+    summary = tracer.summary()
+    assert summary["snapshots"] == 2 and 0 < summary["seconds"] == round(tracer.spent(), 3)
+    assert summary["kept_bytes"] == sum(f.stat().st_size for f in files)
     trace = open_trace(asyncio.run(tracer.serve("c", msgpack.packb(["trace", 1, 0]))), RUN)
     assert trace.digest == claim.trace
     state = asyncio.run(tracer.serve("c", msgpack.packb(["state", trace.windows[1].state])))
@@ -384,7 +403,7 @@ def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_pat
     # files a node that did not stop cleanly left are removed by the next one
     (spill / "old.state").write_bytes(b"x")
     (spill / "old.part").write_bytes(b"x")
-    Tracer(A, RUN, 2, 1, spill=spill, memory=0)
+    Tracer(A, RUN, 2, 1, spill=spill, memory=0).close()
     assert not list(spill.iterdir())
 
 

@@ -84,7 +84,9 @@ class Member:
 
     def apply(self, f: int, sent: torch.Tensor, sent_from: torch.Tensor) -> None:
         """The group's mean: this node's own sent values and a neighbour's (a little
-        off), stepped by the outer optimizer, then merged with the overlap kept."""
+        off), stepped by the outer optimizer, then merged with the overlap kept (the
+        tracer told first, as node/loop.py does)."""
+        self.tracer.seal()
         other = sent * 0.8 + 0.001 * torch.randn(
             sent.shape, generator=torch.Generator().manual_seed(f)
         )

@@ -366,3 +366,19 @@ def test_one_round_cannot_decide_a_flag_however_many_records_it_has() -> None:
         _honest_round(habit, r)
         _add_noisy(habit, 0.1, checker=f"c{r % 2}", round_=r, lift=-0.3)
     assert habit.flagged() == {"p"}
+
+
+def test_a_checker_proven_to_cheat_has_its_records_left_out() -> None:
+    """A zero member's own records (the loss its victim's contribution seemed to lose on
+    its shrunken copy) supplied the second checker an honest peer's flag needed; once a
+    failed replay or sent check proves the cheat here, its records count for nothing."""
+    scores = _scores()
+    for r in range(4):
+        _honest_round(scores, r)
+        _add(scores, checker=f"c{r % 2}", round_=r, gain=0.0, lift=0.0)
+    assert scores.flagged() == {"p"}
+    assert scores.replay_failed("c1", "c0", 3, proven=False) is False
+    assert scores.flagged() == {"p"}  # one checker's word proves nothing
+    assert scores.replay_failed("c1", "me", 3, proven=True)
+    assert scores.flagged() == {"c1"}
+    assert scores.score("p")["checkers"] == 1 and not scores.score("p")["flagged"]
