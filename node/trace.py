@@ -166,7 +166,8 @@ class Tracer:
         stream is not an assigned one, nothing is traced), the trainer at ``steps``."""
         params = list(model.parameters())
         if self._owners is None:
-            names = [n for n, _ in model.named_parameters()]
+            module = getattr(model, "module", model)  # a DDP site's names are the module's
+            names = [n for n, _ in module.named_parameters()]
             self._owners = self.plan.owners(names) if self.plan else [0] * len(names)
         self._params = params
         w = self._open

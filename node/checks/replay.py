@@ -125,7 +125,7 @@ class Replayer:
         self.fetch = fetch
         self.sketcher = Sketcher(settings.run_id)
         self.plan = plan
-        self._index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        self._index = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
         self.steps = 0
         """Steps replayed so far."""
         self.seconds = 0.0

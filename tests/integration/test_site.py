@@ -67,9 +67,11 @@ def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm
         assert all(e["claimed"] > 0 and e["claimed"] % 2 == 0 for e in checks), checks
         assert any(e["measured"]["lift"] is not None for e in checks), checks
         assert not [e for e in log if e["event"] == "violation"], log
-        if replay:  # the other site's windows, each rank's batches, trained again alike
+        if replay:  # the other site's windows, each rank's batches, trained again alike,
+            # and what it sent is the sum of its windows (the leader's DDP module's)
             replays = [e for e in log if e["event"] == "replay"]
             assert replays and all(e["passed"] for e in replays), replays
+            assert {e["sent"] for e in replays} == {True, False}, replays
 
 
 def test_a_dead_rank_stops_its_site_cleanly_and_the_other_site_goes_on(local_swarm):
