@@ -94,9 +94,10 @@ class TrustPolicy:
             from another batch) and as many of control text.
         check_fragments: fragments of each contributor checked per round (drawn after
             the round; the others go unchecked that round).
-        check_from_round: the first round checked (the first rounds of a fresh model
-            learn what any text teaches, so no contribution gains more on its own data,
-            and round 2's large gains would outweigh later rounds' in pooled ratios).
+        check_from_round: the first round with check records (the first rounds of a
+            fresh model learn what any text teaches, so no contribution gains more on its
+            own data, and round 2's large gains would outweigh later rounds' in pooled
+            ratios); replay and sent checks run from round 1.
         check_min_records: records of a peer needed before it can be flagged (they must
             also span two rounds, :data:`verification.workscores.MIN_ROUNDS`).
         check_min_work: a peer whose pooled work ratio (its gain on control text per

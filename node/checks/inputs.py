@@ -47,7 +47,8 @@ class CheckSettings:
         windows: claimed and control windows per check (``trust.check_windows``).
         fragments: fragments of each contributor checked per round
             (``trust.check_fragments``).
-        from_round: the first round checked.
+        from_round: the first round with check records (replay and sent checks run
+            from round 1).
         audit: the share of other checkers' records this node recomputes.
         assigned: measure claimed batches (else control batches of validation text only).
         context: tokens per window.

@@ -129,8 +129,6 @@ class ReplayChecks:
             return
         if record.checker != sender or record.passed or record.peer == sender:
             return  # only failures are gossiped, by their checker
-        if record.round < self.settings.from_round:
-            return
         if self.verifier.blocks(record.checker, record.round) is not None:
             return  # a quarantined or banned checker's word counts for nothing
         if self.scores.proven(record.peer):

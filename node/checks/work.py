@@ -176,7 +176,9 @@ class UsefulWork:
 
     def exchange_applied(self, exchange: ExchangeBase) -> None:
         """An exchange whose every part came back reduced was applied (training thread)."""
-        if exchange.round >= self.settings.from_round:
+        # replay and sent checks need no warm-up: they run from the first round
+        first = 1 if self.replays.replayer is not None else self.settings.from_round
+        if exchange.round >= first:
             self.book.applied(exchange)
 
     def round_ended(self, round_: int, went_wrong: bool) -> None:
@@ -284,6 +286,13 @@ class UsefulWork:
             self._drop_behind()
 
     def _check(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
+        if inputs.round < self.settings.from_round:  # before the records' warm-up ends
+            try:
+                self.replays.check(inputs, fragment, peer)
+            except (ProtocolError, TimeoutError) as exc:  # not served: against no one
+                self.counts["unserved"] += 1
+                logger.info("contribution of %s not had: %s", peer[:16], exc)
+            return
         record = self._measure(inputs, fragment, peer, self.me)
         if record is None:
             return

@@ -32,11 +32,13 @@ CHECKS = [
     "trust.replay_steps=4",
 ]
 CHECKS_CHARGES = ("useless_work", "bad_check_record")
-LAZY_ROUND = 5
-"""The round by which every honest node flags the lazy member: its checkers replay a
-window of its round-3 trace and fail, and every other node replays the same window on
-the evidence they gossip (a round's checks run in the round after). The zero member's
-round-3 contributions fail their checkers' sent checks at the same time."""
+LAZY_ROUND = 3
+"""The round by which every honest node flags the lazy and the zero member: replay and
+sent checks run from the first round (they need none of the statistical checks' warm-up,
+``trust.check_from_round``), so the lazy member's round-1 trace fails its checkers'
+replay in round 2 and the zero member's round-1 contribution their sent checks, and
+every other node checks the evidence they gossip; a round's checks run in the round
+after, and a loaded machine may make them a round late."""
 BOUND = 1.08
 """The honest nodes' bits per byte at most this over the best honest node's (the two
 attackers cost the swarm some of its work until they are flagged)."""
