@@ -131,8 +131,9 @@ class Tracer:
         self._owners: list[int] | None = None
         """The fragment of each parameter tensor, in the model's order."""
         self.snapshots = 0
-        self._seconds = 0.0
         """Start states packed so far."""
+        self._seconds = 0.0
+        """The training thread's time in the trace so far (:meth:`spent`)."""
         self._open: _Open | None = None
         self._params: list[torch.Tensor] = []
         """The model's parameters (updated in place by every step)."""
@@ -170,13 +171,14 @@ class Tracer:
             names = [n for n, _ in module.named_parameters()]
             self._owners = self.plan.owners(names) if self.plan else [0] * len(names)
         self._params = params
+        probe = self._probe(params)
         w = self._open
         if w is not None and (
             at is None
             or (w.stream, w.start + len(w.losses) * w.accum) != at
-            or (w.probed is not None and not torch.equal(self._probe(params), w.probed))
+            or (w.probed is not None and not torch.equal(probe, w.probed))
         ):
-            self._close()  # the stream changed, or the model did unannounced (dropped)
+            self._close(probe)  # the stream changed, or the model did unannounced (dropped)
         if at is None or self._open is not None:
             return
         with self._lock:
@@ -184,9 +186,8 @@ class Tracer:
         snapshot = Snapshot(params, optimizer, reuse, self._hasher)
         self.snapshots += 1
         # the last window's end is this one's start where nothing else moved the model
-        probe = self._probe(params)
-        unchanged = self._end is not None and torch.equal(probe, self._end[1])
-        begin = self._end[0] if unchanged and self._end is not None else self._sketch(params)
+        end = self._end
+        begin = end[0] if end is not None and torch.equal(probe, end[1]) else self._sketch(params)
         self._open = _Open(at[0], at[1], steps, self.accum, snapshot, begin)
 
     @_timed
@@ -198,7 +199,7 @@ class Tracer:
         w.losses.append(float(loss))
         w.probed = self._probe(self._params)
         if len(w.losses) >= self.steps:
-            self._close()
+            self._close(w.probed)
 
     @_timed
     def seal(self) -> None:
@@ -226,14 +227,16 @@ class Tracer:
         assert self._owners is not None
         return self.sketcher.by_fragment(params, self._owners, self.fragments)
 
-    def _close(self) -> None:
+    def _close(self, probe: torch.Tensor | None = None) -> None:
         """End the open window after its last step: its end sketch, its start state
         kept. A window whose model changed since its last step without :meth:`seal` is
-        dropped (its end is not known): no claim can name its batches."""
+        dropped (its end is not known): no claim can name its batches. ``probe``: the
+        model's probe now, where the caller just took it."""
         w, self._open = self._open, None
         if w is None:
             return
-        probe = self._probe(self._params) if w.losses else None
+        if w.losses and probe is None:
+            probe = self._probe(self._params)
         if probe is None or w.probed is None or not torch.equal(probe, w.probed):
             if w.losses:
                 logger.warning("a traced window was dropped: the model changed unannounced")

@@ -63,18 +63,17 @@ def slack(
         return (2.0 if feedback else 1.0) * 2.0 * _HALF_ULP[codec] * float(v.norm())
     if codec not in _QMAX:
         return None
+    # the norm of every value's step: each block's largest value over qmax, block_size times
     n = v.numel() // block_size * block_size
-    steps = []
-    if n:
-        steps.append(v[:n].view(-1, block_size).abs().amax(1).repeat_interleave(block_size))
+    squares = v[:n].view(-1, block_size).abs().amax(1).pow(2).sum() * block_size if n else 0.0
     if n < v.numel():
-        steps.append(v[n:].abs().amax().expand(v.numel() - n))
-    step = torch.cat(steps) / _QMAX[codec] if steps else v
+        squares = squares + v[n:].abs().amax().pow(2) * (v.numel() - n)
+    step = math.sqrt(float(squares)) / _QMAX[codec]
     per_encode = 1.0 if stochastic else 0.5
     # the last encode's residual: allow twice this one's step (the scale moves a little
     # from one sync to the next)
     encodes = 3.0 if feedback else 1.0
-    return encodes * per_encode * float(step.norm())
+    return encodes * per_encode * step
 
 
 def sent_apart(moved: torch.Tensor, sent: torch.Tensor) -> float:

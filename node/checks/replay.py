@@ -10,9 +10,10 @@ recorded digest), loads it and trains the window's steps again on the claimed ba
 of the recorded step count, then compares the change and the losses with the recorded
 ones (:func:`verification.replay.agreement`).
 
-Before it replays, every checker drawn for the contribution (not only the first, which
-replays) makes the sent check (:mod:`verification.binding`): the contribution's sketch
-against the sum of its trace's windows.
+Every checker drawn for the contribution (not only the first, which replays) makes the
+sent check on the same opened trace (:meth:`Replayer.sent_check`,
+:mod:`verification.binding`): the contribution's sketch against the sum of its trace's
+windows.
 
 The same replay confirms or refutes another checker's failed record: anyone holding the
 run's tokens can run it, in the member's group or not.
@@ -135,33 +136,28 @@ class Replayer:
     # ---- a check ----------------------------------------------------------------------
 
     def check(
-        self,
-        checker: str,
-        peer: str,
-        key: tuple[int, int],
-        claim: WorkClaim,
-        seed: bytes,
-        sent: torch.Tensor | None = None,
-        replay: bool = True,
+        self, checker: str, peer: str, key: tuple[int, int], claim: WorkClaim, seed: bytes
     ) -> ReplayRecord | None:
         """``checker``'s unsigned replay record of ``peer``'s contribution to exchange
         ``key``, trained on ``claim``; None when the member could not be asked or did
         not serve its trace or the window's start state (a node that restarted holds
-        neither: not served counts against no one, as a contribution not served).
+        neither: not served counts against no one, as a contribution not served)."""
+        opened = self.opened(checker, peer, key, claim)
+        if not isinstance(opened, tuple):
+            return opened
+        return self.drawn(checker, *opened, seed)
 
-        Args:
-            sent: the contribution's values, for the sent check (None: none made).
-            replay: replay a window where the sent check passes (False: the sent
-                check's record, or None where it does not apply).
-        """
+    def opened(
+        self, checker: str, peer: str, key: tuple[int, int], claim: WorkClaim
+    ) -> tuple[Trace, bytes] | ReplayRecord | None:
+        """``peer``'s trace of its contribution to exchange ``key`` and its bytes, once
+        fetched and found to be the one ``claim`` names and consistent; else
+        ``checker``'s failed record (false on its face), or None where the member could
+        not be asked or did not serve it."""
         round_, fragment = key
 
-        def failed(
-            why: str, trace: bytes = b"", window: int = 0, state: bool = True
-        ) -> ReplayRecord:
-            return ReplayRecord(
-                checker, peer, round_, fragment, trace, window, False, why=why, state=state
-            )
+        def failed(why: str, trace: bytes = b"") -> ReplayRecord:
+            return ReplayRecord(checker, peer, round_, fragment, trace, 0, False, why=why)
 
         if claim.trace is None:
             return failed("its claim carries no trace")
@@ -182,18 +178,24 @@ class Replayer:
         why = self.inconsistent(trace)
         if why:
             return failed(why, data)  # false on its face: anyone can see it
-        bound = self.sent_check(checker, trace, data, sent) if sent is not None else None
-        if (bound is not None and not bound.passed) or not replay:
-            return bound
+        return trace, data
+
+    def drawn(self, checker: str, trace: Trace, data: bytes, seed: bytes) -> ReplayRecord | None:
+        """``checker``'s record of replaying the window of an opened ``trace`` the seed
+        draws for it; None where the member did not serve its start state."""
         index = drawn_window(seed, checker, len(trace.windows))
         try:
-            state = self._ask(peer, ["state", trace.windows[index].state])
+            state = self._ask(trace.peer, ["state", trace.windows[index].state])
         except Unavailable:
             return None
         if not state:
             return None
         if state_digest(state) != trace.windows[index].state:
-            return failed("its start state is not the one its trace names", data, index, False)
+            why = "its start state is not the one its trace names"
+            record = ReplayRecord(
+                checker, trace.peer, trace.round, trace.fragment, data, index, False, why=why
+            )
+            return dataclasses.replace(record, state=False)
         return self.judge(checker, trace, data, index, state)
 
     def inconsistent(self, trace: Trace) -> str:

@@ -96,12 +96,20 @@ class ReplayChecks:
         fetched = self.fetcher.get(peer, inputs.round, fragment)  # fetched: cached
         if fetched.claim is None or self.me not in drawn:
             return  # nothing claimed, nothing to replay (a member without assigned data)
-        key, claim = (inputs.round, fragment), fetched.claim
-        made = self.replayer.check(self.me, peer, key, claim, seed, fetched.vector, replay=False)
-        if made is not None:
-            self._made(made)
-        if drawn[:1] == [self.me] and (made is None or (made.sent and made.passed)):
-            replayed = self.replayer.check(self.me, peer, key, claim, seed)
+        first = drawn[:1] == [self.me]
+        opened = self.replayer.opened(self.me, peer, (inputs.round, fragment), fetched.claim)
+        if opened is None:
+            self.counts["replay_unserved"] += first
+            return
+        if not isinstance(opened, tuple):
+            self._made(opened)  # false on its face
+            return
+        trace, data = opened
+        bound = self.replayer.sent_check(self.me, trace, data, fetched.vector)
+        if bound is not None:
+            self._made(bound)
+        if first and (bound is None or bound.passed):
+            replayed = self.replayer.drawn(self.me, trace, data, seed)
             if replayed is None:
                 self.counts["replay_unserved"] += 1
             else:
