@@ -4,7 +4,7 @@ with checks against without, side by side.
 Two workloads, each a clean swarm of real node processes on 127.0.0.1 run twice, with
 the checks (``trust.checkers = 2`` and replay checks in windows of 4 steps,
 ``trust.replay_steps = 4``; every other ``trust.check*`` key at its default: 16 windows,
-one fragment of each contributor a round, a budget of 5 % of training time)
+one fragment of each contributor a round, a budget of 4 % of training time)
 and without (``trust.checkers = 0``), the runs alternating (with, without, without,
 with in the full mode) so that a machine getting busier favours neither:
 
@@ -14,8 +14,9 @@ with in the full mode) so that a machine getting busier favours neither:
   2,048-token tokenizer), 2 nodes of one thread each, rounds of 100 inner steps.
 
 Per run, per node: tokens trained over its training wall time (busy and idle seconds in
-its status), the checks' forward time over its time in inner steps, and the bytes it
-fetched to check over the bytes its syncs sent. The cost is the tokens/s ratio of the
+its status), the checks' forward and replay time over its time in inner steps, the
+trace's time (both its threads) over the same, and the bytes it fetched to check over
+the bytes its syncs sent. The cost is the tokens/s ratio of the
 runs with checks over those without (mean over nodes and runs).
 """
 
@@ -116,12 +117,15 @@ def _one(
                     "tokens_per_second": status.get("tokens", 0) / wall if wall else None,
                     "busy_seconds": status.get("busy_seconds"),
                     "check_seconds": counts.get("compute_seconds"),
+                    "trace_seconds": counts.get("trace_seconds"),
                     "bytes_fetched": counts.get("bytes_fetched"),
                     "bytes_sent": status.get("bytes_sent"),
                     "made": counts.get("made"),
                     "taken": counts.get("taken"),
                     "skipped": counts.get("skipped"),
                     "replayed_steps": counts.get("replayed_steps"),
+                    "sent_checked": counts.get("sent_checked"),
+                    "unmeasured": counts.get("unmeasured"),
                     "trace_kept_bytes": (rounds_seen[-1].get("trace") or {}).get("kept_bytes")
                     if rounds_seen
                     else None,
@@ -172,6 +176,14 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 if n["check_seconds"] is not None and n["busy_seconds"]
             ]
         ),
+        "trace_share": _mean(
+            [
+                n["trace_seconds"] / n["busy_seconds"]
+                for n in with_checks
+                if n.get("trace_seconds") is not None and n["busy_seconds"]
+            ]
+        ),
+        "replayed_steps_per_node": _mean([n["replayed_steps"] for n in with_checks]),
         "fetched_to_sent": _mean(
             [
                 n["bytes_fetched"] / n["bytes_sent"]

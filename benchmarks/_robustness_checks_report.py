@@ -144,9 +144,11 @@ _NOTES = {
     "checked_rounds": "the share of honest nodes' rounds after trust.check_from_round "
     "whose checks made or took a record (checks that never ran would show 0)",
     "costs": "tokens/s per node (tokens over training wall time) with checks over "
-    "without, mean over nodes and runs; check_share: the checks' forward seconds over "
-    "the node's seconds in inner steps; fetched_to_sent: bytes fetched to check over the "
-    "bytes the node's syncs sent",
+    "without, mean over nodes and runs; check_share: the checks' forward and replay "
+    "seconds over the node's seconds in inner steps; trace_share: the trace's seconds "
+    "(both its threads) over the same; replayed_steps_per_node: steps a node replayed "
+    "in the run; fetched_to_sent: bytes fetched to check over the bytes the node's "
+    "syncs sent",
 }
 
 

@@ -456,7 +456,8 @@ def _useful_work(
         replayer = Replayer(replay_settings(cfg), training.model, cfg.train, train, *at)
         steps, accum = cfg.trust.replay_steps, cfg.train.grad_accum
         spill = inputs.data_dir / "trace"
-        tracer = Tracer(inputs.identity, cfg.run.run_id, steps, accum, spill, plan=plan)
+        memory = cfg.trust.replay_memory_mb << 20
+        tracer = Tracer(inputs.identity, cfg.run.run_id, steps, accum, spill, memory, plan)
         allreduce.transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
     checks = UsefulWork(
         settings,
@@ -470,6 +471,7 @@ def _useful_work(
         lambda: training.trainer.seconds,
         replayer,
         tracer.spent if tracer is not None else None,
+        tracer.drawn if tracer is not None else None,
     )
     control.on_check = checks.receive
     return checks, tracer

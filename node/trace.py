@@ -16,10 +16,12 @@ into every part and the commitment. The tracer serves traces and start states on
 
 What it costs the training thread: a sketch a window (one pass over the parameters:
 the last window's end is the next one's start), a few probed values after each step,
-and one copied state per window, 12 bytes a parameter with AdamW, hashed with BLAKE3 on
-a thread of its own beside the next steps; states are kept while a claim may still
-name them: in memory up to :data:`MEMORY_BYTES`, beyond that in files of the node's
-``trace/`` folder (docs/trust.md, "Replay checks").
+and one copied state per window, 12 bytes a parameter with AdamW. The trace's own thread
+hashes each state with BLAKE3 beside the next steps and writes the states beyond
+:data:`MEMORY_BYTES` to files of the node's ``trace/`` folder. Both threads' time counts
+in :meth:`Tracer.spent`. A state is kept while a claim may still name it, and once the
+round's seed is known (:meth:`Tracer.drawn`, from the checks' worker) only the states
+of the windows the seed draws for replay are kept (docs/trust.md, "Replay checks").
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -45,7 +47,7 @@ from protocol.averaging.contributions import ROUNDS_KEPT, WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from protocol.errors import ProtocolError
 from verification.identity import Identity
-from verification.replay import Trace, TraceWindow
+from verification.replay import Trace, TraceWindow, drawn_window
 from verification.sketch import Sketcher
 
 __all__ = ["REPLAY_RPC", "Tracer"]
@@ -60,8 +62,10 @@ digest])`` for a window's packed start state; an empty answer when it is not kep
 _FREE = 2
 """Dropped snapshots kept for their memory."""
 _PROBES = 16
-"""Values of each parameter tensor probed before and after every step."""
-MEMORY_BYTES = 1 << 30
+"""Values of each probed parameter tensor read before and after every step."""
+_PROBED = 8
+"""Parameter tensors of each fragment probed."""
+MEMORY_BYTES = 2 << 30
 """Bytes of start states a node keeps in memory; beyond them, in files."""
 
 
@@ -79,6 +83,38 @@ class _Open:
     losses: list[float] = field(default_factory=list)
     probed: torch.Tensor | None = None
     """The probe (:meth:`Tracer._probe`) after the last step."""
+
+
+@dataclass
+class _Kept:
+    """A signed trace served for a claim, and the start states it still needs: every
+    window's until the round's seed is known, then the drawn windows' (``drawn``)."""
+
+    data: bytes
+    states: tuple[str, ...]
+    drawn: bool = False
+
+
+class _Background(Executor):
+    """The trace's own thread (hashing and spilling states), timed: an executor whose
+    jobs' seconds add up in :attr:`seconds`."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="atoll-trace")
+        self.seconds = 0.0
+
+    def submit(self, fn: Callable[..., _R], /, *args: Any, **kwargs: Any) -> Future[_R]:
+        def timed() -> _R:
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - began
+
+        return self._pool.submit(timed)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 def _timed(method: Callable[..., _R]) -> Callable[..., _R]:
@@ -135,13 +171,15 @@ class Tracer:
         self._seconds = 0.0
         """The training thread's time in the trace so far (:meth:`spent`)."""
         self._open: _Open | None = None
+        self._model: nn.Module | None = None
         self._params: list[torch.Tensor] = []
         """The model's parameters (updated in place by every step)."""
         self._end: tuple[torch.Tensor, torch.Tensor] | None = None
         """The last window's end sketch, and its probe."""
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="atoll-trace-hash")
-        """Hashes start states beside the training thread."""
-        self._places: list[torch.Tensor] | None = None
+        self._background = _Background()
+        """Hashes start states beside the training thread, and spills them."""
+        self._places: list[torch.Tensor | None] | None = None
+        """Each parameter tensor's probed places (None: not probed)."""
         self._free: list[Snapshot] = []
         """Dropped snapshots whose memory the next ones are copied into."""
         self._done: list[TraceWindow] = []
@@ -154,7 +192,9 @@ class Tracer:
                 stale.unlink(missing_ok=True)
         self._states: dict[str, Snapshot | Path] = {}
         self._in_memory = 0
-        self._traces: dict[tuple[int, int], tuple[bytes, tuple[str, ...]]] = {}
+        self._spilling: set[str] = set()
+        """Digests of states being written to files (their memory is not reused yet)."""
+        self._traces: dict[tuple[int, int], _Kept] = {}
         self._lock = threading.Lock()
 
     # ---- the training thread -------------------------------------------------------------
@@ -165,12 +205,13 @@ class Tracer:
     ) -> None:
         """An inner step is about to start at draw ``at = (stream, position)`` (None: the
         stream is not an assigned one, nothing is traced), the trainer at ``steps``."""
-        params = list(model.parameters())
+        if model is not self._model:
+            self._model, self._params = model, list(model.parameters())
+        params = self._params
         if self._owners is None:
             module = getattr(model, "module", model)  # a DDP site's names are the module's
             names = [n for n, _ in module.named_parameters()]
             self._owners = self.plan.owners(names) if self.plan else [0] * len(names)
-        self._params = params
         probe = self._probe(params)
         w = self._open
         if w is not None and (
@@ -183,7 +224,7 @@ class Tracer:
             return
         with self._lock:
             reuse = self._free.pop() if self._free else None
-        snapshot = Snapshot(params, optimizer, reuse, self._hasher)
+        snapshot = Snapshot(params, optimizer, reuse, self._background)
         self.snapshots += 1
         # the last window's end is this one's start where nothing else moved the model
         end = self._end
@@ -208,20 +249,33 @@ class Tracer:
         self._close()
 
     def _probe(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """A few values of every parameter, at fixed places: what tells a step's model from
-        one a sync or a catch-up changed since (they change every value of a fragment)."""
+        """A few values of every fragment, at fixed places: what tells a step's model from
+        one a sync or a catch-up changed since (they change every value of a fragment).
+        :data:`_PROBES` values of at most :data:`_PROBED` tensors a fragment, the first
+        and the last among them, gathered where they live and copied out once."""
         if self._places is None or len(self._places) != len(params):
+            assert self._owners is not None
             g = torch.Generator().manual_seed(0)
+            chosen: set[int] = set()
+            for f in sorted(set(self._owners)):
+                mine = [i for i, o in enumerate(self._owners) if o == f]
+                picks = torch.linspace(0, len(mine) - 1, min(_PROBED, len(mine))).round()
+                chosen |= {mine[int(k)] for k in picks.tolist()}
             self._places = [
                 torch.randint(0, max(1, p.numel()), (min(_PROBES, p.numel()),), generator=g).to(
                     p.device
                 )
-                for p in params
+                if i in chosen
+                else None
+                for i, p in enumerate(params)
             ]
         with torch.no_grad():
-            return torch.cat(
-                [p.detach().reshape(-1)[i].float().cpu() for p, i in zip(params, self._places)]
-            )
+            values = [
+                p.detach().reshape(-1)[i].float()
+                for p, i in zip(params, self._places)
+                if i is not None
+            ]
+            return torch.cat(values).cpu()
 
     def _sketch(self, params: list[torch.Tensor]) -> torch.Tensor:
         assert self._owners is not None
@@ -268,20 +322,43 @@ class Tracer:
 
     def _store(self, snapshot: Snapshot) -> None:
         """Keep a start state: in memory while they fit in ``memory`` bytes, else in a
-        file of the spill folder (written whole, then renamed)."""
+        file of the spill folder, written on the trace's thread."""
         digest = snapshot.digest
-        if self.spill is None or self._in_memory + snapshot.size <= self.memory:
-            with self._lock:
-                self._states[digest] = snapshot
-                self._in_memory += snapshot.size
-            return
-        self.spill.mkdir(parents=True, exist_ok=True)
-        path = self.spill / f"{digest}.state"
-        part = path.with_suffix(".part")
-        part.write_bytes(snapshot.pack())
-        os.replace(part, path)
         with self._lock:
-            self._states[digest] = path
+            self._states[digest] = snapshot
+            self._in_memory += snapshot.size
+            spill = self.spill is not None and self._in_memory > self.memory
+            if spill:
+                self._spilling.add(digest)
+        if spill:
+            self._background.submit(lambda: self._spill(snapshot))
+
+    def _spill(self, snapshot: Snapshot) -> None:
+        """Write a kept state to its file (whole, then renamed) and serve it from there;
+        its memory goes to the next window's copy (the trace's thread)."""
+        assert self.spill is not None
+        digest = snapshot.digest
+        path = self.spill / f"{digest}.state"
+        try:
+            self.spill.mkdir(parents=True, exist_ok=True)
+            part = path.with_suffix(".part")
+            with part.open("wb") as f:
+                snapshot.write(f)
+            os.replace(part, path)
+        except OSError as exc:  # a full disk: it stays in memory
+            logger.warning("a start state could not be written to %s: %s", self.spill, exc)
+            with self._lock:
+                self._spilling.discard(digest)
+            return
+        with self._lock:
+            self._spilling.discard(digest)
+            kept = self._states.get(digest) is snapshot
+            if kept:
+                self._states[digest] = path
+                self._in_memory -= snapshot.size
+            self._free = [*self._free, snapshot][-_FREE:]
+        if not kept:  # dropped while it was written
+            path.unlink(missing_ok=True)
 
     def _read(self, digest: str) -> bytes:
         with self._lock:
@@ -307,10 +384,29 @@ class Tracer:
             self.identity.peer_id, self.run_id, round_, fragment, tuple(inside), spans, shape
         ).signed(self.identity)
         with self._lock:
-            self._traces[(round_, fragment)] = (trace.to_bytes(), tuple(w.state for w in inside))
+            self._traces[(round_, fragment)] = _Kept(
+                trace.to_bytes(), tuple(w.state for w in inside)
+            )
             for old in [k for k in self._traces if k[0] <= round_ - ROUNDS_KEPT]:
                 del self._traces[old]
         return dataclasses.replace(claim, trace=trace.digest)
+
+    def drawn(self, round_: int, fragment: int, seed: bytes, checker: str | None) -> None:
+        """Exchange ``(round_, fragment)``'s seed is known: of this node's trace of its
+        contribution to it, only the start state of the window ``checker`` replays
+        (:func:`~verification.replay.drawn_window`) is kept from now on; none where no
+        one replays it (``checker`` None). Called once the round ended, on the checks'
+        worker."""
+        with self._lock:
+            kept = self._traces.get((round_, fragment))
+            if kept is None or kept.drawn:
+                return
+            states = kept.states
+            index = drawn_window(seed, checker, len(states)) if checker and states else None
+            kept.states = (states[index],) if index is not None else ()
+            kept.drawn = True
+            dropped = self._purge()
+        _unlink(dropped)
 
     def _of(self, w: TraceWindow, fragment: int) -> TraceWindow:
         """``w`` as fragment ``fragment``'s trace holds it: with that fragment's change."""
@@ -324,17 +420,24 @@ class Tracer:
         """Drop every window (and its state) that no kept trace names and no claim to come
         can name (``open_spans``: the spans not claimed yet, of every fragment)."""
         with self._lock:
-            named = {d for _, states in self._traces.values() for d in states}
             self._done = [w for w in self._done if any(_within(w, s) for s in open_spans)]
-            named |= {w.state for w in self._done}
             done = {(w.stream, w.start) for w in self._done}
             self._moved = {k: v for k, v in self._moved.items() if k in done}
-            dropped = [self._states.pop(d) for d in list(self._states) if d not in named]
-            self._in_memory -= sum(v.size for v in dropped if isinstance(v, Snapshot))
-            self._free = [v for v in dropped if isinstance(v, Snapshot)][-_FREE:]
-        for kept in dropped:
-            if isinstance(kept, Path):
-                kept.unlink(missing_ok=True)
+            dropped = self._purge()
+        _unlink(dropped)
+
+    def _purge(self) -> list[Snapshot | Path]:
+        """Drop the states that no kept trace and no window to be claimed names; their
+        memory goes to the next copies. Holds ``_lock``."""
+        named = {d for kept in self._traces.values() for d in kept.states}
+        named |= {w.state for w in self._done}
+        dropped = [self._states.pop(d) for d in list(self._states) if d not in named]
+        memory = [v for v in dropped if isinstance(v, Snapshot)]
+        self._in_memory -= sum(v.size for v in memory)
+        # a state being written keeps its memory until the write ends (:meth:`_spill`)
+        free = [v for v in memory if v.digest not in self._spilling]
+        self._free = [*self._free, *free][-_FREE:]
+        return dropped
 
     # ---- serving (the transport's loop) ---------------------------------------------------
 
@@ -347,7 +450,7 @@ class Tracer:
             if fields[0] == "trace" and len(fields) == 3:
                 with self._lock:
                     kept = self._traces.get((int(fields[1]), int(fields[2])))
-                return kept[0] if kept is not None else b""
+                return kept.data if kept is not None else b""
             if fields[0] == "state" and len(fields) == 2 and isinstance(fields[1], str):
                 return self._read(fields[1])
             raise ValueError(f"unknown request {fields[0]!r}")
@@ -355,8 +458,12 @@ class Tracer:
             raise ProtocolError("malformed", f"replay request: {exc}", peer) from None
 
     def spent(self) -> float:
-        """Seconds the trace took the training thread so far."""
-        return self._seconds
+        """Seconds the trace took so far: the training thread's and its own thread's."""
+        return self._seconds + self._background.seconds
+
+    def flush(self) -> None:
+        """Wait until the trace's thread has hashed and written every state handed to it."""
+        self._background.submit(lambda: None).result()
 
     def kept_bytes(self) -> int:
         """Bytes of start states kept now, in memory and spilled."""
@@ -365,23 +472,29 @@ class Tracer:
         return sum(v.size if isinstance(v, Snapshot) else _size(v) for v in kept)
 
     def summary(self) -> dict[str, float]:
-        """Windows snapshotted so far, the bytes of start states kept now and the
-        training thread's seconds spent on the trace (the round event's ``trace``)."""
+        """Windows snapshotted so far, the bytes of start states kept now, and the
+        seconds spent on the trace: in all, and of them on its own thread (the round
+        event's ``trace``)."""
         return {
             "snapshots": self.snapshots,
             "kept_bytes": self.kept_bytes(),
-            "seconds": round(self._seconds, 3),
+            "seconds": round(self.spent(), 3),
+            "thread_seconds": round(self._background.seconds, 3),
         }
 
     def close(self) -> None:
         """Remove the spilled states (they are of no use to a later run)."""
-        self._hasher.shutdown(wait=True, cancel_futures=True)
+        self._background.shutdown()
         with self._lock:
             kept, self._states, self._in_memory = list(self._states.values()), {}, 0
             self._free = []
-        for v in kept:
-            if isinstance(v, Path):
-                v.unlink(missing_ok=True)
+        _unlink(kept)
+
+
+def _unlink(states: Sequence[Snapshot | Path]) -> None:
+    for kept in states:
+        if isinstance(kept, Path):
+            kept.unlink(missing_ok=True)
 
 
 def _size(path: Path) -> int:

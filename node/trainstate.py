@@ -16,7 +16,7 @@ import math
 import struct
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, BinaryIO
 
 import blake3
 import msgpack
@@ -117,9 +117,15 @@ class Snapshot:
         return value
 
     def pack(self) -> bytes:
-        return b"".join(
-            [struct.pack("<Q", len(self.header)), self.header, *(_raw(t) for t in self.tensors)]
-        )
+        return b"".join(self._pieces())
+
+    def write(self, f: BinaryIO) -> None:
+        """Write the packed state to ``f`` without joining it in memory first."""
+        for piece in self._pieces():
+            f.write(piece)
+
+    def _pieces(self) -> list[bytes | memoryview]:
+        return [struct.pack("<Q", len(self.header)), self.header, *(_raw(t) for t in self.tensors)]
 
 
 def _raw(t: torch.Tensor) -> memoryview:

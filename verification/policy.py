@@ -120,9 +120,11 @@ class TrustPolicy:
         check_assigned: judge a contribution by its gain on the batches it claims against
             control text of the run's train split; false judges it by its gain on
             validation text alone (for swarms whose nodes train on data of their own).
-        check_budget: the largest share of a node's time in inner steps its checks'
-            forward passes may take (they run on a worker thread beside training, and
-            each check waits while they are over it).
+        check_budget: the largest share of a node's time in inner steps its checks may
+            take: the forward passes of its records, its replays and its own trace
+            (they run beside training, and each costly check waits while they are over
+            it). 4 % leaves room within 5 % for what is not counted (fetching, serving
+            its contributions and states).
         replay_steps: with checks on, every node traces its training in windows of at
             most this many inner steps (a start state kept per window) and the first
             checker drawn for a contribution trains one drawn window of it again
@@ -132,6 +134,11 @@ class TrustPolicy:
         replay_tolerance: the largest distance a replayed window's change may lie from
             the recorded one (relative to its size), and the largest difference of a
             step's loss (relative to the loss, at least 1), before the replay fails.
+        replay_memory_mb: MiB of start states a node keeps in memory for its checkers;
+            beyond them, states are written to files of its ``trace/`` folder (on a
+            thread beside training). A state is kept until the round's seed shows
+            whether a checker replays its window, so a node holds about one round's
+            windows at a time (12 bytes a parameter each with AdamW).
     """
 
     allow: tuple[str, ...] = ()
@@ -164,9 +171,10 @@ class TrustPolicy:
     check_rounds: int = Field(default=3, ge=0)
     check_audit: float = Field(default=0.1, ge=0, le=1)
     check_assigned: bool = True
-    check_budget: float = Field(default=0.05, gt=0, le=1)
+    check_budget: float = Field(default=0.04, gt=0, le=1)
     replay_steps: int = Field(default=0, ge=0, le=1024)
     replay_tolerance: float = Field(default=0.05, gt=0, le=1)
+    replay_memory_mb: int = Field(default=2048, ge=0)
 
     @field_validator("allow", "deny")
     @classmethod

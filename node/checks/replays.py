@@ -1,9 +1,10 @@
 """The replay side of a node's checks, run by the checks' worker (:mod:`node.checks.work`).
 
 - A check this node made of a contribution (:meth:`ReplayChecks.check`): every checker
-  the seed draws for it makes the sent check (:mod:`verification.binding`), and the
-  first one also replays a window of the contribution's trace (:mod:`node.checks.replay`);
-  a failure is signed and gossiped on the ``check`` topic.
+  the seed draws for it makes the sent check (:mod:`verification.binding`) at once, and
+  the first one also replays a window of the contribution's trace
+  (:meth:`ReplayChecks.replay`, :mod:`node.checks.replay`) once the checks' budget
+  allows; a failure is signed and gossiped on the ``check`` topic.
 - Another checker's failed replay (:meth:`ReplayChecks.judge`): replayed here where its
   evidence allows (the member's signed trace and the window's start state, served by
   the member; for a sent check, the trace and the contribution): a failure here too
@@ -25,11 +26,11 @@ from node.checks.inputs import CheckSettings, RoundInputs
 from node.checks.replay import Replayer
 from protocol.errors import ProtocolError
 from verification.identity import Identity
-from verification.replay import ReplayError, ReplayRecord, open_replay_record
+from verification.replay import ReplayError, ReplayRecord, Trace, open_replay_record
 from verification.usefulness import checkers_for
 from verification.verifier import Verifier
 
-__all__ = ["Outlets", "ReplayChecks"]
+__all__ = ["Outlets", "Pending", "ReplayChecks"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,16 @@ class Outlets:
     events: Callable[..., None]
     charge: Callable[[str, int, int, str], None]
     refuse: Callable[[Any, str], None]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A replay this node was drawn to make: the member's opened trace (and its bytes)
+    and the exchange's seed, which draws the window."""
+
+    trace: Trace
+    data: bytes
+    seed: bytes
 
 
 class ReplayChecks:
@@ -83,37 +94,47 @@ class ReplayChecks:
         self.counts = counts
         self.out = outlets
 
-    def check(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
+    def check(self, inputs: RoundInputs, fragment: int, peer: str) -> Pending | None:
         """Check ``peer``'s contribution to exchange ``(inputs.round, fragment)`` against
-        its trace (this node is one of its checkers), and replay a window of it where this
-        node is the first checker the seed draws for it (one replay a contribution: a
-        window the member skipped fails whoever replays it)."""
+        its trace (this node is one of its checkers): the replay to make where this node
+        is the first checker the seed draws for it and the sent check passed (one replay
+        a contribution: a window the member skipped fails whoever replays it).
+
+        Raises:
+            ProtocolError, TimeoutError: the contribution was not served.
+        """
         if self.replayer is None:
-            return
+            return None
         seed = inputs.seed(self.settings.run_id, fragment)
         contributors = inputs.exchanges[fragment].contributors
         drawn = checkers_for(seed, peer, contributors, self.settings.checkers)
         fetched = self.fetcher.get(peer, inputs.round, fragment)  # fetched: cached
         if fetched.claim is None or self.me not in drawn:
-            return  # nothing claimed, nothing to replay (a member without assigned data)
+            return None  # nothing claimed, nothing to replay (a member without assigned data)
         first = drawn[:1] == [self.me]
         opened = self.replayer.opened(self.me, peer, (inputs.round, fragment), fetched.claim)
         if opened is None:
             self.counts["replay_unserved"] += first
-            return
+            return None
         if not isinstance(opened, tuple):
             self._made(opened)  # false on its face
-            return
+            return None
         trace, data = opened
         bound = self.replayer.sent_check(self.me, trace, data, fetched.vector)
         if bound is not None:
             self._made(bound)
         if first and (bound is None or bound.passed):
-            replayed = self.replayer.drawn(self.me, trace, data, seed)
-            if replayed is None:
-                self.counts["replay_unserved"] += 1
-            else:
-                self._made(replayed)
+            return Pending(trace, data, seed)
+        return None
+
+    def replay(self, pending: Pending) -> None:
+        """Make a replay :meth:`check` left to make."""
+        assert self.replayer is not None
+        replayed = self.replayer.drawn(self.me, pending.trace, pending.data, pending.seed)
+        if replayed is None:
+            self.counts["replay_unserved"] += 1
+        else:
+            self._made(replayed)
 
     def _made(self, made: ReplayRecord) -> None:
         """Sign, count and (a failure) gossip a check this node made."""

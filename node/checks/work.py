@@ -6,25 +6,32 @@ are stored and queued in constant time, and records gossiped by other checkers c
 on the control channel's thread (:meth:`UsefulWork.receive`). The worker then, one task
 at a time:
 
-- for every round that ended well here, with every fragment exchanged, checks the
-  contributions this node was drawn to check (:mod:`verification.usefulness`): it
-  fetches each (:mod:`node.checks.fetch`; the fetch runs on the transport's loop),
-  measures it (:mod:`node.checks.measure`), signs the record, gossips it on the control
-  channel's ``check`` topic and counts it;
 - judges other checkers' records (:mod:`node.checks.judge`): recomputes the ones it
   must, charges a false one's signer a ``bad_check_record`` violation, and counts the
   rest in the verifier's :class:`~verification.workscores.Scores`, whose work ratios
   set each peer's weight in this node's aggregates; a peer the scores flag gets a
-  ``useless_work`` violation once per round.
+  ``useless_work`` violation once per round;
+- for every round that ended well here, with every fragment exchanged: tells the node's
+  own trace which windows its checkers will replay, so that it keeps only their start
+  states (:meth:`node.trace.Tracer.drawn`); then draws the contributions this node
+  checks (:mod:`verification.usefulness`), fetches each (:mod:`node.checks.fetch`; the
+  fetch runs on the transport's loop) and makes its sent check at once (a sketch of it,
+  :mod:`node.checks.replays`);
+- within the budget: replays a window of each contribution it is the first checker of,
+  then measures the contribution's work ratios (:mod:`node.checks.measure`), signs the
+  record, gossips it on the control channel's ``check`` topic and counts it. The record
+  is made with what the budget leaves after the replay (a replay proves, a record only
+  weighs).
 
-The worker paces itself: it starts each check (one contribution's record) only while
-the time its forward passes and replayed steps took so far, with the time the node's own
-trace took its training thread (:mod:`node.trace`), is within ``trust.check_budget`` of
-the time the node spent in inner steps (waiting for a fetch costs no core and is not
-counted), so the checks take no more than that share of what the node gives training,
-give or take one record, however busy the machine is. When it falls more than two rounds behind, it drops
-the oldest round's checks (counted as ``skipped``, once per round). Judging other
-checkers' records is not held back (their audits count in the same budget).
+The worker paces itself: it starts each costly check (a replay, a measured record) only
+while the time its forward passes and replayed steps took so far, with the time the
+node's own trace took (:mod:`node.trace`), is within ``trust.check_budget`` of the time
+the node spent in inner steps (waiting for a fetch costs no core and is not counted), so
+the checks take no more than that share of what the node gives training, give or take
+one check, however busy the machine is. When the costly checks fall more than two
+rounds behind, it drops the oldest round's (counted as ``skipped``, once per round).
+Judging other checkers' records and the sent checks are not held back (audits count in
+the same budget).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from node.checks.inputs import CheckSettings, ExchangeBase, RoundBook, RoundInpu
 from node.checks.judge import believe
 from node.checks.measure import Checked, Measurer
 from node.checks.replay import Replayer
-from node.checks.replays import Outlets, ReplayChecks
+from node.checks.replays import Outlets, Pending, ReplayChecks
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.replay import ReplayRecord, is_replay_record
@@ -86,8 +93,11 @@ class UsefulWork:
         training_seconds: the time the node spent in inner steps so far.
         replayer: replays windows of checked members' traces (``trust.replay_steps``;
             None: no replay checks).
-        tracing: the time this node's own trace took the training thread so far
+        tracing: the time this node's own trace took so far
             (:meth:`node.trace.Tracer.spent`; it counts in the budget).
+        drawn: tells this node's trace, once a round's seed is known, the checker that
+            replays its contribution to an exchange, ``(round, fragment, seed, checker)``
+            (None: no one does) (:meth:`node.trace.Tracer.drawn`).
     """
 
     def __init__(
@@ -103,6 +113,7 @@ class UsefulWork:
         training_seconds: Callable[[], float],
         replayer: Replayer | None = None,
         tracing: Callable[[], float] | None = None,
+        drawn: Callable[[int, int, bytes, str | None], None] | None = None,
     ) -> None:
         if verifier.work is None:
             raise ValueError("useful-work checks need trust.checkers > 0")
@@ -118,6 +129,7 @@ class UsefulWork:
         self.events = events
         self.training_seconds = training_seconds
         self.tracing = tracing or (lambda: 0.0)
+        self.drawn = drawn
         self.book = RoundBook(fragments)
         self.counts = {
             "made": 0,
@@ -132,6 +144,7 @@ class UsefulWork:
             "replay_unserved": 0,
             "sent_checked": 0,
             "sent_failed": 0,
+            "unmeasured": 0,
         }
         self.seconds = 0.0
         """Time the worker spent checking (fetching, measuring, judging), in total."""
@@ -147,10 +160,15 @@ class UsefulWork:
         """Replay checks: this node's, and other checkers' failed ones."""
         self._inputs: dict[int, RoundInputs | None] = {}
         """Rounds that ended here: their inputs, or None (went wrong, or incomplete)."""
+        self._own: deque[RoundInputs] = deque()
+        """Rounds whose seeds this node's trace has not been told yet."""
         self._rounds: deque[RoundInputs] = deque()
         """Rounds whose checks are not drawn yet."""
         self._todo: deque[tuple[RoundInputs, int, str]] = deque()
-        """Drawn checks not made yet: a round's inputs, a fragment and a peer."""
+        """Drawn checks not started yet: a round's inputs, a fragment and a peer."""
+        self._costly: deque[tuple[RoundInputs, int, str, Pending | None]] = deque()
+        """Checks whose sent check is made, waiting for the budget: the replay to make
+        (None: none), then the record."""
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
         self._waiting: list[tuple[int, str, bytes]] = []
         self._newest = 0
@@ -197,6 +215,8 @@ class UsefulWork:
             self._newest = max(self._newest, round_)
             if inputs is not None:
                 self._rounds.append(inputs)
+                if self.drawn is not None:
+                    self._own.append(inputs)
                 self._drop_behind()
             ready = [(s, d) for r, s, d in self._waiting if r <= self._newest]
             self._waiting = [w for w in self._waiting if w[0] > self._newest]
@@ -236,33 +256,59 @@ class UsefulWork:
         return self.measurer.seconds + (replayer.seconds if replayer is not None else 0.0)
 
     def _drop_behind(self) -> None:
-        """Drop the checks of rounds more than :data:`_BEHIND` behind the newest that
-        has any (each such round counted once as skipped). Holds ``_wake``."""
-        pending = sorted({i.round for i in self._rounds} | {t[0].round for t in self._todo})
+        """Drop the costly checks of rounds more than :data:`_BEHIND` behind the newest
+        that has any (each such round counted once as skipped). Holds ``_wake``."""
+        pending = sorted(
+            {i.round for i in self._rounds}
+            | {t[0].round for t in self._todo}
+            | {t[0].round for t in self._costly}
+        )
         stale = set(pending[:-_BEHIND])
         if stale:
             self.counts["skipped"] += len(stale)
             self._rounds = deque(i for i in self._rounds if i.round not in stale)
             self._todo = deque(t for t in self._todo if t[0].round not in stale)
+            self._costly = deque(t for t in self._costly if t[0].round not in stale)
 
     def _next(self) -> Callable[[], None] | None:
-        """The next task: a record to judge whenever one is in; the next round's draw
-        once the checks drawn before are made; a check while the checks are within their
-        budget (see the module docstring)."""
+        """The next task: a record to judge whenever one is in; a round's seed for the
+        node's own trace; the sent checks drawn; the next round's draw once those are
+        made; a costly check while the checks are within their budget (see the module
+        docstring)."""
         with self._wake:
             if self._inbox:
                 sender, data = self._inbox.popleft()
                 return lambda: self._judge(sender, data)
-            if self._rounds and not self._todo:
+            if self._own:
+                own = self._own.popleft()
+                return lambda: self._release(own.prepare())
+            if self._todo:
+                inputs, fragment, peer = self._todo.popleft()
+                return lambda: self._sent(inputs, fragment, peer)
+            if self._rounds:
                 inputs = self._rounds.popleft()
                 return lambda: self._draw(inputs.prepare())
-            if self._todo and self.within_budget():
-                inputs, fragment, peer = self._todo.popleft()
-                return lambda: self._check(inputs, fragment, peer)
-            self._wake.wait(_IDLE_WAIT if self._todo else 1.0)
+            if self._costly and self.within_budget():
+                inputs, fragment, peer, pending = self._costly.popleft()
+                return lambda: self._check(inputs, fragment, peer, pending)
+            self._wake.wait(_IDLE_WAIT if self._costly else 1.0)
         return None
 
     # ---- this node's checks -------------------------------------------------------------
+
+    def _release(self, inputs: RoundInputs) -> None:
+        """Tell this node's trace who replays its contribution to each exchange of round
+        ``inputs.round``, as its checkers draw it (the same inputs on every member of
+        its group): the trace keeps only those windows' start states."""
+        assert self.drawn is not None
+        s = self.settings
+        for f, exchange in enumerate(inputs.exchanges):
+            seed = inputs.seed(s.run_id, f)
+            checked = self.me in exchange.contributors and f in fragments_checked(
+                inputs.base, inputs.round, self.me, self.fragments, s.fragments
+            )
+            drawn = checkers_for(seed, self.me, exchange.contributors, s.checkers)
+            self.drawn(inputs.round, f, seed, drawn[0] if checked and drawn else None)
 
     def _draw(self, inputs: RoundInputs) -> None:
         """Queue every check of round ``inputs.round`` this node was drawn to."""
@@ -285,13 +331,34 @@ class UsefulWork:
             self._todo.extend(drawn_checks)
             self._drop_behind()
 
-    def _check(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
-        if inputs.round < self.settings.from_round:  # before the records' warm-up ends
-            try:
-                self.replays.check(inputs, fragment, peer)
-            except (ProtocolError, TimeoutError) as exc:  # not served: against no one
-                self.counts["unserved"] += 1
-                logger.info("contribution of %s not had: %s", peer[:16], exc)
+    def _sent(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
+        """A drawn check's cheap part, made at once: the contribution fetched and its
+        sent check; the replay and the record wait for the budget."""
+        try:
+            pending = self.replays.check(inputs, fragment, peer)
+        except (ProtocolError, TimeoutError) as exc:  # not served: against no one
+            self.counts["unserved"] += 1
+            logger.info(
+                "round %d fragment %d: contribution of %s not checked: %s",
+                *(inputs.round, fragment, peer[:16], exc),
+            )
+            return
+        if pending is not None or inputs.round >= self.settings.from_round:
+            with self._wake:
+                self._costly.append((inputs, fragment, peer, pending))
+
+    def _check(
+        self, inputs: RoundInputs, fragment: int, peer: str, pending: Pending | None
+    ) -> None:
+        """A drawn check's costly part: its replay, then its record (before the records'
+        warm-up ends, only the replay; after a replay, the record only where the budget
+        is left for it)."""
+        if pending is not None:
+            self.replays.replay(pending)
+        if inputs.round < self.settings.from_round:
+            return
+        if pending is not None and not self.within_budget():
+            self.counts["unmeasured"] += 1
             return
         record = self._measure(inputs, fragment, peer, self.me)
         if record is None:
@@ -300,7 +367,6 @@ class UsefulWork:
         self.counts["made"] += 1
         self.publish(record.to_bytes())
         self._count(record)
-        self.replays.check(inputs, fragment, peer)
 
     def _measure(
         self, inputs: RoundInputs, fragment: int, peer: str, checker: str

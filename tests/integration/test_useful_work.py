@@ -90,6 +90,8 @@ def test_a_zero_member_is_flagged_by_every_honest_node_in_mixing_groups_beside_a
         honest_replays = [e for e in log if e["event"] == "replay" and e["peer"] in honest_ids]
         assert honest_replays and all(e["passed"] for e in honest_replays), honest_replays
         assert any(e["sent"] for e in honest_replays), honest_replays
+        # each member kept the start states its checkers drew, and only those
+        assert rounds[-1]["checks"]["replay_unserved"] == 0, rounds[-1]["checks"]
         mixed = [e for e in log if e["event"] == "sync" and e["mixed"]]
         assert mixed, "the groups never mixed"
         finals.append(next(e["val_bpb"] for e in reversed(rounds) if "val_bpb" in e))
@@ -117,6 +119,9 @@ def test_a_clean_group_with_two_fragments_checks_every_round_and_charges_no_one(
         made = [e["checks"]["made"] + e["checks"]["taken"] for e in rounds]
         assert all(b > a for a, b in zip(made[3:], made[4:])), made  # every round's
         assert not rounds[-1]["checks"]["flagged"]
+        # each member kept the start states its checkers drew (and dropped the rest)
+        assert rounds[-1]["checks"]["replay_unserved"] == 0, rounds[-1]["checks"]
+        assert rounds[-1]["checks"]["replayed"] > 0, rounds[-1]["checks"]
     assert not local_swarm.leftovers()
 
 

@@ -80,7 +80,7 @@ def test_the_cost_workloads_configs_take_their_overrides(name: str) -> None:
     with_checks = load_config(path, cost.overrides_of(case, True, shards))
     without = load_config(path, cost.overrides_of(case, False, shards))
     assert with_checks.trust.checkers == 2 and without.trust.checkers == 0
-    assert with_checks.trust.check_budget == 0.05  # the default budget is what is measured
+    assert with_checks.trust.check_budget == 0.04  # the default budget is what is measured
     if name == "llama-tiny":
         assert with_checks.sync.inner_steps == 100 and with_checks.sync.trigger == "steps"
 

@@ -407,6 +407,49 @@ def test_each_check_waits_for_the_budget_of_training_time(world, tmp_path) -> No
         a.checks.close()
 
 
+def test_sent_checks_run_at_once_and_replays_and_records_wait_for_the_budget(
+    world, tmp_path
+) -> None:
+    """A drawn check's sent check is cheap and runs as soon as the round is drawn; its
+    replay waits for the budget, and the record after it is made only where the replay
+    left budget for it."""
+    a = _node(world, A, tmp_path)
+    a.checks.settings = CheckSettings(**{**SETTINGS.__dict__, "budget": 0.05})
+    a.training[0] = 0.0
+    a.measurer.seconds = 1.0  # forwards of earlier rounds
+    replays = a.checks.replays
+    replays.replayer = SimpleNamespace(seconds=0.0, steps=0)
+    calls: list[tuple] = []
+    pending = SimpleNamespace()
+
+    def check(inputs, fragment: int, peer: str):
+        calls.append(("sent", fragment, peer))
+        return pending
+
+    def replay(p) -> None:
+        assert p is pending
+        calls.append(("replay",))
+        replays.replayer.seconds += 1.0  # what a replay costs
+
+    replays.check, replays.replay = check, replay
+    a.checks.start()
+    try:
+        _end_round(a, world)
+        assert wait_until(lambda: calls, 10)
+        drawn = len(calls)
+        assert not wait_until(lambda: ("replay",) in calls, 2), calls
+        assert drawn >= 1 and all(c[0] == "sent" for c in calls)
+        # 1 s of checks is 5 % of 20 s of training: one replay, which spends the rest
+        a.training[0] = 20.0
+        assert wait_until(lambda: a.checks.counts["unmeasured"] == 1, 30), a.checks.summary()
+        assert calls.count(("replay",)) == 1 and a.checks.counts["made"] == 0
+        a.training[0] = 1e6
+        assert wait_until(lambda: a.checks.counts["made"] == drawn - 1, 60), a.checks.summary()
+        assert calls.count(("replay",)) == drawn
+    finally:
+        a.checks.close()
+
+
 def test_checks_more_than_two_rounds_behind_are_dropped(world, tmp_path) -> None:
     """A worker that fell behind keeps the checks of the two newest rounds it has: the
     drawn but unmade checks of an older round go, counted once as a skipped round."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import struct
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgpack
@@ -29,7 +30,7 @@ from node.trainstate import Snapshot, StateError, load_state, pack_state, state_
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.policy import TrustPolicy
-from verification.replay import ReplayRecord, open_replay_record, open_trace
+from verification.replay import ReplayRecord, drawn_window, open_replay_record, open_trace
 from verification.verifier import Verifier
 
 A, B, C, D = (Identity.from_seed(bytes([k]) * 32) for k in (5, 6, 7, 8))
@@ -50,11 +51,13 @@ def _train(
     share: float = 1.0,
     poke_at: int | None = None,
     announce: bool = True,
+    spill: Path | None = None,
 ) -> SimpleNamespace:
     """A member that trains ``steps`` steps of its round-``ROUND`` assignment (a
     ``share`` of them really, the rest counted only: ``--byzantine lazy``'s trainer),
     traced in windows of ``window``; ``poke_at``: a sync changes the model before that
-    step (announced to the tracer as the loop does, or not)."""
+    step (announced to the tracer as the loop does, or not); ``spill``: every start
+    state goes to a file of that folder."""
     cfg = world.cfg
     torch.manual_seed(0)
     model = build_model(cfg.model, seed=0)
@@ -67,7 +70,7 @@ def _train(
     trainer.draw_from(assigned_stream(world.corpus.train, batch, context, RUN, A.peer_id, ROUND))
     work = WorkLog(1, batch=batch)
     work.assign(ROUND)
-    tracer = Tracer(A, RUN, window, cfg.train.grad_accum)
+    tracer = Tracer(A, RUN, window, cfg.train.grad_accum, spill=spill, memory=0)
     for i in range(steps):
         if i == poke_at:
             if announce:
@@ -386,6 +389,7 @@ def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_pat
         tracer.after(model, trainer.step().loss)
         work.trained(1)
     claim = tracer.claim(work.take(0), 1, 0)
+    tracer.flush()  # the states are written on the trace's thread
     files = sorted(spill.glob("*.state"))
     assert len(files) == 2 and not list(spill.glob("*.part"))
     summary = tracer.summary()
@@ -405,6 +409,37 @@ def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_pat
     (spill / "old.part").write_bytes(b"x")
     Tracer(A, RUN, 2, 1, spill=spill, memory=0).close()
     assert not list(spill.iterdir())
+
+
+def test_once_the_seed_is_known_only_the_drawn_windows_state_is_kept(tmp_path) -> None:
+    """A claim's trace keeps every window's start state until the round's seed draws the
+    one its first checker replays; then only that one is kept and served (the trace
+    still is), in memory or in a file; a trace no one replays keeps none."""
+    world = _world()
+    for spill in (None, tmp_path / "trace"):
+        tracer = _train(world, steps=8, window=2, spill=spill).tracer
+        tracer.keep([])  # everything trained is claimed, as the loop tells it
+        tracer.flush()
+
+        def served(request: list, tracer: Tracer = tracer) -> bytes:
+            return asyncio.run(tracer.serve("c", msgpack.packb(request)))
+
+        states = [w.state for w in open_trace(served(["trace", ROUND, 0]), RUN).windows]
+        assert len(states) == 4 and all(served(["state", d]) for d in states)
+        index = drawn_window(SEED, C.peer_id, len(states))
+        tracer.drawn(ROUND, 0, SEED, C.peer_id)
+        tracer.drawn(ROUND, 0, SEED, D.peer_id)  # told once: the first word holds
+        tracer.drawn(ROUND, 1, SEED, C.peer_id)  # no such trace: nothing happens
+        tracer.flush()
+        assert [bool(served(["state", d])) for d in states] == [i == index for i in range(4)]
+        assert served(["trace", ROUND, 0])
+        if spill is not None:
+            assert [f.stem for f in spill.glob("*.state")] == [states[index]]
+        tracer.close()
+    member = _train(world, steps=4, window=2)
+    member.tracer.keep([])
+    member.tracer.drawn(ROUND, 0, SEED, None)
+    assert member.tracer.kept_bytes() == 0
 
 
 @pytest.mark.parametrize("optimizer", ["soap", "muon", "sgd"])
