@@ -260,13 +260,10 @@ class Replayer:
 
     def confirm(self, record: ReplayRecord, me: str) -> ReplayRecord | None:
         """``me``'s own replay of another checker's failed ``record`` (which must hold its
-        evidence, :attr:`~verification.replay.ReplayRecord.proof`); None when the start
-        state could not be had."""
+        evidence, :attr:`~verification.replay.ReplayRecord.proof`, and a consistent
+        trace: :meth:`inconsistent`); None when the start state could not be had."""
         trace = record.opened
         assert trace is not None
-        why = self.inconsistent(trace)
-        if why:  # false on its face: nothing to replay
-            return dataclasses.replace(record, checker=me, why=why)
         window = trace.windows[record.window]
         try:
             state = self._ask(record.peer, ["state", window.state])

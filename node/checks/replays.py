@@ -176,11 +176,11 @@ class ReplayChecks:
         """This node's own check of another checker's failed ``record``; None where the
         evidence could not be had."""
         assert self.replayer is not None and record.opened is not None
+        why = self.replayer.inconsistent(record.opened)
+        if why:  # false on its face: nothing to fetch
+            return dataclasses.replace(record, checker=self.me, why=why)
         if not record.sent:
             return self.replayer.confirm(record, self.me)
-        why = self.replayer.inconsistent(record.opened)
-        if why:  # false on its face
-            return dataclasses.replace(record, checker=self.me, why=why)
         try:
             sent = self.fetcher.get(record.peer, record.round, record.fragment).vector
         except (ProtocolError, TimeoutError):

@@ -20,10 +20,10 @@ from node.config import load_config
 _ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_quick_runs_eight_faults_in_mixing_groups_and_gossip_pairs() -> None:
+def test_quick_runs_eight_faults_in_mixing_groups_and_gossip_pairs_and_a_site() -> None:
     plan = checks.plan_of(quick=True, smoke=False)
     names = [j.name for j in plan.jobs]
-    assert plan.rounds == 10 and len(plan.jobs) == 2 * (2 + 8)
+    assert plan.rounds == 10 and len(plan.jobs) == 2 * (2 + 8) + 1
     assert names[:7] == [
         "groups clean 0_of_8",
         "groups clean 0_of_8",
@@ -35,11 +35,16 @@ def test_quick_runs_eight_faults_in_mixing_groups_and_gossip_pairs() -> None:
     ]
     assert [j.checkers for j in plan.jobs[:2]] == [0, 2]  # one clean run without checks
     assert {j.shape.name for j in plan.jobs} == {"groups", "gossip"}
-    assert names[7:10] == ["groups poison 1_of_8", "groups alie 1_of_8", "groups alie 3_of_8"]
-    assert not any(j.site for j in plan.jobs)
+    assert names[7:11] == [
+        "groups poison 1_of_8",
+        "groups alie 1_of_8",
+        "groups alie 3_of_8",
+        "groups zero site 1_of_8",
+    ]
+    assert [j.name for j in plan.jobs if j.site] == ["groups zero site 1_of_8"]
 
 
-def test_full_adds_one_group_a_site_attacker_and_a_second_seed() -> None:
+def test_full_adds_one_group_and_a_second_seed() -> None:
     plan = checks.plan_of(quick=False, smoke=False)
     names = {j.name for j in plan.jobs}
     assert {"one_group lazy 1_of_6", "groups alie 3_of_8", "gossip poison 1_of_8"} <= names
