@@ -249,8 +249,9 @@ def test_quick_report_judges_each_goal_names_what_is_not_flagged_and_draws(
     monkeypatch.setattr("benchmarks._checks_cost.tracer_probe", lambda: {"step_ratio": 1.02})
     report = robustness.run(True, tmp_path, checks=True)
     assert report["mode"] == "checks" and report["benchmark"] == "robustness"
-    assert len(report["runs"]) == 20
+    assert len(report["runs"]) == 21
     attacks = report["attacks"]
+    assert attacks["groups zero site 1_of_8"]["rounds_to_flag"] == 4
     assert attacks["groups zero 1_of_8"]["rounds_to_flag"] == 4
     assert attacks["groups lazy=0.5 1_of_8"]["goal_rounds"] == 10
     assert report["not_flagged"] == ["groups random_data 1_of_8", "gossip random_data 1_of_8"]
