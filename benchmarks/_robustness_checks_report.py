@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks._common import figure
 
-__all__ = ["GOAL_ROUNDS", "plot", "report", "table_row"]
+__all__ = ["GOAL_ROUNDS", "plot", "report", "table", "table_row"]
 
 GOAL_ROUNDS = {"lazy": 5, "zero": 5, "copy": 5, "random_data": 5, "lazy=0.5": 10}
 """Every honest node flags the attacker by this round, per mode with a goal."""
@@ -219,6 +219,51 @@ def table_row(d: dict[str, Any]) -> list[tuple[str, str, str]]:
     )
     goals = "≤ 5 rounds (half the steps: ≤ 10), 0 honest flagged, within 2 %, ≥ 0.95"
     return [(what, result, goals)]
+
+
+def table(d: dict[str, Any]) -> str:
+    """The docs' detail table of a ``--checks`` results file: per attack, per swarm shape,
+    the round by which every honest node flagged it, how, the honest bits per byte over
+    the clean run's and the attacker's share of its group's aggregate before its flag;
+    then the cost per workload."""
+    shapes = list(dict.fromkeys(a["shape"] for a in d["attacks"].values()))
+    rows: dict[str, dict[str, str]] = {}
+    for key, a in d["attacks"].items():
+        attack = key.split(" ", 1)[1].replace("_of_", " of ")
+        how = ", ".join(a.get("flagged_through") or [])
+        cells = [
+            "never" if a["rounds_to_flag"] is None else str(a["rounds_to_flag"]),
+            how,
+            _fmt(a.get("bpb_ratio_to_clean_max"), "{:.3f}"),
+            _fmt(a.get("share_before_flag"), "{:.2f}"),
+        ]
+        rows.setdefault(attack, {})[a["shape"]] = " · ".join(c for c in cells if c)
+    lines = [
+        "| attack | " + " | ".join(shapes) + " |",
+        "|---" * (len(shapes) + 1) + "|",
+        *(
+            f"| `{attack}` | " + " | ".join(cells.get(s, "") for s in shapes) + " |"
+            for attack, cells in rows.items()
+        ),
+        "",
+        "| cost workload | tokens/s with checks / without | checks' share | trace's share "
+        "| steps replayed a node | bytes fetched / sent |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in d["costs"].items():
+        cells = [
+            _fmt(c.get("ratio"), "{:.3f}"),
+            _fmt(c.get("check_share"), "{:.1%}"),
+            _fmt(c.get("trace_share"), "{:.1%}"),
+            _fmt(c.get("replayed_steps_per_node"), "{:.1f}"),
+            _fmt(c.get("fetched_to_sent"), "{:.2f}"),
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else spec.format(value)
 
 
 def _machine() -> dict[str, Any]:

@@ -9,8 +9,9 @@ A page asks for a generated section with a marker on a line of its own:
 - ``<!-- benchmark-tables -->``: one row per headline of ``benchmarks/results/*.json``
   with the command that reproduces it and the date it was measured;
 - ``<!-- benchmark-table scale-load -->`` and ``<!-- benchmark-table scale-simulated -->``:
-  the scale benchmark's detail tables; ``<!-- benchmark-table churn -->`` and
-  ``<!-- benchmark-table islands -->`` those benchmarks' own.
+  the scale benchmark's detail tables; ``<!-- benchmark-table churn -->``,
+  ``<!-- benchmark-table islands -->`` and ``<!-- benchmark-table checks -->`` (the
+  robustness benchmark's checks mode) those benchmarks' own.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if str(ROOT) not in sys.path:  # the docs build may run without the project inst
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import churn, islands, tables  # noqa: E402
+from benchmarks._robustness_checks_report import table as checks_table  # noqa: E402
 
 __all__ = ["config_reference", "on_page_markdown"]
 
@@ -48,6 +50,9 @@ def _generate(name: str) -> str:
     if name == "benchmark-tables":
         return _benchmark_summary()
     detail = name.removeprefix("benchmark-table ")
+    if detail == "checks":
+        checks = json.loads((tables.RESULTS / "robustness-checks.json").read_text())
+        return checks_table(checks)
     if detail in ("churn", "islands"):
         module = churn if detail == "churn" else islands
         return module.table(json.loads((tables.RESULTS / f"{detail}.json").read_text()))

@@ -275,3 +275,24 @@ def test_quick_report_judges_each_goal_names_what_is_not_flagged_and_draws(
 def test_the_command_takes_checks_for_robustness_only(capsys: pytest.CaptureFixture) -> None:
     assert bench_cli.main(["codec", "--checks", "--smoke"]) == 2
     assert "--checks applies to robustness only" in capsys.readouterr().err
+
+
+def test_the_docs_table_is_made_from_the_results_file() -> None:
+    from benchmarks._robustness_checks_report import table
+
+    attack = {"flagged_through": ["replay"], "share_before_flag": 0.25}
+    data = {
+        "attacks": {
+            "groups zero 1_of_8": {"shape": "groups", "rounds_to_flag": 2, **attack}
+            | {"bpb_ratio_to_clean_max": 1.004},
+            "gossip zero 1_of_8": {"shape": "gossip", "rounds_to_flag": None}
+            | {"bpb_ratio_to_clean_max": 1.03, "flagged_through": []},
+            "groups zero site 1_of_8": {"shape": "groups", "rounds_to_flag": 3, **attack},
+        },
+        "costs": {"demo": {"ratio": 0.961, "check_share": 0.021, "fetched_to_sent": 1.5}},
+    }
+    lines = table(data).splitlines()
+    assert lines[0] == "| attack | groups | gossip |"
+    assert lines[2] == "| `zero 1 of 8` | 2 · replay · 1.004 · 0.25 | never · 1.030 |"
+    assert lines[3] == "| `zero site 1 of 8` | 3 · replay · 0.25 |  |"
+    assert lines[-1] == "| demo | 0.961 | 2.1% |  |  | 1.50 |"
