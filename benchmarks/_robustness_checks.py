@@ -29,7 +29,8 @@ group of equal claims that factor leaves it), honest peers flagged in any round,
 honest loss over the clean run with checks.
 
 Quick mode: ``groups`` and ``gossip``, seed 0, eight attacks and the site attacker (21
-swarms, about 45 minutes here); the full mode adds ``one_group`` and seed 1.
+swarms, and four cost runs per workload, about 55 minutes here); the full mode adds
+``one_group``, seed 1 and four more cost runs per workload.
 Smoke: 4 nodes in pairs, one ``zero`` attacker and a clean run without checks, 5 short
 rounds. A run that raised, timed out, fell short of its rounds or had a node exit with
 an error carries an ``error``: the command lists it and exits 1.
@@ -502,8 +503,9 @@ def run(quick: bool, out_dir: Any, smoke: bool = False) -> dict[str, Any]:
     """Runs the checks' swarms and cost runs; writes ``robustness-checks.json`` and ``.png``.
 
     Args:
-        quick: ``groups`` and ``gossip``, seed 0, five attacks, and one pair of cost runs
-            per workload; otherwise every shape, every attack, seeds 0 and 1, and two.
+        quick: ``groups`` and ``gossip``, seed 0, eight attacks and the site, and cost
+            runs with, without, without and with checks per workload; otherwise every
+            shape, seeds 0 and 1, and those cost runs twice.
         out_dir: the output folder; created if missing.
         smoke: 4 nodes in pairs, one zero attacker and a clean run without checks; no
             cost runs.
