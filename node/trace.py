@@ -113,7 +113,7 @@ class _Background(Executor):
 
         return self._pool.submit(timed)
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = True) -> None:
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
@@ -484,7 +484,7 @@ class Tracer:
 
     def close(self) -> None:
         """Remove the spilled states (they are of no use to a later run)."""
-        self._background.shutdown()
+        self._background.shutdown(cancel_futures=True)
         with self._lock:
             kept, self._states, self._in_memory = list(self._states.values()), {}, 0
             self._free = []

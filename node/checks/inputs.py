@@ -27,7 +27,9 @@ import torch
 
 from verification.usefulness import (
     assignment_seed,
+    checkers_for,
     fragment_digest,
+    fragments_checked,
     round_base_digest,
 )
 
@@ -122,6 +124,21 @@ class RoundInputs:
     def seed(self, run_id: str, fragment: int) -> bytes:
         e = self.prepare().exchanges[fragment]
         return assignment_seed(run_id, self.round, fragment, self.base, e.result, e.contributors)
+
+    def checkers(self, settings: CheckSettings, fragment: int, peer: str) -> list[str]:
+        """The checkers the seed draws for ``peer``'s contribution to exchange
+        ``fragment``, the first of them the one that replays it; none where that
+        fragment of ``peer`` is not checked this round. Every member of the group draws
+        the same: checkers to know what to check and judge, the member to know which
+        start states to keep."""
+        drawn = fragments_checked(
+            self.base, self.round, peer, len(self.exchanges), settings.fragments
+        )
+        if fragment not in drawn:
+            return []
+        contributors = self.exchanges[fragment].contributors
+        seed = self.seed(settings.run_id, fragment)
+        return checkers_for(seed, peer, contributors, settings.checkers)
 
     def vectors(self, fragment: int) -> list[torch.Tensor]:
         """Every fragment's values when ``fragment`` synced (see the module docstring)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from node.checks.inputs import CheckSettings, RoundInputs
-from verification.usefulness import CheckRecord, checkers_for, fragments_checked
+from verification.usefulness import CheckRecord
 from verification.workscores import Scores, judge
 
 __all__ = ["Belief", "believe"]
@@ -61,10 +61,7 @@ def believe(
         return Belief("false", "names another seed than the exchange's")
     if record.peer not in contributors or record.checker not in contributors:
         return Belief("false", "names a peer that did not contribute to the exchange")
-    drawn = fragments_checked(inputs.base, record.round, record.peer, fragments, settings.fragments)
-    if f not in drawn or record.checker not in checkers_for(
-        seed, record.peer, contributors, settings.checkers
-    ):
+    if record.checker not in inputs.checkers(settings, f, record.peer):
         return Belief("false", "its checker or fragment was not drawn by the seed")
     verdict = judge(record)
     accuses = scores.short(verdict, record.round)

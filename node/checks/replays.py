@@ -27,7 +27,6 @@ from node.checks.replay import Replayer
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.replay import ReplayError, ReplayRecord, Trace, open_replay_record
-from verification.usefulness import checkers_for
 from verification.verifier import Verifier
 
 __all__ = ["Outlets", "Pending", "ReplayChecks"]
@@ -105,9 +104,7 @@ class ReplayChecks:
         """
         if self.replayer is None:
             return None
-        seed = inputs.seed(self.settings.run_id, fragment)
-        contributors = inputs.exchanges[fragment].contributors
-        drawn = checkers_for(seed, peer, contributors, self.settings.checkers)
+        drawn = inputs.checkers(self.settings, fragment, peer)
         fetched = self.fetcher.get(peer, inputs.round, fragment)  # fetched: cached
         if fetched.claim is None or self.me not in drawn:
             return None  # nothing claimed, nothing to replay (a member without assigned data)
@@ -124,7 +121,7 @@ class ReplayChecks:
         if bound is not None:
             self._made(bound)
         if first and (bound is None or bound.passed):
-            return Pending(trace, data, seed)
+            return Pending(trace, data, inputs.seed(self.settings.run_id, fragment))
         return None
 
     def replay(self, pending: Pending) -> None:

@@ -55,8 +55,6 @@ from verification.replay import ReplayRecord, is_replay_record
 from verification.usefulness import (
     CheckRecord,
     RecordError,
-    checkers_for,
-    fragments_checked,
     open_record,
     reproduces,
 )
@@ -303,28 +301,18 @@ class UsefulWork:
         assert self.drawn is not None
         s = self.settings
         for f, exchange in enumerate(inputs.exchanges):
-            seed = inputs.seed(s.run_id, f)
-            checked = self.me in exchange.contributors and f in fragments_checked(
-                inputs.base, inputs.round, self.me, self.fragments, s.fragments
-            )
-            drawn = checkers_for(seed, self.me, exchange.contributors, s.checkers)
-            self.drawn(inputs.round, f, seed, drawn[0] if checked and drawn else None)
+            mine = self.me in exchange.contributors
+            drawn = inputs.checkers(s, f, self.me) if mine else []
+            self.drawn(inputs.round, f, inputs.seed(s.run_id, f), drawn[0] if drawn else None)
 
     def _draw(self, inputs: RoundInputs) -> None:
         """Queue every check of round ``inputs.round`` this node was drawn to."""
-        s = self.settings
         drawn_checks = []
         for f, exchange in enumerate(inputs.exchanges):
             if self.me not in exchange.contributors:
                 continue  # a member left out of the exchange checks no one in it
-            seed = inputs.seed(s.run_id, f)
             for peer in exchange.contributors:
-                drawn = fragments_checked(
-                    inputs.base, inputs.round, peer, self.fragments, s.fragments
-                )
-                if peer == self.me or f not in drawn:
-                    continue
-                if self.me in checkers_for(seed, peer, exchange.contributors, s.checkers):
+                if peer != self.me and self.me in inputs.checkers(self.settings, f, peer):
                     drawn_checks.append((inputs, f, peer))
         self.fetcher.forget(inputs.round - _ROUNDS_KEPT)
         with self._wake:
