@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,7 +41,7 @@ import msgpack
 import torch
 from torch import nn
 
-from node.trainstate import Snapshot
+from node.trainstate import Snapshot, TimedExecutor
 from protocol.averaging.contributions import ROUNDS_KEPT, WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from protocol.errors import ProtocolError
@@ -93,28 +92,6 @@ class _Kept:
     data: bytes
     states: tuple[str, ...]
     drawn: bool = False
-
-
-class _Background(Executor):
-    """The trace's own thread (hashing and spilling states), timed: an executor whose
-    jobs' seconds add up in :attr:`seconds`."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="atoll-trace")
-        self.seconds = 0.0
-
-    def submit(self, fn: Callable[..., _R], /, *args: Any, **kwargs: Any) -> Future[_R]:
-        def timed() -> _R:
-            began = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - began
-
-        return self._pool.submit(timed)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 def _timed(method: Callable[..., _R]) -> Callable[..., _R]:
@@ -176,7 +153,7 @@ class Tracer:
         """The model's parameters (updated in place by every step)."""
         self._end: tuple[torch.Tensor, torch.Tensor] | None = None
         """The last window's end sketch, and its probe."""
-        self._background = _Background()
+        self._background = TimedExecutor("atoll-trace")
         """Hashes start states beside the training thread, and spills them."""
         self._places: list[torch.Tensor | None] | None = None
         """Each parameter tensor's probed places (None: not probed)."""

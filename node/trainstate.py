@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
-from concurrent.futures import Executor, Future
-from typing import Any, BinaryIO
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, BinaryIO, TypeVar
 
 import blake3
 import msgpack
 import torch
 
-__all__ = ["Snapshot", "StateError", "load_state", "pack_state", "state_digest"]
+__all__ = ["Snapshot", "StateError", "TimedExecutor", "load_state", "pack_state", "state_digest"]
+
+_R = TypeVar("_R")
 
 _VERSION = 2
 _MAX_HEADER = 64 << 20
@@ -39,6 +42,28 @@ _DTYPES = {
 
 class StateError(ValueError):
     """A packed training state that does not fit the model or its optimizer."""
+
+
+class TimedExecutor(Executor):
+    """One worker thread whose jobs' seconds add up in :attr:`seconds` (a trace hashes
+    and spills its start states on one, :mod:`node.trace`)."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.seconds = 0.0
+
+    def submit(self, fn: Callable[..., _R], /, *args: Any, **kwargs: Any) -> Future[_R]:
+        def timed() -> _R:
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - began
+
+        return self._pool.submit(timed)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 class Snapshot:

@@ -23,15 +23,12 @@ at a time:
   is made with what the budget leaves after the replay (a replay proves, a record only
   weighs).
 
-The worker paces itself: it starts each costly check (a replay, a measured record) only
-while the time its forward passes and replayed steps took so far, with the time the
-node's own trace took (:mod:`node.trace`), is within ``trust.check_budget`` of the time
-the node spent in inner steps (waiting for a fetch costs no core and is not counted), so
-the checks take no more than that share of what the node gives training, give or take
-one check, however busy the machine is. When the costly checks fall more than two
-rounds behind, it drops the oldest round's (counted as ``skipped``, once per round).
-Judging other checkers' records and the sent checks are not held back (audits count in
-the same budget).
+The worker starts each costly check (a replay, a measured record) only while its forward
+passes and replays so far, with the node's own trace (:mod:`node.trace`), took at most
+``trust.check_budget`` of the node's time in inner steps (a fetch's wait is not
+counted), give or take one check. Costly checks more than two rounds behind are dropped
+(``skipped``, once per round). Judging records and sent checks are not held back
+(audits count in the same budget).
 """
 
 from __future__ import annotations
