@@ -50,7 +50,7 @@ from verification.replay import (
 )
 from verification.sketch import Sketcher
 
-__all__ = ["Fetch", "ReplaySettings", "Replayer", "Unavailable"]
+__all__ = ["Fetch", "NotKept", "ReplaySettings", "Replayer", "Unavailable"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,11 @@ Raises :class:`Unavailable` when the peer cannot be asked."""
 
 class Unavailable(Exception):
     """The member could not be asked (a timeout, a closed stream): nothing is known."""
+
+
+class NotKept(Unavailable):
+    """The member answered that it keeps none of what was asked (a restart lost it, or
+    its draw of the windows to keep differs from the checker's)."""
 
 
 @dataclass(frozen=True)
@@ -142,18 +147,25 @@ class Replayer:
         ``key``, trained on ``claim``; None when the member could not be asked or did
         not serve its trace or the window's start state (a node that restarted holds
         neither: not served counts against no one, as a contribution not served)."""
-        opened = self.opened(checker, peer, key, claim)
-        if not isinstance(opened, tuple):
-            return opened
-        return self.drawn(checker, *opened, seed)
+        try:
+            opened = self.opened(checker, peer, key, claim)
+            if not isinstance(opened, tuple):
+                return opened
+            return self.drawn(checker, *opened, seed)
+        except Unavailable:
+            return None
 
     def opened(
         self, checker: str, peer: str, key: tuple[int, int], claim: WorkClaim
-    ) -> tuple[Trace, bytes] | ReplayRecord | None:
+    ) -> tuple[Trace, bytes] | ReplayRecord:
         """``peer``'s trace of its contribution to exchange ``key`` and its bytes, once
         fetched and found to be the one ``claim`` names and consistent; else
-        ``checker``'s failed record (false on its face), or None where the member could
-        not be asked or did not serve it."""
+        ``checker``'s failed record (false on its face).
+
+        Raises:
+            Unavailable: the member could not be asked (:class:`NotKept`: it keeps no
+                such trace).
+        """
         round_, fragment = key
 
         def failed(why: str, trace: bytes = b"") -> ReplayRecord:
@@ -161,12 +173,7 @@ class Replayer:
 
         if claim.trace is None:
             return failed("its claim carries no trace")
-        try:
-            data = self._ask(peer, ["trace", round_, fragment])
-        except Unavailable:
-            return None
-        if not data:
-            return None  # not kept (a restart lost it): not served, against no one
+        data = self._ask(peer, ["trace", round_, fragment])
         try:
             trace = open_trace(data, self.settings.run_id, peer)
         except ReplayError as exc:
@@ -180,16 +187,15 @@ class Replayer:
             return failed(why, data)  # false on its face: anyone can see it
         return trace, data
 
-    def drawn(self, checker: str, trace: Trace, data: bytes, seed: bytes) -> ReplayRecord | None:
+    def drawn(self, checker: str, trace: Trace, data: bytes, seed: bytes) -> ReplayRecord:
         """``checker``'s record of replaying the window of an opened ``trace`` the seed
-        draws for it; None where the member did not serve its start state."""
+        draws for it.
+
+        Raises:
+            Unavailable: the member did not serve the window's start state.
+        """
         index = drawn_window(seed, checker, len(trace.windows))
-        try:
-            state = self._ask(trace.peer, ["state", trace.windows[index].state])
-        except Unavailable:
-            return None
-        if not state:
-            return None
+        state = self._ask(trace.peer, ["state", trace.windows[index].state])
         if state_digest(state) != trace.windows[index].state:
             why = "its start state is not the one its trace names"
             record = ReplayRecord(
@@ -269,7 +275,7 @@ class Replayer:
             state = self._ask(record.peer, ["state", window.state])
         except Unavailable:
             return None
-        if not state or state_digest(state) != window.state:
+        if state_digest(state) != window.state:
             return None
         return self.judge(me, trace, record.trace, record.window, state)
 
@@ -318,7 +324,15 @@ class Replayer:
         return out
 
     def _ask(self, peer: str, request: list) -> bytes:
+        """``peer``'s answer to ``request``.
+
+        Raises:
+            Unavailable: no answer; :class:`NotKept`: it keeps none.
+        """
         data = self.fetch(peer, request)
+        if not data:
+            what = "its trace" if request[0] == "trace" else "the window's start state"
+            raise NotKept(f"it no longer keeps {what}")
         self.bytes_fetched += len(data)
         return data
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from node.checks.fetch import Fetcher
 from node.checks.inputs import CheckSettings, RoundInputs
-from node.checks.replay import Replayer
+from node.checks.replay import NotKept, Replayer, Unavailable
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.replay import ReplayError, ReplayRecord, Trace, open_replay_record
@@ -109,9 +109,11 @@ class ReplayChecks:
         if fetched.claim is None or self.me not in drawn:
             return None  # nothing claimed, nothing to replay (a member without assigned data)
         first = drawn[:1] == [self.me]
-        opened = self.replayer.opened(self.me, peer, (inputs.round, fragment), fetched.claim)
-        if opened is None:
-            self.counts["replay_unserved"] += first
+        try:
+            opened = self.replayer.opened(self.me, peer, (inputs.round, fragment), fetched.claim)
+        except Unavailable as exc:
+            if first:
+                self._unserved(peer, inputs.round, fragment, exc)
             return None
         if not isinstance(opened, tuple):
             self._made(opened)  # false on its face
@@ -127,11 +129,21 @@ class ReplayChecks:
     def replay(self, pending: Pending) -> None:
         """Make a replay :meth:`check` left to make."""
         assert self.replayer is not None
-        replayed = self.replayer.drawn(self.me, pending.trace, pending.data, pending.seed)
-        if replayed is None:
-            self.counts["replay_unserved"] += 1
+        trace = pending.trace
+        try:
+            replayed = self.replayer.drawn(self.me, trace, pending.data, pending.seed)
+        except Unavailable as exc:
+            self._unserved(trace.peer, trace.round, trace.fragment, exc)
         else:
             self._made(replayed)
+
+    def _unserved(self, peer: str, round_: int, fragment: int, exc: Unavailable) -> None:
+        """A replay this node was drawn to make was not served: counted against no one,
+        as a contribution not served (``replay_unserved`` where the member answered that
+        it keeps none, ``replay_unanswered`` where it did not answer)."""
+        kept = isinstance(exc, NotKept)
+        self.counts["replay_unserved" if kept else "replay_unanswered"] += 1
+        self.out.events("unserved", peer=peer, round=round_, fragment=fragment, why=str(exc))
 
     def _made(self, made: ReplayRecord) -> None:
         """Sign, count and (a failure) gossip a check this node made."""
@@ -153,8 +165,8 @@ class ReplayChecks:
             self.counts["refused"] += 1
             logger.warning("replay record from %s refused: %s", sender[:16], exc)
             return
-        if record.checker != sender or record.passed or record.peer == sender:
-            return  # only failures are gossiped, by their checker
+        if record.checker != sender or record.passed or record.peer in (sender, self.me):
+            return  # only failures are gossiped, by their checker, of someone else
         if self.verifier.blocks(record.checker, record.round) is not None:
             return  # a quarantined or banned checker's word counts for nothing
         if self.scores.proven(record.peer):

@@ -126,21 +126,9 @@ class UsefulWork:
         self.tracing = tracing or (lambda: 0.0)
         self.drawn = drawn
         self.book = RoundBook(fragments)
-        self.counts = {
-            "made": 0,
-            "taken": 0,
-            "recomputed": 0,
-            "refused": 0,
-            "unserved": 0,
-            "skipped": 0,
-            "replayed": 0,
-            "replay_failed": 0,
-            "replays_confirmed": 0,
-            "replay_unserved": 0,
-            "sent_checked": 0,
-            "sent_failed": 0,
-            "unmeasured": 0,
-        }
+        names = "made taken recomputed refused unserved skipped replayed replay_failed"
+        names += " replays_confirmed replay_unserved replay_unanswered sent_checked"
+        self.counts = dict.fromkeys([*names.split(), "sent_failed", "unmeasured"], 0)
         self.seconds = 0.0
         """Time the worker spent checking (fetching, measuring, judging), in total."""
         self.replays = ReplayChecks(

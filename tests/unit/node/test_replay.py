@@ -19,6 +19,7 @@ import torch
 from node.byzantine import trainer_class
 from node.checks import CheckSettings, UsefulWork
 from node.checks.replay import Replayer, ReplaySettings, Unavailable
+from node.checks.replays import Pending
 from node.claims import WorkLog
 from node.config import load_config
 from node.data import assigned_stream, load_data
@@ -440,6 +441,45 @@ def test_once_the_seed_is_known_only_the_drawn_windows_state_is_kept(tmp_path) -
     member.tracer.keep([])
     member.tracer.drawn(ROUND, 0, SEED, None)
     assert member.tracer.kept_bytes() == 0
+
+
+def test_a_replay_not_served_is_counted_against_no_one_with_its_reason(tmp_path) -> None:
+    """A member that answers it keeps no start state (a restart, or a draw other than
+    the checker's) and one that does not answer are told apart, in the counts and in an
+    ``unserved`` event; neither is charged. A failure gossiped about this node itself is
+    not replayed against itself."""
+    world = _world()
+    member = _train(world, steps=8, window=2)
+    member.tracer.keep([])
+    trace = open_trace(_serve(member)("c", ["trace", ROUND, 0]), RUN)
+    data = trace.to_bytes()
+    index = drawn_window(SEED, B.peer_id, len(trace.windows))
+    other = next(
+        s
+        for s in (bytes([i]) * 32 for i in range(64))
+        if drawn_window(s, B.peer_id, len(trace.windows)) != index
+    )
+    member.tracer.drawn(ROUND, 0, other, B.peer_id)  # keeps another window's state
+    node = _checks(world, {A.peer_id: member}, tmp_path / "a")
+    node.checks.replays.replay(Pending(trace, data, SEED))
+    assert node.checks.counts["replay_unserved"] == 1
+    assert node.checks.counts["replay_unanswered"] == 0
+    [(name, fields)] = [(n, f) for n, f in node.events if n == "unserved"]
+    assert fields["peer"] == A.peer_id and "no longer keeps" in fields["why"]
+
+    def down(peer: str, request: list) -> bytes:
+        raise Unavailable("TimeoutError: no answer in 5 s")
+
+    node.checks.replays.replayer.fetch = down
+    node.checks.replays.replay(Pending(trace, data, SEED))
+    assert node.checks.counts["replay_unanswered"] == 1
+    assert "no answer" in node.events[-1][1]["why"]
+    assert _violations(node, A) == 0 and not node.checks.scores.flagged()
+    # a failure of B's own work, gossiped to B: not fetched from itself, not counted
+    node = _checks(world, {}, tmp_path / "b")
+    record = ReplayRecord(C.peer_id, B.peer_id, ROUND, 0, b"", 0, False, why="x")
+    node.checks._judge(C.peer_id, record.signed(C).to_bytes())
+    assert node.checks.counts["taken"] == 0 and node.events == []
 
 
 @pytest.mark.parametrize("optimizer", ["soap", "muon", "sgd"])
