@@ -57,6 +57,7 @@ BENCHMARKS: dict[str, str] = {
     "join": "benchmarks.join",
     "churn": "benchmarks.churn",
     "islands": "benchmarks.islands",
+    "relay": "benchmarks.relay",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""
 

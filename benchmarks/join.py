@@ -15,7 +15,8 @@ catch-up, the spec fetch) delayed 100 ms one way by each sender
 (``protocol.p2p.shaper``; the DHT's and p2pd's own traffic is not delayed, and the
 kernel here has no netem to do it below them); and (as root, where the network lab can
 be built) a volunteer behind a masquerading NAT router joining a public bootstrap host
-(``tests/netlab.py``). Runs through a relay are not measured.
+(``tests/netlab.py``). Owning parts through a relay is measured by
+:mod:`benchmarks.relay`.
 
 Run ``python -m benchmarks join [--quick]`` (quick: 3 joins per row; full: 10;
 ``--smoke``: 1 join on 127.0.0.1); writes ``join.json`` and ``join.png``.

@@ -478,6 +478,26 @@ def _join(d: dict[str, Any]) -> list[_Cells]:
     return cells
 
 
+def _relay(d: dict[str, Any]) -> list[_Cells]:
+    rows, what = d["rows"], "owning parts through a relay (network lab)"
+    if set(rows) != {"direct", "relay"}:
+        why = "; ".join(sorted(set(d.get("rows_not_run", {}).values()))) or "a row failed"
+        return [(what, f"not run: {why}", "parts flow through the relay")]
+    direct, relay = rows["direct"]["summary"], rows["relay"]["summary"]
+    result = (
+        f"volunteers behind NAT own parts from round **{relay['volunteers_own_from_round']}** "
+        f"(public: {direct['volunteers_own_from_round']}); from round 10 the relay's link "
+        f"moved **{d['relay_link_ratio']}×** what it did with public volunteers "
+        f"({d['relayed_bytes'] / 1e6:+.1f} MB); median exchange "
+        f"{relay['exchange_s_median']} s against {direct['exchange_s_median']} s"
+    )
+    what = (
+        f"owning parts through a relay: two volunteers behind NATs of their own against "
+        f"public ones, {d['rounds']} rounds of 20 s (network lab), {run_mode(d)} mode"
+    )
+    return [(what, result, "parts flow through the relay")]
+
+
 ROW_BUILDERS: dict[str, Callable[[dict[str, Any]], list[_Cells]]] = {
     "allreduce": _allreduce,
     "churn": churn.table_row,
@@ -485,6 +505,7 @@ ROW_BUILDERS: dict[str, Callable[[dict[str, Any]], list[_Cells]]] = {
     "convergence": _convergence,
     "islands": islands.table_row,
     "join": _join,
+    "relay": _relay,
     "mixing": _mixing,
     "models": _models,
     "partitions": _partitions,

@@ -199,11 +199,16 @@ class NetworkConfig:
     relay: bool = True
     """Let p2pd use circuit relays, to reach peers behind NAT through others."""
     auto_relay: bool = False
-    """Behind NAT, reserve a slot on a relay and announce the relayed address (a node
-    reachable only through a relay still owns no part: relays cap bandwidth)."""
+    """Behind NAT, reserve a slot on a relay and announce the relayed address (without
+    ``relay_parts`` a node reachable only through a relay still owns no part)."""
     trusted_relays: tuple[str, ...] = ()
     """Multiaddrs ending in ``/p2p/<PeerID>`` of the relays ``auto_relay`` uses; empty:
     p2pd's default, the initial peers."""
+    relay_parts: bool = False
+    """Behind NAT, own parts through a relay: reserve a slot on the trusted relays (or
+    the initial peers) and, once one is held (about 3 minutes after start), announce
+    the circuit addresses as this node's; peers reach it through the relay. Needs
+    ``relay`` and a ``reachability`` other than ``public``."""
     nat_port_map: bool = False
     """Ask the home router for a port mapping (UPnP / NAT-PMP)."""
     auto_nat: bool = True
@@ -227,6 +232,11 @@ class NetworkConfig:
     ``tls``); 0 picks a free one."""
 
     def __post_init__(self) -> None:
+        if self.relay_parts and (not self.relay or self.reachability == "public"):
+            raise ValueError(
+                "network.relay_parts owns parts through a relay from behind NAT: it needs "
+                "network.relay = true and network.reachability 'auto' or 'private'"
+            )
         if self.client_mode and self.reachability == "public":
             raise ValueError(
                 "network.client_mode = true says peers cannot dial this node, but "

@@ -19,6 +19,7 @@ from typing import Any
 from node.agreement import AgreementWatch
 from node.metrics import EventLog, StatusWriter, recent_events
 from node.parts import Network, Progress, Training
+from protocol.p2p.relays import CIRCUIT
 from verification.reputation import INITIAL_SCORE
 
 __all__ = ["Reporter", "Upkeep", "__version__"]
@@ -166,6 +167,7 @@ class Upkeep:
                 checked = True
                 found = await network.transport.check_reachability(sorted(live)[:3])
                 logger.info("%s", found.summary())
+            await self.relays(live)
             if control is not None:
                 records = peers.records
                 # a peer nobody can dial dials us instead
@@ -173,6 +175,19 @@ class Upkeep:
             self.take_operator_commands()
             self.report(live)
             await asyncio.sleep(self.registry_seconds)
+
+    async def relays(self, live: set[str]) -> None:
+        """Behind NAT with ``network.relay_parts``: claim this node's circuits once it
+        holds a relay's slot; and connect to live peers that own parts through a relay
+        (:mod:`protocol.p2p.relays`), so calls to them go through it."""
+        transport, records = self.network.transport, self.network.peers.records
+        waiting = transport.config.relay_parts and transport.reachability.status == "private"
+        if waiting and (await transport.claim_relays()).status == "relayed":
+            self.reporter.status.update(maddrs=transport.maddrs, relayed=True)
+        for peer in sorted(live):
+            record = records.get(peer)
+            if record and record.reachable and any(CIRCUIT in m for m in record.maddrs):
+                await transport.reach(peer, list(record.maddrs))
 
     def take_operator_commands(self) -> None:
         """Apply ``atoll ban`` / ``atoll pardon`` commands queued in the data directory."""

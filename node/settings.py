@@ -56,6 +56,7 @@ def transport_config(
         relay=net.relay,
         auto_relay=net.auto_relay,
         trusted_relays=net.trusted_relays,
+        relay_parts=net.relay_parts,
         nat_port_map=net.nat_port_map,
         auto_nat=net.auto_nat,
         max_inbound_streams=net.max_inbound_streams,

@@ -39,6 +39,9 @@ class TransportConfig:
         auto_relay: behind NAT, reserve a slot on a relay and announce the relayed
             address, so this node becomes dialable through it.
         trusted_relays: relays ``auto_relay`` uses (p2pd's default: the initial peers).
+        relay_parts: behind NAT, own parts through a relay (:mod:`protocol.p2p.relays`):
+            p2pd is forced private and reserves a slot on the trusted relays (or the
+            initial peers), and the node claims its circuit addresses once it holds one.
         nat_port_map: ask the home router for a port mapping (UPnP / NAT-PMP).
         auto_nat: run p2pd's AutoNAT service (tells peers whether they are reachable).
         max_inbound_streams: RPC streams this node serves at once, from everyone; one more
@@ -84,6 +87,7 @@ class TransportConfig:
     relay: bool = True
     auto_relay: bool = False
     trusted_relays: tuple[str, ...] = ()
+    relay_parts: bool = False
     nat_port_map: bool = False
     auto_nat: bool = True
     max_inbound_streams: int = 256
@@ -107,6 +111,10 @@ class TransportConfig:
             )
         if not 0 <= self.data_port <= 65535:
             raise ValueError(f"transport.data_port = {self.data_port}: expected 0..65535")
+        if self.relay_parts and (not self.relay or self.reachability == "public"):
+            raise ValueError(
+                "transport.relay_parts needs relay = true and a reachability other than public"
+            )
         if self.reachability not in ("auto", "public", "private"):
             raise ValueError(
                 f"transport.reachability = {self.reachability!r}: expected auto, public or private"

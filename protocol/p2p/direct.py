@@ -43,7 +43,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -60,6 +60,11 @@ from protocol.p2p._handshake import (
 )
 from verification.identity import Identity
 
+if TYPE_CHECKING:
+    from protocol.p2p._framing import StreamGate
+    from protocol.p2p.config import TransportConfig
+    from protocol.p2p.handlers import Handlers
+
 __all__ = [
     "DOMAIN_CALLEE",
     "DOMAIN_CALLER",
@@ -71,6 +76,7 @@ __all__ = [
     "Route",
     "decode_port",
     "encode_port",
+    "start",
 ]
 
 logger = logging.getLogger(__name__)
@@ -405,6 +411,32 @@ class DirectClient:
             for _, writer, _ in idle:
                 writer.close()
         self._idle.clear()
+
+
+async def start(
+    cfg: TransportConfig, peer_id: str, handlers: Handlers, gate: StreamGate
+) -> tuple[DirectServer, DirectClient]:
+    """Start the direct plane of a transport whose p2pd runs as ``peer_id``: its server
+    on ``cfg.data_port``, its client, and the RPC that tells peers the port."""
+    assert cfg.identity_path is not None  # checked by the config
+    identity = Identity.load(cfg.identity_path)
+    if identity.peer_id != peer_id:
+        raise RuntimeError("the identity file does not hold p2pd's key")
+    tls = cfg.data_plane == "tls"
+    server = DirectServer(
+        identity,
+        handlers.served,
+        gate,
+        cfg.inbound_pace,
+        cfg.inbound_header_timeout,
+        cfg.max_inbound_streams,
+        tls=tls,
+    )
+    port = await server.start(cfg.host, cfg.data_port)
+    client = DirectClient(identity, require_tls=tls)
+    await handlers.add(RPC_NAME, server.port_handler(), 64, cfg.request_timeout)
+    logger.info("direct data plane (%s) on %s:%d", cfg.data_plane, cfg.host, port)
+    return server, client
 
 
 def _maddr(host: str, port: int) -> str:

@@ -64,13 +64,17 @@ async def start(cfg: TransportConfig) -> P2P:
         check_if_identity_free=False,
         dht_mode="client" if cfg.dht_client_mode else "server",
         startup_timeout=cfg.startup_timeout,
-        force_reachability=None if cfg.reachability == "auto" else cfg.reachability,
+        force_reachability="private" if cfg.relay_parts else _forced(cfg.reachability),
         use_relay=cfg.relay,
-        use_auto_relay=cfg.auto_relay,
+        use_auto_relay=cfg.auto_relay or cfg.relay_parts,
         trusted_relays=list(cfg.trusted_relays) or None,
         nat_port_map=cfg.nat_port_map,
         auto_nat=cfg.auto_nat,
     )
+
+
+def _forced(reachability: str) -> str | None:
+    return None if reachability == "auto" else reachability
 
 
 def pid_of(p2p: P2P | None) -> int | None:

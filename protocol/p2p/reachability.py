@@ -2,7 +2,8 @@
 
 A node behind NAT can open connections to the swarm but nobody can open one to it.
 It then must never own a part of an all-reduce (members would have to dial it), and
-its operator should be told which port to open. libp2p's AutoNAT answers a similar
+its operator should be told which port to open, unless it is reachable through a
+relay (``network.relay_parts``: status ``relayed``, :mod:`protocol.p2p.relays`). libp2p's AutoNAT answers a similar
 question inside p2pd, but hivemind does not expose its verdict, so Atoll asks its
 own: the ``atoll.dialback`` RPC. The caller names the TCP ports it listens on; the
 callee opens a plain TCP connection to each of them *at the address it sees the call
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -42,7 +44,7 @@ _DIAL_TIMEOUT_S = 3.0
 _MIN_INTERVAL_S = 5.0  # one dial-back per caller this often
 _MAX_CONCURRENT = 8
 
-Status = Literal["public", "private", "unknown"]
+Status = Literal["public", "relayed", "private", "unknown"]
 Call = Callable[[str, bytes, float], Awaitable[bytes]]
 """``(peer, request, timeout) -> response``: an RPC to ``atoll.dialback`` of ``peer``."""
 
@@ -52,13 +54,15 @@ class Reachability:
     """What this node learned about whether others can dial it.
 
     Attributes:
-        status: ``public`` (a peer dialled it), ``private`` (peers tried and could
-            not), ``unknown`` (nobody answered: a first node, or no peer yet).
+        status: ``public`` (a peer dialled it), ``relayed`` (reachable through a
+            relay: :meth:`through`), ``private`` (peers tried and could not),
+            ``unknown`` (nobody answered: a first node, or no peer yet).
         observed: this node's IP address as the peers saw it (its NAT's public
             address when it is behind one).
         ports: each port checked, and whether any peer could dial it.
         checked_by: the peers that answered.
         forced: set by the operator (``network.reachability``), not measured.
+        circuits: the circuit addresses peers reach it through (``relayed``).
     """
 
     status: Status
@@ -66,11 +70,17 @@ class Reachability:
     ports: dict[int, bool] = field(default_factory=dict)
     checked_by: tuple[str, ...] = ()
     forced: bool = False
+    circuits: tuple[str, ...] = ()
 
     @property
     def reachable(self) -> bool:
-        """Whether peers should dial this node (``unknown`` counts as reachable)."""
+        """Whether peers should dial this node (``unknown`` counts as reachable;
+        ``relayed``: through its relay)."""
         return self.status != "private"
+
+    def through(self, circuits: tuple[str, ...]) -> Reachability:
+        """This node, private, as reachable through ``circuits``."""
+        return dataclasses.replace(self, status="relayed", circuits=circuits)
 
     @classmethod
     def forced_to(cls, status: Literal["public", "private"]) -> Reachability:
@@ -86,6 +96,14 @@ class Reachability:
         if self.status == "unknown":
             return "reachability unknown: no peer has checked it yet"
         seen = f" at {self.observed}" if self.observed else ""
+        if self.status == "private" and not self.ports:  # network.relay_parts, waiting
+            return (
+                "not reachable yet: a client (contributes every round, owns no part) until "
+                "p2pd holds a slot on a relay, about 3 minutes after start"
+            )
+        if self.status == "relayed":
+            relays = ", ".join(c.split("/p2p-circuit")[0] for c in self.circuits)
+            return f"reachable through a relay ({relays}): owns parts, reached through it"
         if self.status == "public":
             ports = ", ".join(str(p) for p, ok in sorted(self.ports.items()) if ok)
             return f"reachable{seen} (tcp {ports}), checked by {len(self.checked_by)} peer(s)"
@@ -106,6 +124,7 @@ class Reachability:
             "ports": {str(p): ok for p, ok in self.ports.items()},
             "checked_by": list(self.checked_by),
             "forced": self.forced,
+            "circuits": list(self.circuits),
             "summary": self.summary(),
         }
 

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from hivemind.p2p import P2P
 
-from protocol.p2p import _framing, addrs, direct, p2pd, reachability
+from protocol.p2p import _framing, addrs, direct, p2pd, reachability, relays
 from protocol.p2p._framing import (  # re-exported: the names callers import from here
     BufferPool,
     Lease,
@@ -97,6 +97,7 @@ class Transport:
         self._maddrs: list[str] = []
         self._listen_maddrs: list[str] = []
         self._reachability = Reachability("unknown")
+        self._started_at = time.monotonic()
         self._inbound_gate = _framing.StreamGate(
             config.max_inbound_streams, config.max_inbound_per_peer
         )
@@ -144,7 +145,8 @@ class Transport:
             self._p2p, self._inbound_gate, cfg.inbound_pace, cfg.max_message_bytes
         )
         if cfg.data_plane != "p2pd":
-            await self._start_direct(self._handlers)
+            started = await direct.start(cfg, self._peer_id, self._handlers, self._inbound_gate)
+            self._direct_server, self._direct_client = started
         self._caller = Caller(self._p2p, self._direct_client, cfg.max_message_bytes)
         await self._handlers.add(
             reachability.RPC_NAME,
@@ -164,7 +166,10 @@ class Transport:
         cfg = self.config
         # Before the DHT starts: a node nobody can dial must join it as a client, or
         # every peer that adds it to its routing table would time out storing to it.
-        if cfg.reachability != "auto":
+        if cfg.relay_parts:  # behind NAT: a client until it holds a relay's slot
+            self._reachability = Reachability("private")
+            self._started_at = time.monotonic()
+        elif cfg.reachability != "auto":
             self._reachability = Reachability.forced_to(cfg.reachability)
         else:
             self._reachability = await self._probe(addrs.peer_ids(cfg.initial_peers))
@@ -178,29 +183,6 @@ class Transport:
         await self._dht.wait_ready(cfg.startup_timeout)
         assert self._helpers is not None
         self._watch_task = asyncio.ensure_future(self._helpers.supervise(self._roots, self._dht))
-
-    async def _start_direct(self, handlers: Handlers) -> None:
-        cfg = self.config
-        assert cfg.identity_path is not None  # checked by the config
-        from verification.identity import Identity
-
-        identity = Identity.load(cfg.identity_path)
-        if identity.peer_id != self._peer_id:
-            raise RuntimeError("the identity file does not hold p2pd's key")
-        self._direct_server = direct.DirectServer(
-            identity,
-            handlers.served,
-            self._inbound_gate,
-            cfg.inbound_pace,
-            cfg.inbound_header_timeout,
-            cfg.max_inbound_streams,
-            tls=cfg.data_plane == "tls",
-        )
-        port = await self._direct_server.start(cfg.host, cfg.data_port)
-        self._direct_client = direct.DirectClient(identity, require_tls=cfg.data_plane == "tls")
-        tell_port = self._direct_server.port_handler()
-        await handlers.add(direct.RPC_NAME, tell_port, 64, cfg.request_timeout)
-        logger.info("direct data plane (%s) on %s:%d", cfg.data_plane, cfg.host, port)
 
     async def _probe(self, peers: list[str], extra_ports: tuple[int, ...] = ()) -> Reachability:
         ports = [addrs.tcp_port(m) for m in (self.config.announce_maddrs or self._listen_maddrs)]
@@ -278,9 +260,30 @@ class Transport:
         if self._reachability.forced:
             return self._reachability
         found = await self._probe(peers, extra_ports)
-        if found.status != "unknown":
-            self._reachability = found
+        if found.status != "unknown" and not (found.status == "private" and self.relayed):
+            self._reachability = found  # a relayed node stays relayed
         return self._reachability
+
+    @property
+    def relayed(self) -> bool:
+        return self._reachability.status == "relayed"
+
+    async def claim_relays(self) -> Reachability:
+        """With ``relay_parts``: claim this node's circuit addresses once it holds a
+        relay's slot (:func:`protocol.p2p.relays.claim`); they join :attr:`maddrs`."""
+        assert self._p2p is not None
+        found = await relays.claim(self._p2p, self.config, self._peer_id, self._started_at)
+        if found and self._reachability.status == "private":
+            self._reachability = self._reachability.through(found)
+            self._maddrs = [*self._maddrs, *found]
+            logger.info("%s", self._reachability.summary())
+        return self._reachability
+
+    async def reach(self, peer: str, maddrs: list[str]) -> bool:
+        """Connect to ``peer`` through its circuit addresses among ``maddrs``
+        (:func:`protocol.p2p.relays.connect`)."""
+        assert self._p2p is not None
+        return await relays.connect(self._p2p, peer, maddrs, self.config.request_timeout)
 
     async def rejoin(self, maddrs: list[str], timeout: float) -> int:
         """Dial ``maddrs`` again and re-enter the DHT through them (after losing every

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks import __main__ as bench_cli
-from benchmarks import churn, codec, tables
+from benchmarks import churn, codec, relay, tables
 
 # benchmark -> where its smoke test lives: every registered benchmark has one
-SMOKED_HERE = {"codec", "churn"}
+SMOKED_HERE = {"codec", "churn", "relay"}
 
 
 def _results_stamps() -> dict[Path, int]:
@@ -49,6 +49,13 @@ def test_the_codec_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     assert report["numel"] == 20_000
     assert (tmp_path / "codec.png").is_file()
     assert _results_stamps() == before
+
+
+def test_the_relay_benchmark_at_smoke_size_lists_its_rows_as_not_run(tmp_path: Path) -> None:
+    report = relay.run(False, tmp_path, smoke=True)
+    check_smoke_report("relay", report, tmp_path)
+    assert report["rows"] == {} and set(report["rows_not_run"]) == {"direct", "relay"}
+    assert (tmp_path / "relay.png").is_file()
 
 
 def test_the_churn_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ FILES = [
     "convergence-sparse.json",
     "islands.json",
     "join.json",
+    "relay.json",
     "mixing.json",
     "models.json",
     "partitions.json",

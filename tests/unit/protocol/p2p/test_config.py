@@ -32,6 +32,8 @@ def test_an_ipv6_host_listens_on_an_ip6_multiaddr() -> None:
         ({"request_timeout": 0}, "request_timeout = 0"),
         ({"max_inbound_per_peer": 0}, "max_inbound_per_peer = 0"),
         ({"min_inbound_bytes_per_second": -1}, "expected >= 0"),
+        ({"relay_parts": True, "reachability": "public"}, "relay_parts needs relay = true"),
+        ({"relay_parts": True, "relay": False}, "relay_parts needs relay = true"),
     ],
 )
 def test_bad_values_name_their_key(fields: dict, message: str) -> None:

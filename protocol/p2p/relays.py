@@ -1,0 +1,95 @@
+"""Owning parts from behind NAT, through a relay (``network.relay_parts``).
+
+p2pd relays streams (libp2p's circuit relay v2; hivemind's build lets a relayed
+connection carry 4 GiB each way for 30 minutes, enough for parts) to a node behind
+NAT that holds a slot, a reservation, on a public node. With ``auto_relay`` and its
+reachability forced private, p2pd reserves a slot on each trusted relay (the initial
+peers unless ``network.trusted_relays`` names others), but only once its relay
+finder's boot delay has passed (measured: 3 minutes after start), and it never lists
+the relayed address among its own.
+
+So a node with ``relay_parts`` names its circuit addresses itself
+(``RELAY/p2p-circuit/p2p/ME``, :func:`circuits`) and claims them
+(:meth:`~protocol.p2p.reachability.Reachability.through`: it owns parts) once
+:data:`RESERVE_SECONDS` have passed since it started and its p2pd is connected to
+the relay (:func:`held`). Its registry record carries them; a peer that is not
+connected to it connects through them (:func:`connect`) before calling it, and p2pd
+carries its calls through the relay from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hivemind.p2p import P2P, PeerID
+from multiaddr import Multiaddr
+
+if TYPE_CHECKING:
+    from protocol.p2p.config import TransportConfig
+
+__all__ = ["CIRCUIT", "RESERVE_SECONDS", "circuits", "claim", "connect", "held", "relay_of"]
+
+logger = logging.getLogger(__name__)
+
+CIRCUIT = "/p2p-circuit/p2p/"
+RESERVE_SECONDS = 200.0
+"""Seconds after start before a node claims its circuits: p2pd's relay finder waits 3
+minutes for more candidates before it reserves a slot on the relays it has."""
+
+
+def circuits(relays: Sequence[str], me: str) -> tuple[str, ...]:
+    """This node's circuit addresses through ``relays`` (multiaddrs ending in
+    ``/p2p/<relay id>``)."""
+    return tuple(f"{r}{CIRCUIT}{me}" for r in relays if not r.endswith(f"/p2p/{me}"))
+
+
+def relay_of(circuit: str) -> str:
+    """The PeerID of the relay a circuit address goes through."""
+    return circuit.split(CIRCUIT, 1)[0].rsplit("/p2p/", 1)[1]
+
+
+async def held(p2p: P2P, mine: Sequence[str]) -> tuple[str, ...]:
+    """The circuits of ``mine`` whose relay p2pd is connected to now (it holds its slot
+    over that connection)."""
+    try:
+        connected = {str(info.peer_id) for info in await p2p.list_peers()}
+    except Exception as exc:  # the daemon did not answer: none known to be held now
+        logger.info("p2pd's peers could not be listed: %r", exc)
+        return ()
+    return tuple(c for c in mine if relay_of(c) in connected)
+
+
+async def claim(p2p: P2P, cfg: TransportConfig, me: str, started_at: float) -> tuple[str, ...]:
+    """The circuits a node with ``relay_parts`` claims now: none before
+    :data:`RESERVE_SECONDS` since it started (``time.monotonic``), then those it holds
+    (:func:`held`) through the trusted relays, or the initial peers."""
+    if not cfg.relay_parts or time.monotonic() - started_at < RESERVE_SECONDS:
+        return ()
+    return await held(p2p, circuits(cfg.trusted_relays or cfg.initial_peers, me))
+
+
+async def connect(p2p: P2P, peer: str, maddrs: Sequence[str], timeout: float) -> bool:
+    """Connect to ``peer`` through the first of its circuit addresses among ``maddrs``
+    that answers, unless p2pd is connected to it already; whether it is connected."""
+    through = [m for m in maddrs if CIRCUIT in m and m.endswith(CIRCUIT + peer)]
+    if not through:
+        return False
+    try:
+        if peer in {str(info.peer_id) for info in await p2p.list_peers()}:
+            return True
+    except Exception as exc:  # the daemon did not answer: try again at the next refresh
+        logger.info("p2pd's peers could not be listed: %r", exc)
+        return False
+    for maddr in through:
+        relayed = maddr[: -len(peer) - len("/p2p/")]
+        try:
+            dial = p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(relayed)])
+            await asyncio.wait_for(dial, timeout)
+            return True
+        except Exception as exc:  # no slot on that relay, relay down: try the next
+            logger.info("connecting to %s through %s failed: %r", peer[:16], maddr, exc)
+    return False
