@@ -184,10 +184,9 @@ class Upkeep:
         waiting = transport.config.relay_parts and transport.reachability.status == "private"
         if waiting and (await transport.claim_relays()).status == "relayed":
             self.reporter.status.update(maddrs=transport.maddrs, relayed=True)
-        for peer in sorted(live):
-            record = records.get(peer)
-            if record and record.reachable and any(CIRCUIT in m for m in record.maddrs):
-                await transport.reach(peer, list(record.maddrs))
+        reachable = [records[p] for p in sorted(live) if p in records and records[p].reachable]
+        wanted = {r.peer: list(r.maddrs) for r in reachable if any(CIRCUIT in m for m in r.maddrs)}
+        await transport.reach(wanted)
 
     def take_operator_commands(self) -> None:
         """Apply ``atoll ban`` / ``atoll pardon`` commands queued in the data directory."""

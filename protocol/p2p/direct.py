@@ -61,9 +61,7 @@ from protocol.p2p._handshake import (
 from verification.identity import Identity
 
 if TYPE_CHECKING:
-    from protocol.p2p._framing import StreamGate
     from protocol.p2p.config import TransportConfig
-    from protocol.p2p.handlers import Handlers
 
 __all__ = [
     "DOMAIN_CALLEE",
@@ -414,10 +412,15 @@ class DirectClient:
 
 
 async def start(
-    cfg: TransportConfig, peer_id: str, handlers: Handlers, gate: StreamGate
+    cfg: TransportConfig,
+    peer_id: str,
+    lookup: Callable[[str], ServedRpc | None],
+    gate: _framing.StreamGate,
+    serve: Callable[[str, Callable[[str, bytes], Awaitable[bytes]], int, float], Awaitable[None]],
 ) -> tuple[DirectServer, DirectClient]:
     """Start the direct plane of a transport whose p2pd runs as ``peer_id``: its server
-    on ``cfg.data_port``, its client, and the RPC that tells peers the port."""
+    on ``cfg.data_port``, serving what ``lookup`` finds, its client, and (through
+    ``serve``: p2pd's handlers) the RPC that tells peers its port."""
     assert cfg.identity_path is not None  # checked by the config
     identity = Identity.load(cfg.identity_path)
     if identity.peer_id != peer_id:
@@ -425,7 +428,7 @@ async def start(
     tls = cfg.data_plane == "tls"
     server = DirectServer(
         identity,
-        handlers.served,
+        lookup,
         gate,
         cfg.inbound_pace,
         cfg.inbound_header_timeout,
@@ -433,10 +436,9 @@ async def start(
         tls=tls,
     )
     port = await server.start(cfg.host, cfg.data_port)
-    client = DirectClient(identity, require_tls=tls)
-    await handlers.add(RPC_NAME, server.port_handler(), 64, cfg.request_timeout)
+    await serve(RPC_NAME, server.port_handler(), 64, cfg.request_timeout)
     logger.info("direct data plane (%s) on %s:%d", cfg.data_plane, cfg.host, port)
-    return server, client
+    return server, DirectClient(identity, require_tls=tls)
 
 
 def _maddr(host: str, port: int) -> str:

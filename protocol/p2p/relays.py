@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from hivemind.p2p import P2P, PeerID
@@ -31,7 +31,16 @@ from multiaddr import Multiaddr
 if TYPE_CHECKING:
     from protocol.p2p.config import TransportConfig
 
-__all__ = ["CIRCUIT", "RESERVE_SECONDS", "circuits", "claim", "connect", "held", "relay_of"]
+__all__ = [
+    "CIRCUIT",
+    "RESERVE_SECONDS",
+    "circuits",
+    "claim",
+    "connect",
+    "connected",
+    "held",
+    "relay_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +61,20 @@ def relay_of(circuit: str) -> str:
     return circuit.split(CIRCUIT, 1)[0].rsplit("/p2p/", 1)[1]
 
 
+async def connected(p2p: P2P) -> set[str] | None:
+    """The peers p2pd is connected to now; None where the daemon did not answer."""
+    try:
+        return {str(info.peer_id) for info in await p2p.list_peers()}
+    except Exception as exc:  # the daemon did not answer: try again at the next refresh
+        logger.info("p2pd's peers could not be listed: %r", exc)
+        return None
+
+
 async def held(p2p: P2P, mine: Sequence[str]) -> tuple[str, ...]:
     """The circuits of ``mine`` whose relay p2pd is connected to now (it holds its slot
     over that connection)."""
-    try:
-        connected = {str(info.peer_id) for info in await p2p.list_peers()}
-    except Exception as exc:  # the daemon did not answer: none known to be held now
-        logger.info("p2pd's peers could not be listed: %r", exc)
-        return ()
-    return tuple(c for c in mine if relay_of(c) in connected)
+    peers = await connected(p2p) or set()
+    return tuple(c for c in mine if relay_of(c) in peers)
 
 
 async def claim(p2p: P2P, cfg: TransportConfig, me: str, started_at: float) -> tuple[str, ...]:
@@ -72,18 +86,24 @@ async def claim(p2p: P2P, cfg: TransportConfig, me: str, started_at: float) -> t
     return await held(p2p, circuits(cfg.trusted_relays or cfg.initial_peers, me))
 
 
-async def connect(p2p: P2P, peer: str, maddrs: Sequence[str], timeout: float) -> bool:
+async def connect(
+    p2p: P2P,
+    peer: str,
+    maddrs: Sequence[str],
+    timeout: float,
+    peers: Collection[str] | None = None,
+) -> bool:
     """Connect to ``peer`` through the first of its circuit addresses among ``maddrs``
-    that answers, unless p2pd is connected to it already; whether it is connected."""
+    that answers, unless p2pd is connected to it already (``peers``: those it is
+    connected to, where the caller listed them once for several peers); whether it is
+    connected."""
     through = [m for m in maddrs if CIRCUIT in m and m.endswith(CIRCUIT + peer)]
     if not through:
         return False
-    try:
-        if peer in {str(info.peer_id) for info in await p2p.list_peers()}:
-            return True
-    except Exception as exc:  # the daemon did not answer: try again at the next refresh
-        logger.info("p2pd's peers could not be listed: %r", exc)
+    if peers is None and (peers := await connected(p2p)) is None:
         return False
+    if peer in peers:
+        return True
     for maddr in through:
         relayed = maddr[: -len(peer) - len("/p2p/")]
         try:

@@ -145,7 +145,8 @@ class Transport:
             self._p2p, self._inbound_gate, cfg.inbound_pace, cfg.max_message_bytes
         )
         if cfg.data_plane != "p2pd":
-            started = await direct.start(cfg, self._peer_id, self._handlers, self._inbound_gate)
+            handlers, gate = self._handlers, self._inbound_gate
+            started = await direct.start(cfg, self._peer_id, handlers.served, gate, handlers.add)
             self._direct_server, self._direct_client = started
         self._caller = Caller(self._p2p, self._direct_client, cfg.max_message_bytes)
         await self._handlers.add(
@@ -279,11 +280,14 @@ class Transport:
             logger.info("%s", self._reachability.summary())
         return self._reachability
 
-    async def reach(self, peer: str, maddrs: list[str]) -> bool:
-        """Connect to ``peer`` through its circuit addresses among ``maddrs``
-        (:func:`protocol.p2p.relays.connect`)."""
+    async def reach(self, wanted: dict[str, list[str]]) -> None:
+        """Connect to each peer of ``wanted`` through its circuit addresses among its
+        multiaddrs, unless connected already (:func:`protocol.p2p.relays.connect`)."""
         assert self._p2p is not None
-        return await relays.connect(self._p2p, peer, maddrs, self.config.request_timeout)
+        if not wanted or (peers := await relays.connected(self._p2p)) is None:
+            return
+        for peer, maddrs in wanted.items():
+            await relays.connect(self._p2p, peer, maddrs, self.config.request_timeout, peers)
 
     async def rejoin(self, maddrs: list[str], timeout: float) -> int:
         """Dial ``maddrs`` again and re-enter the DHT through them (after losing every

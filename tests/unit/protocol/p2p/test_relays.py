@@ -73,6 +73,11 @@ def test_a_caller_connects_through_the_first_circuit_that_answers() -> None:
     other = f"{RELAY_A}/p2p-circuit/p2p/{ME}"
     assert not asyncio.run(relays.connect(FakeP2P(set()), PEER, [direct, other], 1.0))
     assert not asyncio.run(relays.connect(FakeP2P(set()), PEER, [a], timeout=1.0))
+    # peers listed once by the caller for several: p2pd is not asked again
+    listed = FakeP2P(set())
+    listed.list_peers = None  # type: ignore[assignment]
+    assert asyncio.run(relays.connect(listed, PEER, [a], 1.0, peers={PEER}))
+    assert listed.dialled == []
 
 
 def test_a_relayed_node_is_reachable_and_says_through_what() -> None:
