@@ -2,8 +2,8 @@
 with checks against without, side by side.
 
 Two workloads, each a clean swarm of real node processes on 127.0.0.1 run twice, with
-the checks (``trust.checkers = 2`` and replay checks in windows of 4 steps,
-``trust.replay_steps = 4``; every other ``trust.check*`` key at its default: 16 windows,
+the checks (``trust.checkers = 2`` and replay checks in windows of 8 steps,
+``trust.replay_steps = 8``; every other ``trust.check*`` key at its default: 16 windows,
 one fragment of each contributor a round, a budget of 4 % of training time)
 and without (``trust.checkers = 0``), the runs alternating (with, without, without,
 with; twice in the full mode) so that a machine getting busier favours neither, and
@@ -71,7 +71,7 @@ COST_CASES = {
         shards=True,
     ),
 }
-_CHECKS = ("trust.checkers=2", "trust.aggregator='centered_clip'", "trust.replay_steps=4")
+_CHECKS = ("trust.checkers=2", "trust.aggregator='centered_clip'", "trust.replay_steps=8")
 
 
 def overrides_of(case: CostCase, checks: bool, shards: pathlib.Path | None) -> list[str]:

@@ -4,7 +4,7 @@ in every swarm shape, what it takes of the aggregate meanwhile, and what the che
 Every run is a real swarm of node processes on 127.0.0.1 (``node.swarm``) with the small
 model of :mod:`benchmarks.robustness`, int8, two fragments, rounds of 24 inner steps,
 centered clipping with screening, ``trust.checkers = 2`` on both fragments from round 3
-with replay checks in windows of 4 steps (``trust.replay_steps = 4``; a flagged peer
+with replay checks in windows of 8 steps (``trust.replay_steps = 8``; a flagged peer
 sits out 10 rounds), for 10 rounds. The checks run unpaced here
 (``trust.check_budget = 1``): on a model this small, rounds this short hold too little
 training for the default 5 % budget (what they cost at realistic lengths is the cost
@@ -65,7 +65,7 @@ CHECKS = (
     "trust.check_from_round=3",
     "trust.check_budget=1.0",
     "trust.quarantine_rounds=10",
-    "trust.replay_steps=4",
+    "trust.replay_steps=8",
 )
 _ROUNDS = 10
 _SMOKE = ("sync.inner_steps=8", "trust.check_from_round=2", "trust.check_min_records=2")
