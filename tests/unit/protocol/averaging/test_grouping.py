@@ -163,16 +163,27 @@ def test_a_cell_grid_needs_groups_of_two() -> None:
         cell_dims(100, 1)
 
 
-def test_a_peer_keeps_its_point_while_the_axis_moves() -> None:
-    cells = [Cell.of("peer-07", r, 3, 4, 1024) for r in range(8)]
-    assert [c.axis for c in cells] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert cells[0] == cells[4] and cells[0] != cells[1]
+def test_a_peer_keeps_its_point_while_the_axis_moves_through_a_cycle() -> None:
+    cells = [Cell.of("peer-07", r, 3, 4, 1024) for r in range(4)]  # 1,024 peers: dims 4
+    assert [c.axis for c in cells] == [0, 1, 2, 3] and {c.cycle for c in cells} == {0}
+    assert cells[0] != cells[1]
     for c in cells:  # the digits off the axis are the peer's, whatever the round
         assert c.holds("peer-07") and c.coords[c.axis] is None
         others = [d for i, d in enumerate(cells[0].coords) if i != c.axis and i != 0]
         assert others == [d for i, d in enumerate(c.coords) if i != c.axis and i != 0]
     other = Cell.of("peer-07", 0, 4, 4, 1024)  # another fragment: the same line
     assert other.key == cells[0].key and other.coords == cells[0].coords
+
+
+def test_every_cycle_of_dims_rounds_draws_a_new_grid() -> None:
+    peers = _names(1024)
+    first, again = Cell.of(peers[0], 0, 0, 4, 1024), Cell.of(peers[0], 4, 0, 4, 1024)
+    assert (first.cycle, first.axis, again.cycle, again.axis) == (0, 0, 1, 0)
+    mates = {p for p in peers if first.holds(p)}
+    assert mates == {p for p in peers if Cell.of(peers[0], 0, 0, 4, 1024).holds(p)}
+    # the same axis a cycle later: the line is mostly other peers
+    later = {p for p in peers if again.holds(p)}
+    assert peers[0] in mates & later and len(mates & later) < len(mates) / 2
 
 
 def test_peers_share_a_line_exactly_when_their_keys_match() -> None:
