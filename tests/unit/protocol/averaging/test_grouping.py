@@ -228,7 +228,7 @@ def test_clients_on_a_line_join_groups_with_an_owner() -> None:
 
 
 def test_cell_groups_bring_a_large_swarm_close_to_the_mean() -> None:
-    # not exact as the butterfly is, but each round cuts the spread by about 1.8
+    # not exact as the butterfly is, but each round cuts the spread by about 1.95
     # (a random regrouping of the whole swarm, which needs every announcement: 2)
     peers = _names(1024)
     gen = torch.Generator().manual_seed(0)
@@ -239,7 +239,7 @@ def test_cell_groups_bring_a_large_swarm_close_to_the_mean() -> None:
     for r in range(10):
         values = _mix(values, cell_groups(peers, r, 0, 4, 1024))
     stacked = torch.stack(list(values.values()))
-    assert float(stacked.std()) < spread0 / 200
+    assert float(stacked.std()) < spread0 / 500  # 1.8 a round (a grid kept for good): 357
     torch.testing.assert_close(stacked.mean(), mean)  # equal weights keep the mean
 
 
