@@ -56,6 +56,7 @@ BENCHMARKS: dict[str, str] = {
     "partitions": "benchmarks.partitions",
     "join": "benchmarks.join",
     "churn": "benchmarks.churn",
+    "goodput": "benchmarks.goodput",
     "islands": "benchmarks.islands",
     "relay": "benchmarks.relay",
 }

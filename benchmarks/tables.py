@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import churn, islands
+from benchmarks import churn, goodput, islands
 from benchmarks._formats import bpb, kb, markdown_table, mb, pct, run_mode, sci, size, span, times
 from benchmarks._robustness_checks_report import table_row as checks_row
 from benchmarks._scale_tables import scale_load_table, scale_row, scale_simulated_table
@@ -503,6 +503,7 @@ ROW_BUILDERS: dict[str, Callable[[dict[str, Any]], list[_Cells]]] = {
     "churn": churn.table_row,
     "codec": _codec,
     "convergence": _convergence,
+    "goodput": goodput.table_row,
     "islands": islands.table_row,
     "join": _join,
     "relay": _relay,

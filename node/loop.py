@@ -145,6 +145,13 @@ class TrainingLoop:
                     self.work.forget()
                 self._alone(r)
                 schedule.ended(self.progress.round)
+        # what the node trained, and of it what no sync of each fragment carried (the
+        # tail of a finished run; an interrupted round's work)
+        unsynced = [*book.tokens_since]
+        for f, p in book.pending.items():
+            unsynced[f] += p.tokens
+        self.events.write("unsynced", round=self.progress.round, tokens=trainer.tokens,
+                          fragments=unsynced)  # fmt: skip
         for p in book.clear():
             p.future.cancel()  # the interrupted round is abandoned; the last checkpoint stands
 

@@ -49,6 +49,7 @@ __all__ = [
     "format_summary",
     "interrupt_on_sigterm",
     "launch",
+    "reap",
     "render_table",
     "run_swarm",
     "run_to_end",
@@ -329,11 +330,12 @@ def run_to_end(spec: SwarmSpec, timeout: float) -> tuple[list[SwarmProcess], boo
             time.sleep(0.5)
     finally:
         stop_all(nodes, grace=20)
-        _reap(helpers)
+        reap(helpers)
     return nodes, finished
 
 
-def _reap(pids: set[int]) -> None:
+def reap(pids: set[int]) -> None:
+    """End the helper processes ``pids`` (p2pd, the DHT) that outlived their node."""
     # A node's watchdog ends its p2pd and DHT process; this covers a watchdog that died too.
     procs = []
     for pid in pids:
@@ -382,7 +384,7 @@ def run_swarm(
         interrupted = True
     finally:
         stop_all(nodes)
-        _reap(helpers)
+        reap(helpers)
     if failed is not None:
         raise NodeFailed(failed)
     if on_tick:

@@ -240,7 +240,14 @@ class Syncer:
             self.skipped(f)
             self.outcomes["failed"] += 1
             logger.warning("round %d fragment %d: sync failed: %r", pending.round, f, exc)
-            self.events.write("sync_failed", round=pending.round, fragment=f, error=repr(exc))
+            self.events.write(
+                "sync_failed",
+                round=pending.round,
+                fragment=f,
+                error=repr(exc),
+                tokens=pending.tokens,
+                step=pending.step,
+            )
             return None
 
     def _timed(self, pending: Pending, done: ExchangeOutcome | None) -> None:
@@ -298,6 +305,7 @@ def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> 
         "repaired_parts": result.repaired_parts,
         "complete": result.complete,
         "tokens": pending.tokens,
+        "step": pending.step,
         "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
         "mixed": mixed is not None,
         # how far this node's copy sat from its group's mean (relative): copies of a

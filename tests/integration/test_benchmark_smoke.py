@@ -14,8 +14,8 @@ dominates), so ``make test`` smokes the benchmarks that cover the most per secon
 (verification, convergence, mixing, robustness and its checks mode: about 2.5
 minutes) and marks the others ``slow`` (``make test-all``: allreduce's seven methods,
 stragglers, sites, scale, models, wan on 127.0.0.1 and in network namespaces,
-partitions' 3-minute lab run, and islands: DDP ranks, simulated sites and two real
-nodes, 2.5 min).
+partitions' 3-minute lab run, islands: DDP ranks, simulated sites and two real
+nodes, 2.5 min, and goodput: two 4-node swarms, one with nodes leaving and joining).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ SMOKED = {
     "partitions",
     "cuda_site",
     "islands",
+    "goodput",
 }
 """The benchmarks smoked here (the unit test checks every registered one is somewhere)."""
 
@@ -202,6 +203,16 @@ def test_partitions_smoke(tmp_path: Path) -> None:
     # one run of three minutes in a network lab, like the partitions test it repeats
     report = smoke("partitions", tmp_path)
     assert report["of"] == 1
+
+
+@pytest.mark.slow  # joining a running swarm in make test: test_join.py
+@pytest.mark.timeout(480)
+def test_goodput_smoke(tmp_path: Path) -> None:
+    report = smoke("goodput", tmp_path)
+    calm, churned = report["rows"]
+    assert calm["left"] == calm["joined"] == 0 and calm["goodput"] > 0.8, calm
+    assert churned["nodes_started"] == 4 + churned["joined"], churned
+    assert 0 < churned["goodput"] <= 1 and churned["tokens"]["trained"] > 0, churned
 
 
 @pytest.mark.slow  # joining by address in make test: test_join.py, test_multihost.py

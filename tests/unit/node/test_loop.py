@@ -66,7 +66,7 @@ class _Syncer:
         self.budgets.append(rest[-2])
         future: Future = Future()
         future.set_result(None)
-        return SimpleNamespace(round=r, fragment=f, step=steps, future=future)
+        return SimpleNamespace(round=r, fragment=f, tokens=tokens, step=steps, future=future)
 
     def apply(self, pending: Any, steps: int) -> dict[str, Any] | None:
         if (pending.round, pending.fragment) in self.fail:
@@ -166,6 +166,16 @@ def test_steps_rounds_sync_every_fragment_with_the_tokens_trained_for_it(tmp_pat
     assert t.syncer.launched == [(1, 0, 16), (1, 1, 32), (2, 0, 32), (2, 1, 32)]
     assert t.rounds.ended == [(1, False, False), (2, False, False)]
     assert t.progress.bytes_sent == 40 and t.progress.busy > 0
+
+
+def test_a_finished_loop_says_what_it_trained_that_no_sync_carried(tmp_path) -> None:
+    t = _loop(tmp_path, fragments=2, max_rounds=2)
+    t.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
+    (end,) = read_events(tmp_path / "events.jsonl", "unsynced")
+    # 8 steps of 8 tokens: round 2 ends as its 4th step launches fragment 1; fragment 0
+    # was last launched after step 6, so steps 7 and 8 are in no sync of it
+    assert end == {**end, "round": 2, "tokens": 64, "fragments": [16, 0]}
+    assert t.trainer.tokens == 64
 
 
 def test_each_sync_claims_the_assigned_batches_it_was_trained_on(tmp_path) -> None:
