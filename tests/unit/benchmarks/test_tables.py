@@ -13,6 +13,7 @@ FILES = [
     "allreduce.json",
     "allreduce-full/allreduce.json",
     "churn.json",
+    "goodput.json",
     "codec.json",
     "convergence.json",
     "convergence-long.json",
