@@ -13,9 +13,9 @@ identity and an empty data folder, as a volunteer's ``atoll run`` would.
 **Goodput** is the tokens whose work reached the global model over the tokens trained,
 from every node's own events, the departed included:
 
-- in the global model: the tokens of each applied sync that names the node among its
-  contributors, and those of its failed syncs before it (their work stays in the local
-  copy and is folded into the next sync);
+- in the global model: the tokens of each applied sync, in the share of its parts whose
+  result holds the node's work, with those of its failed syncs before it (their work
+  stays in the local copy and is folded into the next sync);
 - trained: everything a node that left trained (its status's last tokens), and for a
   node that ran to the end, all it trained but what no sync of each fragment carried
   when its loop ended (its ``unsynced`` event: the tail any finite run leaves unsynced,
@@ -26,7 +26,7 @@ went: work left with leavers, dropped by joiners (the round a joiner sits out), 
 syncs that failed and were never folded in.
 
 Run ``python -m benchmarks goodput [--quick]``: quick is one swarm per row of 10 rounds
-(about 25 minutes here); full has 20 rounds; ``--smoke`` is 4 nodes for 5 rounds of
+(about 18 minutes here); full has 20 rounds; ``--smoke`` is 4 nodes for 5 rounds of
 15 s at 0 and 30 % churn. Writes ``goodput.json`` and ``goodput.png``.
 """
 
@@ -254,11 +254,10 @@ def account(
         left it out, or failed and never folded into one that held it) and ``dropped``
         (trained but in no sync: a joiner's round sat out, a leaver's unsynced work).
     """
-    me, tokens = status.get("peer_id"), status.get("tokens") or 0
+    me, tokens, tail = status.get("peer_id"), status.get("tokens") or 0, [0] * fragments
     ends = [e for e in events if e.get("event") == "unsynced"]
-    tail = ends[-1]["fragments"] if to_the_end and ends else [0] * fragments
     if to_the_end and ends:
-        tokens = ends[-1]["tokens"]
+        tokens, tail = ends[-1]["tokens"], ends[-1]["fragments"]
     trained = included = failed = launched = 0
     for f in range(fragments):
         carried = 0
@@ -298,11 +297,14 @@ def _measure(swarm: _Swarm) -> dict[str, Any]:
     fragments = load_config(swarm.spec.config_paths, swarm.spec.overrides).sync.fragments
     totals = dict.fromkeys(("trained", "included", "failed", "dropped"), 0)
     by_kind: dict[str, dict[str, int]] = {}
+    contributed = 0
     for node in swarm.nodes:
         events = read_events(node.data_dir / "events.jsonl")
         status = node.status
         finished = status.get("round", 0) >= rounds and node.index not in swarm.left
         tally = account(events, status, finished, fragments)
+        if node.index in swarm.joined and _contributed(status.get("peer_id"), events):
+            contributed += 1
         kind = (
             "left"
             if node.index in swarm.left
@@ -320,7 +322,7 @@ def _measure(swarm: _Swarm) -> dict[str, Any]:
         "left": len(swarm.left),
         "killed": sum(v == "killed" for v in swarm.left.values()),
         "joined": len(swarm.joined),
-        "joiners_contributed": sum(1 for i in swarm.joined if _contributed(swarm.nodes[i])),
+        "joiners_contributed": contributed,
         "goodput": round(totals["included"] / trained, 4),
         # where the rest went, disjoint: all a leaver did not get in; what joiners that
         # stayed dropped joining; the failed syncs of the nodes that stayed
@@ -342,9 +344,9 @@ def _lost(tally: dict[str, int] | None) -> int:
     return 0 if tally is None else tally["trained"] - tally["included"]
 
 
-def _contributed(node: SwarmProcess) -> bool:
-    me = node.status.get("peer_id")
-    syncs = read_events(node.data_dir / "events.jsonl", "sync")
+def _contributed(me: Any, events: list[dict[str, Any]]) -> bool:
+    """Whether any applied sync's result holds ``me``'s work."""
+    syncs = (e for e in events if e.get("event") == "sync")
     return any(_share(me, e.get("contributors", [])) > 0 for e in syncs)
 
 
