@@ -7,7 +7,10 @@ the checks (``trust.checkers = 2`` and replay checks in windows of 8 steps,
 one fragment of each contributor a round, a budget of 4 % of training time)
 and without (``trust.checkers = 0``), the runs alternating (with, without, without,
 with; twice in the full mode) so that a machine getting busier favours neither, and
-the ratio is of the means (one pair here can be 8 % off either way):
+the ratio is of the means (one pair here can be 8 % off either way). Each workload
+first runs once for two rounds without checks, not counted: in both stored runs before
+it, the first run of each workload was the slowest of its side (files read cold, a
+fresh process pool), and the order charged that to the checks.
 
 - ``demo``: ``configs/local-swarm.toml`` as ``make demo`` runs it, 4 nodes in one group,
   2 fragments, 20-s wall-clock rounds;
@@ -205,6 +208,12 @@ def measure_costs(quick: bool, base: pathlib.Path) -> dict[str, Any]:
         shards = None
         if case.shards:
             shards, _ = prepare_stdlib_shards(base / f"{name}-shards", 2048)
+        warmup = _one(case, False, base, shards, 2)
+        print(
+            f"robustness --checks cost {name}: warm-up {warmup['seconds']:.0f}s (not counted)",
+            file=sys.stderr,
+            flush=True,
+        )
         runs = []
         for checks in order:
             run = _one(case, checks, base, shards, case.rounds)
@@ -217,7 +226,11 @@ def measure_costs(quick: bool, base: pathlib.Path) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-        entry = {"case": {**case.__dict__, "overrides": list(case.overrides)}, "runs": runs}
+        entry = {
+            "case": {**case.__dict__, "overrides": list(case.overrides)},
+            "warmup": {k: warmup.get(k) for k in ("rounds", "seconds", "nodes", "error")},
+            "runs": runs,
+        }
         out[name] = {**entry, **_summary(runs)}
     return out
 

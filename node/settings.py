@@ -191,8 +191,15 @@ def catchup_settings(cfg: AtollConfig) -> CatchUpSettings:
 
 
 def check_settings(cfg: AtollConfig) -> CheckSettings:
-    """Useful-work checks: the policy's ``check*`` keys, the batch shape, the deadline."""
+    """Useful-work checks: the policy's ``check*`` keys, the batch shape, the deadline.
+
+    Where replay checks run and the sent check binds the codec (not ``topk``, not int4),
+    check records only weigh contributions: on small models and late in a run an honest
+    contribution's measured effect swings too widely for records to charge anyone
+    (docs/trust.md), and every quiet fault the checks benchmark tries fails a replay or
+    sent check in its first checked round."""
     from node.checks import CheckSettings
+    from verification.binding import binds
 
     t = cfg.trust
     return CheckSettings(
@@ -206,6 +213,7 @@ def check_settings(cfg: AtollConfig) -> CheckSettings:
         context=cfg.model.context,
         timeout=cfg.network.request_timeout,
         budget=t.check_budget,
+        records_charge=not (t.replay_steps > 0 and binds(cfg.sync.codec)),
     )
 
 

@@ -35,7 +35,7 @@ import torch
 
 from verification.replay import TraceWindow
 
-__all__ = ["passes", "sent_apart", "slack", "trace_sum"]
+__all__ = ["binds", "passes", "sent_apart", "slack", "trace_sum"]
 
 _QMAX = {"int8": 127, "int4": 7}
 _HALF_ULP = {"fp16": 2.0**-11, "bf16": 2.0**-8}
@@ -47,6 +47,14 @@ def trace_sum(windows: Sequence[TraceWindow]) -> torch.Tensor | None:
     if not windows or any(not w.moved for w in windows):
         return None
     return torch.tensor([list(w.moved) for w in windows], dtype=torch.float64).sum(0)
+
+
+def binds(codec: str) -> bool:
+    """Whether the sent check binds what a member sends under ``codec`` to its trace
+    closely enough that, with replay checks, a flag can wait for their evidence: every
+    codec :func:`slack` applies to but int4, whose slack is close to a whole
+    pseudo-gradient (:mod:`node.checks.work` lets check records only weigh then)."""
+    return codec == "none" or codec in _HALF_ULP or codec == "int8"
 
 
 def slack(

@@ -110,7 +110,9 @@ class TrustPolicy:
             them, or not as much as it claims. A peer that falls
             short over ``check_min_records`` records from two checkers or more, with
             any one checker's records left out and with any one round's, is flagged (a
-            ``useless_work`` violation).
+            ``useless_work`` violation where replay and sent checks do not both run;
+            where they do, its flag only lowers its weight and a charge needs their
+            evidence: :func:`node.settings.check_settings`).
         check_rounds: a peer is judged on its records of its newest this many rounds
             (0: on its newest 24 records, however old), so that its first checked
             rounds, whose gains say least of the work, stop vetoing a flag once

@@ -371,7 +371,8 @@ class Scores:
 
     def score(self, peer: str) -> dict[str, Any]:
         """``{"records", "checkers", "work", "specific", "factor", "short", "flagged"}``
-        for ``peer``."""
+        for ``peer``, with ``replays_failed`` and ``replay_flagged`` (its failed replay
+        checks flag it) where any of its replay checks failed."""
         with self._lock:
             return self._score(peer, self._recent(self._records.get(peer, ())), {})
 
@@ -383,6 +384,7 @@ class Scores:
         return {
             **score,
             "replays_failed": len(failed),
+            "replay_flagged": replayed,
             "factor": 0.0 if replayed else score["factor"],
             "flagged": score["flagged"] or replayed,
         }

@@ -56,6 +56,9 @@ class CheckSettings:
         context: tokens per window.
         timeout: deadline of one fetch (seconds).
         budget: the largest share of wall time the checks' worker may be busy.
+        records_charge: a peer its check records flag is charged with ``useless_work``
+            (else records only weigh contributions, and a charge needs a failed replay
+            or sent check: where both run, :func:`node.settings.check_settings`).
     """
 
     run_id: str
@@ -68,6 +71,7 @@ class CheckSettings:
     context: int
     timeout: float
     budget: float
+    records_charge: bool = True
 
 
 @dataclass

@@ -10,7 +10,8 @@ at a time:
   must, charges a false one's signer a ``bad_check_record`` violation, and counts the
   rest in the verifier's :class:`~verification.workscores.Scores`, whose work ratios
   set each peer's weight in this node's aggregates; a peer the scores flag gets a
-  ``useless_work`` violation once per round;
+  ``useless_work`` violation once per round, unless replay and sent checks both run
+  (``records_charge`` false: there only their failures charge);
 - for every round that ended well here, with every fragment exchanged: tells the node's
   own trace which windows its checkers will replay, so that it keeps only their start
   states (:meth:`node.trace.Tracer.drawn`); then draws the contributions this node
@@ -447,12 +448,16 @@ class UsefulWork:
             factor=score["factor"],
             flagged=score["flagged"],
         )
-        if score["flagged"]:
+        if score.get("replay_flagged"):
+            why = f"{score['replays_failed']} failed replay or sent checks"
+        elif score["flagged"] and self.settings.records_charge:
             why = (
                 f"pooled work ratio {score['work']} and specific ratio {score['specific']} "
                 f"over {score['records']} records from {score['checkers']} checkers"
             )
-            self._charge(record.peer, record.round, record.fragment, why)
+        else:
+            return
+        self._charge(record.peer, record.round, record.fragment, why)
 
     def _charge(self, peer: str, round_: int, fragment: int, why: str) -> None:
         """A ``useless_work`` violation for a flagged peer, once per round."""

@@ -463,3 +463,53 @@ def test_checks_more_than_two_rounds_behind_are_dropped(world, tmp_path) -> None
         assert [t[0].round for t in work._todo] == [5]
         assert [i.round for i in work._rounds] == [6]
     assert work.counts["skipped"] == 1
+
+
+@pytest.mark.parametrize("records_charge", [True, False])
+def test_records_charge_a_flagged_peer_only_where_no_replay_and_sent_checks_run(
+    world, tmp_path, records_charge: bool
+) -> None:
+    """Check records that flag a peer charge it with ``useless_work`` where replay and
+    sent checks do not both run; where they do, the records only weigh its contributions
+    (its weight factor falls), and a failed replay still charges it."""
+    a = _node(world, A, tmp_path)  # its worker is not started: _count is called here
+    a.checks.settings = dataclasses.replace(SETTINGS, records_charge=records_charge)
+    lazy = C.peer_id
+    for r in range(1, 5):
+        for honest in ("h1", "h2", "h3"):
+            a.checks._count(_synthetic(honest, "c0", r, gain=0.2))
+        a.checks._count(_synthetic(lazy, ("c1", "c2")[r % 2], r, gain=0.02))
+    score = a.checks.scores.score(lazy)
+    assert score["flagged"] and score["factor"] < 0.2, score
+    assert [f["flagged"] for n, f in a.events if n == "check" and f["peer"] == lazy][-1]
+    charged = a.verifier.reputation.standing(lazy, 4).violations
+    assert (charged > 0) is records_charge  # once a round, from its second round of records
+    # a failed replay is evidence: it charges under either setting
+    a.checks.scores.replay_failed(lazy, B.peer_id, 5, proven=True)
+    a.checks._count(_synthetic(lazy, "c1", 5, gain=0.02))
+    assert a.verifier.reputation.standing(lazy, 5).violations == charged + 1
+
+
+def _synthetic(peer: str, checker: str, round_: int, gain: float):
+    """A check record of ``peer`` whose windows all gain ``gain`` (the checker's own
+    contribution 0.2) and lift as much as the checker's."""
+    from verification.usefulness import CheckRecord
+
+    before = 3.0
+    return CheckRecord(
+        checker=checker,
+        peer=peer,
+        run="run",
+        round=round_,
+        fragment=0,
+        contribution="a",
+        reference="b",
+        base="c",
+        result="d",
+        seed="e",
+        claimed=16,
+        reference_claimed=16,
+        assigned=tuple((before, before - gain - 0.3) for _ in range(4)),
+        reference_assigned=tuple((before, before - 0.5) for _ in range(4)),
+        control=tuple((before, before - gain, before, before - 0.2) for _ in range(4)),
+    )

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from node.config import load_config
-from node.settings import catchup_settings, control_settings, peer_view_settings
+from node.settings import (
+    catchup_settings,
+    check_settings,
+    control_settings,
+    peer_view_settings,
+)
 
 KEY = Path("/data/identity.key")
 BOOT = "/ip4/10.0.0.2/tcp/1/p2p/boot"
@@ -69,3 +74,27 @@ def test_catch_up_takes_the_request_deadline_and_message_cap() -> None:
     )
     settings = catchup_settings(cfg)
     assert (settings.run_id, settings.timeout, settings.max_bytes) == ("r3", 9.0, 2 * 2**20)
+
+
+@pytest.mark.parametrize(
+    ("replay_steps", "codec", "charge"),
+    [
+        (8, "int8", False),
+        (8, "none", False),
+        (8, "bf16", False),
+        (8, "int4", True),  # the sent check allows nearly a whole contribution
+        (8, "topk", True),  # no sent check
+        (0, "int8", True),  # no replay checks
+    ],
+)
+def test_check_records_charge_only_where_replay_and_sent_checks_do_not_both_run(
+    replay_steps: int, codec: str, charge: bool
+) -> None:
+    cfg = load_config(
+        overrides=[
+            "trust.checkers=2",
+            f"trust.replay_steps={replay_steps}",
+            f"sync.codec='{codec}'",
+        ]
+    )
+    assert check_settings(cfg).records_charge is charge
