@@ -15,7 +15,8 @@ from every node's own events, the departed included:
 
 - in the global model: the tokens of each applied sync, in the share of its parts whose
   result holds the node's work, with those of its failed syncs before it (their work
-  stays in the local copy and is folded into the next sync);
+  stays in the local copy and is folded into the next sync); a stopped node's syncs in
+  flight end before it goes (``sync_left`` events) and count the same way;
 - trained: everything a node that left trained (its status's last tokens), and for a
   node that ran to the end, all it trained but what no sync of each fragment carried
   when its loop ended (its ``unsynced`` event: the tail any finite run leaves unsynced,
@@ -55,6 +56,9 @@ _CONFIG = str(_ROOT / "configs" / "local-swarm.toml")
 _KILLED = 0.25
 """Share of leavers killed rather than stopped."""
 _GOAL_CHURN, _GOAL = 0.05, 0.95
+_SYNCS = ("sync", "sync_left", "sync_failed")
+"""The events of a node's syncs: applied, ended in its group as the node stopped
+(:meth:`node.syncer.Syncer.leave`), failed."""
 
 
 @dataclass(frozen=True)
@@ -242,7 +246,8 @@ def account(
     """One node's tokens trained and in the global model, from its events and status.
 
     Args:
-        events: its events (``sync``, ``sync_failed`` and ``unsynced`` are read).
+        events: its events (``sync``, ``sync_left``, ``sync_failed`` and ``unsynced`` are
+            read).
         status: its last status (``peer_id``, ``tokens``).
         to_the_end: it ran until the run's last round: what no sync of a fragment
             carried when its loop ended (the ``unsynced`` event) counts as neither trained
@@ -262,14 +267,15 @@ def account(
     for f in range(fragments):
         carried = 0
         for e in events:
-            if e.get("fragment") != f or e.get("event") not in ("sync", "sync_failed"):
+            if e.get("fragment") != f or e.get("event") not in _SYNCS:
                 continue
             launched += e["tokens"]
             if e["event"] == "sync_failed":
                 carried += e["tokens"]
                 continue
-            # applied: the parts whose result holds its work; those without it lost theirs
-            # (its local copy takes the result)
+            # applied (or ended in its group as the node stopped, ``sync_left``): the
+            # parts whose result holds its work; those without it lost theirs (its local
+            # copy takes the result)
             work = e["tokens"] + carried
             share = _share(me, e.get("contributors", []))
             included += round(work * share)

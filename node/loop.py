@@ -53,6 +53,14 @@ def exchange_budget(cfg: AtollConfig, commit_window: float | None) -> float:
     return budget
 
 
+_NEWER_TRIES = 3
+"""Tries at a newer state before a node that is a round behind comes in (see
+:meth:`TrainingLoop._newer_state`)."""
+_NEWER_WAIT = 2.0
+"""Seconds between two of those tries (a round's state is settled a few seconds after
+its end)."""
+
+
 class TrainingLoop:
     """Train until ``run.max_rounds`` rounds are done or the node stops.
 
@@ -112,6 +120,7 @@ class TrainingLoop:
         book = SyncBook.of(self.fragments)
         wall = schedule if isinstance(schedule, WallSchedule) else None
         if wall is not None:
+            self._newer_state(wall)
             self._place(wall, book)
         self._since = self.progress.round  # where the wall clock placed it
         self._assign(self.progress.round + 1)
@@ -145,6 +154,8 @@ class TrainingLoop:
                     self.work.forget()
                 self._alone(r)
                 schedule.ended(self.progress.round)
+        if self.stop.is_set() and book.pending:
+            self._leave(book)
         # what the node trained, and of it what no sync of each fragment carried (the
         # tail of a finished run; an interrupted round's work)
         unsynced = [*book.tokens_since]
@@ -154,6 +165,22 @@ class TrainingLoop:
                           fragments=unsynced)  # fmt: skip
         for p in book.clear():
             p.future.cancel()  # the interrupted round is abandoned; the last checkpoint stands
+
+    def _leave(self, book: SyncBook) -> None:
+        """The node was told to stop with syncs in flight: let each end (by its deadline)
+        before the node goes, so that the work in it reaches its group rather than being
+        lost with the node, and this node's owned parts are served (a second signal stops
+        at once). Nothing is applied: the interrupted round is abandoned, and the last
+        checkpoint stands."""
+        wait = max(0.0, max(p.deadline for p in book.pending.values()) - time.monotonic())
+        logger.info(
+            "stopping: letting %d sync(s) in flight end, up to %.0f s (a second signal "
+            "stops at once)",
+            *(len(book.pending), wait),
+        )
+        for f, p in sorted(book.pending.items(), key=lambda item: item[1].deadline):
+            if self.network.syncer.leave(p) is not None:
+                del book.pending[f]  # its work went with its group's result
 
     def _assign(self, round_: int) -> None:
         """Train the batches assigned to this node for ``round_`` from now on, every rank
@@ -196,6 +223,7 @@ class TrainingLoop:
             loss=result.loss,
             round=progress.round,
             tokens=trainer.tokens,
+            in_flight=[[p.round, p.fragment] for p in book.pending.values()],
             busy_seconds=progress.busy,
             idle_seconds=max(0.0, wall - progress.busy),
         )
@@ -283,6 +311,25 @@ class TrainingLoop:
                 live,
             )
             self.events.write("alone", round=round_, rounds=alone, live_peers=live)
+
+    def _newer_state(self, wall: WallSchedule) -> None:
+        """A node about to train whose state is older than the round before the one in
+        progress (a joiner whose catch-up took a state the swarm left as it took it, a
+        restart) would sit that round out and drop what it trains in it: it takes the
+        newer state first, a few tries apart while that round's last sync is still
+        ahead, and comes in during the round instead."""
+        clock, lead = wall.clock, self.cfg.network.matchmaking_seconds
+        for attempt in range(_NEWER_TRIES):
+            if attempt:
+                self.stop.wait(_NEWER_WAIT)
+            r = clock.round_at(wall.now())
+            if self.stop.is_set() or self.progress.round >= r - 1:
+                return
+            if wall.now() >= clock.sync_time(r, clock.fragments - 1) - lead:
+                return  # too late to sync in this round anyway
+            if self.rounds.catch_up(min_round=r - 1):
+                logger.info("took round %d's state before coming in", self.progress.round)
+                return
 
     def _place(self, wall: WallSchedule, book: SyncBook) -> None:
         """Where this node comes in on the wall clock, from the state round it holds."""

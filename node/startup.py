@@ -41,12 +41,17 @@ logger = logging.getLogger(__name__)
 
 
 def install_signals(stop: threading.Event) -> None:
-    """SIGINT and SIGTERM set ``stop`` (in the main thread; elsewhere nothing is done)."""
+    """SIGINT and SIGTERM set ``stop``; a second one, while the node finishes, raises
+    ``KeyboardInterrupt`` (the node stops at once, its teardown still run). In the main
+    thread only; elsewhere nothing is done."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def handler(signum: int, _frame: Any) -> None:
-        logger.info("received %s: finishing", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            raise KeyboardInterrupt(f"second {name}: stopping now")
+        logger.info("received %s: finishing", name)
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)

@@ -192,6 +192,28 @@ class Syncer:
         future = self.submit(_timed(running, ended))
         return Pending(r, f, weight, step, started, future, weights, deadline, sent_from, ended)
 
+    def leave(self, pending: Pending) -> dict[str, Any] | None:
+        """A sync in flight as the node stops: wait for it (until its deadline), so that
+        its group takes this node's contribution and this node serves the parts it owns,
+        and write a ``sync_left`` event; nothing is applied (the node's copies stay as
+        its last checkpoint has them). None when it failed (a ``sync_failed`` event)."""
+        done = self._wait(pending)
+        if done is None:
+            return None
+        result = done.result
+        record = {
+            "round": pending.round,
+            "fragment": pending.fragment,
+            "group": done.group,
+            "contributors": result.contributors,
+            "complete": result.complete,
+            "tokens": pending.tokens,
+            "step": pending.step,
+            "seconds": time.monotonic() - pending.started,
+        }
+        self.events.write("sync_left", **record)
+        return record
+
     def apply(self, pending: Pending, step: int) -> dict[str, Any] | None:
         """Wait for ``pending`` (until its deadline), apply it; None when the sync failed.
 

@@ -73,15 +73,32 @@ def test_restart_keeps_peer_id_and_resumes_from_checkpoint(local_swarm):
     assert local_swarm.wait_all(5)
 
 
-def test_stop_with_sigterm_leaves_nothing_behind(local_swarm):
-    node = local_swarm.start_one(0, rounds=50)
-    assert wait_until(lambda: node.status.get("state") == "training", 90)
+def test_stop_with_sigterm_ends_the_syncs_in_flight_and_leaves_nothing_behind(local_swarm):
+    """A node stopped while a sync is in flight lets it end: its peer's result holds its
+    work (on the wall clock: there a sync's result is taken once it is done, and
+    training goes on meanwhile). Stopped nodes leave no process behind."""
+    seconds = ["sync.trigger='seconds'", "sync.round_seconds=6", "network.matchmaking_seconds=1.5"]
+    node, peer = local_swarm.launch(2, rounds=50, extra=seconds)
+    assert wait_until(lambda: node.status.get("in_flight"), 120, 0.02), node.status
+    node.proc.send_signal(signal.SIGTERM)
+    in_flight = {tuple(s) for s in node.status["in_flight"]}
     local_swarm.record_helpers()
     assert local_swarm.helper_pids, "node reported no p2pd/DHT helpers"
-    node.proc.send_signal(signal.SIGTERM)
     assert wait_until(lambda: node.proc.poll() is not None, 60)
     assert node.proc.returncode == 0
     assert node.status["state"] == "stopped"
+    me = node.status["peer_id"]
+    left = read_events(node.data_dir / "events.jsonl", "sync_left")
+    assert {(e["round"], e["fragment"]) for e in left} == in_flight, (left, in_flight)
+    assert all(me in part for e in left for part in e["contributors"]), left
+    peer.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: peer.proc.poll() is not None, 60)
+    theirs = [
+        e
+        for e in read_events(peer.data_dir / "events.jsonl")
+        if e["event"] in ("sync", "sync_left") and (e["round"], e["fragment"]) in in_flight
+    ]
+    assert theirs and all(me in part for e in theirs for part in e["contributors"]), theirs
     assert wait_until(lambda: not local_swarm.leftovers(), 15)
 
 

@@ -55,6 +55,13 @@ def test_a_joiner_s_dropped_round_and_a_leaver_s_tail_are_in_no_sync() -> None:
     assert leaver == {"trained": 250, "included": 100, "failed": 0, "dropped": 150}
 
 
+def test_a_stopped_node_s_sync_that_ended_in_its_group_counts_as_included() -> None:
+    left = {**_sync(0, 50, 20, [ME, OTHER]), "event": "sync_left"}
+    events = [_sync(0, 50, 15, [ME]), left]
+    leaver = account(events, {"peer_id": ME, "tokens": 120}, False, 1)
+    assert leaver == {"trained": 120, "included": 100, "failed": 0, "dropped": 20}
+
+
 def test_a_node_with_no_events_trained_what_its_status_says() -> None:
     got = account([], {"peer_id": ME, "tokens": 80}, True, 2)
     assert got == {"trained": 160, "included": 0, "failed": 0, "dropped": 160}

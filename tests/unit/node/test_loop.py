@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 import torch
 
+from node.clock import SecondsClock
 from node.config import load_config
 from node.data import BatchStream, assigned_stream
 from node.deadlines import MIN_SAMPLES, SLACK_SECONDS, Deadlines
 from node.loop import TrainingLoop, exchange_budget
 from node.metrics import EventLog, StatusWriter, read_events
 from node.parts import Progress, Training
-from node.schedule import StepSchedule
+from node.schedule import StepSchedule, SyncBook, WallSchedule
 from node.site import NoSite
 
 
@@ -66,7 +67,9 @@ class _Syncer:
         self.budgets.append(rest[-2])
         future: Future = Future()
         future.set_result(None)
-        return SimpleNamespace(round=r, fragment=f, tokens=tokens, step=steps, future=future)
+        return SimpleNamespace(
+            round=r, fragment=f, tokens=tokens, step=steps, future=future, deadline=0.0
+        )
 
     def apply(self, pending: Any, steps: int) -> dict[str, Any] | None:
         if (pending.round, pending.fragment) in self.fail:
@@ -79,9 +82,18 @@ class _Rounds:
         self.progress = progress
         self.ended: list[tuple[int, bool, bool]] = []
         self.drops = False  # whether a joining round's end drops the node's local work
+        self.newest = 0  # the newest state the swarm serves
+        self.caught: list[int] = []  # min_round of each catch-up asked for
 
     def pull(self) -> None:
         pass
+
+    def catch_up(self, min_round: int, rebase: bool = False) -> bool:
+        self.caught.append(min_round)
+        if self.newest < min_round:
+            return False
+        self.progress.round = self.newest
+        return True
 
     def end(self, r: int, resync: bool, joining: bool) -> bool:
         self.progress.round = r
@@ -370,3 +382,70 @@ def test_a_joiner_whose_work_went_with_the_swarms_state_claims_only_what_it_trai
     kept = _loop(tmp_path / "kept", fragments=1, max_rounds=2)
     kept.loop.run(_Joining({2: [(1, 0)], 5: [(2, 0)]}, tau=1))
     assert kept.syncer.launched == [(2, 0, 5 * 8)]
+
+
+def test_a_stopped_node_lets_its_syncs_in_flight_end_and_says_what_they_carried(
+    tmp_path,
+) -> None:
+    """Told to stop with a sync in flight, the loop waits for it (its group takes the
+    work in it) instead of cancelling it; a sync that failed stays unsynced work."""
+    t = _loop(tmp_path, fragments=2, max_rounds=0)
+    left: list[tuple[int, int]] = []
+
+    def leave(pending: Any) -> dict[str, Any] | None:
+        left.append((pending.round, pending.fragment))
+        return None if pending.fragment == 1 else {"round": pending.round}
+
+    t.syncer.leave = leave
+
+    class _Stopping(_Scripted):
+        def due(self, now: float) -> list[tuple[int, int]]:
+            out = super().due(now)
+            if self.step == 3:
+                t.loop.stop.set()  # a signal, once both syncs are in flight
+            return out
+
+        def ready(self, pending: Any, steps: int) -> bool:
+            return False  # still in flight when the node stops
+
+    t.loop.run(_Stopping({1: [(1, 0)], 2: [(1, 1)]}, tau=1))
+    assert left == [(1, 0), (1, 1)]
+    (end,) = read_events(tmp_path / "events.jsonl", "unsynced")
+    # fragment 0's sync (after step 1) ended in its group: only steps 2 and 3 are
+    # unsynced; fragment 1's (after step 2) failed: its 2 steps and step 3
+    assert end["fragments"] == [16, 24]
+
+
+def test_a_node_that_finishes_its_rounds_does_not_wait_on_syncs_in_flight(tmp_path) -> None:
+    t = _loop(tmp_path, fragments=2, max_rounds=2)
+    t.syncer.leave = lambda pending: pytest.fail("waited on a sync after the last round")
+    t.loop.run(StepSchedule(inner_steps=4, fragments=2, tau=1, round_=0))
+    assert t.rounds.ended[-1][0] == 2
+
+
+@pytest.mark.parametrize(
+    ("newest", "placed", "joins"),
+    [(4, 4, {"from_fragment": 1}), (3, 4, {"contributes_from": 6})],
+)
+def test_a_node_a_round_behind_takes_the_newer_state_before_sitting_a_round_out(
+    tmp_path, newest: int, placed: int, joins: dict
+) -> None:
+    """A joiner whose caught-up state is of round 3 while round 5 is in progress asks for
+    round 4's: where the swarm serves it, the node comes in during round 5 (keeping its
+    work); where it does not, after a few tries, it sits round 5 out."""
+    t = _loop(tmp_path, 2, 5, "sync.trigger='seconds'", "network.matchmaking_seconds=1")
+    t.progress.round, t.rounds.newest = 3, newest
+    t.loop.stop.wait = lambda seconds: None  # no waiting between tries
+    # round 5 of 10-s rounds, 6 s in: fragment 1 (at 10 s) is still ahead
+    wall = WallSchedule(SecondsClock(t0=1000.0, round_seconds=10.0, fragments=2), 1, lambda: 1046.0)
+    t.loop._newer_state(wall)
+    assert t.rounds.caught == [4] * (1 if newest == 4 else 3)
+    t.loop._place(wall, SyncBook.of(2))
+    assert t.progress.round == placed
+    (join,) = read_events(tmp_path / "events.jsonl", "join")
+    assert join == {**join, **joins, "round": 5}
+    # once the round's last sync is under way, nothing is asked: it is too late
+    late = WallSchedule(SecondsClock(1000.0, 10.0, 2), 1, lambda: 1049.5)
+    t.progress.round, t.rounds.caught = 3, []
+    t.loop._newer_state(late)
+    assert t.rounds.caught == []

@@ -4,6 +4,8 @@ reports, the metrics port, the wait for peers, and a teardown that never raises.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -15,6 +17,7 @@ from node.metrics import StatusWriter
 from node.startup import (
     Teardown,
     _listen_problem,
+    install_signals,
     open_logs,
     start_monitor,
     wait_for_peers,
@@ -97,3 +100,18 @@ def test_a_slow_teardown_step_is_logged_with_its_time(caplog, monkeypatch) -> No
         attempt("slow", lambda: time.sleep(0.1))
     timed = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
     assert len(timed) == 1 and timed[0].startswith("slow took 0.1"), timed
+
+
+def test_a_signal_asks_the_node_to_finish_and_a_second_stops_it_at_once() -> None:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = threading.Event()
+    try:
+        install_signals(stop)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(5)
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs between bytecodes, well before this ends
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)

@@ -129,6 +129,25 @@ def test_a_failed_sync_applies_nothing_and_discounts_the_next_one(tmp_path: Path
     assert exchange.calls[-1][2] == staleness_weight(100, 1) == 50
 
 
+def test_a_sync_left_as_the_node_stops_is_waited_for_and_applies_nothing(
+    tmp_path: Path,
+) -> None:
+    exchange = FakeExchange(averaged=torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    syncer, model, outer = _syncer(tmp_path, exchange)
+    _train(model, [-1.0, 0.0, 1.0, 0.0])
+    before, local = outer.global_vector(0), model.w.detach().clone()
+    record = syncer.leave(syncer.launch(3, 0, 300, 7, {"peer"}, set(), 5.0))
+    assert record is not None and record["contributors"] == [["me", "peer"]]
+    torch.testing.assert_close(outer.global_vector(0), before)
+    torch.testing.assert_close(model.w.detach(), local)
+    (left,) = read_events(tmp_path / "events.jsonl", "sync_left")
+    assert (left["round"], left["fragment"], left["tokens"], left["step"]) == (3, 0, 300, 7)
+    assert not read_events(tmp_path / "events.jsonl", "sync")
+    exchange.fail = ProtocolError("no_owner", "nobody to dial")
+    assert syncer.leave(syncer.launch(4, 0, 100, 9, set(), set(), 5.0)) is None
+    assert read_events(tmp_path / "events.jsonl", "sync_failed")[0]["tokens"] == 100
+
+
 def test_mixing_groups_adopt_the_mean_copy_then_step(tmp_path: Path) -> None:
     mean_copy = torch.tensor([10.0, 10.0, 10.0, 10.0])
     exchange = FakeExchange(averaged=torch.tensor([1.0, 1.0, 1.0, 1.0]), mixed=mean_copy)
