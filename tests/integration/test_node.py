@@ -75,10 +75,13 @@ def test_restart_keeps_peer_id_and_resumes_from_checkpoint(local_swarm):
 
 def test_stop_with_sigterm_ends_the_syncs_in_flight_and_leaves_nothing_behind(local_swarm):
     """A node stopped while a sync is in flight lets it end: its peer's result holds its
-    work (on the wall clock: there a sync's result is taken once it is done, and
-    training goes on meanwhile). Stopped nodes leave no process behind."""
+    work. On the wall clock a sync's result is taken once it is done, and this node
+    takes its results only a million steps after each sync starts (``sync.tau``, its own
+    setting), so its first syncs stay in flight until it stops. Stopped nodes leave no
+    process behind."""
     seconds = ["sync.trigger='seconds'", "sync.round_seconds=6", "network.matchmaking_seconds=1.5"]
-    node, peer = local_swarm.launch(2, rounds=50, extra=seconds)
+    late = {0: ["--set", "sync.tau=1000000"]}
+    node, peer = local_swarm.launch(2, rounds=50, extra=seconds, args=late)
     assert wait_until(lambda: node.status.get("in_flight"), 120, 0.02), node.status
     node.proc.send_signal(signal.SIGTERM)
     in_flight = {tuple(s) for s in node.status["in_flight"]}
@@ -89,7 +92,8 @@ def test_stop_with_sigterm_ends_the_syncs_in_flight_and_leaves_nothing_behind(lo
     assert node.status["state"] == "stopped"
     me = node.status["peer_id"]
     left = read_events(node.data_dir / "events.jsonl", "sync_left")
-    assert {(e["round"], e["fragment"]) for e in left} == in_flight, (left, in_flight)
+    # what was in flight as the signal went (a sync launched since may have joined it)
+    assert in_flight <= {(e["round"], e["fragment"]) for e in left}, (left, in_flight)
     assert all(me in part for e in left for part in e["contributors"]), left
     peer.proc.send_signal(signal.SIGTERM)
     assert wait_until(lambda: peer.proc.poll() is not None, 60)
