@@ -9,6 +9,7 @@ hostile client is a real transport sending crafted bytes through ``Transport.cal
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -168,13 +169,15 @@ def _streaming_members(services: Callable) -> tuple[list, list[str]]:
 
 @pytest.mark.timeout(120)
 def test_owners_that_reduce_while_parts_arrive_give_the_whole_vector_result(
-    swarm: SimpleNamespace, services: Callable
+    swarm: SimpleNamespace, services: Callable, caplog: pytest.LogCaptureFixture
 ) -> None:
     members, group = _streaming_members(services)
     weights = [1, 2, 3]
     streamed = []
+    caplog.set_level(logging.INFO, logger="protocol.averaging.member")
     for fragment in range(3):
         vectors = _vectors(3, STREAMED_NUMEL, seed=20 + fragment)
+        caplog.clear()
         results, _ = _all_reduce(members, group, vectors, weights, fragment=fragment)
         inputs = [
             Contribution(p, v, float(w), bytes(32), w) for p, v, w in zip(group, vectors, weights)
@@ -184,8 +187,12 @@ def test_owners_that_reduce_while_parts_arrive_give_the_whole_vector_result(
             assert r.complete
             assert torch.equal(r.vector, reference)  # bitwise, streamed or not
             assert 0.0 <= r.streamed_share <= 1.0
-        # every byte one member charged as sent, another charged as received
-        assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
+        # every byte one member charged as sent, another charged as received, but where a
+        # stream was cut and its part sent again (a loaded machine): then it was sent twice
+        sent = sum(r.bytes_sent for r in results)
+        received = sum(r.bytes_received for r in results)
+        resent = [r.getMessage() for r in caplog.records if "retrying owner" in r.getMessage()]
+        assert sent == received or (resent and sent > received), (sent, received, resent)
         streamed += [r.streamed_share for r in results]
     # nine owner-exchanges: the members send at once, so early blocks are in from all of
     # them well before the last chunk of the last part
