@@ -200,17 +200,7 @@ class Syncer:
         done = self._wait(pending)
         if done is None:
             return None
-        result = done.result
-        record = {
-            "round": pending.round,
-            "fragment": pending.fragment,
-            "group": done.group,
-            "contributors": result.contributors,
-            "complete": result.complete,
-            "tokens": pending.tokens,
-            "step": pending.step,
-            "seconds": time.monotonic() - pending.started,
-        }
+        record = _outcome(pending, done)
         self.events.write("sync_left", **record)
         return record
 
@@ -314,20 +304,30 @@ def _checkable(done: ExchangeOutcome) -> bool:
     return len(done.group) > 1 and not any(r.fallback_parts or r.repaired_parts for r in results)
 
 
-def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> dict[str, Any]:
-    """The ``sync`` event of an applied exchange."""
-    result, mixed = done.result, done.mixed
+def _outcome(pending: Pending, done: ExchangeOutcome) -> dict[str, Any]:
+    """What any ended exchange's event says: which sync, its group and who is in which
+    part of the result, the tokens it carried and how long it took."""
+    result = done.result
     return {
         "round": pending.round,
         "fragment": pending.fragment,
         "group": done.group,
-        "owners": result.owners,
         "contributors": result.contributors,
-        "fallback_parts": result.fallback_parts,
-        "repaired_parts": result.repaired_parts,
         "complete": result.complete,
         "tokens": pending.tokens,
         "step": pending.step,
+        "seconds": time.monotonic() - pending.started,
+    }
+
+
+def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> dict[str, Any]:
+    """The ``sync`` event of an applied exchange."""
+    result, mixed = done.result, done.mixed
+    return {
+        **_outcome(pending, done),
+        "owners": result.owners,
+        "fallback_parts": result.fallback_parts,
+        "repaired_parts": result.repaired_parts,
         "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
         "mixed": mixed is not None,
         # how far this node's copy sat from its group's mean (relative): copies of a
@@ -335,7 +335,6 @@ def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> 
         "copy_apart": _apart(pending.weights, mixed.vector) if mixed is not None else None,
         "cell": done.cell,
         "global_digest": digest,
-        "seconds": time.monotonic() - pending.started,
         "overlap_steps": step - pending.step,
     }
 
