@@ -53,6 +53,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from benchmarks._common import figure, machine_info, prepare_stdlib_shards, run_swarm
@@ -75,14 +76,26 @@ _GOAL_ARM = "two sites, AdamW"
 """The arm the goal is for: the one whose inner optimizer is DDP's (SOAP's gap is to DDP
 with AdamW, so it says what SOAP buys as much as what the sites cost)."""
 
-_SMALL = {
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
+_SIZES = {
+    "small": {
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+    },
+    "medium": {
+        "hidden_size": 192,
+        "intermediate_size": 576,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 48,
+    },
 }
+"""Llama models between the byte model and ``llama-tiny``: 0.66M and 1.7M parameters at
+:data:`_VOCAB` tokens (``llama-tiny``'s 3.7M takes three times ``small``'s step here)."""
 
 _RECIPE = [
     "sync.trigger='steps'",
@@ -102,10 +115,19 @@ momentum 0.5; the config's momentum 0.9 is for runs of hundreds of outer steps).
 
 
 @dataclass(frozen=True)
-class _Plan:
-    models: tuple[str, ...]
+class _Size:
+    """One model of the plan: its steps, the seeds of DDP and of the goal arm, and the
+    seeds of the other arms (the first ``arm_seeds`` of them)."""
+
+    model: str
     steps: int
     seeds: int
+    arm_seeds: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    sizes: tuple[_Size, ...]
     ranks: int = _RANKS
     files: int | None = None
     inner_steps: int = _H
@@ -113,10 +135,10 @@ class _Plan:
 
 def _plan(quick: bool, smoke: bool) -> _Plan:
     if smoke:
-        return _Plan(models=("small",), steps=20, seeds=1, ranks=2, files=40, inner_steps=10)
+        return _Plan(sizes=(_Size("small", 20, 1, 1),), ranks=2, files=40, inner_steps=10)
     if quick:
-        return _Plan(models=("small",), steps=600, seeds=1)
-    return _Plan(models=("small", "llama-tiny"), steps=2000, seeds=3)
+        return _Plan(sizes=(_Size("small", 600, 1, 1),))
+    return _Plan(sizes=(_Size("small", 2000, 3, 1), _Size("medium", 1000, 1, 1)))
 
 
 def _model_overrides(name: str, work: pathlib.Path) -> list[str]:
@@ -126,11 +148,11 @@ def _model_overrides(name: str, work: pathlib.Path) -> list[str]:
         (pathlib.Path(__file__).resolve().parents[1] / "node/presets/llama-tiny.json").read_text()
     )
     path = work / f"{name}.json"
-    path.write_text(json.dumps({**preset, **_SMALL, "vocab_size": _VOCAB}))
+    path.write_text(json.dumps({**preset, **_SIZES[name], "vocab_size": _VOCAB}))
     return ["model.arch='hf'", f"model.hf_config={json.dumps(str(path))}"]
 
 
-def _base(plan: _Plan, shards: pathlib.Path, model: list[str], seed: int) -> list[str]:
+def _base(steps: int, shards: pathlib.Path, model: list[str], seed: int) -> list[str]:
     return [
         *model,
         f"model.context={_CONTEXT}",
@@ -138,8 +160,8 @@ def _base(plan: _Plan, shards: pathlib.Path, model: list[str], seed: int) -> lis
         f"run.seed={seed}",
         f"run.threads={_THREADS}",
         "train.lr=3e-3",
-        f"train.warmup_steps={max(2, plan.steps // 20)}",
-        f"train.total_steps={plan.steps}",
+        f"train.warmup_steps={max(2, steps // 20)}",
+        f"train.total_steps={steps}",
         "train.grad_clip=1.0",
     ]
 
@@ -149,12 +171,12 @@ def _batch(size: int) -> list[str]:
     return [f"data.batch_size={size}", f"train.eval_batches={_EVAL_WINDOWS // size}"]
 
 
-def _ddp(plan: _Plan, base: list[str]) -> dict[str, Any]:
+def _ddp(plan: _Plan, steps: int, base: list[str]) -> dict[str, Any]:
     every = plan.inner_steps
-    eval_at = tuple(range(0, plan.steps + 1, every))
+    eval_at = tuple(range(0, steps + 1, every))
     run = DdpRun(
         (*base, *_batch(_BATCH), "run.threads=1"),
-        plan.steps,
+        steps,
         plan.ranks,
         eval_at,
         shards=True,
@@ -171,14 +193,16 @@ def _ddp(plan: _Plan, base: list[str]) -> dict[str, Any]:
     }
 
 
-def _diloco(plan: _Plan, base: list[str], replicas: int, extra: list[str]) -> dict[str, Any]:
+def _diloco(
+    plan: _Plan, steps: int, base: list[str], replicas: int, extra: list[str]
+) -> dict[str, Any]:
     from node.config import load_config
     from node.simulate import simulate
 
     batch = plan.ranks * _BATCH // replicas
     recipe = [*_RECIPE, f"sync.inner_steps={plan.inner_steps}"]
     cfg = load_config(None, [*base, *recipe, *_batch(batch), *extra])
-    result = simulate(cfg, replicas=replicas, rounds=plan.steps // plan.inner_steps)
+    result = simulate(cfg, replicas=replicas, rounds=steps // plan.inner_steps)
     return {
         "history": [
             {"step": h["round"] * plan.inner_steps, "val_bpb": h["val_bpb"]}
@@ -201,7 +225,7 @@ _ARMS = {
 }
 
 
-def _real(plan: _Plan, base: list[str], where: pathlib.Path) -> dict[str, Any]:
+def _real(plan: _Plan, steps: int, base: list[str], where: pathlib.Path) -> dict[str, Any]:
     """The two-site AdamW arm as two real Atoll nodes (``atoll swarm``'s way, one core
     each, ``sync.trigger = "steps"``): the same model, recipe, seed and batch size as the
     reference, on the batches each node's PeerID is assigned (so not the reference's
@@ -217,7 +241,7 @@ def _real(plan: _Plan, base: list[str], where: pathlib.Path) -> dict[str, Any]:
         "network.matchmaking_seconds=10",
         "network.round_timeout=30",
     ]
-    rounds = plan.steps // plan.inner_steps
+    rounds = steps // plan.inner_steps
     nodes = run_swarm(overrides, 2, rounds, where)
     finals = [n["rounds"][-1].get("val_bpb") for n in nodes if n["rounds"]]
     return {
@@ -234,18 +258,24 @@ def _real(plan: _Plan, base: list[str], where: pathlib.Path) -> dict[str, Any]:
 
 
 def _reference_check(
-    plan: _Plan, bases: list[list[str]], reference: dict[str, Any], where: pathlib.Path
+    plan: _Plan,
+    steps: int,
+    bases: list[list[str]],
+    references: list[dict[str, Any]],
+    where: pathlib.Path,
 ) -> dict[str, Any]:
     """Real nodes against ``node.simulate`` on the two-site AdamW arm: the reference at
-    the seeds of ``bases`` (its spread; ``reference`` is the first's), the real swarm at
-    the first."""
+    the seeds of ``bases`` (its spread; ``references`` holds the runs already made, the
+    rest are run here), the real swarm at the first seed."""
     arm = "two sites, AdamW"
     replicas, extra = _ARMS[arm]
-    runs = [reference, *(_diloco(plan, base, replicas, extra) for base in bases[1:])]
-    base = bases[0]
-    ends = [_at(r["history"], plan.steps) for r in runs]
+    runs = [
+        *references,
+        *(_diloco(plan, steps, base, replicas, extra) for base in bases[len(references) :]),
+    ]
+    ends = [_at(r["history"], steps) for r in runs]
     ends = [e for e in ends if e is not None]
-    real = _real(plan, base, where)
+    real = _real(plan, steps, bases[0], where)
     mean = statistics.fmean(ends) if ends else None
     spread = statistics.stdev(ends) if len(ends) > 1 else None
     end = real["val_bpb_end"]
@@ -254,6 +284,7 @@ def _reference_check(
         agrees = abs(end - mean) <= 2 * spread
     return {
         "arm": arm,
+        "steps": steps,
         "reference_val_bpb_end": ends,
         "reference_mean": mean,
         "reference_spread": spread,
@@ -275,32 +306,80 @@ def _gap(run: dict[str, Any], ddp: dict[str, Any], step: int) -> float | None:
 
 
 def _summary(entries: list[dict[str, Any]], plan: _Plan) -> dict[str, Any]:
-    half = plan.steps // 2 // plan.inner_steps * plan.inner_steps
     out: dict[str, Any] = {}
-    for model in plan.models:
-        mine = [e for e in entries if e["model"] == model]
+    for size in plan.sizes:
+        steps = size.steps
+        half = steps // 2 // plan.inner_steps * plan.inner_steps
+        mine = [e for e in entries if e["model"] == size.model]
         arms: dict[str, Any] = {}
         for arm in ["ddp", *_ARMS]:
-            finals = [_at(e[arm]["history"], plan.steps) for e in mine if "history" in e[arm]]
-            finals = [f for f in finals if f is not None]
+            ran = [e for e in mine if "history" in e.get(arm, {})]
+            finals = [f for e in ran if (f := _at(e[arm]["history"], steps)) is not None]
             row: dict[str, Any] = {
+                "steps": steps,
+                "seeds": len(ran),
                 "val_bpb_end": statistics.fmean(finals) if finals else None,
                 "val_bpb_spread": statistics.stdev(finals) if len(finals) > 1 else None,
             }
             if arm != "ddp":
-                gaps = [g for e in mine if (g := _gap(e[arm], e["ddp"], plan.steps)) is not None]
-                halves = [g for e in mine if (g := _gap(e[arm], e["ddp"], half)) is not None]
+                gaps = [g for e in ran if (g := _gap(e[arm], e["ddp"], steps)) is not None]
+                halves = [g for e in ran if (g := _gap(e[arm], e["ddp"], half)) is not None]
                 row.update(
                     gap_percent=statistics.fmean(gaps) if gaps else None,
                     gap_spread=statistics.stdev(gaps) if len(gaps) > 1 else None,
                     gap_percent_at_half=statistics.fmean(halves) if halves else None,
+                    half_steps=half,
                 )
                 if arm == _GOAL_ARM:  # the arm whose inner optimizer is DDP's
                     row["goal_percent"] = _GOAL_GAP_PERCENT
                     row["meets_goal"] = bool(gaps) and max(gaps) <= _GOAL_GAP_PERCENT
             arms[arm] = row
-        out[model] = arms
+        out[size.model] = arms
     return out
+
+
+def _goals(summary: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
+    """Each goal of the benchmark and whether it is met."""
+    goals: dict[str, Any] = {}
+    for model, arms in summary.items():
+        row = arms[_GOAL_ARM]
+        goals[f"{model}: two sites within {_GOAL_GAP_PERCENT:g} % of DDP"] = {
+            "value": row["gap_percent"],
+            "goal": _GOAL_GAP_PERCENT,
+            "meets_goal": row["meets_goal"],
+        }
+    goals["real nodes within two spreads of node.simulate"] = {
+        "value": check["difference_percent"],
+        "goal": "within 2 sd of the reference's seeds",
+        "meets_goal": bool(check["agrees_within_two_spreads"]),
+    }
+    return goals
+
+
+class _Journal:
+    """Every finished run, appended to ``islands-runs.jsonl`` in the output folder, so an
+    interrupted benchmark resumes where it stopped (removed once the report is written)."""
+
+    def __init__(self, path: pathlib.Path, key: dict[str, Any]) -> None:
+        self.path = path
+        self.key = json.dumps(key, sort_keys=True)
+        self.done: dict[str, Any] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by the interruption
+                if row.get("plan") == self.key:
+                    self.done[row["name"]] = row["result"]
+
+    def run(self, name: str, work: Any) -> dict[str, Any]:
+        if name not in self.done:
+            self.done[name] = work()
+            with self.path.open("a") as f:
+                f.write(json.dumps({"plan": self.key, "name": name, "result": self.done[name]}))
+                f.write("\n")
+        return self.done[name]
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
@@ -308,36 +387,53 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     plan = _plan(quick, smoke)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    journal = _Journal(out_dir / "islands-runs.jsonl", {"plan": repr(plan)})
     work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-islands-"))
     started = time.time()
     try:
         shards, corpus = prepare_stdlib_shards(work / "shards", _VOCAB, plan.files)
         entries = []
-        for model in plan.models:
-            overrides = _model_overrides(model, work)
-            for seed in range(plan.seeds):
-                base = _base(plan, shards, overrides, seed)
-                entry: dict[str, Any] = {"model": model, "seed": seed, "ddp": _ddp(plan, base)}
+        for size in plan.sizes:
+            overrides = _model_overrides(size.model, work)
+            for seed in range(size.seeds):
+                base = _base(size.steps, shards, overrides, seed)
+                tag = f"{size.model}/{seed}"
+                entry: dict[str, Any] = {
+                    "model": size.model,
+                    "seed": seed,
+                    "ddp": journal.run(f"{tag}/ddp", partial(_ddp, plan, size.steps, base)),
+                }
                 for arm, (replicas, extra) in _ARMS.items():
-                    entry[arm] = _diloco(plan, base, replicas, extra)
-                    gap = _gap(entry[arm], entry["ddp"], plan.steps)
-                    print(f"islands: {model} seed {seed} {arm}: gap {gap}", flush=True)
+                    if arm != _GOAL_ARM and seed >= size.arm_seeds:
+                        continue
+                    entry[arm] = journal.run(
+                        f"{tag}/{arm}",
+                        partial(_diloco, plan, size.steps, base, replicas, extra),
+                    )
+                    gap = _gap(entry[arm], entry["ddp"], size.steps)
+                    print(f"islands: {size.model} seed {seed} {arm}: gap {gap}", flush=True)
                 entries.append(entry)
-        first = entries[0]
-        model = _model_overrides(first["model"], work)
-        bases = [_base(plan, shards, model, seed) for seed in range(3)]
-        check = _reference_check(plan, bases, first["two sites, AdamW"], work / "real")
+        first = plan.sizes[0]
+        model = _model_overrides(first.model, work)
+        bases = [_base(first.steps, shards, model, seed) for seed in range(3)]
+        references = [e[_GOAL_ARM] for e in entries if e["model"] == first.model]
+        check = _reference_check(plan, first.steps, bases, references, work / "real")
         print(
             f"islands: real nodes against the reference: {check['difference_percent']}", flush=True
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    summary = _summary(entries, plan)
     report = {
         "benchmark": "islands",
         "quick": quick,
         "smoke": smoke,
         "corpus": corpus,
-        "steps": plan.steps,
+        "steps": first.steps,
+        "sizes": [
+            {"model": z.model, "steps": z.steps, "seeds": z.seeds, "arm_seeds": z.arm_seeds}
+            for z in plan.sizes
+        ],
         "ranks": plan.ranks,
         "batch_per_rank": _BATCH,
         "context": _CONTEXT,
@@ -345,14 +441,16 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         "inner_steps": plan.inner_steps,
         "recipe": _RECIPE,
         "entries": entries,
-        "summary": _summary(entries, plan),
+        "summary": summary,
         "reference_check": check,
+        "goals": _goals(summary, check),
         "seconds": time.time() - started,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
     (out_dir / "islands.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out_dir / "islands.png")
+    journal.path.unlink(missing_ok=True)
     return report
 
 
@@ -386,10 +484,14 @@ def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         for arm, row in arms.items():
             if arm == "ddp" or row.get("gap_percent") is None:
                 continue
-            parts.append(f"{model}, {arm}: **{signed(row['gap_percent'])} %**")
+            spread = row.get("gap_spread")
+            parts.append(
+                f"{model}, {arm}: **{signed(row['gap_percent'])} %**"
+                + (f" ± {spread:.1f}" if spread else "")
+            )
     what = (
         f"compute islands ({mode} mode): two sites (and eight cells in pairs) against DDP "
-        f"over {data['ranks']} ranks at equal tokens, {data['steps']} steps, H = "
+        f"over {data['ranks']} ranks at equal tokens, up to {data['steps']} steps, H = "
         f"{data['inner_steps']}, int4 with stochastic rounding and error feedback"
     )
     target = f"two sites within {_GOAL_GAP_PERCENT:g} % of DDP (both AdamW)"
@@ -399,7 +501,8 @@ def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
 def table(data: dict[str, Any]) -> str:
     """Every model and arm: final bits per byte, gap to DDP and at half the run."""
     header = [
-        "model", "run", "bits per byte", "gap to DDP (AdamW)", "gap at half the run", "goal"
+        "model", "run", "steps", "seeds", "bits per byte", "gap to DDP (AdamW)",
+        "gap at half the run", "goal",
     ]  # fmt: skip
     body = []
     for model, arms in data["summary"].items():
@@ -412,6 +515,8 @@ def table(data: dict[str, Any]) -> str:
                 [
                     model,
                     arm,
+                    str(row.get("steps", data["steps"])),
+                    str(row.get("seeds", "")),
                     "-" if end is None else f"{end:.4f}" + (f" ± {spread:.4f}" if spread else ""),
                     "" if gap is None else f"{signed(gap)} %",
                     "" if half is None else f"{signed(half)} %",
