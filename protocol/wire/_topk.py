@@ -11,8 +11,10 @@ exact. The payload is, in this order:
 
 * the chunk scales, float32 LE, one a chunk;
 * the kept counts, uint16 LE, one a chunk;
-* the kept values' offsets within their chunk, uint8 when a chunk holds at most 256
-  values and uint16 otherwise, strictly increasing within a chunk;
+* the kept values' offsets within their chunk, strictly increasing within a chunk: one
+  byte each when a chunk holds at most 256 values; 12 bits each when it holds at most
+  4096 (two offsets in three bytes, the first in the low 12 bits, a last odd one's
+  high nibble zero); uint16 LE otherwise;
 * the codes, ``8 / bits`` a byte, the first in the lowest bits, the last byte's unused
   bits zero.
 
@@ -48,12 +50,49 @@ def keep_count(density: float, chunk: int) -> int:
     return max(1, min(chunk, round(density * chunk)))
 
 
-def _index_dtype(chunk: int) -> torch.dtype:
-    return torch.uint8 if chunk <= 256 else torch.uint16
+def _index_bytes(chunk: int, total: int) -> int:
+    """Bytes ``total`` offsets take in chunks of ``chunk`` values."""
+    if chunk <= 256:
+        return total
+    if chunk <= 4096:
+        return -(-3 * total // 2)
+    return 2 * total
 
 
-def _index_width(chunk: int) -> int:
-    return 1 if chunk <= 256 else 2
+def _pack_offsets(offsets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Offsets (int64, each below ``chunk``) as the payload's bytes (uint8)."""
+    if chunk <= 256:
+        return offsets.to(torch.uint8)
+    if chunk > 4096:
+        return offsets.to(torch.int32).to(torch.int16).view(torch.uint8)
+    length = _index_bytes(chunk, offsets.numel())
+    if offsets.numel() % 2:
+        offsets = torch.nn.functional.pad(offsets, (0, 1))
+    pairs = offsets.view(-1, 2)
+    lo, hi = pairs[:, 0], pairs[:, 1]
+    packed = torch.stack((lo & 0xFF, (lo >> 8) | ((hi & 0xF) << 4), hi >> 4), dim=1)
+    return packed.to(torch.uint8).view(-1)[:length]
+
+
+def _unpack_offsets(raw: torch.Tensor, chunk: int, total: int) -> torch.Tensor:
+    """The ``total`` offsets :func:`_pack_offsets` wrote in ``raw`` (int64).
+
+    Raises:
+        CodecError: ``bad_index`` when a last odd offset's unused nibble is not zero.
+    """
+    if chunk <= 256:
+        return raw.to(torch.int64)
+    if chunk > 4096:
+        return raw.clone().view(torch.int16).to(torch.int64) & 0xFFFF
+    b = raw.to(torch.int64)
+    if total % 2:
+        if int(b[-1]) >> 4:
+            raise CodecError("bad_index", "the bits after the last offset are not zero")
+        b = torch.nn.functional.pad(b, (0, 1))
+    b = b.view(-1, 3)
+    lo = b[:, 0] | ((b[:, 1] & 0xF) << 8)
+    hi = (b[:, 1] >> 4) | (b[:, 2] << 4)
+    return torch.stack((lo, hi), dim=1).view(-1)[:total]
 
 
 def _chunks(numel: int, chunk: int) -> int:
@@ -70,7 +109,7 @@ def _lengths(numel: int, chunk: int) -> torch.Tensor:
 
 def size(numel: int, chunk: int, total: int, bits: int) -> int:
     """Payload length for ``total`` kept values of ``numel`` in chunks of ``chunk``."""
-    return 6 * _chunks(numel, chunk) + total * _index_width(chunk) + -(-total * bits // 8)
+    return 6 * _chunks(numel, chunk) + _index_bytes(chunk, total) + -(-total * bits // 8)
 
 
 def exact_size(numel: int, chunk: int, k: int, bits: int) -> int:
@@ -180,7 +219,7 @@ def encode(
     return (
         to_bytes(scale)
         + to_bytes(counts.to(torch.int32).to(torch.int16))
-        + to_bytes(offsets.to(torch.int32).to(_index_dtype(chunk)))
+        + to_bytes(_pack_offsets(offsets, chunk))
         + to_bytes(_pack(codes, bits))
     )
 
@@ -206,12 +245,10 @@ def decode(raw: torch.Tensor, numel: int, chunk: int, k: int | None, bits: int) 
     if bool(torch.signbit(scale).any()) or not bool(torch.isfinite(scale * half).all()):
         raise CodecError("bad_scale", "topk scale is negative, non-finite or too large")
     total = int(counts.sum())
-    width = _index_width(chunk)
+    width = _index_bytes(chunk, total)
     body = raw[6 * n :]
-    offsets = body[: total * width].clone().view(_index_dtype(chunk)).to(torch.int64)
-    if width == 2:
-        offsets &= 0xFFFF
-    codes = _unpack(body[total * width :], bits, total)
+    offsets = _unpack_offsets(body[:width], chunk, total)
+    codes = _unpack(body[width:], bits, total)
     owner = torch.repeat_interleave(torch.arange(n), counts)
     if total and bool((offsets >= lengths[owner]).any()):
         raise CodecError("bad_index", "an offset lies outside its chunk")

@@ -57,10 +57,35 @@ def test_every_chunk_keeps_exactly_k_and_values_within_half_a_step(
         assert float((piece[kept] - original[kept]).abs().max()) <= step / 2 + 1e-6
 
 
-def test_offsets_take_one_byte_up_to_256_values_and_two_above() -> None:
-    x = torch.randn(512)
-    assert len(encode(x, "topk", block_size=256, k=4, bits=8).payload) == 2 * 6 + 8 * (1 + 1)
-    assert len(encode(x, "topk", block_size=512, k=8, bits=8).payload) == 6 + 8 * (2 + 1)
+def test_offsets_take_one_byte_up_to_256_values_12_bits_up_to_4096_and_two_bytes_above() -> None:
+    x = torch.randn(8192)
+    assert len(encode(x[:512], "topk", block_size=256, k=4, bits=8).payload) == 2 * 6 + 8 * 2
+    # 8 offsets in 12 bytes, 7 in 11 (the last one's high nibble unused)
+    assert len(encode(x[:512], "topk", block_size=512, k=8, bits=8).payload) == 6 + 12 + 8
+    assert len(encode(x[:512], "topk", block_size=512, k=7, bits=8).payload) == 6 + 11 + 7
+    assert len(encode(x, "topk", block_size=8192, k=8, bits=8).payload) == 6 + 16 + 8
+
+
+def test_twelve_bit_offsets_hand_computed() -> None:
+    x = torch.zeros(4096)
+    x[[5, 0x123, 0xABC]] = torch.tensor([1.0, -1.0, 1.0])
+    raw = bytes(encode(x, "topk", block_size=4096, k=3, bits=8).payload)
+    # offsets 0x005, 0x123, 0xABC: the first in the low 12 bits of three bytes
+    assert raw[6:11] == bytes([0x05, 0x30, 0x12, 0xBC, 0x0A])
+    torch.testing.assert_close(decode(Encoded("topk", 4096, 4096, raw, k=3, bits=8)), x)
+
+
+def test_twelve_bit_offsets_refused_when_unused_bits_are_set_or_offsets_go_back() -> None:
+    x = torch.zeros(4096)
+    x[[5, 0x123, 0xABC]] = 1.0
+    raw = bytearray(encode(x, "topk", block_size=4096, k=3, bits=8).payload)
+    # a high nibble after the last offset; offsets 0x005 then 0x004 (going back)
+    for at, value in ((10, bytes([0x1A])), (6, bytes([0x05, 0x40, 0x00]))):
+        bad = bytearray(raw)
+        bad[at : at + len(value)] = value
+        with pytest.raises(CodecError) as err:
+            decode(Encoded("topk", 4096, 4096, bytes(bad), k=3, bits=8))
+        assert err.value.reason == "bad_index"
 
 
 def test_stochastic_rounding_is_unbiased_on_kept_values() -> None:
@@ -208,7 +233,7 @@ def test_encode_refuses_bad_arguments() -> None:
 @given(
     codec=st.sampled_from(["topk", "sparse"]),
     numel=st.integers(0, 40),
-    chunk=st.sampled_from([1, 3, 8, 300]),
+    chunk=st.sampled_from([1, 3, 8, 300, 5000]),
     bits=st.sampled_from([2, 4, 8]),
     body=st.binary(max_size=200),
 )
