@@ -58,6 +58,7 @@ BENCHMARKS: dict[str, str] = {
     "churn": "benchmarks.churn",
     "goodput": "benchmarks.goodput",
     "islands": "benchmarks.islands",
+    "sparse": "benchmarks.sparse",
     "relay": "benchmarks.relay",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""

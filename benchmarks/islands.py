@@ -8,7 +8,7 @@ ended 0.9 % better than standard training at the same compute. Here, at the scal
 cores allow:
 
 - **Data**: BPE shards of the standard library (``atoll data prepare
-  --train-tokenizer``, :data:`_VOCAB` tokens), windows of :data:`_CONTEXT` tokens.
+  --train-tokenizer``, :data:`VOCAB` tokens), windows of :data:`_CONTEXT` tokens.
 - **Models**: Llama models from ``transformers``, built from configs: ``small``
   (hidden 128, 2 layers) and, in full mode, ``llama-tiny`` (hidden 256, 4 layers).
 - **DDP** (:func:`benchmarks._ddp.run_ddp`): :data:`_RANKS` ranks of :data:`_BATCH`
@@ -62,7 +62,7 @@ from benchmarks._formats import markdown_table, run_mode, signed
 
 __all__ = ["run", "table", "table_row"]
 
-_VOCAB = 2048
+VOCAB = 2048
 _CONTEXT = 128
 _BATCH = 8
 _RANKS = 4
@@ -95,7 +95,7 @@ _SIZES = {
     },
 }
 """Llama models between the byte model and ``llama-tiny``: 0.66M and 1.7M parameters at
-:data:`_VOCAB` tokens (``llama-tiny``'s 3.7M takes three times ``small``'s step here)."""
+:data:`VOCAB` tokens (``llama-tiny``'s 3.7M takes three times ``small``'s step here)."""
 
 _RECIPE = [
     "sync.trigger='steps'",
@@ -141,18 +141,18 @@ def _plan(quick: bool, smoke: bool) -> _Plan:
     return _Plan(sizes=(_Size("small", 2000, 3, 1), _Size("medium", 1000, 1, 1)))
 
 
-def _model_overrides(name: str, work: pathlib.Path) -> list[str]:
+def model_overrides(name: str, work: pathlib.Path) -> list[str]:
     if name == "llama-tiny":
         return ["model.arch='hf'", "model.preset='llama-tiny'"]
     preset = json.loads(
         (pathlib.Path(__file__).resolve().parents[1] / "node/presets/llama-tiny.json").read_text()
     )
     path = work / f"{name}.json"
-    path.write_text(json.dumps({**preset, **_SIZES[name], "vocab_size": _VOCAB}))
+    path.write_text(json.dumps({**preset, **_SIZES[name], "vocab_size": VOCAB}))
     return ["model.arch='hf'", f"model.hf_config={json.dumps(str(path))}"]
 
 
-def _base(steps: int, shards: pathlib.Path, model: list[str], seed: int) -> list[str]:
+def base_overrides(steps: int, shards: pathlib.Path, model: list[str], seed: int) -> list[str]:
     return [
         *model,
         f"model.context={_CONTEXT}",
@@ -166,18 +166,19 @@ def _base(steps: int, shards: pathlib.Path, model: list[str], seed: int) -> list
     ]
 
 
-def _batch(size: int) -> list[str]:
+def batch_overrides(size: int) -> list[str]:
     """A batch of ``size`` windows, evaluated on :data:`_EVAL_WINDOWS` windows."""
     return [f"data.batch_size={size}", f"train.eval_batches={_EVAL_WINDOWS // size}"]
 
 
-def _ddp(plan: _Plan, steps: int, base: list[str]) -> dict[str, Any]:
-    every = plan.inner_steps
+def ddp_arm(ranks: int, steps: int, every: int, base: list[str]) -> dict[str, Any]:
+    """DDP over ``ranks`` ranks of :data:`_BATCH` windows for ``steps`` steps, scored every
+    ``every`` steps: its history of bits per byte."""
     eval_at = tuple(range(0, steps + 1, every))
     run = DdpRun(
-        (*base, *_batch(_BATCH), "run.threads=1"),
+        (*base, *batch_overrides(_BATCH), "run.threads=1"),
         steps,
-        plan.ranks,
+        ranks,
         eval_at,
         shards=True,
         seeded_streams=True,
@@ -201,7 +202,7 @@ def _diloco(
 
     batch = plan.ranks * _BATCH // replicas
     recipe = [*_RECIPE, f"sync.inner_steps={plan.inner_steps}"]
-    cfg = load_config(None, [*base, *recipe, *_batch(batch), *extra])
+    cfg = load_config(None, [*base, *recipe, *batch_overrides(batch), *extra])
     result = simulate(cfg, replicas=replicas, rounds=steps // plan.inner_steps)
     return {
         "history": [
@@ -235,7 +236,7 @@ def _real(plan: _Plan, steps: int, base: list[str], where: pathlib.Path) -> dict
         *base,
         *_RECIPE,
         f"sync.inner_steps={plan.inner_steps}",
-        *_batch(batch),
+        *batch_overrides(batch),
         "train.optimizer='adamw'",
         "run.threads=1",
         "network.matchmaking_seconds=10",
@@ -356,7 +357,7 @@ def _goals(summary: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
     return goals
 
 
-class _Journal:
+class Journal:
     """Every finished run, appended to ``islands-runs.jsonl`` in the output folder, so an
     interrupted benchmark resumes where it stopped (removed once the report is written)."""
 
@@ -387,21 +388,24 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     plan = _plan(quick, smoke)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    journal = _Journal(out_dir / "islands-runs.jsonl", {"plan": repr(plan)})
+    journal = Journal(out_dir / "islands-runs.jsonl", {"plan": repr(plan)})
     work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-islands-"))
     started = time.time()
     try:
-        shards, corpus = prepare_stdlib_shards(work / "shards", _VOCAB, plan.files)
+        shards, corpus = prepare_stdlib_shards(work / "shards", VOCAB, plan.files)
         entries = []
         for size in plan.sizes:
-            overrides = _model_overrides(size.model, work)
+            overrides = model_overrides(size.model, work)
             for seed in range(size.seeds):
-                base = _base(size.steps, shards, overrides, seed)
+                base = base_overrides(size.steps, shards, overrides, seed)
                 tag = f"{size.model}/{seed}"
                 entry: dict[str, Any] = {
                     "model": size.model,
                     "seed": seed,
-                    "ddp": journal.run(f"{tag}/ddp", partial(_ddp, plan, size.steps, base)),
+                    "ddp": journal.run(
+                        f"{tag}/ddp",
+                        partial(ddp_arm, plan.ranks, size.steps, plan.inner_steps, base),
+                    ),
                 }
                 for arm, (replicas, extra) in _ARMS.items():
                     if arm != _GOAL_ARM and seed >= size.arm_seeds:
@@ -414,8 +418,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
                     print(f"islands: {size.model} seed {seed} {arm}: gap {gap}", flush=True)
                 entries.append(entry)
         first = plan.sizes[0]
-        model = _model_overrides(first.model, work)
-        bases = [_base(first.steps, shards, model, seed) for seed in range(3)]
+        model = model_overrides(first.model, work)
+        bases = [base_overrides(first.steps, shards, model, seed) for seed in range(3)]
         references = [e[_GOAL_ARM] for e in entries if e["model"] == first.model]
         check = _reference_check(plan, first.steps, bases, references, work / "real")
         print(
