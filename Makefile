@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup sysdeps demo test test-all test-fast lint bench docs clean
+.PHONY: setup sysdeps demo test test-all test-fast lint bench wheelhouse docs clean
 
 setup: $(STAMP)
 
@@ -60,10 +60,16 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks all --quick
 
+# The wheels a node needs besides torch, in parts of at most 56 MiB, for the GPU study on
+# a machine that has only torch (dev/gpu-study.sh, docs/benchmarks.md "The GPU study").
+wheelhouse: $(STAMP)
+	rm -rf .wheelhouse
+	$(BIN)/python dev/wheelhouse.py .wheelhouse
+
 # The docs site on http://127.0.0.1:8000, rebuilt on every change (mkdocs.yml, docs/).
 # make test builds it with --strict (tests/unit/test_docs.py).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .atoll .artifacts
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .atoll .artifacts .wheelhouse .gpu-site

@@ -59,6 +59,7 @@ BENCHMARKS: dict[str, str] = {
     "goodput": "benchmarks.goodput",
     "islands": "benchmarks.islands",
     "sparse": "benchmarks.sparse",
+    "gpu": "benchmarks.gpu",
     "relay": "benchmarks.relay",
 }
 """Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""

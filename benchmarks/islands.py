@@ -66,7 +66,7 @@ VOCAB = 2048
 _CONTEXT = 128
 _BATCH = 8
 _RANKS = 4
-_H = 50
+H = 50
 _THREADS = 2
 _EVAL_WINDOWS = 128
 """Validation windows every evaluation scores: each arm takes them in batches of its own
@@ -97,9 +97,9 @@ _SIZES = {
 """Llama models between the byte model and ``llama-tiny``: 0.66M and 1.7M parameters at
 :data:`VOCAB` tokens (``llama-tiny``'s 3.7M takes three times ``small``'s step here)."""
 
-_RECIPE = [
+RECIPE = [
     "sync.trigger='steps'",
-    f"sync.inner_steps={_H}",
+    f"sync.inner_steps={H}",
     "sync.fragments=5",
     "sync.tau=5",
     "sync.codec='int4'",
@@ -130,7 +130,7 @@ class _Plan:
     sizes: tuple[_Size, ...]
     ranks: int = _RANKS
     files: int | None = None
-    inner_steps: int = _H
+    inner_steps: int = H
 
 
 def _plan(quick: bool, smoke: bool) -> _Plan:
@@ -201,7 +201,7 @@ def _diloco(
     from node.simulate import simulate
 
     batch = plan.ranks * _BATCH // replicas
-    recipe = [*_RECIPE, f"sync.inner_steps={plan.inner_steps}"]
+    recipe = [*RECIPE, f"sync.inner_steps={plan.inner_steps}"]
     cfg = load_config(None, [*base, *recipe, *batch_overrides(batch), *extra])
     result = simulate(cfg, replicas=replicas, rounds=steps // plan.inner_steps)
     return {
@@ -234,7 +234,7 @@ def _real(plan: _Plan, steps: int, base: list[str], where: pathlib.Path) -> dict
     batch = plan.ranks * _BATCH // 2
     overrides = [
         *base,
-        *_RECIPE,
+        *RECIPE,
         f"sync.inner_steps={plan.inner_steps}",
         *batch_overrides(batch),
         "train.optimizer='adamw'",
@@ -443,7 +443,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         "context": _CONTEXT,
         "eval_windows": _EVAL_WINDOWS,
         "inner_steps": plan.inner_steps,
-        "recipe": _RECIPE,
+        "recipe": RECIPE,
         "entries": entries,
         "summary": summary,
         "reference_check": check,

@@ -443,21 +443,40 @@ def _convergence(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[
 def _cuda(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine (none was lent for this run)"}
-    name = torch.cuda.get_device_name(0)
-    peak = next((v for k, v in _GPU_BF16_TFLOPS.items() if k in name), None)
+    return node_against_bare(shards, plan.cuda_seconds, plan.cuda_rounds, work / "cuda")
+
+
+def peak_bf16_tflops(name: str) -> float | None:
+    """The dense bf16 peak of a GPU named ``name`` (None for one not listed)."""
+    return next((v for k, v in _GPU_BF16_TFLOPS.items() if k in name), None)
+
+
+def node_against_bare(
+    shards: pathlib.Path,
+    seconds: float,
+    rounds: int,
+    where: pathlib.Path,
+    model: tuple[str, ...] = ("model.arch='hf'", "model.preset='llama-150m'", "model.context=1024"),
+    device: str = "cuda",
+    precision: str = "bf16",
+    batch: int = 16,
+) -> dict[str, Any]:
+    """One node (rounds of ``seconds / 2``) against a bare loop (``seconds`` timed) of
+    ``model`` in ``precision`` on ``device``: tokens per second each, and MFU from ``6 *
+    params`` FLOPs per token over the device's bf16 peak where it is known."""
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else device
+    peak = peak_bf16_tflops(name)
     overrides = [
-        "model.arch='hf'",
-        "model.preset='llama-150m'",
-        "model.context=1024",
-        "data.batch_size=16",
-        "train.precision='bf16'",
-        "run.device='cuda'",
+        *model,
+        f"data.batch_size={batch}",
+        f"train.precision='{precision}'",
+        f"run.device='{device}'",
         "run.threads=4",
         f"data.shards={json.dumps(str(shards))}",
     ]
-    bare = _bare(overrides, 1, steps=5, seconds=plan.cuda_seconds)[0]
-    on_clock = ["sync.trigger='seconds'", f"sync.round_seconds={plan.cuda_seconds / 2:g}"]
-    node = run_swarm([*overrides, *_NODE, *on_clock], 1, plan.cuda_rounds, work / "cuda")[0]
+    bare = _bare(overrides, 1, steps=5, seconds=seconds)[0]
+    on_clock = ["sync.trigger='seconds'", f"sync.round_seconds={seconds / 2:g}"]
+    node = run_swarm([*overrides, *_NODE, *on_clock], 1, rounds, where)[0]
     st = node["status"]
     wall = st.get("busy_seconds", 0.0) + st.get("idle_seconds", 0.0)
     node_rate = st.get("tokens", 0) / wall if wall else None
@@ -467,9 +486,11 @@ def _cuda(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[str, An
 
     return {
         "device": name,
+        "precision": precision,
         "params": bare["params"],
         "bare_tokens_per_second": bare["tokens_per_second"],
         "node_tokens_per_second": node_rate,
+        "node_exit_code": node["exit_code"],
         "ratio": node_rate / bare["tokens_per_second"] if node_rate else None,
         "bare_mfu": mfu(bare["tokens_per_second"]),
         "node_mfu": mfu(node_rate),

@@ -48,7 +48,6 @@ from typing import Any
 from benchmarks import islands
 from benchmarks._common import figure, machine_info, prepare_stdlib_shards
 from benchmarks._formats import markdown_table, run_mode, signed
-from benchmarks.convergence import sent_bytes
 
 __all__ = ["run", "table", "table_row"]
 
@@ -87,6 +86,7 @@ def _plan(quick: bool, smoke: bool) -> _Plan:
 
 
 def _arm(plan: _Plan, base: list[str], h: int, codec: str) -> dict[str, Any]:
+    from benchmarks.convergence import sent_bytes
     from node.config import load_config
     from node.simulate import simulate
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import churn, goodput, islands
+from benchmarks import churn, goodput, islands, sparse
 from benchmarks._formats import bpb, kb, markdown_table, mb, pct, run_mode, sci, size, span, times
 from benchmarks._robustness_checks_report import table_row as checks_row
 from benchmarks._scale_tables import scale_load_table, scale_row, scale_simulated_table
@@ -513,6 +513,7 @@ ROW_BUILDERS: dict[str, Callable[[dict[str, Any]], list[_Cells]]] = {
     "robustness": lambda d: checks_row(d) if d.get("mode") == "checks" else _robustness(d),
     "scale": scale_row,
     "sites": _sites,
+    "sparse": sparse.table_row,
     "stragglers": _stragglers,
     "verification": _verification,
     "wan": _wan,

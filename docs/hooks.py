@@ -10,7 +10,8 @@ A page asks for a generated section with a marker on a line of its own:
   with the command that reproduces it and the date it was measured;
 - ``<!-- benchmark-table scale-load -->`` and ``<!-- benchmark-table scale-simulated -->``:
   the scale benchmark's detail tables; ``<!-- benchmark-table churn -->``,
-  ``<!-- benchmark-table goodput -->``, ``<!-- benchmark-table islands -->`` and
+  ``<!-- benchmark-table goodput -->``, ``<!-- benchmark-table islands -->``,
+  ``<!-- benchmark-table sparse -->`` and
   ``<!-- benchmark-table checks -->`` (the robustness benchmark's checks mode) those
   benchmarks' own.
 """
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the docs build may run without the project installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import churn, goodput, islands, tables  # noqa: E402
+from benchmarks import churn, goodput, islands, sparse, tables  # noqa: E402
 from benchmarks._robustness_checks_report import table as checks_table  # noqa: E402
 
 __all__ = ["config_reference", "on_page_markdown"]
@@ -54,8 +55,8 @@ def _generate(name: str) -> str:
     if detail == "checks":
         checks = json.loads((tables.RESULTS / "robustness-checks.json").read_text())
         return checks_table(checks)
-    if detail in ("churn", "goodput", "islands"):
-        module = {"churn": churn, "goodput": goodput, "islands": islands}[detail]
+    if detail in ("churn", "goodput", "islands", "sparse"):
+        module = {"churn": churn, "goodput": goodput, "islands": islands, "sparse": sparse}[detail]
         return module.table(json.loads((tables.RESULTS / f"{detail}.json").read_text()))
     scale = json.loads((tables.RESULTS / "scale.json").read_text())
     if detail == "scale-load":

@@ -15,7 +15,9 @@ dominates), so ``make test`` smokes the benchmarks that cover the most per secon
 minutes) and marks the others ``slow`` (``make test-all``: allreduce's seven methods,
 stragglers, sites, scale, models, wan on 127.0.0.1 and in network namespaces,
 partitions' 3-minute lab run, islands: DDP ranks, simulated sites and two real
-nodes, 2.5 min, and goodput: two 4-node swarms, one with nodes leaving and joining).
+nodes, 2.5 min, sparse: DDP ranks and four simulated runs, 1 min, gpu: a node against
+a bare loop and the replicas against their data-parallel reference on the CPU, 1.5 min,
+and goodput: two 4-node swarms, one with nodes leaving and joining).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ SMOKED = {
     "cuda_site",
     "islands",
     "goodput",
+    "sparse",
+    "gpu",
 }
 """The benchmarks smoked here (the unit test checks every registered one is somewhere)."""
 
@@ -251,3 +255,34 @@ def test_islands_smoke(tmp_path: Path) -> None:
     assert check["real"]["exit_codes"] == [0, 0] and check["real"]["rounds"] == [2, 2]
     assert check["real"]["digests_agree"] and len(check["reference_val_bpb_end"]) == 3
     assert abs(check["difference_percent"]) < 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sparse_smoke(tmp_path: Path) -> None:
+    report = smoke("sparse", tmp_path)
+    arms = report["summary"]["arms"]
+    assert set(arms) == {"ddp", "int8 H=2", "topk 3% 2b H=2", "int8 H=10", "topk 3% 2b H=10"}
+    # topk sends fewer bits a sync than int8, heads and indices counted; both far below fp32
+    for h in (2, 10):
+        topk, int8 = arms[f"topk 3% 2b H={h}"], arms[f"int8 H={h}"]
+        assert topk["bits_per_param_per_sync"] < int8["bits_per_param_per_sync"] / 4
+        assert topk["outer_steps"] == int8["outer_steps"] == 20 // h
+    assert int8["bits_per_param_per_sync"] < arms["ddp"]["bits_per_param_per_step"] / 2
+    assert all("meets_goal" in g for g in report["goals"].values()) and report["goals"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gpu_study_smoke_on_the_cpu(tmp_path: Path) -> None:
+    report = smoke("gpu", tmp_path)
+    assert report["node_against_bare"]["node_exit_code"] == 0
+    assert report["node_against_bare"]["node_tokens_per_second"] > 0
+    replicas = report["replicas"]
+    # both arms were scored on the very same windows before training
+    assert (
+        replicas["diloco"]["history"][0]["val_bpb"]
+        == replicas["data_parallel"]["history"][0]["val_bpb"]
+    )
+    assert replicas["diloco"]["tokens"] == replicas["data_parallel"]["tokens"]
+    assert report["gpu"] is None and "skipped" in report["cuda_site"]
