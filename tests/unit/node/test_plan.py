@@ -109,8 +109,9 @@ def test_the_command_prints_json_and_reads_the_config(capsys) -> None:
 
 
 def test_topk_sends_parts_and_union_results_by_hand() -> None:
-    # 40,960 values in chunks of 4096 keeping 41 in 2 bits: 10 chunks, each 6 bytes of
-    # scale and count and 41 offsets of 2 bytes; the 410 codes packed four a byte: 103
+    # 40,960 values in chunks of 4096 keeping 41 in 2 bits: 10 chunks of 6 bytes of scale
+    # and count; 410 offsets of 12 bits, two in three bytes: 615; the 410 codes packed
+    # four a byte: 103
     inp = PlanInput(
         params=40_960,
         codec="topk",
@@ -122,7 +123,8 @@ def test_topk_sends_parts_and_union_results_by_hand() -> None:
         group_size=4,
     )
     out = plan(inp)
-    assert out["fragment_bytes"] == 10 * (6 + 82) + 103
-    # a result keeps at most 4 * 41 values of a chunk, 8 bits each: 6 + 164 * 3 bytes
-    result = 10 * (6 + 164 * 3)
+    assert out["fragment_bytes"] == 10 * 6 + 615 + 103
+    # a result keeps at most 4 * 41 values of a chunk, 8 bits each: 1,640 offsets in
+    # 2,460 bytes and 1,640 codes
+    result = 10 * 6 + 2460 + 1640
     assert out["sent_bytes_per_sync"] == pytest.approx(3 / 4 * (out["fragment_bytes"] + result))
