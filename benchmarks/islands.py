@@ -10,7 +10,9 @@ cores allow:
 - **Data**: BPE shards of the standard library (``atoll data prepare
   --train-tokenizer``, :data:`VOCAB` tokens), windows of :data:`_CONTEXT` tokens.
 - **Models**: Llama models from ``transformers``, built from configs: ``small``
-  (hidden 128, 2 layers) and, in full mode, ``llama-tiny`` (hidden 256, 4 layers).
+  (hidden 128, 2 layers, 0.66M parameters) and, in full mode, ``medium`` (hidden 192,
+  3 layers, 1.7M); ``llama-tiny`` (3.7M) takes three times ``small``'s step here, too
+  long for three seeds in the time the full mode is given.
 - **DDP** (:func:`benchmarks._ddp.run_ddp`): :data:`_RANKS` ranks of :data:`_BATCH`
   windows each, an fp32 gradient all-reduce every step, AdamW.
 - **Two sites** (:func:`node.simulate.simulate`, the reference of the networked node's
@@ -38,8 +40,10 @@ reported beside it (how the gap moves with the run's length). Goal: the two site
 within 1 % of DDP or better, as in the case study.
 
 Run ``python -m benchmarks islands [--quick]``: quick, the small model for 600 steps,
-seed 0 (16 minutes here); full, both models for 2,000 steps, seeds 0-2 (about
-five hours); ``--smoke``: a 40-file corpus, 20 steps, 2 ranks. Writes ``islands.json``
+seed 0 (16 minutes here); full, ``small`` for 2,000 steps with DDP and the goal arm at
+seeds 0-2 and the other arms at seed 0, and ``medium`` for 1,000 steps at seed 0 (its
+gap set beside ``small``'s at half its run, the same 1,000 steps); every finished run is
+journaled in ``islands-runs.jsonl`` so an interrupted run resumes; ``--smoke``: a 40-file corpus, 20 steps, 2 ranks. Writes ``islands.json``
 and ``islands.png``.
 """
 
