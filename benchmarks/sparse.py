@@ -18,7 +18,10 @@ the same validation windows. Bytes are what one member sends over the run
 (:func:`benchmarks.convergence.sent_bytes`: its share of every part and of every result,
 and the signed heads of those messages); **bits per parameter per sync** divides one
 sync's bytes by the parameters, against an fp32 and a bf16 owner reduce
-(``2 * (G - 1) / G * 32`` and ``* 16`` bits) and fp32 DDP's per step.
+(``2 * (G - 1) / G * 32`` and ``* 16`` bits) and fp32 DDP's per step; beside it what an
+all-gather of the same parts would send (:func:`benchmarks.convergence.allgather_bytes`:
+every part to every other member with its head, no results), the exchange SparseLoCo
+uses, counted from the same payloads.
 
 Goals (each with ``meets_goal`` in the report):
 
@@ -86,7 +89,7 @@ def _plan(quick: bool, smoke: bool) -> _Plan:
 
 
 def _arm(plan: _Plan, base: list[str], h: int, codec: str) -> dict[str, Any]:
-    from benchmarks.convergence import sent_bytes
+    from benchmarks.convergence import allgather_bytes, sent_bytes
     from node.config import load_config
     from node.simulate import simulate
 
@@ -120,6 +123,10 @@ def _arm(plan: _Plan, base: list[str], h: int, codec: str) -> dict[str, Any]:
         "result_bytes": result["result_bytes"],
         "bytes_sent_per_worker": sent,
         "bits_per_param_per_sync": 8 * sent / result["syncs"] / result["params"],
+        "allgather_bits_per_param_per_sync": 8
+        * allgather_bytes(result, plan.ranks)
+        / result["syncs"]
+        / result["params"],
         "seconds": result["seconds"],
     }
 
@@ -170,6 +177,7 @@ def _summary(entries: list[dict[str, Any]], plan: _Plan) -> dict[str, Any]:
                 gap_spread=statistics.stdev(gaps) if len(gaps) > 1 else None,
                 bytes_sent_per_worker=first["bytes_sent_per_worker"],
                 bits_per_param_per_sync=first["bits_per_param_per_sync"],
+                allgather_bits_per_param_per_sync=first["allgather_bits_per_param_per_sync"],
             )
         rows[name] = row
     for name, row in rows.items():
@@ -334,7 +342,7 @@ def table(data: dict[str, Any]) -> str:
     bytes against DDP."""
     header = [
         "run", "outer steps", "bits per byte", "gap to DDP", "bits / param / sync",
-        "fewer bytes than DDP",
+        "all-gathered", "fewer bytes than DDP",
     ]  # fmt: skip
     body = []
     for name, row in data["summary"]["arms"].items():
@@ -348,11 +356,14 @@ def table(data: dict[str, Any]) -> str:
                 f"{row['bits_per_param_per_sync']:.3f}"
                 if "bits_per_param_per_sync" in row
                 else f"{row['bits_per_param_per_step']:.0f} a step",
+                f"{row['allgather_bits_per_param_per_sync']:.3f}"
+                if "allgather_bits_per_param_per_sync" in row
+                else "",
                 f"{row['bytes_ratio_ddp_over_this']:,.0f}×"
                 if "bytes_ratio_ddp_over_this" in row
                 else "",
             ]
         )
     for name, bits in data["summary"]["baselines_bits_per_param_per_sync"].items():
-        body.append([name, "", "", "", f"{bits:.0f}", ""])
+        body.append([name, "", "", "", f"{bits:.0f}", "", ""])
     return markdown_table(header, body)
