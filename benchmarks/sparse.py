@@ -80,6 +80,8 @@ class _Plan:
     inner_steps: tuple[int, ...] = (10, 50)
     files: int | None = None
     every: int = _EVERY
+    threads: int = 1
+    """Of each simulated run: one core, so another benchmark may run beside it."""
 
 
 def _plan(quick: bool, smoke: bool) -> _Plan:
@@ -233,7 +235,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         model = islands.model_overrides("small", work)
         entries = []
         for seed in range(plan.seeds):
-            base = islands.base_overrides(plan.steps, shards, model, seed)
+            base = islands.base_overrides(plan.steps, shards, model, seed, plan.threads)
             entry: dict[str, Any] = {
                 "seed": seed,
                 "ddp": journal.run(
