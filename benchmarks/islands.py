@@ -149,11 +149,12 @@ def _plan(quick: bool, smoke: bool) -> _Plan:
     if quick:
         return _Plan(sizes=(_Size("small", 600, 1, _ALL_OTHERS),))
     # one core a simulated run, so another benchmark may run beside it; the real swarm
-    # against its reference is the quick mode's (three more seeds of 2,000 steps here)
+    # against its reference is the quick mode's (three more seeds of 2,000 steps here);
+    # medium at the quick mode's length, so its gap stands beside small's there
     return _Plan(
         sizes=(
-            _Size("small", 2000, 3, ("two sites, SOAP",), threads=1),
-            _Size("medium", 1000, 1, (), threads=1),
+            _Size("small", 2000, 2, ("two sites, SOAP",), threads=1),
+            _Size("medium", 600, 1, (), threads=1),
         ),
         real_check=False,
     )
@@ -407,6 +408,35 @@ class Journal:
         return self.done[name]
 
 
+def _entry(
+    plan: _Plan,
+    size: _Size,
+    seed: int,
+    shards: pathlib.Path,
+    work: pathlib.Path,
+    journal: Journal,
+) -> dict[str, Any]:
+    """DDP and the arms of ``size`` at ``seed``, from the journal where they ran."""
+    base = base_overrides(size.steps, shards, model_overrides(size.model, work), seed, size.threads)
+    tag = f"{size.model}/{size.steps}/{seed}"
+    entry: dict[str, Any] = {
+        "model": size.model,
+        "seed": seed,
+        "ddp": journal.run(
+            f"{tag}/ddp", partial(ddp_arm, plan.ranks, size.steps, plan.inner_steps, base)
+        ),
+    }
+    for arm, (replicas, extra) in _ARMS.items():
+        if arm != _GOAL_ARM and (seed > 0 or arm not in size.others):
+            continue
+        entry[arm] = journal.run(
+            f"{tag}/{arm}", partial(_diloco, plan, size.steps, base, replicas, extra)
+        )
+        gap = _gap(entry[arm], entry["ddp"], size.steps)
+        print(f"islands: {size.model} seed {seed} {arm}: gap {gap}", flush=True)
+    return entry
+
+
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
     """Every model, seed and arm of the plan; writes ``islands.json`` and ``islands.png``."""
     plan = _plan(quick, smoke)
@@ -418,29 +448,12 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     try:
         shards, corpus = prepare_stdlib_shards(work / "shards", VOCAB, plan.files)
         entries = []
-        for size in plan.sizes:
-            overrides = model_overrides(size.model, work)
-            for seed in range(size.seeds):
-                base = base_overrides(size.steps, shards, overrides, seed, size.threads)
-                tag = f"{size.model}/{size.steps}/{seed}"
-                entry: dict[str, Any] = {
-                    "model": size.model,
-                    "seed": seed,
-                    "ddp": journal.run(
-                        f"{tag}/ddp",
-                        partial(ddp_arm, plan.ranks, size.steps, plan.inner_steps, base),
-                    ),
-                }
-                for arm, (replicas, extra) in _ARMS.items():
-                    if arm != _GOAL_ARM and (seed > 0 or arm not in size.others):
-                        continue
-                    entry[arm] = journal.run(
-                        f"{tag}/{arm}",
-                        partial(_diloco, plan, size.steps, base, replicas, extra),
-                    )
-                    gap = _gap(entry[arm], entry["ddp"], size.steps)
-                    print(f"islands: {size.model} seed {seed} {arm}: gap {gap}", flush=True)
-                entries.append(entry)
+        # seed by seed, every size at a seed before the next seed: an interrupted run
+        # has both sizes before it has more seeds of one
+        for seed in range(max(size.seeds for size in plan.sizes)):
+            for size in plan.sizes:
+                if seed < size.seeds:
+                    entries.append(_entry(plan, size, seed, shards, work, journal))
         first = plan.sizes[0]
         check = None
         if plan.real_check:
