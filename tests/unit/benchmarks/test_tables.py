@@ -28,6 +28,7 @@ FILES = [
     "robustness-checks.json",
     "scale.json",
     "sites.json",
+    "sparse.json",
     "stragglers.json",
     "verification.json",
     "wan.json",
