@@ -512,6 +512,8 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         for ax, model in zip(axes[0], models, strict=True):
             entry = next(e for e in report["entries"] if e["model"] == model)
             for arm in ["ddp", *_ARMS]:
+                if arm not in entry:
+                    continue  # an arm this size does not run
                 history = entry[arm].get("history") or []
                 steps = [h["step"] for h in history if h["step"] > 0]
                 values = [h["val_bpb"] for h in history if h["step"] > 0]
@@ -538,11 +540,20 @@ def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{model}, {arm}: **{signed(row['gap_percent'])} %**"
                 + (f" ± {spread:.1f}" if spread else "")
             )
+    sizes = data.get("sizes") or [{"model": m, "steps": data["steps"]} for m in data["summary"]]
+    lengths = ", ".join(f"{z['model']} {z['steps']:,} steps" for z in sizes)
     what = (
-        f"compute islands ({mode} mode): two sites (and eight cells in pairs) against DDP "
-        f"over {data['ranks']} ranks at equal tokens, up to {data['steps']} steps, H = "
-        f"{data['inner_steps']}, int4 with stochastic rounding and error feedback"
+        f"compute islands ({mode} mode): simulated sites against DDP over {data['ranks']} "
+        f"ranks at equal tokens ({lengths}), H = {data['inner_steps']}, int4 with stochastic "
+        "rounding and error feedback"
     )
+    check = data.get("reference_check")
+    if check and check.get("difference_percent") is not None:
+        parts.append(
+            f"two real nodes {abs(check['difference_percent']):.1f} % from `node.simulate`'s "
+            f"mean over {len(check['reference_val_bpb_end'])} seeds"
+            + (" (within 2 sd)" if check["agrees_within_two_spreads"] else " (outside 2 sd)")
+        )
     target = f"two sites within {_GOAL_GAP_PERCENT:g} % of DDP (both AdamW)"
     return [(what, "; ".join(parts), target)]
 

@@ -19,6 +19,7 @@ FILES = [
     "convergence-long.json",
     "convergence-sparse.json",
     "islands.json",
+    "islands-quick/islands.json",
     "join.json",
     "relay.json",
     "mixing.json",
