@@ -52,11 +52,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import pathlib
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -98,6 +101,7 @@ _SIZES = {
         "num_key_value_heads": 2,
         "head_dim": 48,
     },
+    "llama-tiny": {},
 }
 """Llama models between the byte model and ``llama-tiny``: 0.66M and 1.7M parameters at
 :data:`VOCAB` tokens (``llama-tiny``'s 3.7M takes three times ``small``'s step here)."""
@@ -122,16 +126,34 @@ momentum 0.5; the config's momentum 0.9 is for runs of hundreds of outer steps).
 @dataclass(frozen=True)
 class _Size:
     """One model of the plan: its steps, the seeds of DDP and of the goal arm, the other
-    arms (run at seed 0) and the threads of each simulated run."""
+    arms and their seeds, and the threads of each simulated run."""
 
     model: str
     steps: int
     seeds: int
     others: tuple[str, ...]
     threads: int = _THREADS
+    other_seeds: int = 1
 
 
 _ALL_OTHERS = ("two sites, SOAP", "eight cells in pairs, AdamW")
+
+
+@dataclass(frozen=True)
+class _Check:
+    """Real nodes against ``node.simulate``: ``nodes`` real AdamW nodes of ``model`` for
+    ``steps`` steps at seed 0, against the reference at seeds ``0 .. seeds - 1``, each
+    node (and each replica) taking ``batch`` windows a step."""
+
+    model: str
+    steps: int
+    nodes: int
+    batch: int
+    seeds: int = 3
+
+    @property
+    def arm(self) -> str:
+        return _GOAL_ARM if self.nodes == 2 else f"{self.nodes} nodes, AdamW"
 
 
 @dataclass(frozen=True)
@@ -140,30 +162,40 @@ class _Plan:
     ranks: int = _RANKS
     files: int | None = None
     inner_steps: int = H
-    real_check: bool = True
-    """Run the two-site AdamW arm again as real nodes (at the first size's steps)."""
+    checks: tuple[_Check, ...] = ()
+    workers: int = 1
+    """Simulated and DDP runs at once (one core each: ``threads`` is 1 where this is 2)."""
 
 
 def _plan(quick: bool, smoke: bool) -> _Plan:
     if smoke:
-        return _Plan(sizes=(_Size("small", 20, 1, _ALL_OTHERS),), ranks=2, files=40, inner_steps=10)
+        return _Plan(
+            sizes=(_Size("small", 20, 1, _ALL_OTHERS),),
+            ranks=2,
+            files=40,
+            inner_steps=10,
+            checks=(_Check("small", 20, 2, _BATCH),),
+        )
     if quick:
-        return _Plan(sizes=(_Size("small", 600, 1, _ALL_OTHERS),))
-    # one core a simulated run, so another benchmark may run beside it; the real swarm
-    # against its reference is the quick mode's (three more seeds of 2,000 steps here);
-    # medium at the quick mode's length, so its gap stands beside small's there
+        return _Plan(
+            sizes=(_Size("small", 600, 1, _ALL_OTHERS),),
+            checks=(_Check("small", 600, 2, _RANKS * _BATCH // 2),),
+        )
+    # two runs at once, one core each; medium at the quick mode's length, so its gap
+    # stands beside small's there; the real swarm against its reference on llama-tiny,
+    # four nodes at H = 50 for 20 rounds (a batch of 4 windows a node, so three seeds of
+    # the reference fit the time the full mode is given)
     return _Plan(
         sizes=(
-            _Size("small", 2000, 3, ("two sites, SOAP",), threads=1),
-            _Size("medium", 600, 1, (), threads=1),
+            _Size("small", 2000, 3, _ALL_OTHERS, threads=1, other_seeds=3),
+            _Size("medium", 600, 3, (), threads=1),
         ),
-        real_check=False,
+        checks=(_Check("llama-tiny", 20 * H, 4, 4),),
+        workers=2,
     )
 
 
 def model_overrides(name: str, work: pathlib.Path) -> list[str]:
-    if name == "llama-tiny":
-        return ["model.arch='hf'", "model.preset='llama-tiny'"]
     preset = json.loads(
         (pathlib.Path(__file__).resolve().parents[1] / "node/presets/llama-tiny.json").read_text()
     )
@@ -217,12 +249,13 @@ def ddp_arm(ranks: int, steps: int, every: int, base: list[str]) -> dict[str, An
 
 
 def _diloco(
-    plan: _Plan, steps: int, base: list[str], replicas: int, extra: list[str]
+    plan: _Plan, steps: int, base: list[str], replicas: int, extra: list[str], batch: int = 0
 ) -> dict[str, Any]:
+    """``replicas`` simulated replicas of ``batch`` windows (0: the plan's ranks' share)."""
     from node.config import load_config
     from node.simulate import simulate
 
-    batch = plan.ranks * _BATCH // replicas
+    batch = batch or plan.ranks * _BATCH // replicas
     recipe = [*RECIPE, f"sync.inner_steps={plan.inner_steps}"]
     cfg = load_config(None, [*base, *recipe, *batch_overrides(batch), *extra])
     result = simulate(cfg, replicas=replicas, rounds=steps // plan.inner_steps)
@@ -248,26 +281,27 @@ _ARMS = {
 }
 
 
-def _real(plan: _Plan, steps: int, base: list[str], where: pathlib.Path) -> dict[str, Any]:
-    """The two-site AdamW arm as two real Atoll nodes (``atoll swarm``'s way, one core
-    each, ``sync.trigger = "steps"``): the same model, recipe, seed and batch size as the
+def _real(plan: _Plan, check: _Check, base: list[str], where: pathlib.Path) -> dict[str, Any]:
+    """``check.nodes`` real Atoll nodes with AdamW (``atoll swarm``'s way, one core each,
+    ``sync.trigger = "steps"``): the same model, recipe, seed and batch size as the
     reference, on the batches each node's PeerID is assigned (so not the reference's
     batches: they agree within the seeds' spread, not bit for bit)."""
-    batch = plan.ranks * _BATCH // 2
     overrides = [
         *base,
         *RECIPE,
         f"sync.inner_steps={plan.inner_steps}",
-        *batch_overrides(batch),
+        *batch_overrides(check.batch),
         "train.optimizer='adamw'",
         "run.threads=1",
         "network.matchmaking_seconds=10",
-        "network.round_timeout=30",
+        "network.round_timeout=60",
     ]
-    rounds = steps // plan.inner_steps
-    nodes = run_swarm(overrides, 2, rounds, where)
+    rounds = check.steps // plan.inner_steps
+    started = time.time()
+    nodes = run_swarm(overrides, check.nodes, rounds, where)
     finals = [n["rounds"][-1].get("val_bpb") for n in nodes if n["rounds"]]
     return {
+        "nodes": check.nodes,
         "exit_codes": [n["exit_code"] for n in nodes],
         "rounds": [len(n["rounds"]) for n in nodes],
         "digests_agree": len({n["rounds"][-1].get("global_digest") for n in nodes if n["rounds"]})
@@ -276,29 +310,18 @@ def _real(plan: _Plan, steps: int, base: list[str], where: pathlib.Path) -> dict
             {"step": r["round"] * plan.inner_steps, "val_bpb": r.get("val_bpb")}
             for r in (nodes[0]["rounds"] if nodes else [])
         ],
+        "val_bpb_ends": finals,
         "val_bpb_end": statistics.fmean(finals) if finals else None,
+        "seconds": time.time() - started,
     }
 
 
-def _reference_check(
-    plan: _Plan,
-    steps: int,
-    bases: list[list[str]],
-    references: list[dict[str, Any]],
-    where: pathlib.Path,
+def _judge_check(
+    check: _Check, references: list[dict[str, Any]], real: dict[str, Any]
 ) -> dict[str, Any]:
-    """Real nodes against ``node.simulate`` on the two-site AdamW arm: the reference at
-    the seeds of ``bases`` (its spread; ``references`` holds the runs already made, the
-    rest are run here), the real swarm at the first seed."""
-    arm = "two sites, AdamW"
-    replicas, extra = _ARMS[arm]
-    runs = [
-        *references,
-        *(_diloco(plan, steps, base, replicas, extra) for base in bases[len(references) :]),
-    ]
-    ends = [_at(r["history"], steps) for r in runs]
-    ends = [e for e in ends if e is not None]
-    real = _real(plan, steps, bases[0], where)
+    """Real nodes against ``node.simulate``: the real swarm's final bits per byte against
+    the reference's mean and spread over its seeds."""
+    ends = [e for r in references if (e := _at(r.get("history", []), check.steps)) is not None]
     mean = statistics.fmean(ends) if ends else None
     spread = statistics.stdev(ends) if len(ends) > 1 else None
     end = real["val_bpb_end"]
@@ -306,8 +329,11 @@ def _reference_check(
     if end is not None and mean is not None and spread is not None:
         agrees = abs(end - mean) <= 2 * spread
     return {
-        "arm": arm,
-        "steps": steps,
+        "arm": check.arm,
+        "model": check.model,
+        "nodes": check.nodes,
+        "batch": check.batch,
+        "steps": check.steps,
         "reference_val_bpb_end": ends,
         "reference_mean": mean,
         "reference_spread": spread,
@@ -363,7 +389,7 @@ def _summary(entries: list[dict[str, Any]], plan: _Plan) -> dict[str, Any]:
     return out
 
 
-def _goals(summary: dict[str, Any], check: dict[str, Any] | None) -> dict[str, Any]:
+def _goals(summary: dict[str, Any], checks: list[dict[str, Any]]) -> dict[str, Any]:
     """Each goal of the benchmark and whether it is met."""
     goals: dict[str, Any] = {}
     for model, arms in summary.items():
@@ -373,14 +399,18 @@ def _goals(summary: dict[str, Any], check: dict[str, Any] | None) -> dict[str, A
             "goal": _GOAL_GAP_PERCENT,
             "meets_goal": row["meets_goal"],
         }
-    if check is None:
-        return goals
-    goals["real nodes within two spreads of node.simulate"] = {
-        "value": check["difference_percent"],
-        "goal": "within 2 sd of the reference's seeds",
-        "meets_goal": bool(check["agrees_within_two_spreads"]),
-    }
+    for check in checks:
+        goals[
+            f"{check['model']}: {check['nodes']} real nodes within two spreads of node.simulate"
+        ] = {
+            "value": check["difference_percent"],
+            "goal": "within 2 sd of the reference's seeds",
+            "meets_goal": bool(check["agrees_within_two_spreads"]),
+        }
     return goals
+
+
+Work = Callable[[], dict[str, Any]]
 
 
 class Journal:
@@ -400,42 +430,87 @@ class Journal:
                 if row.get("plan") == self.key:
                     self.done[row["name"]] = row["result"]
 
-    def run(self, name: str, work: Any) -> dict[str, Any]:
+    def _keep(self, name: str, result: dict[str, Any]) -> None:
+        self.done[name] = result
+        with self.path.open("a") as f:
+            f.write(json.dumps({"plan": self.key, "name": name, "result": result}) + "\n")
+
+    def run(self, name: str, work: Work) -> dict[str, Any]:
         if name not in self.done:
-            self.done[name] = work()
-            with self.path.open("a") as f:
-                f.write(json.dumps({"plan": self.key, "name": name, "result": self.done[name]}))
-                f.write("\n")
+            self._keep(name, work())
         return self.done[name]
 
+    def run_all(self, jobs: dict[str, Work], workers: int) -> None:
+        """Every job not done yet, ``workers`` at once in their own processes (each job
+        must pickle), kept in the journal as each ends."""
+        todo = {name: work for name, work in jobs.items() if name not in self.done}
+        if workers <= 1:
+            for name, work in todo.items():
+                self.run(name, work)
+            return
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            running = {pool.submit(work): name for name, work in todo.items()}
+            for done in as_completed(running):
+                self._keep(running[done], done.result())
+                print(f"islands: {running[done]} done", flush=True)
 
-def _entry(
-    plan: _Plan,
-    size: _Size,
-    seed: int,
-    shards: pathlib.Path,
-    work: pathlib.Path,
-    journal: Journal,
-) -> dict[str, Any]:
-    """DDP and the arms of ``size`` at ``seed``, from the journal where they ran."""
-    base = base_overrides(size.steps, shards, model_overrides(size.model, work), seed, size.threads)
-    tag = f"{size.model}/{size.steps}/{seed}"
-    entry: dict[str, Any] = {
-        "model": size.model,
-        "seed": seed,
-        "ddp": journal.run(
-            f"{tag}/ddp", partial(ddp_arm, plan.ranks, size.steps, plan.inner_steps, base)
-        ),
-    }
-    for arm, (replicas, extra) in _ARMS.items():
-        if arm != _GOAL_ARM and (seed > 0 or arm not in size.others):
-            continue
-        entry[arm] = journal.run(
-            f"{tag}/{arm}", partial(_diloco, plan, size.steps, base, replicas, extra)
-        )
-        gap = _gap(entry[arm], entry["ddp"], size.steps)
-        print(f"islands: {size.model} seed {seed} {arm}: gap {gap}", flush=True)
-    return entry
+
+def _name(model: str, steps: int, seed: int, arm: str) -> str:
+    return f"{model}/{steps}/{seed}/{arm}"
+
+
+def _jobs(plan: _Plan, shards: pathlib.Path, work: pathlib.Path) -> dict[str, Work]:
+    """Every simulated and DDP run of the plan, by journal name: the checks' references
+    first, then seed by seed, every size at a seed before the next seed (an interrupted
+    run has both sizes before it has more seeds of one)."""
+    jobs: dict[str, Work] = {}
+    for check in plan.checks:
+        model = model_overrides(check.model, work)
+        replicas = check.nodes
+        for seed in range(check.seeds):
+            base = base_overrides(check.steps, shards, model, seed, plan.sizes[0].threads)
+            jobs[_name(check.model, check.steps, seed, check.arm)] = partial(
+                _diloco, plan, check.steps, base, replicas, ["train.optimizer='adamw'"], check.batch
+            )
+    for seed in range(max(size.seeds for size in plan.sizes)):
+        for size in plan.sizes:
+            if seed >= size.seeds:
+                continue
+            model = model_overrides(size.model, work)
+            base = base_overrides(size.steps, shards, model, seed, size.threads)
+            jobs[_name(size.model, size.steps, seed, "ddp")] = partial(
+                ddp_arm, plan.ranks, size.steps, plan.inner_steps, base
+            )
+            for arm, (replicas, extra) in _ARMS.items():
+                if arm == _GOAL_ARM or (arm in size.others and seed < size.other_seeds):
+                    jobs[_name(size.model, size.steps, seed, arm)] = partial(
+                        _diloco, plan, size.steps, base, replicas, extra
+                    )
+    return jobs
+
+
+def _entries(plan: _Plan, done: dict[str, Any]) -> list[dict[str, Any]]:
+    """DDP and the arms of every size at every seed, from the journal."""
+    entries = []
+    for size in plan.sizes:
+        for seed in range(size.seeds):
+            entry: dict[str, Any] = {"model": size.model, "seed": seed}
+            for arm in ["ddp", *_ARMS]:
+                name = _name(size.model, size.steps, seed, arm)
+                if name in done:
+                    entry[arm] = done[name]
+            entries.append(entry)
+    return entries
+
+
+def _checks(plan: _Plan, shards: pathlib.Path, work: pathlib.Path, journal: Journal) -> None:
+    """The real swarm of each check, one after another and alone on the machine."""
+    for check in plan.checks:
+        model = model_overrides(check.model, work)
+        base = base_overrides(check.steps, shards, model, 0, 1)
+        name = _name(check.model, check.steps, 0, f"real, {check.nodes} nodes")
+        journal.run(name, partial(_real, plan, check, base, work / f"real-{check.nodes}"))
 
 
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
@@ -448,26 +523,26 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     started = time.time()
     try:
         shards, corpus = prepare_stdlib_shards(work / "shards", VOCAB, plan.files)
-        entries = []
-        # seed by seed, every size at a seed before the next seed: an interrupted run
-        # has both sizes before it has more seeds of one
-        for seed in range(max(size.seeds for size in plan.sizes)):
-            for size in plan.sizes:
-                if seed < size.seeds:
-                    entries.append(_entry(plan, size, seed, shards, work, journal))
-        first = plan.sizes[0]
-        check = None
-        if plan.real_check:
-            model = model_overrides(first.model, work)
-            bases = [
-                base_overrides(first.steps, shards, model, seed, first.threads) for seed in range(3)
-            ]
-            references = [e[_GOAL_ARM] for e in entries if e["model"] == first.model]
-            check = _reference_check(plan, first.steps, bases, references, work / "real")
-            print(f"islands: real nodes against the reference: {check['difference_percent']}")
+        _checks(plan, shards, work, journal)
+        journal.run_all(_jobs(plan, shards, work), plan.workers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    entries = _entries(plan, journal.done)
+    checks = [
+        _judge_check(
+            check,
+            [
+                journal.done[_name(check.model, check.steps, s, check.arm)]
+                for s in range(check.seeds)
+            ],
+            journal.done[_name(check.model, check.steps, 0, f"real, {check.nodes} nodes")],
+        )
+        for check in plan.checks
+    ]
+    for check in checks:
+        print(f"islands: {check['model']}: real nodes {check['difference_percent']} % off")
     summary = _summary(entries, plan)
+    first = plan.sizes[0]
     report = {
         "benchmark": "islands",
         "quick": quick,
@@ -479,7 +554,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
                 "model": z.model,
                 "steps": z.steps,
                 "seeds": z.seeds,
-                "other_arms_at_seed_0": list(z.others),
+                "other_arms": list(z.others),
+                "other_arms_seeds": z.other_seeds,
                 "threads": z.threads,
             }
             for z in plan.sizes
@@ -489,11 +565,12 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         "context": _CONTEXT,
         "eval_windows": _EVAL_WINDOWS,
         "inner_steps": plan.inner_steps,
+        "workers": plan.workers,
         "recipe": RECIPE,
         "entries": entries,
         "summary": summary,
-        "reference_check": check,
-        "goals": _goals(summary, check),
+        "reference_checks": checks,
+        "goals": _goals(summary, checks),
         "seconds": time.time() - started,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -548,10 +625,14 @@ def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         f"ranks at equal tokens ({lengths}), H = {data['inner_steps']}, int4 with stochastic "
         "rounding and error feedback"
     )
-    check = data.get("reference_check")
-    if check and check.get("difference_percent") is not None:
+    checks = data.get("reference_checks") or [c for c in [data.get("reference_check")] if c]
+    for check in checks:
+        if check.get("difference_percent") is None:
+            continue
+        nodes = check.get("nodes", 2)
         parts.append(
-            f"two real nodes {abs(check['difference_percent']):.1f} % from `node.simulate`'s "
+            f"{nodes} real {check.get('model', '')} nodes "
+            f"{abs(check['difference_percent']):.1f} % from `node.simulate`'s "
             f"mean over {len(check['reference_val_bpb_end'])} seeds"
             + (" (within 2 sd)" if check["agrees_within_two_spreads"] else " (outside 2 sd)")
         )

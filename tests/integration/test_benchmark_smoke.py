@@ -251,7 +251,7 @@ def test_islands_smoke(tmp_path: Path) -> None:
     )
     assert "| small | two sites, AdamW |" in islands.table(report)
     # the two-site arm again as two real nodes: both trained every round, on one state
-    check = report["reference_check"]
+    (check,) = report["reference_checks"]
     assert check["real"]["exit_codes"] == [0, 0] and check["real"]["rounds"] == [2, 2]
     assert check["real"]["digests_agree"] and len(check["reference_val_bpb_end"]) == 3
     assert abs(check["difference_percent"]) < 5.0

@@ -4,6 +4,7 @@ hand-made runs (the runs themselves in tests/integration/test_benchmark_smoke.py
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 from benchmarks import islands, sparse
@@ -30,6 +31,37 @@ def test_the_journal_runs_each_name_once_and_resumes_from_its_file(tmp_path: Pat
     assert [json.loads(line)["name"] for line in path.read_text().splitlines()[:1]] == ["a"]
 
 
+def test_the_journal_runs_jobs_in_worker_processes_and_keeps_each(tmp_path: Path) -> None:
+    path = tmp_path / "runs.jsonl"
+    journal = islands.Journal(path, {"journal": 2})
+    journal.run("a", lambda: {"value": 0})  # done already: not run again
+    jobs = {name: partial(dict, value=i) for i, name in enumerate("abc")}
+    journal.run_all(jobs, workers=2)
+    assert journal.done == {"a": {"value": 0}, "b": {"value": 1}, "c": {"value": 2}}
+    kept = islands.Journal(path, {"journal": 2}).done
+    assert kept == journal.done
+
+
+def test_the_full_plan_runs_every_arm_at_three_seeds_and_the_quick_check_reuses_its_arm(
+    tmp_path: Path,
+) -> None:
+    full = islands._jobs(islands._plan(False, False), tmp_path / "shards", tmp_path)
+    small = [n for n in full if n.startswith("small/2000/")]
+    assert len(small) == 3 * 4  # DDP and three arms at seeds 0-2
+    assert sorted(n for n in full if n.startswith("medium/")) == sorted(
+        f"medium/600/{s}/{arm}" for s in range(3) for arm in ("ddp", islands._GOAL_ARM)
+    )
+    tiny = [n for n in full if n.startswith("llama-tiny/")]
+    assert tiny == [f"llama-tiny/1000/{s}/4 nodes, AdamW" for s in range(3)]
+    assert full[tiny[0]].args[-1] == 4  # the check's batch, not the ranks' share
+    # the quick check's reference is the goal arm the quick plan runs anyway: seed 0 once
+    quick = islands._jobs(islands._plan(True, False), tmp_path / "shards", tmp_path)
+    assert [n for n in quick if n.endswith(islands._GOAL_ARM)] == [
+        f"small/600/{s}/{islands._GOAL_ARM}" for s in range(3)
+    ]
+    assert len(quick) == 3 + 3  # three references, DDP, SOAP and eight cells at seed 0
+
+
 def _history(end: float, steps: int = 100) -> list[dict]:
     return [
         {"step": 0, "val_bpb": 4.0},
@@ -51,7 +83,7 @@ def test_islands_gaps_are_paired_by_seed_and_the_goal_judged_on_the_worst() -> N
     assert row["seeds"] == 2 and abs(row["gap_percent"] - 1.25) < 1e-9
     assert row["meets_goal"] is False  # seed 1 is 2 % above its DDP
     assert set(summary["small"]) == {"ddp", islands._GOAL_ARM}  # arms not run are left out
-    goals = islands._goals(summary, None)
+    goals = islands._goals(summary, [])
     assert list(goals) == ["small: two sites within 1 % of DDP"]
     assert goals["small: two sites within 1 % of DDP"]["meets_goal"] is False
 
