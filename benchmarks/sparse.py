@@ -12,11 +12,15 @@ standard library):
   sweep picked (Nesterov, lr 0.7, momentum 0.5), AdamW at DDP's lr, error feedback on,
   at ``H = 10`` (100 outer steps in 1,000) and ``H = 50`` (20), each with int8 and with
   ``topk`` (3 % of each chunk of 4096, 2 bits, 12-bit offsets).
+- **Gathered topk** (``sync.exchange = "gather"``): the same ``topk`` parts, each sent
+  whole to every other member, which reduces them itself (no owner's 8-bit result), at
+  ``H = 5`` (about int8's bytes at ``H = 50``), ``10`` and ``50``.
 
 Every run trains the same steps on the same batches and is scored in bits per byte on
 the same validation windows. Bytes are what one member sends over the run
 (:func:`benchmarks.convergence.sent_bytes`: its share of every part and of every result,
-and the signed heads of those messages); **bits per parameter per sync** divides one
+and the signed heads of those messages; for a gather
+:func:`benchmarks.convergence.allgather_bytes`); **bits per parameter per sync** divides one
 sync's bytes by the parameters, against an fp32 and a bf16 owner reduce
 (``2 * (G - 1) / G * 32`` and ``* 16`` bits) and fp32 DDP's per step; beside it what an
 all-gather of the same parts would send (:func:`benchmarks.convergence.allgather_bytes`:
@@ -25,8 +29,8 @@ uses, counted from the same payloads.
 
 Goals (each with ``meets_goal`` in the report):
 
-- ``topk`` at least as good as int8 (a final bits per byte no higher) with at least 4×
-  fewer bytes, at the same H;
+- ``topk`` (reduced by owner, and gathered) at least as good as int8 (a final bits per
+  byte no higher) with at least 4× fewer bytes, at the same H;
 - ``topk`` with at least 10,000× fewer bytes than fp32 DDP at a gap no worse than
   int8's at the same H.
 
@@ -69,7 +73,12 @@ _RECIPE = [
     "train.optimizer='adamw'",
 ]
 _TOPK = ["sync.codec='topk'", "sync.topk_density=0.03", "sync.topk_bits=2"]
-_CODECS = {"int8": ["sync.codec='int8'"], "topk 3% 2b": _TOPK}
+_GATHER = "topk 3% 2b gather"
+_CODECS = {
+    "int8": ["sync.codec='int8'"],
+    "topk 3% 2b": _TOPK,
+    _GATHER: [*_TOPK, "sync.exchange='gather'"],
+}
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,8 @@ class _Plan:
     seeds: int
     ranks: int = 4
     inner_steps: tuple[int, ...] = (10, 50)
+    gather_steps: tuple[int, ...] = (5, 10, 50)
+    """The H of the gathered ``topk`` arms (H = 5: about int8's bytes at H = 50)."""
     files: int | None = None
     every: int = _EVERY
     threads: int = 1
@@ -86,7 +97,9 @@ class _Plan:
 
 def _plan(quick: bool, smoke: bool) -> _Plan:
     if smoke:
-        return _Plan(steps=20, seeds=1, ranks=2, inner_steps=(2, 10), files=40, every=10)
+        return _Plan(
+            steps=20, seeds=1, ranks=2, inner_steps=(2, 10), gather_steps=(2,), files=40, every=10
+        )
     return _Plan(steps=1000, seeds=1 if quick else 3)
 
 
@@ -109,7 +122,8 @@ def _arm(plan: _Plan, base: list[str], h: int, codec: str) -> dict[str, Any]:
         ],
     )
     result = simulate(cfg, replicas=plan.ranks, rounds=rounds)
-    sent = sent_bytes(result, plan.ranks)
+    gathered = codec == _GATHER
+    sent = allgather_bytes(result, plan.ranks) if gathered else sent_bytes(result, plan.ranks)
     return {
         "inner_steps": h,
         "codec": codec,
@@ -198,12 +212,13 @@ def _summary(entries: list[dict[str, Any]], plan: _Plan) -> dict[str, Any]:
 def _goals(summary: dict[str, Any], plan: _Plan) -> dict[str, Any]:
     arms = summary["arms"]
     goals: dict[str, Any] = {}
-    for h in plan.inner_steps:
-        topk, int8 = arms.get(_name(h, "topk 3% 2b")), arms.get(_name(h, "int8"))
+    for h, variant in [(h, c) for h in plan.inner_steps for c in _CODECS if c != "int8"]:
+        topk, int8 = arms.get(_name(h, variant)), arms.get(_name(h, "int8"))
         if not topk or not int8 or topk["gap_percent"] is None or int8["gap_percent"] is None:
             continue
         fewer = int8["bytes_sent_per_worker"] / topk["bytes_sent_per_worker"]
-        goals[f"H={h}: topk as good as int8 with >= {_BYTES_GOAL:g}x fewer bytes"] = {
+        what = "topk" if variant == "topk 3% 2b" else "topk gathered"
+        goals[f"H={h}: {what} as good as int8 with >= {_BYTES_GOAL:g}x fewer bytes"] = {
             "value": {
                 "topk_gap_percent": topk["gap_percent"],
                 "int8_gap_percent": int8["gap_percent"],
@@ -213,7 +228,7 @@ def _goals(summary: dict[str, Any], plan: _Plan) -> dict[str, Any]:
             "meets_goal": fewer >= _BYTES_GOAL and topk["gap_percent"] <= int8["gap_percent"],
         }
         ratio = topk.get("bytes_ratio_ddp_over_this") or 0.0
-        goals[f"H={h}: topk >= {_DDP_GOAL:,.0f}x fewer bytes than DDP at int8's gap"] = {
+        goals[f"H={h}: {what} >= {_DDP_GOAL:,.0f}x fewer bytes than DDP at int8's gap"] = {
             "value": ratio,
             "goal": _DDP_GOAL,
             "meets_goal": ratio >= _DDP_GOAL and topk["gap_percent"] <= int8["gap_percent"],
@@ -243,13 +258,11 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
                     partial(islands.ddp_arm, plan.ranks, plan.steps, plan.every, base),
                 ),
             }
-            for h in plan.inner_steps:
-                for codec in _CODECS:
-                    name = _name(h, codec)
-                    entry[name] = journal.run(f"{seed}/{name}", partial(_arm, plan, base, h, codec))
-                    print(
-                        f"sparse: seed {seed} {name}: {_end(entry[name], plan.steps)}", flush=True
-                    )
+            arms = [(h, c) for h in plan.inner_steps for c in _CODECS if c != _GATHER]
+            for h, codec in [*arms, *((h, _GATHER) for h in plan.gather_steps)]:
+                name = _name(h, codec)
+                entry[name] = journal.run(f"{seed}/{name}", partial(_arm, plan, base, h, codec))
+                print(f"sparse: seed {seed} {name}: {_end(entry[name], plan.steps)}", flush=True)
             entries.append(entry)
     finally:
         shutil.rmtree(work, ignore_errors=True)

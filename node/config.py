@@ -91,6 +91,12 @@ class AtollConfig:
                 f"'topk' (coordinate-wise on sparse parts it drops almost every value): use "
                 f"one of {', '.join(sorted(SPARSE_SAFE))}"
             )
+        if self.sync.exchange == "gather" and self.network.stream_reduce:
+            raise ValueError(
+                "sync.exchange = 'gather' with network.stream_reduce = true: in a gather "
+                "every member reduces whole parts itself and streams nothing back; set "
+                "network.stream_reduce = false or sync.exchange = 'reduce'"
+            )
         if self.trust.checkers and not (self.control.enabled and self.control.commit):
             raise ValueError(
                 f"trust.checkers = {self.trust.checkers} needs control.commit = true (a "

@@ -80,6 +80,14 @@ class SyncConfig:
     mix_codec: CodecName = "fp16"
     """Codec of the global copies that groups smaller than the swarm also average (same
     choices as ``codec``)."""
+    exchange: Literal["reduce", "gather"] = "reduce"
+    """How a group averages its pseudo-gradients: ``reduce``, each member owns one part of
+    the fragment, reduces the group's contributions to it and answers every member with
+    one signed result (a butterfly all-reduce); ``gather``, each member sends its whole
+    encoded pseudo-gradient to every other member and reduces all of them itself, so
+    nothing is sent back (for ``topk`` parts about 1.6x fewer bytes in a group of two,
+    and no owner to trust). A group with a member others cannot dial reduces by owner.
+    """
 
     def __post_init__(self) -> None:
         if self.stochastic_rounding and self.codec not in ("int8", "int4", "topk"):

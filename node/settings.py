@@ -85,6 +85,7 @@ def allreduce_settings(cfg: AtollConfig, fragments: int) -> AllReduceSettings:
         fragments=fragments,
         weights_codec=sync.mix_codec,
         stream_reduce=net.stream_reduce,
+        gather=sync.exchange == "gather",
     )
 
 

@@ -62,6 +62,7 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
         "layout",
         "gossip_gamma",
         "mix_codec",
+        "exchange",
     ),
     # The group size decides who averages with whom on the butterfly schedule; nodes
     # on other registry keys never see each other, and nodes that matchmake on the

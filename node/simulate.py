@@ -104,8 +104,10 @@ class _Simulation:
             build_model(cfg.model, seed=cfg.run.seed).to(device) for _ in range(replicas)
         ]
         self.plan = plan_fragments(base, cfg.sync.fragments)
-        # what an owner answers with, as a node's all-reduce encodes it
-        self.result_codec = allreduce_settings(cfg, len(self.plan)).wire_codec("update", True)
+        # what an owner answers with, as a node's all-reduce encodes it (in a gather
+        # every member reduces the parts itself: nothing is encoded again)
+        settings = allreduce_settings(cfg, len(self.plan))
+        self.result_codec = None if settings.gather else settings.wire_codec("update", True)
         self.outers = [OuterOptimizer(m, self.plan, cfg.outer) for m in self.models]
         self.trainers = [
             InnerTrainer(
@@ -132,7 +134,8 @@ class _Simulation:
         """Bytes of one replica's encoded pseudo-gradients, over every sync so far."""
         self.result_bytes = 0
         """Bytes of the averaged pseudo-gradients as owners encode them (for ``topk``, the
-        union of the kept values as ``sparse``; otherwise the same size as a replica's)."""
+        union of the kept values as ``sparse``; otherwise the same size as a replica's;
+        none in a gather)."""
 
     def score(self) -> float:
         """The global copy's validation bits per byte."""
@@ -195,6 +198,8 @@ class _Simulation:
         """The mean as owners answer it (for ``topk`` parts the union of the kept values,
         as ``sparse``), its bytes counted for replica 0's group (``payload``: the size of
         a non-sparse answer, 0 for another group)."""
+        if self.result_codec is None:  # a gather: the exact mean, and no result sent
+            return averaged
         if self.result_codec["codec"] == "sparse":
             result = codecs.encode(averaged, **self.result_codec)
             if payload:

@@ -224,7 +224,8 @@ def open_contribution(
     if not isinstance(group, list) or not isinstance(owners, list):
         raise ProtocolError("malformed", "parts name no group", peer)
     try:
-        plan = PartPlan.of(peer, group, owners, numel, settings.block_size)
+        gather = settings.gather and content == "update"
+        plan = PartPlan.of(peer, group, owners, numel, settings.block_size, gather)
     except ValueError as exc:
         raise ProtocolError("malformed", str(exc), peer) from None
     return _assemble(parts, plan, (round_, fragment, content), digests, peer, numel)

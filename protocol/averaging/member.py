@@ -29,7 +29,7 @@ import msgpack
 import torch
 
 from protocol.averaging.context import AllReduceContext
-from protocol.averaging.owner import RESULT_RPC, RPC_NAME, PartOwner
+from protocol.averaging.owner import GATHER, RESULT_RPC, RPC_NAME, PartOwner, read_gather_ack
 from protocol.averaging.parts import CONTENTS, AllReduceKey, AllReduceResult, PartPlan
 from protocol.averaging.repair import PartRepair
 from protocol.averaging.resultmeta import ResultFields, read_result
@@ -124,11 +124,14 @@ class PartMember:
         started = time.monotonic()
         done_by = deadline if deadline is not None else started + ctx.settings.timeout
         me = ctx.identity.peer_id
-        plan = PartPlan.of(me, group, owners, vector.numel(), ctx.settings.block_size)
+        gather = ctx.settings.gather and key[2] == "update"
+        plan = PartPlan.of(me, group, owners, vector.numel(), ctx.settings.block_size, gather)
         vector = self.context.faults.contribution(key[0], key[1], vector)
         session = self._open(key, plan, vector, weight, done_by)
+        # in a gather every part is the whole vector: encoded once, signed per member
+        enc = ctx.encode(vector, key[2]) if plan.gather else None
         requests = {
-            j: self.request(key, plan, j, vector[lo:hi], weight, claim)
+            j: self.request(key, plan, j, vector[lo:hi], weight, claim, enc)
             for j, (lo, hi) in enumerate(plan.bounds)
             if j != plan.index
         }
@@ -136,7 +139,9 @@ class PartMember:
             own = {}
             if plan.is_owner:
                 lo, hi = plan.bounds[plan.index]
-                own[plan.index] = self.request(key, plan, plan.index, vector[lo:hi], weight, claim)
+                own[plan.index] = self.request(
+                    key, plan, plan.index, vector[lo:hi], weight, claim, enc
+                )
             ctx.sent.keep(key, {**requests, **own})
         await self._commit_phase(session, requests)
         session.schedule()
@@ -174,13 +179,15 @@ class PartMember:
         values: torch.Tensor,
         weight: int,
         claim: dict | None = None,
+        enc: codecs.Encoded | None = None,
     ) -> SealedPart:
         """The signed part message for owner ``j`` (built before anything is sent; its
-        body is a view of ``values``, not a copy); an ``update``'s ``claim`` of work
-        goes into its head."""
+        body is a view of ``values``, not a copy, or ``enc``: ``values`` encoded); an
+        ``update``'s ``claim`` of work goes into its head."""
         ctx = self.context
         round_, fragment, content = at
-        enc = ctx.encode(values, content)
+        if enc is None:
+            enc = ctx.encode(values, content)
         header = Header("part", ctx.settings.run_id, round_, fragment, j, ctx.identity.peer_id)
         meta = {
             "content": content,
@@ -190,6 +197,8 @@ class PartMember:
         }
         if claim is not None and content == "update":
             meta["work"] = claim
+        if plan.gather:
+            meta["exchange"] = GATHER
         return self.context.faults.request(ctx.identity, header, meta, enc)
 
     async def _commit_phase(self, session: Session, requests: dict[int, SealedPart]) -> None:
@@ -216,6 +225,8 @@ class PartMember:
             return j, True, list(run.session.owned.reply_contributors)
         if self.context.faults.silent_in(run.key[0], run.key[1]):
             return j, False, []
+        if run.plan.gather:
+            return await self._deliver(run, j)
         result = await self._send_part(run, j)
         if result[1]:
             self.repair.accepted(run.key, j)
@@ -236,7 +247,35 @@ class PartMember:
         # for that part and re-syncs at the round's end).
         return self.context.settings.repair and plan.is_owner and len(plan.owners) > 2
 
+    async def _deliver(self, run: _Run, j: int) -> _PartResult:
+        """A gather: this node's whole part to member ``j``, which reduces it itself (so
+        nothing comes back but whether it took it)."""
+        member, at = run.plan.owners[j], run.key
+        request = run.requests[j]
+        for attempt in (0, 1):
+            self.context.tally(at, sent=request.nbytes)
+            timeout = max(MIN_CALL_SECONDS, run.session.replies_by - time.monotonic())
+            try:
+                ack = await self.context.transport.call(
+                    member, RPC_NAME, request.buffers(), timeout=timeout, max_response_bytes=256
+                )
+                refused = read_gather_ack(ack, member)
+            except ProtocolError as exc:
+                retry = exc.reason == "connection_lost" and not attempt
+                if retry and run.session.replies_by - time.monotonic() >= MIN_CALL_SECONDS:
+                    continue  # the same signed part again is taken once
+                logger.warning("round %d fragment %d: member %s did not take this node's part: %s",
+                               *at[:2], member[:16], exc)  # fmt: skip
+                return j, False, []
+            if refused:
+                logger.warning("round %d fragment %d: member %s refused this node's part: %s",
+                               *at[:2], member[:16], refused)  # fmt: skip
+            return j, not refused, []
+        raise AssertionError("unreachable")
+
     def _assemble(self, run: _Run, results: list[_PartResult]) -> AllReduceResult:
+        if run.plan.gather:
+            return self._gathered(run)
         contributors: list[list[str]] = []
         fallback: list[int] = []
         for j, done, peers in sorted(results, key=lambda r: r[0]):
@@ -261,6 +300,25 @@ class PartMember:
             owners=run.plan.owners,
             reduce_seconds=owned.reduce_seconds if owned is not None else 0.0,
             streamed_share=owned.streamed_share if owned is not None else 0.0,
+        )
+
+    def _gathered(self, run: _Run) -> AllReduceResult:
+        """A gather's result: this node's own reduction of the group's parts, one part
+        that this node owned (whose part reached whom is the other members' business:
+        each reduces what it took)."""
+        owned = run.session.owned
+        assert owned is not None  # every member of a gather owns the whole vector
+        sent, received = self.context.traffic(run.key)
+        return AllReduceResult(
+            vector=run.out,
+            group=run.plan.group,
+            contributors=[list(owned.reply_contributors)],
+            fallback_parts=[],
+            bytes_sent=sent,
+            bytes_received=received,
+            seconds=time.monotonic() - run.started,
+            owners=[self.context.identity.peer_id],
+            reduce_seconds=owned.reduce_seconds,
         )
 
     # ---- one owner ------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from protocol.p2p.transport import Lease, Read, StreamedResponse
 from protocol.wire import codec as codecs
 from protocol.wire.partwire import Part, chunk_hashes, seal_part
 
-__all__ = ["RESULT_RPC", "RPC_NAME", "PartOwner"]
+__all__ = ["GATHER", "RESULT_RPC", "RPC_NAME", "PartOwner", "gather_ack", "read_gather_ack"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,10 @@ RPC_NAME = "atoll.part"
 """A member sends its part to the part's owner and gets the owner's result back."""
 RESULT_RPC = "atoll.result"
 """A member fetches an owner's signed result after a streamed one said ``redo``."""
+GATHER = "gather"
+"""A part's ``exchange`` in a gather (signed in its head; absent: reduced by its owner)."""
 _NO_VALUES = torch.empty(0)
+_MAX_ACK_BYTES = 256
 
 Answer = list[bytes | memoryview] | StreamedResponse
 
@@ -131,6 +134,10 @@ class PartOwner:
         group, owners = env.meta.get("group"), env.meta.get("owners", env.meta.get("group"))
         if group != plan.group or owners != plan.owners:
             raise ctx.reject("group_mismatch", "sender's group differs from the owner's", peer, *at)
+        if (env.meta.get("exchange") == GATHER) != plan.gather:
+            raise ctx.reject(
+                "group_mismatch", "sender's exchange differs from the owner's", peer, *at
+            )
         if peer not in plan.group or h.part != plan.index or session.owned is None:
             raise ctx.reject("wrong_part", f"part {h.part} is not owned here", peer, *at)
         return session, session.owned
@@ -143,7 +150,7 @@ class PartOwner:
         known = part.contributions.get(peer)
         if known is not None and known.digest == env.digest:
             # The same signed part again: the sender lost the answer and retried.
-            return await self._reply(session, part)
+            return await self._reply(session, part, peer)
         if known is not None:
             raise ctx.reject(
                 "duplicate", "a second part for the same round and fragment", peer, *at
@@ -158,7 +165,7 @@ class PartOwner:
             return await self._answer_without(session, part, peer, "late")
         part.contributions[peer] = contribution
         part.note_in()
-        return await self._reply(session, part)
+        return await self._reply(session, part, peer)
 
     async def _commitment_refusal(self, session: Session, peer: str, env: Part) -> str | None:
         """Why ``env`` does not match a timely commitment of ``peer`` (None: it does, or
@@ -188,11 +195,16 @@ class PartOwner:
         if not part.reducing:
             part.refused[peer] = reason
             part.note_in()
-        return await self._reply(session, part)
+        return await self._reply(session, part, peer, reason)
 
-    async def _reply(self, session: Session, part: OwnedPart) -> Answer:
+    async def _reply(
+        self, session: Session, part: OwnedPart, peer: str, refused: str = ""
+    ) -> Answer:
         """This owner's signed result, once there is one, or the result streamed back as
-        it is reduced, once that starts (no longer than its exchange lasts)."""
+        it is reduced, once that starts (no longer than its exchange lasts); in a
+        gather, where the sender reduces the parts itself, whether its part was taken."""
+        if session.plan is not None and session.plan.gather:
+            return [gather_ack(refused)]
         left = max(MIN_CALL_SECONDS, session.done_by - time.monotonic())
         await asyncio.wait_for(part.answerable.wait(), left)
         stream = part.result_stream
@@ -247,7 +259,7 @@ class PartOwner:
         expected = {p for p in plan.group if p == me or not ctx.judge.refusal(p, round_)}
         part = session.owned = OwnedPart(end - start, expected, contribution)
         part.note_in()
-        if not part.full.is_set() and self.early is not None and part.numel:
+        if not part.full.is_set() and self.early is not None and part.numel and not plan.gather:
             self.early.start(session, part, vector[start:end])
 
     async def reduce(self, session: Session) -> torch.Tensor:
@@ -264,6 +276,8 @@ class PartOwner:
             await part.stream_task  # never raises; no block is being reduced after this
             prefix = part.streaming.prefix() if part.streaming is not None else None
         contributions = self._in_group_order(session, part)
+        if session.plan is not None and session.plan.gather:
+            return await self._gathered(session, part, contributions, parts_in)
         reduction = await self._reduce(session, contributions, prefix)
         if prefix is not None and reduction.vector is prefix.out and part.numel:
             part.streamed_share = prefix.upto / part.numel
@@ -305,8 +319,33 @@ class PartOwner:
         order = {p: i for i, p in enumerate(session.plan.group if session.plan else ())}
         return sorted(part.contributions.values(), key=lambda c: order.get(c.peer, len(order)))
 
+    async def _gathered(
+        self,
+        session: Session,
+        part: OwnedPart,
+        contributions: Sequence[Contribution],
+        parts_in: float,
+    ) -> torch.Tensor:
+        """A gather's reduction, which this member keeps for itself: every member reduces
+        the same parts, so it is a shared one (the inputs alone decide, as in a repair),
+        and it is neither encoded nor sent."""
+        reduction = await self._reduce(session, contributions, None, shared=True)
+        values = self.context.faults.reduced(reduction.vector)
+        part.reply_contributors = list(reduction.used)
+        part.reduce_seconds = time.monotonic() - parts_in
+        part.reduced.set()
+        part.answerable.set()
+        part.contributions = {
+            p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in part.contributions.items()
+        }
+        return values
+
     async def _reduce(
-        self, session: Session, contributions: Sequence[Contribution], prefix: Prefix | None
+        self,
+        session: Session,
+        contributions: Sequence[Contribution],
+        prefix: Prefix | None,
+        shared: bool = False,
     ) -> Reduction:
         # reducing, encoding and hashing release the GIL: off the loop, which keeps
         # reading the other parts' streams meanwhile
@@ -314,6 +353,7 @@ class PartOwner:
             self.context.reducer,
             content=session.content,
             **({"prefix": prefix} if prefix is not None else {}),
+            **({"shared": True} if shared else {}),
         )
         round_, fragment, _ = session.key
         index = session.plan.index if session.plan is not None else -1
@@ -387,3 +427,24 @@ class PartOwner:
         asyncio.get_running_loop().call_later(
             max(0.0, session.done_by - time.monotonic()), part.drop_reply
         )
+
+
+def gather_ack(refused: str = "") -> bytes:
+    """A gather member's answer to a part: taken, or refused and why."""
+    return msgpack.packb({"taken": not refused, "reason": refused[:64]})
+
+
+def read_gather_ack(data: bytes, peer: str) -> str:
+    """Why ``peer`` refused a part it acknowledged ('' when it took it).
+
+    Raises:
+        ProtocolError: ``malformed``.
+    """
+    try:
+        ack = msgpack.unpackb(data) if len(data) <= _MAX_ACK_BYTES else None
+    except (ValueError, TypeError, msgpack.ExtraData):
+        ack = None
+    if not isinstance(ack, dict) or not isinstance(ack.get("taken"), bool):
+        raise ProtocolError("malformed", "not a gather acknowledgement", peer)
+    reason = ack.get("reason")
+    return "" if ack["taken"] else (reason if isinstance(reason, str) else "refused")

@@ -100,6 +100,11 @@ class AllReduceSettings:
     :data:`Planner` (:mod:`protocol.averaging.streaming`), and sends a raw float32
     result back as it is reduced (:mod:`protocol.averaging.streamback`); False: once
     they are all in."""
+    gather: bool = False
+    """``update`` exchanges all-gather (``sync.exchange = "gather"``): every member
+    sends its whole part to every other member and reduces the group's parts itself,
+    so no owner answers with a result (:class:`PartPlan`); groups with a client, and
+    ``weights`` exchanges, reduce by owner as ever."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.timeout <= 0 or self.fragments < 1:
@@ -409,18 +414,29 @@ class PartPlan:
         owners: the members that own a part, in group order (clients own none).
         index: this node's part, or -1 when it is a client.
         bounds: ``[start, end)`` of each owner's part.
+        gather: every member sends its whole vector to every other member and reduces
+            all of them itself (``bounds`` is then the whole vector for each member).
     """
 
     group: list[str]
     owners: list[str]
     index: int
     bounds: list[tuple[int, int]]
+    gather: bool = False
 
     @classmethod
     def of(
-        cls, me: str, group: Sequence[str], owners: Sequence[str] | None, numel: int, align: int
+        cls,
+        me: str,
+        group: Sequence[str],
+        owners: Sequence[str] | None,
+        numel: int,
+        align: int,
+        gather: bool = False,
     ) -> PartPlan:
         """The plan for ``me`` in ``group``; ``owners`` defaults to the whole group.
+        ``gather`` all-gathers where every member is an owner (a client cannot be
+        called, so a group with one reduces by owner).
 
         Raises:
             ValueError: ``me`` is not in ``group``, an owner is not, or no one owns a part.
@@ -432,6 +448,8 @@ class PartPlan:
         if not owners or not set(owners) <= set(group):
             raise ValueError("owners must be a non-empty subset of the group")
         index = owners.index(me) if me in owners else -1
+        if gather and len(group) > 1 and owners == group:
+            return cls(group, owners, index, [(0, numel)] * len(owners), gather=True)
         return cls(group, owners, index, part_bounds(numel, len(owners), align))
 
     @property

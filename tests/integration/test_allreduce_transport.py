@@ -362,6 +362,106 @@ def test_topk_parts_reduce_to_their_union_and_a_denser_part_is_refused(
     assert victim.rejected.get("wrong_codec") == 1
 
 
+def _gather_settings(timeout: float = 15) -> AllReduceSettings:
+    return AllReduceSettings(
+        run_id=RUN, codec="topk", block_size=256, topk_k=4, topk_bits=2, timeout=timeout,
+        gather=True,
+    )  # fmt: skip
+
+
+def _topk_vectors(n: int, numel: int, seed: int) -> list[torch.Tensor]:
+    """What a node's error feedback hands the exchange: 4 values of every chunk, 2 bits."""
+    return [
+        codecs.decode(codecs.encode(v, "topk", block_size=256, k=4, bits=2))
+        for v in _vectors(n, numel, seed=seed)
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_a_gather_gives_every_member_the_unquantized_mean_and_sends_no_result(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    members = services(_gather_settings())[:3]
+    group = [m.identity.peer_id for m in members]
+    numel = 3_000
+    vectors = _topk_vectors(3, numel, seed=21)
+    weights = [1, 2, 3]
+
+    results, _ = _all_reduce(members, group, vectors, weights)
+
+    expected = _weighted_mean(vectors, weights)
+    part = len(codecs.encode(vectors[0], "topk", block_size=256, k=4, bits=2).payload)
+    for i, r in enumerate(results):
+        assert r.complete and r.owners == [group[i]]
+        assert [sorted(c) for c in r.contributors] == [sorted(group)]
+        # the exact mean of the parts, not an owner's 8-bit sparse result of it
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+        # its whole part to each of two members and theirs in; nothing else but heads
+        assert 2 * part < r.bytes_sent < 2 * part + 4_000
+        assert 2 * part < r.bytes_received < 2 * part + 4_000
+    _assert_bitwise_equal(results)
+    assert all(m.rejected == {} for m in members)
+
+
+@pytest.mark.timeout(60)
+def test_a_gather_member_that_never_sends_is_left_out_by_every_other_alike(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    timeout = 3.0
+    everyone = services(_gather_settings(timeout))
+    group = [m.identity.peer_id for m in everyone]
+    present = everyone[:3]  # the fourth is serving but never runs
+    vectors = _topk_vectors(3, 2_000, seed=22)
+    weights = [3, 1, 2]
+
+    results, elapsed = _all_reduce(present, group, vectors, weights)
+
+    assert elapsed < timeout + MARGIN
+    expected = _weighted_mean(vectors, weights)
+    for r in results:
+        assert not r.complete and r.fallback_parts == [] and r.repaired_parts == []
+        assert [sorted(c) for c in r.contributors] == [sorted(group[:3])]
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+    _assert_bitwise_equal(results)
+
+
+@pytest.mark.timeout(60)
+def test_a_gather_group_with_a_client_reduces_by_owner(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    members = services(_gather_settings())[:3]
+    group = [m.identity.peer_id for m in members]
+    owners = group[:2]  # the third cannot be dialled: it cannot be sent parts
+    vectors = _topk_vectors(3, 3_000, seed=23)
+    futures = [
+        m.transport.submit(m.run(ROUND, 0, group, v, 1, owners=owners))
+        for m, v in zip(members, vectors)
+    ]
+    results = [f.result(30) for f in futures]
+    for r in results:
+        assert r.complete and r.owners == owners and len(r.contributors) == 2
+    _assert_bitwise_equal(results)
+    assert all(m.rejected == {} for m in members)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_on_the_other_exchange_is_refused_and_nobody_crashes(
+    swarm: SimpleNamespace, services: Callable
+) -> None:
+    members = services(_gather_settings(timeout=3.0))[:2]
+    group = [m.identity.peer_id for m in members]
+    vectors = _topk_vectors(2, 2_000, seed=24)
+    # the second member reduces by owner, as a node on other settings would
+    members[1].context.settings = dataclasses.replace(members[1].settings, gather=False)
+    members[1].settings = members[1].context.settings
+    results, _ = _all_reduce(members, group, vectors, [1, 1])
+    for i, r in enumerate(results):
+        assert not r.complete
+        assert group[1 - i] not in r.peers_in  # neither took the other's part
+    assert members[0].rejected.get("group_mismatch", 0) >= 1
+    assert members[1].rejected.get("group_mismatch", 0) >= 1
+
+
 @pytest.mark.timeout(60)
 def test_client_member_contributes_to_every_part_and_owns_none(
     swarm: SimpleNamespace, services: Callable

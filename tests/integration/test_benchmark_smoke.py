@@ -262,13 +262,20 @@ def test_islands_smoke(tmp_path: Path) -> None:
 def test_sparse_smoke(tmp_path: Path) -> None:
     report = smoke("sparse", tmp_path)
     arms = report["summary"]["arms"]
-    assert set(arms) == {"ddp", "int8 H=2", "topk 3% 2b H=2", "int8 H=10", "topk 3% 2b H=10"}
+    assert set(arms) == {
+        "ddp", "int8 H=2", "topk 3% 2b H=2", "int8 H=10", "topk 3% 2b H=10",
+        "topk 3% 2b gather H=2",
+    }  # fmt: skip
     # topk sends fewer bits a sync than int8, heads and indices counted; both far below fp32
     for h in (2, 10):
         topk, int8 = arms[f"topk 3% 2b H={h}"], arms[f"int8 H={h}"]
         assert topk["bits_per_param_per_sync"] < int8["bits_per_param_per_sync"] / 4
         assert topk["outer_steps"] == int8["outer_steps"] == 20 // h
     assert int8["bits_per_param_per_sync"] < arms["ddp"]["bits_per_param_per_step"] / 2
+    # a gather of two sends its part and no result: fewer bytes than the owners' reduce
+    gathered, reduced = arms["topk 3% 2b gather H=2"], arms["topk 3% 2b H=2"]
+    assert gathered["bits_per_param_per_sync"] < reduced["bits_per_param_per_sync"]
+    assert gathered["bits_per_param_per_sync"] == reduced["allgather_bits_per_param_per_sync"]
     assert all("meets_goal" in g for g in report["goals"].values()) and report["goals"]
 
 

@@ -73,3 +73,36 @@ def test_butterfly_groups_of_two_mix_with_topk(local_swarm: Swarm) -> None:
     assert mix["windows_mixed"] == mix["windows"], mix
     assert summary["val_bpb_end"] < summary["val_bpb_start"] - 1.0
     assert not local_swarm.leftovers()
+
+
+def test_gathering_nodes_agree_and_each_screens_a_scaling_attacker_itself(
+    local_swarm: Swarm,
+) -> None:
+    # sync.exchange = "gather": every member sends its whole sparse part to every other
+    # and reduces the group's parts itself; no owner answers with a result
+    nodes, rounds = 4, 3
+    local_swarm.launch(
+        nodes,
+        rounds,
+        [*TOPK, "sync.exchange='gather'", "trust.aggregator='centered_clip'"],
+        {nodes - 1: ["--byzantine", "scale"]},
+    )
+    assert local_swarm.wait_all(280), "swarm did not finish"
+    summary = local_swarm.summary()
+    honest = local_swarm.nodes[: nodes - 1]
+    attacker = local_swarm.nodes[nodes - 1].status["peer_id"]
+    assert [n.proc.returncode for n in honest] == [0] * (nodes - 1)
+    assert summary["params_agree"], summary["rounds_disagreeing"]
+    assert summary["val_bpb_end"] < summary["val_bpb_start"] - 1.0
+    honest_ids = {n.status["peer_id"] for n in honest}
+    for node in honest:
+        flagged = summary["flagged"][str(node.index)]
+        assert not honest_ids & set(flagged), f"an honest peer was flagged: {flagged}"
+        # each honest node screened the attacker's part itself: nobody reduced for it
+        assert flagged.get(attacker) in ("quarantined", "banned"), flagged
+        syncs = _syncs(local_swarm, node.index)
+        assert {(s["round"], s["fragment"]) for s in syncs} == {
+            (r, f) for r in range(1, rounds + 1) for f in (0, 1)
+        }
+        assert all(s["owners"] == [node.status["peer_id"]] for s in syncs)
+    assert not local_swarm.leftovers()

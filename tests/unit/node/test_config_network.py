@@ -68,3 +68,20 @@ def test_topk_arguments_and_what_cannot_go_with_it() -> None:
         SyncConfig(codec="topk", topk_chunk=70_000)
     with pytest.raises(ValueError):
         SyncConfig(codec="topk", topk_bits=3)  # type: ignore[arg-type]
+
+
+def test_a_gather_is_shared_reaches_the_all_reduce_and_refuses_a_streamed_reduce() -> None:
+    from node.config import load_config
+    from node.settings import allreduce_settings
+    from node.shared_settings import settings_digest
+
+    cfg = load_config(None, ["sync.codec='topk'", "sync.exchange='gather'"])
+    assert allreduce_settings(cfg, 4).gather
+    assert not allreduce_settings(load_config(None, []), 4).gather
+    # nodes on the other exchange are on other settings: they never form a group
+    reduce = load_config(None, ["sync.codec='topk'"])
+    assert settings_digest(cfg) != settings_digest(reduce)
+    with pytest.raises(ValueError, match="sync.exchange = 'gather' with network.stream_reduce"):
+        load_config(None, ["sync.exchange='gather'", "network.stream_reduce=true"])
+    with pytest.raises(ValueError):
+        SyncConfig(exchange="allgather")  # type: ignore[arg-type]

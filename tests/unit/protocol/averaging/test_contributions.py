@@ -5,6 +5,7 @@ work it claims is read from its parts' heads, and refused when malformed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import msgpack
 import pytest
@@ -73,6 +74,25 @@ def test_a_served_contribution_opens_to_what_the_owners_decode() -> None:
     assert torch.equal(fetched.vector, expected) and fetched.tokens == 512
     assert fetched.digests == [parts[j].digest for j in sorted(parts)]
     assert fetched.claim == CLAIM and fetched.claim.batches == 2 * (6 + 4)
+
+
+def test_a_gathered_contribution_opens_from_its_whole_parts() -> None:
+    # in a gather every part is the whole vector, signed for each member
+    settings = dataclasses.replace(SETTINGS, gather=True)
+    vector = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
+    enc = codecs.encode(vector, "int8", block_size=16)
+    parts = {}
+    for j in range(len(GROUP)):
+        header = Header("part", "run", 3, 0, j, ME.peer_id)
+        meta = {"content": "update", "group": GROUP, "owners": GROUP, "weight": 7,
+                "work": CLAIMED, "exchange": "gather"}  # fmt: skip
+        parts[j] = seal_part(ME, header, {**meta, **enc.meta()}, enc.payload)
+    fetched = open_contribution(
+        _served(parts), ME.peer_id, (3, 0), NUMEL, settings, _committed(parts)
+    )
+    assert torch.equal(fetched.vector, codecs.decode(enc)) and fetched.tokens == 7
+    # read as owner-reduced parts they are the wrong size
+    assert _refused(_served(parts), _committed(parts)) == "bad_numel"
 
 
 def test_a_copy_sent_to_mix_opens_as_such_and_never_as_an_update() -> None:

@@ -118,3 +118,14 @@ def test_a_result_is_fetched_only_by_a_member_of_a_known_exchange() -> None:
 
     assert reason(b"\xc1") == "malformed"
     assert reason(msgpack.packb([1, 0, "update"])) == "not_in_round"
+
+
+def test_a_gather_acknowledgement_says_whether_the_part_was_taken() -> None:
+    from protocol.averaging.owner import gather_ack, read_gather_ack
+
+    assert read_gather_ack(gather_ack(), "p") == ""
+    assert read_gather_ack(gather_ack("late"), "p") == "late"
+    for bad in (b"", b"\xc1", msgpack.packb([1]), msgpack.packb({"taken": 1}), bytes(300)):
+        with pytest.raises(ProtocolError) as err:
+            read_gather_ack(bad, "p")
+        assert err.value.reason == "malformed"

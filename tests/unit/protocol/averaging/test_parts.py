@@ -187,6 +187,15 @@ def test_plan_of_a_client_sends_every_part_and_owns_none() -> None:
     assert owner.index == 1 and owner.bounds == plan.bounds  # everyone cuts the same parts
 
 
+def test_a_gather_plan_gives_every_member_the_whole_vector_unless_there_is_a_client() -> None:
+    plan = PartPlan.of("b", ["a", "b", "c"], None, 9, 4, gather=True)
+    assert plan.gather and plan.index == 1 and plan.bounds == [(0, 9)] * 3
+    # a client cannot be sent parts; a member alone has nobody to send to
+    with_client = PartPlan.of("b", ["a", "b", "c"], ["a", "b"], 9, 1, gather=True)
+    assert not with_client.gather and with_client.bounds == [(0, 5), (5, 9)]
+    assert not PartPlan.of("a", ["a"], None, 9, 1, gather=True).gather
+
+
 @pytest.mark.parametrize(
     ("me", "group", "owners"),
     [("z", ["a", "b"], None), ("a", ["a", "b"], []), ("a", ["a", "b"], ["a", "x"])],
