@@ -138,6 +138,28 @@ class _CommitAttack(FaultInjection):
         await commitments.commit(round_, fragment, group, digests, content)
 
 
+class _Split(FaultInjection):
+    """In a gather, sends the first other member of its group another part than the one
+    it committed to and sent the rest: the same values, one token more claimed."""
+
+    def __init__(self) -> None:
+        self._signed: tuple[Identity, Header, dict, codecs.Encoded] | None = None
+
+    def request(
+        self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
+    ) -> SealedPart:
+        self._signed = (identity, header, meta, encoded)
+        return super().request(identity, header, meta, encoded)
+
+    def sent_to(self, j: int, sealed: SealedPart) -> SealedPart:
+        if self._signed is None:
+            return sealed
+        identity, header, meta, encoded = self._signed
+        if j != (0 if header.part else 1):  # the first member other than this node
+            return sealed
+        return super().request(identity, header, dict(meta, weight=meta["weight"] + 1), encoded)
+
+
 class _BadOwner(FaultInjection):
     """Claims, in every signed result it returns, inputs nobody committed to."""
 
@@ -320,6 +342,8 @@ def make_behaviour(
         return _MaliciousOwner()
     if mode == "bad_owner":
         return _BadOwner()
+    if mode == "split":
+        return _Split()
     if mode in COMMIT_MODES:
         return _CommitAttack(mode)
     if mode == "silent":

@@ -20,9 +20,12 @@ MODES = (
     "malicious_owner",
 )
 
-COMMIT_MODES = ("equivocate", "skip_commit", "late_commit", "bad_owner")
+COMMIT_MODES = ("equivocate", "skip_commit", "late_commit", "bad_owner", "split")
 """Attacks on the commit phase (they need ``control.commit = true`` to mean anything);
-``bad_owner`` names, in its signed results, inputs other than the ones committed."""
+``bad_owner`` names, in its signed results, inputs other than the ones committed;
+``split``, in a gather (``sync.exchange = "gather"``), commits to one part and sends one
+member of its group another (claiming one token more), so that members would reduce
+different inputs."""
 
 QUIET_MODES = ("silent", "random_data", "poison", "lazy", "copy")
 """Faults that break no rule a receiver can check:

@@ -116,6 +116,16 @@ class Standings:
             return "banned"
         return None
 
+    def listed(self, peer: str) -> str | None:
+        """Why the operator's lists refuse ``peer`` (None: they admit it), its standing
+        aside: what a gather's members refuse (every honest member of a gather must
+        reduce the same parts, so a peer this node alone quarantined or banned is left
+        out through its votes, not by this node's reduction)."""
+        if peer == self.me:
+            return None
+        ok, why = self.policy.admits(peer)
+        return None if ok else why
+
     def _admission(self, peer: str, round_: int) -> tuple[str | None, Standing, bool]:
         """What :meth:`refusal` and :meth:`blocks` decide from: the operator's lists'
         refusal (None: admitted), the peer's standing, and whether it was flagged during

@@ -144,6 +144,10 @@ class Verifier:
         """Why this node does not deal with ``peer`` at all (None: it does)."""
         return self.standings.blocks(peer, round_)
 
+    def listed(self, peer: str, round_: int) -> str | None:
+        """Why the operator's lists refuse ``peer`` (a gather's only refusal)."""
+        return self.standings.listed(peer)
+
     def excluded(self, peers: Sequence[str], round_: int) -> set[str]:
         """The subset of ``peers`` this node votes to leave out of ``round_``."""
         return self.standings.excluded(peers, round_)
@@ -190,6 +194,7 @@ class Verifier:
         shared: bool = False,
         content: str = "update",
         prefix: Prefix | None = None,
+        gathered: bool = False,
     ) -> Reduction:
         """Screen, cap weights, aggregate robustly; audit every contribution.
 
@@ -198,10 +203,12 @@ class Verifier:
         computes the same values. ``content`` says what the contributions are
         (``update`` or ``weights``); each keeps its own history of norms. ``prefix``:
         what was reduced while the parts arrived (:meth:`stream_plan`); it is completed
-        when screening kept exactly its members, and ignored otherwise.
+        when screening kept exactly its members, and ignored otherwise. ``gathered`` (a
+        gather, shared too): only the operator's lists refuse a member, not its
+        standing (:meth:`~verification.standings.Standings.listed`).
         """
         rejected: dict[str, str] = {}
-        admitted = self._admitted(contributions, round_, shared, rejected)
+        admitted = self._admitted(contributions, round_, shared, rejected, gathered)
         numel = contributions[0].vector.numel()
         good = self._screened(admitted, numel, round_, fragment, content, shared, rejected)
         result = self._aggregated(good, prefix, "shared" if shared else content)
@@ -218,12 +225,17 @@ class Verifier:
         round_: int,
         shared: bool,
         rejected: dict[str, str],
+        gathered: bool = False,
     ) -> list[Contribution]:
         """The contributions whose senders this node takes anything from (the others go
-        into ``rejected`` with why); a shared reduction asks only whether they are blocked."""
+        into ``rejected`` with why); a shared reduction asks only whether they are
+        blocked, a gather's whether the operator's lists refuse them."""
         admitted = []
         for c in contributions:
-            why = self.blocks(c.peer, round_) if shared else self.refusal(c.peer, round_)
+            if gathered:
+                why = self.listed(c.peer, round_)
+            else:
+                why = self.blocks(c.peer, round_) if shared else self.refusal(c.peer, round_)
             if why:
                 rejected[c.peer] = why
             else:

@@ -35,6 +35,7 @@ import torch
 
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.contributions import CONTRIBUTION_RPC, SentParts
+from protocol.averaging.gather import PartRelay
 from protocol.averaging.member import PartMember
 from protocol.averaging.owner import RESULT_RPC, RPC_NAME, PartOwner
 from protocol.averaging.parts import (
@@ -93,7 +94,10 @@ class AllReduceService:
         )
         self.repair = PartRepair(self.context)
         sessions = SessionTable(self.context)
-        self.owner = PartOwner(self.context, sessions, planner if settings.stream_reduce else None)
+        self.relay = PartRelay(self.context, sessions)
+        self.owner = PartOwner(
+            self.context, sessions, planner if settings.stream_reduce else None, self.relay
+        )
         self.member = PartMember(self.context, sessions, self.owner, self.repair)
 
     def keep_contributions(self) -> SentParts:
@@ -182,12 +186,16 @@ class AllReduceService:
             timeout=settings.timeout + 5,
         )
         self.repair.register()
+        if settings.gather:
+            self.relay.register()
 
     def unregister(self) -> None:
         """Stop serving (the handlers :meth:`register` added)."""
         for name in (RPC_NAME, RESULT_RPC):
             self.context.transport.remove_handler(name)
         self.repair.unregister()
+        if self.settings.gather:
+            self.relay.unregister()
 
     # ---- one exchange ------------------------------------------------------------------
 

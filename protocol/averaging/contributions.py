@@ -234,18 +234,20 @@ def open_contribution(
 def _assemble(
     parts: Sequence, plan: PartPlan, key: AllReduceKey, digests: dict, peer: str, numel: int
 ) -> Fetched:
-    if [p.header.part for p in parts] != list(range(len(plan.owners))):
+    # a gather's member sent everyone one part under its own index, and committed to it
+    indices = [plan.index] if plan.gather else list(range(len(plan.owners)))
+    if [p.header.part for p in parts] != indices:
         raise ProtocolError("malformed", "not one part per owner, in order", peer)
     vector = torch.empty(numel, dtype=torch.float32)
     tokens = -1
     work = parts[0].meta.get("work")
-    for j, part in enumerate(parts):
+    for j, part in zip(indices, parts, strict=True):
         h, meta = part.header, part.meta
         if (h.round, h.fragment, meta.get("content")) != key:
             raise ProtocolError("not_in_round", f"part {j} is of another exchange", peer)
         if (meta.get("group"), meta.get("owners")) != (plan.group, plan.owners):
             raise ProtocolError("malformed", f"part {j} names another group", peer)
-        if j != plan.index and digests.get(j) != part.digest:
+        if (j != plan.index or plan.gather) and digests.get(j) != part.digest:
             raise ProtocolError("commit_mismatch", f"part {j} is not the one committed", peer)
         weight = meta.get("weight")
         if not isinstance(weight, int) or weight < 0 or tokens not in (-1, weight):

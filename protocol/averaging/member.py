@@ -29,7 +29,8 @@ import msgpack
 import torch
 
 from protocol.averaging.context import AllReduceContext
-from protocol.averaging.owner import GATHER, RESULT_RPC, RPC_NAME, PartOwner, read_gather_ack
+from protocol.averaging.gather import GATHER, read_gather_ack
+from protocol.averaging.owner import RESULT_RPC, RPC_NAME, PartOwner
 from protocol.averaging.parts import CONTENTS, AllReduceKey, AllReduceResult, PartPlan
 from protocol.averaging.repair import PartRepair
 from protocol.averaging.resultmeta import ResultFields, read_result
@@ -128,22 +129,27 @@ class PartMember:
         plan = PartPlan.of(me, group, owners, vector.numel(), ctx.settings.block_size, gather)
         vector = self.context.faults.contribution(key[0], key[1], vector)
         session = self._open(key, plan, vector, weight, done_by)
-        # in a gather every part is the whole vector: encoded once, signed per member
-        enc = ctx.encode(vector, key[2]) if plan.gather else None
-        requests = {
-            j: self.request(key, plan, j, vector[lo:hi], weight, claim, enc)
-            for j, (lo, hi) in enumerate(plan.bounds)
-            if j != plan.index
-        }
+        if plan.gather:
+            # one signed part, this node's whole vector, the same bytes to every member
+            # (committed once: no member can be sent other values than the rest)
+            part = self.request(key, plan, plan.index, vector, weight, claim)
+            sent_to = ctx.faults.sent_to
+            requests = {j: sent_to(j, part) for j in range(len(plan.owners)) if j != plan.index}
+            committed = {plan.index: part}
+        else:
+            requests = {
+                j: self.request(key, plan, j, vector[lo:hi], weight, claim)
+                for j, (lo, hi) in enumerate(plan.bounds)
+                if j != plan.index
+            }
+            committed = requests
         if ctx.sent is not None:
             own = {}
-            if plan.is_owner:
+            if plan.is_owner and not plan.gather:
                 lo, hi = plan.bounds[plan.index]
-                own[plan.index] = self.request(
-                    key, plan, plan.index, vector[lo:hi], weight, claim, enc
-                )
-            ctx.sent.keep(key, {**requests, **own})
-        await self._commit_phase(session, requests)
+                own[plan.index] = self.request(key, plan, plan.index, vector[lo:hi], weight, claim)
+            ctx.sent.keep(key, {**committed, **own})
+        await self._commit_phase(session, committed)
         session.schedule()
         if out is None:
             out = torch.empty_like(vector)
@@ -179,15 +185,14 @@ class PartMember:
         values: torch.Tensor,
         weight: int,
         claim: dict | None = None,
-        enc: codecs.Encoded | None = None,
     ) -> SealedPart:
         """The signed part message for owner ``j`` (built before anything is sent; its
-        body is a view of ``values``, not a copy, or ``enc``: ``values`` encoded); an
-        ``update``'s ``claim`` of work goes into its head."""
+        body is a view of ``values``, not a copy; in a gather ``j`` is this node's own
+        index, the one part it sends everyone); an ``update``'s ``claim`` of work goes
+        into its head."""
         ctx = self.context
         round_, fragment, content = at
-        if enc is None:
-            enc = ctx.encode(values, content)
+        enc = ctx.encode(values, content)
         header = Header("part", ctx.settings.run_id, round_, fragment, j, ctx.identity.peer_id)
         meta = {
             "content": content,

@@ -31,6 +31,7 @@ import torch
 
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.early import EarlyReduction
+from protocol.averaging.gather import GATHER, PartRelay, gather_ack, held_wire
 from protocol.averaging.parts import (
     Contribution,
     Planner,
@@ -44,7 +45,7 @@ from protocol.p2p.transport import Lease, Read, StreamedResponse
 from protocol.wire import codec as codecs
 from protocol.wire.partwire import Part, chunk_hashes, seal_part
 
-__all__ = ["GATHER", "RESULT_RPC", "RPC_NAME", "PartOwner", "gather_ack", "read_gather_ack"]
+__all__ = ["RESULT_RPC", "RPC_NAME", "PartOwner"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,7 @@ RPC_NAME = "atoll.part"
 """A member sends its part to the part's owner and gets the owner's result back."""
 RESULT_RPC = "atoll.result"
 """A member fetches an owner's signed result after a streamed one said ``redo``."""
-GATHER = "gather"
-"""A part's ``exchange`` in a gather (signed in its head; absent: reduced by its owner)."""
 _NO_VALUES = torch.empty(0)
-_MAX_ACK_BYTES = 256
 
 Answer = list[bytes | memoryview] | StreamedResponse
 
@@ -70,10 +68,16 @@ class PartOwner:
     """
 
     def __init__(
-        self, context: AllReduceContext, sessions: SessionTable, planner: Planner | None
+        self,
+        context: AllReduceContext,
+        sessions: SessionTable,
+        planner: Planner | None,
+        relay: PartRelay | None = None,
     ) -> None:
         self.context = context
         self.sessions = sessions
+        self.relay = relay
+        """In a gather, fetches the committed parts this node lacks from other members."""
         self.early = EarlyReduction(context, sessions, planner) if planner else None
         """Reduces while the parts arrive (when the reducer has a planner)."""
 
@@ -113,7 +117,8 @@ class PartOwner:
         if self.context.faults.silent_in(*at):
             await asyncio.sleep(ctx.settings.timeout * 2)  # never answers in time
             raise ProtocolError("timeout", "silent", peer)
-        blocked = ctx.judge.blocks(peer, h.round)
+        gather = ctx.settings.gather and env.meta.get("content") == "update"
+        blocked = (ctx.judge.listed if gather else ctx.judge.blocks)(peer, h.round)
         if blocked:
             raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)
         if h.fragment >= ctx.settings.fragments:
@@ -134,11 +139,16 @@ class PartOwner:
         group, owners = env.meta.get("group"), env.meta.get("owners", env.meta.get("group"))
         if group != plan.group or owners != plan.owners:
             raise ctx.reject("group_mismatch", "sender's group differs from the owner's", peer, *at)
+        blocked = None if plan.gather or not gather else ctx.judge.blocks(peer, h.round)
+        if blocked:  # a group with a client reduces by owner after all
+            raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)
         if (env.meta.get("exchange") == GATHER) != plan.gather:
             raise ctx.reject(
                 "group_mismatch", "sender's exchange differs from the owner's", peer, *at
             )
-        if peer not in plan.group or h.part != plan.index or session.owned is None:
+        # in a gather a member sends everyone its one part, under its own index
+        wanted = plan.owners.index(peer) if plan.gather and peer in plan.owners else plan.index
+        if peer not in plan.group or h.part != wanted or session.owned is None:
             raise ctx.reject("wrong_part", f"part {h.part} is not owned here", peer, *at)
         return session, session.owned
 
@@ -164,6 +174,8 @@ class PartOwner:
             ctx.reject("late", "part arrived after the owner's deadline", peer, *at)
             return await self._answer_without(session, part, peer, "late")
         part.contributions[peer] = contribution
+        if session.plan is not None and session.plan.gather:
+            part.held[peer] = held_wire(env)  # for members that lack it
         part.note_in()
         return await self._reply(session, part, peer)
 
@@ -255,8 +267,10 @@ class PartOwner:
             digest=own.digest,
             tokens=int(weight),
         )
-        # Members this node's policy refuses will not be waited for.
-        expected = {p for p in plan.group if p == me or not ctx.judge.refusal(p, round_)}
+        # Members this node's policy refuses will not be waited for; in a gather, only
+        # those its lists refuse (every member must reduce the same parts)
+        refusal = ctx.judge.listed if plan.gather else ctx.judge.refusal
+        expected = {p for p in plan.group if p == me or not refusal(p, round_)}
         part = session.owned = OwnedPart(end - start, expected, contribution)
         part.note_in()
         if not part.full.is_set() and self.early is not None and part.numel and not plan.gather:
@@ -268,6 +282,8 @@ class PartOwner:
         ctx, part = self.context, session.owned
         assert part is not None
         await self._wait_for_parts(session, part)
+        if self.relay is not None and session.plan is not None and session.plan.gather:
+            await self.relay.fill(session, part, session.replies_by)
         parts_in = time.monotonic()
         part.reducing = True  # parts arriving from now on are late
         prefix = None
@@ -329,7 +345,7 @@ class PartOwner:
         """A gather's reduction, which this member keeps for itself: every member reduces
         the same parts, so it is a shared one (the inputs alone decide, as in a repair),
         and it is neither encoded nor sent."""
-        reduction = await self._reduce(session, contributions, None, shared=True)
+        reduction = await self._reduce(session, contributions, None, gathered=True)
         values = self.context.faults.reduced(reduction.vector)
         part.reply_contributors = list(reduction.used)
         part.reduce_seconds = time.monotonic() - parts_in
@@ -338,6 +354,10 @@ class PartOwner:
         part.contributions = {
             p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in part.contributions.items()
         }
+        # the parts taken are relayed to members that lack one until the exchange is over
+        asyncio.get_running_loop().call_later(
+            max(0.0, session.done_by - time.monotonic()), part.drop_reply
+        )
         return values
 
     async def _reduce(
@@ -345,7 +365,7 @@ class PartOwner:
         session: Session,
         contributions: Sequence[Contribution],
         prefix: Prefix | None,
-        shared: bool = False,
+        gathered: bool = False,
     ) -> Reduction:
         # reducing, encoding and hashing release the GIL: off the loop, which keeps
         # reading the other parts' streams meanwhile
@@ -353,7 +373,7 @@ class PartOwner:
             self.context.reducer,
             content=session.content,
             **({"prefix": prefix} if prefix is not None else {}),
-            **({"shared": True} if shared else {}),
+            **({"shared": True, "gathered": True} if gathered else {}),
         )
         round_, fragment, _ = session.key
         index = session.plan.index if session.plan is not None else -1
@@ -427,24 +447,3 @@ class PartOwner:
         asyncio.get_running_loop().call_later(
             max(0.0, session.done_by - time.monotonic()), part.drop_reply
         )
-
-
-def gather_ack(refused: str = "") -> bytes:
-    """A gather member's answer to a part: taken, or refused and why."""
-    return msgpack.packb({"taken": not refused, "reason": refused[:64]})
-
-
-def read_gather_ack(data: bytes, peer: str) -> str:
-    """Why ``peer`` refused a part it acknowledged ('' when it took it).
-
-    Raises:
-        ProtocolError: ``malformed``.
-    """
-    try:
-        ack = msgpack.unpackb(data) if len(data) <= _MAX_ACK_BYTES else None
-    except (ValueError, TypeError, msgpack.ExtraData):
-        ack = None
-    if not isinstance(ack, dict) or not isinstance(ack.get("taken"), bool):
-        raise ProtocolError("malformed", "not a gather acknowledgement", peer)
-    reason = ack.get("reason")
-    return "" if ack["taken"] else (reason if isinstance(reason, str) else "refused")

@@ -140,7 +140,9 @@ prefix=None) -> Reduction`` on the part's owner. ``shared=True`` (repair, where 
 member reduces the same inputs itself) asks for a reduction that depends on the inputs
 alone, so members agree bitwise; ``content`` says what the contributions are
 (:data:`Content`); ``prefix`` is what the owner reduced while the parts arrived, by the
-reducer's :data:`Planner` (:class:`~verification.records.Prefix`)."""
+reducer's :data:`Planner` (:class:`~verification.records.Prefix`); ``gathered=True`` (with
+``shared``: a gather, where every member reduces the group's parts) refuses a member only
+for the operator's lists (:meth:`Judge.listed`)."""
 
 Planner = Callable[[int, Sequence[tuple[str, float]], str], StreamPlan | None]
 """``(round, [(peer, weight), ...], content) -> StreamPlan | None``: how the owner may
@@ -169,6 +171,7 @@ def weighted_mean_reducer(
     shared: bool = False,
     content: str = "update",
     prefix: Prefix | None = None,
+    gathered: bool = False,
 ) -> Reduction:
     """Token-weighted mean (plain mean when every weight is zero):
     :func:`verification.aggregators.weighted_mean` of the contributions, in order."""
@@ -193,6 +196,11 @@ class Judge:
         """Why this node, as an owner, leaves ``peer``'s part out of its result at
         ``round_``; None admits it. The part is still taken and the result still
         returned to the peer, so every member of a part gets the one result."""
+        return None
+
+    def listed(self, peer: str, round_: int) -> str | None:
+        """Why the operator's lists refuse ``peer``: all a gather refuses a member for
+        (its members must reduce the same parts; standing acts through votes)."""
         return None
 
     def blocks(self, peer: str, round_: int) -> str | None:
@@ -313,6 +321,10 @@ class FaultInjection:
         self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
     ) -> SealedPart:
         return seal_part(identity, header, {**meta, **encoded.meta()}, encoded.payload)
+
+    def sent_to(self, j: int, sealed: SealedPart) -> SealedPart:
+        """In a gather, the one signed part as it goes to member ``j``."""
+        return sealed
 
     async def commit(
         self,

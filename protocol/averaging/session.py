@@ -76,6 +76,9 @@ class OwnedPart:
         """The share of the part reduced while parts arrived and kept in the result."""
         self.result_stream: StreamedResult | None = None
         """The result sent back while it is reduced (raw float32 only)."""
+        self.held: dict[str, bytes] = {}
+        """In a gather, the parts taken, as their senders sent them, for members that
+        lack one (:mod:`protocol.averaging.gather`); kept until the exchange is over."""
 
     def note_in(self) -> None:
         """Wake the reduction once every expected part is in or refused."""
@@ -103,6 +106,7 @@ class OwnedPart:
     def drop_reply(self) -> None:
         """The exchange is over: nobody gets the result any more."""
         self.reply = None
+        self.held = {}
         self.streaming = None  # its output was the reply's body
         if self.result_stream is not None:
             self.result_stream.drop()

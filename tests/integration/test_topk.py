@@ -106,3 +106,29 @@ def test_gathering_nodes_agree_and_each_screens_a_scaling_attacker_itself(
         }
         assert all(s["owners"] == [node.status["peer_id"]] for s in syncs)
     assert not local_swarm.leftovers()
+
+
+def test_a_gathering_member_that_sends_one_member_other_bytes_cannot_split_the_group(
+    local_swarm: Swarm,
+) -> None:
+    # --byzantine split commits to one part and sends its first other member another
+    # (one token more claimed): that member refuses it and takes the committed part from
+    # a member that holds it, so honest members still reduce the same parts
+    nodes, rounds = 4, 3
+    local_swarm.launch(
+        nodes, rounds, [*TOPK, "sync.exchange='gather'"], {nodes - 1: ["--byzantine", "split"]}
+    )
+    assert local_swarm.wait_all(280), "swarm did not finish"
+    summary = local_swarm.summary()
+    honest = local_swarm.nodes[: nodes - 1]
+    splitter = local_swarm.nodes[nodes - 1].status["peer_id"]
+    assert [n.proc.returncode for n in honest] == [0] * (nodes - 1)
+    assert summary["params_agree"], summary["rounds_disagreeing"]  # every round
+    assert summary["val_bpb_end"] < summary["val_bpb_start"] - 1.0
+    # the member handed other bytes refused them, charged the splitter, and was relayed
+    # the committed part
+    logs = [(n.data_dir / "node.log").read_text(errors="replace") for n in honest]
+    assert any("commit_mismatch" in log for log in logs)
+    assert any(f"took {splitter[:16]}'s part from" in log for log in logs)
+    assert any(splitter in summary["flagged"][str(n.index)] for n in honest), summary["flagged"]
+    assert not local_swarm.leftovers()

@@ -98,6 +98,20 @@ def test_commit_attacks_skip_or_equivocate() -> None:
     assert first != second and second == digests and second_group == ("a",)
 
 
+def test_a_split_sends_its_first_other_member_another_part_than_the_rest() -> None:
+    behaviour = make_behaviour("split")
+    assert behaviour.sent_to(1, sealed := _request("honest")) is sealed  # none signed yet
+    header = Header("part", "run", 1, 0, 2, ME.peer_id)  # the member's own index: 2
+    meta = {"content": "update", "weight": 5, "exchange": "gather"}
+    part = behaviour.request(ME, header, meta, codecs.encode(VECTOR, "none"))
+    assert behaviour.sent_to(1, part) is part and behaviour.sent_to(3, part) is part
+    other = behaviour.sent_to(0, part)
+    opened = open_part(other.to_bytes(), max_bytes=1 << 20)
+    assert other.digest != part.digest and opened.meta["weight"] == 6
+    assert bytes(opened.body) == bytes(part.body)  # the same values, signed anew
+    assert FaultInjection().sent_to(0, part) is part
+
+
 def test_owner_attacks_forge_inputs_or_wreck_the_result() -> None:
     meta = make_behaviour("bad_owner").reduced_meta({"digests": [b"a" * 32]})
     assert meta["digests"] != [b"a" * 32]

@@ -297,3 +297,23 @@ def test_by_default_the_first_outlier_is_charged(tmp_path: Path) -> None:
         assert v.reputation.standing(PEER, 4).violations == 1
     finally:
         v.close()
+
+
+def test_a_gather_refuses_a_member_for_the_operators_lists_only(tmp_path: Path) -> None:
+    # every member of a gather reduces the group's parts itself: a peer this node alone
+    # banned is left out through its votes, not by its reduction, or values part ways
+    denied = Identity.from_seed(b"\x03" * 32).peer_id
+    v = Verifier(TrustPolicy(deny=(denied,)), tmp_path / "g.db", ME)
+    try:
+        v.convict(PEER, 2, 0, "equivocation")
+        assert v.blocks(PEER, 3) == "banned" and v.listed(PEER, 3) is None
+        assert v.listed(denied, 3) == "denied" and v.listed(ME, 3) is None
+        parts = [_contribution(p, [1.0, 2.0]) for p in (ME, PEER, denied)]
+        gathered = v.reduce(3, 0, 0, parts, shared=True, gathered=True)
+        assert sorted(gathered.used) == sorted([ME, PEER]) and gathered.rejected == {
+            denied: "denied"
+        }
+        shared = v.reduce(3, 0, 0, parts, shared=True)  # a repair still leaves it out
+        assert sorted(shared.used) == [ME]
+    finally:
+        v.close()

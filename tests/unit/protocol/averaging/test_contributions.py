@@ -76,23 +76,32 @@ def test_a_served_contribution_opens_to_what_the_owners_decode() -> None:
     assert fetched.claim == CLAIM and fetched.claim.batches == 2 * (6 + 4)
 
 
-def test_a_gathered_contribution_opens_from_its_whole_parts() -> None:
-    # in a gather every part is the whole vector, signed for each member
+def test_a_gathered_contribution_is_its_one_committed_part() -> None:
+    # in a gather a member signs one part, its whole vector under its own index, and
+    # sends everyone the same bytes: the part it committed to
     settings = dataclasses.replace(SETTINGS, gather=True)
     vector = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
     enc = codecs.encode(vector, "int8", block_size=16)
-    parts = {}
-    for j in range(len(GROUP)):
-        header = Header("part", "run", 3, 0, j, ME.peer_id)
+
+    def part(values: torch.Tensor) -> dict[int, SealedPart]:
+        header = Header("part", "run", 3, 0, 0, ME.peer_id)
         meta = {"content": "update", "group": GROUP, "owners": GROUP, "weight": 7,
                 "work": CLAIMED, "exchange": "gather"}  # fmt: skip
-        parts[j] = seal_part(ME, header, {**meta, **enc.meta()}, enc.payload)
-    fetched = open_contribution(
-        _served(parts), ME.peer_id, (3, 0), NUMEL, settings, _committed(parts)
-    )
+        coded = codecs.encode(values, "int8", block_size=16)
+        return {0: seal_part(ME, header, {**meta, **coded.meta()}, coded.payload)}
+
+    one = part(vector)
+    committed = _committed(one, own=-1)
+    fetched = open_contribution(_served(one), ME.peer_id, (3, 0), NUMEL, settings, committed)
     assert torch.equal(fetched.vector, codecs.decode(enc)) and fetched.tokens == 7
-    # read as owner-reduced parts they are the wrong size
-    assert _refused(_served(parts), _committed(parts)) == "bad_numel"
+    # not the part committed to (it is checked, though it is the sender's own index)
+    other = part(vector + 1)
+    refused = open_contribution
+    with pytest.raises(ProtocolError) as err:
+        refused(_served(other), ME.peer_id, (3, 0), NUMEL, settings, committed)
+    assert err.value.reason == "commit_mismatch"
+    # read as parts reduced by owner, one part is not one per owner
+    assert _refused(_served(one), committed) == "malformed"
 
 
 def test_a_copy_sent_to_mix_opens_as_such_and_never_as_an_update() -> None:

@@ -121,7 +121,7 @@ def test_a_result_is_fetched_only_by_a_member_of_a_known_exchange() -> None:
 
 
 def test_a_gather_acknowledgement_says_whether_the_part_was_taken() -> None:
-    from protocol.averaging.owner import gather_ack, read_gather_ack
+    from protocol.averaging.gather import gather_ack, read_gather_ack
 
     assert read_gather_ack(gather_ack(), "p") == ""
     assert read_gather_ack(gather_ack("late"), "p") == "late"

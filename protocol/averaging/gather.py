@@ -1,0 +1,213 @@
+"""A gather's own wire: the answer to a part, and the relay of committed parts.
+
+In a gather (``sync.exchange = "gather"``, :class:`~protocol.averaging.parts.PartPlan`)
+each member signs one part, commits to its digest and sends the same bytes to every
+other member, which reduces the group's parts itself. A member's answer to a part says
+only whether it took it (:func:`gather_ack`).
+
+Honest members must reduce the same parts, or their values part ways. A sender that
+commits and then sends some members nothing, or other bytes than it committed to (which
+they refuse), would leave them without a part the rest took. So a member keeps every
+part it took until the exchange is over and serves it on :data:`RELAY_RPC`; a member
+that lacks the part of a member that committed asks the others for it
+(:meth:`PartRelay.fill`) and takes it when its sender's signature and committed digest
+check out, whoever relays it. If no honest member took the part, none has it to relay,
+and all of them leave it out alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgpack
+
+from protocol.averaging.context import AllReduceContext
+from protocol.averaging.parts import AllReduceKey
+from protocol.averaging.session import MIN_CALL_SECONDS, OwnedPart, Session, SessionTable
+from protocol.errors import ProtocolError
+from protocol.wire.partwire import Part
+
+__all__ = ["GATHER", "RELAY_RPC", "PartRelay", "gather_ack", "read_gather_ack"]
+
+logger = logging.getLogger(__name__)
+
+GATHER = "gather"
+"""A part's ``exchange`` in a gather (signed in its head; absent: reduced by its owner)."""
+RELAY_RPC = "atoll.gathered"
+"""``msgpack([round, fragment, content, sender])``: the part ``sender`` sent this member
+in that gather, if it took it."""
+
+_MAX_ACK_BYTES = 256
+_MAX_REQUEST_BYTES = 256
+_RETRY_SECONDS = 0.2
+HELD, WAITING, NONE = "held", "waiting", "none"
+
+
+def gather_ack(refused: str = "") -> bytes:
+    """A gather member's answer to a part: taken, or refused and why."""
+    return msgpack.packb({"taken": not refused, "reason": refused[:64]})
+
+
+def read_gather_ack(data: bytes, peer: str) -> str:
+    """Why ``peer`` refused a part it acknowledged ('' when it took it).
+
+    Raises:
+        ProtocolError: ``malformed``.
+    """
+    try:
+        ack = msgpack.unpackb(data) if len(data) <= _MAX_ACK_BYTES else None
+    except (ValueError, TypeError, msgpack.ExtraData):
+        ack = None
+    if not isinstance(ack, dict) or not isinstance(ack.get("taken"), bool):
+        raise ProtocolError("malformed", "not a gather acknowledgement", peer)
+    reason = ack.get("reason")
+    return "" if ack["taken"] else (reason if isinstance(reason, str) else "refused")
+
+
+def held_wire(env: Part) -> bytes:
+    """The part as its sender sent it (to relay; a copy, as its buffer goes back)."""
+    return env.evidence() + bytes(env.body)
+
+
+class PartRelay:
+    """Serves the gathered parts this node took; fetches the ones it lacks.
+
+    Args:
+        context: what the node's all-reduce shares.
+        sessions: the node's sessions.
+    """
+
+    def __init__(self, context: AllReduceContext, sessions: SessionTable) -> None:
+        self.context = context
+        self.sessions = sessions
+        self.relayed = 0
+        """Parts this node took from another member than their sender."""
+
+    def register(self) -> None:
+        self.context.transport.add_handler(
+            RELAY_RPC,
+            self.serve,
+            max_request_bytes=_MAX_REQUEST_BYTES,
+            timeout=self.context.settings.timeout + 5,
+        )
+
+    def unregister(self) -> None:
+        self.context.transport.remove_handler(RELAY_RPC)
+
+    async def serve(self, peer: str, data: bytes) -> bytes:
+        """:data:`RELAY_RPC`: ``[state, part]``: ``held`` and the part's bytes, ``waiting``
+        (this node may still take it) or ``none`` (it took none and will not)."""
+        try:
+            round_, fragment, content, sender = msgpack.unpackb(data)
+            key = (int(round_), int(fragment), str(content))
+            sender = str(sender)
+        except (ValueError, TypeError, msgpack.ExtraData) as exc:
+            raise self.context.reject("malformed", f"relay request: {exc}", peer) from None
+        session = self.sessions.get(key)
+        plan = session.plan if session is not None else None
+        part = session.owned if session is not None else None
+        if session is None or plan is None or part is None or not plan.gather:
+            raise ProtocolError("not_in_round", "no gather of that exchange here", peer)
+        if peer not in plan.group:
+            raise ProtocolError("wrong_part", "not a member of that gather", peer)
+        wire = part.held.get(sender)
+        if wire is not None:
+            self.context.tally(key, sent=len(wire))
+            return msgpack.packb([HELD, wire])
+        return msgpack.packb([NONE if part.reducing else WAITING, b""])
+
+    async def fill(self, session: Session, part: OwnedPart, by: float) -> list[str]:
+        """Fetch, from the other members, the part of every member that committed and
+        whose part this node does not hold, until ``by``; the members whose parts came."""
+        ctx, plan = self.context, session.plan
+        if ctx.commitments is None or plan is None:
+            return []  # nothing says which bytes a relayed part must be
+        round_, fragment, content = session.key
+        me = ctx.identity.peer_id
+        lacking = [
+            p
+            for p in plan.group
+            if p != me
+            and p not in part.contributions
+            and ctx.commitments.committed(p, round_, fragment, content)
+            and not ctx.judge.listed(p, round_)
+        ]
+        if not lacking:
+            return []
+        found = await asyncio.gather(*(self._fetch(session, part, p, by) for p in lacking))
+        return [p for p, ok in zip(lacking, found) if ok]
+
+    async def _fetch(self, session: Session, part: OwnedPart, sender: str, by: float) -> bool:
+        """``sender``'s committed part from any other member that took it."""
+        plan = session.plan
+        assert plan is not None
+        me = self.context.identity.peer_id
+        holders = [p for p in plan.group if p not in (me, sender)]
+        request = msgpack.packb([*session.key, sender])
+        while holders and time.monotonic() < by:
+            for holder in list(holders):
+                state, env = await self._ask(session.key, holder, sender, request, by)
+                if state == NONE:
+                    holders.remove(holder)
+                if env is not None and await self._take(session, part, sender, env):
+                    self.relayed += 1
+                    logger.info(
+                        "round %d fragment %d: took %s's part from %s",
+                        *session.key[:2], sender[:16], holder[:16],
+                    )  # fmt: skip
+                    return True
+            if holders:
+                await asyncio.sleep(min(_RETRY_SECONDS, max(0.0, by - time.monotonic())))
+        return False
+
+    async def _ask(
+        self, key: AllReduceKey, holder: str, sender: str, request: bytes, by: float
+    ) -> tuple[str, Part | None]:
+        """``holder``'s answer: its state, and ``sender``'s part opened, if it sent one."""
+        ctx = self.context
+        timeout = max(MIN_CALL_SECONDS, by - time.monotonic())
+        try:
+            data = await ctx.transport.call(
+                holder,
+                RELAY_RPC,
+                request,
+                timeout=timeout,
+                max_response_bytes=ctx.settings.max_message_bytes + _MAX_REQUEST_BYTES,
+            )
+            state, wire = msgpack.unpackb(data)
+            if state != HELD or not isinstance(wire, bytes):
+                return (NONE if state == NONE else WAITING), None
+            ctx.tally(key, received=len(data))
+            env = await ctx.open(wire, sender, kinds=("part",))
+        except (ProtocolError, ValueError, TypeError, msgpack.ExtraData) as exc:
+            logger.info("relay of %s's part from %s: %s", sender[:16], holder[:16], exc)
+            return NONE, None  # a holder that cannot answer is not asked again
+        return HELD, env
+
+    async def _take(self, session: Session, part: OwnedPart, sender: str, env: Part) -> bool:
+        """Take a relayed part as its sender's own would be taken: of this exchange and
+        this node's group, the sender's own index, and the digest it committed to."""
+        ctx, plan = self.context, session.plan
+        assert plan is not None and ctx.commitments is not None
+        h = env.header
+        if (h.round, h.fragment, env.meta.get("content")) != session.key:
+            return False
+        if env.meta.get("group") != plan.group or env.meta.get("exchange") != GATHER:
+            return False
+        if h.part != plan.owners.index(sender):
+            return False
+        refusal = await ctx.commitments.check(
+            sender, h.round, h.fragment, h.part, env.digest, session.closed_at, session.content
+        )
+        if refusal or sender in part.contributions:
+            return False
+        try:
+            contribution = ctx.decode(env, part.numel, sender)
+        except ProtocolError:
+            return False
+        part.contributions[sender] = contribution
+        part.refused.pop(sender, None)
+        part.held[sender] = held_wire(env)
+        return True
