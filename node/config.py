@@ -91,6 +91,12 @@ class AtollConfig:
                 f"'topk' (coordinate-wise on sparse parts it drops almost every value): use "
                 f"one of {', '.join(sorted(SPARSE_SAFE))}"
             )
+        if self.sync.exchange == "gather" and not (self.control.enabled and self.control.commit):
+            raise ValueError(
+                "sync.exchange = 'gather' needs control.commit = true: every member takes "
+                "each part only as the digest its sender committed to the group, or one "
+                "member could be sent other values than the rest"
+            )
         if self.sync.exchange == "gather" and self.network.stream_reduce:
             raise ValueError(
                 "sync.exchange = 'gather' with network.stream_reduce = true: in a gather "

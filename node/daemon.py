@@ -80,6 +80,8 @@ class Node:
     ) -> None:
         cfg = bind(cfg)  # digests of the model config, first weights and tokenizer
         make_behaviour(byzantine)  # an unknown mode fails before anything starts
+        if byzantine == "split" and cfg.sync.exchange != "gather":
+            raise ValueError("--byzantine split attacks a gather: set sync.exchange = 'gather'")
         self.cfg = cfg
         self.site = site
         self.byzantine = byzantine

@@ -83,5 +83,7 @@ def test_a_gather_is_shared_reaches_the_all_reduce_and_refuses_a_streamed_reduce
     assert settings_digest(cfg) != settings_digest(reduce)
     with pytest.raises(ValueError, match="sync.exchange = 'gather' with network.stream_reduce"):
         load_config(None, ["sync.exchange='gather'", "network.stream_reduce=true"])
+    with pytest.raises(ValueError, match="sync.exchange = 'gather' needs control.commit"):
+        load_config(None, ["sync.exchange='gather'", "control.commit=false"])
     with pytest.raises(ValueError):
         SyncConfig(exchange="allgather")  # type: ignore[arg-type]

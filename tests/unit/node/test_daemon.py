@@ -67,3 +67,10 @@ def test_a_node_that_starts_at_or_past_its_last_round_says_it_has_nothing_to_tra
     endless = Node(load_config(None, []), initial_peers=initial_peers)
     endless.progress.round = 50
     endless._check_rounds_left()  # run.max_rounds = 0: no last round
+
+
+def test_a_split_attacker_needs_a_gather_to_attack() -> None:
+    with pytest.raises(ValueError, match="--byzantine split attacks a gather"):
+        Node(load_config(None, []), byzantine="split")
+    topk = ["sync.codec='topk'", "sync.exchange='gather'"]
+    assert Node(load_config(None, topk), byzantine="split").byzantine == "split"
