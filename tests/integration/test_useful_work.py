@@ -44,13 +44,18 @@ BOUND = 1.08
 attackers cost the swarm some of its work until they are flagged)."""
 
 
+@pytest.mark.parametrize(
+    "exchange",
+    # a gather's checkers fetch the one part each member committed to the group
+    ["reduce", pytest.param("gather", marks=pytest.mark.slow)],
+)
 def test_a_zero_member_is_flagged_by_every_honest_node_in_mixing_groups_beside_a_lazy_one(
-    local_swarm: Swarm,
+    local_swarm: Swarm, exchange: str
 ) -> None:
     local_swarm.launch(
         NODES,
         ROUNDS,
-        CHECKS,
+        [*CHECKS, f"sync.exchange={exchange!r}"],
         {NODES - 2: ["--byzantine", "zero"], NODES - 1: ["--byzantine", "lazy"]},
     )
     assert local_swarm.wait_all(450), "swarm did not finish"
