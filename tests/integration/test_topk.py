@@ -75,6 +75,7 @@ def test_butterfly_groups_of_two_mix_with_topk(local_swarm: Swarm) -> None:
     assert not local_swarm.leftovers()
 
 
+@pytest.mark.slow
 def test_gathering_nodes_agree_and_each_screens_a_scaling_attacker_itself(
     local_swarm: Swarm,
 ) -> None:
