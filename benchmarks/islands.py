@@ -12,7 +12,8 @@ cores allow:
 - **Models**: Llama models from ``transformers``, built from configs: ``small``
   (hidden 128, 2 layers, 0.66M parameters) and, in full mode, ``medium`` (hidden 192,
   3 layers, 1.7M); ``llama-tiny`` (3.7M) takes three times ``small``'s step here, too
-  long for three seeds in the time the full mode is given.
+  long for three seeds of every arm in the time the full mode is given: it runs the
+  real swarm's check.
 - **DDP** (:func:`benchmarks._ddp.run_ddp`): :data:`_RANKS` ranks of :data:`_BATCH`
   windows each, an fp32 gradient all-reduce every step, AdamW.
 - **Two sites** (:func:`node.simulate.simulate`, the reference of the networked node's
@@ -27,11 +28,12 @@ cores allow:
   2 (butterfly layout: no all-reduce over the swarm, the pairs mix their global
   copies in fp16), the same recipe with AdamW; scored on replica 0's copy.
 
-**The real swarm against its reference**: the two-site AdamW arm of the first model
-and seed again as two real Atoll nodes (``sync.trigger = "steps"``, one core each, on
-the batches their PeerIDs are assigned), against ``node.simulate`` at seeds 0-2: the
-real swarm's final bits per byte should lie within two standard deviations of the
-reference's seeds.
+**The real swarm against its reference**: the AdamW recipe again as real Atoll nodes
+(``sync.trigger = "steps"``, one core each, on the batches their PeerIDs are assigned),
+against ``node.simulate`` at seeds 0-2 (:class:`_Check`): in quick mode the two-site
+arm of ``small`` as two nodes; in full mode four ``llama-tiny`` nodes (3.7M parameters)
+at H = 50 for 20 rounds, a batch of 4 windows each. The real swarm's final bits per
+byte should lie within two standard deviations of the reference's seeds.
 
 Every run trains the same number of steps, so the same tokens; each is scored in bits
 per byte on the same :data:`_EVAL_WINDOWS` validation windows every 50 steps. A run's **gap** is its final
@@ -40,11 +42,12 @@ reported beside it (how the gap moves with the run's length). Goal: the two site
 within 1 % of DDP or better, as in the case study.
 
 Run ``python -m benchmarks islands [--quick]``: quick, the small model for 600 steps,
-seed 0 (16 minutes here); full, ``small`` for 2,000 steps with DDP and the goal arm at
-seeds 0-2 and SOAP at seed 0, and ``medium`` for 600 steps at seed 0 (the quick
-length, so its gap stands beside ``small``'s there), one core a simulated run, seed by
-seed (about two hours here); every finished run is journaled in ``islands-runs.jsonl``
-so an interrupted run resumes; ``--smoke``: a 40-file corpus, 20 steps, 2 ranks.
+seed 0 (16 minutes here); full, ``small`` for 2,000 steps with DDP and every arm at
+seeds 0-2, ``medium`` for 600 steps (the quick length, so its gap stands beside
+``small``'s there) with DDP and the goal arm at seeds 0-2, and the ``llama-tiny`` check,
+one core a simulated run and two runs at once (the real swarms alone first); every
+finished run is journaled in ``islands-runs.jsonl`` so an interrupted run resumes;
+``--smoke``: a 40-file corpus, 20 steps, 2 ranks.
 Writes ``islands.json`` and ``islands.png``.
 """
 
