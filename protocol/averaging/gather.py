@@ -98,7 +98,7 @@ class PartRelay:
 
     async def serve(self, peer: str, data: bytes) -> bytes:
         """:data:`RELAY_RPC`: ``[state, part]``: ``held`` and the part's bytes, ``waiting``
-        (this node may still take it) or ``none`` (it took none and will not)."""
+        (its sender may still send it here) or ``none`` (its wait for parts is over)."""
         try:
             round_, fragment, content, sender = msgpack.unpackb(data)
             key = (int(round_), int(fragment), str(content))
@@ -116,7 +116,9 @@ class PartRelay:
         if wire is not None:
             self.context.tally(key, sent=len(wire))
             return msgpack.packb([HELD, wire])
-        return msgpack.packb([NONE if part.reducing else WAITING, b""])
+        # once its own wait is over no part comes to it from its sender any more: two
+        # members that both lack a part tell each other so at once
+        return msgpack.packb([NONE if part.waited else WAITING, b""])
 
     async def fill(self, session: Session, part: OwnedPart, by: float) -> list[str]:
         """Fetch, from the other members, the part of every member that committed and

@@ -282,6 +282,7 @@ class PartOwner:
         ctx, part = self.context, session.owned
         assert part is not None
         await self._wait_for_parts(session, part)
+        part.waited = True
         if self.relay is not None and session.plan is not None and session.plan.gather:
             await self.relay.fill(session, part, session.replies_by)
         parts_in = time.monotonic()

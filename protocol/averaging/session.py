@@ -57,6 +57,8 @@ class OwnedPart:
         """Every expected part is in (or refused): reduce now, not at the deadline."""
         self.reducing = False
         """The result is being computed from the parts in by then."""
+        self.waited = False
+        """The wait for the members' parts is over: no more come from their senders."""
         self.reduced = asyncio.Event()
         self.answerable = asyncio.Event()
         """A member can be answered: the result is signed, or it is streamed."""
