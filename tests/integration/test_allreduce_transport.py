@@ -8,6 +8,7 @@ hostile client is a real transport sending crafted bytes through ``Transport.cal
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -26,6 +27,7 @@ from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
+    Commitments,
     Contribution,
     FaultInjection,
     Judge,
@@ -460,6 +462,69 @@ def test_a_member_on_the_other_exchange_is_refused_and_nobody_crashes(
         assert group[1 - i] not in r.peers_in  # neither took the other's part
     assert members[0].rejected.get("group_mismatch", 0) >= 1
     assert members[1].rejected.get("group_mismatch", 0) >= 1
+
+
+class _Board:
+    """Commitments every service of a test reads: the commit phase without a channel."""
+
+    def __init__(self) -> None:
+        self.digests: dict[tuple, dict[int, bytes]] = {}
+
+    def view(self, me: str) -> Commitments:
+        board = self
+
+        class View(Commitments):
+            async def commit(self, round_, fragment, group, digests, content="update"):
+                board.digests[(me, round_, fragment, content)] = dict(digests)
+                for _ in range(100):  # bounded: 5 s for the group's commitments
+                    if all((p, round_, fragment, content) in board.digests for p in group):
+                        return
+                    await asyncio.sleep(0.05)
+
+            async def check(
+                self, peer, round_, fragment, part, digest, closed_at, content="update"
+            ):
+                committed = board.digests.get((peer, round_, fragment, content))
+                if committed is None:
+                    return "uncommitted"
+                return None if committed.get(part) == digest else "commit_mismatch"
+
+            def committed(self, peer, round_, fragment, content="update"):
+                return (peer, round_, fragment, content) in board.digests
+
+        return View()
+
+
+@pytest.mark.timeout(60)
+def test_a_gather_member_sent_other_bytes_than_committed_takes_the_part_from_another(
+    swarm: SimpleNamespace,
+) -> None:
+    from node.byzantine import make_behaviour
+
+    board = _Board()
+    members = []
+    try:
+        for transport, identity in zip(swarm.transports, swarm.identities):
+            service = AllReduceService(
+                transport, identity, _gather_settings(), commitments=board.view(identity.peer_id)
+            )
+            service.register()
+            members.append(service)
+        # the last member sends its first other member another part than it committed to
+        members[3].faults = make_behaviour("split")
+        group = [m.identity.peer_id for m in members]
+        vectors = _topk_vectors(4, 3_000, seed=25)
+        results, _ = _all_reduce(members, group, vectors, [1, 2, 3, 4])
+    finally:
+        for service in members:
+            service.unregister()
+    expected = _weighted_mean(vectors, [1, 2, 3, 4])
+    for r in results:
+        assert r.complete, r.contributors  # the splitter's committed part, everywhere
+        torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
+    _assert_bitwise_equal(results)
+    assert members[0].rejected == {"commit_mismatch": 1}
+    assert [m.relay.relayed for m in members] == [1, 0, 0, 0]
 
 
 @pytest.mark.timeout(60)
