@@ -95,6 +95,7 @@ class AllReduceService:
         self.repair = PartRepair(self.context)
         sessions = SessionTable(self.context)
         self.relay = PartRelay(self.context, sessions)
+        self._relaying = False
         self.owner = PartOwner(
             self.context, sessions, planner if settings.stream_reduce else None, self.relay
         )
@@ -186,7 +187,8 @@ class AllReduceService:
             timeout=settings.timeout + 5,
         )
         self.repair.register()
-        if settings.gather:
+        self._relaying = settings.gather
+        if self._relaying:
             self.relay.register()
 
     def unregister(self) -> None:
@@ -194,8 +196,9 @@ class AllReduceService:
         for name in (RPC_NAME, RESULT_RPC):
             self.context.transport.remove_handler(name)
         self.repair.unregister()
-        if self.settings.gather:
+        if self._relaying:
             self.relay.unregister()
+            self._relaying = False
 
     # ---- one exchange ------------------------------------------------------------------
 

@@ -27,9 +27,20 @@ from protocol.averaging.context import AllReduceContext
 from protocol.averaging.parts import AllReduceKey
 from protocol.averaging.session import MIN_CALL_SECONDS, OwnedPart, Session, SessionTable
 from protocol.errors import ProtocolError
-from protocol.wire.partwire import Part
+from protocol.wire.partwire import Part, SealedPart
 
-__all__ = ["GATHER", "RELAY_RPC", "PartRelay", "gather_ack", "read_gather_ack"]
+__all__ = [
+    "GATHER",
+    "RELAY_RPC",
+    "RPC_NAME",
+    "PartRelay",
+    "deliver",
+    "gather_ack",
+    "read_gather_ack",
+]
+
+RPC_NAME = "atoll.part"
+"""A member sends its part to the part's owner (in a gather, to every other member)."""
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +75,33 @@ def read_gather_ack(data: bytes, peer: str) -> str:
         raise ProtocolError("malformed", "not a gather acknowledgement", peer)
     reason = ack.get("reason")
     return "" if ack["taken"] else (reason if isinstance(reason, str) else "refused")
+
+
+async def deliver(
+    ctx: AllReduceContext, member: str, part: SealedPart, key: AllReduceKey, by: float
+) -> bool:
+    """Send ``part`` to ``member`` of a gather until ``by`` (once more if the stream is
+    cut): whether it took it (nothing else comes back: it reduces the part itself)."""
+    for attempt in (0, 1):
+        ctx.tally(key, sent=part.nbytes)
+        timeout = max(MIN_CALL_SECONDS, by - time.monotonic())
+        try:
+            ack = await ctx.transport.call(
+                member, RPC_NAME, part.buffers(), timeout=timeout, max_response_bytes=_MAX_ACK_BYTES
+            )
+            refused = read_gather_ack(ack, member)
+        except ProtocolError as exc:
+            retry = exc.reason == "connection_lost" and not attempt
+            if retry and by - time.monotonic() >= MIN_CALL_SECONDS:
+                continue  # the same signed part again is taken once
+            logger.warning("round %d fragment %d: member %s did not take this node's part: %s",
+                           *key[:2], member[:16], exc)  # fmt: skip
+            return False
+        if refused:
+            logger.warning("round %d fragment %d: member %s refused this node's part: %s",
+                           *key[:2], member[:16], refused)  # fmt: skip
+        return not refused
+    raise AssertionError("unreachable")
 
 
 def held_wire(env: Part) -> bytes:

@@ -29,7 +29,7 @@ import msgpack
 import torch
 
 from protocol.averaging.context import AllReduceContext
-from protocol.averaging.gather import GATHER, read_gather_ack
+from protocol.averaging.gather import GATHER, deliver
 from protocol.averaging.owner import RESULT_RPC, RPC_NAME, PartOwner
 from protocol.averaging.parts import CONTENTS, AllReduceKey, AllReduceResult, PartPlan
 from protocol.averaging.repair import PartRepair
@@ -154,6 +154,9 @@ class PartMember:
         if out is None:
             out = torch.empty_like(vector)
         run = _Run(key, plan, session, vector, weight, out, requests, started)
+        if plan.gather:
+            await self._gather(run)
+            return self._gathered(run)
         results = await asyncio.gather(*(self._part(run, j) for j in range(len(plan.owners))))
         return self._assemble(run, results)
 
@@ -253,34 +256,30 @@ class PartMember:
         return self.context.settings.repair and plan.is_owner and len(plan.owners) > 2
 
     async def _deliver(self, run: _Run, j: int) -> _PartResult:
-        """A gather: this node's whole part to member ``j``, which reduces it itself (so
-        nothing comes back but whether it took it)."""
-        member, at = run.plan.owners[j], run.key
-        request = run.requests[j]
-        for attempt in (0, 1):
-            self.context.tally(at, sent=request.nbytes)
-            timeout = max(MIN_CALL_SECONDS, run.session.replies_by - time.monotonic())
-            try:
-                ack = await self.context.transport.call(
-                    member, RPC_NAME, request.buffers(), timeout=timeout, max_response_bytes=256
+        """A gather: this node's whole part to member ``j``, which reduces it itself."""
+        member, by = run.plan.owners[j], run.session.replies_by
+        return j, await deliver(self.context, member, run.requests[j], run.key, by), []
+
+    async def _gather(self, run: _Run) -> None:
+        """A gather: this node's part to every other member while it reduces the group's
+        parts itself. Once it has, a part still on its way is given until the members'
+        wait for parts ends (they would refuse it as late after that; a member that lacks
+        it takes it from another): a silent member does not hold the exchange up."""
+        others = [j for j in range(len(run.plan.owners)) if j != run.plan.index]
+        deliveries = [asyncio.ensure_future(self._part(run, j)) for j in others]
+        try:
+            await self._part(run, run.plan.index)
+            pending = [d for d in deliveries if not d.done()]
+            if pending:
+                await asyncio.wait(
+                    pending, timeout=max(0.0, run.session.parts_by - time.monotonic())
                 )
-                refused = read_gather_ack(ack, member)
-            except ProtocolError as exc:
-                retry = exc.reason == "connection_lost" and not attempt
-                if retry and run.session.replies_by - time.monotonic() >= MIN_CALL_SECONDS:
-                    continue  # the same signed part again is taken once
-                logger.warning("round %d fragment %d: member %s did not take this node's part: %s",
-                               *at[:2], member[:16], exc)  # fmt: skip
-                return j, False, []
-            if refused:
-                logger.warning("round %d fragment %d: member %s refused this node's part: %s",
-                               *at[:2], member[:16], refused)  # fmt: skip
-            return j, not refused, []
-        raise AssertionError("unreachable")
+        finally:
+            for delivery in deliveries:
+                delivery.cancel()
+            await asyncio.gather(*deliveries, return_exceptions=True)
 
     def _assemble(self, run: _Run, results: list[_PartResult]) -> AllReduceResult:
-        if run.plan.gather:
-            return self._gathered(run)
         contributors: list[list[str]] = []
         fallback: list[int] = []
         for j, done, peers in sorted(results, key=lambda r: r[0]):

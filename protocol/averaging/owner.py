@@ -31,7 +31,7 @@ import torch
 
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.early import EarlyReduction
-from protocol.averaging.gather import GATHER, PartRelay, gather_ack, held_wire
+from protocol.averaging.gather import GATHER, RPC_NAME, PartRelay, gather_ack, held_wire
 from protocol.averaging.parts import (
     Contribution,
     Planner,
@@ -49,8 +49,6 @@ __all__ = ["RESULT_RPC", "RPC_NAME", "PartOwner"]
 
 logger = logging.getLogger(__name__)
 
-RPC_NAME = "atoll.part"
-"""A member sends its part to the part's owner and gets the owner's result back."""
 RESULT_RPC = "atoll.result"
 """A member fetches an owner's signed result after a streamed one said ``redo``."""
 _NO_VALUES = torch.empty(0)
