@@ -207,8 +207,12 @@ class Verifier:
         gather, shared too): only the operator's lists refuse a member, not its
         standing (:meth:`~verification.standings.Standings.listed`).
         """
-        rejected: dict[str, str] = {}
-        admitted = self._admitted(contributions, round_, shared, rejected, gathered)
+        # the senders this node takes anything from: a shared reduction asks only whether
+        # a sender is blocked, a gather's whether the operator's lists refuse it
+        refuse = self.listed if gathered else self.blocks if shared else self.refusal
+        why = {c.peer: refuse(c.peer, round_) for c in contributions}
+        rejected: dict[str, str] = {p: reason for p, reason in why.items() if reason}
+        admitted = [c for c in contributions if not why[c.peer]]
         numel = contributions[0].vector.numel()
         good = self._screened(admitted, numel, round_, fragment, content, shared, rejected)
         result = self._aggregated(good, prefix, "shared" if shared else content)
@@ -218,29 +222,6 @@ class Verifier:
                 rejected[c.peer] = "not_selected"
         self._audit_reduction(round_, fragment, part, contributions, used, rejected)
         return Reduction(result.vector, used, rejected)
-
-    def _admitted(
-        self,
-        contributions: Sequence[Contribution],
-        round_: int,
-        shared: bool,
-        rejected: dict[str, str],
-        gathered: bool = False,
-    ) -> list[Contribution]:
-        """The contributions whose senders this node takes anything from (the others go
-        into ``rejected`` with why); a shared reduction asks only whether they are
-        blocked, a gather's whether the operator's lists refuse them."""
-        admitted = []
-        for c in contributions:
-            if gathered:
-                why = self.listed(c.peer, round_)
-            else:
-                why = self.blocks(c.peer, round_) if shared else self.refusal(c.peer, round_)
-            if why:
-                rejected[c.peer] = why
-            else:
-                admitted.append(c)
-        return admitted
 
     def _screened(
         self,
