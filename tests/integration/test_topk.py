@@ -25,30 +25,37 @@ def _syncs(swarm: Swarm, index: int) -> list[dict]:
     return read_events(swarm.nodes[index].data_dir / "events.jsonl", "sync")
 
 
-def test_five_nodes_learn_agree_and_flag_a_scaling_attacker(local_swarm: Swarm) -> None:
-    nodes, rounds = 5, 3
-    local_swarm.launch(
-        nodes,
-        rounds,
-        [*TOPK, "network.group_size=5", "trust.aggregator='centered_clip'"],
-        {nodes - 1: ["--byzantine", "scale"]},
-    )
-    assert local_swarm.wait_all(280), "swarm did not finish"
-    summary = local_swarm.summary()
-    honest = local_swarm.nodes[: nodes - 1]
-    attacker = local_swarm.nodes[nodes - 1].status["peer_id"]
+def _contain_a_scaling_attacker(
+    swarm: Swarm, nodes: int, rounds: int, settings: list[str]
+) -> tuple[dict, dict[str, list[dict]]]:
+    """A swarm whose last node scales its parts: every honest node finished, agreed,
+    learned and flagged the attacker and no one else, and synced every fragment of
+    every round. The summary, and each honest node's syncs by its PeerID."""
+    swarm.launch(nodes, rounds, settings, {nodes - 1: ["--byzantine", "scale"]})
+    assert swarm.wait_all(280), "swarm did not finish"
+    summary = swarm.summary()
+    honest = swarm.nodes[: nodes - 1]
+    attacker = swarm.nodes[nodes - 1].status["peer_id"]
     assert [n.proc.returncode for n in honest] == [0] * (nodes - 1)
     assert summary["params_agree"], summary["rounds_disagreeing"]
     assert summary["val_bpb_end"] < summary["val_bpb_start"] - 1.0
     honest_ids = {n.status["peer_id"] for n in honest}
+    syncs = {}
     for node in honest:
         flagged = summary["flagged"][str(node.index)]
         assert not honest_ids & set(flagged), f"an honest peer was flagged: {flagged}"
         assert flagged.get(attacker) in ("quarantined", "banned"), flagged
         # every round synced both fragments (the attacker's parts left out: not complete)
-        assert {(s["round"], s["fragment"]) for s in _syncs(local_swarm, node.index)} == {
+        mine = syncs[node.status["peer_id"]] = _syncs(swarm, node.index)
+        assert {(s["round"], s["fragment"]) for s in mine} == {
             (r, f) for r in range(1, rounds + 1) for f in (0, 1)
         }
+    return summary, syncs
+
+
+def test_five_nodes_learn_agree_and_flag_a_scaling_attacker(local_swarm: Swarm) -> None:
+    settings = [*TOPK, "network.group_size=5", "trust.aggregator='centered_clip'"]
+    summary, _ = _contain_a_scaling_attacker(local_swarm, 5, 3, settings)
     # sparse parts and their union results: far below the int8 codec's bytes (the int8
     # three-node test sends under a tenth of DDP's; topk sends under a hundredth here)
     assert sum(summary["bytes_sent_per_node"]) * 100 < sum(summary["ddp_bytes_per_node"])
@@ -80,32 +87,12 @@ def test_gathering_nodes_agree_and_each_screens_a_scaling_attacker_itself(
     local_swarm: Swarm,
 ) -> None:
     # sync.exchange = "gather": every member sends its whole sparse part to every other
-    # and reduces the group's parts itself; no owner answers with a result
-    nodes, rounds = 4, 3
-    local_swarm.launch(
-        nodes,
-        rounds,
-        [*TOPK, "sync.exchange='gather'", "trust.aggregator='centered_clip'"],
-        {nodes - 1: ["--byzantine", "scale"]},
-    )
-    assert local_swarm.wait_all(280), "swarm did not finish"
-    summary = local_swarm.summary()
-    honest = local_swarm.nodes[: nodes - 1]
-    attacker = local_swarm.nodes[nodes - 1].status["peer_id"]
-    assert [n.proc.returncode for n in honest] == [0] * (nodes - 1)
-    assert summary["params_agree"], summary["rounds_disagreeing"]
-    assert summary["val_bpb_end"] < summary["val_bpb_start"] - 1.0
-    honest_ids = {n.status["peer_id"] for n in honest}
-    for node in honest:
-        flagged = summary["flagged"][str(node.index)]
-        assert not honest_ids & set(flagged), f"an honest peer was flagged: {flagged}"
-        # each honest node screened the attacker's part itself: nobody reduced for it
-        assert flagged.get(attacker) in ("quarantined", "banned"), flagged
-        syncs = _syncs(local_swarm, node.index)
-        assert {(s["round"], s["fragment"]) for s in syncs} == {
-            (r, f) for r in range(1, rounds + 1) for f in (0, 1)
-        }
-        assert all(s["owners"] == [node.status["peer_id"]] for s in syncs)
+    # and reduces the group's parts itself; no owner answers with a result, and each
+    # honest node screened the attacker's part itself
+    settings = [*TOPK, "sync.exchange='gather'", "trust.aggregator='centered_clip'"]
+    _, syncs = _contain_a_scaling_attacker(local_swarm, 4, 3, settings)
+    for me, mine in syncs.items():
+        assert all(s["owners"] == [me] for s in mine)
     assert not local_swarm.leftovers()
 
 
