@@ -11,7 +11,6 @@ act elsewhere: on the data (:func:`training_data`), on the inner loop
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import hashlib
@@ -26,11 +25,10 @@ from node.config import TrainConfig
 from node.data import BatchStream
 from node.fault_modes import ALL_MODES, COMMIT_MODES, MODES, QUIET_MODES, parse_mode
 from node.trainer import InnerTrainer, StepResult, lr_at
-from protocol.averaging.parts import Commitments, FaultInjection
+from protocol.averaging.parts import FaultInjection
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import SealedPart
-from verification.identity import Identity
 
 __all__ = [
     "ALL_MODES",
@@ -81,33 +79,33 @@ class _WireAttack(FaultInjection):
         self.mode = mode
         self._first: dict[tuple[int, int, str], SealedPart] = {}
 
-    def request(
-        self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
-    ) -> SealedPart:
-        if self.mode == "replay":
-            # The first message sent for this (fragment, part, content), resent in every
-            # later round.
-            key = (header.fragment, header.part, str(meta.get("content")))
-            if key not in self._first:  # kept: its own copy of the body
-                copied = dataclasses.replace(encoded, payload=bytes(encoded.payload))
-                self._first[key] = super().request(identity, header, meta, copied)
-            return self._first[key]
-        honest = super().request(identity, header, meta, encoded)
-        if self.mode == "bad_signature":
-            signature = bytearray(honest.signature)
-            signature[-1] ^= 0x01
-            return dataclasses.replace(honest, signature=bytes(signature))
+    def part(self, meta: dict, encoded: codecs.Encoded) -> tuple[dict, codecs.Encoded]:
         if self.mode == "inflated_tokens":
-            return super().request(identity, header, dict(meta, weight=10**12), encoded)
+            return dict(meta, weight=10**12), encoded
         if self.mode == "wrong_shape":
             longer = torch.cat([codecs.decode(encoded), torch.zeros(1)])
             enc = codecs.encode(
                 longer, encoded.codec, block_size=encoded.block_size, k=encoded.k, bits=encoded.bits
             )
-            return super().request(identity, header, meta, enc)
+            return meta, enc
         if self.mode == "nan":
-            return super().request(identity, header, meta, _nan(encoded))
-        raise AssertionError(self.mode)
+            return meta, _nan(encoded)
+        return meta, encoded
+
+    def sealed(self, header: Header, meta: dict, sealed: SealedPart) -> SealedPart:
+        if self.mode == "replay":
+            # The first message sent for this (fragment, part, content), resent in every
+            # later round.
+            key = (header.fragment, header.part, str(meta.get("content")))
+            if key not in self._first:  # kept: its own copy of the body
+                body = memoryview(bytes(sealed.body))
+                self._first[key] = dataclasses.replace(sealed, body=body)
+            return self._first[key]
+        if self.mode == "bad_signature":
+            signature = bytearray(sealed.signature)
+            signature[-1] ^= 0x01
+            return dataclasses.replace(sealed, signature=bytes(signature))
+        return sealed
 
 
 class _CommitAttack(FaultInjection):
@@ -115,49 +113,29 @@ class _CommitAttack(FaultInjection):
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
+        # late_commit: commit only once every owner's commit phase has closed
+        self.commit_delay = _LATE_COMMIT_SECONDS if mode == "late_commit" else 0.0
 
-    async def commit(
-        self,
-        commitments: Commitments,
-        round_: int,
-        fragment: int,
-        group: Sequence[str],
-        digests: dict[int, bytes],
-        content: str = "update",
-    ) -> None:
+    def commits(
+        self, group: Sequence[str], digests: dict[int, bytes]
+    ) -> list[tuple[Sequence[str], dict[int, bytes]]]:
         if self.mode == "skip_commit":
-            return
+            return []
         if self.mode == "late_commit":
-            # Commit only once every owner's commit phase has closed, then send the parts.
-            await asyncio.sleep(_LATE_COMMIT_SECONDS)
-            await commitments.commit(round_, fragment, (), digests, content)
-            return
+            return [((), digests)]
         # equivocate: commit to other parts first, then to the real ones
         other = {j: hashlib.sha256(b"other" + d).digest() for j, d in digests.items()}
-        await commitments.commit(round_, fragment, (), other, content)
-        await commitments.commit(round_, fragment, group, digests, content)
+        return [((), other), (group, digests)]
 
 
 class _Split(FaultInjection):
     """In a gather, sends the first other member of its group another part than the one
     it committed to and sent the rest: the same values, one token more claimed."""
 
-    def __init__(self) -> None:
-        self._signed: tuple[Identity, Header, dict, codecs.Encoded] | None = None
-
-    def request(
-        self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
-    ) -> SealedPart:
-        self._signed = (identity, header, meta, encoded)
-        return super().request(identity, header, meta, encoded)
-
-    def sent_to(self, j: int, sealed: SealedPart) -> SealedPart:
-        if self._signed is None:
-            return sealed
-        identity, header, meta, encoded = self._signed
+    def sent_to(self, j: int, header: Header, meta: dict) -> dict:
         if j != (0 if header.part else 1):  # the first member other than this node
-            return sealed
-        return super().request(identity, header, dict(meta, weight=meta["weight"] + 1), encoded)
+            return meta
+        return dict(meta, weight=meta["weight"] + 1)
 
 
 class _BadOwner(FaultInjection):

@@ -31,7 +31,14 @@ import torch
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.gather import GATHER, deliver
 from protocol.averaging.owner import RESULT_RPC, RPC_NAME, PartOwner
-from protocol.averaging.parts import CONTENTS, AllReduceKey, AllReduceResult, PartPlan
+from protocol.averaging.parts import (
+    CONTENTS,
+    AllReduceKey,
+    AllReduceResult,
+    PartPlan,
+    seal_for,
+    seal_with,
+)
 from protocol.averaging.repair import PartRepair
 from protocol.averaging.resultmeta import ResultFields, read_result
 from protocol.averaging.session import MIN_CALL_SECONDS, Session, SessionTable
@@ -132,9 +139,13 @@ class PartMember:
         if plan.gather:
             # one signed part, this node's whole vector, the same bytes to every member
             # (committed once: no member can be sent other values than the rest)
-            part = self.request(key, plan, plan.index, vector, weight, claim)
-            sent_to = ctx.faults.sent_to
-            requests = {j: sent_to(j, part) for j in range(len(plan.owners)) if j != plan.index}
+            header, meta, enc = self._fields(key, plan, plan.index, vector, weight, claim)
+            part = seal_with(ctx.faults, ctx.identity, header, meta, enc)
+            requests = {
+                j: seal_for(ctx.faults, ctx.identity, j, part, header, meta, enc)
+                for j in range(len(plan.owners))
+                if j != plan.index
+            }
             committed = {plan.index: part}
         else:
             requests = {
@@ -190,9 +201,23 @@ class PartMember:
         claim: dict | None = None,
     ) -> SealedPart:
         """The signed part message for owner ``j`` (built before anything is sent; its
-        body is a view of ``values``, not a copy; in a gather ``j`` is this node's own
-        index, the one part it sends everyone); an ``update``'s ``claim`` of work goes
-        into its head."""
+        body is a view of ``values``, not a copy)."""
+        ctx = self.context
+        header, meta, enc = self._fields(at, plan, j, values, weight, claim)
+        return seal_with(ctx.faults, ctx.identity, header, meta, enc)
+
+    def _fields(
+        self,
+        at: AllReduceKey,
+        plan: PartPlan,
+        j: int,
+        values: torch.Tensor,
+        weight: int,
+        claim: dict | None,
+    ) -> tuple[Header, dict, codecs.Encoded]:
+        """The header, fields and encoded values of the part for owner ``j`` (in a gather
+        ``j`` is this node's own index, the one part it sends everyone); an ``update``'s
+        ``claim`` of work goes into its head."""
         ctx = self.context
         round_, fragment, content = at
         enc = ctx.encode(values, content)
@@ -207,7 +232,7 @@ class PartMember:
             meta["work"] = claim
         if plan.gather:
             meta["exchange"] = GATHER
-        return self.context.faults.request(ctx.identity, header, meta, enc)
+        return header, meta, enc
 
     async def _commit_phase(self, session: Session, requests: dict[int, SealedPart]) -> None:
         """Commit to every part's digest and wait for the group's, when commitments are on."""
@@ -216,10 +241,12 @@ class PartMember:
         commitments, group = self.context.commitments, session.plan.group
         try:
             if commitments is not None:
+                faults = self.context.faults
                 digests = {j: request.digest for j, request in requests.items()}
-                await self.context.faults.commit(
-                    commitments, round_, fragment, group, digests, content
-                )
+                if faults.commit_delay > 0:
+                    await asyncio.sleep(faults.commit_delay)
+                for waited, made in faults.commits(group, digests):
+                    await commitments.commit(round_, fragment, waited, made, content)
         finally:
             session.closed_at = time.monotonic()
             session.committed.set()

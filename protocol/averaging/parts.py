@@ -13,7 +13,8 @@ member sides) and the repair of a part whose owner failed (:mod:`protocol.averag
 * the default reducer, a token-weighted mean (:func:`weighted_mean_reducer`, and its
   :data:`Planner` for reducing while parts arrive);
 * the three hooks a node plugs in: :class:`Judge` (trust decisions),
-  :class:`Commitments` (the commit phase) and :class:`FaultInjection` (tests only).
+  :class:`Commitments` (the commit phase) and :class:`FaultInjection` (tests only:
+  it transforms what the honest code signs and commits, :func:`seal_with`).
 
 What the sides of one node's all-reduce share at run time (transport, key, counters,
 the one place a part is decoded or refused) is
@@ -53,6 +54,8 @@ __all__ = [
     "Reduction",
     "StreamPlan",
     "part_bounds",
+    "seal_for",
+    "seal_with",
     "weighted_mean_plan",
     "weighted_mean_reducer",
 ]
@@ -310,32 +313,36 @@ class Commitments:
 class FaultInjection:
     """How this node acts in an all-reduce: honestly, unless a fault is injected.
 
-    ``atoll run --byzantine MODE`` (tests and benchmarks) overrides these hooks;
-    nothing in the honest path depends on them.
+    ``atoll run --byzantine MODE`` (tests and benchmarks) overrides these hooks. Each one
+    only transforms what the honest code hands it and returns it unchanged by default:
+    the member signs its parts (:func:`seal_with`) and commits to their digests itself,
+    and the owner signs its result itself.
     """
 
     def contribution(self, round_: int, fragment: int, vector: torch.Tensor) -> torch.Tensor:
         return vector
 
-    def request(
-        self, identity: Identity, header: Header, meta: dict, encoded: codecs.Encoded
-    ) -> SealedPart:
-        return seal_part(identity, header, {**meta, **encoded.meta()}, encoded.payload)
+    def part(self, meta: dict, encoded: codecs.Encoded) -> tuple[dict, codecs.Encoded]:
+        """A part's fields and values before they are signed."""
+        return meta, encoded
 
-    def sent_to(self, j: int, sealed: SealedPart) -> SealedPart:
-        """In a gather, the one signed part as it goes to member ``j``."""
+    def sealed(self, header: Header, meta: dict, sealed: SealedPart) -> SealedPart:
+        """A signed part as it goes on the wire."""
         return sealed
 
-    async def commit(
-        self,
-        commitments: Commitments,
-        round_: int,
-        fragment: int,
-        group: Sequence[str],
-        digests: dict[int, bytes],
-        content: str = "update",
-    ) -> None:
-        await commitments.commit(round_, fragment, group, digests, content)
+    def sent_to(self, j: int, header: Header, meta: dict) -> dict:
+        """In a gather, the fields of the one part as signed for member ``j`` (the same
+        ``meta`` object: the one part everyone gets)."""
+        return meta
+
+    commit_delay: float = 0.0
+    """Seconds to wait before committing."""
+
+    def commits(
+        self, group: Sequence[str], digests: dict[int, bytes]
+    ) -> list[tuple[Sequence[str], dict[int, bytes]]]:
+        """The commitments made, in order, as ``(group waited for, digests)``."""
+        return [(group, digests)]
 
     def reduced_meta(self, meta: dict) -> dict:
         return meta
@@ -360,6 +367,38 @@ class FaultInjection:
 
     stream_results: bool = True
     """As an owner, stream its result back while reducing (when settings allow it)."""
+
+
+def seal_with(
+    faults: FaultInjection,
+    identity: Identity,
+    header: Header,
+    meta: dict,
+    encoded: codecs.Encoded,
+) -> SealedPart:
+    """The signed part this node sends: ``faults`` may change its fields and values
+    before signing and the signed message after."""
+    meta, encoded = faults.part(meta, encoded)
+    sealed = seal_part(identity, header, {**meta, **encoded.meta()}, encoded.payload)
+    return faults.sealed(header, meta, sealed)
+
+
+def seal_for(
+    faults: FaultInjection,
+    identity: Identity,
+    j: int,
+    part: SealedPart,
+    header: Header,
+    meta: dict,
+    encoded: codecs.Encoded,
+) -> SealedPart:
+    """In a gather, the one signed ``part`` (made by :func:`seal_with` from ``header``,
+    ``meta`` and ``encoded``) as member ``j`` gets it: itself, unless ``faults`` signs
+    member ``j`` other fields."""
+    fields = faults.sent_to(j, header, meta)
+    if fields is meta:
+        return part
+    return seal_part(identity, header, {**fields, **encoded.meta()}, encoded.payload)
 
 
 def part_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:

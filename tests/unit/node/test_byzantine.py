@@ -14,7 +14,7 @@ from node.data import BatchStream
 from node.fault_modes import parse_mode
 from node.model import build_model
 from node.trainer import InnerTrainer
-from protocol.averaging.parts import FaultInjection
+from protocol.averaging.parts import FaultInjection, seal_for, seal_with
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import open_part
@@ -28,7 +28,7 @@ def _request(mode: str, round_: int = 1):
     behaviour = make_behaviour(mode)
     header = Header("part", "run", round_, 0, 0, ME.peer_id)
     meta = {"content": "update", "weight": 5}
-    return behaviour.request(ME, header, meta, codecs.encode(VECTOR, "none"))
+    return seal_with(behaviour, ME, header, meta, codecs.encode(VECTOR, "none"))
 
 
 def test_honest_is_the_default_and_an_unknown_mode_is_named() -> None:
@@ -74,9 +74,10 @@ def test_wire_attacks_break_the_rule_a_receiver_checks() -> None:
 def test_a_replay_resends_the_first_part_in_every_later_round() -> None:
     behaviour = make_behaviour("replay")
     header = Header("part", "run", 1, 0, 0, ME.peer_id)
-    first = behaviour.request(ME, header, {"content": "update"}, codecs.encode(VECTOR, "none"))
+    first = seal_with(behaviour, ME, header, {"content": "update"}, codecs.encode(VECTOR, "none"))
     header5 = Header("part", "run", 5, 0, 0, ME.peer_id)
-    later = behaviour.request(ME, header5, {"content": "update"}, codecs.encode(2 * VECTOR, "none"))
+    twice = codecs.encode(2 * VECTOR, "none")
+    later = seal_with(behaviour, ME, header5, {"content": "update"}, twice)
     assert later is first
 
 
@@ -88,28 +89,39 @@ class _Commitments:
         self.made.append((tuple(group), dict(digests)))
 
 
+def _commit(mode: str, commitments: _Commitments, group: list[str], digests: dict) -> None:
+    """Commit as a member does (``_commit_phase``), with ``mode``'s changes."""
+    behaviour = make_behaviour(mode)
+    for waited, made in behaviour.commits(group, digests):
+        asyncio.run(commitments.commit(1, 0, waited, made))
+
+
 def test_commit_attacks_skip_or_equivocate() -> None:
     digests = {0: b"d" * 32}
-    skipped, twice = _Commitments(), _Commitments()
-    asyncio.run(make_behaviour("skip_commit").commit(skipped, 1, 0, ["a"], digests))
-    asyncio.run(make_behaviour("equivocate").commit(twice, 1, 0, ["a"], digests))
+    skipped, twice, late = _Commitments(), _Commitments(), _Commitments()
+    _commit("skip_commit", skipped, ["a"], digests)
+    _commit("equivocate", twice, ["a"], digests)
+    _commit("late_commit", late, ["a"], digests)
     assert skipped.made == []
     (first_group, first), (second_group, second) = twice.made
     assert first != second and second == digests and second_group == ("a",)
+    assert late.made == [((), digests)] and make_behaviour("late_commit").commit_delay > 2
+    assert make_behaviour(None).commits(["a"], digests) == [(["a"], digests)]
 
 
 def test_a_split_sends_its_first_other_member_another_part_than_the_rest() -> None:
     behaviour = make_behaviour("split")
-    assert behaviour.sent_to(1, sealed := _request("honest")) is sealed  # none signed yet
     header = Header("part", "run", 1, 0, 2, ME.peer_id)  # the member's own index: 2
     meta = {"content": "update", "weight": 5, "exchange": "gather"}
-    part = behaviour.request(ME, header, meta, codecs.encode(VECTOR, "none"))
-    assert behaviour.sent_to(1, part) is part and behaviour.sent_to(3, part) is part
-    other = behaviour.sent_to(0, part)
+    enc = codecs.encode(VECTOR, "none")
+    part = seal_with(behaviour, ME, header, meta, enc)
+    assert seal_for(behaviour, ME, 1, part, header, meta, enc) is part
+    assert seal_for(behaviour, ME, 3, part, header, meta, enc) is part
+    other = seal_for(behaviour, ME, 0, part, header, meta, enc)
     opened = open_part(other.to_bytes(), max_bytes=1 << 20)
     assert other.digest != part.digest and opened.meta["weight"] == 6
     assert bytes(opened.body) == bytes(part.body)  # the same values, signed anew
-    assert FaultInjection().sent_to(0, part) is part
+    assert seal_for(FaultInjection(), ME, 0, part, header, meta, enc) is part
 
 
 def test_owner_attacks_forge_inputs_or_wreck_the_result() -> None:
