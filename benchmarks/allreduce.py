@@ -140,7 +140,7 @@ class _AtollPeer:
         group = [info["peer_id"] for info in infos]
         round_ = repeat + 1
         # the owner side only accepts rounds near the one it is in
-        self.service.current_round = round_
+        self.service.clock.start(round_)
         t0 = time.perf_counter()
         taken = self.service.results_streamed
         own = self.own if vector is None else vector

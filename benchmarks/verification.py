@@ -205,7 +205,7 @@ class SwitchingPeer:
         clock = self.clocks[mode]
         before, rejected = dict(clock.seconds), Counter(self.service.rejected)
         round_ = repeat + 1
-        self.service.current_round = round_
+        self.service.clock.start(round_)
         t0 = time.perf_counter()
         run = self.service.run(
             round_, 0, [i["peer_id"] for i in infos], self.own, 1000, out=self.out

@@ -224,6 +224,7 @@ class Node:
             self.initial_peers,
             self.byzantine,
             __version__,
+            self.progress.clock,
         )
         network = start_network(cfg, transport, inputs, training, events, reporter.vitals)
         self.network = reporter.network = network

@@ -231,8 +231,8 @@ class TrainingLoop:
     def _launch(self, r: int, f: int, tokens: int) -> Pending:
         """Start the sync of fragment ``f`` for round ``r`` with the tokens trained for it."""
         self.rounds.pull()
+        self.progress.clock.start(r)
         verifier = self.network.verifier
-        verifier.round = max(verifier.round, r)
         # Wait for every live peer, suspects included: they count in everyone's view of
         # the round, and whether they are left out is decided by vote (voted_out).
         expected = self.network.live_peers()
@@ -335,7 +335,7 @@ class TrainingLoop:
         """Where this node comes in on the wall clock, from the state round it holds."""
         held = self.progress.round
         place = wall.place(held, lead=self.cfg.network.matchmaking_seconds)
-        self.progress.round = place.round_
+        self.progress.clock.finish(place.round_)
         if place.joins is None:
             return
         if place.contributes_from is not None:

@@ -54,6 +54,7 @@ from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
 from protocol.wire.feedback import ErrorFeedback
 from verification.identity import Identity
+from verification.rounds import RoundClock
 from verification.verifier import Verifier
 
 __all__ = [
@@ -89,7 +90,8 @@ class Progress:
     """Where a node's training stands.
 
     Attributes:
-        round: the last round this node finished.
+        clock: the node's round clock, which every layer reads (:attr:`round`: the last
+            round this node finished).
         busy: seconds spent in inner steps.
         bytes_sent: bytes this node's syncs sent.
         alone_syncs: syncs averaged alone while peers were live.
@@ -107,7 +109,7 @@ class Progress:
         checkpoint_time: when it was written (``time.time``).
     """
 
-    round: int = 0
+    clock: RoundClock = field(default_factory=RoundClock)
     busy: float = 0.0
     bytes_sent: int = 0
     alone_syncs: int = 0
@@ -122,6 +124,11 @@ class Progress:
     global_digest: tuple[int, str] | None = None
     checkpointed_round: int | None = None
     checkpoint_time: float | None = None
+
+    @property
+    def round(self) -> int:
+        """The last round this node finished."""
+        return self.clock.ended
 
 
 @dataclass
@@ -318,6 +325,7 @@ class NetworkInputs:
     initial_peers: tuple[str, ...]
     byzantine: str | None
     version: str
+    clock: RoundClock
 
 
 def start_network(
@@ -337,7 +345,8 @@ def start_network(
     view = peer_view_settings(cfg, key_file, inputs.spec_digest, inputs.initial_peers)
     peers = PeerView(transport, identity, view, heard=hearing)
     transport.run(peers.ensure_identity_free(), 4 * net.request_timeout + 10)
-    verifier = Verifier(cfg.trust, inputs.data_dir / "atoll.db", identity.peer_id, events)
+    db = inputs.data_dir / "atoll.db"
+    verifier = Verifier(cfg.trust, db, identity.peer_id, events, inputs.clock)
     control: ControlPlane | None = None
     try:
         if cfg.control.enabled:
@@ -379,6 +388,7 @@ def _swarm_side(
         judge=verifier,
         faults=make_behaviour(inputs.byzantine, cfg.run.seed, training.outer.global_vector),
         commitments=commitments,
+        clock=inputs.clock,
     )
     allreduce.register()
     settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))

@@ -100,7 +100,7 @@ class Rounds:
             # it, and the sent check would fail on it (verification/binding.py)
             for f in range(len(t.plan)):
                 t.outer.sync_local(t.model, f)
-        self.progress.round = state["round"]
+        self.progress.clock.finish(state["round"])
         logger.info("resumed from %s (round %d)", info.path.name, self.progress.round)
         self.events.write("resume", round=self.progress.round, checkpoint=info.path.name)
 
@@ -147,7 +147,7 @@ class Rounds:
             else:
                 t.outer.sync_local(t.model, f)
                 t.feedback[f].reset()
-        self.progress.round = max(self.progress.round, snap.round)
+        self.progress.clock.finish(max(self.progress.round, snap.round))
         t.site.model_changed()
         # Follow the swarm's place in the inner learning-rate schedule: a newcomer at
         # its warmup peak would take steps far larger than everyone else's.
@@ -241,7 +241,7 @@ class Rounds:
             Whether the node's unsynced local work was dropped: a joiner that took the
             swarm's state starts its first contribution from it.
         """
-        self.progress.round = r
+        self.progress.clock.finish(r)
         self.pull()
         digest, went_wrong, dropped = self._settle(r, resync, joining)
         checks = self.network.checks

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from verification.policy import TrustPolicy
 from verification.reputation import ReputationStore, Standing
+from verification.rounds import RoundClock
 
 __all__ = ["EventSink", "Standings", "repeated"]
 
@@ -65,13 +66,14 @@ class Standings:
         reputation: ReputationStore,
         lock: threading.RLock,
         events: EventSink | None,
+        clock: RoundClock,
     ) -> None:
         self.policy = policy
         self.me = me
         self.reputation = reputation
         self.events = events
-        self.round = 0
-        """The newest round this node works on (a flag counts from it at the earliest)."""
+        self.clock = clock
+        """This node's rounds (a flag counts from the current one at the earliest)."""
         self._lock = lock
         self._flagged_at: dict[str, int] = {}
         self._outliers: dict[str, deque[int]] = {}  # rounds a peer failed a screen in
@@ -190,7 +192,7 @@ class Standings:
             elif action == "ban" and standing.status != "banned":
                 standing = self.reputation.ban(peer, reason)
             if standing.status != "ok":
-                self._flagged_at.setdefault(peer, max(round_, self.round))
+                self._flagged_at.setdefault(peer, max(round_, self.clock.current))
         logger.warning(
             "peer %s round %d fragment %s: %s (%s); %s, score %.2f",
             *(peer, round_, fragment, reason, detail, standing.status, standing.score),
@@ -245,13 +247,13 @@ class Standings:
                 self.reputation.ban(peer, reason)
             elif standing.status == "ok":
                 self.reputation.quarantine(peer, round_, self.policy.quarantine_rounds, reason)
-            self._flagged_at.setdefault(peer, max(round_, self.round))
+            self._flagged_at.setdefault(peer, max(round_, self.clock.current))
 
     def ban(self, peer: str, reason: str) -> Standing:
         """The operator bans ``peer`` (from the next round: this round's groups are formed)."""
         with self._lock:
             standing = self.reputation.ban(peer, reason)
-            self._flagged_at.setdefault(peer, self.round)
+            self._flagged_at.setdefault(peer, self.clock.current)
         return standing
 
     def pardon(self, peer: str, reason: str) -> Standing:

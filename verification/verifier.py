@@ -38,6 +38,7 @@ from verification.plausibility import MIN_FOR_STATISTICS, Plausibility
 from verification.policy import TrustPolicy
 from verification.records import Contribution, Prefix, Reduction, StreamPlan
 from verification.reputation import ReputationStore
+from verification.rounds import RoundClock
 from verification.screening import Candidate, ScreeningConfig, Verdict, screen, screen_copies
 from verification.shares import max_share_weights
 from verification.standings import EventSink, Standings, repeated
@@ -87,12 +88,20 @@ class Verifier:
         db_path: the node's SQLite file (audit log and reputations).
         me: this node's PeerID.
         events: the node's event log, for one line per verdict that costs a peer.
+        clock: the node's round clock (default: a clock of its own, at round 0).
     """
 
     def __init__(
-        self, policy: TrustPolicy, db_path: Path, me: str, events: EventSink | None = None
+        self,
+        policy: TrustPolicy,
+        db_path: Path,
+        me: str,
+        events: EventSink | None = None,
+        clock: RoundClock | None = None,
     ) -> None:
         self.policy = policy
+        self.clock = clock if clock is not None else RoundClock()
+        """This node's rounds: the node moves it, the verifier and the standings read it."""
         self.me = me
         self.events = events
         # audit rows and reputations are written off the critical path by one thread;
@@ -109,7 +118,7 @@ class Verifier:
         self.plausibility = Plausibility(policy, me)
         """Pairs screened and owners' results judged against what was accepted before."""
         self._lock = threading.RLock()
-        self.standings = Standings(policy, me, self.reputation, self._lock, events)
+        self.standings = Standings(policy, me, self.reputation, self._lock, events, self.clock)
         """Who is in, and what a violation costs."""
         self.work = (
             Scores(
@@ -124,15 +133,6 @@ class Verifier:
         """Each peer's checked work (None without useful-work checks); fed by the node's
         checks, read here for weights."""
         self._missed: dict[str, deque[int]] = {}  # rounds with a committed, undelivered part
-
-    @property
-    def round(self) -> int:
-        """The newest round this node works on (the daemon moves it on)."""
-        return self.standings.round
-
-    @round.setter
-    def round(self, value: int) -> None:
-        self.standings.round = value
 
     # ---- who is in (see verification.standings) ----------------------------------------
 
@@ -357,14 +357,16 @@ class Verifier:
     # ---- refusals ----------------------------------------------------------------------
 
     def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
-        r = self.round if round_ is None else round_
+        r = self.clock.current if round_ is None else round_
         with self._lock:
             # part 0: refused before its part was known
             self._audit_row(r, fragment if fragment is not None else 0, 0, peer, "rejected", reason)
         if reason not in BENIGN_REASONS and reason not in _POLICY_REASONS:
             # Counted when it happens: a replayed message names an old round, and a
             # quarantine counted from that round would already be over.
-            self.standings.violation(peer, max(r, self.round), fragment, reason, "message refused")
+            self.standings.violation(
+                peer, max(r, self.clock.current), fragment, reason, "message refused"
+            )
         elif reason in _POLICY_REASONS:
             logger.info("refused parts from %s at round %d: %s", peer, r, reason)
 
@@ -440,9 +442,9 @@ class Verifier:
                 standing = self.standings.ban(peer, reason)
             else:
                 standing = self.standings.pardon(peer, reason)
-            self._audit_row(self.round, 0, 0, peer, f"operator_{op}", reason)
+            self._audit_row(self.clock.current, 0, 0, peer, f"operator_{op}", reason)
         if self.events is not None:
-            self.events.write(f"operator_{op}", peer=peer, reason=reason, round=self.round)
+            self.events.write(f"operator_{op}", peer=peer, reason=reason, round=self.clock.current)
         # an operator's command is on disk when it is answered (`atoll peers` reads the file)
         if not self.writer.flush():
             logger.warning("operator %s of %s: not written to the audit log within 30 s", op, peer)

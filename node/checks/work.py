@@ -155,7 +155,6 @@ class UsefulWork:
         (None: none), then the record."""
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
         self._waiting: list[tuple[int, str, bytes]] = []
-        self._newest = 0
         self._charged: set[tuple[str, int]] = set()
         self._wake = threading.Condition()
         self._stop = threading.Event()
@@ -196,16 +195,21 @@ class UsefulWork:
             self._inputs[round_] = inputs
             for old in [r for r in self._inputs if r <= round_ - _ROUNDS_KEPT]:
                 del self._inputs[old]
-            self._newest = max(self._newest, round_)
             if inputs is not None:
                 self._rounds.append(inputs)
                 if self.drawn is not None:
                     self._own.append(inputs)
                 self._drop_behind()
-            ready = [(s, d) for r, s, d in self._waiting if r <= self._newest]
-            self._waiting = [w for w in self._waiting if w[0] > self._newest]
+            closed = self._closed()
+            ready = [(s, d) for r, s, d in self._waiting if r <= closed]
+            self._waiting = [w for w in self._waiting if w[0] > closed]
             self._inbox.extend(ready)
             self._wake.notify_all()
+
+    def _closed(self) -> int:
+        """The newest round whose inputs this node closed (0: none yet); called with the
+        lock held."""
+        return max(self._inputs, default=0)
 
     def receive(self, sender: str, data: bytes) -> None:
         """A record gossiped by ``sender`` (the control channel's thread)."""
@@ -385,8 +389,9 @@ class UsefulWork:
         if self.verifier.blocks(record.checker, record.round) is not None:
             return  # a quarantined or banned checker's word counts for nothing
         with self._wake:
-            if record.round > self._newest:
-                if record.round <= self._newest + _WAITING_ROUNDS:
+            closed = self._closed()
+            if record.round > closed:
+                if record.round <= closed + _WAITING_ROUNDS:
                     self._waiting.append((record.round, sender, data))
                     del self._waiting[:-_INBOX]
                 return

@@ -53,6 +53,7 @@ from protocol.averaging.repair import PartRepair
 from protocol.averaging.session import SessionTable
 from protocol.p2p.transport import BufferPool, Transport
 from verification.identity import Identity
+from verification.rounds import RoundClock
 
 __all__ = ["RESULT_RPC", "RPC_NAME", "AllReduceService", "AllReduceSettings"]
 
@@ -72,6 +73,7 @@ class AllReduceService:
         planner: how ``reducer`` reduces block by block while parts arrive
             (:data:`~protocol.averaging.parts.Planner`); by default the weighted mean's
             own, and none for any other reducer (it then reduces once all are in).
+        clock: the node's round clock (default: one of its own).
     """
 
     def __init__(
@@ -84,14 +86,17 @@ class AllReduceService:
         faults: FaultInjection | None = None,
         commitments: Commitments | None = None,
         planner: Planner | None = None,
+        clock: RoundClock | None = None,
     ) -> None:
         if planner is None and reducer is weighted_mean_reducer:
             planner = weighted_mean_plan
         self.settings = settings
         self.identity = identity
         self.context = AllReduceContext(
-            transport, identity, settings, reducer, judge or Judge(), faults, commitments
+            transport, identity, settings, reducer, judge or Judge(), faults, commitments, clock
         )
+        self.clock = self.context.clock
+        """The node's round clock: an exchange starts its round on it."""
         self.repair = PartRepair(self.context)
         sessions = SessionTable(self.context)
         self.relay = PartRelay(self.context, sessions)
@@ -112,15 +117,6 @@ class AllReduceService:
         return self.context.sent
 
     # ---- counters, shared with repair ------------------------------------------------
-
-    @property
-    def current_round(self) -> int:
-        """The newest round this node works on; parts far outside it are refused."""
-        return self.context.current_round
-
-    @current_round.setter
-    def current_round(self, value: int) -> None:
-        self.context.current_round = value
 
     @property
     def faults(self) -> FaultInjection:

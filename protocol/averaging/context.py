@@ -35,6 +35,7 @@ from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import Part, open_part, read_part
 from verification.identity import Identity
+from verification.rounds import RoundClock
 
 __all__ = ["AllReduceContext", "Follow", "Follower", "part_weight"]
 
@@ -77,6 +78,8 @@ class AllReduceContext:
         judge: trust decisions (refusals and their cost, plausibility of results).
         faults: how this node acts (honest unless a fault is injected, for tests).
         commitments: the commit phase, or None (parts are sent at once).
+        clock: the node's round clock (parts far from its current round are refused);
+            default: one of its own, which each exchange starts.
 
     Attributes:
         sent: where the member side keeps the parts it sent, for useful-work checks
@@ -92,6 +95,7 @@ class AllReduceContext:
         judge: Judge,
         faults: FaultInjection | None = None,
         commitments: Commitments | None = None,
+        clock: RoundClock | None = None,
     ) -> None:
         self.transport = transport
         self.identity = identity
@@ -101,7 +105,7 @@ class AllReduceContext:
         self.faults = faults or FaultInjection()
         self.commitments = commitments
         self.sent: SentParts | None = None
-        self.current_round = 0
+        self.clock = clock if clock is not None else RoundClock()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.rejected: dict[str, int] = {}

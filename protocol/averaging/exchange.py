@@ -174,7 +174,7 @@ class FragmentExchange:
             ProtocolError: ``no_owner``: nobody in this node's group can be dialled.
         """
         s, me = self.settings, self.identity.peer_id
-        self.allreduce.current_round = max(self.allreduce.current_round, round_)
+        self.allreduce.clock.start(round_)
         swarm = len(expected | {me})
         cell = None
         if s.cells(swarm):

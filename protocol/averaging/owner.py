@@ -86,8 +86,8 @@ class PartOwner:
         against the member."""
         ctx = self.context
         ctx.tally(None, received=length)
-        lo = max(0, ctx.current_round - 1)
-        window = (lo, ctx.current_round + ctx.settings.round_window)
+        lo = max(0, ctx.clock.current - 1)
+        window = (lo, ctx.clock.current + ctx.settings.round_window)
         try:
             follow = self.early.follow if self.early is not None else None
             return await ctx.read_message(read, length, peer, "part", window, follow=follow)

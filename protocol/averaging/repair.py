@@ -67,7 +67,7 @@ class PartRepair:
         self.context.transport.remove_handler(REPAIR_RPC)
 
     def _slot(self, key: tuple[AllReduceKey, int]) -> _Repair:
-        current = self.context.current_round
+        current = self.context.clock.current
         for old in [k for k in self._repairs if k[0][0] < current - 2]:
             del self._repairs[old]
         return self._repairs.setdefault(key, _Repair())
@@ -79,7 +79,7 @@ class PartRepair:
                 data,
                 peer,
                 kinds=("repair",),
-                round_window=(max(0, ctx.current_round - 1), ctx.current_round + 1),
+                round_window=(max(0, ctx.clock.current - 1), ctx.clock.current + 1),
             )
         except ProtocolError as exc:
             raise ctx.reject(exc.reason, exc.detail, peer) from None

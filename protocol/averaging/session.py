@@ -201,7 +201,7 @@ class SessionTable:
         long past are dropped."""
         if key not in self._sessions:
             self._sessions[key] = Session(key)
-        horizon = self._context.current_round - _SESSION_ROUNDS_KEPT
+        horizon = self._context.clock.current - _SESSION_ROUNDS_KEPT
         for old in [k for k in self._sessions if k[0] < horizon]:
             del self._sessions[old]
         self._context.forget_before(horizon)

@@ -39,6 +39,7 @@ from protocol.control.heartbeats import Pace
 from protocol.control.settings import ControlSettings
 from protocol.errors import ProtocolError
 from verification.evidence import SignedCommit, misstated
+from verification.rounds import RoundClock
 
 __all__ = [
     "COMMIT_RPC",
@@ -137,6 +138,8 @@ class CommitmentStore(Commitments):
         convict: acts on proof that a peer cheated.
         send_direct: sends a commitment to a peer's :data:`COMMIT_RPC`; None sends
             none directly.
+        clock: the node's round clock: commitments of rounds long before its current
+            one are forgotten (default: one of its own, at round 0).
     """
 
     def __init__(
@@ -148,8 +151,10 @@ class CommitmentStore(Commitments):
         blocks: Callable[[str, int], str | None],
         convict: Convict,
         send_direct: SendDirect | None = None,
+        clock: RoundClock | None = None,
     ) -> None:
         self.settings = settings
+        self.clock = clock if clock is not None else RoundClock()
         self.me = me
         self.pace = pace
         self.send_direct = send_direct
@@ -158,8 +163,7 @@ class CommitmentStore(Commitments):
         self._convict = convict
         self._lock = threading.Lock()
         self._commits: dict[tuple[str, int, int, str], _Commit] = {}
-        self._newest = 0
-        self._mine: int | None = None  # this node's newest committed round
+        self._forgot_below = 0  # the horizon of the last sweep of old commitments
         self._sending: set[asyncio.Task] = set()
 
     # ---- this node's commitments ------------------------------------------------------
@@ -235,8 +239,8 @@ class CommitmentStore(Commitments):
             self._commits[(self.me, round_, fragment, content)] = _Commit(
                 dict(digests), time.monotonic(), wire
             )
-            self._mine = round_ if self._mine is None else max(self._mine, round_)
-            self._forget_old(round_)
+            self.clock.start(round_)
+            self._forget_old()
         return wire
 
     # ---- commitments received ---------------------------------------------------------
@@ -267,29 +271,32 @@ class CommitmentStore(Commitments):
         key = (msg.sender, r, f, content)
         new = _Commit(digests, time.monotonic(), _wire(msg))
         with self._lock:
-            if self._mine is not None and r > self._mine + _ROUNDS_AHEAD:
+            current = self.clock.current
+            if current and r > current + _ROUNDS_AHEAD:
                 logger.debug(
                     "control: commitment of %s for round %d ignored (this node is at %d)",
                     msg.sender[:16],
                     r,
-                    self._mine,
+                    current,
                 )
                 return
             old = self._commits.get(key)
             if old is None:
                 self._commits[key] = new
-                self._forget_old(r)
+                self._forget_old()
                 return
         if old.digests != digests and old.wire:
             evidence = [old.wire, new.wire]
             self._convict(msg.sender, r, f, "equivocation", evidence, True)
 
-    def _forget_old(self, r: int) -> None:
-        """Drop commitments from rounds long past (called with the lock held)."""
-        if r <= self._newest and len(self._commits) < _MAX_COMMITS:
+    def _forget_old(self) -> None:
+        """Drop commitments from rounds long before the clock's (called with the lock
+        held); swept once per round, or at every new one above the cap."""
+        horizon = self.clock.current - _ROUNDS_KEPT
+        if horizon <= self._forgot_below and len(self._commits) < _MAX_COMMITS:
             return
-        self._newest = max(self._newest, r)
-        for key in [k for k in self._commits if k[1] < self._newest - _ROUNDS_KEPT]:
+        self._forgot_below = horizon
+        for key in [k for k in self._commits if k[1] < horizon]:
             del self._commits[key]
 
     # ---- the owner's and the member's checks ---------------------------------------------

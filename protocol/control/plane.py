@@ -98,6 +98,7 @@ class ControlPlane:
             verifier.blocks,
             self.convictions.convict,
             _direct(transport),
+            verifier.clock,
         )
         self.verdicts = Verdicts(settings.run_id, self.commitments, self.convictions, events)
         self.on_check: Callable[[str, bytes], None] | None = None

@@ -68,7 +68,7 @@ def test_parts_go_direct_where_both_sides_can_and_through_p2pd_otherwise(
         opened = []
         for round_ in (1, 2):
             for s in services:
-                s.current_round = round_
+                s.clock.start(round_)
             futures = [
                 s.transport.submit(s.run(round_, 0, group, v, 1)) for s, v in zip(services, vectors)
             ]
@@ -203,7 +203,7 @@ def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
         services = [AllReduceService(t, i, settings) for t, i in zip(transports, identities)]
         for s in services:
             s.register()
-            s.current_round = 1
+            s.clock.start(1)
         group = [i.peer_id for i in identities]
         gen = torch.Generator().manual_seed(5)
         vectors = [torch.randn(numel, generator=gen) for _ in group]

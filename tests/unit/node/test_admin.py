@@ -96,7 +96,7 @@ def test_a_running_node_takes_the_command_through_its_admin_folder(data_dir: Pat
     try:
         assert code == 0
         assert f"by the running node (pid {os.getpid()})" in capsys.readouterr().out
-        assert verifier.blocks(PEER, verifier.round + 1) == "banned"
+        assert verifier.blocks(PEER, verifier.clock.current + 1) == "banned"
         assert list((data_dir / ADMIN_DIR).iterdir()) == []  # nothing left behind
         # answered means written: `atoll peers` reads the file while the node still runs
         assert _peers(data_dir, capsys)[PEER]["status"] == "banned"

@@ -15,7 +15,7 @@ PEER = f"/ip4/127.0.0.1/tcp/4001/p2p/{Identity.from_seed(b'p' * 32).peer_id}"
 
 def _finished(initial_peers: tuple[str, ...], exchanges: int, rounds: int = 3) -> Node:
     node = Node(load_config(None, ["run.max_rounds=3"]), initial_peers=initial_peers)
-    node.progress.round = rounds
+    node.progress.clock.finish(rounds)
     node.progress.exchanges = exchanges
     return node
 
@@ -62,10 +62,10 @@ def test_a_node_that_starts_at_or_past_its_last_round_says_it_has_nothing_to_tra
     with pytest.raises(PastLastRound, match=f"starts at round {at} \\({source}\\)") as raised:
         node._check_rounds_left()
     assert "--rounds counts the run's rounds" in str(raised.value)
-    node.progress.round = 2  # rounds left: it trains
+    node.progress.clock.finish(2)  # rounds left: it trains
     node._check_rounds_left()
     endless = Node(load_config(None, []), initial_peers=initial_peers)
-    endless.progress.round = 50
+    endless.progress.clock.finish(50)
     endless._check_rounds_left()  # run.max_rounds = 0: no last round
 
 

@@ -92,11 +92,11 @@ class _Rounds:
         self.caught.append(min_round)
         if self.newest < min_round:
             return False
-        self.progress.round = self.newest
+        self.progress.clock.finish(self.newest)
         return True
 
     def end(self, r: int, resync: bool, joining: bool) -> bool:
-        self.progress.round = r
+        self.progress.clock.finish(r)
         self.ended.append((r, resync, joining))
         return joining and self.drops
 
@@ -318,7 +318,7 @@ def test_after_its_last_round_a_node_says_so_in_the_registry_before_it_lingers(t
     # A peer lingering for this node reads its record: written only every few seconds,
     # the record of the round before kept that peer waiting until it went stale.
     t = _loop(tmp_path, 1, 1, "network.matchmaking_seconds=0.2", "network.round_timeout=0.2")
-    t.progress.round = 4
+    t.progress.clock.finish(4)
     t.loop._linger()
     assert t.network.peers.published == [(4, t.trainer.steps)]
 
@@ -434,7 +434,8 @@ def test_a_node_a_round_behind_takes_the_newer_state_before_sitting_a_round_out(
     round 4's: where the swarm serves it, the node comes in during round 5 (keeping its
     work); where it does not, after a few tries, it sits round 5 out."""
     t = _loop(tmp_path, 2, 5, "sync.trigger='seconds'", "network.matchmaking_seconds=1")
-    t.progress.round, t.rounds.newest = 3, newest
+    t.progress.clock.finish(3)
+    t.rounds.newest = newest
     t.loop.stop.wait = lambda seconds: None  # no waiting between tries
     # round 5 of 10-s rounds, 6 s in: fragment 1 (at 10 s) is still ahead
     wall = WallSchedule(SecondsClock(t0=1000.0, round_seconds=10.0, fragments=2), 1, lambda: 1046.0)
@@ -446,6 +447,7 @@ def test_a_node_a_round_behind_takes_the_newer_state_before_sitting_a_round_out(
     assert join == {**join, **joins, "round": 5}
     # once the round's last sync is under way, nothing is asked: it is too late
     late = WallSchedule(SecondsClock(1000.0, 10.0, 2), 1, lambda: 1049.5)
-    t.progress.round, t.rounds.caught = 3, []
+    t.progress.clock.finish(3)
+    t.rounds.caught = []
     t.loop._newer_state(late)
     assert t.rounds.caught == []

@@ -66,7 +66,8 @@ def node(tmp_path: Path):
     allreduce = AllReduceContext(None, None, AllReduceSettings(run_id="r"), None, _Judge())  # type: ignore[arg-type]
     verifier = Verifier(TrustPolicy(), tmp_path / "atoll.db", "12D3KooWme")
     status = StatusWriter(tmp_path / "status.json", min_interval=0)
-    progress = Progress(round=1, global_digest=(1, "ab" * 32))
+    progress = Progress(global_digest=(1, "ab" * 32))
+    progress.clock.finish(1)
     training = Training(
         device=torch.device("cpu"),
         model=model,
@@ -128,7 +129,7 @@ def test_an_inner_step_moves_steps_tokens_throughput_and_loss(node) -> None:
 
 def test_a_new_round_moves_the_round_and_its_evaluation_sets_bits_per_byte(node) -> None:
     before = _scrape(node)
-    node.progress.round = 2
+    node.progress.clock.finish(2)
     node.status.update(round=2, val_bpb=3.5)  # as the node does when a round ends
     after = _scrape(node)
     assert _moved(before, after, "atoll_round")

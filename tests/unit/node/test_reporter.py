@@ -16,7 +16,9 @@ from node.reporter import Reporter, Upkeep
 
 def _reporter(tmp_path) -> Reporter:
     status = StatusWriter(tmp_path / "status.json", min_interval=0)
-    return Reporter("run", "spec", Progress(round=3), status, tmp_path)
+    progress = Progress()
+    progress.clock.finish(3)
+    return Reporter("run", "spec", progress, status, tmp_path)
 
 
 def test_a_node_still_starting_reports_what_it_has(tmp_path) -> None:

@@ -104,7 +104,7 @@ def test_a_round_that_went_wrong_with_no_peer_keeps_its_own_state(tmp_path) -> N
 def test_a_checkpoint_is_written_once_a_round_and_resumed_from(tmp_path) -> None:
     rounds, training = _rounds(tmp_path)
     training.trainer.step()
-    rounds.progress.round = 3
+    rounds.progress.clock.finish(3)
     rounds.progress.global_digest = (3, "d3")
     rounds.checkpoint()
     rounds.checkpoint()  # the same round: nothing more
@@ -125,7 +125,7 @@ def test_a_checkpoint_is_written_once_a_round_and_resumed_from(tmp_path) -> None
 
 def test_a_checkpoint_of_another_plan_is_refused(tmp_path) -> None:
     rounds, _ = _rounds(tmp_path)
-    rounds.progress.round = 1
+    rounds.progress.clock.finish(1)
     rounds.checkpoint()
     other, training = _rounds(tmp_path)
     other.training = Training(**{**vars(training), "plan": _OtherPlan()})

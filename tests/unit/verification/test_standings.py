@@ -10,6 +10,7 @@ import pytest
 from verification.identity import Identity
 from verification.policy import TrustPolicy
 from verification.reputation import ReputationStore
+from verification.rounds import RoundClock
 from verification.standings import Standings
 
 ME, PEER, DENIED = (Identity.from_seed(bytes([i]) * 32).peer_id for i in (1, 2, 3))
@@ -31,7 +32,9 @@ def make(tmp_path: Path):
         store = ReputationStore(tmp_path / f"atoll{len(stores)}.db")
         stores.append(store)
         events = _Events()
-        return Standings(TrustPolicy(**policy), ME, store, threading.RLock(), events), events
+        return Standings(
+            TrustPolicy(**policy), ME, store, threading.RLock(), events, RoundClock()
+        ), events
 
     yield build
     for store in stores:
@@ -48,7 +51,7 @@ def test_the_operators_lists_refuse_and_block_but_never_this_node(make) -> None:
 
 def test_a_violation_quarantines_from_the_next_round_and_reports_it(make) -> None:
     standings, events = make(on_violation="quarantine", quarantine_rounds=3)
-    standings.round = 4
+    standings.clock.start(4)
     standings.violation(PEER, 4, 0, "norm", "norm 9 > 3")
     assert standings.flagged(4) == {PEER: "quarantined"}
     # flagged during round 4: taken in round 4 as the others may still take it
@@ -71,7 +74,7 @@ def test_proof_bans_at_once_and_a_pardon_lifts_it(make) -> None:
 
 def test_an_operator_ban_counts_from_the_current_round(make) -> None:
     standings, _ = make()
-    standings.round = 7
+    standings.clock.start(7)
     assert standings.ban(PEER, "flooding").status == "banned"
     assert standings.blocks(PEER, 7) is None  # this round's groups are formed
     assert standings.blocks(PEER, 8) == "banned"

@@ -22,7 +22,7 @@ def verifier(tmp_path: Path):
 
 
 def test_a_peer_flagged_mid_round_is_refused_from_the_next_round(verifier: Verifier) -> None:
-    verifier.round = 4
+    verifier.clock.start(4)
     # evidence about an older round arrives while this node is in round 4
     verifier.on_refusal(PEER, 3, 0, "non_finite")
     assert verifier.flagged(4) == {PEER: "quarantined"}
@@ -79,7 +79,7 @@ def test_an_owner_that_left_this_member_out_cannot_hand_it_anything(verifier) ->
 
 
 def test_benign_refusals_flag_no_one(verifier: Verifier) -> None:
-    verifier.round = 2
+    verifier.clock.start(2)
     for reason in ("late", "group_mismatch", "not_in_round", "busy", "timeout"):
         verifier.on_refusal(PEER, 2, 0, reason)
     assert verifier.flagged(3) == {}
@@ -90,7 +90,7 @@ def test_benign_refusals_flag_no_one(verifier: Verifier) -> None:
 
 def test_a_peer_quarantined_in_an_earlier_life_is_refused_at_once(tmp_path: Path) -> None:
     first = Verifier(TrustPolicy(), tmp_path / "atoll.db", ME)
-    first.round = 1
+    first.clock.start(1)
     first.on_refusal(PEER, 1, 0, "bad_signature")
     first.close()
     # a restarted node has no in-memory record of when it saw the evidence
@@ -157,7 +157,7 @@ def torch_close(actual, expected: list[float]) -> None:
 
 
 def test_late_parts_of_a_past_round_cost_nothing(verifier: Verifier) -> None:
-    verifier.round = 9
+    verifier.clock.start(9)
     for _ in range(5):
         verifier.on_refusal(PEER, 3, 0, "stale_round")  # a frozen node woke up
         verifier.on_refusal(PEER, 9, 0, "too_slow")
@@ -252,7 +252,7 @@ def test_a_short_mean_of_copies_is_refused_and_its_owner_not_accused(verifier: V
     own = _t([1.0, 1.0, 1.0, 1.0])
     for r in (1, 2, 3):
         assert verifier.check_reduced(PEER, r, 0, 0, own, own, content="weights") is None
-    verifier.round = 4
+    verifier.clock.start(4)
     refused = verifier.check_reduced(PEER, 4, 0, 0, own * 0.5, own, content="weights")
     assert refused == "owner_shrunk"
     verifier.on_owner_refused(PEER, 4, 0, 0, refused)
@@ -273,7 +273,7 @@ def test_a_screened_outlier_is_left_out_at_once_and_charged_when_it_repeats(
     others = [Identity.from_seed(bytes([i]) * 32).peer_id for i in (3, 4, 5)]
     try:
         for round_ in (1, 2, 4):
-            v.round = round_
+            v.clock.start(round_)
             parts = [_contribution(p, [1.0, 1.0]) for p in (ME, *others)]
             parts.append(_contribution(PEER, [50.0, 50.0]))
             reduced = v.reduce(round_, 0, 0, parts)

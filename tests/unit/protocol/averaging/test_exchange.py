@@ -14,6 +14,7 @@ from protocol.errors import ProtocolError
 from protocol.p2p.reachability import Reachability
 from tests.unit._fakes import FakeDHT, FakeTransport
 from verification.identity import Identity
+from verification.rounds import RoundClock
 
 RUN, SPEC = "run", "a" * 64
 ME, PEER, CLIENT, STRANGER = (Identity.from_seed(bytes([i]) * 32) for i in range(1, 5))
@@ -23,7 +24,7 @@ class FakeAllReduce:
     """Records each all-reduce it is asked for and answers with the input."""
 
     def __init__(self) -> None:
-        self.current_round = 0
+        self.clock = RoundClock()
         self.calls: list[dict] = []
 
     async def run(
@@ -90,7 +91,7 @@ def test_spec_strangers_are_refused_and_clients_own_no_part() -> None:
         PEER.peer_id,
     }
     assert call["weight"] == 50 and done.mixed is None and done.cell is None
-    assert allreduce.current_round == 1
+    assert allreduce.clock.current == 1
 
 
 def test_this_node_announces_whether_it_can_be_dialled() -> None:

@@ -93,7 +93,7 @@ def _members(network: _Network, judge: Judge | None = None) -> dict[str, PartRep
             weighted_mean_reducer,
             judge or Judge(),
         )
-        context.current_round = ROUND
+        context.clock.start(ROUND)
         repairs[who.peer_id] = PartRepair(context)
         repairs[who.peer_id].register()
     return repairs

@@ -11,6 +11,7 @@ import torch
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.parts import AllReduceSettings, Contribution, Judge, PartPlan
 from protocol.averaging.session import OwnedPart, Session, SessionTable
+from verification.rounds import RoundClock
 
 ME, P, Q = "me", "p", "q"
 
@@ -84,12 +85,12 @@ def test_the_table_forgets_rounds_long_past_and_bounds_what_a_peer_can_open() ->
     context.tally((1, 0, "update"), sent=10)
     first = table.open((1, 0, "update"))
     assert table.open((1, 0, "update")) is first
-    context.current_round = 10
+    context.clock.start(10)
     table.open((10, 0, "update"))
     assert table.get((1, 0, "update")) is None and context.traffic((1, 0, "update")) == (0, 0)
+    context.clock = RoundClock()  # at round 0: nothing is old enough to drop
     rounds = 0
     while table.has_room((100 + rounds, 0, "update")):
-        context.current_round = 0  # nothing is old enough to drop
         table.open((100 + rounds, 0, "update"))
         rounds += 1
     assert rounds < 20  # a peer cannot make this node hold sessions without bound

@@ -247,3 +247,16 @@ def test_a_commitment_for_a_round_far_ahead_cannot_wipe_the_stored_ones(
     # a peer a round or two ahead is still heard
     deliver(plane, "commit", commitment(CHEAT, {0: D2}, round_=5))
     assert check_part(plane, CHEAT.peer_id, 5, 0, 0, D2, time.monotonic()) is None
+
+
+def test_commitments_of_rounds_long_before_the_clock_are_forgotten(plane: ControlPlane) -> None:
+    deliver(plane, "commit", commitment(OTHER, {0: D1}))
+    closed = time.monotonic()
+    assert check_part(plane, OTHER.peer_id, 3, 0, 0, D1, closed) is None
+    plane.verifier.clock.start(5)  # within the rounds kept: still known
+    deliver(plane, "commit", commitment(CHEAT, {0: D2}, round_=5))
+    assert check_part(plane, OTHER.peer_id, 3, 0, 0, D1, closed) is None
+    plane.verifier.clock.start(20)
+    deliver(plane, "commit", commitment(CHEAT, {0: D2}, round_=20))
+    assert check_part(plane, OTHER.peer_id, 3, 0, 0, D1, closed) == "uncommitted"
+    assert check_part(plane, CHEAT.peer_id, 20, 0, 0, D2, time.monotonic()) is None
