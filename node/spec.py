@@ -46,7 +46,7 @@ from node.shared_settings import (
     shared_settings,
 )
 from protocol.wire.messages import PROTOCOL_VERSION
-from verification.identity import Identity, verify
+from verification.identity import Domain, Identity
 from verification.policy import is_peer_id
 
 __all__ = [
@@ -70,7 +70,7 @@ SPEC_VERSION = 1
 """Layout version of the spec file and of :meth:`RunSpec.signed_bytes`."""
 
 
-_SIGN_DOMAIN = b"atoll/spec/v1\0"
+_SPEC = Domain(b"atoll/spec/v1\0")
 SIGNATURE_LEN = 64
 _T0_LEAD_SECONDS = 60.0
 HEAD_KEYS = (
@@ -170,7 +170,7 @@ class RunSpec:
             raise SpecError(f"run spec {self.short}: {bad_signature(self.creator)}")
 
     def _signature_ok(self) -> bool:
-        return verify(self.creator, _signing_payload(self.signed_bytes()), self.signature)
+        return _SPEC.verify(self.creator, _digest(self.signed_bytes()), self.signature)
 
 
 def create_spec(
@@ -240,7 +240,7 @@ def create_spec(
         signature=b"",
         previous=None if previous is None else _pack_version(previous),
     )
-    signature = identity.sign(_signing_payload(unsigned.signed_bytes()))
+    signature = _SPEC.sign(identity, _digest(unsigned.signed_bytes()))
     return dataclasses.replace(unsigned, signature=signature)
 
 
@@ -360,9 +360,8 @@ def apply_spec(spec: RunSpec, data: dict[str, Any]) -> AtollConfig:
     return build_config(tables)
 
 
-def _signing_payload(signed_bytes: bytes) -> bytes:
-    # The domain tag keeps a spec signature from ever passing for another signed thing.
-    return _SIGN_DOMAIN + hashlib.sha256(signed_bytes).digest()
+def _digest(signed_bytes: bytes) -> bytes:
+    return hashlib.sha256(signed_bytes).digest()
 
 
 def bad_signature(creator: str) -> str:

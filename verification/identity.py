@@ -28,6 +28,7 @@ from verification.errors import VerificationError
 from verification.files import atomic_write
 
 __all__ = [
+    "Domain",
     "Identity",
     "peer_id_from_public_key",
     "public_key_from_peer_id",
@@ -166,11 +167,6 @@ class Identity:
             OSError: if the file cannot be written.
         """
         atomic_write(Path(path), self._key_file_bytes(), perms=0o600)
-
-    @property
-    def public_key_bytes(self) -> bytes:
-        """The raw 32-byte Ed25519 public key."""
-        return self._public_key_bytes
 
     @property
     def peer_id(self) -> str:
@@ -349,3 +345,34 @@ def _decode_private_key_file(data: bytes) -> Ed25519PrivateKey:
     if derived != key_data[_SEED_LEN:]:
         raise VerificationError("bad_key_file", "stored public key does not match the seed")
     return private_key
+
+
+class Domain:
+    """One kind of signed message: the key signs ``prefix + digest``, so that a signature
+    made for one kind never passes for another. Every signed message of Atoll is signed
+    and checked through one of these.
+
+    Args:
+        prefix: the kind's name, ``atoll/<kind>/v<N>\\0``.
+    """
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: bytes) -> None:
+        if not prefix.startswith(b"atoll/") or not prefix.endswith(b"\0"):
+            raise ValueError(f"a signing domain is atoll/<kind>/v<N> and a NUL, not {prefix!r}")
+        self.prefix = prefix
+
+    def sign(self, identity: Identity, digest: bytes) -> bytes:
+        """``identity``'s signature over a message of this kind whose digest is ``digest``."""
+        return identity.sign(self.prefix + bytes(digest))
+
+    def verify(self, sender: str, digest: bytes, signature: bytes) -> bool:
+        """Whether ``signature`` is ``sender``'s over a message of this kind whose digest is
+        ``digest`` (never raises, as :func:`verify`)."""
+        if not isinstance(digest, (bytes, bytearray, memoryview)):
+            return False
+        return verify(sender, self.prefix + bytes(digest), signature)
+
+    def __repr__(self) -> str:
+        return f"Domain({self.prefix!r})"

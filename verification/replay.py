@@ -45,7 +45,7 @@ from typing import Any
 import msgpack
 import torch
 
-from verification.identity import Identity, verify
+from verification.identity import Domain, Identity, verify
 from verification.sketch import SKETCH_SIZE, Sketcher
 
 __all__ = [
@@ -72,7 +72,7 @@ MAX_REPLAY_BYTES = 192 * 1024
 messages are at most 256 KiB)."""
 _MAX_STEPS = 1024
 _TRACE_DOMAIN = b"atoll/trace/v1\0"
-_REPLAY_DOMAIN = b"atoll/replay/v1\0"
+_REPLAY = Domain(b"atoll/replay/v1\0")
 _VERSION = 1
 _REPLAY_TAG = msgpack.packb(["replay", b"", b""])[:8]
 """How a replay record starts on the wire (``msgpack([\"replay\", ...])``)."""
@@ -369,7 +369,7 @@ class ReplayRecord:
         if identity.peer_id != self.checker:
             raise ValueError("a replay record is signed by its checker")
         digest = hashlib.sha256(self.body()).digest()
-        return replace(self, signature=identity.sign(_REPLAY_DOMAIN + digest))
+        return replace(self, signature=_REPLAY.sign(identity, digest))
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(["replay", self.body(), self.signature], use_bin_type=True)
@@ -427,7 +427,7 @@ def open_replay_record(data: bytes, run: str) -> ReplayRecord:
             raise ReplayError("malformed", "the trace is of another exchange")
         if fields["window"] >= len(opened.windows):
             raise ReplayError("malformed", f"window {fields['window']} of {len(opened.windows)}")
-    if not verify(checker, _REPLAY_DOMAIN + hashlib.sha256(body).digest(), signature):
+    if not _REPLAY.verify(checker, hashlib.sha256(body).digest(), signature):
         raise ReplayError("bad_signature", f"not signed by its checker {checker[:16]}")
     distance = float(fields["distance"])
     return ReplayRecord(

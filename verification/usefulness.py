@@ -47,7 +47,7 @@ import blake3
 import msgpack
 import torch
 
-from verification.identity import Identity, verify
+from verification.identity import Domain, Identity
 
 __all__ = [
     "LOSS_ATOL",
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 _SEED_DOMAIN = b"atoll/check-seed/v2\0"
-_RECORD_DOMAIN = b"atoll/check/v2\0"
+_RECORD = Domain(b"atoll/check/v2\0")
 _VERSION = 2
 
 LOSS_RTOL = 1e-4
@@ -246,7 +246,7 @@ class CheckRecord:
         if identity.peer_id != self.checker:
             raise ValueError("a record is signed by its checker")
         digest = hashlib.sha256(self.body()).digest()
-        return _replace(self, signature=identity.sign(_RECORD_DOMAIN + digest))
+        return _replace(self, signature=_RECORD.sign(identity, digest))
 
     def to_bytes(self) -> bytes:
         """The record on the wire: ``msgpack([body, signature])``."""
@@ -332,7 +332,7 @@ def open_record(data: bytes, run: str) -> CheckRecord:
     if record.run != run:
         raise RecordError("wrong_run", f"a record of run {record.run!r}")
     digest = hashlib.sha256(body).digest()
-    if not verify(record.checker, _RECORD_DOMAIN + digest, signature):
+    if not _RECORD.verify(record.checker, digest, signature):
         raise RecordError("bad_signature", f"not signed by its checker {record.checker}")
     return record
 

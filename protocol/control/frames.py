@@ -44,9 +44,10 @@ from protocol.errors import ProtocolError
 from protocol.wire._limits import bounded_unpackb, count_items, reject_ext
 from protocol.wire.messages import parse_signed_frame
 from verification.errors import VerificationError
-from verification.identity import Identity, public_key_from_peer_id, verify
+from verification.identity import Domain, Identity, public_key_from_peer_id
 
 __all__ = [
+    "CONTROL",
     "CONTROL_VERSION",
     "DEFAULT_MAX_CONTROL_BYTES",
     "MAX_BODY_ITEMS",
@@ -77,7 +78,7 @@ MAX_NAME_CHARS = 128
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest pipe frame either side accepts; one control message plus headroom."""
 
-_DOMAIN = b"atoll/control/v1\0"
+CONTROL = Domain(b"atoll/control/v1\0")
 _SIGNATURE_LEN = 64
 _MAX_SEQ = 2**63 - 1
 _FIELDS = ("v", "run", "topic", "sender", "ts", "seq", "body")
@@ -163,7 +164,7 @@ def sign_control(
     if count_items(body) > MAX_BODY_ITEMS:
         raise ValueError(f"body has more than {MAX_BODY_ITEMS} items")
     signed = msgpack.packb(signed_map, use_bin_type=True)
-    signature = identity.sign(_DOMAIN + hashlib.sha256(signed).digest())
+    signature = CONTROL.sign(identity, hashlib.sha256(signed).digest())
     wire = msgpack.packb([CONTROL_VERSION, signed, signature], use_bin_type=True)
     if len(wire) > max_bytes:
         raise ValueError(f"control message is {len(wire)} bytes, over the {max_bytes} byte cap")
@@ -174,8 +175,7 @@ def verify_control(sender: str, raw_signed: bytes, signature: bytes) -> bool:
     """Whether ``signature`` is ``sender``'s control signature over ``raw_signed``."""
     if not isinstance(raw_signed, (bytes, bytearray)):
         return False
-    digest = hashlib.sha256(raw_signed).digest()
-    return verify(sender, _DOMAIN + digest, signature)
+    return CONTROL.verify(sender, hashlib.sha256(raw_signed).digest(), signature)
 
 
 def open_control(

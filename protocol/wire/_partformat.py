@@ -14,10 +14,13 @@ from typing import Any
 import blake3
 
 from protocol.wire.messages import Header
+from verification.identity import Domain
 
 __all__ = [
     "CHUNK_BYTES",
     "DOMAIN",
+    "PART",
+    "TRAILER",
     "HASH_LEN",
     "MAGIC",
     "MAX_CHUNK_BYTES",
@@ -63,6 +66,10 @@ HASH_LEN = 32
 VERSION = 1
 DOMAIN = b"atoll/part/v1\0"
 TRAILER_DOMAIN = b"atoll/trailer/v1\0"
+PART = Domain(DOMAIN)
+"""A part's or a result's signature: over its head's digest (:func:`head_digest`)."""
+TRAILER = Domain(TRAILER_DOMAIN)
+"""A streamed result's trailer's signature: over :func:`trailer_digest`."""
 RESERVED = ("size", "chunk", "hashes", "trailer", "redo")
 MAX_HEAD_BYTES = 1 << 20  # a head names 32 bytes per MiB chunk: 8 KiB for 256 MiB
 

@@ -14,18 +14,18 @@ import blake3
 from protocol.errors import ProtocolError
 from protocol.wire._limits import bounded_unpackb
 from protocol.wire._partformat import (
-    DOMAIN,
     HASH_LEN,
     MAGIC,
     MAX_CHUNK_BYTES,
     MAX_META_ITEMS,
     MAX_TRAILER_BYTES,
     MIN_CHUNK_BYTES,
+    PART,
     PREFIX,
     RESERVED,
     SIGNATURE_LEN,
     STREAM_MAGIC,
-    TRAILER_DOMAIN,
+    TRAILER,
     TRAILER_LEN,
     VERSION,
     Part,
@@ -35,7 +35,6 @@ from protocol.wire._partformat import (
     trailer_digest,
 )
 from protocol.wire.messages import MAX_NAME_CHARS, Header, check_header, header_problem
-from verification.identity import verify
 
 __all__ = [
     "authenticate",
@@ -127,7 +126,7 @@ def verify_head(sender: str, head: bytes, signature: bytes) -> bool:
     """Whether ``signature`` is ``sender``'s part signature over ``head`` (evidence)."""
     if not isinstance(head, bytes) or not isinstance(signature, bytes):
         return False
-    return len(signature) == SIGNATURE_LEN and verify(sender, DOMAIN + head_digest(head), signature)
+    return PART.verify(sender, head_digest(head), signature)
 
 
 def open_head(
@@ -205,7 +204,7 @@ def open_trailer(data: bytes | memoryview, sender: str, digest: bytes) -> dict[s
     if not SIGNATURE_LEN < view.nbytes <= MAX_TRAILER_BYTES:
         raise ProtocolError("bad_trailer", f"trailer frame of {view.nbytes} bytes", sender)
     trailer, signature = view[:-SIGNATURE_LEN], bytes(view[-SIGNATURE_LEN:])
-    if not verify(sender, TRAILER_DOMAIN + trailer_digest(trailer), signature):
+    if not TRAILER.verify(sender, trailer_digest(trailer), signature):
         raise ProtocolError("bad_signature", "trailer", sender)
     try:
         fields = _unpack_signed(trailer)
@@ -278,7 +277,7 @@ def authenticate(
         )
     peer = header.sender
     digest = head_digest(head)
-    if not verify(header.sender, DOMAIN + digest, signature):
+    if not PART.verify(header.sender, digest, signature):
         raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
     check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
     size, chunk, hashes = meta.pop("size"), meta.pop("chunk"), meta.pop("hashes", None)

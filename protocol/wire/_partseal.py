@@ -11,13 +11,13 @@ import msgpack
 
 from protocol.wire._partformat import (
     CHUNK_BYTES,
-    DOMAIN,
     MAX_CHUNK_BYTES,
     MAX_TRAILER_BYTES,
     MIN_CHUNK_BYTES,
+    PART,
     RESERVED,
     SIGNATURE_LEN,
-    TRAILER_DOMAIN,
+    TRAILER,
     VERSION,
     SealedPart,
     StreamHead,
@@ -57,7 +57,7 @@ def seal_part(
     signed_meta = dict(meta, size=view.nbytes, chunk=chunk_bytes, hashes=list(hashes))
     head = _pack_head(header, signed_meta)
     digest = head_digest(head)
-    return SealedPart(head, identity.sign(DOMAIN + digest), view, digest)
+    return SealedPart(head, PART.sign(identity, digest), view, digest)
 
 
 def seal_stream_head(
@@ -78,7 +78,7 @@ def seal_stream_head(
         raise ValueError(f"size must be >= 0, got {size}")
     head = _pack_head(header, dict(meta, size=size, chunk=chunk_bytes, trailer=True))
     digest = head_digest(head)
-    return StreamHead(head, identity.sign(DOMAIN + digest), digest, size, chunk_bytes)
+    return StreamHead(head, PART.sign(identity, digest), digest, size, chunk_bytes)
 
 
 def seal_trailer(
@@ -106,7 +106,7 @@ def seal_trailer(
     trailer = msgpack.packb([VERSION, head.digest, signed], use_bin_type=True)
     if len(trailer) + SIGNATURE_LEN > MAX_TRAILER_BYTES:
         raise ValueError(f"trailer of {len(trailer)} bytes exceeds {MAX_TRAILER_BYTES}")
-    return trailer + identity.sign(TRAILER_DOMAIN + trailer_digest(trailer))
+    return trailer + TRAILER.sign(identity, trailer_digest(trailer))
 
 
 def _check_meta(meta: dict[str, Any]) -> None:

@@ -35,9 +35,10 @@ import msgpack
 from protocol.errors import ProtocolError
 from protocol.wire._limits import bounded_unpackb, count_items
 from verification.errors import VerificationError
-from verification.identity import Identity, public_key_from_peer_id, verify
+from verification.identity import Domain, Identity, public_key_from_peer_id
 
 __all__ = [
+    "ENVELOPE",
     "MAX_BODY_ITEMS",
     "MAX_MESSAGE_BYTES",
     "MAX_NAME_CHARS",
@@ -50,7 +51,6 @@ __all__ = [
     "open_envelope",
     "parse_signed_frame",
     "seal",
-    "signing_payload",
     "verify_signed",
 ]
 
@@ -68,18 +68,13 @@ MAX_NAME_CHARS = 128
 """Longest ``kind``, ``run_id`` or ``sender`` accepted in a header."""
 
 _SIGNATURE_LEN = 64
-_DOMAIN = b"atoll/envelope/v1\0"
-
-
-def signing_payload(digest: bytes) -> bytes:
-    """What the Ed25519 key actually signs for a message whose signed bytes hash to ``digest``."""
-    return _DOMAIN + digest
+ENVELOPE = Domain(b"atoll/envelope/v1\0")
+"""What an envelope's signature is made in: over the SHA-256 of its signed bytes."""
 
 
 def verify_signed(sender: str, raw_signed: bytes, signature: bytes) -> bool:
     """Check a signature over ``raw_signed`` by ``sender`` (for evidence anyone can re-check)."""
-    digest = hashlib.sha256(raw_signed).digest()
-    return len(signature) == _SIGNATURE_LEN and verify(sender, signing_payload(digest), signature)
+    return ENVELOPE.verify(sender, hashlib.sha256(raw_signed).digest(), signature)
 
 
 _MAX_HEADER_INT = 2**63 - 1
@@ -173,7 +168,7 @@ def seal(identity: Identity, header: Header, body: dict[str, Any]) -> bytes:
         ],
         use_bin_type=True,
     )
-    signature = identity.sign(signing_payload(hashlib.sha256(signed).digest()))
+    signature = ENVELOPE.sign(identity, hashlib.sha256(signed).digest())
     # The same bytes msgpack.packb([version, signed, signature]) writes, assembled with
     # one copy of the (possibly many-megabyte) signed payload instead of two.
     wire = b"".join((_OUTER_HEAD, _bin_header(len(signed)), signed, _SIGNATURE_HEAD, signature))
@@ -248,9 +243,7 @@ def open_envelope(
         )
     peer = header.sender
     digest = hashlib.sha256(signed).digest()
-    if len(signature) != _SIGNATURE_LEN or not verify(
-        header.sender, signing_payload(digest), signature
-    ):
+    if not ENVELOPE.verify(header.sender, digest, signature):
         raise ProtocolError("bad_signature", f"{header.kind} r{header.round}", peer)
     check_header(header, run_id=run_id, kinds=kinds, round_window=round_window)
     return Envelope(header=header, body=body, signature=signature, raw_signed=signed, digest=digest)

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import base58
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from verification.errors import VerificationError
 from verification.identity import (
+    Domain,
     Identity,
     peer_id_from_public_key,
     public_key_from_peer_id,
@@ -38,9 +40,14 @@ def test_sign_verify_round_trip() -> None:
     assert verify(identity.peer_id, b"hello", signature)
 
 
+def _public_key(seed: bytes) -> bytes:
+    """The raw Ed25519 public key of ``seed``, derived without :class:`Identity`."""
+    return Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes_raw()
+
+
 def test_matches_rfc8032_vector() -> None:
     identity = Identity.from_seed(RFC8032_SEED)
-    assert identity.public_key_bytes == RFC8032_PUB
+    assert public_key_from_peer_id(identity.peer_id) == RFC8032_PUB
     assert identity.sign(b"") == RFC8032_SIG_EMPTY
 
 
@@ -76,8 +83,9 @@ def test_verify_never_raises(peer_id: object, data: object, signature: object) -
 def test_peer_id_shape_and_inverse() -> None:
     identity = Identity.from_seed(SEED)
     assert identity.peer_id.startswith("12D3KooW")
-    assert identity.peer_id == peer_id_from_public_key(identity.public_key_bytes)
-    assert public_key_from_peer_id(identity.peer_id) == identity.public_key_bytes
+    public = _public_key(SEED)
+    assert identity.peer_id == peer_id_from_public_key(public)
+    assert public_key_from_peer_id(identity.peer_id) == public
     assert Identity.from_seed(SEED).peer_id == identity.peer_id
     assert repr(identity) == f"Identity({identity.peer_id})"
 
@@ -86,7 +94,7 @@ def _b58(raw: bytes) -> str:
     return base58.b58encode(raw).decode()
 
 
-PUB = Identity.from_seed(SEED).public_key_bytes
+PUB = _public_key(SEED)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +169,7 @@ def test_key_file_layout(tmp_path: Path) -> None:
     identity = Identity.from_seed(SEED)
     identity.save(tmp_path / "key")
     raw = (tmp_path / "key").read_bytes()
-    assert raw == bytes([0x08, 0x01, 0x12, 0x40]) + SEED + identity.public_key_bytes
+    assert raw == bytes([0x08, 0x01, 0x12, 0x40]) + SEED + _public_key(SEED)
 
 
 def test_load_or_create(tmp_path: Path) -> None:
@@ -193,7 +201,7 @@ def _pb(key_type: int, data: bytes) -> bytes:
     return bytes([0x08, key_type, 0x12, len(data)]) + data
 
 
-_GOOD = SEED + Identity.from_seed(SEED).public_key_bytes
+_GOOD = SEED + _public_key(SEED)
 
 
 @pytest.mark.parametrize(
@@ -228,7 +236,7 @@ def test_malformed_key_files(tmp_path: Path, content: bytes, needle: str) -> Non
 def test_legacy_96_byte_key_data_loads(tmp_path: Path) -> None:
     identity = Identity.from_seed(SEED)
     path = tmp_path / "key"
-    path.write_bytes(_pb(1, SEED + identity.public_key_bytes * 2))
+    path.write_bytes(_pb(1, SEED + _public_key(SEED) * 2))
     assert Identity.load(path).peer_id == identity.peer_id
 
 
@@ -245,10 +253,10 @@ def test_encoding_matches_hivemind_protobuf(tmp_path: Path) -> None:
 
     parsed = crypto_pb2.PrivateKey.FromString((tmp_path / "key").read_bytes())
     assert parsed.key_type == crypto_pb2.Ed25519
-    assert parsed.data == SEED + identity.public_key_bytes
+    assert parsed.data == SEED + _public_key(SEED)
 
     public_pb = crypto_pb2.PublicKey(
-        key_type=crypto_pb2.Ed25519, data=identity.public_key_bytes
+        key_type=crypto_pb2.Ed25519, data=_public_key(SEED)
     ).SerializeToString()
     expected = PeerID(multihash.encode(public_pb, "id")).to_base58()
     assert identity.peer_id == expected
@@ -310,3 +318,15 @@ def test_p2pd_reports_the_same_peer_id(tmp_path: Path) -> None:
     # p2pd must not have rewritten or replaced the key.
     assert Identity.load(keyfile).peer_id == identity.peer_id
     assert os.stat(keyfile).st_mode & 0o777 == 0o600
+
+
+def test_a_signature_made_in_one_domain_never_passes_in_another() -> None:
+    identity = Identity.from_seed(SEED)
+    part, control = Domain(b"atoll/part/v1\0"), Domain(b"atoll/control/v1\0")
+    signature = part.sign(identity, b"d" * 32)
+    assert part.verify(identity.peer_id, b"d" * 32, signature)
+    assert not control.verify(identity.peer_id, b"d" * 32, signature)
+    assert not part.verify(identity.peer_id, b"e" * 32, signature)
+    assert not part.verify(identity.peer_id, "d" * 32, signature)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="atoll/<kind>/v<N>"):
+        Domain(b"part/v1")

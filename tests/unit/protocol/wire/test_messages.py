@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from protocol.errors import ProtocolError
 from protocol.wire.messages import (
+    ENVELOPE,
     MAX_BODY_ITEMS,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -20,7 +21,6 @@ from protocol.wire.messages import (
     Header,
     open_envelope,
     seal,
-    signing_payload,
     verify_signed,
 )
 from verification.identity import Identity, verify
@@ -46,11 +46,7 @@ def _forge(
 ) -> bytes:
     """Wire bytes around arbitrary signed fields, signed properly unless told otherwise."""
     signed = msgpack.packb(fields, use_bin_type=True)
-    sig = (
-        signer.sign(signing_payload(hashlib.sha256(signed).digest()))
-        if signature is None
-        else signature
-    )
+    sig = ENVELOPE.sign(signer, hashlib.sha256(signed).digest()) if signature is None else signature
     return msgpack.packb([version, signed, sig], use_bin_type=True)
 
 
