@@ -88,6 +88,7 @@ from typing import Any, Literal
 import numpy as np
 
 from protocol.averaging.grouping import Cell, cell_dims, cell_groups, form_groups, rounds_to_mix
+from protocol.control.heartbeats import stretch
 
 __all__ = [
     "ADAPTIVE_POLICY",
@@ -149,7 +150,8 @@ class ControlPolicy:
         sample: records in one sampled read.
         paced_above: None, or the node's ``base_rate_peers``: above that many nodes the
             heartbeat, registry and announcement-poll intervals all stretch by
-            ``n / paced_above`` (what ``node.peers`` and ``protocol.control`` do).
+            ``n / paced_above``, as :class:`protocol.control.heartbeats.Pace` does
+            (:func:`~protocol.control.heartbeats.stretch`).
         commit_gossip_up_to: None (commitments always gossiped to every node), or the
             swarm size up to which they are; above it they go to the group only.
         cells_above: None (every announcement read), or the swarm size above which
@@ -196,7 +198,7 @@ class ControlPolicy:
 
     def stretch(self, n: int) -> float:
         """How much the node's paced intervals stretch in a swarm of ``n``."""
-        return 1.0 if self.paced_above is None else max(1.0, n / self.paced_above)
+        return 1.0 if self.paced_above is None else stretch(n, self.paced_above)
 
     def heartbeat_interval(self, n: int) -> float:
         """Seconds between one node's heartbeats in a swarm of ``n``."""

@@ -21,7 +21,7 @@ from protocol.control.channel import ControlChannel
 from protocol.control.frames import ControlMessage, topic_name
 from protocol.control.settings import ControlSettings
 
-__all__ = ["CAPABILITIES", "SILENCE_GRACE_SECONDS", "Heartbeats", "Pace"]
+__all__ = ["CAPABILITIES", "SILENCE_GRACE_SECONDS", "Heartbeats", "Pace", "stretch"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ _FIELDS = (
     "spec",
     "digest",
 )
+
+
+def stretch(nodes: int, base_rate_peers: int) -> float:
+    """How much every paced interval stretches in a swarm of ``nodes``:
+    ``max(1, nodes / base_rate_peers)``."""
+    return max(1.0, nodes / base_rate_peers)
 
 
 class Pace:
@@ -61,8 +67,8 @@ class Pace:
 
     @property
     def stretch(self) -> float:
-        """``max(1, n / base_rate_peers)`` for a swarm of ``n``."""
-        return max(1.0, self._swarm_size / self.settings.base_rate_peers)
+        """:func:`stretch` for this node's view of the swarm."""
+        return stretch(self._swarm_size, self.settings.base_rate_peers)
 
     @property
     def heartbeat_interval(self) -> float:
