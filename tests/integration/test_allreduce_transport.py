@@ -42,6 +42,7 @@ from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header, seal
 from protocol.wire.partwire import SealedPart, seal_part
+from tests.waiting import wait_until
 from verification.identity import Identity
 
 pytestmark = pytest.mark.integration
@@ -591,10 +592,8 @@ def test_vanished_member_costs_only_its_contribution(
         assert torch.equal(r.vector, results[0].vector)  # repaired identically everywhere
     # each present member asked the missing one for its part; it had not joined the round
     # (it says so once its own wait for the round ends, after the callers gave up)
-    for _ in range(100):  # bounded: 10 s for all three (they come one by one under load)
-        if sum(missing.rejected.values()) >= 3:
-            break
-        time.sleep(0.1)
+    # 10 s for all three (they come one by one under load)
+    wait_until(lambda: sum(missing.rejected.values()) >= 3, 10, 0.1)
     assert missing.rejected == {"not_in_round": 3}
 
 

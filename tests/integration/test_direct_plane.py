@@ -18,6 +18,7 @@ from protocol.averaging.parts import AllReduceSettings, PartPlan
 from protocol.p2p import _frames, direct
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.partwire import SealedPart
+from tests.waiting import wait_until
 from verification.identity import Identity
 
 pytestmark = pytest.mark.integration
@@ -231,10 +232,8 @@ def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
             torch.testing.assert_close(r.vector, expected, rtol=0, atol=1e-6)
             assert torch.equal(r.vector, results[0].vector)
         owners = services[:3]
-        for _ in range(40):  # the cut connections are noticed within moments
-            if all(len(s.pool._idle) == s.pool.allocated for s in owners):
-                break
-            time.sleep(0.05)
+        # the cut connections are noticed within moments
+        wait_until(lambda: all(len(s.pool._idle) == s.pool.allocated for s in owners), 2, 0.05)
         assert all(s.pool.allocated >= 1 for s in owners)
         assert [len(s.pool._idle) for s in owners] == [s.pool.allocated for s in owners]
     finally:

@@ -23,6 +23,7 @@ from hivemind.p2p import P2P, PeerID
 
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport, TransportConfig
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,12 +57,8 @@ def _running(pid: int) -> bool:
 
 
 def _wait_all_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if _running(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [p for p in alive if _running(p)]
-    return alive
+    wait_until(lambda: not any(_running(p) for p in pids), timeout, 0.1)
+    return [p for p in pids if _running(p)]
 
 
 def _start_child(mode: str) -> tuple[subprocess.Popen, dict]:

@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from node import forkserver
 from node.forkserver import ForkedProcess, ForkServer
+from tests.waiting import wait_until
 
 CHILD = "tests.unit.node._forked_child"
 
@@ -66,10 +66,8 @@ def report_title(server: ForkServer, tmp_path) -> str:
     with open(tmp_path / "title.log", "ab") as out:
         child = _spawn(server, out, "0", "5")
         try:
-            for _ in range(100):  # the title is set before the module runs
-                if (tmp_path / "title.log").read_text():
-                    break
-                time.sleep(0.05)
+            # the title is set before the module runs
+            wait_until(lambda: (tmp_path / "title.log").read_text(), 5, 0.05)
             return " ".join(psutil.Process(child.pid).cmdline()).strip()
         finally:
             child.kill()
