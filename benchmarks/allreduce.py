@@ -142,7 +142,7 @@ class _AtollPeer:
         # the owner side only accepts rounds near the one it is in
         self.service.clock.start(round_)
         t0 = time.perf_counter()
-        taken = self.service.results_streamed
+        taken = self.service.context.results_streamed
         own = self.own if vector is None else vector
         run = self.service.run(round_, 0, group, own, 1, out=self.out)
         result = self.transport.run(run, _STEP_TIMEOUT)
@@ -155,9 +155,10 @@ class _AtollPeer:
             "reduce_s": result.reduce_seconds,
             "streamed_share": result.streamed_share,
             # of the others' results, the share taken as they were reduced (with a trailer)
-            "results_streamed": (self.service.results_streamed - taken) / max(1, len(group) - 1),
+            "results_streamed": (self.service.context.results_streamed - taken)
+            / max(1, len(group) - 1),
         }
-        timing["receive_buffers"] = self.service.pool.allocated
+        timing["receive_buffers"] = self.service.context.pool.allocated
         return timing, result.vector
 
     def close(self) -> None:

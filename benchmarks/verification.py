@@ -45,10 +45,10 @@ import torch
 
 from benchmarks._common import figure, machine_info
 from protocol.averaging.allreduce import AllReduceService
+from protocol.averaging.hooks import Judge
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
-    Judge,
     Reduction,
     part_bounds,
     weighted_mean_reducer,
@@ -203,7 +203,7 @@ class SwitchingPeer:
         mode = _mode(repeat)
         self.service.context.reducer, self.service.context.judge = self.modes[mode]
         clock = self.clocks[mode]
-        before, rejected = dict(clock.seconds), Counter(self.service.rejected)
+        before, rejected = dict(clock.seconds), Counter(self.service.context.rejected)
         round_ = repeat + 1
         self.service.clock.start(round_)
         t0 = time.perf_counter()
@@ -216,7 +216,7 @@ class SwitchingPeer:
             "bytes_sent": result.bytes_sent,
             "mode": mode,
             "clock": {k: v - before.get(k, 0.0) for k, v in clock.seconds.items()},
-            "rejected": dict(Counter(self.service.rejected) - rejected),
+            "rejected": dict(Counter(self.service.context.rejected) - rejected),
             "incomplete": None if result.complete else _incomplete(round_, 0, result),
         }
         return timing, result.vector

@@ -1,6 +1,6 @@
 """Fault injection for tests and benchmarks: ``atoll run --byzantine MODE``.
 
-Each mode is a :class:`~protocol.averaging.parts.FaultInjection` that corrupts what the node sends
+Each mode is a :class:`~protocol.averaging.hooks.FaultInjection` that corrupts what the node sends
 in one specific way, so defences are tested against real nodes over the real wire
 rather than against mocks. Modes that need knowledge of the honest peers' updates
 (ALIE, IPM) use this node's own pseudo-gradient as the estimate of the honest mean,
@@ -25,7 +25,7 @@ from node.config import TrainConfig
 from node.data import BatchStream
 from node.fault_modes import ALL_MODES, COMMIT_MODES, MODES, QUIET_MODES, parse_mode
 from node.trainer import InnerTrainer, StepResult, lr_at
-from protocol.averaging.parts import FaultInjection
+from protocol.averaging.hooks import FaultInjection
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import SealedPart

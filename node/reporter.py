@@ -67,9 +67,9 @@ class Reporter:
         if self.network is not None:
             allreduce = self.network.allreduce
             state.update(
-                bytes_sent=allreduce.bytes_sent,
-                bytes_received=allreduce.bytes_received,
-                refused=dict(allreduce.rejected),
+                bytes_sent=allreduce.context.bytes_sent,
+                bytes_received=allreduce.context.bytes_received,
+                refused=dict(allreduce.context.rejected),
             )
             state["syncs"] = dict(self.network.syncer.outcomes)
         swarm = state.get("swarm") or {}

@@ -1,7 +1,7 @@
 """The node's trust decisions: screening, robust aggregation, policy, reputation, audit.
 
 :class:`Verifier` plugs into the all-reduce as both the owner's reducer and its judge
-(it has the shape of :class:`protocol.averaging.parts.Judge`; the all-reduce calls it
+(it has the shape of :class:`protocol.averaging.hooks.Judge`; the all-reduce calls it
 directly on plain records, :class:`~verification.records.Contribution`, and gets a
 :class:`~verification.records.Reduction` back). Every contribution a node sees as a part owner gets
 one audit row (accepted, rejected with a reason, or its own), every violation goes

@@ -6,16 +6,19 @@ group except clients (nodes others cannot dial, see
 part ``j`` to owner ``j`` in one RPC; the owner reduces the parts it takes and answers
 every caller with the same signed result; each member assembles the full vector from
 the reduced parts. :class:`AllReduceService` is this node's endpoint and client: it
-registers the handlers and routes to the two sides,
+registers the handlers and routes every call by its key to the exchange's runner
+(:class:`~protocol.averaging.runner.ExchangeRunner`, one per all-reduce), whose two
+sides hold everything of that exchange:
 
-* the owner side (:mod:`protocol.averaging.owner`): parts in, the part reduced
-  (while they arrive, with ``stream_reduce``), the result answered or streamed back;
-* the member side (:mod:`protocol.averaging.member`): one exchange run from its commit
-  phase to the checked results, and repair (:mod:`protocol.averaging.repair`) of the
-  parts whose owner failed;
+* the owner side (:class:`~protocol.averaging.owner.OwnedPart`): parts in, the part
+  reduced (while they arrive, with ``stream_reduce``), the result answered or streamed
+  back;
+* the member side (:class:`~protocol.averaging.member.MemberRun`): the exchange run from
+  its commit phase to the checked results, and repair (:mod:`protocol.averaging.repair`)
+  of the parts whose owner failed.
 
-which share this node's :class:`~protocol.averaging.context.AllReduceContext` and its
-sessions (:mod:`protocol.averaging.session`).
+Every runner of a node shares its :class:`~protocol.averaging.context.AllReduceContext`
+(transport, key, settings, clock and counters).
 
 Nothing outlasts the exchange's deadline (the caller derives it from the round): once
 the commit phase is over, owners wait for parts during the first half of the time
@@ -29,29 +32,32 @@ which part.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
+import msgpack
 import torch
 
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.contributions import CONTRIBUTION_RPC, SentParts
-from protocol.averaging.gather import PartRelay
-from protocol.averaging.member import PartMember
-from protocol.averaging.owner import RESULT_RPC, RPC_NAME, PartOwner
+from protocol.averaging.gather import GATHER, PartRelay
+from protocol.averaging.hooks import Commitments, FaultInjection, Judge
+from protocol.averaging.member import Sides, run_exchange
+from protocol.averaging.owner import RESULT_RPC, RPC_NAME, Answer, OwnedPart
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
-    Commitments,
-    FaultInjection,
-    Judge,
     Planner,
     Reducer,
     weighted_mean_plan,
     weighted_mean_reducer,
 )
 from protocol.averaging.repair import PartRepair
-from protocol.averaging.session import SessionTable
-from protocol.p2p.transport import BufferPool, Transport
+from protocol.averaging.runner import ExchangeRunner, RunnerTable
+from protocol.errors import ProtocolError
+from protocol.p2p.transport import Lease, Read, Transport
+from protocol.wire.messages import Header
+from protocol.wire.partwire import Part
 from verification.identity import Identity
 from verification.rounds import RoundClock
 
@@ -97,14 +103,13 @@ class AllReduceService:
         )
         self.clock = self.context.clock
         """The node's round clock: an exchange starts its round on it."""
+        self.transport = transport
+        self.runners = RunnerTable(self.context)
+        """This node's exchanges by key: every incoming call is routed to one."""
         self.repair = PartRepair(self.context)
-        sessions = SessionTable(self.context)
-        self.relay = PartRelay(self.context, sessions)
+        self.relay = PartRelay(self.context, self.runners)
+        self._sides = Sides(self.repair, self.relay, planner if settings.stream_reduce else None)
         self._relaying = False
-        self.owner = PartOwner(
-            self.context, sessions, planner if settings.stream_reduce else None, self.relay
-        )
-        self.member = PartMember(self.context, sessions, self.owner, self.repair)
 
     def keep_contributions(self) -> SentParts:
         """Keep this node's sent parts for a few rounds and serve them to the group members
@@ -116,54 +121,6 @@ class AllReduceService:
             )
         return self.context.sent
 
-    # ---- counters, shared with repair ------------------------------------------------
-
-    @property
-    def faults(self) -> FaultInjection:
-        """How this node acts in an all-reduce (tests swap in a faulty one)."""
-        return self.context.faults
-
-    @faults.setter
-    def faults(self, value: FaultInjection) -> None:
-        self.context.faults = value
-
-    @property
-    def commitments(self) -> Commitments | None:
-        """The commit phase, or None."""
-        return self.context.commitments
-
-    @property
-    def transport(self) -> Transport:
-        return self.context.transport
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.context.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self.context.bytes_received
-
-    @property
-    def rejected(self) -> dict[str, int]:
-        """Refusals of peers' messages so far, by reason."""
-        return self.context.rejected
-
-    @property
-    def pool(self) -> BufferPool:
-        """Buffers large parts and results are received into, reused round after round."""
-        return self.context.pool
-
-    @property
-    def results_streamed(self) -> int:
-        """Owners' results this node took as they were reduced (checked by their trailer)."""
-        return self.member.results_streamed
-
-    @property
-    def results_redone(self) -> int:
-        """Of those, results whose owner gave its streamed blocks up (fetched again)."""
-        return self.member.results_redone
-
     # ---- handlers ---------------------------------------------------------------------
 
     def register(self) -> None:
@@ -171,14 +128,14 @@ class AllReduceService:
         transport, settings = self.context.transport, self.settings
         transport.add_handler(
             RPC_NAME,
-            self.owner.handle,  # type: ignore[arg-type]  # gets the Part read_part made
+            self.handle_part,  # type: ignore[arg-type]  # gets the Part read_part made
             max_request_bytes=settings.max_message_bytes,
             timeout=settings.timeout * 2 + 5.0,
-            receive=self.owner.read_part,
+            receive=self.read_part,
         )
         transport.add_handler(
             RESULT_RPC,
-            self.owner.handle_result,
+            self.handle_result,
             max_request_bytes=1024,
             timeout=settings.timeout + 5,
         )
@@ -237,4 +194,106 @@ class AllReduceService:
             ValueError: an unknown ``content``, or an ``out`` that does not fit.
         """
         key = (round_, fragment, content)
-        return await self.member.run(key, group, vector, weight, owners, deadline, out, claim)
+        self.clock.start(round_)
+        runner = self.runners.open(key)
+        self.runners.moved_on(key)
+        return await run_exchange(
+            runner, self._sides, group, vector, weight, owners, deadline, out, claim
+        )
+
+    # ---- routing: every incoming call to its exchange's runner ----------------------------
+
+    async def read_part(self, read: Read, length: int, peer: str) -> Lease:
+        """A member's part as it arrives on this owner's stream (followed by the owned
+        part's early reduction, if it has one); a refusal is counted against the member."""
+        ctx = self.context
+        ctx.tally(None, received=length)
+        lo = max(0, ctx.clock.current - 1)
+        window = (lo, ctx.clock.current + ctx.settings.round_window)
+        try:
+            return await ctx.read_message(read, length, peer, "part", window, follow=self._follow)
+        except ProtocolError as exc:
+            raise ctx.reject(exc.reason, exc.detail, peer) from None
+
+    def _follow(self, h: Header, meta: dict, peer: str, body: memoryview):  # noqa: ANN202
+        runner = self.runners.get((h.round, h.fragment, meta.get("content")))
+        owned = runner.owned if runner is not None else None
+        if owned is None or owned.early is None:
+            return None
+        return owned.early.follow(h, meta, peer, body)
+
+    async def handle_part(self, peer: str, env: Part) -> Answer:
+        """A member's part (read by :meth:`read_part`): the owner's result, or a refusal."""
+        owned: OwnedPart | None = None
+        try:
+            owned = await self._admit(peer, env)
+            return await owned.take(peer, env)
+        finally:
+            # a part that is not in the contributions will not be read again
+            h = env.header
+            runner = self.runners.get((h.round, h.fragment, env.meta.get("content")))
+            part = runner.owned if runner is not None else None
+            if part is not None and part.early is not None and peer not in part.contributions:
+                part.early.detach(peer)
+
+    async def _admit(self, peer: str, env: Part) -> OwnedPart:
+        """The owned part ``env`` is for, once this node joined its exchange; refusals
+        (and silence, as a fault) before the part's values are looked at."""
+        ctx = self.context
+        h = env.header
+        at = (h.round, h.fragment)
+        if ctx.faults.silent_in(*at):
+            await asyncio.sleep(ctx.settings.timeout * 2)  # never answers in time
+            raise ProtocolError("timeout", "silent", peer)
+        gather = ctx.settings.gather and env.meta.get("content") == "update"
+        blocked = (ctx.judge.listed if gather else ctx.judge.blocks)(peer, h.round)
+        if blocked:
+            raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)
+        if h.fragment >= ctx.settings.fragments:
+            raise ctx.reject("wrong_part", f"no fragment {h.fragment}", peer, *at)
+        key = (h.round, h.fragment, ctx.content_of(env, peer))
+        if not self.runners.has_room(key):
+            raise ctx.reject("busy", "too many rounds in flight", peer, *at)
+        runner = self.runners.open(key)
+        ctx.tally(key, received=env.nbytes, totals=False)
+        try:
+            await asyncio.wait_for(runner.ready.wait(), ctx.settings.timeout)
+        except asyncio.TimeoutError:
+            raise ctx.reject(
+                "not_in_round", "this node did not join that round", peer, *at
+            ) from None
+        return _owned_part_for(runner, peer, env, gather)
+
+    async def handle_result(self, peer: str, data: bytes) -> list[bytes | memoryview]:
+        """A member's request for an owner's signed result (after a ``redo``)."""
+        try:
+            round_, fragment, content = msgpack.unpackb(data)
+            key = (int(round_), int(fragment), str(content))
+        except (ValueError, TypeError, msgpack.ExtraData) as exc:
+            raise self.context.reject("malformed", f"result request: {exc}", peer) from None
+        runner = self.runners.get(key)
+        owned = runner.owned if runner is not None else None
+        if owned is None:
+            raise ProtocolError("not_in_round", "no result of that exchange here", peer)
+        return await owned.result(peer)
+
+
+def _owned_part_for(runner: ExchangeRunner, peer: str, env: Part, gather: bool) -> OwnedPart:
+    """The owned part of ``runner`` that ``peer``'s part is for, when its group, exchange
+    and index are this node's."""
+    ctx, plan, h = runner.context, runner.plan, env.header
+    at = (h.round, h.fragment)
+    assert plan is not None  # set before ready
+    group, owners = env.meta.get("group"), env.meta.get("owners", env.meta.get("group"))
+    if group != plan.group or owners != plan.owners:
+        raise ctx.reject("group_mismatch", "sender's group differs from the owner's", peer, *at)
+    blocked = None if plan.gather or not gather else ctx.judge.blocks(peer, h.round)
+    if blocked:  # a group with a client reduces by owner after all
+        raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)
+    if (env.meta.get("exchange") == GATHER) != plan.gather:
+        raise ctx.reject("group_mismatch", "sender's exchange differs from the owner's", peer, *at)
+    # in a gather a member sends everyone its one part, under its own index
+    wanted = plan.owners.index(peer) if plan.gather and peer in plan.owners else plan.index
+    if peer not in plan.group or h.part != wanted or runner.owned is None:
+        raise ctx.reject("wrong_part", f"part {h.part} is not owned here", peer, *at)
+    return runner.owned

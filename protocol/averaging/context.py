@@ -19,14 +19,12 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from protocol.averaging.contributions import SentParts
+from protocol.averaging.hooks import Commitments, FaultInjection, Judge
 from protocol.averaging.parts import (
     CONTENTS,
     AllReduceKey,
     AllReduceSettings,
-    Commitments,
     Contribution,
-    FaultInjection,
-    Judge,
     Reducer,
 )
 from protocol.errors import ProtocolError
@@ -109,6 +107,11 @@ class AllReduceContext:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.rejected: dict[str, int] = {}
+        """Refusals of peers' messages so far, by reason."""
+        self.results_streamed = 0
+        """Owners' results this node took as they were reduced (checked by their trailer)."""
+        self.results_redone = 0
+        """Of those, results whose owner gave its streamed blocks up (fetched again)."""
         self.pool = BufferPool()
         """Buffers large parts and results are received into, reused round after round."""
         # Bytes per all-reduce: two in flight at once (a fragment and its weight mix)

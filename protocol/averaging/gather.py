@@ -24,8 +24,8 @@ import time
 import msgpack
 
 from protocol.averaging.context import AllReduceContext
-from protocol.averaging.parts import AllReduceKey
-from protocol.averaging.session import MIN_CALL_SECONDS, OwnedPart, Session, SessionTable
+from protocol.averaging.parts import AllReduceKey, Contribution
+from protocol.averaging.runner import MIN_CALL_SECONDS, ExchangeRunner, RunnerTable
 from protocol.errors import ProtocolError
 from protocol.wire.partwire import Part, SealedPart
 
@@ -114,12 +114,12 @@ class PartRelay:
 
     Args:
         context: what the node's all-reduce shares.
-        sessions: the node's sessions.
+        runners: the node's exchanges.
     """
 
-    def __init__(self, context: AllReduceContext, sessions: SessionTable) -> None:
+    def __init__(self, context: AllReduceContext, runners: RunnerTable) -> None:
         self.context = context
-        self.sessions = sessions
+        self.runners = runners
         self.relayed = 0
         """Parts this node took from another member than their sender."""
 
@@ -143,10 +143,10 @@ class PartRelay:
             sender = str(sender)
         except (ValueError, TypeError, msgpack.ExtraData) as exc:
             raise self.context.reject("malformed", f"relay request: {exc}", peer) from None
-        session = self.sessions.get(key)
-        plan = session.plan if session is not None else None
-        part = session.owned if session is not None else None
-        if session is None or plan is None or part is None or not plan.gather:
+        runner = self.runners.get(key)
+        plan = runner.plan if runner is not None else None
+        part = runner.owned if runner is not None else None
+        if plan is None or part is None or not plan.gather:
             raise ProtocolError("not_in_round", "no gather of that exchange here", peer)
         if peer not in plan.group:
             raise ProtocolError("wrong_part", "not a member of that gather", peer)
@@ -158,49 +158,55 @@ class PartRelay:
         # members that both lack a part tell each other so at once
         return msgpack.packb([NONE if part.waited else WAITING, b""])
 
-    async def fill(self, session: Session, part: OwnedPart, by: float) -> list[str]:
+    async def fill(
+        self, runner: ExchangeRunner, have: set[str], by: float
+    ) -> list[tuple[str, Contribution, bytes]]:
         """Fetch, from the other members, the part of every member that committed and
-        whose part this node does not hold, until ``by``; the members whose parts came."""
-        ctx, plan = self.context, session.plan
+        is not in ``have``, until ``by``: each part that came, as ``(sender,
+        contribution, wire)`` for the owned part to take."""
+        ctx, plan = self.context, runner.plan
         if ctx.commitments is None or plan is None:
             return []  # nothing says which bytes a relayed part must be
-        round_, fragment, content = session.key
+        round_, fragment, content = runner.key
         me = ctx.identity.peer_id
         lacking = [
             p
             for p in plan.group
             if p != me
-            and p not in part.contributions
+            and p not in have
             and ctx.commitments.committed(p, round_, fragment, content)
             and not ctx.judge.listed(p, round_)
         ]
         if not lacking:
             return []
-        found = await asyncio.gather(*(self._fetch(session, part, p, by) for p in lacking))
-        return [p for p, ok in zip(lacking, found) if ok]
+        found = await asyncio.gather(*(self._fetch(runner, p, by) for p in lacking))
+        return [(p, *taken) for p, taken in zip(lacking, found) if taken is not None]
 
-    async def _fetch(self, session: Session, part: OwnedPart, sender: str, by: float) -> bool:
+    async def _fetch(
+        self, runner: ExchangeRunner, sender: str, by: float
+    ) -> tuple[Contribution, bytes] | None:
         """``sender``'s committed part from any other member that took it."""
-        plan = session.plan
+        plan = runner.plan
         assert plan is not None
         me = self.context.identity.peer_id
         holders = [p for p in plan.group if p not in (me, sender)]
-        request = msgpack.packb([*session.key, sender])
+        request = msgpack.packb([*runner.key, sender])
         while holders and time.monotonic() < by:
             for holder in list(holders):
-                state, env = await self._ask(session.key, holder, sender, request, by)
+                state, env = await self._ask(runner.key, holder, sender, request, by)
                 if state == NONE:
                     holders.remove(holder)
-                if env is not None and await self._take(session, part, sender, env):
+                taken = await self._check(runner, sender, env) if env is not None else None
+                if taken is not None:
                     self.relayed += 1
                     logger.info(
                         "round %d fragment %d: took %s's part from %s",
-                        *session.key[:2], sender[:16], holder[:16],
+                        *runner.key[:2], sender[:16], holder[:16],
                     )  # fmt: skip
-                    return True
+                    return taken
             if holders:
                 await asyncio.sleep(min(_RETRY_SECONDS, max(0.0, by - time.monotonic())))
-        return False
+        return None
 
     async def _ask(
         self, key: AllReduceKey, holder: str, sender: str, request: bytes, by: float
@@ -226,28 +232,28 @@ class PartRelay:
             return NONE, None  # a holder that cannot answer is not asked again
         return HELD, env
 
-    async def _take(self, session: Session, part: OwnedPart, sender: str, env: Part) -> bool:
-        """Take a relayed part as its sender's own would be taken: of this exchange and
-        this node's group, the sender's own index, and the digest it committed to."""
-        ctx, plan = self.context, session.plan
+    async def _check(
+        self, runner: ExchangeRunner, sender: str, env: Part
+    ) -> tuple[Contribution, bytes] | None:
+        """A relayed part checked as its sender's own would be: of this exchange and this
+        node's group, the sender's own index, and the digest it committed to."""
+        ctx, plan = self.context, runner.plan
         assert plan is not None and ctx.commitments is not None
         h = env.header
-        if (h.round, h.fragment, env.meta.get("content")) != session.key:
-            return False
+        if (h.round, h.fragment, env.meta.get("content")) != runner.key:
+            return None
         if env.meta.get("group") != plan.group or env.meta.get("exchange") != GATHER:
-            return False
+            return None
         if h.part != plan.owners.index(sender):
-            return False
+            return None
         refusal = await ctx.commitments.check(
-            sender, h.round, h.fragment, h.part, env.digest, session.closed_at, session.content
+            sender, h.round, h.fragment, h.part, env.digest, runner.closed_at, runner.content
         )
-        if refusal or sender in part.contributions:
-            return False
+        owned = runner.owned
+        if refusal or owned is None or sender in owned.contributions:
+            return None
         try:
-            contribution = ctx.decode(env, part.numel, sender)
+            contribution = ctx.decode(env, owned.numel, sender)
         except ProtocolError:
-            return False
-        part.contributions[sender] = contribution
-        part.refused.pop(sender, None)
-        part.held[sender] = held_wire(env)
-        return True
+            return None
+        return contribution, held_wire(env)

@@ -1,7 +1,9 @@
-"""The owner side of this node's all-reduce: its part's contributions in, its result out.
+"""The owner side of one all-reduce: the part this node owns, its contributions in, its
+result out.
 
 Every member sends its encoded, signed part to the part's owner in one RPC
-(:data:`RPC_NAME`). The owner checks each part on its head before any body byte is
+(:data:`RPC_NAME`), which the service routes to the exchange's runner and its
+:class:`OwnedPart`. The owner checks each part on its head before any body byte is
 read, takes it if the sender is in its group, committed to it in time and is not late,
 waits until every member's part is in or its deadline passes, reduces what it has
 (token-weighted mean unless a robust reducer is plugged in), encodes and signs the
@@ -15,6 +17,10 @@ reduction, or starts over when the parts it streamed are not the ones kept. With
 float32 results it also streams the reduced blocks back as they are reduced
 (:mod:`protocol.averaging.streamback`); when it started over after sending blocks, the
 trailer says ``redo`` and members fetch the signed result (:data:`RESULT_RPC`).
+
+In a gather every member owns the whole vector and reduces the group's parts itself; it
+answers a part with whether it took it, and keeps the parts it took for the members
+that lack one (:mod:`protocol.averaging.gather`).
 """
 
 from __future__ import annotations
@@ -26,26 +32,19 @@ import logging
 import time
 from collections.abc import Sequence
 
-import msgpack
 import torch
 
-from protocol.averaging.context import AllReduceContext
 from protocol.averaging.early import EarlyReduction
-from protocol.averaging.gather import GATHER, RPC_NAME, PartRelay, gather_ack, held_wire
-from protocol.averaging.parts import (
-    Contribution,
-    Planner,
-    Prefix,
-    Reduction,
-)
+from protocol.averaging.gather import RPC_NAME, PartRelay, gather_ack, held_wire
+from protocol.averaging.parts import Contribution, Planner, Prefix, Reduction
 from protocol.averaging.resultmeta import result_fields, trailer_fields
-from protocol.averaging.session import MIN_CALL_SECONDS, OwnedPart, Session, SessionTable
+from protocol.averaging.runner import MIN_CALL_SECONDS, ExchangeRunner
 from protocol.errors import ProtocolError
-from protocol.p2p.transport import Lease, Read, StreamedResponse
+from protocol.p2p.transport import StreamedResponse
 from protocol.wire import codec as codecs
-from protocol.wire.partwire import Part, chunk_hashes, seal_part
+from protocol.wire.partwire import Part, SealedPart, chunk_hashes, seal_part
 
-__all__ = ["RESULT_RPC", "RPC_NAME", "PartOwner"]
+__all__ = ["RESULT_RPC", "RPC_NAME", "Answer", "OwnedPart"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,208 +55,74 @@ _NO_VALUES = torch.empty(0)
 Answer = list[bytes | memoryview] | StreamedResponse
 
 
-class PartOwner:
-    """Takes the parts of the part this node owns, reduces them, answers with the result.
+class OwnedPart:
+    """The owner side of one exchange: the contributions to this node's part, and the
+    result it signs from them. Made by :meth:`open`.
 
     Args:
-        context: what the node's all-reduce shares.
-        sessions: the node's sessions.
-        planner: how the reducer reduces while parts arrive, or None.
+        runner: the exchange.
+        expected: members whose parts are waited for (this node's policy refuses the
+            others, so it does not wait for them).
+        own: this node's own contribution to the part.
+        relay: in a gather, fetches the committed parts this node lacks from other
+            members (None: none are fetched).
     """
 
     def __init__(
         self,
-        context: AllReduceContext,
-        sessions: SessionTable,
-        planner: Planner | None,
-        relay: PartRelay | None = None,
+        runner: ExchangeRunner,
+        expected: set[str],
+        own: Contribution,
+        relay: PartRelay | None,
     ) -> None:
-        self.context = context
-        self.sessions = sessions
+        self.runner = runner
+        self.context = runner.context
+        self.numel = own.vector.numel()
+        self.expected = expected
         self.relay = relay
-        """In a gather, fetches the committed parts this node lacks from other members."""
-        self.early = EarlyReduction(context, sessions, planner) if planner else None
-        """Reduces while the parts arrive (when the reducer has a planner)."""
+        self.contributions: dict[str, Contribution] = {own.peer: own}
+        self.refused: dict[str, str] = {}
+        """Parts taken in but left out of the result, with why (commit phase, lateness)."""
+        self.full = asyncio.Event()
+        """Every expected part is in (or refused): reduce now, not at the deadline."""
+        self.reducing = False
+        """The result is being computed from the parts in by then."""
+        self.waited = False
+        """The wait for the members' parts is over: no more come from their senders."""
+        self.reduced = asyncio.Event()
+        self.answerable = asyncio.Event()
+        """A member can be answered: the result is signed, or it is streamed."""
+        self.reply: SealedPart | None = None
+        """The signed result every member of the part is answered with."""
+        self.reply_contributors: list[str] = []
+        self.reduce_seconds = 0.0
+        """From the last part in (or the deadline) to the signed result."""
+        self.streamed_share = 0.0
+        """The share of the part reduced while parts arrived and kept in the result."""
+        self.early: EarlyReduction | None = None
+        """The part reduced block by block as parts arrive (with a planner)."""
+        self.held: dict[str, bytes] = {}
+        """In a gather, the parts taken, as their senders sent them, for members that
+        lack one (:mod:`protocol.averaging.gather`); kept until the exchange is over."""
 
-    # ---- parts in -----------------------------------------------------------------------
-
-    async def read_part(self, read: Read, length: int, peer: str) -> Lease:
-        """A member's part as it arrives on this owner's stream; a refusal is counted
-        against the member."""
-        ctx = self.context
-        ctx.tally(None, received=length)
-        lo = max(0, ctx.clock.current - 1)
-        window = (lo, ctx.clock.current + ctx.settings.round_window)
-        try:
-            follow = self.early.follow if self.early is not None else None
-            return await ctx.read_message(read, length, peer, "part", window, follow=follow)
-        except ProtocolError as exc:
-            raise ctx.reject(exc.reason, exc.detail, peer) from None
-
-    async def handle(self, peer: str, env: Part) -> Answer:
-        """A member's part (read by :meth:`read_part`): this owner's result, or a refusal."""
-        h = env.header
-        session = self.sessions.get((h.round, h.fragment, env.meta.get("content")))
-        try:
-            return await self._take(peer, env)
-        finally:
-            # a part that is not in the contributions will not be read again
-            part = session.owned if session is not None else None
-            if part is not None and part.streaming is not None and peer not in part.contributions:
-                part.streaming.detach(peer)
-
-    async def _admit(self, peer: str, env: Part) -> tuple[Session, OwnedPart]:
-        """The session ``env`` is for, once this node joined it; refusals (and silence,
-        as a fault) before the part's values are looked at."""
-        ctx = self.context
-        h = env.header
-        at = (h.round, h.fragment)
-        if self.context.faults.silent_in(*at):
-            await asyncio.sleep(ctx.settings.timeout * 2)  # never answers in time
-            raise ProtocolError("timeout", "silent", peer)
-        gather = ctx.settings.gather and env.meta.get("content") == "update"
-        blocked = (ctx.judge.listed if gather else ctx.judge.blocks)(peer, h.round)
-        if blocked:
-            raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)
-        if h.fragment >= ctx.settings.fragments:
-            raise ctx.reject("wrong_part", f"no fragment {h.fragment}", peer, *at)
-        key = (h.round, h.fragment, ctx.content_of(env, peer))
-        if not self.sessions.has_room(key):
-            raise ctx.reject("busy", "too many rounds in flight", peer, *at)
-        session = self.sessions.open(key)
-        ctx.tally(key, received=env.nbytes, totals=False)
-        try:
-            await asyncio.wait_for(session.ready.wait(), ctx.settings.timeout)
-        except asyncio.TimeoutError:
-            raise ctx.reject(
-                "not_in_round", "this node did not join that round", peer, *at
-            ) from None
-        plan = session.plan
-        assert plan is not None  # set before ready
-        group, owners = env.meta.get("group"), env.meta.get("owners", env.meta.get("group"))
-        if group != plan.group or owners != plan.owners:
-            raise ctx.reject("group_mismatch", "sender's group differs from the owner's", peer, *at)
-        blocked = None if plan.gather or not gather else ctx.judge.blocks(peer, h.round)
-        if blocked:  # a group with a client reduces by owner after all
-            raise ctx.reject(blocked, "refused by this node's trust policy", peer, *at)
-        if (env.meta.get("exchange") == GATHER) != plan.gather:
-            raise ctx.reject(
-                "group_mismatch", "sender's exchange differs from the owner's", peer, *at
-            )
-        # in a gather a member sends everyone its one part, under its own index
-        wanted = plan.owners.index(peer) if plan.gather and peer in plan.owners else plan.index
-        if peer not in plan.group or h.part != wanted or session.owned is None:
-            raise ctx.reject("wrong_part", f"part {h.part} is not owned here", peer, *at)
-        return session, session.owned
-
-    async def _take(self, peer: str, env: Part) -> Answer:
-        ctx = self.context
-        session, part = await self._admit(peer, env)
-        h = env.header
-        at = (h.round, h.fragment)
-        known = part.contributions.get(peer)
-        if known is not None and known.digest == env.digest:
-            # The same signed part again: the sender lost the answer and retried.
-            return await self._reply(session, part, peer)
-        if known is not None:
-            raise ctx.reject(
-                "duplicate", "a second part for the same round and fragment", peer, *at
-            )
-        contribution = ctx.decode(env, part.numel, peer)
-        refusal = await self._commitment_refusal(session, peer, env)
-        if refusal:
-            ctx.reject(refusal, "part does not match a timely commitment", peer, *at)
-            return await self._answer_without(session, part, peer, refusal)
-        if time.monotonic() > session.parts_by or part.reducing:
-            ctx.reject("late", "part arrived after the owner's deadline", peer, *at)
-            return await self._answer_without(session, part, peer, "late")
-        part.contributions[peer] = contribution
-        if session.plan is not None and session.plan.gather:
-            part.held[peer] = held_wire(env)  # for members that lack it
-        part.note_in()
-        return await self._reply(session, part, peer)
-
-    async def _commitment_refusal(self, session: Session, peer: str, env: Part) -> str | None:
-        """Why ``env`` does not match a timely commitment of ``peer`` (None: it does, or
-        the exchange has no commit phase), once this node's commit phase is over."""
-        ctx = self.context
-        if ctx.commitments is None:
-            return None
-        h = env.header
-        try:
-            await asyncio.wait_for(session.committed.wait(), ctx.settings.timeout)
-        except asyncio.TimeoutError:
-            raise ctx.reject(
-                "not_in_round", "commit phase never closed", peer, h.round, h.fragment
-            ) from None
-        return await ctx.commitments.check(
-            peer, h.round, h.fragment, h.part, env.digest, session.closed_at, session.content
-        )
-
-    async def _answer_without(
-        self, session: Session, part: OwnedPart, peer: str, reason: str
-    ) -> Answer:
-        """Refuse ``peer``'s part but answer it with the result all the same.
-
-        Every member of a part must end with the one result its owner signed, or honest
-        members' values part ways; the result names the refused part and why (a part
-        that came after the result was signed is simply not in it)."""
-        if not part.reducing:
-            part.refused[peer] = reason
-            part.note_in()
-        return await self._reply(session, part, peer, reason)
-
-    async def _reply(
-        self, session: Session, part: OwnedPart, peer: str, refused: str = ""
-    ) -> Answer:
-        """This owner's signed result, once there is one, or the result streamed back as
-        it is reduced, once that starts (no longer than its exchange lasts); in a
-        gather, where the sender reduces the parts itself, whether its part was taken."""
-        if session.plan is not None and session.plan.gather:
-            return [gather_ack(refused)]
-        left = max(MIN_CALL_SECONDS, session.done_by - time.monotonic())
-        await asyncio.wait_for(part.answerable.wait(), left)
-        stream = part.result_stream
-        if not part.reduced.is_set() and stream is not None:
-            return stream.response(part.progress, session.done_by, self.context.faults.trailer)
-        await asyncio.wait_for(part.reduced.wait(), left)
-        if part.reply is None:  # dropped once the exchange was over
-            raise ProtocolError("late", "the exchange of that round is over")
-        return part.reply.buffers()
-
-    async def handle_result(self, peer: str, data: bytes) -> list[bytes | memoryview]:
-        """A member's request for this owner's signed result (after a ``redo``)."""
-        try:
-            round_, fragment, content = msgpack.unpackb(data)
-            key = (int(round_), int(fragment), str(content))
-        except (ValueError, TypeError, msgpack.ExtraData) as exc:
-            raise self.context.reject("malformed", f"result request: {exc}", peer) from None
-        session = self.sessions.get(key)
-        part = session.owned if session is not None else None
-        if session is None or session.plan is None or part is None:
-            raise ProtocolError("not_in_round", "no result of that exchange here", peer)
-        if peer not in session.plan.group:
-            raise ProtocolError("wrong_part", "not a member of that part's group", peer)
-        left = max(MIN_CALL_SECONDS, session.done_by - time.monotonic())
-        await asyncio.wait_for(part.reduced.wait(), left)
-        if part.reply is None:
-            raise ProtocolError("late", "the exchange of that round is over")
-        self.context.tally(key, sent=part.reply.nbytes)
-        return part.reply.buffers()
-
-    # ---- this node's own part -------------------------------------------------------------
-
-    def open(self, session: Session, vector: torch.Tensor, weight: int) -> None:
-        """Make ``session`` (whose plan makes this node an owner) ready for the members'
-        parts: this node's own contribution, whom to wait for, and the streamed
-        reduction when the reducer has a planner."""
-        ctx, plan = self.context, session.plan
+    @classmethod
+    def open(
+        cls,
+        runner: ExchangeRunner,
+        vector: torch.Tensor,
+        weight: int,
+        planner: Planner | None,
+        relay: PartRelay | None,
+    ) -> OwnedPart:
+        """The owner side of ``runner`` (whose plan makes this node an owner), ready for
+        the members' parts: this node's own contribution, whom to wait for, and the
+        streamed reduction when the reducer has a ``planner``."""
+        ctx, plan = runner.context, runner.plan
         assert plan is not None and plan.is_owner
         me = ctx.identity.peer_id
-        round_, _, content = session.key
+        round_ = runner.key[0]
         start, end = plan.bounds[plan.index]
-        header = session.header("part", ctx.settings.run_id, me)
-        own = seal_part(ctx.identity, header, {"content": content}, b"")
+        own = seal_part(ctx.identity, runner.header("part"), {"content": runner.content}, b"")
         contribution = Contribution(
             peer=me,
             vector=vector[start:end],  # read only; the caller's vector stays as it is
@@ -269,54 +134,168 @@ class PartOwner:
         # those its lists refuse (every member must reduce the same parts)
         refusal = ctx.judge.listed if plan.gather else ctx.judge.refusal
         expected = {p for p in plan.group if p == me or not refusal(p, round_)}
-        part = session.owned = OwnedPart(end - start, expected, contribution)
+        part = cls(runner, expected, contribution, relay if plan.gather else None)
         part.note_in()
-        if not part.full.is_set() and self.early is not None and part.numel and not plan.gather:
-            self.early.start(session, part, vector[start:end])
+        if not part.full.is_set() and planner is not None and part.numel and not plan.gather:
+            part.early = EarlyReduction(runner, expected, contribution, part.answerable, planner)
+        return part
 
-    async def reduce(self, session: Session) -> torch.Tensor:
+    def note_in(self) -> None:
+        """Wake the reduction once every expected part is in or refused."""
+        if self.expected <= set(self.contributions) | set(self.refused):
+            self.full.set()
+
+    def drop_reply(self) -> None:
+        """The exchange is over: nobody gets the result any more."""
+        self.reply = None
+        self.held = {}
+        if self.early is not None:
+            self.early.drop()
+
+    # ---- parts in -----------------------------------------------------------------------
+
+    async def take(self, peer: str, env: Part) -> Answer:
+        """A member's part (admitted by the runner): this owner's result, or a refusal."""
+        ctx = self.context
+        h = env.header
+        at = (h.round, h.fragment)
+        known = self.contributions.get(peer)
+        if known is not None and known.digest == env.digest:
+            # The same signed part again: the sender lost the answer and retried.
+            return await self.answer(peer)
+        if known is not None:
+            raise ctx.reject(
+                "duplicate", "a second part for the same round and fragment", peer, *at
+            )
+        contribution = ctx.decode(env, self.numel, peer)
+        refusal = await self._commitment_refusal(peer, env)
+        if refusal:
+            ctx.reject(refusal, "part does not match a timely commitment", peer, *at)
+            return await self._answer_without(peer, refusal)
+        if time.monotonic() > self.runner.parts_by or self.reducing:
+            ctx.reject("late", "part arrived after the owner's deadline", peer, *at)
+            return await self._answer_without(peer, "late")
+        self.contributions[peer] = contribution
+        if self.runner.plan is not None and self.runner.plan.gather:
+            self.held[peer] = held_wire(env)  # for members that lack it
+        self.note_in()
+        return await self.answer(peer)
+
+    async def _commitment_refusal(self, peer: str, env: Part) -> str | None:
+        """Why ``env`` does not match a timely commitment of ``peer`` (None: it does, or
+        the exchange has no commit phase), once this node's commit phase is over."""
+        ctx = self.context
+        if ctx.commitments is None:
+            return None
+        h = env.header
+        try:
+            await asyncio.wait_for(self.runner.committed.wait(), ctx.settings.timeout)
+        except asyncio.TimeoutError:
+            raise ctx.reject(
+                "not_in_round", "commit phase never closed", peer, h.round, h.fragment
+            ) from None
+        return await ctx.commitments.check(
+            peer,
+            h.round,
+            h.fragment,
+            h.part,
+            env.digest,
+            self.runner.closed_at,
+            self.runner.content,
+        )
+
+    async def _answer_without(self, peer: str, reason: str) -> Answer:
+        """Refuse ``peer``'s part but answer it with the result all the same.
+
+        Every member of a part must end with the one result its owner signed, or honest
+        members' values part ways; the result names the refused part and why (a part
+        that came after the result was signed is simply not in it)."""
+        if not self.reducing:
+            self.refused[peer] = reason
+            self.note_in()
+        return await self.answer(peer, reason)
+
+    def relayed(self, sender: str, contribution: Contribution, wire: bytes) -> None:
+        """In a gather, ``sender``'s part as another member relayed it (checked as its
+        sender's own would be, :meth:`PartRelay.fill
+        <protocol.averaging.gather.PartRelay.fill>`)."""
+        self.contributions[sender] = contribution
+        self.refused.pop(sender, None)
+        self.held[sender] = wire
+
+    async def answer(self, peer: str, refused: str = "") -> Answer:
+        """This owner's signed result, once there is one, or the result streamed back as
+        it is reduced, once that starts (no longer than its exchange lasts); in a
+        gather, where the sender reduces the parts itself, whether its part was taken."""
+        if self.runner.plan is not None and self.runner.plan.gather:
+            return [gather_ack(refused)]
+        left = max(MIN_CALL_SECONDS, self.runner.done_by - time.monotonic())
+        await asyncio.wait_for(self.answerable.wait(), left)
+        stream = self.early.result_stream if self.early is not None else None
+        if not self.reduced.is_set() and stream is not None:
+            early = self.early
+            assert early is not None
+            return stream.response(early.progress, self.runner.done_by, self.context.faults.trailer)
+        await asyncio.wait_for(self.reduced.wait(), left)
+        if self.reply is None:  # dropped once the exchange was over
+            raise ProtocolError("late", "the exchange of that round is over")
+        return self.reply.buffers()
+
+    async def result(self, peer: str) -> list[bytes | memoryview]:
+        """A member's request for this owner's signed result (after a ``redo``)."""
+        plan = self.runner.plan
+        if plan is None or peer not in plan.group:
+            raise ProtocolError("wrong_part", "not a member of that part's group", peer)
+        left = max(MIN_CALL_SECONDS, self.runner.done_by - time.monotonic())
+        await asyncio.wait_for(self.reduced.wait(), left)
+        if self.reply is None:
+            raise ProtocolError("late", "the exchange of that round is over")
+        self.context.tally(self.runner.key, sent=self.reply.nbytes)
+        return self.reply.buffers()
+
+    async def reduce(self) -> torch.Tensor:
         """Wait for the group's parts (or the deadline), reduce, sign, publish; returns
         the result's values as every member decodes them."""
-        ctx, part = self.context, session.owned
-        assert part is not None
-        await self._wait_for_parts(session, part)
-        part.waited = True
-        if self.relay is not None and session.plan is not None and session.plan.gather:
-            await self.relay.fill(session, part, session.replies_by)
+        ctx = self.context
+        await self._wait_for_parts()
+        self.waited = True
+        if self.relay is not None:
+            have = set(self.contributions)
+            for sender, contribution, wire in await self.relay.fill(
+                self.runner, have, self.runner.replies_by
+            ):
+                self.relayed(sender, contribution, wire)
         parts_in = time.monotonic()
-        part.reducing = True  # parts arriving from now on are late
-        prefix = None
-        if part.stream_task is not None:
-            part.wake.set()
-            await part.stream_task  # never raises; no block is being reduced after this
-            prefix = part.streaming.prefix() if part.streaming is not None else None
-        contributions = self._in_group_order(session, part)
-        if session.plan is not None and session.plan.gather:
-            return await self._gathered(session, part, contributions, parts_in)
-        reduction = await self._reduce(session, contributions, prefix)
-        if prefix is not None and reduction.vector is prefix.out and part.numel:
-            part.streamed_share = prefix.upto / part.numel
+        self.reducing = True  # parts arriving from now on are late
+        prefix = await self.early.stop() if self.early is not None else None
+        contributions = self._in_group_order()
+        if self.runner.plan is not None and self.runner.plan.gather:
+            return await self._gathered(contributions, parts_in)
+        reduction = await self._reduce(contributions, prefix)
+        if prefix is not None and reduction.vector is prefix.out and self.numel:
+            self.streamed_share = prefix.upto / self.numel
         values = ctx.faults.reduced(reduction.vector)
-        enc = await ctx.compute(ctx.encode, values, session.content, True)
+        enc = await ctx.compute(ctx.encode, values, self.runner.content, True)
         used = set(reduction.used)
         kept = [c for c in contributions if c.peer in used]
-        meta = ctx.faults.reduced_meta(self._result_meta(session, part, kept, reduction))
+        meta = ctx.faults.reduced_meta(self._result_meta(kept, reduction))
         streamed = prefix is not None and reduction.vector is prefix.out
-        await self._seal(session, part, meta, enc, streamed)
-        part.reply_contributors = list(meta["contributors"])
-        part.reduce_seconds = time.monotonic() - parts_in
-        self._publish(session, part, len(contributions))
-        return codecs.decode(enc, expected_numel=part.numel, copy=False)
+        await self._seal(meta, enc, streamed)
+        self.reply_contributors = list(meta["contributors"])
+        self.reduce_seconds = time.monotonic() - parts_in
+        self._publish(len(contributions))
+        return codecs.decode(enc, expected_numel=self.numel, copy=False)
 
-    async def _wait_for_parts(self, session: Session, part: OwnedPart) -> None:
+    async def _wait_for_parts(self) -> None:
         """Until every expected part is in or the deadline passes; each member still
         missing then is reported to the judge."""
         try:
-            await asyncio.wait_for(part.full.wait(), max(0.0, session.parts_by - time.monotonic()))
+            left = max(0.0, self.runner.parts_by - time.monotonic())
+            await asyncio.wait_for(self.full.wait(), left)
         except asyncio.TimeoutError:
-            round_, fragment, content = session.key
-            index = session.plan.index if session.plan is not None else -1
-            missing = sorted(set(part.expected) - set(part.contributions))
+            round_, fragment, content = self.runner.key
+            index = self.runner.plan.index if self.runner.plan is not None else -1
+            missing = sorted(set(self.expected) - set(self.contributions))
             logger.warning(
                 "round %d fragment %d part %d: deadline passed without %s",
                 *(round_, fragment, index, ", ".join(p[:16] for p in missing)),
@@ -328,40 +307,31 @@ class PartOwner:
                 )
                 self.context.judge.on_missing(peer, round_, fragment, index, committed)
 
-    @staticmethod
-    def _in_group_order(session: Session, part: OwnedPart) -> list[Contribution]:
+    def _in_group_order(self) -> list[Contribution]:
         # in group order, as the streamed reduction took them
-        order = {p: i for i, p in enumerate(session.plan.group if session.plan else ())}
-        return sorted(part.contributions.values(), key=lambda c: order.get(c.peer, len(order)))
+        order = {p: i for i, p in enumerate(self.runner.plan.group if self.runner.plan else ())}
+        return sorted(self.contributions.values(), key=lambda c: order.get(c.peer, len(order)))
 
     async def _gathered(
         self,
-        session: Session,
-        part: OwnedPart,
         contributions: Sequence[Contribution],
         parts_in: float,
     ) -> torch.Tensor:
         """A gather's reduction, which this member keeps for itself: every member reduces
         the same parts, so it is a shared one (the inputs alone decide, as in a repair),
         and it is neither encoded nor sent."""
-        reduction = await self._reduce(session, contributions, None, gathered=True)
+        reduction = await self._reduce(contributions, None, gathered=True)
         values = self.context.faults.reduced(reduction.vector)
-        part.reply_contributors = list(reduction.used)
-        part.reduce_seconds = time.monotonic() - parts_in
-        part.reduced.set()
-        part.answerable.set()
-        part.contributions = {
-            p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in part.contributions.items()
-        }
+        self.reply_contributors = list(reduction.used)
+        self.reduce_seconds = time.monotonic() - parts_in
+        self.reduced.set()
+        self.answerable.set()
         # the parts taken are relayed to members that lack one until the exchange is over
-        asyncio.get_running_loop().call_later(
-            max(0.0, session.done_by - time.monotonic()), part.drop_reply
-        )
+        self._let_go()
         return values
 
     async def _reduce(
         self,
-        session: Session,
         contributions: Sequence[Contribution],
         prefix: Prefix | None,
         gathered: bool = False,
@@ -370,45 +340,36 @@ class PartOwner:
         # reading the other parts' streams meanwhile
         reducer = functools.partial(
             self.context.reducer,
-            content=session.content,
+            content=self.runner.content,
             **({"prefix": prefix} if prefix is not None else {}),
             **({"shared": True, "gathered": True} if gathered else {}),
         )
-        round_, fragment, _ = session.key
-        index = session.plan.index if session.plan is not None else -1
+        round_, fragment, _ = self.runner.key
+        index = self.runner.plan.index if self.runner.plan is not None else -1
         return await self.context.compute(reducer, round_, fragment, index, contributions)
 
     def _result_meta(
         self,
-        session: Session,
-        part: OwnedPart,
         kept: Sequence[Contribution],
         reduction: Reduction,
     ) -> dict:
         rejected = {
-            **part.refused,
+            **self.refused,
             **{p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
         }
         commits, commitments = None, self.context.commitments
         if commitments is not None:
             # what each contributor committed to, as this owner holds it (see evidence())
-            round_, fragment, content = session.key
+            round_, fragment, content = self.runner.key
             commits = [commitments.evidence(c.peer, round_, fragment, content) for c in kept]
-        return result_fields(session.content, kept, rejected, commits)
+        return result_fields(self.runner.content, kept, rejected, commits)
 
-    async def _seal(
-        self,
-        session: Session,
-        part: OwnedPart,
-        meta: dict,
-        enc: codecs.Encoded,
-        streamed: bool,
-    ) -> None:
+    async def _seal(self, meta: dict, enc: codecs.Encoded, streamed: bool) -> None:
         """Sign the result (and the trailer of the one streamed back, ``streamed``: its
         streamed blocks are the result's)."""
         ctx = self.context
         hashes = None
-        stream = part.result_stream
+        stream = self.early.result_stream if self.early is not None else None
         if stream is not None:
             # one pass of hashing for the signed result and the streamed one's trailer
             hashes = await ctx.compute(chunk_hashes, enc.payload)
@@ -416,33 +377,37 @@ class PartOwner:
         sealed = await ctx.compute(
             functools.partial(seal_part, hashes=hashes),
             ctx.identity,
-            session.header("reduced", ctx.settings.run_id, ctx.identity.peer_id),
+            self.runner.header("reduced"),
             {**meta, **enc.meta()},
             enc.payload,
         )
-        part.reply = self.context.faults.reply(sealed)
+        self.reply = self.context.faults.reply(sealed)
 
-    def _publish(self, session: Session, part: OwnedPart, contributors: int) -> None:
+    def _publish(self, contributors: int) -> None:
         """Answer every member waiting for the result, and let the parts' buffers go."""
-        assert part.reply is not None
+        assert self.reply is not None
         # every other contributor is waiting for this one reply; those answered with the
         # streamed result already get it, head and trailer
-        stream = part.result_stream
+        stream = self.early.result_stream if self.early is not None else None
         streamed = stream.replies if stream is not None else 0
-        sent = part.reply.nbytes * max(0, contributors - 1 - streamed)
+        sent = self.reply.nbytes * max(0, contributors - 1 - streamed)
         if stream is not None:
             sent += streamed * stream.reply_bytes
-        self.context.tally(session.key, sent=sent)
-        part.reduced.set()
-        part.answerable.set()
-        # the parts are in the result: drop their views so their receive buffers go back
-        # to the pool (a retry is recognised by its digest alone)
-        part.contributions = {
-            p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in part.contributions.items()
-        }
-        if part.streaming is not None:
-            part.streaming.close()
+        self.context.tally(self.runner.key, sent=sent)
+        self.reduced.set()
+        self.answerable.set()
+        if self.early is not None:
+            self.early.close()
         # the result is kept for members that retry until the exchange is over, no longer
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """The parts are in the result: drop their views, so that their receive buffers go
+        back to the pool (a retry is recognised by its digest alone), and drop the result
+        and the parts kept for others once the exchange is over."""
+        self.contributions = {
+            p: dataclasses.replace(c, vector=_NO_VALUES) for p, c in self.contributions.items()
+        }
         asyncio.get_running_loop().call_later(
-            max(0.0, session.done_by - time.monotonic()), part.drop_reply
+            max(0.0, self.runner.done_by - time.monotonic()), self.drop_reply
         )

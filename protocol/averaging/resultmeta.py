@@ -7,18 +7,27 @@ out with why (``rejected``) and, with a commit phase, each contributor's signed
 commitment as it holds it (``commits``). This module is the one place that knows these
 fields: :func:`result_fields` writes them; :func:`head_fields` and
 :func:`trailer_fields` are what the head and the trailer of a result streamed back sign;
-:func:`read_result` reads them for a member, checking what it relies on, and
+:func:`read_result` reads them for a member, checking what it relies on
+(:func:`judge_result` checks a whole result: its fields, the commitments it names,
+its values and their plausibility), and
 :func:`signed_result` reads them as evidence, as signed, for the rules of proof
 (:mod:`verification.evidence`, which judge records and never parse a result).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from protocol.averaging.context import AllReduceContext
+from protocol.averaging.parts import AllReduceKey
 from protocol.errors import ProtocolError
+from protocol.wire import codec as codecs
+from protocol.wire.partwire import Part
 from verification.evidence import SignedResult
 from verification.records import Contribution
 
@@ -28,11 +37,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ResultFields",
     "head_fields",
+    "judge_result",
     "read_result",
     "result_fields",
     "signed_result",
     "trailer_fields",
 ]
+
+logger = logging.getLogger(__name__)
 
 _HEAD_FIELDS = ("content",)
 """The result's own fields a streamed result's head names (known before it is reduced)."""
@@ -131,3 +143,63 @@ def signed_result(header: Header, meta: dict[str, Any]) -> SignedResult:
         digests=meta.get("digests"),
         commits=meta.get("commits"),
     )
+
+
+def judge_result(
+    ctx: AllReduceContext,
+    reply: Part,
+    owner: str,
+    at: AllReduceKey,
+    j: int,
+    numel: int,
+    own: torch.Tensor,
+    weight: int,
+) -> tuple[torch.Tensor, list[str]]:
+    """``owner``'s signed result for part ``j``, checked against the commitments and this
+    node's own contribution ``own`` (of ``weight`` tokens): its values and who is in
+    them. Runs in the all-reduce's worker thread (decoding checks every value).
+
+    Raises:
+        ProtocolError: the result is refused, and why.
+    """
+    round_, fragment, content = at
+    part, norm, fields = _read_values(ctx, reply, owner, at, j, numel)
+    peers = fields.contributors
+    commitments = ctx.commitments
+    if commitments is not None:
+        reason = commitments.check_result(
+            owner, round_, fragment, j, reply.evidence(), peers, fields.digests, content
+        )
+        if reason:
+            raise ProtocolError(reason, "result names inputs nobody committed", owner)
+    spread = min(1000.0, max([1.0, *fields.weights]) / max(1.0, float(weight)))
+    included = ctx.identity.peer_id in peers
+    reason = ctx.judge.check_reduced(
+        owner, round_, fragment, j, part, own, max(1.0, spread), included, norm, content=content
+    )
+    if reason:
+        raise ProtocolError(reason, "reduced part refused", owner)
+    return part, peers
+
+
+def _read_values(
+    ctx: AllReduceContext, env: Part, owner: str, at: AllReduceKey, part: int, numel: int
+) -> tuple[torch.Tensor, float, ResultFields]:
+    round_, fragment, content = at
+    if env.header.fragment != fragment or env.header.part != part:
+        raise ProtocolError("wrong_part", "reduced result for another part", owner)
+    fields = read_result(env.meta, owner, content)
+    me = ctx.identity.peer_id
+    if me not in fields.contributors and me not in fields.rejected:
+        # Signed before this node's part arrived (a late part): the result stands for
+        # every member alike, so it is taken, without this node's contribution.
+        logger.info(
+            "round %d fragment %d part %d: owner %s's result came without this node's part",
+            *(round_, fragment, part, owner[:16]),
+        )
+    enc = codecs.Encoded.from_meta(env.meta, env.body, max_numel=numel)
+    ctx.check_codec(enc, content, result=True)
+    # decode refuses NaN, inf and out-of-range scales for every codec; the values
+    # stay a view of the received bytes until they are assembled into the output
+    vector, norm = codecs.decode_with_norm(enc, expected_numel=numel, copy=False)
+    return vector, norm, fields

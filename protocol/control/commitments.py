@@ -26,7 +26,8 @@ from typing import Any
 
 import msgpack
 
-from protocol.averaging.parts import CONTENTS, Commitments
+from protocol.averaging.hooks import Commitments
+from protocol.averaging.parts import CONTENTS
 from protocol.control.channel import ControlChannel
 from protocol.control.frames import (
     CONTROL_VERSION,
@@ -126,7 +127,7 @@ def _wire(msg: ControlMessage) -> bytes:
 
 class CommitmentStore(Commitments):
     """This node's commitments and those it received, for the commit phase of its
-    exchanges (the :class:`~protocol.averaging.parts.Commitments` an all-reduce takes).
+    exchanges (the :class:`~protocol.averaging.hooks.Commitments` an all-reduce takes).
 
     Args:
         settings: the control plane's settings (run, message cap).

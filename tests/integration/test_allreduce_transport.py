@@ -24,13 +24,11 @@ from node.model import build_model
 from node.outer import OuterOptimizer
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
 from protocol.averaging.fragments import plan_fragments
+from protocol.averaging.hooks import Commitments, FaultInjection, Judge
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
-    Commitments,
     Contribution,
-    FaultInjection,
-    Judge,
     PartPlan,
     part_bounds,
     weighted_mean_reducer,
@@ -362,7 +360,7 @@ def test_topk_parts_reduce_to_their_union_and_a_denser_part_is_refused(
         bound = absmax.repeat_interleave(chunk)[:numel] / 255 + 1e-6
         assert bool(((r.vector - expected).abs() <= bound).all())
     _assert_bitwise_equal(results)
-    assert victim.rejected.get("wrong_codec") == 1
+    assert victim.context.rejected.get("wrong_codec") == 1
 
 
 def _gather_settings(timeout: float = 15) -> AllReduceSettings:
@@ -593,8 +591,8 @@ def test_vanished_member_costs_only_its_contribution(
     # each present member asked the missing one for its part; it had not joined the round
     # (it says so once its own wait for the round ends, after the callers gave up)
     # 10 s for all three (they come one by one under load)
-    wait_until(lambda: sum(missing.rejected.values()) >= 3, 10, 0.1)
-    assert missing.rejected == {"not_in_round": 3}
+    wait_until(lambda: sum(missing.context.rejected.values()) >= 3, 10, 0.1)
+    assert missing.context.rejected == {"not_in_round": 3}
 
 
 class _CorruptReply(FaultInjection):
@@ -667,8 +665,8 @@ def test_silent_member_costs_only_its_contribution_within_the_deadline(
     # everywhere, and the owners report the missing parts.
     everyone = services(AllReduceSettings(run_id=RUN, codec="none", timeout=30))
     silent = everyone[3]
-    silent.faults = FaultInjection()
-    silent.faults.silent = True
+    silent.context.faults = FaultInjection()
+    silent.context.faults.silent = True
     missing: list[tuple[str, int]] = []
 
     class Recorder(Judge):
@@ -850,7 +848,7 @@ def test_hostile_parts_are_refused_and_the_round_still_completes(
         assert r.complete, r.contributors
         torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
     _assert_bitwise_equal(results)
-    assert victim.rejected == {
+    assert victim.context.rejected == {
         "non_finite": 1,
         "numel_mismatch": 1,
         "bad_numel": 1,
@@ -864,7 +862,7 @@ def test_hostile_parts_are_refused_and_the_round_still_completes(
     # a second part for the same round is refused even after the round is reduced
     error = _expect_refusal(client, owner, good)
     assert error.detail.startswith("duplicate:")
-    assert victim.rejected["duplicate"] == 1
+    assert victim.context.rejected["duplicate"] == 1
 
 
 @pytest.mark.timeout(60)
@@ -882,7 +880,7 @@ def test_the_same_part_sent_again_gets_the_same_answer(
     # a retry after a lost answer: the very same signed bytes
     again = client.run(client.call(owner.identity.peer_id, RPC_NAME, part, timeout=10), 15)
     assert again == first
-    assert "duplicate" not in owner.rejected
+    assert "duplicate" not in owner.context.rejected
     # a different part from the same sender is still a duplicate
     other = _part(sender.identity, group=group, data=torch.ones(own_numel))
     assert _expect_refusal(client, owner.identity.peer_id, other).detail.startswith("duplicate:")
@@ -903,7 +901,7 @@ def test_refused_envelopes_are_counted(swarm: SimpleNamespace, services: Callabl
         _part(me, round_=50, group=group, data=torch.zeros(8)),
     ):
         _expect_refusal(client, owner, data)
-    assert victim.rejected == {
+    assert victim.context.rejected == {
         "malformed": 1,
         "sender_mismatch": 1,
         "bad_signature": 1,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
+from protocol.averaging.member import sign_part
 from protocol.averaging.parts import AllReduceSettings, PartPlan
 from protocol.p2p import _frames, direct
 from protocol.p2p.transport import Transport, TransportConfig
@@ -85,7 +86,7 @@ def test_parts_go_direct_where_both_sides_can_and_through_p2pd_otherwise(
         assert a.calls_by_plane["p2pd"] >= 2 and c.calls_by_plane["tcp"] == 0
         assert opened[1] == opened[0]  # the second round reused the first round's connections
         # a streamed result ends with its trailer frame: the connection stays usable
-        streamed = sum(s.results_streamed for s in services)
+        streamed = sum(s.context.results_streamed for s in services)
         assert streamed > 0 if stream_reduce else streamed == 0
     finally:
         for s in services:
@@ -213,7 +214,7 @@ def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
         client = direct.DirectClient(identities[3])
         stalls = []
         for j, (lo, hi) in enumerate(plan.bounds[:3]):
-            request = frozen.member.request((1, 0, "update"), plan, j, vectors[3][lo:hi], 1)
+            request = sign_part(frozen.context, (1, 0, "update"), plan, j, vectors[3][lo:hi], 1)
             stall = _stall_mid_part(client, group[j], transports[j].data_port, request, timeout + 3)
             stalls.append(frozen.transport.submit(stall))
         started = time.monotonic()
@@ -233,9 +234,15 @@ def test_a_member_that_stops_sending_mid_part_costs_only_its_contribution(
             assert torch.equal(r.vector, results[0].vector)
         owners = services[:3]
         # the cut connections are noticed within moments
-        wait_until(lambda: all(len(s.pool._idle) == s.pool.allocated for s in owners), 2, 0.05)
-        assert all(s.pool.allocated >= 1 for s in owners)
-        assert [len(s.pool._idle) for s in owners] == [s.pool.allocated for s in owners]
+        wait_until(
+            lambda: all(len(s.context.pool._idle) == s.context.pool.allocated for s in owners),
+            2,
+            0.05,
+        )
+        assert all(s.context.pool.allocated >= 1 for s in owners)
+        assert [len(s.context.pool._idle) for s in owners] == [
+            s.context.pool.allocated for s in owners
+        ]
     finally:
         for s in services:
             s.unregister()

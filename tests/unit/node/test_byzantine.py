@@ -14,7 +14,7 @@ from node.data import BatchStream
 from node.fault_modes import parse_mode
 from node.model import build_model
 from node.trainer import InnerTrainer
-from protocol.averaging.parts import FaultInjection, seal_for, seal_with
+from protocol.averaging.hooks import FaultInjection, seal_for, seal_with
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import open_part

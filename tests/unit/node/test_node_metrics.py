@@ -84,7 +84,9 @@ def node(tmp_path: Path):
     reporter = Reporter("r", "s", progress, status, tmp_path)
     reporter.training = training
     reporter.network = SimpleNamespace(  # type: ignore[assignment]
-        allreduce=allreduce, syncer=syncer, transport=SimpleNamespace(reachability=None)
+        allreduce=SimpleNamespace(context=allreduce),
+        syncer=syncer,
+        transport=SimpleNamespace(reachability=None),
     )
     logs = (status, None)
     loop = TrainingLoop(

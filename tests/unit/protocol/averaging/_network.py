@@ -68,15 +68,15 @@ class _Transport:
         request = data if isinstance(data, bytes) else b"".join(bytes(b) for b in data)
         try:
             if name == RESULT_RPC:
-                answer = await service.owner.handle_result(self.me, request)
+                answer = await service.handle_result(self.me, request)
             else:
                 assert name == RPC_NAME, name
                 reader = asyncio.StreamReader()
                 reader.feed_data(request)
                 reader.feed_eof()
-                lease = await service.owner.read_part(reader.read, len(request), self.me)
+                lease = await service.read_part(reader.read, len(request), self.me)
                 try:
-                    answer = await service.owner.handle(self.me, lease.data)
+                    answer = await service.handle_part(self.me, lease.data)
                 finally:
                     lease.release()
         except ProtocolError as exc:  # what the callee's refusal looks like to the caller

@@ -84,12 +84,12 @@ def test_an_owner_refuses_a_forged_part_on_its_head_before_any_body_byte() -> No
         stream = _stream(sender.peer_id)
         stream[1].feed_data(struct.pack(">Q", length) + wire)  # no body, no EOF
         serving = _framing.serve(
-            stream, handler, 1 << 30, "atoll.part", 5.0, receive=service.owner.read_part
+            stream, handler, 1 << 30, "atoll.part", 5.0, receive=service.read_part
         )
         await asyncio.wait_for(serving, 3)
         status, reply = stream[2].response()
         return status, _framing.decode_error(reply)[0]
 
     assert asyncio.run(main()) == (_framing.STATUS_ERROR, "bad_signature")
-    assert handled == [] and service.rejected == {"bad_signature": 1}
-    assert service.pool.allocated == 0  # no buffer was taken for the body
+    assert handled == [] and service.context.rejected == {"bad_signature": 1}
+    assert service.context.pool.allocated == 0  # no buffer was taken for the body

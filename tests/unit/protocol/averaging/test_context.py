@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from protocol.averaging.context import AllReduceContext, part_weight
-from protocol.averaging.parts import AllReduceSettings, Judge
+from protocol.averaging.hooks import Judge
+from protocol.averaging.parts import AllReduceSettings
 from protocol.errors import ProtocolError
 from protocol.wire.messages import Header
 from protocol.wire.partwire import open_part, seal_part

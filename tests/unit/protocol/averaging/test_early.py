@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from protocol.averaging.parts import AllReduceSettings, PartPlan
+from protocol.averaging.owner import OwnedPart
+from protocol.averaging.parts import AllReduceSettings, PartPlan, weighted_mean_plan
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from tests.unit.protocol.averaging._network import Network
@@ -59,23 +60,23 @@ def test_only_an_expected_members_part_for_this_owners_part_is_followed() -> Non
         return memoryview(bytearray(enc.payload))
 
     async def main() -> list[object]:
-        session = service.owner.sessions.open((1, 0, "update"))
-        session.open(plan, time.monotonic() + 5)
-        service.owner.open(session, torch.zeros(NUMEL), 1)
-        early = service.owner.early
-        assert early is not None and session.owned is not None
+        runner = service.runners.open((1, 0, "update"))
+        runner.join(plan, time.monotonic() + 5)
+        owned = runner.owned = OwnedPart.open(
+            runner, torch.zeros(NUMEL), 1, weighted_mean_plan, None
+        )
+        early = owned.early
+        assert early is not None
         mine = Header("part", RUN, 1, 0, 0, B.peer_id)
         seen = [
             early.follow(Header("part", RUN, 2, 0, 0, B.peer_id), meta, B.peer_id, body()),
             early.follow(Header("part", RUN, 1, 0, 1, B.peer_id), meta, B.peer_id, body()),
             early.follow(mine, meta, "12D3KooWstranger", body()),
             early.follow(mine, {**meta, "weight": -1}, B.peer_id, body()),
-            early.follow(mine, meta, B.peer_id, body()) is session.owned,
-            session.owned.weights,
+            early.follow(mine, meta, B.peer_id, body()) is early,
+            early.weights,
         ]
-        session.owned.reducing = True  # the reduction proper starts: streaming ends
-        session.owned.wake.set()
-        await asyncio.wait_for(session.owned.stream_task, 5)  # type: ignore[arg-type]
+        await asyncio.wait_for(early.stop(), 5)  # the reduction proper starts: streaming ends
         return seen
 
     assert asyncio.run(main()) == [None, None, None, None, True, {B.peer_id: 2.0}]

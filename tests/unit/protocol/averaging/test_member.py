@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from protocol.averaging.parts import AllReduceSettings, FaultInjection, Judge, PartPlan
+from protocol.averaging.hooks import FaultInjection, Judge
+from protocol.averaging.parts import AllReduceSettings, PartPlan
 from protocol.wire.partwire import SealedPart
 from tests.unit.protocol.averaging._network import Network, mean_of
 from verification.identity import Identity
@@ -93,7 +94,7 @@ def test_owners_that_see_another_group_end_the_wait_at_once() -> None:
     for result in results.values():
         assert result.fallback_parts == [1]
         assert result.seconds < 1.5  # not the 2 s an owner waits for a part
-    assert network.services[A.peer_id].rejected == {"group_mismatch": 1}
+    assert network.services[A.peer_id].context.rejected == {"group_mismatch": 1}
 
 
 def test_an_unknown_content_is_refused_before_anything_is_sent() -> None:

@@ -10,7 +10,8 @@ import msgpack
 import pytest
 import torch
 
-from protocol.averaging.parts import AllReduceSettings, Judge
+from protocol.averaging.hooks import Judge
+from protocol.averaging.parts import AllReduceSettings
 from protocol.errors import ProtocolError
 from protocol.wire.messages import Header
 from protocol.wire.partwire import open_part, seal_part
@@ -93,19 +94,19 @@ def test_parts_are_refused_on_their_header_before_any_wait() -> None:
 
     def reason(part, peer: str) -> str:
         with pytest.raises(ProtocolError) as info:
-            asyncio.run(asyncio.wait_for(owner.owner.handle(peer, part), 1))
+            asyncio.run(asyncio.wait_for(owner.handle_part(peer, part), 1))
         return info.value.reason
 
     assert reason(_part_from(C), C.peer_id) == "denied"
     assert reason(_part_from(B, fragment=3), B.peer_id) == "wrong_part"
-    assert owner.rejected == {"denied": 1, "wrong_part": 1}
+    assert owner.context.rejected == {"denied": 1, "wrong_part": 1}
 
 
 def test_a_part_for_a_round_this_node_never_joins_is_refused_at_its_timeout() -> None:
     owner = Network().service(A, AllReduceSettings(run_id=RUN, timeout=0.2))
     with pytest.raises(ProtocolError) as info:
-        asyncio.run(owner.owner.handle(B.peer_id, _part_from(B)))
-    assert info.value.reason == "not_in_round" and owner.rejected == {"not_in_round": 1}
+        asyncio.run(owner.handle_part(B.peer_id, _part_from(B)))
+    assert info.value.reason == "not_in_round" and owner.context.rejected == {"not_in_round": 1}
 
 
 def test_a_result_is_fetched_only_by_a_member_of_a_known_exchange() -> None:
@@ -113,7 +114,7 @@ def test_a_result_is_fetched_only_by_a_member_of_a_known_exchange() -> None:
 
     def reason(data: bytes) -> str:
         with pytest.raises(ProtocolError) as info:
-            asyncio.run(owner.owner.handle_result(B.peer_id, data))
+            asyncio.run(owner.handle_result(B.peer_id, data))
         return info.value.reason
 
     assert reason(b"\xc1") == "malformed"

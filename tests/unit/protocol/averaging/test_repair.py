@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from protocol.averaging.context import AllReduceContext
-from protocol.averaging.parts import AllReduceSettings, Judge, weighted_mean_reducer
+from protocol.averaging.hooks import Judge
+from protocol.averaging.parts import AllReduceSettings, weighted_mean_reducer
 from protocol.averaging.repair import REPAIR_RPC, PartRepair
 from protocol.errors import ProtocolError
 from protocol.wire import codec as codecs

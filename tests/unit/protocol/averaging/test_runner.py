@@ -1,5 +1,5 @@
-"""One node's state in an all-reduce: an owned part that wakes once every expected part
-is in, the split of the time left, and the table that forgets rounds long past."""
+"""One all-reduce on one node: an owned part that wakes once every expected part is in,
+the split of the time left, and the table of runners that forgets rounds long past."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import time
 import torch
 
 from protocol.averaging.context import AllReduceContext
-from protocol.averaging.parts import AllReduceSettings, Contribution, Judge, PartPlan
-from protocol.averaging.session import OwnedPart, Session, SessionTable
+from protocol.averaging.early import EarlyReduction
+from protocol.averaging.hooks import Judge
+from protocol.averaging.owner import OwnedPart
+from protocol.averaging.parts import AllReduceSettings, Contribution, PartPlan
+from protocol.averaging.runner import ExchangeRunner, RunnerTable
+from verification.identity import Identity
 from verification.rounds import RoundClock
 
 ME, P, Q = "me", "p", "q"
@@ -21,12 +25,20 @@ def _own() -> Contribution:
 
 
 def _context(**settings) -> AllReduceContext:
-    return AllReduceContext(None, None, AllReduceSettings(run_id="r", **settings), None, Judge())  # type: ignore[arg-type]
+    identity = Identity.from_seed(b"m" * 32)
+    settings = AllReduceSettings(run_id="r", **settings)
+    return AllReduceContext(None, identity, settings, None, Judge())  # type: ignore[arg-type]
+
+
+def _runner(group: list[str], numel: int, seconds: float) -> ExchangeRunner:
+    runner = ExchangeRunner((1, 0, "update"), _context())
+    runner.join(PartPlan.of(ME, group, None, numel, 1), time.monotonic() + seconds)
+    return runner
 
 
 def test_an_owned_part_is_full_once_every_expected_part_is_in_or_refused() -> None:
     async def main() -> list[bool]:
-        part = OwnedPart(4, {ME, P, Q}, _own())
+        part = OwnedPart(_runner([ME, P, Q], 12, 5), {ME, P, Q}, _own(), None)
         seen = []
         part.note_in()
         seen.append(part.full.is_set())
@@ -43,34 +55,37 @@ def test_an_owned_part_is_full_once_every_expected_part_is_in_or_refused() -> No
 
 def test_without_a_streamed_reduction_there_is_no_progress_to_send() -> None:
     async def main() -> tuple:
-        part = OwnedPart(4, {ME}, _own())
-        part.arrived(P, 100)  # nothing follows the parts: ignored
+        runner = _runner([ME, P], 8, 5)
+        part = OwnedPart(runner, {ME}, _own(), None)
+        early = EarlyReduction(runner, {ME, P}, _own(), part.answerable, lambda *a: None)
+        early.arrived(P, 100)  # P's body is not followed: ignored
+        progress = early.progress()
+        await early.stop()
+        early.drop()
         part.drop_reply()
-        return part.progress(), part.reply, part.wake.is_set()
+        return part.early, progress, early.progress(), part.reply, part.answerable.is_set()
 
-    assert asyncio.run(main()) == ((None, 0), None, False)
+    assert asyncio.run(main()) == (None, (None, 0), (None, 0), None, False)
 
 
 def test_the_time_left_is_split_between_parts_answers_and_repair() -> None:
-    async def main() -> Session:
-        session = Session((1, 0, "update"))
-        session.open(PartPlan.of(ME, [ME, P], None, 8, 1), time.monotonic() + 4.0)
-        session.schedule()
-        return session
+    async def main() -> ExchangeRunner:
+        runner = _runner([ME, P], 8, 4.0)
+        runner.schedule()
+        return runner
 
     session = asyncio.run(main())
     now = time.monotonic()
     assert abs(session.parts_by - (now + 2.0)) < 0.2  # half for the parts
     assert abs(session.replies_by - (now + 3.0)) < 0.2  # three quarters for the answers
     assert session.parts_by < session.replies_by < session.done_by
-    assert session.content == "update" and session.header("part", "r", ME).part == 0
+    assert session.content == "update" and session.header("part").part == 0
 
 
 def test_when_every_other_owner_sees_another_group_the_owned_part_stops_waiting() -> None:
     async def main() -> list[bool]:
-        session = Session((1, 0, "update"))
-        session.open(PartPlan.of(ME, [ME, P, Q], None, 9, 1), time.monotonic() + 5)
-        session.owned = OwnedPart(3, {ME, P, Q}, _own())
+        session = _runner([ME, P, Q], 9, 5)
+        session.owned = OwnedPart(session, {ME, P, Q}, _own(), None)
         session.note_mismatch()
         first = session.owned.full.is_set()
         session.note_mismatch()
@@ -81,7 +96,7 @@ def test_when_every_other_owner_sees_another_group_the_owned_part_stops_waiting(
 
 def test_the_table_forgets_rounds_long_past_and_bounds_what_a_peer_can_open() -> None:
     context = _context(fragments=1, round_window=1)
-    table = SessionTable(context)
+    table = RunnerTable(context)
     context.tally((1, 0, "update"), sent=10)
     first = table.open((1, 0, "update"))
     assert table.open((1, 0, "update")) is first
@@ -93,5 +108,5 @@ def test_the_table_forgets_rounds_long_past_and_bounds_what_a_peer_can_open() ->
     while table.has_room((100 + rounds, 0, "update")):
         table.open((100 + rounds, 0, "update"))
         rounds += 1
-    assert rounds < 20  # a peer cannot make this node hold sessions without bound
+    assert rounds < 20  # a peer cannot make this node hold runners without bound
     assert table.has_room((100, 0, "update"))  # one that is open always has room
