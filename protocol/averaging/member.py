@@ -29,7 +29,7 @@ import msgpack
 import torch
 
 from protocol.averaging.gather import PartRelay, deliver
-from protocol.averaging.owner import RESULT_RPC, RPC_NAME, OwnedPart
+from protocol.averaging.owner import RESULT_RPC, RPC_NAME, open_part
 from protocol.averaging.parts import AllReduceKey, AllReduceResult, PartPlan, Planner
 from protocol.averaging.repair import PartRepair
 from protocol.averaging.resultmeta import judge_result
@@ -101,7 +101,7 @@ async def run_exchange(
     # ExchangeRunner.schedule then sets the real deadlines
     runner.join(plan, done_by)
     if plan.is_owner:
-        runner.owned = OwnedPart.open(runner, vector, weight, sides.planner, sides.relay)
+        runner.owned = open_part(runner, vector, weight, sides.planner, sides.relay)
     runner.ready.set()
     requests, committed = sign_parts(ctx, key, plan, vector, weight, claim)
     await _commit_phase(runner, committed)

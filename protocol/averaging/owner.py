@@ -37,14 +37,14 @@ import torch
 from protocol.averaging.early import EarlyReduction
 from protocol.averaging.gather import RPC_NAME, PartRelay, gather_ack, held_wire
 from protocol.averaging.parts import Contribution, Planner, Prefix, Reduction
-from protocol.averaging.resultmeta import result_fields, trailer_fields
+from protocol.averaging.resultmeta import owner_fields, trailer_fields
 from protocol.averaging.runner import MIN_CALL_SECONDS, ExchangeRunner
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import StreamedResponse
 from protocol.wire import codec as codecs
 from protocol.wire.partwire import Part, SealedPart, chunk_hashes, seal_part
 
-__all__ = ["RESULT_RPC", "RPC_NAME", "Answer", "OwnedPart"]
+__all__ = ["RESULT_RPC", "RPC_NAME", "Answer", "OwnedPart", "open_part"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ Answer = list[bytes | memoryview] | StreamedResponse
 
 class OwnedPart:
     """The owner side of one exchange: the contributions to this node's part, and the
-    result it signs from them. Made by :meth:`open`.
+    result it signs from them. Made by :func:`open_part`.
 
     Args:
         runner: the exchange.
@@ -105,41 +105,6 @@ class OwnedPart:
         """In a gather, the parts taken, as their senders sent them, for members that
         lack one (:mod:`protocol.averaging.gather`); kept until the exchange is over."""
 
-    @classmethod
-    def open(
-        cls,
-        runner: ExchangeRunner,
-        vector: torch.Tensor,
-        weight: int,
-        planner: Planner | None,
-        relay: PartRelay | None,
-    ) -> OwnedPart:
-        """The owner side of ``runner`` (whose plan makes this node an owner), ready for
-        the members' parts: this node's own contribution, whom to wait for, and the
-        streamed reduction when the reducer has a ``planner``."""
-        ctx, plan = runner.context, runner.plan
-        assert plan is not None and plan.is_owner
-        me = ctx.identity.peer_id
-        round_ = runner.key[0]
-        start, end = plan.bounds[plan.index]
-        own = seal_part(ctx.identity, runner.header("part"), {"content": runner.content}, b"")
-        contribution = Contribution(
-            peer=me,
-            vector=vector[start:end],  # read only; the caller's vector stays as it is
-            weight=float(min(weight, ctx.settings.max_tokens)),
-            digest=own.digest,
-            tokens=int(weight),
-        )
-        # Members this node's policy refuses will not be waited for; in a gather, only
-        # those its lists refuse (every member must reduce the same parts)
-        refusal = ctx.judge.listed if plan.gather else ctx.judge.refusal
-        expected = {p for p in plan.group if p == me or not refusal(p, round_)}
-        part = cls(runner, expected, contribution, relay if plan.gather else None)
-        part.note_in()
-        if not part.full.is_set() and planner is not None and part.numel and not plan.gather:
-            part.early = EarlyReduction(runner, expected, contribution, part.answerable, planner)
-        return part
-
     def note_in(self) -> None:
         """Wake the reduction once every expected part is in or refused."""
         if self.expected <= set(self.contributions) | set(self.refused):
@@ -168,7 +133,7 @@ class OwnedPart:
                 "duplicate", "a second part for the same round and fragment", peer, *at
             )
         contribution = ctx.decode(env, self.numel, peer)
-        refusal = await self._commitment_refusal(peer, env)
+        refusal = await self.runner.commitment_refusal(peer, env)
         if refusal:
             ctx.reject(refusal, "part does not match a timely commitment", peer, *at)
             return await self._answer_without(peer, refusal)
@@ -180,29 +145,6 @@ class OwnedPart:
             self.held[peer] = held_wire(env)  # for members that lack it
         self.note_in()
         return await self.answer(peer)
-
-    async def _commitment_refusal(self, peer: str, env: Part) -> str | None:
-        """Why ``env`` does not match a timely commitment of ``peer`` (None: it does, or
-        the exchange has no commit phase), once this node's commit phase is over."""
-        ctx = self.context
-        if ctx.commitments is None:
-            return None
-        h = env.header
-        try:
-            await asyncio.wait_for(self.runner.committed.wait(), ctx.settings.timeout)
-        except asyncio.TimeoutError:
-            raise ctx.reject(
-                "not_in_round", "commit phase never closed", peer, h.round, h.fragment
-            ) from None
-        return await ctx.commitments.check(
-            peer,
-            h.round,
-            h.fragment,
-            h.part,
-            env.digest,
-            self.runner.closed_at,
-            self.runner.content,
-        )
 
     async def _answer_without(self, peer: str, reason: str) -> Answer:
         """Refuse ``peer``'s part but answer it with the result all the same.
@@ -268,7 +210,7 @@ class OwnedPart:
         parts_in = time.monotonic()
         self.reducing = True  # parts arriving from now on are late
         prefix = await self.early.stop() if self.early is not None else None
-        contributions = self._in_group_order()
+        contributions = _in_group_order(self.runner, self.contributions)
         if self.runner.plan is not None and self.runner.plan.gather:
             return await self._gathered(contributions, parts_in)
         reduction = await self._reduce(contributions, prefix)
@@ -278,7 +220,12 @@ class OwnedPart:
         enc = await ctx.compute(ctx.encode, values, self.runner.content, True)
         used = set(reduction.used)
         kept = [c for c in contributions if c.peer in used]
-        meta = ctx.faults.reduced_meta(self._result_meta(kept, reduction))
+        rejected = {
+            **self.refused,
+            **{p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
+        }
+        fields = owner_fields(ctx.commitments, self.runner.key, kept, rejected)
+        meta = ctx.faults.reduced_meta(fields)
         streamed = prefix is not None and reduction.vector is prefix.out
         await self._seal(meta, enc, streamed)
         self.reply_contributors = list(meta["contributors"])
@@ -306,11 +253,6 @@ class OwnedPart:
                     peer, round_, fragment, content
                 )
                 self.context.judge.on_missing(peer, round_, fragment, index, committed)
-
-    def _in_group_order(self) -> list[Contribution]:
-        # in group order, as the streamed reduction took them
-        order = {p: i for i, p in enumerate(self.runner.plan.group if self.runner.plan else ())}
-        return sorted(self.contributions.values(), key=lambda c: order.get(c.peer, len(order)))
 
     async def _gathered(
         self,
@@ -347,22 +289,6 @@ class OwnedPart:
         round_, fragment, _ = self.runner.key
         index = self.runner.plan.index if self.runner.plan is not None else -1
         return await self.context.compute(reducer, round_, fragment, index, contributions)
-
-    def _result_meta(
-        self,
-        kept: Sequence[Contribution],
-        reduction: Reduction,
-    ) -> dict:
-        rejected = {
-            **self.refused,
-            **{p: r for p, r in reduction.rejected.items() if isinstance(r, str)},
-        }
-        commits, commitments = None, self.context.commitments
-        if commitments is not None:
-            # what each contributor committed to, as this owner holds it (see evidence())
-            round_, fragment, content = self.runner.key
-            commits = [commitments.evidence(c.peer, round_, fragment, content) for c in kept]
-        return result_fields(self.runner.content, kept, rejected, commits)
 
     async def _seal(self, meta: dict, enc: codecs.Encoded, streamed: bool) -> None:
         """Sign the result (and the trailer of the one streamed back, ``streamed``: its
@@ -411,3 +337,43 @@ class OwnedPart:
         asyncio.get_running_loop().call_later(
             max(0.0, self.runner.done_by - time.monotonic()), self.drop_reply
         )
+
+
+def _in_group_order(runner: ExchangeRunner, taken: dict[str, Contribution]) -> list[Contribution]:
+    """The contributions in group order, as the streamed reduction took them."""
+    order = {p: i for i, p in enumerate(runner.plan.group if runner.plan else ())}
+    return sorted(taken.values(), key=lambda c: order.get(c.peer, len(order)))
+
+
+def open_part(
+    runner: ExchangeRunner,
+    vector: torch.Tensor,
+    weight: int,
+    planner: Planner | None,
+    relay: PartRelay | None,
+) -> OwnedPart:
+    """The owner side of ``runner`` (whose plan makes this node an owner), ready for
+    the members' parts: this node's own contribution, whom to wait for, and the
+    streamed reduction when the reducer has a ``planner``."""
+    ctx, plan = runner.context, runner.plan
+    assert plan is not None and plan.is_owner
+    me = ctx.identity.peer_id
+    round_ = runner.key[0]
+    start, end = plan.bounds[plan.index]
+    own = seal_part(ctx.identity, runner.header("part"), {"content": runner.content}, b"")
+    contribution = Contribution(
+        peer=me,
+        vector=vector[start:end],  # read only; the caller's vector stays as it is
+        weight=float(min(weight, ctx.settings.max_tokens)),
+        digest=own.digest,
+        tokens=int(weight),
+    )
+    # Members this node's policy refuses will not be waited for; in a gather, only
+    # those its lists refuse (every member must reduce the same parts)
+    refusal = ctx.judge.listed if plan.gather else ctx.judge.refusal
+    expected = {p for p in plan.group if p == me or not refusal(p, round_)}
+    part = OwnedPart(runner, expected, contribution, relay if plan.gather else None)
+    part.note_in()
+    if not part.full.is_set() and planner is not None and part.numel and not plan.gather:
+        part.early = EarlyReduction(runner, expected, contribution, part.answerable, planner)
+    return part

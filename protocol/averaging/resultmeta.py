@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from protocol.averaging.context import AllReduceContext
+from protocol.averaging.hooks import Commitments
 from protocol.averaging.parts import AllReduceKey
 from protocol.errors import ProtocolError
 from protocol.wire import codec as codecs
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ResultFields",
     "head_fields",
+    "owner_fields",
     "judge_result",
     "read_result",
     "result_fields",
@@ -85,6 +87,21 @@ def result_fields(
     if commits is not None:
         meta["commits"] = commits
     return meta
+
+
+def owner_fields(
+    commitments: Commitments | None,
+    key: AllReduceKey,
+    kept: Sequence[Contribution],
+    rejected: dict[str, str],
+) -> dict[str, Any]:
+    """:func:`result_fields` of an owner's result of ``key`` reduced from ``kept``, with
+    what each contributor committed to as this owner holds it (with a commit phase)."""
+    round_, fragment, content = key
+    commits = None
+    if commitments is not None:
+        commits = [commitments.evidence(c.peer, round_, fragment, content) for c in kept]
+    return result_fields(content, kept, rejected, commits)
 
 
 def head_fields(content: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import torch
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.parts import CONTENTS, AllReduceKey, PartPlan
 from protocol.wire.messages import Header
+from protocol.wire.partwire import Part
 
 __all__ = ["MIN_CALL_SECONDS", "ExchangeRunner", "RunnerTable", "check_arguments"]
 
@@ -77,6 +78,28 @@ class ExchangeRunner:
         ctx = self.context
         return Header(
             kind, ctx.settings.run_id, round_, fragment, self.plan.index, ctx.identity.peer_id
+        )
+
+    async def commitment_refusal(self, peer: str, env: Part) -> str | None:
+        """Why ``peer``'s part ``env`` does not match a timely commitment of ``peer``
+        (None: it does, or the exchange has no commit phase), once this node's commit
+        phase is over.
+
+        Raises:
+            ProtocolError: ``not_in_round``: this node's commit phase never closed.
+        """
+        ctx = self.context
+        if ctx.commitments is None:
+            return None
+        h = env.header
+        try:
+            await asyncio.wait_for(self.committed.wait(), ctx.settings.timeout)
+        except asyncio.TimeoutError:
+            raise ctx.reject(
+                "not_in_round", "commit phase never closed", peer, h.round, h.fragment
+            ) from None
+        return await ctx.commitments.check(
+            peer, h.round, h.fragment, h.part, env.digest, self.closed_at, self.content
         )
 
     def join(self, plan: PartPlan, done_by: float) -> None:

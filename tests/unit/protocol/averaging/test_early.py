@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from protocol.averaging.owner import OwnedPart
+from protocol.averaging.owner import open_part
 from protocol.averaging.parts import AllReduceSettings, PartPlan, weighted_mean_plan
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
@@ -62,9 +62,7 @@ def test_only_an_expected_members_part_for_this_owners_part_is_followed() -> Non
     async def main() -> list[object]:
         runner = service.runners.open((1, 0, "update"))
         runner.join(plan, time.monotonic() + 5)
-        owned = runner.owned = OwnedPart.open(
-            runner, torch.zeros(NUMEL), 1, weighted_mean_plan, None
-        )
+        owned = runner.owned = open_part(runner, torch.zeros(NUMEL), 1, weighted_mean_plan, None)
         early = owned.early
         assert early is not None
         mine = Header("part", RUN, 1, 0, 0, B.peer_id)
