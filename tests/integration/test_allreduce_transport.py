@@ -154,7 +154,7 @@ def test_three_members_weighted_mean(swarm: SimpleNamespace, services: Callable)
     # every byte one member charged as sent, another charged as received
     assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
     _assert_bitwise_equal(results)
-    assert all(m.rejected == {} for m in members)
+    assert all(m.context.rejected == {} for m in members)
 
 
 STREAMED_NUMEL = 9 * (1 << 18)
@@ -200,8 +200,8 @@ def test_owners_that_reduce_while_parts_arrive_give_the_whole_vector_result(
     assert max(streamed) > 0, streamed
     # and those owners sent their blocks back as they were reduced, each result bound by
     # its signed trailer (18 results taken in all: 2 per member and fragment)
-    taken = sum(m.results_streamed for m in members)
-    assert 0 < taken <= 18 and all(m.results_redone == 0 for m in members)
+    taken = sum(m.context.results_streamed for m in members)
+    assert 0 < taken <= 18 and all(m.context.results_redone == 0 for m in members)
 
 
 def _screening_out(victim: str):
@@ -234,8 +234,8 @@ def test_an_owner_that_screens_a_member_out_at_the_end_has_its_streamed_blocks_r
             assert [sorted(c) for c in r.contributors] == [sorted(group[:2])] * 3
         _assert_bitwise_equal(results)
     # blocks were sent before the verdict: those members were told to fetch the result
-    assert sum(m.results_redone for m in members) > 0
-    assert all(m.rejected.get("redo", 0) == 0 for m in members)  # not held against anyone
+    assert sum(m.context.results_redone for m in members) > 0
+    assert all(m.context.rejected.get("redo", 0) == 0 for m in members)  # not held against anyone
 
 
 class _CorruptTrailer(FaultInjection):
@@ -401,7 +401,7 @@ def test_a_gather_gives_every_member_the_unquantized_mean_and_sends_no_result(
         assert 2 * part < r.bytes_sent < 2 * part + 4_000
         assert 2 * part < r.bytes_received < 2 * part + 4_000
     _assert_bitwise_equal(results)
-    assert all(m.rejected == {} for m in members)
+    assert all(m.context.rejected == {} for m in members)
 
 
 @pytest.mark.timeout(60)
@@ -442,7 +442,7 @@ def test_a_gather_group_with_a_client_reduces_by_owner(
     for r in results:
         assert r.complete and r.owners == owners and len(r.contributors) == 2
     _assert_bitwise_equal(results)
-    assert all(m.rejected == {} for m in members)
+    assert all(m.context.rejected == {} for m in members)
 
 
 @pytest.mark.timeout(60)
@@ -459,8 +459,8 @@ def test_a_member_on_the_other_exchange_is_refused_and_nobody_crashes(
     for i, r in enumerate(results):
         assert not r.complete
         assert group[1 - i] not in r.peers_in  # neither took the other's part
-    assert members[0].rejected.get("group_mismatch", 0) >= 1
-    assert members[1].rejected.get("group_mismatch", 0) >= 1
+    assert members[0].context.rejected.get("group_mismatch", 0) >= 1
+    assert members[1].context.rejected.get("group_mismatch", 0) >= 1
 
 
 class _Board:
@@ -510,7 +510,7 @@ def test_a_gather_member_sent_other_bytes_than_committed_takes_the_part_from_ano
             service.register()
             members.append(service)
         # the last member sends its first other member another part than it committed to
-        members[3].faults = make_behaviour("split")
+        members[3].context.faults = make_behaviour("split")
         group = [m.identity.peer_id for m in members]
         vectors = _topk_vectors(4, 3_000, seed=25)
         results, _ = _all_reduce(members, group, vectors, [1, 2, 3, 4])
@@ -522,7 +522,7 @@ def test_a_gather_member_sent_other_bytes_than_committed_takes_the_part_from_ano
         assert r.complete, r.contributors  # the splitter's committed part, everywhere
         torch.testing.assert_close(r.vector, expected, atol=1e-6, rtol=0)
     _assert_bitwise_equal(results)
-    assert members[0].rejected == {"commit_mismatch": 1}
+    assert members[0].context.rejected == {"commit_mismatch": 1}
     assert [m.relay.relayed for m in members] == [1, 0, 0, 0]
 
 
@@ -554,7 +554,7 @@ def test_client_member_contributes_to_every_part_and_owns_none(
     assert time.monotonic() - started < 10  # nobody waited for a part the client would own
     # Nobody called the client (a part sent to it would be refused as wrong_part): it
     # received only the three owners' replies, while each owner also took parts in.
-    assert all(m.rejected == {} for m in members)
+    assert all(m.context.rejected == {} for m in members)
     client_in = results[2].bytes_received
     assert all(client_in < r.bytes_received for i, r in enumerate(results) if i != 2)
 
@@ -620,7 +620,7 @@ def _with_a_faulty_owner(
     """All four all-reduce into NaN-filled outputs while the first, owner of part 0, has
     ``faults`` and the others record the owners they refuse. Returns the results, the
     others' judges, the faulty owner, part 0's bounds and the honest members' mean."""
-    everyone[0].faults = faults
+    everyone[0].context.faults = faults
     judges = []
     for member in everyone[1:]:
         member.context.judge = _Refusals()
@@ -735,9 +735,9 @@ def test_group_mismatch_falls_back_without_crashing(
     assert torch.equal(rc.vector, vectors[2])
 
     # c's own repair attempts carry its view of the group and are refused the same way
-    assert set(members[0].rejected) == {"group_mismatch"}
-    assert set(members[1].rejected) == {"group_mismatch"}
-    assert members[2].rejected == {"group_mismatch": 2}
+    assert set(members[0].context.rejected) == {"group_mismatch"}
+    assert set(members[1].context.rejected) == {"group_mismatch"}
+    assert members[2].context.rejected == {"group_mismatch": 2}
 
 
 # ---- a hostile client --------------------------------------------------------------------

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
-from protocol.averaging.member import sign_part
 from protocol.averaging.parts import AllReduceSettings, PartPlan
+from protocol.averaging.sealing import sign_part
 from protocol.p2p import _frames, direct
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.partwire import SealedPart
