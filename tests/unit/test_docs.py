@@ -54,3 +54,21 @@ def test_the_architecture_page_names_every_product_module() -> None:
         and str(path.relative_to(ROOT)) not in page
     ]
     assert not missing, f"docs/architecture.md does not name {', '.join(missing)}"
+
+
+def test_the_hop_table_names_real_files_and_calls() -> None:
+    """Every row of the architecture page's hop table names two files that exist and a
+    call that the second one defines, so the table cannot drift from the code."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) >= 10
+    for number, row in enumerate(rows, 1):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == str(number), f"hop {cells[0]} out of order"
+        source, target = (f.strip().strip("`") for f in cells[1].split("→"))
+        assert (ROOT / source).is_file() and (ROOT / target).is_file(), row
+        text = (ROOT / target).read_text()
+        *owner, name = cells[2].strip("`").split(".")
+        assert f"def {name}(" in text, f"{target} defines no {name}"
+        if owner:
+            assert f"class {owner[0]}" in text, f"{target} defines no class {owner[0]}"
