@@ -81,6 +81,7 @@ _JOINS_THROUGH_FIRST = frozenset(_METHODS) - {"gloo"}
 class _AtollPeer:
     def __init__(self, index: int, own: torch.Tensor, opts: dict) -> None:
         from protocol.averaging.allreduce import AllReduceService, AllReduceSettings
+        from protocol.averaging.hooks import Hooks
         from protocol.p2p.transport import Transport, TransportConfig
         from verification.identity import Identity
 
@@ -116,20 +117,11 @@ class _AtollPeer:
                 pathlib.Path(opts["tmp"]) / f"atoll-{index}.db",
                 identity.peer_id,
             )
-        self.service = AllReduceService(
-            self.transport,
-            identity,
-            settings,
-            **(
-                {
-                    "reducer": self.verifier.reduce,
-                    "planner": self.verifier.stream_plan,
-                    "judge": self.verifier,
-                }
-                if self.verifier
-                else {}
-            ),
-        )
+        hooks = Hooks()
+        if self.verifier:
+            verifier = self.verifier
+            hooks = Hooks(verifier.reduce, verifier.stream_plan, judge=verifier)
+        self.service = AllReduceService(self.transport, identity, settings, hooks)
         self.service.register()
         self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}
 

@@ -50,6 +50,7 @@ from protocol import catchup
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import FragmentPlan, plan_fragments
+from protocol.averaging.hooks import Hooks
 from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
 from protocol.wire.feedback import ErrorFeedback
@@ -379,17 +380,15 @@ def _swarm_side(
     identity = inputs.identity
     admin = AdminInbox(inputs.data_dir, partial(apply_operator, verifier, control))
     commitments = control.commitments if control is not None and cfg.control.commit else None
-    allreduce = AllReduceService(
-        transport,
-        identity,
-        allreduce_settings(cfg, len(training.plan)),
+    hooks = Hooks(
         reducer=verifier.reduce,
         planner=verifier.stream_plan,
         judge=verifier,
-        faults=make_behaviour(inputs.byzantine, cfg.run.seed, training.outer.global_vector),
         commitments=commitments,
-        clock=inputs.clock,
+        faults=make_behaviour(inputs.byzantine, cfg.run.seed, training.outer.global_vector),
     )
+    settings = allreduce_settings(cfg, len(training.plan))
+    allreduce = AllReduceService(transport, identity, settings, hooks, inputs.clock)
     allreduce.register()
     settings = exchange_settings(cfg, inputs.spec_digest, len(training.plan))
     exchange = FragmentExchange(transport, identity, allreduce, settings)

@@ -41,16 +41,12 @@ import torch
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.contributions import CONTRIBUTION_RPC, SentParts
 from protocol.averaging.gather import GATHER, PartRelay
-from protocol.averaging.hooks import Commitments, FaultInjection, Judge
+from protocol.averaging.hooks import Hooks
 from protocol.averaging.member import Sides, run_exchange
 from protocol.averaging.owner import RESULT_RPC, RPC_NAME, Answer, OwnedPart
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
-    Planner,
-    Reducer,
-    weighted_mean_plan,
-    weighted_mean_reducer,
 )
 from protocol.averaging.repair import PartRepair
 from protocol.averaging.runner import ExchangeRunner, RunnerTable
@@ -71,14 +67,8 @@ class AllReduceService:
         transport: the node's transport.
         identity: the node's key (signs every part and every reduced result).
         settings: encoding, limits and deadlines.
-        reducer: how an owner combines contributions (weighted mean by default).
-        judge: trust decisions: refusals and their cost, plausibility of results
-            (accepts everything by default).
-        faults: fault injection for tests (honest by default).
-        commitments: the commit phase (none by default: parts are sent at once).
-        planner: how ``reducer`` reduces block by block while parts arrive
-            (:data:`~protocol.averaging.parts.Planner`); by default the weighted mean's
-            own, and none for any other reducer (it then reduces once all are in).
+        hooks: how owners reduce, trust decisions, the commit phase and fault injection
+            (:class:`~protocol.averaging.hooks.Hooks`; each neutral by default).
         clock: the node's round clock (default: one of its own).
     """
 
@@ -87,20 +77,13 @@ class AllReduceService:
         transport: Transport,
         identity: Identity,
         settings: AllReduceSettings,
-        reducer: Reducer = weighted_mean_reducer,
-        judge: Judge | None = None,
-        faults: FaultInjection | None = None,
-        commitments: Commitments | None = None,
-        planner: Planner | None = None,
+        hooks: Hooks | None = None,
         clock: RoundClock | None = None,
     ) -> None:
-        if planner is None and reducer is weighted_mean_reducer:
-            planner = weighted_mean_plan
+        hooks = hooks if hooks is not None else Hooks()
         self.settings = settings
         self.identity = identity
-        self.context = AllReduceContext(
-            transport, identity, settings, reducer, judge or Judge(), faults, commitments, clock
-        )
+        self.context = AllReduceContext(transport, identity, settings, hooks, clock)
         self.clock = self.context.clock
         """The node's round clock: an exchange starts its round on it."""
         self.transport = transport
@@ -108,7 +91,8 @@ class AllReduceService:
         """This node's exchanges by key: every incoming call is routed to one."""
         self.repair = PartRepair(self.context)
         self.relay = PartRelay(self.context, self.runners)
-        self._sides = Sides(self.repair, self.relay, planner if settings.stream_reduce else None)
+        planner = hooks.stream_planner() if settings.stream_reduce else None
+        self._sides = Sides(self.repair, self.relay, planner)
         self._relaying = False
 
     def keep_contributions(self) -> SentParts:

@@ -19,13 +19,12 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from protocol.averaging.contributions import SentParts
-from protocol.averaging.hooks import Commitments, FaultInjection, Judge
+from protocol.averaging.hooks import Hooks
 from protocol.averaging.parts import (
     CONTENTS,
     AllReduceKey,
     AllReduceSettings,
     Contribution,
-    Reducer,
 )
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import BufferPool, Lease, Read, Transport
@@ -72,10 +71,8 @@ class AllReduceContext:
         transport: the node's transport.
         identity: the node's key (signs every message).
         settings: encoding, limits and deadlines.
-        reducer: how an owner combines contributions.
-        judge: trust decisions (refusals and their cost, plausibility of results).
-        faults: how this node acts (honest unless a fault is injected, for tests).
-        commitments: the commit phase, or None (parts are sent at once).
+        hooks: the node's reducer, judge, commit phase and fault injection (each neutral
+            by default, :class:`~protocol.averaging.hooks.Hooks`).
         clock: the node's round clock (parts far from its current round are refused);
             default: one of its own, which each exchange starts.
 
@@ -89,19 +86,18 @@ class AllReduceContext:
         transport: Transport,
         identity: Identity,
         settings: AllReduceSettings,
-        reducer: Reducer,
-        judge: Judge,
-        faults: FaultInjection | None = None,
-        commitments: Commitments | None = None,
+        hooks: Hooks | None = None,
         clock: RoundClock | None = None,
     ) -> None:
+        hooks = hooks if hooks is not None else Hooks()
         self.transport = transport
         self.identity = identity
         self.settings = settings
-        self.reducer = reducer
-        self.judge = judge
-        self.faults = faults or FaultInjection()
-        self.commitments = commitments
+        self.reducer = hooks.reducer
+        self.judge = hooks.judge
+        self.faults = hooks.faults
+        """How this node acts (tests swap in a faulty one)."""
+        self.commitments = hooks.commitments
         self.sent: SentParts | None = None
         self.clock = clock if clock is not None else RoundClock()
         self.bytes_sent = 0

@@ -9,21 +9,24 @@
   and commits: the member signs its parts itself (:func:`seal_with`, :func:`seal_for`).
 
 Protocol code only calls down into these; the node supplies its verifier, its control
-plane's commitment store and its fault mode.
+plane's commitment store and its fault mode, with its reducer and planner, in one
+:class:`Hooks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from protocol.averaging.parts import Planner, Reducer, weighted_mean_plan, weighted_mean_reducer
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import SealedPart, seal_part
 from verification.identity import Identity
 
-__all__ = ["Commitments", "FaultInjection", "Judge", "seal_for", "seal_with"]
+__all__ = ["Commitments", "FaultInjection", "Hooks", "Judge", "seal_for", "seal_with"]
 
 
 class Judge:
@@ -238,3 +241,30 @@ def seal_for(
     if fields is meta:
         return part
     return seal_part(identity, header, {**fields, **encoded.meta()}, encoded.payload)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a node plugs into its all-reduce, each neutral by default.
+
+    Attributes:
+        reducer: how an owner combines contributions (the token-weighted mean).
+        planner: how ``reducer`` reduces block by block while parts arrive
+            (:data:`~protocol.averaging.parts.Planner`); None: the weighted mean's own
+            for the default reducer, and none for any other (it reduces once all are in).
+        judge: trust decisions (accepts everything).
+        commitments: the commit phase (none: parts are sent at once).
+        faults: how this node acts (honestly).
+    """
+
+    reducer: Reducer = weighted_mean_reducer
+    planner: Planner | None = None
+    judge: Judge = field(default_factory=lambda: Judge())
+    commitments: Commitments | None = None
+    faults: FaultInjection = field(default_factory=lambda: FaultInjection())
+
+    def stream_planner(self) -> Planner | None:
+        """The planner the owners reduce with while parts arrive (with ``stream_reduce``)."""
+        if self.planner is None and self.reducer is weighted_mean_reducer:
+            return weighted_mean_plan
+        return self.planner

@@ -24,7 +24,7 @@ from node.model import build_model
 from node.outer import OuterOptimizer
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
 from protocol.averaging.fragments import plan_fragments
-from protocol.averaging.hooks import Commitments, FaultInjection, Judge
+from protocol.averaging.hooks import Commitments, FaultInjection, Hooks, Judge
 from protocol.averaging.parts import (
     AllReduceResult,
     AllReduceSettings,
@@ -504,9 +504,8 @@ def test_a_gather_member_sent_other_bytes_than_committed_takes_the_part_from_ano
     members = []
     try:
         for transport, identity in zip(swarm.transports, swarm.identities):
-            service = AllReduceService(
-                transport, identity, _gather_settings(), commitments=board.view(identity.peer_id)
-            )
+            hooks = Hooks(commitments=board.view(identity.peer_id))
+            service = AllReduceService(transport, identity, _gather_settings(), hooks)
             service.register()
             members.append(service)
         # the last member sends its first other member another part than it committed to

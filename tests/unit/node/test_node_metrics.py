@@ -29,6 +29,7 @@ from node.schedule import SyncBook
 from node.site import NoSite
 from node.trainer import InnerTrainer
 from protocol.averaging.context import AllReduceContext
+from protocol.averaging.hooks import Hooks
 from protocol.averaging.parts import AllReduceSettings
 from protocol.errors import ProtocolError
 from tests.unit.node.test_syncer import FakeExchange, _syncer
@@ -63,7 +64,7 @@ def node(tmp_path: Path):
         model, TrainConfig(lr=1e-2, warmup_steps=1, total_steps=10), BatchStream(data, 2, 8, "k")
     )
     syncer, _, _ = _syncer(tmp_path, FakeExchange(averaged=torch.zeros(4)))
-    allreduce = AllReduceContext(None, None, AllReduceSettings(run_id="r"), None, _Judge())  # type: ignore[arg-type]
+    allreduce = AllReduceContext(None, None, AllReduceSettings(run_id="r"), Hooks(judge=_Judge()))  # type: ignore[arg-type]
     verifier = Verifier(TrustPolicy(), tmp_path / "atoll.db", "12D3KooWme")
     status = StatusWriter(tmp_path / "status.json", min_interval=0)
     progress = Progress(global_digest=(1, "ab" * 32))

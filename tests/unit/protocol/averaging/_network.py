@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from protocol.averaging.allreduce import RESULT_RPC, RPC_NAME, AllReduceService
+from protocol.averaging.hooks import Hooks
 from protocol.averaging.parts import AllReduceSettings
 from protocol.errors import ProtocolError
 from protocol.p2p._frames import StreamedResponse
@@ -33,7 +34,7 @@ class Network:
         self, identity: Identity, settings: AllReduceSettings, **kwargs
     ) -> AllReduceService:
         transport = _Transport(self, identity.peer_id)
-        service = AllReduceService(transport, identity, settings, **kwargs)  # type: ignore[arg-type]
+        service = AllReduceService(transport, identity, settings, Hooks(**kwargs))  # type: ignore[arg-type]
         self.services[identity.peer_id] = service
         return service
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from protocol.averaging.context import AllReduceContext, part_weight
-from protocol.averaging.hooks import Judge
+from protocol.averaging.hooks import Hooks, Judge
 from protocol.averaging.parts import AllReduceSettings
 from protocol.errors import ProtocolError
 from protocol.wire.messages import Header
@@ -32,7 +32,7 @@ class _Judge(Judge):
 
 def _context(judge: Judge | None = None, **settings) -> AllReduceContext:
     s = AllReduceSettings(run_id="r", **settings)
-    return AllReduceContext(None, ME, s, None, judge or _Judge())  # type: ignore[arg-type]
+    return AllReduceContext(None, ME, s, Hooks(judge=judge or _Judge()))  # type: ignore[arg-type]
 
 
 def _part(values: torch.Tensor, meta: dict, codec: str = "none"):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from protocol.averaging.context import AllReduceContext
-from protocol.averaging.hooks import Judge
+from protocol.averaging.hooks import Hooks, Judge
 from protocol.averaging.parts import AllReduceSettings, weighted_mean_reducer
 from protocol.averaging.repair import REPAIR_RPC, PartRepair
 from protocol.errors import ProtocolError
@@ -91,8 +91,7 @@ def _members(network: _Network, judge: Judge | None = None) -> dict[str, PartRep
             transport,  # type: ignore[arg-type]
             who,
             settings,
-            weighted_mean_reducer,
-            judge or Judge(),
+            Hooks(weighted_mean_reducer, judge=judge or Judge()),
         )
         context.clock.start(ROUND)
         repairs[who.peer_id] = PartRepair(context)

@@ -10,7 +10,7 @@ import torch
 
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.early import EarlyReduction
-from protocol.averaging.hooks import Judge
+from protocol.averaging.hooks import Hooks, Judge
 from protocol.averaging.owner import OwnedPart
 from protocol.averaging.parts import AllReduceSettings, Contribution, PartPlan
 from protocol.averaging.runner import ExchangeRunner, RunnerTable
@@ -27,7 +27,7 @@ def _own() -> Contribution:
 def _context(**settings) -> AllReduceContext:
     identity = Identity.from_seed(b"m" * 32)
     settings = AllReduceSettings(run_id="r", **settings)
-    return AllReduceContext(None, identity, settings, None, Judge())  # type: ignore[arg-type]
+    return AllReduceContext(None, identity, settings, Hooks(judge=Judge()))  # type: ignore[arg-type]
 
 
 def _runner(group: list[str], numel: int, seconds: float) -> ExchangeRunner:
