@@ -235,8 +235,9 @@ class Syncer:
             base = base.detach().cpu()
             step = self.outer.step_scale(pending.round)
             mixed = done.mixed is not None
+            group = tuple(sorted(done.group))
             exchange = ExchangeBase(
-                pending.round, f, base, result.vector, contributors, step, mixed
+                pending.round, f, base, result.vector, contributors, step, mixed, group=group
             )
             self.checks.exchange_applied(exchange)
         return record

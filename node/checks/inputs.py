@@ -20,6 +20,7 @@ fragments from ``f`` on at their base.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ from verification.usefulness import (
 )
 
 __all__ = ["CheckSettings", "ExchangeBase", "RoundBook", "RoundInputs"]
+
+logger = logging.getLogger(__name__)
 
 _ROUNDS_OPEN = 4
 """Rounds whose exchanges are collected at once (older incomplete ones are dropped)."""
@@ -88,6 +91,7 @@ class ExchangeBase:
         mixed: the group averaged its members' copies: each contribution was computed
             against its member's own copy, which a check fetches.
         result: the digest of ``update`` (set by :meth:`RoundInputs.prepare`).
+        group: the exchange's members, sorted.
     """
 
     round: int
@@ -98,6 +102,7 @@ class ExchangeBase:
     step: float = 0.0
     mixed: bool = False
     result: str = ""
+    group: tuple[str, ...] = ()
 
 
 @dataclass
@@ -163,6 +168,8 @@ class RoundBook:
         self.fragments = fragments
         self._open: dict[int, dict[int, ExchangeBase]] = {}
         self._lock = threading.Lock()
+        self.regrouped = 0
+        """Rounds not checked because their fragments were exchanged in other groups."""
 
     def applied(self, exchange: ExchangeBase) -> None:
         """An exchange was applied, and every part of it came back reduced."""
@@ -172,12 +179,28 @@ class RoundBook:
                 del self._open[old]
 
     def close(self, round_: int) -> RoundInputs | None:
-        """Round ``round_`` ended well: its inputs when every fragment is in, else None."""
+        """Round ``round_`` ended well: its inputs when every fragment is in and every
+        fragment was exchanged in the one group, else None.
+
+        The round's base, a check's seed and the state a contribution is measured on
+        are taken from every fragment's exchange; a member shares them with its group
+        only where the group exchanged every fragment. A peer that drops out of view, or
+        comes back, between two fragments' syncs regroups the rest of the round: the
+        members of a later fragment's group then hold other exchanges of the earlier
+        fragments, draw other seeds, and a member would keep other start states than
+        its checkers replay. Such a round is not checked, on every member alike (each
+        sees its own groups differ)."""
         with self._lock:
             found = self._open.pop(round_, {})
             for old in [r for r in self._open if r < round_]:
                 del self._open[old]
         if sorted(found) != list(range(self.fragments)):
+            return None
+        if len({e.group for e in found.values()}) > 1:
+            self.regrouped += 1
+            logger.info(
+                "round %d: its fragments were exchanged in other groups; not checked", round_
+            )
             return None
         return RoundInputs(round_, [found[f] for f in range(self.fragments)])
 

@@ -479,6 +479,7 @@ class UsefulWork:
         """Counts, time spent, bytes fetched and the peers flagged, for the round event."""
         return {
             **self.counts,
+            "regrouped": self.book.regrouped,
             "bytes_fetched": self.fetcher.bytes_fetched,
             "forwards": self.measurer.forwards,
             "replayed_steps": self.replays.replayer.steps if self.replays.replayer else 0,

@@ -513,3 +513,19 @@ def _synthetic(peer: str, checker: str, round_: int, gain: float):
         reference_assigned=tuple((before, before - 0.5) for _ in range(4)),
         control=tuple((before, before - gain, before, before - 0.2) for _ in range(4)),
     )
+
+
+def test_a_round_whose_fragments_were_exchanged_in_other_groups_is_not_checked(world) -> None:
+    """A peer that dropped out of view between two fragments' syncs regrouped the rest of
+    the round: its members hold other exchanges of the earlier fragments, so no member
+    checks it (each draws seeds from all of the round's exchanges)."""
+    from node.checks import RoundBook
+
+    book = RoundBook(2)
+    for exchange in _exchanges(world):
+        book.applied(dataclasses.replace(exchange, group=tuple(MEMBERS)))
+    assert book.close(ROUND) is not None and book.regrouped == 0
+    for exchange in _exchanges(world):
+        group = tuple(MEMBERS) if exchange.fragment == 0 else tuple(MEMBERS[:-1])
+        book.applied(dataclasses.replace(exchange, group=group))
+    assert book.close(ROUND) is None and book.regrouped == 1
