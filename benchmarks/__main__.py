@@ -307,7 +307,7 @@ def failures(report: Any, where: str = "") -> list[tuple[str, str]]:
 
 
 if __name__ == "__main__":
-    from node.swarm import interrupt_on_sigterm
+    from node.ops.swarm import interrupt_on_sigterm
 
     interrupt_on_sigterm()  # a killed run stops the swarms it started
     try:

@@ -36,8 +36,8 @@ from typing import Any
 
 from benchmarks._common import prepare_stdlib_shards
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import SwarmSpec, run_to_end, summarize
+from node.ops.metrics import read_events
+from node.ops.swarm import SwarmSpec, run_to_end, summarize
 
 __all__ = ["COST_CASES", "CostCase", "measure_costs", "overrides_of"]
 
@@ -249,9 +249,9 @@ def replay_probe(steps: int = 40, window: int = 5) -> dict[str, Any]:
 
     import torch
 
-    from node.data import BatchStream, load_data
-    from node.model import build_model, vocab_of
-    from node.trainer import InnerTrainer, window_losses
+    from node.data.corpus import BatchStream, load_data
+    from node.train.model import build_model, vocab_of
+    from node.train.trainer import InnerTrainer, window_losses
 
     cfg = load_config([str(_ROOT / "configs/local-swarm.toml")], [])
     corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
@@ -320,15 +320,15 @@ def replay_probe(steps: int = 40, window: int = 5) -> dict[str, Any]:
 def tracer_probe(window: int = 4, steps: int = 24, repeats: int = 2) -> dict[str, Any]:
     """What the trace costs the training thread on llama-tiny (the cost case's model and
     context, a 2,048-token vocabulary, one thread): inner steps with and without a
-    :class:`node.trace.Tracer` in windows of ``window``, alternating (ABBA, ``repeats``
+    :class:`node.checks.trace.Tracer` in windows of ``window``, alternating (ABBA, ``repeats``
     times), and one start state's copy and hash timed apart."""
     import torch
 
-    from node.data import BatchStream
-    from node.model import build_model
-    from node.trace import Tracer
-    from node.trainer import InnerTrainer
-    from node.trainstate import Snapshot
+    from node.checks.trace import Tracer
+    from node.data.corpus import BatchStream
+    from node.train.model import build_model
+    from node.train.trainer import InnerTrainer
+    from node.train.trainstate import Snapshot
     from protocol.averaging.fragments import plan_fragments
     from verification.identity import Identity
 

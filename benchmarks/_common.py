@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from node.site import params_digest
+from node.train.site import params_digest
 from protocol.p2p.shaper import LinkShape
 
 __all__ = [
@@ -189,9 +189,9 @@ def _ddp_worker(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from node.config import load_config
-    from node.data import BatchStream, load_corpus
-    from node.model import build_model
-    from node.trainer import evaluate, lr_at, make_inner_optimizer
+    from node.data.corpus import BatchStream, load_corpus
+    from node.train.model import build_model
+    from node.train.trainer import evaluate, lr_at, make_inner_optimizer
 
     torch.set_num_threads(1)
     cfg = load_config(None, list(plan.overrides))
@@ -461,8 +461,8 @@ def head_bytes(members: int) -> tuple[int, int]:
 def run_swarm(overrides: list[str], nodes: int, rounds: int, where: pathlib.Path) -> list[dict]:
     """Run ``nodes`` real nodes (``atoll swarm``'s way, in ``where``) for ``rounds``
     rounds to the end; each node's exit code, status and round events."""
-    from node import swarm
-    from node.metrics import read_events
+    from node.ops import swarm
+    from node.ops.metrics import read_events
 
     spec = swarm.SwarmSpec(
         nodes=nodes, config_paths=[], overrides=overrides, directory=where, rounds=rounds
@@ -488,8 +488,8 @@ def prepare_stdlib_shards(
     """BPE shards of the standard library's UTF-8 ``.py`` files (the first ``files`` of
     them; None: all) with a tokenizer of ``vocab`` tokens trained on them, in ``out``
     (``atoll data prepare --train-tokenizer``): the folder and its corpus figures."""
-    from node.data import stdlib_files
-    from node.prepare import prepare
+    from node.data.corpus import stdlib_files
+    from node.data.prepare import prepare
 
     kept = []
     for _, path in stdlib_files()[:files]:

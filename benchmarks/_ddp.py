@@ -66,11 +66,11 @@ def _worker(rank: int, port: int, run: DdpRun, results: Any) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from node.bindings import bind
     from node.config import load_config
-    from node.data import BatchStream, load_corpus, load_shards, validation_batches
-    from node.model import build_model, vocab_of
-    from node.trainer import evaluate, lr_at, make_inner_optimizer
+    from node.data.bindings import bind
+    from node.data.corpus import BatchStream, load_corpus, load_shards, validation_batches
+    from node.train.model import build_model, vocab_of
+    from node.train.trainer import evaluate, lr_at, make_inner_optimizer
 
     torch.set_num_threads(1)
     cfg = load_config(None, list(run.overrides))

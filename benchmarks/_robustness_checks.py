@@ -1,7 +1,7 @@
 """The robustness benchmark's checks mode: how soon useful-work checks flag a faulty node
 in every swarm shape, what it takes of the aggregate meanwhile, and what the checks cost.
 
-Every run is a real swarm of node processes on 127.0.0.1 (``node.swarm``) with the small
+Every run is a real swarm of node processes on 127.0.0.1 (``node.ops.swarm``) with the small
 model of :mod:`benchmarks.robustness`, int8, two fragments, rounds of 24 inner steps,
 centered clipping with screening, ``trust.checkers = 2`` on both fragments from round 3
 with replay checks in windows of 8 steps (``trust.replay_steps = 8``; a flagged peer
@@ -47,9 +47,9 @@ from typing import Any
 
 from benchmarks._robustness_swarm import CODECS, SMALL, judge, launch_and_wait, ratio
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import SwarmSpec, summarize
-from node.swarm_report import log_tail
+from node.ops.metrics import read_events
+from node.ops.swarm import SwarmSpec, summarize
+from node.ops.swarm_report import log_tail
 
 __all__ = ["CHECKS", "Job", "Plan", "Shape", "plan_of", "run", "run_job"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from node import swarm
-from node.swarm import QUICK_WORKLOAD
+from node.ops import swarm
+from node.ops.swarm import QUICK_WORKLOAD
 
 __all__ = ["CODECS", "FLAGS", "SMALL", "finite", "judge", "launch_and_wait", "ratio"]
 

@@ -1,11 +1,11 @@
 """Real swarms on this machine, measured for the scale simulator's calibration.
 
-:func:`measure` runs ``nodes`` real nodes (``node.swarm``) on the integration tests'
+:func:`measure` runs ``nodes`` real nodes (``node.ops.swarm``) on the integration tests'
 tiny model in ``steps`` mode (10 inner steps per round, two int8 fragments, one
 thread per node) with butterfly groups of 4, and returns what a simulator of large
 swarms needs to be calibrated on and checked against: per node and round the bytes
 its syncs sent, the DHT and control-plane operations, bytes and CPU
-(:mod:`node.load`), round times (mean and p95), the seconds an inner step takes, the
+(:mod:`node.ops.load`), round times (mean and p95), the seconds an inner step takes, the
 bytes and seconds of one fragment sync, and whether the swarm finished, mixed per the
 butterfly schedule and learned.
 """
@@ -17,10 +17,10 @@ import statistics
 import time
 from typing import Any
 
-from node import swarm
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import QUICK_WORKLOAD
+from node.ops import swarm
+from node.ops.metrics import read_events
+from node.ops.swarm import QUICK_WORKLOAD
 from protocol.averaging.grouping import rounds_to_mix
 
 __all__ = ["GROUP_SIZE", "WORKLOAD", "measure"]
@@ -69,7 +69,7 @@ def measure(
     Returns:
         ``nodes``, ``peer_ids``, ``rounds_reached``, ``finished``, ``exit_codes``; per node
         (lists in node order) ``bytes_per_round`` (what its syncs sent) and the
-        :mod:`node.load` figures per round (``dht_ops_per_round``,
+        :mod:`node.ops.load` figures per round (``dht_ops_per_round``,
         ``dht_bytes_per_round``, ``dht_payload_bytes_per_round``,
         ``dht_cpu_s_per_round``, ``control_messages_per_round``,
         ``control_bytes_per_round``, ``control_payload_bytes_per_round``,
@@ -83,7 +83,7 @@ def measure(
         applied, both exchanges of a mixing group); ``syncs``, ``syncs_complete``,
         ``syncs_failed``; ``included_share`` (of every node's contribution to every
         fragment of every round, the share found in some group's result); ``mix`` (the butterfly
-        schedule's reach, :func:`node.swarm.butterfly_reach`); ``val_bpb_start`` and
+        schedule's reach, :func:`node.ops.swarm.butterfly_reach`); ``val_bpb_start`` and
         ``val_bpb_end``; ``seconds``; ``config``.
     """
     overrides = [*WORKLOAD, *extra]

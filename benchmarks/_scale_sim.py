@@ -1,7 +1,7 @@
 """A simulation of an Atoll swarm's round schedule, for 16 to 10,000 nodes over a WAN.
 
 Real swarms on one machine stop at a few dozen nodes; this model says what the same
-protocol costs at 10,000. It replays the ``steps`` trigger of ``node.loop`` (or, with
+protocol costs at 10,000. It replays the ``steps`` trigger of ``node.train.loop`` (or, with
 ``round_seconds``, the ``seconds`` trigger: rounds on the swarm's wall clock) round by
 round, vectorized over nodes and groups (numpy; no torch, no network, no event heap:
 each phase of a group's exchange is computed in closed form), and the control plane in
@@ -9,7 +9,7 @@ closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
 
 * **Compute.** Each node has a step time drawn once (lognormal around
   ``step_seconds``, sigma ``step_spread``) times a per-round jitter. Fragment ``f``
-  launches after step ``ceil((f + 1) H / F)`` (``node.outer.sync_schedule``) and its
+  launches after step ``ceil((f + 1) H / F)`` (``node.train.outer.sync_schedule``) and its
   result is applied ``tau`` steps later (at the latest at the round's end); a result
   that has not arrived by then stalls the node.
 * **Matchmaking.** Per ``(round, fragment)`` a present node announces at its launch
@@ -48,7 +48,7 @@ closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
   A joiner fetches the full state (``model_bytes``) from one random peer once that
   peer finished the round, and contributes from the next round. A node whose sync
   failed re-syncs the same way only when one group spans the swarm (``n <= G``); while
-  groups mix global copies it keeps its own (as ``node.rounds`` does). Simplifications:
+  groups mix global copies it keeps its own (as ``node.train.rounds`` does). Simplifications:
   concurrent fetches from one donor do not share its link, and joiners are not
   expected in matchmaking before they contribute.
 * **Mixing.** For fragment 0 the simulator follows which round's contributions each
@@ -241,7 +241,7 @@ def _node_policy() -> ControlPolicy:
     """Today's node, from the node's own defaults (so that a changed default shows here):
     as :data:`CURRENT_POLICY` up to ``base_rate_peers`` nodes (8); above, intervals
     paced by ``n / base_rate_peers`` (``protocol.control.heartbeats.Pace``, and
-    ``node.peers`` for the registry) and commitments sent to the group only; above
+    ``node.swarm.peers`` for the registry) and commitments sent to the group only; above
     ``network.cells_above`` nodes (256) matchmaking on the cell grid; the registry in
     ``n / 256`` shards (``network.registry_shards`` as the README recommends)."""
     from node.config import AtollConfig
@@ -681,7 +681,7 @@ def _mix_window(n: int, group_size: int, cells: bool = False) -> tuple[int, bool
 
 
 def _launch_steps(cfg: SimConfig) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """Fragments launched and applied after each inner step (``node.outer.sync_schedule``)."""
+    """Fragments launched and applied after each inner step (``node.train.outer.sync_schedule``)."""
     launches: dict[int, list[int]] = {}
     applies: dict[int, list[int]] = {}
     for f in range(cfg.fragments):
@@ -944,7 +944,7 @@ class _Run:
         self.t["left"] += gone.size
         holders = act[stays]
         # A node whose sync failed re-syncs only when one group spans the swarm; while
-        # groups mix global copies there is no one state to take (node.rounds).
+        # groups mix global copies there is no one state to take (node.train.rounds).
         spans = act.size <= cfg.group_size
         needy = holders[failed[holders]] if spans else holders[:0]
         donors = holders[~failed[holders]]

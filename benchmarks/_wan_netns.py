@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import TimedDdp, _ddp_worker
-from node import swarm
+from node.ops import swarm
 from protocol.p2p.shaper import ENV_VAR, LinkShape
 
 if TYPE_CHECKING:

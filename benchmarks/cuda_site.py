@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from benchmarks._common import machine_info
-from node import swarm
 from node.config import load_config
-from node.swarm import QUICK_WORKLOAD
+from node.ops import swarm
+from node.ops.swarm import QUICK_WORKLOAD
 
 __all__ = ["run"]
 

@@ -1,6 +1,6 @@
 """Goodput of a churning swarm of real nodes: what a swarm learns of what it trains.
 
-16 real node processes on 127.0.0.1 (``node.swarm``) run the demo configuration
+16 real node processes on 127.0.0.1 (``node.ops.swarm``) run the demo configuration
 (``configs/local-swarm.toml``: wall-clock rounds, two fragments, int8, groups of 4 that
 mix their global copies) with rounds of 30 s. From the second round until two rounds
 before the end, each node but the first (the operator's, whose address joiners start
@@ -46,8 +46,8 @@ from typing import Any
 from benchmarks._common import figure, machine_info
 from benchmarks._formats import markdown_table, pct
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import SwarmProcess, SwarmSpec, launch, reap, start_node, stop_all
+from node.ops.metrics import read_events
+from node.ops.swarm import SwarmProcess, SwarmSpec, launch, reap, start_node, stop_all
 
 __all__ = ["Plan", "account", "run", "table", "table_row"]
 
@@ -58,7 +58,7 @@ _KILLED = 0.25
 _GOAL_CHURN, _GOAL = 0.05, 0.95
 _SYNCS = ("sync", "sync_left", "sync_failed")
 """The events of a node's syncs: applied, ended in its group as the node stopped
-(:meth:`node.syncer.Syncer.leave`), failed."""
+(:meth:`node.train.syncer.Syncer.leave`), failed."""
 
 
 @dataclass(frozen=True)

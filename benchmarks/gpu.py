@@ -6,7 +6,7 @@ lent to this project.
    rounds, int8 syncs, evaluation and checkpoints: the whole daemon) against a plain
    loop of the same model, optimizer and batch. Tokens per second each, and MFU from
    ``6 * params`` FLOPs per token over the GPU's dense bf16 peak.
-2. **Four DiLoCo replicas against DDP on one GPU**: :func:`node.simulate.simulate` with
+2. **Four DiLoCo replicas against DDP on one GPU**: :func:`node.train.simulate.simulate` with
    four replicas, one after another on the one device (the islands recipe: ``H = 50``
    in five streamed fragments, int4 with stochastic rounding and error feedback, the
    outer step the sweep picked), against the data-parallel update of the same four
@@ -120,7 +120,7 @@ def _batch(size: int, windows: int) -> list[str]:
 
 def _simulate(overrides: list[str], replicas: int, rounds: int) -> dict[str, Any]:
     from node.config import load_config
-    from node.simulate import simulate
+    from node.train.simulate import simulate
 
     result = simulate(load_config(None, overrides), replicas=replicas, rounds=rounds)
     return {
@@ -151,11 +151,11 @@ def _step_seconds(
     shards: pathlib.Path, model: pathlib.Path, device: str, precision: str, batch: int, context: int
 ) -> float:
     """Seconds of one inner step of one replica, after two untimed ones."""
-    from node.bindings import bind
     from node.config import load_config
-    from node.data import BatchStream, load_data
-    from node.model import build_model, vocab_of
-    from node.trainer import InnerTrainer
+    from node.data.bindings import bind
+    from node.data.corpus import BatchStream, load_data
+    from node.train.model import build_model, vocab_of
+    from node.train.trainer import InnerTrainer
 
     cfg = bind(load_config(None, _overrides(shards, model, 10, device, precision, context)))
     corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
@@ -234,7 +234,7 @@ def _replicas(
 
 def _params(path: pathlib.Path) -> int:
     from node.config import load_config
-    from node.model import build_model
+    from node.train.model import build_model
 
     cfg = load_config(None, ["model.arch='hf'", f"model.hf_config={json.dumps(str(path))}"])
     return sum(p.numel() for p in build_model(cfg.model, seed=0).parameters())

@@ -119,7 +119,7 @@ def _joins(
     each stopped (SIGTERM) once it exchanged with the bootstrap node, or after 120 s;
     all run until stopped (``--rounds`` counts the run's rounds, which the bootstrap
     node is far into by the later joins)."""
-    from node import swarm
+    from node.ops import swarm
     from tests.waiting import wait_until
 
     boot = start(0, ["--spec", str(spec)], 0)
@@ -160,7 +160,7 @@ def _result(node: Any, wall: float) -> dict[str, Any]:
 
 def _local(n: int, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Joins on 127.0.0.1; ``env``: extra environment of every node (a link shape)."""
-    from node import swarm
+    from node.ops import swarm
 
     with tempfile.TemporaryDirectory(prefix="atoll-join-") as tmp:
         root, port = pathlib.Path(tmp), free_port()
@@ -175,7 +175,7 @@ def _local(n: int, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
 
 
 def _behind_nat(n: int) -> list[dict[str, Any]]:
-    from node import swarm
+    from node.ops import swarm
     from tests.netlab import NetLab, cleanup_stale
 
     cleanup_stale()
@@ -204,7 +204,7 @@ def _plan(
 ) -> Any:
     """Node ``index`` of a row: the test settings, ``sets``, its own arguments and
     environment."""
-    from node import swarm
+    from node.ops import swarm
 
     return swarm.SwarmSpec(
         nodes=2,

@@ -149,9 +149,9 @@ def _bare_worker(rank: int, overrides: list[str], steps: int, seconds: float, re
     import torch.nn.functional as F
     from torch import nn
 
-    from node.bindings import bind
-    from node.data import BatchStream, load_shards
-    from node.model import build_model, vocab_of
+    from node.data.bindings import bind
+    from node.data.corpus import BatchStream, load_shards
+    from node.train.model import build_model, vocab_of
 
     cfg = bind(load_config(None, overrides))  # a preset takes the tokenizer's vocabulary
     torch.set_num_threads(cfg.run.threads or 1)

@@ -98,7 +98,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
 
 def _row(relayed: bool) -> dict[str, Any]:
     """One row's three nodes, run to the end."""
-    from node import swarm
+    from node.ops import swarm
     from tests.netlab import NetLab, cleanup_stale
     from tests.waiting import wait_until
 
@@ -135,7 +135,7 @@ def start_three(
     """Start a row's three nodes on ``hosts`` of ``lab`` into ``nodes`` (the caller
     stops them): the first, public, makes its key first and is everyone's bootstrap
     and relay; the other two run with ``network.relay_parts`` where ``relayed``."""
-    from node import swarm
+    from node.ops import swarm
     from verification.identity import Identity
 
     key = root / "node0" / "identity.key"
@@ -176,7 +176,7 @@ def _link_bytes(lab: Any, host: str) -> int:
 def _measure(
     nodes: list[Any], moved: dict[str, int], late: dict[str, int] | None = None
 ) -> dict[str, Any]:
-    from node.metrics import read_events
+    from node.ops.metrics import read_events
 
     ids = [n.status.get("peer_id", "") for n in nodes]
     owned: dict[str, list[int]] = {}

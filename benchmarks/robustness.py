@@ -1,6 +1,6 @@
 """Robustness benchmark: what a Byzantine node does to the honest nodes' validation loss.
 
-Every cell is a real swarm of node processes on 127.0.0.1 (``node.swarm``), with the
+Every cell is a real swarm of node processes on 127.0.0.1 (``node.ops.swarm``), with the
 small, fast model of the integration tests, 3 outer rounds, one group holding every
 node, and the last node(s) started with ``--byzantine MODE``. Each fault mode is run
 under plain mean without screening (the undefended baseline) and under each robust
@@ -40,9 +40,9 @@ from benchmarks._robustness_swarm import (
     launch_and_wait,
     ratio,
 )
-from node import swarm
-from node.byzantine import MODES
 from node.config import ConfigError, load_config
+from node.ops import swarm
+from node.swarm.byzantine import MODES
 
 __all__ = ["run"]
 

@@ -31,10 +31,10 @@ import time
 from typing import Any
 
 from benchmarks._common import figure, machine_info
-from node import swarm
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import QUICK_WORKLOAD
+from node.ops import swarm
+from node.ops.metrics import read_events
+from node.ops.swarm import QUICK_WORKLOAD
 
 __all__ = ["run"]
 

@@ -6,7 +6,7 @@ way ``atoll run --slowdown X`` does it: after a step's compute the worker sleeps
 would be computing then. Three methods run one after another on the same small model
 and data (the integration tests' config):
 
-- ``atoll_seconds``: real nodes (``node.swarm``) with ``sync.trigger = seconds``: each
+- ``atoll_seconds``: real nodes (``node.ops.swarm``) with ``sync.trigger = seconds``: each
   node syncs on the swarm's wall clock with whatever it finished, so no node waits.
 - ``atoll_steps``: the same swarm with ``sync.trigger = steps`` (10 inner steps per
   round) and a long matchmaking window, so the fast nodes wait for the slow one.
@@ -44,10 +44,10 @@ import time
 from typing import Any
 
 from benchmarks._common import TimedDdp, figure, machine_info, run_timed_ddp
-from node import swarm
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import QUICK_WORKLOAD
+from node.ops import swarm
+from node.ops.metrics import read_events
+from node.ops.swarm import QUICK_WORKLOAD
 
 __all__ = ["run"]
 

@@ -2,9 +2,9 @@
 
 Each link is a one-way delay (0, 10 or 70 ms) and a bandwidth cap (1 Gbit/s or
 100 Mbit/s) emulated on 127.0.0.1; four workers train the integration tests' tiny
-model (``node.swarm.QUICK_WORKLOAD``) for the same wall time with each method:
+model (``node.ops.swarm.QUICK_WORKLOAD``) for the same wall time with each method:
 
-- ``atoll``: four real nodes (``node.swarm``) in ``seconds`` mode (a sync of one of
+- ``atoll``: four real nodes (``node.ops.swarm``) in ``seconds`` mode (a sync of one of
   two int8 fragments every 3 s), each node process started with
   ``ATOLL_LINK_SHAPE`` set, so every Atoll RPC it sends waits the delay and is paced at
   the line rate by its own shaper (``protocol.p2p.shaper``: one uplink per node). DHT
@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
-from node import swarm
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import QUICK_WORKLOAD
+from node.ops import swarm
+from node.ops.metrics import read_events
+from node.ops.swarm import QUICK_WORKLOAD
 from protocol.p2p.shaper import ENV_VAR, LinkShape
 
 if TYPE_CHECKING:

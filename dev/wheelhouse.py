@@ -32,9 +32,9 @@ _ENTRY_POINTS = (
     (
         "node.daemon",
         "node.cli.running",
-        "node.swarm",
-        "node.simulate",
-        "node.hf",
+        "node.ops.swarm",
+        "node.train.simulate",
+        "node.train.hf",
         "protocol.control.plane",
         "benchmarks.gpu",
         "benchmarks.cuda_site",

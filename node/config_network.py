@@ -150,7 +150,7 @@ class NetworkConfig:
     the most an all-reduce may take, and the most a node waits for its peers' signed
     states after a round that went wrong."""
     adaptive_deadlines: bool = True
-    """Exchange budgets follow what this node measured (:mod:`node.deadlines`): four
+    """Exchange budgets follow what this node measured (:mod:`node.train.deadlines`): four
     times the 90th percentile of its last 16 complete exchanges, never below the
     matchmaking wait and the commit window plus 10 s, never above the configured
     ``matchmaking_seconds + round_timeout`` (and commit window); doubled after an

@@ -134,7 +134,7 @@ class ModelConfig:
             return
         if self.factory:
             raise ValueError("model.factory with model.arch = 'hf': use one or the other")
-        # none set is refused where the model is built (node.hf): a run spec carries
+        # none set is refused where the model is built (node.train.hf): a run spec carries
         # the shared preset, or only the digest of a config file each node names
         if len(sources) > 1:
             raise ValueError(

@@ -1,11 +1,11 @@
 """One node's life: start, join, catch up, train with fragment syncs, checkpoint, leave.
 
 :meth:`Node.run` reads top to bottom. The node wires the parts together and runs the
-lifecycle; the parts do the work: :mod:`node.startup` (data directory, key, transport,
+lifecycle; the parts do the work: :mod:`node.ops.startup` (data directory, key, transport,
 metrics endpoint, the run's clock), :mod:`node.parts` (the training side and the swarm
-side, each built by one builder), :class:`~node.loop.TrainingLoop` (inner steps and
-syncs over a schedule), :class:`~node.rounds.Rounds` (a round's end, catching up,
-checkpoints) and :mod:`node.reporter` (status, metrics, the registry's upkeep).
+side, each built by one builder), :class:`~node.train.loop.TrainingLoop` (inner steps and
+syncs over a schedule), :class:`~node.train.rounds.Rounds` (a round's end, catching up,
+checkpoints) and :mod:`node.ops.reporter` (status, metrics, the registry's upkeep).
 """
 
 from __future__ import annotations
@@ -15,22 +15,13 @@ import os
 import threading
 from pathlib import Path
 
-from node.agreement import AgreementWatch
-from node.bindings import bind
-from node.byzantine import make_behaviour
 from node.config import AtollConfig
-from node.keyfile import load_identity
-from node.loop import TrainingLoop, schedule_of
-from node.metrics import EventLog, StatusWriter
-from node.monitor import Monitor
-from node.parts import Network, NetworkInputs, Progress, Training, build_training, start_network
-from node.peers import DuplicateIdentityError
-from node.reporter import Reporter, Upkeep, __version__
-from node.rounds import Rounds
-from node.site import SiteRank
-from node.spec import RunSpec, settings_digest, version_line
-from node.spec_file import spec_text
-from node.startup import (
+from node.data.bindings import bind
+from node.ops.keyfile import load_identity
+from node.ops.metrics import EventLog, StatusWriter
+from node.ops.monitor import Monitor
+from node.ops.reporter import Reporter, Upkeep, __version__
+from node.ops.startup import (
     Teardown,
     install_signals,
     open_logs,
@@ -39,6 +30,15 @@ from node.startup import (
     start_transport,
     wait_for_peers,
 )
+from node.parts import Network, NetworkInputs, Progress, Training, build_training, start_network
+from node.spec import RunSpec, settings_digest, version_line
+from node.spec_file import spec_text
+from node.swarm.byzantine import make_behaviour
+from node.swarm.peers import DuplicateIdentityError
+from node.train.agreement import AgreementWatch
+from node.train.loop import TrainingLoop, schedule_of
+from node.train.rounds import Rounds
+from node.train.site import SiteRank
 from protocol.p2p.transport import Transport
 from protocol.runspec import SpecServer
 
@@ -67,7 +67,7 @@ class Node:
         byzantine: a fault-injection mode (tests and benchmarks only); None is honest.
         spec: the signed run spec this node joins (:mod:`node.spec`), if any: its
             digest is announced, and its clock is the run's clock.
-        site: this process's rank when the node is a site (:mod:`node.site`).
+        site: this process's rank when the node is a site (:mod:`node.train.site`).
     """
 
     def __init__(

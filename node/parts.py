@@ -4,8 +4,8 @@
 optimizer, the inner trainer, the site's ranks) and :func:`start_network` starts what
 talks to the swarm (transport, peer view, verifier, control plane, all-reduce, syncer,
 state server), in that order. :class:`Progress` is where the training stands, shared
-by the training loop (:mod:`node.loop`), the round's end (:mod:`node.rounds`) and the
-reports (:mod:`node.reporter`).
+by the training loop (:mod:`node.train.loop`), the round's end (:mod:`node.train.rounds`) and the
+reports (:mod:`node.ops.reporter`).
 """
 
 from __future__ import annotations
@@ -20,19 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from node.admin import AdminInbox, Command
-from node.byzantine import make_behaviour, trainer_class, training_data
 from node.checks import Fetcher, Measurer, UsefulWork
 from node.checks.replay import Replayer
+from node.checks.trace import REPLAY_RPC, Tracer
 from node.config import AtollConfig
-from node.data import BatchStream, load_data, validation_batches
-from node.deadlines import Deadlines
-from node.handoff import workload_record
-from node.load import LoadMeter
-from node.metrics import EventLog
-from node.model import build_model, vocab_of
-from node.outer import OuterOptimizer
-from node.peers import PeerView
+from node.data.corpus import BatchStream, load_data, validation_batches
+from node.ops.admin import AdminInbox, Command
+from node.ops.handoff import workload_record
+from node.ops.load import LoadMeter
+from node.ops.metrics import EventLog
 from node.settings import (
     allreduce_settings,
     check_settings,
@@ -41,11 +37,15 @@ from node.settings import (
     peer_view_settings,
     replay_settings,
 )
-from node.simulate import resolve_device
-from node.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
-from node.syncer import Syncer
-from node.trace import REPLAY_RPC, Tracer
-from node.trainer import InnerTrainer, evaluate
+from node.swarm.byzantine import make_behaviour, trainer_class, training_data
+from node.swarm.peers import PeerView
+from node.train.deadlines import Deadlines
+from node.train.model import build_model, vocab_of
+from node.train.outer import OuterOptimizer
+from node.train.simulate import resolve_device
+from node.train.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
+from node.train.syncer import Syncer
+from node.train.trainer import InnerTrainer, evaluate
 from protocol import catchup
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
@@ -148,7 +148,7 @@ class Training:
             member's batches from them).
         bytes_per_token: of the validation text, for bits per byte.
         workload: what a checkpoint needs to be exported and sampled elsewhere.
-        site: the site's ranks (:class:`~node.site.SiteLeader`), or :class:`~node.site.NoSite`.
+        site: the site's ranks (:class:`~node.train.site.SiteLeader`), or :class:`~node.train.site.NoSite`.
     """
 
     device: torch.device
@@ -189,7 +189,7 @@ def build_training(
     if site is None:
         device = resolve_device(cfg.run.device)
     else:
-        # the site's leader: its ranks train in step with it (node.site)
+        # the site's leader: its ranks train in step with it (node.train.site)
         device = site.device(cfg.run.device)
         group = SiteGroup(site, device, cfg.train.sharding)
         key = group.agree_key(key)
@@ -442,7 +442,7 @@ def _useful_work(
     """The useful-work checks when the policy asks for them (``trust.checkers``): this
     node keeps and serves its contributions, checks its share and judges records (not
     started yet); with replay checks, the trace of its training it serves its checkers
-    (:mod:`node.trace`), whose time counts in the checks' budget."""
+    (:mod:`node.checks.trace`), whose time counts in the checks' budget."""
     if not cfg.trust.checkers or control is None:
         return None, None
     settings = check_settings(cfg)

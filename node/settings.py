@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
     from node.checks import CheckSettings
     from node.checks.replay import ReplaySettings
-    from node.clock import ClockSettings
     from node.config import AtollConfig
-    from node.peers import PeerViewSettings
+    from node.swarm.peers import PeerViewSettings
+    from node.train.clock import ClockSettings
     from protocol.averaging.exchange import ExchangeSettings
     from protocol.averaging.parts import AllReduceSettings
     from protocol.catchup import CatchUpSettings
@@ -118,7 +118,7 @@ def clock_settings(
 ) -> ClockSettings:
     """How the node agrees its round clock: whose manifests it trusts (``run.clock_signers``,
     else its initial peers), the run's round length, how long it looks for one."""
-    from node.clock import ClockSettings
+    from node.train.clock import ClockSettings
 
     net = cfg.network
     joined = {m.rpartition("/p2p/")[2] for m in initial_peers if "/p2p/" in m}
@@ -164,7 +164,7 @@ def peer_view_settings(
     cfg: AtollConfig, key_file: Path, spec: str, initial_peers: tuple[str, ...]
 ) -> PeerViewSettings:
     """The registry view's settings: the run and spec, its pace and shards."""
-    from node.peers import PeerViewSettings
+    from node.swarm.peers import PeerViewSettings
 
     net = cfg.network
     return PeerViewSettings(
@@ -220,8 +220,8 @@ def check_settings(cfg: AtollConfig) -> CheckSettings:
 
 def replay_settings(cfg: AtollConfig) -> ReplaySettings:
     """Replay checks: ``trust.replay_*`` and the window shape."""
+    from node.checks.claims import MAX_SPANS
     from node.checks.replay import ReplaySettings
-    from node.claims import MAX_SPANS
 
     t = cfg.trust
     return ReplaySettings(

@@ -3,7 +3,7 @@
 At the end of every round a node snapshots its global copy of every fragment and the
 outer optimizer's momentum into a file it serves from (no second copy in memory), and
 signs the snapshot's digest into the DHT under ``{run_id}:digest:{round}`` with its
-standing (settled, unsettled or joining: :func:`node.agreement.swarm_state` decides
+standing (settled, unsettled or joining: :func:`node.train.agreement.swarm_state` decides
 from these which state a swarm converges on after a round that went wrong). A node that
 joins (or falls behind) downloads the newest snapshot over the ``atoll.state`` RPC, each
 fragment in chunks of at most :data:`CHUNK_VALUES` values, spread over the peers of that
@@ -75,7 +75,7 @@ class CatchUpSettings:
 class StateSnapshot:
     """Global values and outer momentum of every fragment after ``round`` (a node
     takes one from its outer optimizer and loads one into it:
-    :meth:`node.outer.OuterOptimizer.snapshot`, :meth:`~node.outer.OuterOptimizer.load_snapshot`)."""
+    :meth:`node.train.outer.OuterOptimizer.snapshot`, :meth:`~node.train.outer.OuterOptimizer.load_snapshot`)."""
 
     round: int
     plan_digest: str

@@ -4,7 +4,7 @@ Every node that runs from a signed run spec serves its text, so a volunteer who 
 run address (``RUN_ID@/ip4/.../p2p/<PeerID>``, printed by ``atoll spec create``) fetches
 the spec from the swarm itself instead of from a file passed around. The reply is the
 spec's bytes as they are; this layer trusts nothing in them: the caller verifies the
-signature against the operator's PeerID it was given (:mod:`node.join`)::
+signature against the operator's PeerID it was given (:mod:`node.swarm.join`)::
 
     request  = run id (UTF-8, at most 64 bytes)
     response = the spec file's bytes (TOML, at most MAX_SPEC_BYTES)

@@ -7,7 +7,7 @@ train honestly and send zeros, a copy of the swarm's last step, or a shifted vec
 
 With ``sync.alpha = 0`` a fragment's pseudo-gradient is ``global - local``, and after
 each sync the local copy is the new global copy plus the inner steps taken while the
-sync ran (:meth:`node.outer.OuterOptimizer.merge_local`). So the pseudo-gradient a sync
+sync ran (:meth:`node.train.outer.OuterOptimizer.merge_local`). So the pseudo-gradient a sync
 sends is exactly minus the sum of the fragment's changes over the inner steps since the
 last sync that was applied, and those are the windows of its claim. Each window of a
 fragment's trace records the sketch of that fragment's change (``moved``); the sketch is

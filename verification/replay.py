@@ -31,7 +31,7 @@ fetches the state and replays the window itself. A record that does not reproduc
 costs its checker.
 
 This module knows neither the model nor the network: the node snapshots and replays
-(``node.trace``, ``node.checks.replay``) and hands the numbers here.
+(``node.checks.trace``, ``node.checks.replay``) and hands the numbers here.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class TraceWindow:
         steps: steps in the window.
         accum: draws per step (``train.grad_accum``).
         step: the trainer's step count at the window's start (the learning rate's).
-        state: the BLAKE3 digest of the packed start state (:class:`node.trace.Snapshot`).
+        state: the BLAKE3 digest of the packed start state (:class:`node.checks.trace.Snapshot`).
         losses: each step's mean loss.
         change: the sketch of the parameters' change over the window.
         moved: in a fragment's trace, the sketch of that fragment's change over the

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import msgpack
 
 from node.checks.replay import Unavailable
-from node.trace import REPLAY_RPC
+from node.checks.trace import REPLAY_RPC
 from protocol.averaging.contributions import (
     CONTRIBUTION_RPC,
     CommittedDigests,
@@ -107,7 +107,7 @@ class Fetcher:
         return fetched
 
     def replay(self, peer: str, request: list) -> bytes:
-        """``peer``'s answer to a :data:`node.trace.REPLAY_RPC` request (a trace or a
+        """``peer``'s answer to a :data:`node.checks.trace.REPLAY_RPC` request (a trace or a
         start state; empty where it keeps none).
 
         Raises:

@@ -21,7 +21,7 @@ from its own copy, and copies in a mixing swarm sit apart (on the test workload 
 back), so applied to the group's mean an honest one can look harmful. *After* is before
 with the pseudo-gradient subtracted from that fragment.
 
-Every loss is :func:`node.trainer.window_losses`: one fp32 forward of the windows in
+Every loss is :func:`node.train.trainer.window_losses`: one fp32 forward of the windows in
 eval mode, each window's sum in float64, so two nodes agree to about 1e-6 relative.
 Losses at the same values on the same windows are computed once (those at the base and
 with the reference, by all of a checker's records of an exchange).
@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from node.checks.inputs import CheckSettings, RoundInputs
-from node.data import BatchStream, DataError, assigned_stream, site_slice
-from node.trainer import window_losses
+from node.data.corpus import BatchStream, DataError, assigned_stream, site_slice
+from node.train.trainer import window_losses
 from protocol.averaging.contributions import Fetched, WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from verification.usefulness import CheckRecord, contribution_digest, control_key, window_plan

@@ -6,7 +6,7 @@ signed trace (whose digest the contribution's claim carries), checks that its wi
 tile the claimed batches and are no longer than ``trust.replay_steps``, draws one window
 from the exchange's seed, fetches that window's start state (it must hash to the
 recorded digest), loads it and trains the window's steps again on the claimed batches
-(:func:`node.trainer.replay_step`, each rank's batches for a site) at the learning rate
+(:func:`node.train.trainer.replay_step`, each rank's batches for a site) at the learning rate
 of the recorded step count, then compares the change and the losses with the recorded
 ones (:func:`verification.replay.agreement`).
 
@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from node.config import TrainConfig
-from node.data import DataError, assigned_stream, site_slice
-from node.trainer import lr_at, make_inner_optimizer, replay_step
-from node.trainstate import StateError, load_state, state_digest
+from node.data.corpus import DataError, assigned_stream, site_slice
+from node.train.trainer import lr_at, make_inner_optimizer, replay_step
+from node.train.trainstate import StateError, load_state, state_digest
 from protocol.averaging.contributions import WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from verification import binding
@@ -55,7 +55,7 @@ __all__ = ["Fetch", "NotKept", "ReplaySettings", "Replayer", "Unavailable"]
 logger = logging.getLogger(__name__)
 
 Fetch = Callable[[str, list], bytes]
-"""``(peer, request)`` to its :data:`node.trace.REPLAY_RPC` answer (empty: not kept).
+"""``(peer, request)`` to its :data:`node.checks.trace.REPLAY_RPC` answer (empty: not kept).
 Raises :class:`Unavailable` when the peer cannot be asked."""
 
 
@@ -81,7 +81,7 @@ class ReplaySettings:
         codec: the sync's codec, its ``block_size``, ``stochastic`` rounding and error
             ``feedback`` (how far a sent vector may be from its work:
             :func:`verification.binding.slack`).
-        spans: the most spans a claim holds (:data:`node.claims.MAX_SPANS`; a claim
+        spans: the most spans a claim holds (:data:`node.checks.claims.MAX_SPANS`; a claim
             that holds them may have lost its oldest work: no sent check).
     """
 

@@ -14,7 +14,7 @@ at a time:
   (``records_charge`` false: there only their failures charge);
 - for every round that ended well here, with every fragment exchanged: tells the node's
   own trace which windows its checkers will replay, so that it keeps only their start
-  states (:meth:`node.trace.Tracer.drawn`); then draws the contributions this node
+  states (:meth:`node.checks.trace.Tracer.drawn`); then draws the contributions this node
   checks (:mod:`verification.usefulness`), fetches each (:mod:`node.checks.fetch`; the
   fetch runs on the transport's loop) and makes its sent check at once (a sketch of it,
   :mod:`node.checks.replays`);
@@ -25,7 +25,7 @@ at a time:
   weighs).
 
 The worker starts each costly check (a replay, a measured record) only while its forward
-passes and replays so far, with the node's own trace (:mod:`node.trace`), took at most
+passes and replays so far, with the node's own trace (:mod:`node.checks.trace`), took at most
 ``trust.check_budget`` of the node's time in inner steps (a fetch's wait is not
 counted), give or take one check. Costly checks more than two rounds behind are dropped
 (``skipped``, once per round). Judging records and sent checks are not held back
@@ -90,10 +90,10 @@ class UsefulWork:
         replayer: replays windows of checked members' traces (``trust.replay_steps``;
             None: no replay checks).
         tracing: the time this node's own trace took so far
-            (:meth:`node.trace.Tracer.spent`; it counts in the budget).
+            (:meth:`node.checks.trace.Tracer.spent`; it counts in the budget).
         drawn: tells this node's trace, once a round's seed is known, the checker that
             replays its contribution to an exchange, ``(round, fragment, seed, checker)``
-            (None: no one does) (:meth:`node.trace.Tracer.drawn`).
+            (None: no one does) (:meth:`node.checks.trace.Tracer.drawn`).
     """
 
     def __init__(

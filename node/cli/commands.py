@@ -9,7 +9,7 @@ import argparse
 import os
 
 from node.cli.parser import Arg, Command, Group, arg, build_parser
-from node.fault_modes import ALL_MODES as _BYZANTINE_MODES
+from node.swarm.fault_modes import ALL_MODES as _BYZANTINE_MODES
 
 __all__ = ["COMMANDS", "atoll_parser"]
 

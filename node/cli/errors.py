@@ -16,13 +16,13 @@ __all__ = ["file_problem", "known_error"]
 
 def known_error(exc: Exception) -> str | None:
     """The one line for an error a user can act on, or None for an unexpected one."""
-    from node.swarm import NodeFailed
+    from node.ops.swarm import NodeFailed
     from verification.errors import VerificationError
 
     if isinstance(exc, (ValueError, NodeFailed)):  # ConfigError, DataError, SpecError, ...
         return str(exc)
-    if "node.site" in sys.modules:  # loaded by commands that may run as a site
-        from node.site import SiteFailed
+    if "node.train.site" in sys.modules:  # loaded by commands that may run as a site
+        from node.train.site import SiteFailed
 
         if isinstance(exc, SiteFailed):
             return f"{exc}; the node stopped (torchrun stops the other ranks)"

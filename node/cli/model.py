@@ -15,7 +15,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``atoll export``: write a checkpoint's global parameters."""
     data_dir = Path(args.data_dir).expanduser()
     if args.format == "hf":
-        from node.handoff import export_hf
+        from node.ops.handoff import export_hf
 
         done = export_hf(data_dir, Path(args.out), args.round, force=args.force)
         print(
@@ -32,7 +32,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 f"({done['path']!r})"
             )
         return 0
-    from node.export import export_model
+    from node.ops.export import export_model
 
     done = export_model(data_dir, Path(args.out), args.round)
     print(
@@ -45,7 +45,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     """``atoll sample``: continue a prompt from the agreed global parameters."""
-    from node.handoff import sample
+    from node.ops.handoff import sample
 
     text, source = sample(
         Path(args.data_dir).expanduser(),

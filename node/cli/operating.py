@@ -3,7 +3,7 @@
 
 Every command here reads the node's files (``status.json``, ``atoll.db``); ``ban`` and
 ``pardon`` go through a running node's admin folder, or change its files when it is
-not running (:mod:`node.admin`).
+not running (:mod:`node.ops.admin`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def _print_network(status: dict[str, Any]) -> None:
 
 
 def _deadline_line(deadlines: Any) -> str | None:
-    """The exchange budget in force and where it comes from (:mod:`node.deadlines`)."""
+    """The exchange budget in force and where it comes from (:mod:`node.train.deadlines`)."""
     if not isinstance(deadlines, dict) or deadlines.get("exchange_seconds") is None:
         return None
     line = f"exchange budget {deadlines['exchange_seconds']:.1f} s"
@@ -285,7 +285,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 def cmd_operator(args: argparse.Namespace) -> int:
     """``atoll ban`` and ``atoll pardon``: through a running node, or in its files."""
-    from node.admin import Command, submit
+    from node.ops.admin import Command, submit
 
     path = _node_data(args.data_dir)
     command = Command(args.command, args.peer, args.reason)

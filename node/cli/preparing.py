@@ -27,7 +27,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     """``atoll data prepare``: tokenize a corpus into shards, resumable."""
     import signal
 
-    from node.prepare import Interrupted, prepare
+    from node.data.prepare import Interrupted, prepare
 
     _check_prepare_options(args)
     out = Path(args.out).expanduser()
@@ -152,10 +152,10 @@ def _private_dir(directory: Path) -> None:
 
 def cmd_spec_create(args: argparse.Namespace) -> int:
     """``atoll spec create``: sign a config's shared settings into a run spec."""
-    from node.bindings import bind
-    from node.join import run_addresses
+    from node.data.bindings import bind
     from node.spec import create_spec, version_line
     from node.spec_file import read_spec, write_spec
+    from node.swarm.join import run_addresses
     from protocol.p2p.addrs import with_peer_id
     from verification.errors import VerificationError
     from verification.identity import Identity
@@ -203,8 +203,8 @@ def cmd_spec_create(args: argparse.Namespace) -> int:
 
 def cmd_spec_fetch(args: argparse.Namespace) -> int:
     """``atoll spec fetch``: a run's spec from its address, verified, written to a file."""
-    from node.join import RunAddress, fetch_spec, save_spec
     from node.spec import SpecError
+    from node.swarm.join import RunAddress, fetch_spec, save_spec
 
     address = RunAddress.parse(args.address)
     out = Path(args.out)
@@ -274,7 +274,7 @@ def cmd_spec_show(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``atoll plan``: bytes, link time and utilization of a run's syncs."""
-    from node.plan import PlanInput, describe, parse_count, plan
+    from node.ops.plan import PlanInput, describe, parse_count, plan
 
     # what the command line gives replaces the config's, and is checked as the config is
     given = {
@@ -317,8 +317,8 @@ def _model_params(cfg: AtollConfig) -> int:
     """The parameters of the config's model, counted without allocating them."""
     import torch
 
-    from node.bindings import bind
-    from node.model import build_model
+    from node.data.bindings import bind
+    from node.train.model import build_model
 
     model_cfg = bind(cfg).model  # a preset's vocabulary: the tokenizer's
     with torch.device("meta"):  # counted, not allocated: a 1B model costs nothing

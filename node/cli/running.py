@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING, Any, TextIO
 from node.cli.errors import file_problem
 from node.cli.logs import log_file
 from node.config import ConfigError, load_config
-from node.fault_modes import parse_mode
+from node.swarm.fault_modes import parse_mode
 
 if TYPE_CHECKING:
     from node.config import AtollConfig
-    from node.site import SiteRank
+    from node.ops.swarm import SwarmProcess, SwarmSpec
     from node.spec import RunSpec
-    from node.swarm import SwarmProcess, SwarmSpec
+    from node.train.site import SiteRank
 
 __all__ = ["cmd_join", "cmd_run", "cmd_simulate", "cmd_swarm", "initial_peers"]
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """``atoll simulate``: K DiLoCo replicas in one process, round by round."""
-    from node.simulate import simulate
+    from node.train.simulate import simulate
 
     overrides = list(args.overrides)
     if args.inner_steps is not None:
@@ -97,9 +97,9 @@ def _join(args: argparse.Namespace, text: str, peers: tuple[str, ...]) -> int:
     """Fetch the run's spec from the swarm, pinned to its operator, keep a copy in the
     data directory and run from it."""
     from node.config import load_config_data
-    from node.join import RunAddress, fetch_spec, save_spec
-    from node.site import SiteRank
     from node.spec import apply_spec
+    from node.swarm.join import RunAddress, fetch_spec, save_spec
+    from node.train.site import SiteRank
 
     address = RunAddress.parse(text)
     if SiteRank.from_env() is not None:
@@ -203,8 +203,8 @@ def _start_node(
 ) -> int:
     """Run the node of ``cfg``: as it is, as torchrun of ``--nproc-per-node`` ranks, or
     as a follower rank of a site."""
-    from node.site import SiteRank
-    from node.site_process import die_with_parent, leave, run_follower, site_command
+    from node.train.site import SiteRank
+    from node.train.site_process import die_with_parent, leave, run_follower, site_command
 
     site = SiteRank.from_env()
     if site is not None:
@@ -236,7 +236,7 @@ def _run_node(
     """Run the node with its log file. The data directory and the identity key are
     checked before torch loads, so a directory that cannot be written or a broken key
     is one line within a second; a file the run cannot write later is one line too."""
-    from node.keyfile import load_identity
+    from node.ops.keyfile import load_identity
 
     data_dir = Path(cfg.run.data_dir).expanduser()
     handler = None
@@ -266,7 +266,7 @@ def initial_peers(values: Sequence[str]) -> tuple[str, ...]:
 
 def cmd_swarm(args: argparse.Namespace) -> int:
     """``atoll swarm``: N real nodes on 127.0.0.1, a live view, and a summary."""
-    from node import swarm
+    from node.ops import swarm
 
     cfg = load_config(args.config, args.overrides)  # validate once, before starting anything
     spec = _swarm_spec(args, cfg.run.max_rounds)
@@ -294,7 +294,7 @@ def _swarm_spec(args: argparse.Namespace, max_rounds: int) -> SwarmSpec:
     """What ``atoll swarm`` launches, its options checked."""
     import time
 
-    from node.swarm import SwarmSpec
+    from node.ops.swarm import SwarmSpec
 
     spec = SwarmSpec(
         nodes=args.nodes,

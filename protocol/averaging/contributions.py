@@ -98,7 +98,7 @@ class WorkClaim:
     """The batches a pseudo-gradient was trained on, as its member claims them.
 
     A member trains, in each round, the batches of an *assigned* stream keyed by the run,
-    its PeerID, the round and its rank (:func:`node.data.assigned_stream`), drawn from
+    its PeerID, the round and its rank (:func:`node.data.corpus.assigned_stream`), drawn from
     slice ``slice[0]`` of ``slice[1]`` of the run's train tokens (one rank per slice:
     a site's rank ``k`` trains slice ``slice[0] * ranks + k`` of ``slice[1] * ranks``).
 

@@ -12,7 +12,7 @@ gossip pairs), or its members announced global copies with different digests (a 
 that shrank to one group after mixing), members' global copies differ, so the group also
 all-reduces its members' global copies (an exchange of content ``weights`` beside the ``update`` one,
 :data:`~protocol.averaging.parts.Content`) with every member weighted alike. What to do with the two results is the outer
-optimizer's business (:mod:`node.outer`).
+optimizer's business (:mod:`node.train.outer`).
 
 In a swarm larger than ``cells_above`` no node reads every announcement: each announces
 and reads only on its line of the cell grid (:class:`~protocol.averaging.grouping.Cell`),

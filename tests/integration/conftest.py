@@ -9,9 +9,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node import swarm
 from node.config import load_config
-from node.swarm import QUICK_WORKLOAD
+from node.ops import swarm
+from node.ops.swarm import QUICK_WORKLOAD
 from tests.netlab import NetLab, cleanup_stale, netlab_available
 from tests.waiting import wait_until
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from node.config import ModelConfig, OuterConfig
-from node.model import build_model
-from node.outer import OuterOptimizer
+from node.train.model import build_model
+from node.train.outer import OuterOptimizer
 from protocol.averaging.allreduce import RPC_NAME, AllReduceService
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.hooks import Commitments, FaultInjection, Hooks, Judge
@@ -498,7 +498,7 @@ class _Board:
 def test_a_gather_member_sent_other_bytes_than_committed_takes_the_part_from_another(
     swarm: SimpleNamespace,
 ) -> None:
-    from node.byzantine import make_behaviour
+    from node.swarm.byzantine import make_behaviour
 
     board = _Board()
     members = []

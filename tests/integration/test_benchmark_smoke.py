@@ -72,7 +72,7 @@ def _leftovers() -> list[str]:
             continue
         if "resource_tracker" in line:  # multiprocessing's own, kept for the session
             continue
-        if "node.forkserver" in line:  # the launcher's fork server, kept for the session
+        if "node.ops.forkserver" in line:  # the launcher's fork server, kept for the session
             continue
         if any(k in line for k in ("node.cli", "p2pd", "multiprocessing", "benchmarks.")):
             found.append(f"{child.pid}: {line[:120]}")

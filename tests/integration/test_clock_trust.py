@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from node.bindings import bind
 from node.config import load_config
-from node.metrics import read_events
+from node.data.bindings import bind
+from node.ops.metrics import read_events
+from node.ops.swarm import wait_for_maddrs
 from node.spec import settings_digest
-from node.swarm import wait_for_maddrs
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.messages import Header, seal
 from tests.integration.conftest import SMALL, wait_until

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from node.cli import main
-from node.data import stdlib_files
-from node.metrics import read_events
-from node.prepare import prepare
+from node.data.corpus import stdlib_files
+from node.data.prepare import prepare
+from node.ops.metrics import read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -57,7 +57,7 @@ def test_two_llama_nodes_on_bpe_shards_train_agree_and_export(
     )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from node.handoff import global_model
+    from node.ops.handoff import global_model
 
     lm = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)

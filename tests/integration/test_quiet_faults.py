@@ -17,10 +17,10 @@ import time
 import psutil
 import pytest
 
-from node import swarm
 from node.config import load_config
-from node.metrics import read_events
-from node.swarm import wait_for_maddrs
+from node.ops import swarm
+from node.ops.metrics import read_events
+from node.ops.swarm import wait_for_maddrs
 from protocol.p2p.transport import Transport, TransportConfig
 from tests.integration.conftest import SMALL, Swarm, wait_until
 from tests.integration.test_stream_limits import _close_all, _open_silent

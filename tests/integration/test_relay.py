@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.relay import start_three
-from node import swarm
-from node.metrics import read_events
+from node.ops import swarm
+from node.ops.metrics import read_events
 from tests.integration.conftest import wait_until
 from tests.netlab import NetLab
 from verification.audit import AuditLog

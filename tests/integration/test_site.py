@@ -8,7 +8,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from node.metrics import read_events
+from node.ops.metrics import read_events
 from tests.integration.conftest import alive, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -37,7 +37,7 @@ CHECKS = [
 ]
 
 
-# FSDP's ranks are kept in step over gloo by tests/unit/node/test_site.py; its whole
+# FSDP's ranks are kept in step over gloo by tests/unit/node/train/test_site.py; its whole
 # two-site run is in make test-all
 @pytest.mark.parametrize("sharding", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_sites_of_two_ranks_train_together_and_their_ranks_agree(local_swarm, sharding):

@@ -25,9 +25,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node import forkserver
-from node.checkpoint import load_latest
-from node.swarm import QUICK_WORKLOAD
+from node.ops import forkserver
+from node.ops.swarm import QUICK_WORKLOAD
+from node.train.checkpoint import load_latest
 from tests.integration.conftest import alive, wait_until
 from verification.identity import Identity
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from node.byzantine import MODES
-from node.metrics import read_events
+from node.ops.metrics import read_events
+from node.swarm.byzantine import MODES
 from tests.integration.conftest import Swarm
 from verification.identity import Identity
 
@@ -118,7 +118,7 @@ def test_strict_policy_refuses_a_peer_not_on_its_allow_list(local_swarm):
         key.save(base / f"node{i}" / "identity.key")
     strict = [f"trust.allow=['{keys[1].peer_id}']", "trust.accept_unknown=false"]
     nodes = [local_swarm.start_one(0, 1, extra=strict, nodes=3)]
-    from node.swarm import wait_for_maddrs
+    from node.ops.swarm import wait_for_maddrs
 
     peers = wait_for_maddrs(nodes[0])
     for i in (1, 2):

@@ -17,7 +17,7 @@ class FakeDHT:
 
 
 class FakeTransport:
-    """What node.peers, protocol.averaging.matchmaking and protocol.averaging.exchange use of a Transport."""
+    """What node.swarm.peers, protocol.averaging.matchmaking and protocol.averaging.exchange use of a Transport."""
 
     def __init__(
         self,

@@ -37,7 +37,7 @@ def test_ddp_equivalent_step_interpolates_between_evaluations():
 def test_every_method_and_seed_is_scored_on_the_same_batches():
     from benchmarks.convergence import Setting, plan_seeds, setting_overrides
     from node.config import load_config
-    from node.data import load_corpus, validation_batches
+    from node.data.corpus import load_corpus, validation_batches
 
     picks = {
         "ddp": Setting("ddp", lr=6e-3),

@@ -446,9 +446,9 @@ def test_a_simulation_can_run_on_a_real_swarms_peer_ids(monkeypatch) -> None:
 
 def test_the_simulators_reach_on_the_grid_is_the_swarm_summarys_on_the_same_groups() -> None:
     # a clean run (no churn, every member in its group's result): the simulator's reach
-    # on given PeerIDs equals what node.swarm.butterfly_reach computes from sync events
+    # on given PeerIDs equals what node.ops.swarm.butterfly_reach computes from sync events
     # of the same groups, fragment 0, windows of ceil(log_2 16) = 4 rounds
-    from node.swarm import butterfly_reach
+    from node.ops.swarm import butterfly_reach
 
     ids = _fixed_ids(16)
     cfg = dataclasses.replace(_CLEAN, group_size=2, control=ControlPolicy(cells_above=8))

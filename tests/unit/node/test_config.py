@@ -82,8 +82,8 @@ def test_shipped_configs_validate():
     # the real-model configs name presets that build (counted on the meta device)
     import torch
 
-    from node.hf import load_config_dict
-    from node.model import build_model
+    from node.train.hf import load_config_dict
+    from node.train.model import build_model
 
     for name in ("llama-tiny", "llama-150m", "llama-1b"):
         cfg = load_config(root / f"{name}.toml")

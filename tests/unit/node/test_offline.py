@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.data import stdlib_files
-from node.tokenizer import save_tokenizer, train_tokenizer
+from node.data.corpus import stdlib_files
+from node.data.tokenizer import save_tokenizer, train_tokenizer
 
 _SCRIPT = r"""
 import json, socket, sys
@@ -27,8 +27,8 @@ sys.addaudithook(hook)
 import node  # sets offline mode before any Hugging Face library loads
 from pathlib import Path
 from node.config import ModelConfig
-from node.hf import CausalLM
-from node.model import build_model
+from node.train.hf import CausalLM
+from node.train.model import build_model
 
 checkpoint, tokenizer, corpus, port = sys.argv[1:5]
 model = build_model(ModelConfig(arch="hf", preset="llama-tiny", vocab_size=300, context=32))
@@ -37,7 +37,7 @@ build_model(ModelConfig(arch="hf", init_from=checkpoint))
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 AutoTokenizer.from_pretrained(tokenizer)  # no local_files_only: offline mode alone
-from node.prepare import prepare
+from node.data.prepare import prepare
 
 prepare([corpus], Path(checkpoint).parent / "shards", tokenizer=tokenizer)
 refused = None

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import torch
 
-from node.admin import Command
 from node.config import load_config
+from node.ops.admin import Command
 from node.parts import Hearing, apply_operator, build_training
-from node.site import NoSite
+from node.train.site import NoSite
 
 TINY = [
     "model.n_layer=1",

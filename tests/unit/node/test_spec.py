@@ -430,7 +430,7 @@ def test_a_rotated_signer_is_accepted_under_the_operators_pin(tmp_path: Path) ->
     assert spec_changes(first, second) == ["outer.lr: 0.30000000000000004 -> 0.5"]
     assert "Version 2 of the run's spec" in path.read_text() and first.short in path.read_text()
     assert first.digest != second.digest and first.t0 == second.t0
-    from node.join import run_addresses
+    from node.swarm.join import run_addresses
 
     # Bob signed it, but the bootstrap node is still Alice's: its address pins her key
     assert [str(a) for a in run_addresses(second)] == [f"{second.run_id}@{BOOT}"]

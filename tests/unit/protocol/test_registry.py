@@ -1,5 +1,5 @@
 """The peer registry over an in-memory DHT: a record round trip, its shard, and records
-that are not what they claim (node/peers.py's view of the registry: test_peers.py)."""
+that are not what they claim (node/swarm/peers.py's view of the registry: test_peers.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from node.cli import main
-from tests.unit.node.test_export import _checkpoint
+from tests.unit.node.ops.test_export import _checkpoint
 
 
 def test_export_says_what_it_wrote_and_from_which_round(tmp_path: Path, capsys) -> None:

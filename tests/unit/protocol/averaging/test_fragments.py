@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from node.config import ModelConfig
-from node.model import build_model
+from node.train.model import build_model
 from protocol.averaging.fragments import plan_fragments
 
 

@@ -1,0 +1,1 @@
+"""What a node trains on: corpora, tokenizers, ``atoll data prepare`` and what a run binds."""

@@ -1,0 +1,1 @@
+"""A node among its peers: who is in the run, joining it, and the fault modes of tests."""
