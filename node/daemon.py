@@ -2,7 +2,7 @@
 
 :meth:`Node.run` reads top to bottom. The node wires the parts together and runs the
 lifecycle; the parts do the work: :mod:`node.ops.startup` (data directory, key, transport,
-metrics endpoint, the run's clock), :mod:`node.parts` (the training side and the swarm
+metrics endpoint, the run's clock), :mod:`node.build` (the training side and the swarm
 side, each built by one builder), :class:`~node.train.loop.TrainingLoop` (inner steps and
 syncs over a schedule), :class:`~node.train.rounds.Rounds` (a round's end, catching up,
 checkpoints) and :mod:`node.ops.reporter` (status, metrics, the registry's upkeep).
@@ -15,6 +15,7 @@ import os
 import threading
 from pathlib import Path
 
+from node.build import Network, NetworkInputs, Progress, Training, build_training, start_network
 from node.config import AtollConfig
 from node.data.bindings import bind
 from node.ops.keyfile import load_identity
@@ -30,7 +31,6 @@ from node.ops.startup import (
     start_transport,
     wait_for_peers,
 )
-from node.parts import Network, NetworkInputs, Progress, Training, build_training, start_network
 from node.spec import RunSpec, settings_digest, version_line
 from node.spec_file import spec_text
 from node.swarm.byzantine import make_behaviour

@@ -14,11 +14,11 @@ import threading
 import time
 from typing import Any
 
+from node.build import Network, Progress, Training
 from node.checks.claims import WorkLog
 from node.config import AtollConfig
 from node.data.corpus import assigned_stream
 from node.ops.metrics import EventLog, StatusWriter
-from node.parts import Network, Progress, Training
 from node.train.rounds import Rounds
 from node.train.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
 from node.train.syncer import Pending

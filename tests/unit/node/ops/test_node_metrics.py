@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
+from node.build import Progress, Training
 from node.config import AtollConfig, ModelConfig, TrainConfig
 from node.data.corpus import BatchStream
 from node.ops.metrics import StatusWriter
 from node.ops.monitor import metrics_of
 from node.ops.reporter import Reporter
-from node.parts import Progress, Training
 from node.train.loop import TrainingLoop
 from node.train.model import build_model
 from node.train.schedule import SyncBook

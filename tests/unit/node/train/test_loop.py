@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from node.build import Progress, Training
 from node.config import load_config
 from node.data.corpus import BatchStream, assigned_stream
 from node.ops.metrics import EventLog, StatusWriter, read_events
-from node.parts import Progress, Training
 from node.train.clock import SecondsClock
 from node.train.deadlines import MIN_SAMPLES, SLACK_SECONDS, Deadlines
 from node.train.loop import TrainingLoop, exchange_budget

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from node.build import Progress, Training, build_training
 from node.config import load_config
 from node.ops.metrics import EventLog, StatusWriter
-from node.parts import Progress, Training, build_training
 from node.train.agreement import AgreementWatch
 from node.train.deadlines import Deadlines
 from node.train.rounds import Rounds

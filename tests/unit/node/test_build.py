@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
+from node.build import Hearing, apply_operator, build_training
 from node.config import load_config
 from node.ops.admin import Command
-from node.parts import Hearing, apply_operator, build_training
 from node.train.site import NoSite
 
 TINY = [
