@@ -287,8 +287,9 @@ class MemberRun:
         dest: torch.Tensor,
     ) -> Lease:
         """Send a part to its owner and read its signed result as it arrives (into
-        ``dest`` itself when it is raw float32), until ``by``; retry once with the same
-        bytes if the stream is cut and time is left."""
+        ``dest`` itself when it is raw float32), until ``by``; after a ``redo``, fetch the
+        signed result; retry once with the same bytes if a stream is cut (the part's, or
+        the fetch's) and time is left."""
         transport = self.context.transport
         window = (at[0], at[0])
 
@@ -299,32 +300,34 @@ class MemberRun:
             read = StreamRead(reader)
             return self.context.read_message(read, length, owner, "reduced", window, dest, trailer)
 
-        for attempt in (0, 1):
-            self.context.tally(at, sent=request.nbytes)
+        rpc, payload = RPC_NAME, request.buffers()
+        retried = False
+        for _ in range(3):  # the part, the signed result after a redo, one retry
+            if rpc == RPC_NAME:
+                self.context.tally(at, sent=request.nbytes)
             timeout = max(MIN_CALL_SECONDS, by - time.monotonic())
             try:
                 return await transport.call_into(
-                    owner, RPC_NAME, request.buffers(), timeout=timeout, receive=receive
+                    owner, rpc, payload, timeout=timeout, receive=receive
                 )
             except ProtocolError as exc:
-                if exc.reason == "redo":
+                if exc.reason == "redo" and rpc == RPC_NAME:
                     self.context.results_redone += 1
                     # the owner gave up the blocks it had streamed: its signed result
                     logger.info("round %d fragment %d part %d: owner %s redid its result",
                                 *at[:2], j, owner[:16])  # fmt: skip
-                    fetch = msgpack.packb([at[0], at[1], at[2]])
-                    timeout = max(MIN_CALL_SECONDS, by - time.monotonic())
-                    return await transport.call_into(
-                        owner, RESULT_RPC, fetch, timeout=timeout, receive=receive
-                    )
+                    rpc, payload = RESULT_RPC, msgpack.packb([at[0], at[1], at[2]])
+                    continue
                 retry = (
                     exc.reason == "connection_lost" and by - time.monotonic() >= MIN_CALL_SECONDS
                 )
-                if attempt or not retry:
+                if retried or not retry:
                     raise
-            # A stream cut before the answer came: the owner keeps the part, and the same
-            # signed part again is answered with the same result.
-            logger.info("round %d fragment %d part %d: retrying owner %s", *at[:2], j, owner[:16])
+                retried = True
+            # A stream cut before the answer came: the owner keeps the part (and, after a
+            # redo, its signed result), and the same request again is answered alike.
+            logger.info("round %d fragment %d part %d: retrying owner %s (%s)",
+                        *at[:2], j, owner[:16], rpc)  # fmt: skip
         raise AssertionError("unreachable")
 
     async def _send_part(self, j: int) -> _PartResult:

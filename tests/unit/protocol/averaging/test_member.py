@@ -5,12 +5,14 @@ group ends the wait for parts that will not come."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from protocol.averaging.hooks import FaultInjection, Judge
 from protocol.averaging.parts import AllReduceSettings, PartPlan
+from protocol.errors import ProtocolError
 from protocol.wire.partwire import SealedPart
 from tests.unit.protocol.averaging._network import Network, mean_of
 from verification.identity import Identity
@@ -105,3 +107,54 @@ def test_an_unknown_content_is_refused_before_anything_is_sent() -> None:
             member.run(1, 0, [A.peer_id, B.peer_id], torch.ones(10), 1, content="gradients")
         )
     assert network.calls == []
+
+
+class _Cutting:
+    """An owner's side of the wire that says ``redo`` to the part, then cuts the stream
+    of the first ``cuts`` fetches of the signed result."""
+
+    def __init__(self, cuts: int) -> None:
+        self.cuts = cuts
+        self.calls: list[str] = []
+
+    async def call_into(self, peer, name, data, *, timeout, receive=None):
+        self.calls.append(name)
+        if name == "atoll.part":
+            raise ProtocolError("redo", "the streamed blocks were given up", peer)
+        if self.cuts:
+            self.cuts -= 1
+            raise ProtocolError("connection_lost", "IncompleteReadError", peer)
+        return "the signed result"
+
+
+def _call_owner(cuts: int) -> tuple[object, _Cutting, int]:
+    from protocol.averaging.context import AllReduceContext
+    from protocol.averaging.member import MemberRun
+    from protocol.averaging.runner import ExchangeRunner
+
+    wire = _Cutting(cuts)
+    context = AllReduceContext(wire, A, AllReduceSettings(run_id=RUN, timeout=5))  # type: ignore[arg-type]
+    runner = ExchangeRunner((1, 0, "update"), context)
+    runner.join(PartPlan.of(A.peer_id, [A.peer_id, B.peer_id], None, 8, 1), time.monotonic() + 5)
+    vector = torch.zeros(8)
+    member = MemberRun(runner, None, vector, 1, torch.empty(8), {})  # type: ignore[arg-type]
+    part = SealedPart(b"h", b"s" * 64, memoryview(b"body"), b"d" * 32)
+
+    async def main() -> object:
+        try:
+            return await member._call_owner(B.peer_id, part, runner.key, 1, runner.done_by, vector)
+        except ProtocolError as exc:
+            return exc.reason
+
+    return asyncio.run(main()), wire, context.results_redone
+
+
+def test_a_cut_fetch_of_the_signed_result_after_a_redo_is_tried_again_once() -> None:
+    """Under load the stream of the fetch that follows a ``redo`` was cut now and then,
+    and with no second try the member lost the part (it kept its own values)."""
+    taken, wire, redone = _call_owner(cuts=1)
+    assert taken == "the signed result" and redone == 1
+    assert wire.calls == ["atoll.part", "atoll.result", "atoll.result"]
+    lost, wire, _ = _call_owner(cuts=2)
+    assert lost == "connection_lost"
+    assert wire.calls == ["atoll.part", "atoll.result", "atoll.result"]
