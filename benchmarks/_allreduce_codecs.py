@@ -2,7 +2,7 @@
 
 Each of these methods times, per repeat, the whole path a node pays for one exchange:
 its vector encoded with the codec and decoded back to the dense vector a node's error
-feedback hands the all-reduce (as ``node/train/syncer.py`` does), then
+feedback hands the all-reduce (as ``node/run/syncer.py`` does), then
 :meth:`~protocol.averaging.allreduce.AllReduceService.run` with the codec in its
 settings (the service encodes the parts itself; owners answer ``topk`` parts with a
 ``sparse`` 8-bit result, ``int8`` parts with ``int8``), whose decode of the results is

@@ -36,8 +36,8 @@ from typing import Any
 
 from benchmarks._common import prepare_stdlib_shards
 from node.config import load_config
-from node.ops.metrics import read_events
 from node.ops.swarm import SwarmSpec, run_to_end, summarize
+from node.run.metrics import read_events
 
 __all__ = ["COST_CASES", "CostCase", "measure_costs", "overrides_of"]
 

@@ -462,7 +462,7 @@ def run_swarm(overrides: list[str], nodes: int, rounds: int, where: pathlib.Path
     """Run ``nodes`` real nodes (``atoll swarm``'s way, in ``where``) for ``rounds``
     rounds to the end; each node's exit code, status and round events."""
     from node.ops import swarm
-    from node.ops.metrics import read_events
+    from node.run.metrics import read_events
 
     spec = swarm.SwarmSpec(
         nodes=nodes, config_paths=[], overrides=overrides, directory=where, rounds=rounds

@@ -67,8 +67,8 @@ def _worker(rank: int, port: int, run: DdpRun, results: Any) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from node.config import load_config
-    from node.data.bindings import bind
     from node.data.corpus import BatchStream, load_corpus, load_shards, validation_batches
+    from node.train.bindings import bind
     from node.train.model import build_model, vocab_of
     from node.train.trainer import evaluate, lr_at, make_inner_optimizer
 

@@ -47,9 +47,9 @@ from typing import Any
 
 from benchmarks._robustness_swarm import CODECS, SMALL, judge, launch_and_wait, ratio
 from node.config import load_config
-from node.ops.metrics import read_events
 from node.ops.swarm import SwarmSpec, summarize
 from node.ops.swarm_report import log_tail
+from node.run.metrics import read_events
 
 __all__ = ["CHECKS", "Job", "Plan", "Shape", "plan_of", "run", "run_job"]
 

@@ -5,7 +5,7 @@ tiny model in ``steps`` mode (10 inner steps per round, two int8 fragments, one
 thread per node) with butterfly groups of 4, and returns what a simulator of large
 swarms needs to be calibrated on and checked against: per node and round the bytes
 its syncs sent, the DHT and control-plane operations, bytes and CPU
-(:mod:`node.ops.load`), round times (mean and p95), the seconds an inner step takes, the
+(:mod:`node.run.load`), round times (mean and p95), the seconds an inner step takes, the
 bytes and seconds of one fragment sync, and whether the swarm finished, mixed per the
 butterfly schedule and learned.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 from node.config import load_config
 from node.ops import swarm
-from node.ops.metrics import read_events
 from node.ops.swarm import QUICK_WORKLOAD
+from node.run.metrics import read_events
 from protocol.averaging.grouping import rounds_to_mix
 
 __all__ = ["GROUP_SIZE", "WORKLOAD", "measure"]
@@ -69,7 +69,7 @@ def measure(
     Returns:
         ``nodes``, ``peer_ids``, ``rounds_reached``, ``finished``, ``exit_codes``; per node
         (lists in node order) ``bytes_per_round`` (what its syncs sent) and the
-        :mod:`node.ops.load` figures per round (``dht_ops_per_round``,
+        :mod:`node.run.load` figures per round (``dht_ops_per_round``,
         ``dht_bytes_per_round``, ``dht_payload_bytes_per_round``,
         ``dht_cpu_s_per_round``, ``control_messages_per_round``,
         ``control_bytes_per_round``, ``control_payload_bytes_per_round``,

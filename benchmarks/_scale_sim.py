@@ -1,7 +1,7 @@
 """A simulation of an Atoll swarm's round schedule, for 16 to 10,000 nodes over a WAN.
 
 Real swarms on one machine stop at a few dozen nodes; this model says what the same
-protocol costs at 10,000. It replays the ``steps`` trigger of ``node.train.loop`` (or, with
+protocol costs at 10,000. It replays the ``steps`` trigger of ``node.run.loop`` (or, with
 ``round_seconds``, the ``seconds`` trigger: rounds on the swarm's wall clock) round by
 round, vectorized over nodes and groups (numpy; no torch, no network, no event heap:
 each phase of a group's exchange is computed in closed form), and the control plane in
@@ -48,7 +48,7 @@ closed form. 10,000 nodes x 5 rounds take 0.5 to 2 s of one core.
   A joiner fetches the full state (``model_bytes``) from one random peer once that
   peer finished the round, and contributes from the next round. A node whose sync
   failed re-syncs the same way only when one group spans the swarm (``n <= G``); while
-  groups mix global copies it keeps its own (as ``node.train.rounds`` does). Simplifications:
+  groups mix global copies it keeps its own (as ``node.run.rounds`` does). Simplifications:
   concurrent fetches from one donor do not share its link, and joiners are not
   expected in matchmaking before they contribute.
 * **Mixing.** For fragment 0 the simulator follows which round's contributions each
@@ -944,7 +944,7 @@ class _Run:
         self.t["left"] += gone.size
         holders = act[stays]
         # A node whose sync failed re-syncs only when one group spans the swarm; while
-        # groups mix global copies there is no one state to take (node.train.rounds).
+        # groups mix global copies there is no one state to take (node.run.rounds).
         spans = act.size <= cfg.group_size
         needy = holders[failed[holders]] if spans else holders[:0]
         donors = holders[~failed[holders]]

@@ -12,7 +12,7 @@ seed or method).
   optimizer and lr the sweep found best for it (so the target is tuned DDP). A
   ring all-reduce sends ``2 * (n - 1) / n`` of the gradient per worker, so each worker
   sends ``steps * params * 4 * 2 * 3 / 4`` bytes.
-- ``atoll``: ``node.train.simulate.simulate``, the single-process reference of the networked
+- ``atoll``: ``node.ops.simulate.simulate``, the single-process reference of the networked
   node's algorithm (fragments, codec with error feedback, token-weighted averaging,
   outer step, late application with ``tau``), ``H`` inner steps per round and
   ``steps / H`` rounds. It scores the global copy (the averaged model every replica
@@ -378,7 +378,7 @@ def _run_atoll(
     overrides: list[str], steps: int, threads: int, label: str, grid: _Grid
 ) -> dict[str, Any]:
     """One simulated DiLoCo run of ``steps / H`` rounds with a replica per worker."""
-    from node.train.simulate import simulate
+    from node.ops.simulate import simulate
 
     cfg = load_config(None, [*overrides, f"run.threads={threads}"])
     inner_steps = cfg.sync.inner_steps
@@ -935,7 +935,7 @@ def run(
             "payload_ratio_ddp_over_atoll leaves the heads out. Payloads are the codec's "
             "real encodings in the simulation; the swarm's sync events count the same "
             "messages on the wire",
-            "atoll_method": "node.train.simulate.simulate, the single-process reference of the "
+            "atoll_method": "node.ops.simulate.simulate, the single-process reference of the "
             "networked node's algorithm, steps mode, rounds = total_steps / H; it scores "
             "the global copy (the averaged model every replica agrees on)",
             "gap_to_ddp_percent": "100 * (atoll - ddp) / ddp final bits per byte, paired "

@@ -46,8 +46,8 @@ from typing import Any
 from benchmarks._common import figure, machine_info
 from benchmarks._formats import markdown_table, pct
 from node.config import load_config
-from node.ops.metrics import read_events
 from node.ops.swarm import SwarmProcess, SwarmSpec, launch, reap, start_node, stop_all
+from node.run.metrics import read_events
 
 __all__ = ["Plan", "account", "run", "table", "table_row"]
 
@@ -58,7 +58,7 @@ _KILLED = 0.25
 _GOAL_CHURN, _GOAL = 0.05, 0.95
 _SYNCS = ("sync", "sync_left", "sync_failed")
 """The events of a node's syncs: applied, ended in its group as the node stopped
-(:meth:`node.train.syncer.Syncer.leave`), failed."""
+(:meth:`node.run.syncer.Syncer.leave`), failed."""
 
 
 @dataclass(frozen=True)

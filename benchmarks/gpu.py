@@ -6,7 +6,7 @@ lent to this project.
    rounds, int8 syncs, evaluation and checkpoints: the whole daemon) against a plain
    loop of the same model, optimizer and batch. Tokens per second each, and MFU from
    ``6 * params`` FLOPs per token over the GPU's dense bf16 peak.
-2. **Four DiLoCo replicas against DDP on one GPU**: :func:`node.train.simulate.simulate` with
+2. **Four DiLoCo replicas against DDP on one GPU**: :func:`node.ops.simulate.simulate` with
    four replicas, one after another on the one device (the islands recipe: ``H = 50``
    in five streamed fragments, int4 with stochastic rounding and error feedback, the
    outer step the sweep picked), against the data-parallel update of the same four
@@ -120,7 +120,7 @@ def _batch(size: int, windows: int) -> list[str]:
 
 def _simulate(overrides: list[str], replicas: int, rounds: int) -> dict[str, Any]:
     from node.config import load_config
-    from node.train.simulate import simulate
+    from node.ops.simulate import simulate
 
     result = simulate(load_config(None, overrides), replicas=replicas, rounds=rounds)
     return {
@@ -152,8 +152,8 @@ def _step_seconds(
 ) -> float:
     """Seconds of one inner step of one replica, after two untimed ones."""
     from node.config import load_config
-    from node.data.bindings import bind
     from node.data.corpus import BatchStream, load_data
+    from node.train.bindings import bind
     from node.train.model import build_model, vocab_of
     from node.train.trainer import InnerTrainer
 

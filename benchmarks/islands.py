@@ -16,7 +16,7 @@ cores allow:
   real swarm's check.
 - **DDP** (:func:`benchmarks._ddp.run_ddp`): :data:`_RANKS` ranks of :data:`_BATCH`
   windows each, an fp32 gradient all-reduce every step, AdamW.
-- **Two sites** (:func:`node.train.simulate.simulate`, the reference of the networked node's
+- **Two sites** (:func:`node.ops.simulate.simulate`, the reference of the networked node's
   algorithm): 2 replicas, each a site of ``_RANKS / 2`` ranks (a batch of
   ``_RANKS / 2 * _BATCH`` windows a step: what a torchrun site's gradient all-reduce
   trains on), the ``configs/islands.toml`` recipe at ``H = 50``: 5 fragments staggered
@@ -30,7 +30,7 @@ cores allow:
 
 **The real swarm against its reference**: the AdamW recipe again as real Atoll nodes
 (``sync.trigger = "steps"``, one core each, on the batches their PeerIDs are assigned),
-against ``node.train.simulate`` at seeds 0-2 (:class:`_Check`): in quick mode the two-site
+against ``node.ops.simulate`` at seeds 0-2 (:class:`_Check`): in quick mode the two-site
 arm of ``small`` as two nodes; in full mode four ``llama-tiny`` nodes (3.7M parameters)
 at H = 50 for 20 rounds, a batch of 4 windows each. The real swarm's final bits per
 byte should lie within two standard deviations of the reference's seeds.
@@ -144,7 +144,7 @@ _ALL_OTHERS = ("two sites, SOAP", "eight cells in pairs, AdamW")
 
 @dataclass(frozen=True)
 class _Check:
-    """Real nodes against ``node.train.simulate``: ``nodes`` real AdamW nodes of ``model`` for
+    """Real nodes against ``node.ops.simulate``: ``nodes`` real AdamW nodes of ``model`` for
     ``steps`` steps at seed 0, against the reference at seeds ``0 .. seeds - 1``, each
     node (and each replica) taking ``batch`` windows a step."""
 
@@ -256,7 +256,7 @@ def _diloco(
 ) -> dict[str, Any]:
     """``replicas`` simulated replicas of ``batch`` windows (0: the plan's ranks' share)."""
     from node.config import load_config
-    from node.train.simulate import simulate
+    from node.ops.simulate import simulate
 
     batch = batch or plan.ranks * _BATCH // replicas
     recipe = [*RECIPE, f"sync.inner_steps={plan.inner_steps}"]
@@ -322,7 +322,7 @@ def _real(plan: _Plan, check: _Check, base: list[str], where: pathlib.Path) -> d
 def _judge_check(
     check: _Check, references: list[dict[str, Any]], real: dict[str, Any]
 ) -> dict[str, Any]:
-    """Real nodes against ``node.train.simulate``: the real swarm's final bits per byte against
+    """Real nodes against ``node.ops.simulate``: the real swarm's final bits per byte against
     the reference's mean and spread over its seeds."""
     ends = [e for r in references if (e := _at(r.get("history", []), check.steps)) is not None]
     mean = statistics.fmean(ends) if ends else None
@@ -404,7 +404,7 @@ def _goals(summary: dict[str, Any], checks: list[dict[str, Any]]) -> dict[str, A
         }
     for check in checks:
         goals[
-            f"{check['model']}: {check['nodes']} real nodes within two spreads of node.train.simulate"
+            f"{check['model']}: {check['nodes']} real nodes within two spreads of node.ops.simulate"
         ] = {
             "value": check["difference_percent"],
             "goal": "within 2 sd of the reference's seeds",
@@ -635,7 +635,7 @@ def table_row(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         nodes = check.get("nodes", 2)
         parts.append(
             f"{nodes} real {check.get('model', '')} nodes "
-            f"{abs(check['difference_percent']):.1f} % from `node.train.simulate`'s "
+            f"{abs(check['difference_percent']):.1f} % from `node.ops.simulate`'s "
             f"mean over {len(check['reference_val_bpb_end'])} seeds"
             + (" (within 2 sd)" if check["agrees_within_two_spreads"] else " (outside 2 sd)")
         )

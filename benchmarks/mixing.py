@@ -8,7 +8,7 @@ steps per round, two int8 fragments, one thread per node):
 - ``butterfly``: ``network.group_size = 2`` (layout ``butterfly``, the default). Each
   round every node averages with one partner per fragment, and because a pair does
   not span the swarm it also averages the pair's global copies (a second all-reduce
-  under ``sync.mix_codec``, fp16 by default; ``node.train.syncer``). With the same peers the
+  under ``sync.mix_codec``, fp16 by default; ``node.run.syncer``). With the same peers the
   swarm holds the exact global mean after ``rounds_to_mix(n, 2) = log2 n`` rounds
   (``protocol.averaging.grouping``), so a full mix costs ``log2 n`` rounds of constant traffic.
 - ``allreduce``: ``network.group_size = n``: one swarm-wide group per fragment, a
@@ -54,9 +54,9 @@ import psutil
 from benchmarks._common import figure, machine_info
 from node.config import AtollConfig, load_config
 from node.ops import swarm
-from node.ops.metrics import read_events, read_status
 from node.ops.swarm import QUICK_WORKLOAD
 from node.ops.swarm_report import log_tail
+from node.run.metrics import read_events, read_status
 from node.train.model import build_model
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.grouping import rounds_to_mix

@@ -149,8 +149,8 @@ def _bare_worker(rank: int, overrides: list[str], steps: int, seconds: float, re
     import torch.nn.functional as F
     from torch import nn
 
-    from node.data.bindings import bind
     from node.data.corpus import BatchStream, load_shards
+    from node.train.bindings import bind
     from node.train.model import build_model, vocab_of
 
     cfg = bind(load_config(None, overrides))  # a preset takes the tokenizer's vocabulary

@@ -33,7 +33,7 @@ __all__ = ["run"]
 def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
     """Repeats the flapping-link run (``smoke``: once) and writes the report and figure;
     ``{"skipped": reason}`` where no network lab can be built."""
-    from node.ops.metrics import read_events
+    from node.run.metrics import read_events
     from tests.integration.test_partitions import FLAP_SECONDS, OFFSETS, flap_run, judge
     from tests.netlab import NetLab, cleanup_stale, netlab_available
 

@@ -176,7 +176,7 @@ def _link_bytes(lab: Any, host: str) -> int:
 def _measure(
     nodes: list[Any], moved: dict[str, int], late: dict[str, int] | None = None
 ) -> dict[str, Any]:
-    from node.ops.metrics import read_events
+    from node.run.metrics import read_events
 
     ids = [n.status.get("peer_id", "") for n in nodes]
     owned: dict[str, list[int]] = {}

@@ -33,8 +33,8 @@ from typing import Any
 from benchmarks._common import figure, machine_info
 from node.config import load_config
 from node.ops import swarm
-from node.ops.metrics import read_events
 from node.ops.swarm import QUICK_WORKLOAD
+from node.run.metrics import read_events
 
 __all__ = ["run"]
 

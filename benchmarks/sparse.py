@@ -7,7 +7,7 @@ Here, on :mod:`benchmarks.islands`' ``small`` Llama (0.66M parameters, BPE shard
 standard library):
 
 - **DDP**: 4 ranks of 8 windows, an fp32 gradient all-reduce every step, AdamW.
-- **DiLoCo** (:func:`node.train.simulate.simulate`): 4 replicas of 8 windows in one group
+- **DiLoCo** (:func:`node.ops.simulate.simulate`): 4 replicas of 8 windows in one group
   (owner reduce, the shipped exchange), one fragment, the outer step the convergence
   sweep picked (Nesterov, lr 0.7, momentum 0.5), AdamW at DDP's lr, error feedback on,
   at ``H = 10`` (100 outer steps in 1,000) and ``H = 50`` (20), each with int8 and with
@@ -106,7 +106,7 @@ def _plan(quick: bool, smoke: bool) -> _Plan:
 def _arm(plan: _Plan, base: list[str], h: int, codec: str) -> dict[str, Any]:
     from benchmarks.convergence import allgather_bytes, sent_bytes
     from node.config import load_config
-    from node.train.simulate import simulate
+    from node.ops.simulate import simulate
 
     rounds = plan.steps // h
     cfg = load_config(

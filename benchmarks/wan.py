@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
 from node.config import load_config
 from node.ops import swarm
-from node.ops.metrics import read_events
 from node.ops.swarm import QUICK_WORKLOAD
+from node.run.metrics import read_events
 from protocol.p2p.shaper import ENV_VAR, LinkShape
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ _ENTRY_POINTS = (
         "node.daemon",
         "node.cli.running",
         "node.ops.swarm",
-        "node.train.simulate",
+        "node.ops.simulate",
         "node.train.hf",
         "protocol.control.plane",
         "benchmarks.gpu",

@@ -3,8 +3,8 @@
 :meth:`Node.run` reads top to bottom. The node wires the parts together and runs the
 lifecycle; the parts do the work: :mod:`node.ops.startup` (data directory, key, transport,
 metrics endpoint, the run's clock), :mod:`node.build` (the training side and the swarm
-side, each built by one builder), :class:`~node.train.loop.TrainingLoop` (inner steps and
-syncs over a schedule), :class:`~node.train.rounds.Rounds` (a round's end, catching up,
+side, each built by one builder), :class:`~node.run.loop.TrainingLoop` (inner steps and
+syncs over a schedule), :class:`~node.run.rounds.Rounds` (a round's end, catching up,
 checkpoints) and :mod:`node.ops.reporter` (status, metrics, the registry's upkeep).
 """
 
@@ -15,11 +15,9 @@ import os
 import threading
 from pathlib import Path
 
-from node.build import Network, NetworkInputs, Progress, Training, build_training, start_network
+from node.build import build_training, start_network
 from node.config import AtollConfig
-from node.data.bindings import bind
 from node.ops.keyfile import load_identity
-from node.ops.metrics import EventLog, StatusWriter
 from node.ops.monitor import Monitor
 from node.ops.reporter import Reporter, Upkeep, __version__
 from node.ops.startup import (
@@ -31,13 +29,16 @@ from node.ops.startup import (
     start_transport,
     wait_for_peers,
 )
+from node.run.loop import TrainingLoop, schedule_of
+from node.run.metrics import EventLog, StatusWriter
+from node.run.rounds import Rounds
+from node.run.state import Network, NetworkInputs, Progress, Training
 from node.spec import RunSpec, settings_digest, version_line
 from node.spec_file import spec_text
 from node.swarm.byzantine import make_behaviour
 from node.swarm.peers import DuplicateIdentityError
 from node.train.agreement import AgreementWatch
-from node.train.loop import TrainingLoop, schedule_of
-from node.train.rounds import Rounds
+from node.train.bindings import bind
 from node.train.site import SiteRank
 from protocol.p2p.transport import Transport
 from protocol.runspec import SpecServer

@@ -33,7 +33,7 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     # spec's next version.
     "run": ("run_id", "seed", "spec_signers"),
     # The architecture: parameters must line up tensor by tensor on every node. Paths
-    # are each node's own; what they hold is bound by digest (node.data.bindings).
+    # are each node's own; what they hold is bound by digest (node.train.bindings).
     "model": tuple(k for k in _keys(ModelConfig) if k not in ("hf_config", "init_from")),
     # Tokens must mean the same on every node: the tokenizer is bound by digest. And
     # every node must hold the same tokens: peers recompute the batches a node was

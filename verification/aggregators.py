@@ -12,7 +12,7 @@ iterations, never over the entries of a vector.
 :func:`weighted_mean` is the one weighted mean of the code base: the ``mean``
 aggregator, Multi-Krum, the all-reduce's default reducer
 (:func:`protocol.averaging.parts.weighted_mean_reducer`) and the single-process
-reference (:mod:`node.train.simulate`) all combine rows through it, so they agree bitwise.
+reference (:mod:`node.ops.simulate`) all combine rows through it, so they agree bitwise.
 
 The share cap that weighted aggregators need, because token counts are claims and not
 facts, is :func:`verification.shares.max_share_weights`.

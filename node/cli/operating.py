@@ -3,7 +3,7 @@
 
 Every command here reads the node's files (``status.json``, ``atoll.db``); ``ban`` and
 ``pardon`` go through a running node's admin folder, or change its files when it is
-not running (:mod:`node.ops.admin`).
+not running (:mod:`node.run.admin`).
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 def cmd_operator(args: argparse.Namespace) -> int:
     """``atoll ban`` and ``atoll pardon``: through a running node, or in its files."""
-    from node.ops.admin import Command, submit
+    from node.run.admin import Command, submit
 
     path = _node_data(args.data_dir)
     command = Command(args.command, args.peer, args.reason)

@@ -152,10 +152,10 @@ def _private_dir(directory: Path) -> None:
 
 def cmd_spec_create(args: argparse.Namespace) -> int:
     """``atoll spec create``: sign a config's shared settings into a run spec."""
-    from node.data.bindings import bind
     from node.spec import create_spec, version_line
     from node.spec_file import read_spec, write_spec
     from node.swarm.join import run_addresses
+    from node.train.bindings import bind
     from protocol.p2p.addrs import with_peer_id
     from verification.errors import VerificationError
     from verification.identity import Identity
@@ -317,7 +317,7 @@ def _model_params(cfg: AtollConfig) -> int:
     """The parameters of the config's model, counted without allocating them."""
     import torch
 
-    from node.data.bindings import bind
+    from node.train.bindings import bind
     from node.train.model import build_model
 
     model_cfg = bind(cfg).model  # a preset's vocabulary: the tokenizer's

@@ -29,7 +29,7 @@ __all__ = ["cmd_join", "cmd_run", "cmd_simulate", "cmd_swarm", "initial_peers"]
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """``atoll simulate``: K DiLoCo replicas in one process, round by round."""
-    from node.train.simulate import simulate
+    from node.ops.simulate import simulate
 
     overrides = list(args.overrides)
     if args.inner_steps is not None:

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.build import Network, Progress, Training
-from node.ops.metrics import EventLog, StatusWriter, recent_events
+from node.run.metrics import EventLog, StatusWriter, recent_events
+from node.run.state import Network, Progress, Training
 from node.train.agreement import AgreementWatch
 from protocol.p2p.relays import CIRCUIT
 from verification.reputation import INITIAL_SCORE

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from node.config import AtollConfig
-from node.ops.metrics import EventLog, StatusWriter
 from node.ops.monitor import Monitor
+from node.run.metrics import EventLog, StatusWriter
 from node.settings import clock_settings, transport_config
 from node.train.clock import SecondsClock
 from node.train.clock import agree as agree_clock

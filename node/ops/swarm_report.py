@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from node.config import AtollConfig
-from node.ops.load import per_round
-from node.ops.metrics import read_events, read_status
+from node.run.load import per_round
+from node.run.metrics import read_events, read_status
 from protocol.averaging.grouping import rounds_to_mix
 
 __all__ = [
@@ -61,7 +61,7 @@ def summarize(
     Agreement and bits per byte are over the honest nodes only; faulty nodes
     (``byzantine`` indices) are listed but not averaged in. Per honest node it also
     gives what the DHT and control plane cost it per round (``dht_ops_per_round``,
-    ``control_cpu_s_per_round``, ... from :func:`node.ops.load.per_round`, with their means
+    ``control_cpu_s_per_round``, ... from :func:`node.run.load.per_round`, with their means
     in ``load_mean``), the wall time of rounds, and ``mix``
     (:func:`butterfly_reach`).
     """
@@ -260,7 +260,7 @@ def _reached(peer: str, event: dict[str, Any] | None, reach: dict[str, set[str]]
 
 def _load(per_node: _PerNode) -> dict[str, Any]:
     """Per honest node, what the DHT and control plane cost it per round
-    (:func:`node.ops.load.per_round`) and the wall time of its rounds; with the means."""
+    (:func:`node.run.load.per_round`) and the wall time of its rounds; with the means."""
     found = [
         per_round({r: e["load"] for r, e in rounds.items() if "load" in e}) or {}
         for _, _, rounds in per_node

@@ -190,7 +190,7 @@ class OuterOptimizer:
         gossip_pull: float | None = None,
         round_: int | None = None,
     ) -> torch.Tensor:
-        """Outer step of a group that does not span the swarm (see :mod:`node.train.syncer`).
+        """Outer step of a group that does not span the swarm (see :mod:`node.run.syncer`).
 
         Args:
             averaged: the group's mean pseudo-gradient.

@@ -1,7 +1,7 @@
 """When a fragment's sync starts, when its result is taken, and when a round ends.
 
 The two triggers of ``sync.trigger`` are two :class:`Schedule` classes behind one
-interface, so the training loop (:mod:`node.train.loop`) is one loop:
+interface, so the training loop (:mod:`node.run.loop`) is one loop:
 
 * :class:`StepSchedule` (``steps``): every node takes ``H = sync.inner_steps`` inner
   steps per round; fragment ``f`` syncs after step ``ceil((f + 1) * H / F)`` of the
@@ -40,7 +40,7 @@ class SyncBook:
 
     Attributes:
         tokens_since: tokens trained since each fragment's last sync.
-        pending: the sync in flight of each fragment (a :class:`node.train.syncer.Pending`).
+        pending: the sync in flight of each fragment (a :class:`node.run.syncer.Pending`).
         done: fragments of each round whose sync was applied, failed or skipped.
         failed: rounds with a sync that failed or was skipped: the node takes the
             swarm's state when such a round ends.

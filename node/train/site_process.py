@@ -57,8 +57,8 @@ def leave(code: int) -> NoReturn:
 
 def run_follower(cfg: Any, site: SiteRank) -> int:
     """A follower rank: train in step with the leader until it stops; an exit code."""
-    from node.data.bindings import bind
     from node.data.corpus import BatchStream, assigned_stream, load_data
+    from node.train.bindings import bind
     from node.train.model import build_model, vocab_of
     from node.train.trainer import InnerTrainer
 

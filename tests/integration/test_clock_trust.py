@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from node.config import load_config
-from node.data.bindings import bind
-from node.ops.metrics import read_events
 from node.ops.swarm import wait_for_maddrs
+from node.run.metrics import read_events
 from node.spec import settings_digest
+from node.train.bindings import bind
 from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire.messages import Header, seal
 from tests.integration.conftest import SMALL, wait_until

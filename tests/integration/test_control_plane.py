@@ -9,7 +9,7 @@ import time
 import msgpack
 import pytest
 
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from protocol.control.channel import ChannelSettings, ControlChannel
 from protocol.control.frames import CONTROL_VERSION, sign_control, topic_name
 from tests.integration.conftest import alive, wait_until

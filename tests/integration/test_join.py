@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from node.ops import swarm
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from node.spec_file import read_spec
 from tests.integration.conftest import SMALL, Swarm, wait_until
 from tests.integration.test_multihost import _cli

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from tests.integration.conftest import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -14,7 +14,7 @@ import torch
 from node.cli import main
 from node.data.corpus import stdlib_files
 from node.data.prepare import prepare
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from node.ops import swarm
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from node.spec_file import read_spec
 from tests.integration.conftest import SMALL, wait_until
 from tests.netlab import NetLab

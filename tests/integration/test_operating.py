@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from tests.integration.conftest import wait_until
 from verification.audit import AuditLog
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from tests.integration.conftest import SMALL
 from tests.integration.test_multihost import PORT, LabNodes, _cli, _sets
 from tests.netlab import NetLab

@@ -19,8 +19,8 @@ import pytest
 
 from node.config import load_config
 from node.ops import swarm
-from node.ops.metrics import read_events
 from node.ops.swarm import wait_for_maddrs
+from node.run.metrics import read_events
 from protocol.p2p.transport import Transport, TransportConfig
 from tests.integration.conftest import SMALL, Swarm, wait_until
 from tests.integration.test_stream_limits import _close_all, _open_silent

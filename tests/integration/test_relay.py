@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.relay import start_three
 from node.ops import swarm
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from tests.integration.conftest import wait_until
 from tests.netlab import NetLab
 from verification.audit import AuditLog

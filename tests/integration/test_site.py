@@ -8,7 +8,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from tests.integration.conftest import alive, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

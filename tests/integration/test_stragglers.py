@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from node.ops.metrics import read_events
 from node.ops.swarm import wait_for_maddrs
+from node.run.metrics import read_events
 from tests.integration.conftest import wait_until
 from verification.audit import AuditLog
 

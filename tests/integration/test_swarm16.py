@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from tests.integration.conftest import Swarm
 
 # make test-all: two minutes of a 2-core machine for what smaller swarms in make test

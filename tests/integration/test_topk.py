@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from node.ops.metrics import read_events
 from node.ops.swarm import butterfly_reach
+from node.run.metrics import read_events
 from tests.integration.conftest import Swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

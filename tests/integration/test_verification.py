@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node.ops.metrics import read_events
+from node.run.metrics import read_events
 from node.swarm.byzantine import MODES
 from tests.integration.conftest import Swarm
 from verification.identity import Identity

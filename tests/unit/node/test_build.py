@@ -10,7 +10,7 @@ import torch
 
 from node.build import Hearing, apply_operator, build_training
 from node.config import load_config
-from node.ops.admin import Command
+from node.run.admin import Command
 from node.train.site import NoSite
 
 TINY = [

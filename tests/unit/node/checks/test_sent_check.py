@@ -36,7 +36,7 @@ CODEC = {"codec": "int8", "block_size": 256, "stochastic": False, "feedback": Tr
 
 
 class Member:
-    """One honest node's inner loop and syncs, as node/train/loop.py and node/train/syncer.py run
+    """One honest node's inner loop and syncs, as node/run/loop.py and node/run/syncer.py run
     them: claims from a :class:`WorkLog`, a :class:`Tracer` with the fragment plan, an
     int8 error-feedback encode per fragment, results merged ``tau`` steps late."""
 
@@ -85,7 +85,7 @@ class Member:
     def apply(self, f: int, sent: torch.Tensor, sent_from: torch.Tensor) -> None:
         """The group's mean: this node's own sent values and a neighbour's (a little
         off), stepped by the outer optimizer, then merged with the overlap kept (the
-        tracer told first, as node/train/loop.py does)."""
+        tracer told first, as node/run/loop.py does)."""
         self.tracer.seal()
         other = sent * 0.8 + 0.001 * torch.randn(
             sent.shape, generator=torch.Generator().manual_seed(f)
@@ -178,7 +178,7 @@ def test_zeros_a_copy_and_alie_fail_the_sent_check(world) -> None:
 
 def test_a_restarted_node_drops_the_work_no_trace_holds(world, tmp_path) -> None:
     """After a restart the tracer is new: the checkpoint's unsynced local work is in no
-    window, so node/train/rounds.py resets each local copy to its global one; the first sync
+    window, so node/run/rounds.py resets each local copy to its global one; the first sync
     after it then passes (and would not without the reset)."""
     member = Member(world)
     _rounds(member, range(1, 3))

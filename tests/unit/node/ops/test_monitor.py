@@ -152,7 +152,7 @@ def test_the_health_page_is_served_from_the_package(served) -> None:
 
 
 def test_recent_events_reads_whole_lines_from_the_end(tmp_path) -> None:
-    from node.ops.metrics import EventLog, recent_events
+    from node.run.metrics import EventLog, recent_events
 
     with EventLog(tmp_path / "events.jsonl") as log:
         for r in range(2000):

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from node.build import Progress, Training
 from node.config import AtollConfig, ModelConfig, TrainConfig
 from node.data.corpus import BatchStream
-from node.ops.metrics import StatusWriter
 from node.ops.monitor import metrics_of
 from node.ops.reporter import Reporter
-from node.train.loop import TrainingLoop
+from node.run.loop import TrainingLoop
+from node.run.metrics import StatusWriter
+from node.run.state import Progress, Training
 from node.train.model import build_model
 from node.train.schedule import SyncBook
 from node.train.site import NoSite
@@ -32,7 +32,7 @@ from protocol.averaging.context import AllReduceContext
 from protocol.averaging.hooks import Hooks
 from protocol.averaging.parts import AllReduceSettings
 from protocol.errors import ProtocolError
-from tests.unit.node.train.test_syncer import FakeExchange, _syncer
+from tests.unit.node.run.test_syncer import FakeExchange, _syncer
 from verification.policy import TrustPolicy
 from verification.verifier import Verifier
 

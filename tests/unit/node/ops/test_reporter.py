@@ -8,9 +8,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-from node.build import Progress
-from node.ops.metrics import EventLog, StatusWriter
 from node.ops.reporter import Reporter, Upkeep
+from node.run.metrics import EventLog, StatusWriter
+from node.run.state import Progress
 from node.train.agreement import AgreementWatch
 
 

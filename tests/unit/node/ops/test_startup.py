@@ -13,7 +13,6 @@ import time
 import pytest
 
 from node.config import load_config
-from node.ops.metrics import StatusWriter
 from node.ops.startup import (
     Teardown,
     _listen_problem,
@@ -22,6 +21,7 @@ from node.ops.startup import (
     start_monitor,
     wait_for_peers,
 )
+from node.run.metrics import StatusWriter
 
 
 def test_the_data_directory_is_made_with_its_status_and_events(tmp_path) -> None:

@@ -16,7 +16,7 @@ from node.cli import errors, main, operating, running
 from node.config import DataConfig, load_config
 from node.data.corpus import DataError, load_corpus
 from node.ops import swarm
-from node.ops.metrics import EventLog, StatusWriter
+from node.run.metrics import EventLog, StatusWriter
 from node.train.checkpoint import load_latest, save_checkpoint
 from verification.errors import VerificationError
 
@@ -297,7 +297,7 @@ def test_status_and_events_name_their_file_on_a_full_disk(tmp_path, monkeypatch)
 
 def test_teardown_after_a_failed_start_never_raises(tmp_path, caplog) -> None:
     from node.daemon import Node
-    from node.ops.metrics import EventLog
+    from node.run.metrics import EventLog
 
     def fail(*args, **kwargs) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "status.json"))

@@ -91,12 +91,12 @@ def test_muon_and_soap_need_whole_matrices() -> None:
 def test_a_checkpoint_of_another_optimizer_resumes_with_a_fresh_one(tmp_path, caplog) -> None:
     from threading import Event
 
-    from node.build import Progress, Training
-    from node.ops.metrics import EventLog
+    from node.run.metrics import EventLog
+    from node.run.rounds import Rounds
+    from node.run.state import Progress, Training
     from node.train.agreement import AgreementWatch
     from node.train.checkpoint import save_checkpoint
     from node.train.outer import OuterOptimizer
-    from node.train.rounds import Rounds
     from node.train.site import NoSite
     from protocol.averaging.fragments import plan_fragments
 

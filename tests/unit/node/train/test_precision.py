@@ -8,9 +8,9 @@ import torch
 
 from node.config import ConfigError, ModelConfig, TrainConfig, load_config
 from node.data.corpus import BatchStream
+from node.ops.simulate import resolve_device
 from node.train.model import build_model
 from node.train.outer import OuterOptimizer
-from node.train.simulate import resolve_device
 from node.train.trainer import InnerTrainer
 from protocol.averaging.fragments import plan_fragments
 

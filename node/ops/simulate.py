@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from node.config import AtollConfig
-from node.data.bindings import bind
 from node.data.corpus import BatchStream, load_data, site_slice, validation_batches
 from node.settings import allreduce_settings
+from node.train.bindings import bind
 from node.train.model import build_model, vocab_of
 from node.train.outer import OuterOptimizer, sync_schedule
 from node.train.trainer import InnerTrainer, evaluate

@@ -10,11 +10,11 @@ import pytest
 
 from node.cli import main
 from node.config import ConfigError, load_config
-from node.data.bindings import bind
 from node.data.corpus import stdlib_files
 from node.data.prepare import prepare
 from node.spec import settings_digest
 from node.spec_file import read_spec
+from node.train.bindings import bind
 from node.train.hf import config_digest, load_config_dict
 
 TINY = {

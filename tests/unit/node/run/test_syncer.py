@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from node.config import AtollConfig
-from node.ops.metrics import EventLog, read_events
+from node.run.metrics import EventLog, read_events
+from node.run.syncer import Syncer, staleness_weight
 from node.train.deadlines import MIN_SAMPLES, Deadlines
 from node.train.outer import OuterOptimizer
-from node.train.syncer import Syncer, staleness_weight
 from protocol.averaging.exchange import ExchangeOutcome
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.parts import AllReduceResult

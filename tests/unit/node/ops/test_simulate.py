@@ -5,7 +5,7 @@ import torch
 
 from node.cli import main
 from node.config import load_config
-from node.train.simulate import simulate, weighted_mean
+from node.ops.simulate import simulate, weighted_mean
 
 SMALL = [
     "data.max_files=120",
@@ -113,7 +113,7 @@ def test_replicas_beyond_one_group_average_in_groups_that_mix_their_copies():
     """Four replicas in pairs (butterfly): each sync averages within the pairs the node
     would form; with a plain SGD outer step a pair adopts its mean copy and steps it
     alike, so after a round its members hold one copy and the two pairs two."""
-    from node.train.simulate import _Simulation
+    from node.ops.simulate import _Simulation
     from protocol.averaging.grouping import form_groups
 
     overrides = [

@@ -3,7 +3,7 @@
 One loop serves both triggers of ``sync.trigger`` through a
 :class:`~node.train.schedule.Schedule`: after every inner step it starts the syncs that are
 due, applies the results that are ready, and ends each round whose fragments are all
-done (:meth:`node.train.rounds.Rounds.end`). Every network exchange runs on the transport's
+done (:meth:`node.run.rounds.Rounds.end`). Every network exchange runs on the transport's
 loop with a deadline, so a slow or vanished peer costs at most that deadline.
 """
 
@@ -14,14 +14,14 @@ import threading
 import time
 from typing import Any
 
-from node.build import Network, Progress, Training
 from node.checks.claims import WorkLog
 from node.config import AtollConfig
 from node.data.corpus import assigned_stream
-from node.ops.metrics import EventLog, StatusWriter
-from node.train.rounds import Rounds
+from node.run.metrics import EventLog, StatusWriter
+from node.run.rounds import Rounds
+from node.run.state import Network, Progress, Training
+from node.run.syncer import Pending
 from node.train.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
-from node.train.syncer import Pending
 
 __all__ = ["TrainingLoop", "exchange_budget", "exchange_floor"]
 

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from node.build import Progress, Training
 from node.config import load_config
 from node.data.corpus import BatchStream, assigned_stream
-from node.ops.metrics import EventLog, StatusWriter, read_events
+from node.run.loop import TrainingLoop, exchange_budget
+from node.run.metrics import EventLog, StatusWriter, read_events
+from node.run.state import Progress, Training
 from node.train.clock import SecondsClock
 from node.train.deadlines import MIN_SAMPLES, SLACK_SECONDS, Deadlines
-from node.train.loop import TrainingLoop, exchange_budget
 from node.train.schedule import StepSchedule, SyncBook, WallSchedule
 from node.train.site import NoSite
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from node.ops.load import LoadMeter, per_round
+from node.run.load import LoadMeter, per_round
 from protocol.p2p.transport import DhtUsage
 
 
@@ -74,7 +74,7 @@ def test_memory_per_parameter_reports_this_process_and_no_device_on_the_cpu() ->
     import psutil
     import torch
 
-    from node.ops.load import memory_per_param
+    from node.run.load import memory_per_param
 
     rss = psutil.Process().memory_info().rss
     got = memory_per_param(1000, torch.device("cpu"))

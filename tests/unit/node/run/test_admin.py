@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from node.cli import main
-from node.ops.admin import ADMIN_DIR, AdminInbox, Command
+from node.run.admin import ADMIN_DIR, AdminInbox, Command
 from verification.audit import AuditLog
 from verification.identity import Identity
 from verification.policy import TrustPolicy

@@ -39,7 +39,7 @@ import torch
 
 from node.checks.inputs import ExchangeBase
 from node.config import AtollConfig
-from node.ops.metrics import EventLog
+from node.run.metrics import EventLog
 from node.train.deadlines import Deadlines
 from node.train.outer import OuterOptimizer
 from protocol.averaging.contributions import WorkClaim

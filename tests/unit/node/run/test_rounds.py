@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from node.build import Progress, Training, build_training
+from node.build import build_training
 from node.config import load_config
-from node.ops.metrics import EventLog, StatusWriter
+from node.run.metrics import EventLog, StatusWriter
+from node.run.rounds import Rounds
+from node.run.state import Progress, Training
 from node.train.agreement import AgreementWatch
 from node.train.deadlines import Deadlines
-from node.train.rounds import Rounds
 
 TINY = [
     "model.n_layer=1",

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from node.ops import metrics
-from node.ops.metrics import EventLog, StatusWriter, read_events, read_status
+from node.run import metrics
+from node.run.metrics import EventLog, StatusWriter, read_events, read_status
 
 
 def test_status_first_update_writes_and_merges(tmp_path):
@@ -204,7 +204,7 @@ def test_torn_last_line_is_skipped(tmp_path, caplog):
         log.write("b", i=2)
     with open(path, "ab") as f:
         f.write(b'{"t": 1.0, "event": "c", "i"')
-    with caplog.at_level(logging.WARNING, logger="node.ops.metrics"):
+    with caplog.at_level(logging.WARNING, logger="node.run.metrics"):
         events = read_events(path)
     assert [e["event"] for e in events] == ["a", "b"]
     assert caplog.records == []
@@ -218,7 +218,7 @@ def test_reopen_after_torn_line_starts_a_fresh_line(tmp_path, caplog):
         f.write(b'{"t": 1.0, "ev')
     with EventLog(path) as log:
         log.write("b")
-    with caplog.at_level(logging.WARNING, logger="node.ops.metrics"):
+    with caplog.at_level(logging.WARNING, logger="node.run.metrics"):
         events = read_events(path)
     assert [e["event"] for e in events] == ["a", "b"]
     # The torn fragment is now a damaged middle line: skipped, and said so.

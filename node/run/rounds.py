@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.build import Network, Progress, Training
 from node.config import AtollConfig
-from node.ops.load import memory_per_param
-from node.ops.metrics import EventLog, StatusWriter
+from node.run.load import memory_per_param
+from node.run.metrics import EventLog, StatusWriter
+from node.run.state import Network, Progress, Training
 from node.settings import catchup_settings
 from node.train.agreement import AgreementWatch, swarm_state
 from node.train.checkpoint import load_latest, save_checkpoint

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-import node.data.bindings
+import node.train.bindings
 from node.cli import main
 from node.config import ConfigError, load_config
-from node.data.bindings import DIGEST_CACHE, bind, dataset_digest
 from node.data.corpus import DataError, stdlib_files
 from node.data.prepare import prepare
 from node.data.sources import SHARDS_FORMAT
 from node.shared_settings import settings_digest, shared_settings
+from node.train.bindings import DIGEST_CACHE, bind, dataset_digest
 
 BOOT = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 TRAIN = bytes(range(256)) * 40
@@ -111,7 +111,7 @@ def test_the_cache_spares_reading_the_files_until_they_change(tmp_path: Path, mo
     opened: list[object] = []
     real_open = open
     monkeypatch.setattr(
-        node.data.bindings, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k),
+        node.train.bindings, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k),
         raising=False,
     )  # fmt: skip
     assert _digest(root) == first
@@ -150,7 +150,7 @@ def test_an_unwritable_or_garbled_cache_is_passed_over(tmp_path: Path, monkeypat
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     with monkeypatch.context() as m:
-        m.setattr(node.data.bindings, "atomic_write", read_only)
+        m.setattr(node.train.bindings, "atomic_write", read_only)
         assert _digest(root) == plain
     assert not (root / DIGEST_CACHE).exists()
     for garbage in ("{not json", "[1, 2]", json.dumps({"train.bin": [1, 2, "zz"]})):
