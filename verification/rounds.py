@@ -4,7 +4,7 @@ The node's loop moves it: :meth:`RoundClock.start` when it starts work on a roun
 fragment's sync), :meth:`RoundClock.finish` when a round ends here or the node takes a
 place among the rounds (a resume, a catch-up, the wall clock's round). The verifier
 counts flags from :attr:`~RoundClock.current`, the all-reduce refuses parts far from it
-and drops its old sessions, and the commitments forget the rounds long before it. An
+and drops its old runners, and the commitments forget the rounds long before it. An
 exchange run without a node's loop (tests, benchmarks) starts its round on the clock
 itself. Nobody sets a round by hand, and :attr:`~RoundClock.current` never goes back.
 """

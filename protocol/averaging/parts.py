@@ -61,7 +61,7 @@ RESULT_BITS = 8
 """Bits per value of an owner's ``sparse`` result of ``topk`` parts."""
 
 AllReduceKey = tuple[int, int, str]
-"""``(round, fragment, content)``: one all-reduce, as sessions, repairs and byte counts
+"""``(round, fragment, content)``: one all-reduce, as runners, repairs and byte counts
 are keyed (a fragment's exchange in a round that mixes runs two: ``update`` and
 ``weights``)."""
 

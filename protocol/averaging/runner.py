@@ -1,17 +1,17 @@
 """One all-reduce as this node lives it, and the table that routes to it.
 
 An :class:`ExchangeRunner` is one ``(round, fragment, content)``: its plan, its
-deadlines and commit phase, the part this node owns (its owner side,
-:class:`~protocol.averaging.owner.OwnedPart`) and the exchange it runs as a member
-(:class:`~protocol.averaging.member.MemberRun`). hivemind builds one ``AllReduceRunner``
-per group the same way, and its averager only routes to it: here the service
-(:mod:`protocol.averaging.allreduce`) routes every incoming call by key to the runner
-in :class:`RunnerTable`. A runner is opened by whichever side meets the exchange first:
-this node's own start (:meth:`ExchangeRunner.run`), or a member's part that arrives
-before it, which waits for the plan (:attr:`ExchangeRunner.ready`). Its values and the
-parts it took are let go once the exchange is over
-(:meth:`~protocol.averaging.owner.OwnedPart.drop_reply`); the table keeps its record a
-few rounds more, so that a late part is told it is late.
+deadlines and commit phase, and the part this node owns (its owner side,
+:class:`~protocol.averaging.owner.OwnedPart`); its member side
+(:class:`~protocol.averaging.member.MemberRun`) runs on it. hivemind builds one
+``AllReduceRunner`` per group the same way, and its averager only routes to it: here the
+service (:mod:`protocol.averaging.allreduce`) routes every incoming call by key to the
+runner in :class:`RunnerTable`. A runner is opened by whichever side meets the exchange
+first: this node's own start (:func:`~protocol.averaging.member.run_exchange`), or a
+member's part that arrives before it, which waits for the plan
+(:attr:`ExchangeRunner.ready`). Its values and the parts it took are let go once the
+exchange is over (:meth:`~protocol.averaging.owner.OwnedPart.drop_reply`); the table
+keeps its record a few rounds more, so that a late part is told it is late.
 
 The time an all-reduce has left once its commit phase is over is split
 (:meth:`ExchangeRunner.schedule`): owners wait for parts during the first half, members
