@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import msgpack
 import torch
 
-from protocol.averaging.context import AllReduceContext
+from protocol.averaging.context import AllReduceContext, Follower
 from protocol.averaging.contributions import CONTRIBUTION_RPC, SentParts
 from protocol.averaging.gather import GATHER, PartRelay
 from protocol.averaging.hooks import Hooks
@@ -199,7 +199,8 @@ class AllReduceService:
         except ProtocolError as exc:
             raise ctx.reject(exc.reason, exc.detail, peer) from None
 
-    def _follow(self, h: Header, meta: dict, peer: str, body: memoryview):  # noqa: ANN202
+    def _follow(self, h: Header, meta: dict, peer: str, body: memoryview) -> Follower | None:
+        """Who follows a part's body as it arrives: its owned part's early reduction."""
         runner = self.runners.get((h.round, h.fragment, meta.get("content")))
         owned = runner.owned if runner is not None else None
         if owned is None or owned.early is None:
@@ -208,12 +209,12 @@ class AllReduceService:
 
     async def handle_part(self, peer: str, env: Part) -> Answer:
         """A member's part (read by :meth:`read_part`): the owner's result, or a refusal."""
-        owned: OwnedPart | None = None
         try:
             owned = await self._admit(peer, env)
             return await owned.take(peer, env)
         finally:
-            # a part that is not in the contributions will not be read again
+            # a part that is not in the contributions will not be read again (the early
+            # reduction may follow it even where it was refused before its owned part)
             h = env.header
             runner = self.runners.get((h.round, h.fragment, env.meta.get("content")))
             part = runner.owned if runner is not None else None

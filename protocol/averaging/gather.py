@@ -246,9 +246,7 @@ class PartRelay:
             return None
         if h.part != plan.owners.index(sender):
             return None
-        refusal = await ctx.commitments.check(
-            sender, h.round, h.fragment, h.part, env.digest, runner.closed_at, runner.content
-        )
+        refusal = await runner.commitment_refusal(sender, env)  # its commit phase is over
         owned = runner.owned
         if refusal or owned is None or sender in owned.contributions:
             return None
