@@ -27,7 +27,7 @@ from node.run.admin import AdminInbox, Command
 from node.run.load import LoadMeter
 from node.run.metrics import EventLog
 from node.run.state import Network, NetworkInputs, Progress, Training, control_traffic
-from node.run.syncer import Syncer
+from node.run.syncer import Copies, SyncWatchers
 from node.settings import (
     allreduce_settings,
     check_settings,
@@ -35,6 +35,7 @@ from node.settings import (
     exchange_settings,
     peer_view_settings,
     replay_settings,
+    sync_settings,
 )
 from node.swarm.byzantine import make_behaviour, trainer_class, training_data
 from node.swarm.peers import PeerView
@@ -221,18 +222,9 @@ def _swarm_side(
     exchange = FragmentExchange(transport, identity, allreduce, settings)
     checks, tracer = _useful_work(cfg, inputs, training, events, verifier, control, allreduce)
     deadlines = Deadlines(cfg.network.adaptive_deadlines)
-    syncer = Syncer(
-        cfg,
-        training.model,
-        training.outer,
-        training.feedback,
-        exchange,
-        transport.submit,
-        events,
-        training.device,
-        checks,
-        deadlines,
-    )
+    copies = Copies(training.model, training.outer, training.feedback, training.device)
+    watchers = SyncWatchers(checks, deadlines)
+    syncer = sync_settings(cfg).build(copies, exchange, transport.submit, events, watchers)
     state_server = catchup.StateServer(
         transport, identity, cfg.run.run_id, inputs.data_dir / "state"
     )

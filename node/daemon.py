@@ -32,7 +32,8 @@ from node.ops.startup import (
 from node.run.loop import TrainingLoop, schedule_of
 from node.run.metrics import EventLog, StatusWriter
 from node.run.rounds import Rounds
-from node.run.state import Network, NetworkInputs, Progress, Training
+from node.run.state import Network, NetworkInputs, Progress, Running, Training
+from node.settings import round_settings
 from node.spec import RunSpec, settings_digest, version_line
 from node.spec_file import spec_text
 from node.swarm.byzantine import make_behaviour
@@ -121,7 +122,8 @@ class Node:
         install_signals(self.stop_event)
         failed = True
         try:
-            network, rounds = self._setup()
+            running, rounds = self._setup()
+            network = running.network
             self._check_rounds_left()
             wait_for_peers(self.cfg, network.live_peers, self.stop_event)
             clock = None
@@ -131,15 +133,7 @@ class Node:
                 clock = run_clock(
                     self.cfg, network.transport, network.peers.identity, fragments, spec
                 )
-            loop = TrainingLoop(
-                self.cfg,
-                self.progress,
-                rounds.training,
-                network,
-                rounds,
-                (rounds.status, rounds.events),
-                self.stop_event,
-            )
+            loop = TrainingLoop(self.cfg, running, rounds)
             loop.run(schedule_of(self.cfg, self.progress.round, clock))
             if network.peers.conflict:
                 raise DuplicateIdentityError(network.peers.conflict)
@@ -191,7 +185,7 @@ class Node:
             f"reached no one{why}"
         )
 
-    def _setup(self) -> tuple[Network, Rounds]:
+    def _setup(self) -> tuple[Running, Rounds]:
         """Open the data directory, build the training side, start the swarm side,
         resume or catch up, and evaluate the starting point."""
         cfg, progress = self.cfg, self.progress
@@ -240,12 +234,12 @@ class Node:
             ranks=self.site.world if self.site is not None else 1,
             helper_pids=network.helper_pids(),
         )
-        logs = (status, events)
-        rounds = Rounds(cfg, progress, training, network, logs, self.agreement, stop, self.data_dir)
+        running = Running(progress, training, network, status, events, stop)
+        rounds = round_settings(cfg, self.data_dir).build(running, self.agreement)
         self.rounds = rounds
         rounds.resume()
         if self.initial_peers:
-            rounds.catch_up(min_round=progress.round + 1)
+            rounds.resync.catch_up(min_round=progress.round + 1)
         network.state_server.publish(rounds.snapshot())
         upkeep = Upkeep(
             network, training, reporter, events, self.agreement, stop, cfg.network.registry_seconds
@@ -253,7 +247,7 @@ class Node:
         transport.submit(upkeep.run())
         val_bpb_start = training.evaluate_global()
         status.update(force=True, state="ready", round=progress.round, val_bpb_start=val_bpb_start)
-        return network, rounds
+        return running, rounds
 
     def _teardown(self, quiet: bool = False) -> None:
         """Stop what was started, in order; never raises, so the error that ended the

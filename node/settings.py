@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
     from node.checks import CheckSettings
     from node.checks.replay import ReplaySettings
     from node.config import AtollConfig
+    from node.run.rounds import RoundSettings
+    from node.run.syncer import SyncSettings
     from node.swarm.peers import PeerViewSettings
     from node.train.clock import ClockSettings
     from protocol.averaging.exchange import ExchangeSettings
@@ -27,6 +29,8 @@ __all__ = [
     "catchup_settings",
     "check_settings",
     "replay_settings",
+    "round_settings",
+    "sync_settings",
     "clock_settings",
     "control_settings",
     "exchange_settings",
@@ -106,6 +110,49 @@ def exchange_settings(cfg: AtollConfig, spec: str, fragments: int) -> ExchangeSe
         request_timeout=net.request_timeout,
         base_rate_peers=net.base_rate_peers,
         cells_above=net.cells_above,
+    )
+
+
+def round_settings(cfg: AtollConfig, data_dir: Path) -> RoundSettings:
+    """What a round's end reads: checkpoints in ``data_dir/checkpoints``, evaluation, and
+    how the node takes its peers' state."""
+    from node.run.resync import ResyncSettings
+    from node.run.rounds import RoundSettings
+
+    run, net = cfg.run, cfg.network
+    resync = ResyncSettings(
+        run_id=run.run_id,
+        catchup=catchup_settings(cfg),
+        state_signers=cfg.trust.state_signers,
+        request_timeout=net.request_timeout,
+        round_timeout=net.round_timeout,
+        matchmaking_seconds=net.matchmaking_seconds,
+    )
+    return RoundSettings(
+        run_id=run.run_id,
+        checkpoints=data_dir / "checkpoints",
+        checkpoint_every=run.checkpoint_every,
+        keep_checkpoints=run.keep_checkpoints,
+        eval_every=run.eval_every,
+        train=cfg.train,
+        resync=resync,
+    )
+
+
+def sync_settings(cfg: AtollConfig) -> SyncSettings:
+    """What a fragment's sync reads: its codecs, error feedback and the outer merge."""
+    from node.run.syncer import SyncSettings
+
+    sync = cfg.sync
+    gossip = sync.averaging == "gossip"
+    return SyncSettings(
+        codec=sync.codec,
+        codec_args=sync.codec_args(),
+        error_feedback=sync.error_feedback,
+        mix_codec=sync.mix_codec,
+        block_size=sync.block_size,
+        alpha=sync.alpha,
+        gossip_pull=sync.gossip_gamma / cfg.outer.lr if gossip else None,
     )
 
 

@@ -10,16 +10,14 @@ loop with a deadline, so a slow or vanished peer costs at most that deadline.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
 from node.checks.claims import WorkLog
 from node.config import AtollConfig
 from node.data.corpus import assigned_stream
-from node.run.metrics import EventLog, StatusWriter
 from node.run.rounds import Rounds
-from node.run.state import Network, Progress, Training
+from node.run.state import Running
 from node.run.syncer import Pending
 from node.train.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
 
@@ -66,31 +64,18 @@ class TrainingLoop:
 
     Args:
         cfg: the node's configuration.
-        progress: where the training stands.
-        training: the model, its optimizers and the site.
-        network: the swarm side.
+        running: the node's records, its logs and its stop.
         rounds: what happens when a round ends.
-        logs: the status file and the event log.
-        stop: set when the node is stopping.
     """
 
-    def __init__(
-        self,
-        cfg: AtollConfig,
-        progress: Progress,
-        training: Training,
-        network: Network,
-        rounds: Rounds,
-        logs: tuple[StatusWriter, EventLog],
-        stop: threading.Event,
-    ) -> None:
+    def __init__(self, cfg: AtollConfig, running: Running, rounds: Rounds) -> None:
         self.cfg = cfg
-        self.progress = progress
-        self.training = training
-        self.network = network
+        self.progress = progress = running.progress
+        self.training = training = running.training
+        self.network = running.network
         self.rounds = rounds
-        self.status, self.events = logs
-        self.stop = stop
+        self.status, self.events = running.status, running.events
+        self.stop = running.stop
         self.fragments = len(training.plan)
         self._since = progress.round  # the round rounds alone are counted from
         stream = training.trainer.stream
@@ -327,7 +312,7 @@ class TrainingLoop:
                 return
             if wall.now() >= clock.sync_time(r, clock.fragments - 1) - lead:
                 return  # too late to sync in this round anyway
-            if self.rounds.catch_up(min_round=r - 1):
+            if self.rounds.resync.catch_up(min_round=r - 1):
                 logger.info("took round %d's state before coming in", self.progress.round)
                 return
 
@@ -359,34 +344,14 @@ class TrainingLoop:
         self.events.write("behind", round=self.progress.round, rounds=behind)
         for p in book.clear():
             p.future.cancel()
-        self.rounds.catch_up(min_round=self.progress.round + 1, rebase=True)
+        self.rounds.resync.catch_up(min_round=self.progress.round + 1, rebase=True)
         self._place(wall, book)
 
     def _linger(self) -> None:
-        """After the last round, stay reachable while a live peer is still behind
-        (bounded by how long its last sync may take): a peer whose last sync failed
-        re-syncs from the swarm's state, and it can only take it from running nodes. Not
-        for a peer this node holds in quarantine or a ban: waiting on a faulty peer
-        would cost the node's operator its time."""
-        if self.stop.is_set() or not self.cfg.run.max_rounds:
-            return
-        net = self.cfg.network
-        # as long as a lagging peer's last sync can take (see _apply), and no longer
-        deadline = time.monotonic() + net.matchmaking_seconds + 3 * net.round_timeout
-        self.status.update(force=True, state="lingering", round=self.progress.round)
-        # Say at once that this node finished: a peer that lingers for it would otherwise
-        # wait until its record of the round before went stale (network.registry_seconds
-        # may not come round again before this node exits).
-        record = self.network.record(self.progress.round, self.training.trainer.steps)
-        try:
-            self.network.transport.run(self.network.peers.publish(record), net.request_timeout)
-        except (TimeoutError, RuntimeError) as exc:
-            logger.debug("final registry record not written: %s", exc)
-        while time.monotonic() < deadline and not self.stop.is_set():
-            flagged = self.network.verifier.flagged(self.progress.round)
-            if not [p for p in self.network.peers.behind(self.progress.round) if p not in flagged]:
-                return
-            self.stop.wait(0.5)
+        """After the last round of a run with an end, stay reachable while a live peer
+        is still behind (:meth:`node.run.resync.Resync.linger`)."""
+        if not self.stop.is_set() and self.cfg.run.max_rounds:
+            self.rounds.resync.linger()
 
 
 def schedule_of(cfg: AtollConfig, round_: int, clock: Any = None) -> Schedule:

@@ -2,11 +2,13 @@
 round's end and its reports: :class:`Progress` (where its training stands, with the
 node's :class:`~verification.rounds.RoundClock`), :class:`Training` (what trains),
 :class:`Network` (what talks to the swarm) and :class:`NetworkInputs` (what the swarm
-side is built from besides the config and the transport).
+side is built from besides the config and the transport), and :class:`Running` (what
+the loop and a round's end share).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from node.checks import UsefulWork
 from node.checks.trace import Tracer
 from node.run.admin import AdminInbox
 from node.run.load import LoadMeter
+from node.run.metrics import EventLog, StatusWriter
 from node.run.syncer import Syncer
 from node.swarm.peers import PeerView
 from node.train.deadlines import Deadlines
@@ -37,7 +40,7 @@ from verification.identity import Identity
 from verification.rounds import RoundClock
 from verification.verifier import Verifier
 
-__all__ = ["Network", "NetworkInputs", "Progress", "Training", "control_traffic"]
+__all__ = ["Network", "NetworkInputs", "Progress", "Running", "Training", "control_traffic"]
 
 
 def _process_start() -> float:
@@ -143,6 +146,13 @@ class Training:
             params=self.outer.global_params(),
         )
 
+    def snapshot(self, round_: int) -> catchup.StateSnapshot:
+        """The global state of ``round_`` to serve to peers (the live tensors: publishing
+        copies them into its replies before anything steps)."""
+        return self.outer.snapshot(
+            round_, self.plan.digest(), self.trainer.steps, copy_tensors=False
+        )
+
 
 @dataclass
 class Network:
@@ -205,3 +215,24 @@ class NetworkInputs:
     byzantine: str | None
     version: str
     clock: RoundClock
+
+
+@dataclass
+class Running:
+    """What the loop and a round's end share: the node's records, its logs and its stop.
+
+    Attributes:
+        progress: where the training stands (its round moves here).
+        training: the model, its optimizers and the site.
+        network: the swarm side.
+        status: the status file.
+        events: the event log.
+        stop: set when the node is stopping.
+    """
+
+    progress: Progress
+    training: Training
+    network: Network
+    status: StatusWriter
+    events: EventLog
+    stop: threading.Event

@@ -28,7 +28,6 @@ members' global copies (:mod:`protocol.averaging.exchange`):
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -38,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.checks.inputs import ExchangeBase
-from node.config import AtollConfig
 from node.run.metrics import EventLog
+from node.run.syncevents import applied_record, outcome_record
+from node.run.syncevents import digest as fingerprint
 from node.train.deadlines import Deadlines
 from node.train.outer import OuterOptimizer
 from protocol.averaging.contributions import WorkClaim
@@ -51,7 +51,7 @@ from verification.usefulness import fragment_digest
 if TYPE_CHECKING:
     from node.checks import UsefulWork
 
-__all__ = ["Pending", "Syncer", "staleness_weight"]
+__all__ = ["Copies", "Pending", "SyncSettings", "SyncWatchers", "Syncer", "staleness_weight"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,50 +93,107 @@ class Pending:
     transport's loop)."""
 
 
-class Syncer:
-    """Launches and applies fragment syncs for one node.
+@dataclass(frozen=True)
+class SyncSettings:
+    """What a sync reads from the configuration (``sync`` and ``outer``), built by
+    :func:`node.settings.sync_settings`.
 
-    Args:
-        cfg: the node's configuration (``sync`` and ``outer`` settings).
+    Attributes:
+        codec: the pseudo-gradient's codec.
+        codec_args: its arguments (:meth:`~node.config_network.SyncConfig.codec_args`).
+        error_feedback: whether the codec's error is carried into the next sync.
+        mix_codec: the codec of the global copy a mixing group averages.
+        block_size: that codec's block.
+        alpha: how much of the new global copy the local copy takes (``merge_local``).
+        gossip_pull: ``gamma / lr`` in gossip mode (NoLoCo's pull toward the pair's
+            mean copy), None otherwise.
+    """
+
+    codec: str = "none"
+    codec_args: dict[str, int] = field(default_factory=dict)
+    error_feedback: bool = False
+    mix_codec: str = "none"
+    block_size: int = 1024
+    alpha: float = 1.0
+    gossip_pull: float | None = None
+
+    def build(
+        self,
+        copies: Copies,
+        exchange: FragmentExchange,
+        submit: Submit,
+        events: EventLog,
+        watchers: SyncWatchers | None = None,
+    ) -> Syncer:
+        """The syncer of ``copies``, exchanging through ``exchange`` on ``submit``'s loop."""
+        return Syncer(self, copies, exchange, submit, events, watchers or SyncWatchers())
+
+
+@dataclass(frozen=True)
+class Copies:
+    """What a sync reads and writes on the training side.
+
+    Attributes:
         model: the local model.
         outer: global copies and the outer optimizer.
         feedback: one error-feedback codec per fragment.
-        exchange: runs an exchange on the network.
-        submit: hands a coroutine to the transport's loop.
-        events: the node's event log (one ``sync`` or ``sync_failed`` line per sync).
         device: where the model lives.
+    """
+
+    model: torch.nn.Module
+    outer: OuterOptimizer
+    feedback: list[ErrorFeedback]
+    device: torch.device
+
+
+@dataclass
+class SyncWatchers:
+    """Who hears of each exchange besides the event log.
+
+    Attributes:
         checks: useful-work checks, handed each exchange applied (None: no checks).
         deadlines: told how long each exchange took (None: nobody listens).
     """
 
+    checks: UsefulWork | None = None
+    deadlines: Deadlines | None = None
+
+
+class Syncer:
+    """Launches and applies fragment syncs for one node (built by :meth:`SyncSettings.build`).
+
+    Args:
+        settings: the codecs and the merge.
+        copies: the model, its global copies, the error feedback.
+        exchange: runs an exchange on the network.
+        submit: hands a coroutine to the transport's loop.
+        events: the node's event log (one ``sync`` or ``sync_failed`` line per sync).
+        watchers: the useful-work checks and the deadlines.
+    """
+
     def __init__(
         self,
-        cfg: AtollConfig,
-        model: torch.nn.Module,
-        outer: OuterOptimizer,
-        feedback: list[ErrorFeedback],
+        settings: SyncSettings,
+        copies: Copies,
         exchange: FragmentExchange,
         submit: Submit,
         events: EventLog,
-        device: torch.device,
-        checks: UsefulWork | None = None,
-        deadlines: Deadlines | None = None,
+        watchers: SyncWatchers,
     ) -> None:
-        self.cfg = cfg
-        self.model = model
-        self.outer = outer
-        self.feedback = feedback
+        self.settings = settings
+        self.model = copies.model
+        self.outer = copies.outer
+        self.feedback = copies.feedback
+        self.device = copies.device
         self.exchange = exchange
         self.submit = submit
         self.events = events
-        self.device = device
-        self.missed = [0] * len(feedback)
+        self.watchers = watchers
+        self.missed = [0] * len(copies.feedback)
         self.outcomes: dict[str, int] = {"complete": 0, "partial": 0, "failed": 0}
         """Syncs so far by outcome (partial: some parts kept this node's own values)."""
         self.refused: dict[str, str] = {}
         """Peers the latest exchanges left out for running another spec, with why."""
-        self.checks = checks
-        self.deadlines = deadlines
 
     def skipped(self, f: int) -> None:
         """Fragment ``f``'s sync was not made: its work goes into the next one, which then
@@ -166,13 +223,13 @@ class Syncer:
             excludes: peers this node votes to leave out of the round.
             claim: the batches the pseudo-gradient was trained on (:mod:`node.checks.claims`).
         """
-        sync = self.cfg.sync
+        sync = self.settings
         sent_from = self.outer.local_vector(self.model, f)
         pg = self.outer.pseudo_gradient(self.model, f)
         if sync.error_feedback:
             enc = self.feedback[f].encode(pg)
         else:
-            enc = codecs.encode(pg, sync.codec, **sync.codec_args())
+            enc = codecs.encode(pg, sync.codec, **sync.codec_args)
         contribution = codecs.decode(enc, expected_numel=pg.numel())
         weight = staleness_weight(tokens, self.missed[f])
         # Whether the group mixes weights is decided from the announced peers; the copy
@@ -200,7 +257,7 @@ class Syncer:
         done = self._wait(pending)
         if done is None:
             return None
-        record = _outcome(pending, done)
+        record = outcome_record(pending, done)
         self.events.write("sync_left", **record)
         return record
 
@@ -217,20 +274,21 @@ class Syncer:
             return None
         self.refused.update(done.refused)
         result = done.result
-        checking = self.checks is not None and _checkable(done)
+        checks = self.watchers.checks
+        checking = checks is not None and _checkable(done)
         # the value the group held before the step: its mean copy, or every member's own
         base = None
         if checking:
             base = done.mixed.vector if done.mixed is not None else self.outer.global_vector(f)
         self._step(pending, done)
-        self.outer.merge_local(self.model, f, self.cfg.sync.alpha, pending.sent_from)
+        self.outer.merge_local(self.model, f, self.settings.alpha, pending.sent_from)
         self.missed[f] = 0
         self.outcomes["complete" if result.complete else "partial"] += 1
         # members of a group that adopt its mean copy and step it alike hold equal ones
-        digest = _digest(self.outer.global_vector(f))
-        record = _record(pending, done, digest, step)
+        digest = fingerprint(self.outer.global_vector(f))
+        record = applied_record(pending, done, digest, step)
         self.events.write("sync", **record)
-        if checking and self.checks is not None and base is not None:
+        if checking and checks is not None and base is not None:
             contributors = tuple(sorted({p for part in result.contributors for p in part}))
             base = base.detach().cpu()
             step = self.outer.step_scale(pending.round)
@@ -239,7 +297,7 @@ class Syncer:
             exchange = ExchangeBase(
                 pending.round, f, base, result.vector, contributors, step, mixed, group=group
             )
-            self.checks.exchange_applied(exchange)
+            checks.exchange_applied(exchange)
         return record
 
     def _wait(self, pending: Pending) -> ExchangeOutcome | None:
@@ -265,15 +323,14 @@ class Syncer:
 
     def _timed(self, pending: Pending, done: ExchangeOutcome | None) -> None:
         """Tell the deadlines how long the exchange took and whether it completed."""
-        if self.deadlines is None:
+        deadlines = self.watchers.deadlines
+        if deadlines is None:
             return
         ended = pending.ended[0] if pending.ended else time.monotonic()
         complete = done is not None and all(
             r.complete for r in (done.result, done.mixed) if r is not None
         )
-        self.deadlines.finished(
-            ended - pending.started, pending.deadline - pending.started, complete
-        )
+        deadlines.finished(ended - pending.started, pending.deadline - pending.started, complete)
 
     def _step(self, pending: Pending, done: ExchangeOutcome) -> None:
         """The outer step on the group's mean, or on it and the mixed copies."""
@@ -282,8 +339,7 @@ class Syncer:
         if mixed is None:
             self.outer.step(f, averaged, pending.round)
             return
-        sync = self.cfg.sync
-        pull = sync.gossip_gamma / self.cfg.outer.lr if sync.averaging == "gossip" else None
+        pull = self.settings.gossip_pull
         self.outer.step_mixed(
             f, averaged, pending.weights, mixed.vector.to(self.device), pull, pending.round
         )
@@ -303,50 +359,3 @@ def _checkable(done: ExchangeOutcome) -> bool:
     result and base, and with them the checks' seed."""
     results = [done.result] if done.mixed is None else [done.result, done.mixed]
     return len(done.group) > 1 and not any(r.fallback_parts or r.repaired_parts for r in results)
-
-
-def _outcome(pending: Pending, done: ExchangeOutcome) -> dict[str, Any]:
-    """What any ended exchange's event says: which sync, its group and who is in which
-    part of the result, the tokens it carried and how long it took."""
-    result = done.result
-    return {
-        "round": pending.round,
-        "fragment": pending.fragment,
-        "group": done.group,
-        "contributors": result.contributors,
-        "complete": result.complete,
-        "tokens": pending.tokens,
-        "step": pending.step,
-        "seconds": time.monotonic() - pending.started,
-    }
-
-
-def _record(pending: Pending, done: ExchangeOutcome, digest: str, step: int) -> dict[str, Any]:
-    """The ``sync`` event of an applied exchange."""
-    result, mixed = done.result, done.mixed
-    return {
-        **_outcome(pending, done),
-        "owners": result.owners,
-        "fallback_parts": result.fallback_parts,
-        "repaired_parts": result.repaired_parts,
-        "bytes_sent": result.bytes_sent + (mixed.bytes_sent if mixed else 0),
-        "mixed": mixed is not None,
-        # how far this node's copy sat from its group's mean (relative): copies of a
-        # swarm that mixes differ by design, and this is by how much
-        "copy_apart": _apart(pending.weights, mixed.vector) if mixed is not None else None,
-        "cell": done.cell,
-        "global_digest": digest,
-        "overlap_steps": step - pending.step,
-    }
-
-
-def _apart(own: torch.Tensor, mean: torch.Tensor) -> float:
-    """``||own - mean|| / ||mean||`` (0 for a zero mean)."""
-    scale = float(mean.norm())
-    return round(float((own.to(mean) - mean).norm()) / scale, 6) if scale > 0 else 0.0
-
-
-def _digest(value: torch.Tensor) -> str:
-    """A short fingerprint of a fragment's global copy (float32 bytes)."""
-    data = value.detach().float().contiguous().cpu().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:16]

@@ -23,7 +23,7 @@ from node.ops.monitor import metrics_of
 from node.ops.reporter import Reporter
 from node.run.loop import TrainingLoop
 from node.run.metrics import StatusWriter
-from node.run.state import Progress, Training
+from node.run.state import Progress, Running, Training
 from node.train.model import build_model
 from node.train.schedule import SyncBook
 from node.train.site import NoSite
@@ -89,10 +89,9 @@ def node(tmp_path: Path):
         syncer=syncer,
         transport=SimpleNamespace(reachability=None),
     )
-    logs = (status, None)
-    loop = TrainingLoop(
-        cfg, progress, training, SimpleNamespace(tracer=None), None, logs, threading.Event()
-    )  # type: ignore[arg-type]
+    network = SimpleNamespace(tracer=None)
+    running = Running(progress, training, network, status, None, threading.Event())  # type: ignore[arg-type]
+    loop = TrainingLoop(cfg, running, None)  # type: ignore[arg-type]
     stand_in = _StandIn(
         status=status,
         progress=progress,

@@ -20,7 +20,9 @@ from node.config import load_config
 from node.data.corpus import BatchStream, assigned_stream
 from node.run.loop import TrainingLoop, exchange_budget
 from node.run.metrics import EventLog, StatusWriter, read_events
-from node.run.state import Progress, Training
+from node.run.resync import Resync
+from node.run.state import Progress, Running, Training
+from node.settings import round_settings
 from node.train.clock import SecondsClock
 from node.train.deadlines import MIN_SAMPLES, SLACK_SECONDS, Deadlines
 from node.train.schedule import StepSchedule, SyncBook, WallSchedule
@@ -136,8 +138,12 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, *sets: str) -> Any:
         transport=SimpleNamespace(peer_id="me", run=lambda coro, timeout: asyncio.run(coro)),
     )
     rounds = _Rounds(progress)
-    logs = (StatusWriter(tmp_path / "status.json"), EventLog(tmp_path / "events.jsonl"))
-    loop = TrainingLoop(cfg, progress, training, network, rounds, logs, threading.Event())  # type: ignore[arg-type]
+    status, events = StatusWriter(tmp_path / "status.json"), EventLog(tmp_path / "events.jsonl")
+    running = Running(progress, training, network, status, events, threading.Event())  # type: ignore[arg-type]
+    loop = TrainingLoop(cfg, running, rounds)  # type: ignore[arg-type]
+    # catching up is the fake's; lingering after the last round is the node's own
+    rounds.resync = Resync(round_settings(cfg, tmp_path).resync, running)
+    rounds.resync.catch_up = rounds.catch_up  # type: ignore[method-assign]
     return SimpleNamespace(
         loop=loop,
         network=network,

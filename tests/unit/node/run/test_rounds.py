@@ -16,7 +16,8 @@ from node.build import build_training
 from node.config import load_config
 from node.run.metrics import EventLog, StatusWriter
 from node.run.rounds import Rounds
-from node.run.state import Progress, Training
+from node.run.state import Progress, Running, Training
+from node.settings import round_settings
 from node.train.agreement import AgreementWatch
 from node.train.deadlines import Deadlines
 
@@ -66,14 +67,11 @@ def _rounds(tmp_path: Path, live: set[str] = frozenset()) -> tuple[Rounds, Train
     corpus.write_text("a round ends, and the node says what it holds. " * 200)
     cfg = load_config(None, [*TINY, f"data.paths=[{str(corpus)!r}]"])
     training = build_training(cfg, "peer", None, None)
-    logs = (
-        StatusWriter(tmp_path / "status.json", min_interval=0),
-        EventLog(tmp_path / "events.jsonl"),
-    )
-    stop = threading.Event()
-    rounds = Rounds(
-        cfg, Progress(), training, _network(set(live)), logs, AgreementWatch(), stop, tmp_path
-    )  # type: ignore[arg-type]
+    status = StatusWriter(tmp_path / "status.json", min_interval=0)
+    events = EventLog(tmp_path / "events.jsonl")
+    network = _network(set(live))
+    running = Running(Progress(), training, network, status, events, threading.Event())  # type: ignore[arg-type]
+    rounds = round_settings(cfg, tmp_path).build(running, AgreementWatch())
     return rounds, training
 
 
@@ -148,14 +146,14 @@ def test_a_joiner_takes_the_swarms_state_without_its_own_work_and_says_so(
     would carry that round too), and the round's end tells the loop so."""
     rounds, _ = _rounds(tmp_path, live={"p1"})
     rounds.network.transport.run = lambda coro, timeout: None
-    rounds._signatures = lambda r, deadline: {"digest-swarm": {"p1": "settled"}}
+    rounds.resync._signatures = lambda r, deadline: {"digest-swarm": {"p1": "settled"}}
     calls: list[dict] = []
 
     def catch_up(**kw: Any) -> bool:
         calls.append(kw)
         return True
 
-    rounds.catch_up = catch_up  # type: ignore[method-assign]
+    rounds.resync.catch_up = catch_up  # type: ignore[method-assign]
     dropped = rounds.end(1, resync=True, joining=joining)
     assert [c["rebase"] for c in calls] == [not joining]
     assert calls[0]["digest"] == "digest-swarm" and calls[0]["holders"] == ["p1"]
@@ -176,9 +174,9 @@ def test_a_state_taken_from_peers_is_counted_with_its_bytes_and_seconds(
     )
     found: list[Any] = [None, (snap, ["p1", "p2"]), (snap, ["p2"])]
     monkeypatch.setattr(catchup, "download", lambda *a, **k: found.pop(0))
-    assert rounds.catch_up(min_round=3) is False  # nobody served: nothing counted
+    assert rounds.resync.catch_up(min_round=3) is False  # nobody served: nothing counted
     assert rounds.progress.catch_ups == 0
-    assert rounds.catch_up(min_round=3) and rounds.catch_up(min_round=3)
+    assert rounds.resync.catch_up(min_round=3) and rounds.resync.catch_up(min_round=3)
     rounds.events.close()
     size = sum(4 * f.numel for f in training.plan.fragments)  # values; momentum once stepped
     assert snap.nbytes >= size and rounds.progress.catch_ups == 2

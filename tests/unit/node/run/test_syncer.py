@@ -13,7 +13,8 @@ from torch import nn
 
 from node.config import AtollConfig
 from node.run.metrics import EventLog, read_events
-from node.run.syncer import Syncer, staleness_weight
+from node.run.syncer import Copies, Syncer, SyncWatchers, staleness_weight
+from node.settings import sync_settings
 from node.train.deadlines import MIN_SAMPLES, Deadlines
 from node.train.outer import OuterOptimizer
 from protocol.averaging.exchange import ExchangeOutcome
@@ -74,7 +75,9 @@ def _submit(coro) -> concurrent.futures.Future:
     return future
 
 
-def _syncer(tmp_path: Path, exchange: FakeExchange, **sync) -> tuple[Syncer, Toy, OuterOptimizer]:
+def _syncer(
+    tmp_path: Path, exchange: FakeExchange, deadlines: Deadlines | None = None, **sync
+) -> tuple[Syncer, Toy, OuterOptimizer]:
     cfg = AtollConfig().replace(
         sync={"codec": "none", "mix_codec": "none", **sync},
         outer={"optimizer": "sgd", "lr": 1.0, "momentum": 0.0},
@@ -84,7 +87,9 @@ def _syncer(tmp_path: Path, exchange: FakeExchange, **sync) -> tuple[Syncer, Toy
     outer = OuterOptimizer(model, plan, cfg.outer)
     feedback = [ErrorFeedback("none", block_size=cfg.sync.block_size)]
     events = EventLog(tmp_path / "events.jsonl")
-    syncer = Syncer(cfg, model, outer, feedback, exchange, _submit, events, torch.device("cpu"))
+    copies = Copies(model, outer, feedback, torch.device("cpu"))
+    watchers = SyncWatchers(deadlines=deadlines)
+    syncer = sync_settings(cfg).build(copies, exchange, _submit, events, watchers)
     return syncer, model, outer
 
 
@@ -202,9 +207,8 @@ def test_steps_taken_while_the_exchange_runs_are_kept_for_the_next_sync(tmp_path
 
 def test_each_exchange_tells_the_deadlines_how_long_it_took(tmp_path: Path) -> None:
     exchange = FakeExchange(averaged=torch.zeros(4))
-    syncer, model, _ = _syncer(tmp_path, exchange)
     deadlines = Deadlines()
-    syncer.deadlines = deadlines
+    syncer, model, _ = _syncer(tmp_path, exchange, deadlines)
     for r in range(1, MIN_SAMPLES + 1):
         pending = syncer.launch(r, 0, tokens=10, step=r, expected=set(), excludes=set(), budget=5.0)
         time.sleep(0.05)  # applied later than the exchange ended: that wait does not count

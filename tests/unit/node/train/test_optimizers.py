@@ -92,8 +92,8 @@ def test_a_checkpoint_of_another_optimizer_resumes_with_a_fresh_one(tmp_path, ca
     from threading import Event
 
     from node.run.metrics import EventLog
-    from node.run.rounds import Rounds
-    from node.run.state import Progress, Training
+    from node.run.state import Progress, Running, Training
+    from node.settings import round_settings
     from node.train.agreement import AgreementWatch
     from node.train.checkpoint import save_checkpoint
     from node.train.outer import OuterOptimizer
@@ -129,8 +129,8 @@ def test_a_checkpoint_of_another_optimizer_resumes_with_a_fresh_one(tmp_path, ca
         workload={},
         site=NoSite(),
     )
-    logs = (None, EventLog(tmp_path / "events.jsonl"))
-    rounds = Rounds(cfg, progress, training, None, logs, AgreementWatch(), Event(), tmp_path)  # type: ignore[arg-type]
+    running = Running(progress, training, None, None, EventLog(tmp_path / "events.jsonl"), Event())  # type: ignore[arg-type]
+    rounds = round_settings(cfg, tmp_path).build(running, AgreementWatch())
     with caplog.at_level("WARNING"):
         rounds.resume()
     assert progress.round == 3 and "another inner optimizer" in caplog.text
