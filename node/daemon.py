@@ -29,11 +29,11 @@ from node.ops.startup import (
     start_transport,
     wait_for_peers,
 )
-from node.run.loop import TrainingLoop, schedule_of
+from node.run.loop import schedule_of
 from node.run.metrics import EventLog, StatusWriter
 from node.run.rounds import Rounds
 from node.run.state import Network, NetworkInputs, Progress, Running, Training
-from node.settings import round_settings
+from node.settings import loop_settings, round_settings
 from node.spec import RunSpec, settings_digest, version_line
 from node.spec_file import spec_text
 from node.swarm.byzantine import make_behaviour
@@ -133,7 +133,7 @@ class Node:
                 clock = run_clock(
                     self.cfg, network.transport, network.peers.identity, fragments, spec
                 )
-            loop = TrainingLoop(self.cfg, running, rounds)
+            loop = loop_settings(self.cfg).build(running, rounds)
             loop.run(schedule_of(self.cfg, self.progress.round, clock))
             if network.peers.conflict:
                 raise DuplicateIdentityError(network.peers.conflict)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # imported where used: protocol.p2p.transport loads hivemind
     from node.checks import CheckSettings
     from node.checks.replay import ReplaySettings
     from node.config import AtollConfig
+    from node.run.loop import LoopSettings
     from node.run.rounds import RoundSettings
     from node.run.syncer import SyncSettings
     from node.swarm.peers import PeerViewSettings
@@ -28,6 +29,7 @@ __all__ = [
     "allreduce_settings",
     "catchup_settings",
     "check_settings",
+    "loop_settings",
     "replay_settings",
     "round_settings",
     "sync_settings",
@@ -110,6 +112,25 @@ def exchange_settings(cfg: AtollConfig, spec: str, fragments: int) -> ExchangeSe
         request_timeout=net.request_timeout,
         base_rate_peers=net.base_rate_peers,
         cells_above=net.cells_above,
+    )
+
+
+def loop_settings(cfg: AtollConfig) -> LoopSettings:
+    """What the training loop reads: the run's length and pace, and the budget of an
+    exchange."""
+    from node.run.loop import LoopSettings
+
+    run, net, sync = cfg.run, cfg.network, cfg.sync
+    return LoopSettings(
+        run_id=run.run_id,
+        max_rounds=run.max_rounds,
+        slowdown=run.slowdown,
+        data_slice=(cfg.data.site, cfg.data.sites),
+        matchmaking_seconds=net.matchmaking_seconds,
+        round_timeout=net.round_timeout,
+        alone_rounds=net.alone_rounds,
+        commit_seconds=cfg.control.commit_seconds if cfg.control.commit else None,
+        round_seconds=sync.round_seconds if sync.trigger == "seconds" else None,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from node.checks.claims import WorkLog
@@ -21,34 +22,67 @@ from node.run.state import Running
 from node.run.syncer import Pending
 from node.train.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
 
-__all__ = ["TrainingLoop", "exchange_budget", "exchange_floor"]
+__all__ = ["LoopSettings", "TrainingLoop", "schedule_of"]
 
 logger = logging.getLogger(__name__)
 
 
-def exchange_floor(cfg: AtollConfig, commit_window: float | None) -> float:
-    """Seconds any exchange needs before its all-reduce: the matchmaking wait and, where
-    the control plane runs one, the commit window (the least an adaptive budget keeps,
-    :class:`node.train.deadlines.Deadlines`)."""
-    floor = cfg.network.matchmaking_seconds
-    if cfg.control.commit:
-        floor += commit_window if commit_window is not None else cfg.control.commit_seconds
-    return floor
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the training loop reads from the configuration, built by
+    :func:`node.settings.loop_settings`.
 
-
-def exchange_budget(cfg: AtollConfig, commit_window: float | None) -> float:
-    """Seconds one exchange may take: matchmaking, the commit phase and the all-reduce
-    (``network.round_timeout``); on the wall clock, never past the fragment's next sync,
-    so a silent or vanished peer cannot make an exchange outlast its round.
-
-    Args:
-        commit_window: the control plane's commit window, when it runs.
+    Attributes:
+        run_id: the run (the batches assigned to this node are drawn from it).
+        max_rounds: rounds to train (0: no end).
+        slowdown: each inner step stretched this many times (a stand-in for slower
+            hardware).
+        data_slice: this site's slice of the data, and how many there are.
+        matchmaking_seconds: an exchange's matchmaking wait.
+        round_timeout: the longest an exchange's all-reduce may take.
+        alone_rounds: rounds without an exchange before the node says it trains alone.
+        commit_seconds: the commit window where the control plane runs a commit phase
+            (None: none).
+        round_seconds: a round's length on the wall clock (None: the ``steps`` trigger).
     """
-    budget = exchange_floor(cfg, commit_window) + cfg.network.round_timeout
-    if cfg.sync.trigger == "seconds":
-        length = cfg.sync.round_seconds
-        budget = min(budget, length - max(0.5, 0.05 * length))
-    return budget
+
+    run_id: str
+    max_rounds: int
+    slowdown: float
+    data_slice: tuple[int, int]
+    matchmaking_seconds: float
+    round_timeout: float
+    alone_rounds: int
+    commit_seconds: float | None
+    round_seconds: float | None
+
+    def build(self, running: Running, rounds: Rounds) -> TrainingLoop:
+        """The loop of the node that ``running`` describes."""
+        return TrainingLoop(self, running, rounds)
+
+    def exchange_floor(self, commit_window: float | None) -> float:
+        """Seconds any exchange needs before its all-reduce: the matchmaking wait and,
+        where the control plane runs one, the commit window (the least an adaptive budget
+        keeps, :class:`node.train.deadlines.Deadlines`)."""
+        floor = self.matchmaking_seconds
+        if self.commit_seconds is not None:
+            floor += commit_window if commit_window is not None else self.commit_seconds
+        return floor
+
+    def exchange_budget(self, commit_window: float | None) -> float:
+        """Seconds one exchange may take: matchmaking, the commit phase and the
+        all-reduce (``network.round_timeout``); on the wall clock, never past the
+        fragment's next sync, so a silent or vanished peer cannot make an exchange
+        outlast its round.
+
+        Args:
+            commit_window: the control plane's commit window, when it runs.
+        """
+        budget = self.exchange_floor(commit_window) + self.round_timeout
+        if self.round_seconds is not None:
+            length = self.round_seconds
+            budget = min(budget, length - max(0.5, 0.05 * length))
+        return budget
 
 
 _NEWER_TRIES = 3
@@ -62,14 +96,16 @@ its end)."""
 class TrainingLoop:
     """Train until ``run.max_rounds`` rounds are done or the node stops.
 
+    Built by :meth:`LoopSettings.build`.
+
     Args:
-        cfg: the node's configuration.
+        settings: rounds, pace and budgets.
         running: the node's records, its logs and its stop.
         rounds: what happens when a round ends.
     """
 
-    def __init__(self, cfg: AtollConfig, running: Running, rounds: Rounds) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: LoopSettings, running: Running, rounds: Rounds) -> None:
+        self.settings = settings
         self.progress = progress = running.progress
         self.training = training = running.training
         self.network = running.network
@@ -82,7 +118,7 @@ class TrainingLoop:
         self.work = WorkLog(
             self.fragments,
             ranks=training.trainer.ranks,
-            data_slice=(cfg.data.site, cfg.data.sites),
+            data_slice=settings.data_slice,
             batch=stream.batch_size,
         )
         """The batches each fragment's next sync was trained on (its claim)."""
@@ -109,7 +145,7 @@ class TrainingLoop:
             self._place(wall, book)
         self._since = self.progress.round  # where the wall clock placed it
         self._assign(self.progress.round + 1)
-        max_rounds, trainer = self.cfg.run.max_rounds, self.training.trainer
+        max_rounds, trainer = self.settings.max_rounds, self.training.trainer
         while not self.stop.is_set():
             if max_rounds and self.progress.round >= max_rounds:
                 break
@@ -173,7 +209,7 @@ class TrainingLoop:
         t = self.training
         s = t.trainer.stream
         peer = self.network.transport.peer_id
-        run = self.cfg.run.run_id
+        run = self.settings.run_id
         t.trainer.draw_from(assigned_stream(s.data, s.batch_size, s.context, run, peer, round_))
         t.site.assign(round_)
         self.work.assign(round_)
@@ -195,9 +231,10 @@ class TrainingLoop:
         result = self.training.site.step(trainer)
         if tracer is not None:
             tracer.after(trainer.model, result.loss)
-        if self.cfg.run.slowdown > 1.0:
+        slowdown = self.settings.slowdown
+        if slowdown > 1.0:
             # Stand in for slower hardware: the extra time is compute time, not idle.
-            time.sleep((time.monotonic() - started) * (self.cfg.run.slowdown - 1.0))
+            time.sleep((time.monotonic() - started) * (slowdown - 1.0))
         progress.busy += time.monotonic() - started
         book.trained(result.tokens)
         stream = trainer.stream
@@ -224,8 +261,8 @@ class TrainingLoop:
         excludes = verifier.excluded(list(expected), r)
         control = self.network.control
         window = control.commit_window if control else None
-        ceiling = exchange_budget(self.cfg, window)
-        budget = self.network.deadlines.budget(ceiling, exchange_floor(self.cfg, window))
+        ceiling = self.settings.exchange_budget(window)
+        budget = self.network.deadlines.budget(ceiling, self.settings.exchange_floor(window))
         steps = self.training.trainer.steps
         claim = self.work.take(f)
         tracer = self.network.tracer
@@ -285,7 +322,7 @@ class TrainingLoop:
         ``network.alone_rounds`` rounds in a row went by without an exchange with any
         peer: the node trains, but nobody else's work reaches it, nor its theirs."""
         alone = round_ - max(self.progress.last_exchange, self._since)
-        threshold = self.cfg.network.alone_rounds
+        threshold = self.settings.alone_rounds
         self.status.update(alone_rounds=alone, training_alone=alone >= threshold)
         if alone == threshold:
             live = len(self.network.live_peers())
@@ -303,7 +340,7 @@ class TrainingLoop:
         restart) would sit that round out and drop what it trains in it: it takes the
         newer state first, a few tries apart while that round's last sync is still
         ahead, and comes in during the round instead."""
-        clock, lead = wall.clock, self.cfg.network.matchmaking_seconds
+        clock, lead = wall.clock, self.settings.matchmaking_seconds
         for attempt in range(_NEWER_TRIES):
             if attempt:
                 self.stop.wait(_NEWER_WAIT)
@@ -319,7 +356,7 @@ class TrainingLoop:
     def _place(self, wall: WallSchedule, book: SyncBook) -> None:
         """Where this node comes in on the wall clock, from the state round it holds."""
         held = self.progress.round
-        place = wall.place(held, lead=self.cfg.network.matchmaking_seconds)
+        place = wall.place(held, lead=self.settings.matchmaking_seconds)
         self.progress.clock.finish(place.round_)
         if place.joins is None:
             return
@@ -350,7 +387,7 @@ class TrainingLoop:
     def _linger(self) -> None:
         """After the last round of a run with an end, stay reachable while a live peer
         is still behind (:meth:`node.run.resync.Resync.linger`)."""
-        if not self.stop.is_set() and self.cfg.run.max_rounds:
+        if not self.stop.is_set() and self.settings.max_rounds:
             self.rounds.resync.linger()
 
 

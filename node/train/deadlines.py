@@ -65,7 +65,7 @@ class Deadlines:
         """Seconds the next exchange may take.
 
         Args:
-            ceiling: the configured budget (:func:`node.run.loop.exchange_budget`).
+            ceiling: the configured budget (:meth:`node.run.loop.LoopSettings.exchange_budget`).
             floor: the least it needs: the matchmaking wait and the commit window.
         """
         with self._lock:

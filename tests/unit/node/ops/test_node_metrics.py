@@ -21,9 +21,9 @@ from node.config import AtollConfig, ModelConfig, TrainConfig
 from node.data.corpus import BatchStream
 from node.ops.monitor import metrics_of
 from node.ops.reporter import Reporter
-from node.run.loop import TrainingLoop
 from node.run.metrics import StatusWriter
 from node.run.state import Progress, Running, Training
+from node.settings import loop_settings
 from node.train.model import build_model
 from node.train.schedule import SyncBook
 from node.train.site import NoSite
@@ -91,7 +91,7 @@ def node(tmp_path: Path):
     )
     network = SimpleNamespace(tracer=None)
     running = Running(progress, training, network, status, None, threading.Event())  # type: ignore[arg-type]
-    loop = TrainingLoop(cfg, running, None)  # type: ignore[arg-type]
+    loop = loop_settings(cfg).build(running, None)  # type: ignore[arg-type]
     stand_in = _StandIn(
         status=status,
         progress=progress,

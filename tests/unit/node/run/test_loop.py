@@ -18,11 +18,10 @@ import torch
 
 from node.config import load_config
 from node.data.corpus import BatchStream, assigned_stream
-from node.run.loop import TrainingLoop, exchange_budget
 from node.run.metrics import EventLog, StatusWriter, read_events
 from node.run.resync import Resync
 from node.run.state import Progress, Running, Training
-from node.settings import round_settings
+from node.settings import loop_settings, round_settings
 from node.train.clock import SecondsClock
 from node.train.deadlines import MIN_SAMPLES, SLACK_SECONDS, Deadlines
 from node.train.schedule import StepSchedule, SyncBook, WallSchedule
@@ -140,7 +139,7 @@ def _loop(tmp_path: Path, fragments: int, max_rounds: int, *sets: str) -> Any:
     rounds = _Rounds(progress)
     status, events = StatusWriter(tmp_path / "status.json"), EventLog(tmp_path / "events.jsonl")
     running = Running(progress, training, network, status, events, threading.Event())  # type: ignore[arg-type]
-    loop = TrainingLoop(cfg, running, rounds)  # type: ignore[arg-type]
+    loop = loop_settings(cfg).build(running, rounds)  # type: ignore[arg-type]
     # catching up is the fake's; lingering after the last round is the node's own
     rounds.resync = Resync(round_settings(cfg, tmp_path).resync, running)
     rounds.resync.catch_up = rounds.catch_up  # type: ignore[method-assign]
@@ -260,15 +259,17 @@ def test_a_stopped_loop_abandons_its_round(tmp_path) -> None:
 )
 def test_an_exchange_never_outlasts_its_budget(overrides: list[str], expected: float) -> None:
     cfg = load_config(None, [*overrides, "control.commit=false"])
-    assert exchange_budget(cfg, None) == pytest.approx(expected)
+    assert loop_settings(cfg).exchange_budget(None) == pytest.approx(expected)
 
 
 def test_the_commit_window_is_part_of_the_budget() -> None:
     cfg = load_config(None, ["network.matchmaking_seconds=3", "network.round_timeout=20"])
     assert cfg.control.commit  # the default
     base = cfg.network.matchmaking_seconds + cfg.network.round_timeout
-    assert exchange_budget(cfg, 4.0) == pytest.approx(base + 4.0)
-    assert exchange_budget(cfg, None) == pytest.approx(base + cfg.control.commit_seconds)
+    assert loop_settings(cfg).exchange_budget(4.0) == pytest.approx(base + 4.0)
+    assert loop_settings(cfg).exchange_budget(None) == pytest.approx(
+        base + cfg.control.commit_seconds
+    )
 
 
 def test_each_sync_gets_the_budget_its_node_measured(tmp_path) -> None:
