@@ -26,7 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protocol.control.channel import ControlChannel
-from protocol.control.commitments import COMMIT_RPC, CommitmentStore, SendDirect
+from protocol.control.commitments import (
+    COMMIT_RPC,
+    CommitLinks,
+    CommitmentStore,
+    SendDirect,
+)
 from protocol.control.frames import ControlMessage, topic_name
 from protocol.control.heartbeats import Heartbeats, Pace
 from protocol.control.settings import ControlSettings
@@ -90,16 +95,10 @@ class ControlPlane:
         self.pace = Pace(settings)
         self.heartbeats = Heartbeats(settings, self.pace, self._channel, vitals, version)
         self.convictions = Convictions(self.me, verifier, self._publish_verdict)
-        self.commitments = CommitmentStore(
-            settings,
-            self.me,
-            self.pace,
-            self._channel,
-            verifier.blocks,
-            self.convictions.convict,
-            _direct(transport),
-            verifier.clock,
+        links = CommitLinks(
+            self._channel, verifier.blocks, self.convictions.convict, _direct(transport)
         )
+        self.commitments = CommitmentStore(settings, self.me, self.pace, links, verifier.clock)
         self.verdicts = Verdicts(settings.run_id, self.commitments, self.convictions, events)
         self.on_check: Callable[[str, bytes], None] | None = None
         """Takes a useful-work check record gossiped on ``check`` (sender, record bytes)."""
