@@ -31,22 +31,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from protocol.averaging.hooks import Commitments
-from protocol.averaging.parts import CONTENTS
 from protocol.control.channel import ControlChannel
-from protocol.control.frames import (
-    CONTROL_VERSION,
-    DEFAULT_MAX_CONTROL_BYTES,
-    ControlMessage,
-    open_control,
-    topic_name,
-)
+from protocol.control.commitwire import commit_fields, commit_wire
+from protocol.control.frames import ControlMessage, open_control, topic_name
 from protocol.control.heartbeats import Pace
 from protocol.control.settings import ControlSettings
 from protocol.errors import ProtocolError
-from verification.evidence import SignedCommit, misstated
+from verification.evidence import misstated
 from verification.rounds import RoundClock
 
 __all__ = [
@@ -55,8 +47,6 @@ __all__ = [
     "CommitLinks",
     "Convict",
     "SendDirect",
-    "commit_fields",
-    "open_commit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -105,51 +95,6 @@ class _Commit:
     digests: dict[int, bytes]
     received: float  # this node's time.monotonic() when it arrived
     wire: bytes  # the signed message itself: evidence if the sender equivocates
-
-
-def commit_fields(body: Any) -> tuple[int, int, str, dict[int, bytes]]:
-    """``(round, fragment, content, {part: digest})`` of a commitment's body.
-
-    Raises:
-        ProtocolError: ``malformed``: not a commitment.
-    """
-    if not isinstance(body, dict):
-        raise ProtocolError("malformed", "commitment body is not a map")
-    r, f, pairs = body.get("round"), body.get("fragment"), body.get("digests")
-    content = body.get("content")
-    if not (isinstance(r, int) and isinstance(f, int) and r >= 0 and f >= 0):
-        raise ProtocolError("malformed", "commitment round and fragment must be integers")
-    if content not in CONTENTS:
-        raise ProtocolError("malformed", f"commitment content {content!r}")
-    if not isinstance(pairs, list):
-        raise ProtocolError("malformed", "commitment digests must be a list")
-    digests: dict[int, bytes] = {}
-    for pair in pairs:
-        if not (
-            isinstance(pair, list)
-            and len(pair) == 2
-            and isinstance(pair[0], int)
-            and isinstance(pair[1], bytes)
-            and len(pair[1]) == 32
-        ):
-            raise ProtocolError("malformed", "a commitment digest is not [part, 32 bytes]")
-        digests[pair[0]] = pair[1]
-    return r, f, str(content), digests
-
-
-def open_commit(data: bytes, run: str, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES) -> SignedCommit:
-    """Check a signed commitment (its signature, run, topic and body) from its bytes.
-
-    Raises:
-        ProtocolError: as :func:`~protocol.control.frames.open_control`, or ``malformed``.
-    """
-    msg = open_control(data, run, topic_name(run, "commit"), max_bytes)
-    r, f, content, digests = commit_fields(msg.body)
-    return SignedCommit(msg.sender, r, f, content, digests, bytes(data))
-
-
-def _wire(msg: ControlMessage) -> bytes:
-    return msgpack.packb([CONTROL_VERSION, msg.raw_signed, msg.signature], use_bin_type=True)
 
 
 class CommitmentStore(Commitments):
@@ -291,7 +236,7 @@ class CommitmentStore(Commitments):
         """
         r, f, content, digests = commit_fields(msg.body)
         key = (msg.sender, r, f, content)
-        new = _Commit(digests, time.monotonic(), _wire(msg))
+        new = _Commit(digests, time.monotonic(), commit_wire(msg))
         with self._lock:
             current = self.clock.current
             if current and r > current + _ROUNDS_AHEAD:
