@@ -33,7 +33,7 @@ from protocol.control.commitments import (
     SendDirect,
 )
 from protocol.control.frames import ControlMessage, topic_name
-from protocol.control.heartbeats import Heartbeats, Pace
+from protocol.control.heartbeats import Heartbeats, Pace, SelfReport
 from protocol.control.settings import ControlSettings
 from protocol.control.verdicts import Convictions, Verdicts
 from protocol.errors import ProtocolError
@@ -72,8 +72,8 @@ class ControlPlane:
             through it, and it serves theirs; None sends and serves none.
         verifier: acts on proven misbehaviour through the trust policy.
         events: the node's event log.
-        vitals: returns this node's ``round``, ``step`` and ``throughput`` for heartbeats.
-        version: this node's software version, sent in heartbeats.
+        report: what this node's heartbeats say (its round, step, throughput and
+            software version).
     """
 
     def __init__(
@@ -83,8 +83,7 @@ class ControlPlane:
         transport: Transport | None,
         verifier: Verifier,
         events: EventSink | None,
-        vitals: Callable[[], dict[str, Any]],
-        version: str,
+        report: SelfReport,
     ) -> None:
         self.settings = settings
         self.identity = identity
@@ -93,7 +92,9 @@ class ControlPlane:
         self.verifier = verifier
         self.channel: ControlChannel | None = None
         self.pace = Pace(settings)
-        self.heartbeats = Heartbeats(settings, self.pace, self._channel, vitals, version)
+        self.heartbeats = Heartbeats(
+            settings, self.pace, self._channel, report.vitals, report.version
+        )
         self.convictions = Convictions(self.me, verifier, self._publish_verdict)
         links = CommitLinks(
             self._channel, verifier.blocks, self.convictions.convict, _direct(transport)
