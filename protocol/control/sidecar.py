@@ -37,7 +37,8 @@ started it (``PR_SET_PDEATHSIG``) and polls its parent pid as a fallback.
 
 
 The GossipSub settings, peer scoring and py-libp2p workarounds live in
-:mod:`protocol.control._gossip`, the pipe's two ends and the start frame's checks in
+:mod:`protocol.control._gossip` (what 0.8.1 lets no instance set, in
+:mod:`protocol.control._patch`), the pipe's two ends and the start frame's checks in
 :mod:`protocol.control._pipe`; this module is the process: its lifecycle and main loop. Set ``ATOLL_SIDECAR_LOG=DEBUG`` in the node's environment for a
 detailed log. This module imports neither hivemind nor torch, directly or
 indirectly.
@@ -62,7 +63,6 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.control._gossip import (
     GOSSIP,
-    LIBP2P_DROPS,
     CountingPubsub,
     GossipSettings,
     PeerDialer,
@@ -71,8 +71,8 @@ from protocol.control._gossip import (
     new_router,
     peer_stats,
     quiet_libp2p_logs,
-    tune_libp2p,
 )
+from protocol.control._patch import LIBP2P_DROPS, patch_libp2p
 from protocol.control._pipe import FrameReader, PipeOut, StartConfig
 from protocol.control.frames import open_control
 from protocol.errors import ProtocolError
@@ -130,7 +130,7 @@ class _Sidecar:
 
     def stats(self) -> dict[str, Any]:
         """The stats event: drop counts by reason, traffic and peers."""
-        dropped = self.dropped + LIBP2P_DROPS
+        dropped = self.dropped + self.pubsub.drops + LIBP2P_DROPS
         if self.out.dropped:
             dropped["event_queue_full"] = self.out.dropped
         return {
@@ -308,7 +308,7 @@ def main() -> int:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the node died before the request took effect
         return 0
-    tune_libp2p()
+    patch_libp2p(GOSSIP.outbound_queue, GOSSIP.subscription_queue)
     return trio.run(_amain, parent_pid, out_fd)
 
 
