@@ -48,6 +48,7 @@ from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.hooks import Hooks
+from protocol.control.heartbeats import SelfReport
 from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
 from protocol.wire.feedback import ErrorFeedback
@@ -180,9 +181,8 @@ def start_network(
     try:
         if cfg.control.enabled:
             settings = control_settings(cfg, key_file, inputs.data_dir)
-            control = ControlPlane(
-                settings, identity, transport, verifier, events, vitals, inputs.version
-            )
+            report = SelfReport(vitals, inputs.version)
+            control = ControlPlane(settings, identity, transport, verifier, events, report)
             control.start()
             hearing.control = control
         return _swarm_side(cfg, transport, inputs, training, events, peers, verifier, control)

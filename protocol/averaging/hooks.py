@@ -151,6 +151,12 @@ class Commitments:
         contributor, a digest other than the one that contributor committed to."""
         return None
 
+    def convict_owner(
+        self, owner: str, round_: int, fragment: int, reply: bytes, content: str = "update"
+    ) -> None:
+        """Act on a result :meth:`check_result` found ``bad_owner``: ``reply`` (its
+        evidence) proves that ``owner`` misstated this node's committed input."""
+
 
 class FaultInjection:
     """How this node acts in an all-reduce: honestly, unless a fault is injected.

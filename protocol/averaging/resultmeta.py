@@ -184,10 +184,12 @@ def judge_result(
     peers = fields.contributors
     commitments = ctx.commitments
     if commitments is not None:
+        evidence = reply.evidence()
         reason = commitments.check_result(
-            owner, round_, fragment, j, reply.evidence(), peers, fields.digests, content
+            owner, round_, fragment, j, evidence, peers, fields.digests, content
         )
         if reason:
+            commitments.convict_owner(owner, round_, fragment, evidence, content)
             raise ProtocolError(reason, "result names inputs nobody committed", owner)
     spread = min(1000.0, max([1.0, *fields.weights]) / max(1.0, float(weight)))
     included = ctx.identity.peer_id in peers

@@ -1,9 +1,10 @@
 """The py-libp2p side of the control sidecar: GossipSub host, router and peers.
 
-Owns the GossipSub parameter choices and peer scoring, the queue-size overrides
-and the workarounds for py-libp2p 0.8.1 (a pubsub that survives malformed RPCs
-and counts what it drops, quieter libp2p logging), loading the node's key as a
-libp2p key pair, and keeping the node's wanted peers dialled.
+Owns the GossipSub parameter choices and peer scoring, the per-instance workarounds
+for py-libp2p 0.8.1 (a router whose mesh settles, a pubsub that survives malformed
+RPCs and counts what it drops, quieter libp2p logging), loading the node's key as a
+libp2p key pair, and keeping the node's wanted peers dialled. What 0.8.1 lets no
+instance set is changed once for the whole process by :mod:`protocol.control._patch`.
 :mod:`protocol.control.sidecar` runs these in its own process; like it, this module
 imports neither hivemind nor torch.
 """
@@ -12,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,16 +25,11 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair, PrivateKey
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-from libp2p.peer import peerstore as _peerstore_module
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
-from libp2p.pubsub import gossipsub as _gossipsub_module
-from libp2p.pubsub import pubsub as _pubsub_module
-from libp2p.pubsub import utils as _pubsub_utils
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
-from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.score import ScoreParams, TopicScoreParams
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -119,9 +113,6 @@ SCORE_PARAMS = ScoreParams(
 _MISBEHAVIOUR_PENALTY = 10.0  # P5 points for a frame py-libp2p cannot process
 _ADDRS_PER_PEER = 8
 
-# py-libp2p counts nothing it drops; these count what the patched hooks see.
-LIBP2P_DROPS: Counter[str] = Counter()
-
 
 def new_gossip_host(key_pair: KeyPair) -> IHost:
     """A libp2p host for ``key_pair`` that speaks Noise only."""
@@ -194,8 +185,13 @@ class CountingPubsub(Pubsub):
     an RPC that is not protobuf raises ``DecodeError`` out of the stream handler
     (which only catches libp2p's own ``ParseError``), and a message with a
     malformed ``key`` raises out of the libp2p signature check inside a task.
-    Both are caught here, counted, and charged to the peer's score.
+    Both are caught here, counted in :attr:`drops`, and charged to the peer's score.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.drops: Counter[str] = Counter()
+        """What this pubsub dropped, by reason (py-libp2p counts nothing it drops)."""
+        super().__init__(*args, **kwargs)
 
     async def stream_handler(self, stream: INetStream) -> None:
         peer_id = stream.muxed_conn.peer_id
@@ -214,7 +210,7 @@ class CountingPubsub(Pubsub):
             self._punish(msg_forwarder, "bad_libp2p_message", e)
 
     def _punish(self, peer_id: ID, reason: str, error: Exception) -> None:
-        LIBP2P_DROPS[reason] += 1
+        self.drops[reason] += 1
         logger.warning("%s from %s: %s: %s", reason, peer_id, type(error).__name__, error)
         scorer = getattr(self.router, "scorer", None)
         if scorer is not None:
@@ -228,85 +224,8 @@ class CountingPubsub(Pubsub):
             try:
                 channel.send_nowait(publish_message)
             except trio.WouldBlock:
-                LIBP2P_DROPS["subscription_queue_full"] += 1
+                self.drops["subscription_queue_full"] += 1
                 logger.warning("delivery queue for topic %s is full; message dropped", topic)
-
-
-class _LargeRpcQueue(RpcQueue):
-    def __init__(self, max_size: int = GOSSIP.outbound_queue, **kwargs: Any) -> None:
-        super().__init__(max_size, **kwargs)
-
-
-def tune_libp2p() -> None:
-    """Resize py-libp2p's hard-coded queues and count its silent drops.
-
-    Pubsub builds each peer's outbound queue with ``RpcQueue()`` (32 RPCs) and
-    each subscription channel with ``SUBSCRIPTION_CHANNEL_SIZE`` (32), and
-    drops on overflow with a debug log; neither is a constructor parameter in
-    0.8.1, so the module globals are replaced in this dedicated process. The
-    signed peer record every RPC carries is issued and checked once, not per RPC,
-    and yamux returns receive window as go-yamux does (once half of it is read)
-    rather than with one WINDOW_UPDATE frame per read, which doubled the frames a
-    sidecar encrypts and writes.
-    """
-    os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
-    original_drop_rpc = _pubsub_module.drop_rpc
-
-    def counting_drop_rpc(peer_id: ID, rpc: rpc_pb2.RPC) -> None:
-        LIBP2P_DROPS["outbound_queue_full" if rpc.publish else "outbound_control_dropped"] += 1
-        original_drop_rpc(peer_id, rpc)
-
-    _pubsub_module.RpcQueue = _LargeRpcQueue
-    _pubsub_module.SUBSCRIPTION_CHANNEL_SIZE = GOSSIP.subscription_queue
-    _pubsub_module.drop_rpc = counting_drop_rpc
-    _gossipsub_module.drop_rpc = counting_drop_rpc
-    # Every RPC carries the sender's signed peer record: py-libp2p re-parses its own
-    # record to send it and checks the signature of each one it receives, twice
-    # (pubsub and router). The same bytes from the same peer need one check.
-    for module in (_pubsub_module, _gossipsub_module):
-        module.env_to_send_in_RPC = _own_record
-        module.maybe_consume_signed_record = _consume_record_once
-
-
-_RECORDS_KEPT = 4096
-_RECORD_RECHECK_S = 600.0  # well inside the 2 h the peerstore keeps a record
-_OWN_RECORD_S = 10.0  # how long this node's own record is sent before its addresses are read again
-_own_records: dict[int, tuple[float, frozenset[str], bytes]] = {}
-_consumed: OrderedDict[tuple[ID, bytes], float] = OrderedDict()
-
-
-def _own_record(host: IHost) -> tuple[bytes, bool]:
-    """py-libp2p's ``env_to_send_in_RPC``, issued once per set of listen addresses
-    (which are read again every :data:`_OWN_RECORD_S`)."""
-    now = time.monotonic()
-    cached = _own_records.get(id(host))
-    if cached is not None and now - cached[0] < _OWN_RECORD_S:
-        return cached[2], False
-    addrs = frozenset(str(a) for a in host.get_addrs())
-    if cached is not None and cached[1] == addrs:
-        _own_records[id(host)] = (now, addrs, cached[2])
-        return cached[2], False
-    envelope, issued = _peerstore_module.env_to_send_in_RPC(host)
-    _own_records[id(host)] = (now, addrs, envelope)
-    return envelope, issued
-
-
-def _consume_record_once(msg: rpc_pb2.RPC, host: IHost, peer_id: ID) -> bool:
-    """py-libp2p's ``maybe_consume_signed_record``, once per peer and record bytes
-    (again after :data:`_RECORD_RECHECK_S`, which renews the peerstore entry)."""
-    if not msg.HasField("senderRecord"):
-        return True
-    key = (peer_id, bytes(msg.senderRecord))
-    checked = _consumed.get(key)
-    if checked is not None and time.monotonic() - checked < _RECORD_RECHECK_S:
-        return True
-    ok = _pubsub_utils.maybe_consume_signed_record(msg, host, peer_id)
-    if ok:
-        _consumed[key] = time.monotonic()
-        _consumed.move_to_end(key)
-        while len(_consumed) > _RECORDS_KEPT:
-            _consumed.popitem(last=False)
-    return ok
 
 
 def quiet_libp2p_logs() -> None:

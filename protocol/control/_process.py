@@ -1,6 +1,6 @@
 """One control sidecar process: spawning it, greeting it, and ending it.
 
-:class:`~protocol.control.channel.ControlChannel` supervises the sidecar; these are the
+:class:`~protocol.control.supervisor.Supervisor` runs the sidecar; these are the
 process-level steps it takes for each one it runs.
 """
 

@@ -11,12 +11,19 @@ one (:mod:`verification.evidence`).
 
 An owner takes a part only if its sender committed to exactly that digest before the
 owner's own commit phase closed. Two different signed commitments from one peer for the
-same exchange are proof of equivocation, and this node convicts on it.
+same exchange are proof of equivocation, and this node convicts on it. A result that
+misstates this node's committed input is reported by :meth:`CommitmentStore.check_result`
+and convicted by its caller through :meth:`CommitmentStore.convict_owner`.
+
+Waiting for a commitment (the commit phase, a part that overtook its commitment) waits
+on an :class:`asyncio.Event` that each arriving commitment sets, whichever thread it
+arrives on: gossip on the channel's thread, direct sends on the transport's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -24,31 +31,22 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from protocol.averaging.hooks import Commitments
-from protocol.averaging.parts import CONTENTS
 from protocol.control.channel import ControlChannel
-from protocol.control.frames import (
-    CONTROL_VERSION,
-    DEFAULT_MAX_CONTROL_BYTES,
-    ControlMessage,
-    open_control,
-    topic_name,
-)
+from protocol.control.commitwire import commit_fields, commit_wire
+from protocol.control.frames import ControlMessage, open_control, topic_name
 from protocol.control.heartbeats import Pace
 from protocol.control.settings import ControlSettings
 from protocol.errors import ProtocolError
-from verification.evidence import SignedCommit, misstated
+from verification.evidence import misstated
 from verification.rounds import RoundClock
 
 __all__ = [
     "COMMIT_RPC",
     "CommitmentStore",
+    "CommitLinks",
     "Convict",
     "SendDirect",
-    "commit_fields",
-    "open_commit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,8 +67,27 @@ _ROUNDS_AHEAD = 4
 ignored: it concerns no exchange of this node's, and counted it would move the store's
 newest round there and forget the commitments of the rounds being exchanged."""
 _MAX_COMMITS = 65536
-_POLL_SECONDS = 0.02
+_RESEND_PAUSE_S = 0.02  # between the two tries of a direct send without gossip
 _OVERTAKE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class CommitLinks:
+    """What a :class:`CommitmentStore` asks of the rest of the node.
+
+    Args:
+        channel: returns the control channel, None while there is none.
+        blocks: why this node does not deal with a peer at a round (None: it does);
+            the commit phase does not wait for a blocked peer.
+        convict: acts on proof that a peer cheated.
+        send_direct: sends a commitment to a peer's :data:`COMMIT_RPC`; None sends
+            none directly.
+    """
+
+    channel: Callable[[], ControlChannel | None]
+    blocks: Callable[[str, int], str | None]
+    convict: Convict
+    send_direct: SendDirect | None = None
 
 
 @dataclass(frozen=True)
@@ -78,51 +95,6 @@ class _Commit:
     digests: dict[int, bytes]
     received: float  # this node's time.monotonic() when it arrived
     wire: bytes  # the signed message itself: evidence if the sender equivocates
-
-
-def commit_fields(body: Any) -> tuple[int, int, str, dict[int, bytes]]:
-    """``(round, fragment, content, {part: digest})`` of a commitment's body.
-
-    Raises:
-        ProtocolError: ``malformed``: not a commitment.
-    """
-    if not isinstance(body, dict):
-        raise ProtocolError("malformed", "commitment body is not a map")
-    r, f, pairs = body.get("round"), body.get("fragment"), body.get("digests")
-    content = body.get("content")
-    if not (isinstance(r, int) and isinstance(f, int) and r >= 0 and f >= 0):
-        raise ProtocolError("malformed", "commitment round and fragment must be integers")
-    if content not in CONTENTS:
-        raise ProtocolError("malformed", f"commitment content {content!r}")
-    if not isinstance(pairs, list):
-        raise ProtocolError("malformed", "commitment digests must be a list")
-    digests: dict[int, bytes] = {}
-    for pair in pairs:
-        if not (
-            isinstance(pair, list)
-            and len(pair) == 2
-            and isinstance(pair[0], int)
-            and isinstance(pair[1], bytes)
-            and len(pair[1]) == 32
-        ):
-            raise ProtocolError("malformed", "a commitment digest is not [part, 32 bytes]")
-        digests[pair[0]] = pair[1]
-    return r, f, str(content), digests
-
-
-def open_commit(data: bytes, run: str, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES) -> SignedCommit:
-    """Check a signed commitment (its signature, run, topic and body) from its bytes.
-
-    Raises:
-        ProtocolError: as :func:`~protocol.control.frames.open_control`, or ``malformed``.
-    """
-    msg = open_control(data, run, topic_name(run, "commit"), max_bytes)
-    r, f, content, digests = commit_fields(msg.body)
-    return SignedCommit(msg.sender, r, f, content, digests, bytes(data))
-
-
-def _wire(msg: ControlMessage) -> bytes:
-    return msgpack.packb([CONTROL_VERSION, msg.raw_signed, msg.signature], use_bin_type=True)
 
 
 class CommitmentStore(Commitments):
@@ -133,12 +105,7 @@ class CommitmentStore(Commitments):
         settings: the control plane's settings (run, message cap).
         me: this node's PeerID.
         pace: the commit window, and whether commitments are gossiped.
-        channel: returns the control channel, None while there is none.
-        blocks: why this node does not deal with a peer at a round (None: it does);
-            the commit phase does not wait for a blocked peer.
-        convict: acts on proof that a peer cheated.
-        send_direct: sends a commitment to a peer's :data:`COMMIT_RPC`; None sends
-            none directly.
+        links: the channel, the block list, convictions and direct sends.
         clock: the node's round clock: commitments of rounds long before its current
             one are forgotten (default: one of its own, at round 0).
     """
@@ -148,22 +115,21 @@ class CommitmentStore(Commitments):
         settings: ControlSettings,
         me: str,
         pace: Pace,
-        channel: Callable[[], ControlChannel | None],
-        blocks: Callable[[str, int], str | None],
-        convict: Convict,
-        send_direct: SendDirect | None = None,
+        links: CommitLinks,
         clock: RoundClock | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock if clock is not None else RoundClock()
         self.me = me
         self.pace = pace
-        self.send_direct = send_direct
-        self._channel = channel
-        self._blocks = blocks
-        self._convict = convict
+        self.send_direct = links.send_direct
+        self._channel = links.channel
+        self._blocks = links.blocks
+        self._convict = links.convict
         self._lock = threading.Lock()
         self._commits: dict[tuple[str, int, int, str], _Commit] = {}
+        # the coroutines waiting for a commitment, each woken on its own loop
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._forgot_below = 0  # the horizon of the last sweep of old commitments
         self._sending: set[asyncio.Task] = set()
 
@@ -180,12 +146,11 @@ class CommitmentStore(Commitments):
         wire = await self.publish_commit(round_, fragment, digests, content)
         self._send_to_group(group, wire)
         others = [p for p in group if p != self.me and not self._blocks(p, round_)]
-        deadline = time.monotonic() + self.pace.commit_window
-        while time.monotonic() < deadline:
-            with self._lock:
-                if all((p, round_, fragment, content) in self._commits for p in others):
-                    return
-            await asyncio.sleep(_POLL_SECONDS)
+        keys = [(p, round_, fragment, content) for p in others]
+        if await self._wait_for(
+            lambda: all(k in self._commits for k in keys), self.pace.commit_window
+        ):
+            return
         logger.info(
             "round %d fragment %d (%s): commit phase closed without %s",
             round_,
@@ -216,7 +181,7 @@ class CommitmentStore(Commitments):
             except Exception as exc:
                 logger.debug("control: commitment to %s not sent directly: %s", peer[:16], exc)
             if attempt + 1 < attempts:
-                await asyncio.sleep(min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(min(_RESEND_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
     async def publish_commit(
         self, round_: int, fragment: int, digests: dict[int, bytes], content: str = "update"
@@ -242,6 +207,7 @@ class CommitmentStore(Commitments):
             )
             self.clock.start(round_)
             self._forget_old()
+        self._wake()
         return wire
 
     # ---- commitments received ---------------------------------------------------------
@@ -270,7 +236,7 @@ class CommitmentStore(Commitments):
         """
         r, f, content, digests = commit_fields(msg.body)
         key = (msg.sender, r, f, content)
-        new = _Commit(digests, time.monotonic(), _wire(msg))
+        new = _Commit(digests, time.monotonic(), commit_wire(msg))
         with self._lock:
             current = self.clock.current
             if current and r > current + _ROUNDS_AHEAD:
@@ -285,10 +251,45 @@ class CommitmentStore(Commitments):
             if old is None:
                 self._commits[key] = new
                 self._forget_old()
-                return
+        if old is None:
+            self._wake()
+            return
         if old.digests != digests and old.wire:
             evidence = [old.wire, new.wire]
             self._convict(msg.sender, r, f, "equivocation", evidence, True)
+
+    # ---- waiting for commitments ---------------------------------------------------------
+
+    async def _wait_for(self, ready: Callable[[], bool], timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until ``ready()`` (called with the lock held)
+        is true; returns whether it is. Woken by each commitment recorded."""
+        event = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), event)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._waiters.add(waiter)
+        try:
+            while True:
+                event.clear()  # on this loop, before the check: no wake-up is lost
+                with self._lock:
+                    if ready():
+                        return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
+
+    def _wake(self) -> None:
+        """Wake every waiter on its own loop (a commitment was recorded)."""
+        with self._lock:
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                loop.call_soon_threadsafe(event.set)
 
     def _forget_old(self) -> None:
         """Drop commitments from rounds long before the clock's (called with the lock
@@ -316,13 +317,9 @@ class CommitmentStore(Commitments):
         # A commitment travels by gossip and its part by a direct stream, so a part sent
         # right after a (late) commitment can overtake it: wait a moment to tell a late
         # commitment from none at all. Either way the part is refused.
-        deadline = time.monotonic() + _OVERTAKE_SECONDS
-        while True:
-            with self._lock:
-                rec = self._commits.get(key)
-            if rec is not None or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(_POLL_SECONDS)
+        await self._wait_for(lambda: key in self._commits, _OVERTAKE_SECONDS)
+        with self._lock:
+            rec = self._commits.get(key)
         if rec is None:
             return "uncommitted"
         if rec.received > closed_at:
@@ -359,13 +356,23 @@ class CommitmentStore(Commitments):
         digests: Sequence[bytes],
         content: str = "update",
     ) -> str | None:
+        """``bad_owner`` when the result names, for this node, a digest other than the one
+        it committed to (None otherwise); convicts nobody (see :meth:`convict_owner`)."""
         with self._lock:
             rec = self._commits.get((self.me, round_, fragment, content))
         committed = rec.digests if rec is not None else None
         if not misstated(self.me, committed, part, contributors, digests):
             return None
-        assert rec is not None
-        if rec.wire:
+        return "bad_owner"
+
+    def convict_owner(
+        self, owner: str, round_: int, fragment: int, reply: bytes, content: str = "update"
+    ) -> None:
+        """Convict ``owner``, whose signed result ``reply`` misstated this node's committed
+        input (:meth:`check_result` said ``bad_owner``), and publish the verdict with the
+        result and this node's signed commitment as evidence."""
+        with self._lock:
+            rec = self._commits.get((self.me, round_, fragment, content))
+        if rec is not None and rec.wire:
             evidence = {"reduced": reply, "commit": rec.wire}
             self._convict(owner, round_, fragment, "bad_owner", evidence, True)
-        return "bad_owner"

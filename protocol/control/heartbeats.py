@@ -15,13 +15,14 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from protocol.control.channel import ControlChannel
 from protocol.control.frames import ControlMessage, topic_name
 from protocol.control.settings import ControlSettings
 
-__all__ = ["CAPABILITIES", "SILENCE_GRACE_SECONDS", "Heartbeats", "Pace", "stretch"]
+__all__ = ["CAPABILITIES", "SILENCE_GRACE_SECONDS", "Heartbeats", "Pace", "SelfReport", "stretch"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,20 @@ _FIELDS = (
     "spec",
     "digest",
 )
+
+
+@dataclass(frozen=True)
+class SelfReport:
+    """What this node's heartbeats say about it.
+
+    Args:
+        vitals: returns this node's ``round``, ``step`` and ``throughput`` (and what
+            else it reports) for each heartbeat.
+        version: this node's software version.
+    """
+
+    vitals: Callable[[], dict[str, Any]]
+    version: str
 
 
 def stretch(nodes: int, base_rate_peers: int) -> float:

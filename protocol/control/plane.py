@@ -26,9 +26,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protocol.control.channel import ControlChannel
-from protocol.control.commitments import COMMIT_RPC, CommitmentStore, SendDirect
+from protocol.control.commitments import (
+    COMMIT_RPC,
+    CommitLinks,
+    CommitmentStore,
+    SendDirect,
+)
 from protocol.control.frames import ControlMessage, topic_name
-from protocol.control.heartbeats import Heartbeats, Pace
+from protocol.control.heartbeats import Heartbeats, Pace, SelfReport
 from protocol.control.settings import ControlSettings
 from protocol.control.verdicts import Convictions, Verdicts
 from protocol.errors import ProtocolError
@@ -67,8 +72,8 @@ class ControlPlane:
             through it, and it serves theirs; None sends and serves none.
         verifier: acts on proven misbehaviour through the trust policy.
         events: the node's event log.
-        vitals: returns this node's ``round``, ``step`` and ``throughput`` for heartbeats.
-        version: this node's software version, sent in heartbeats.
+        report: what this node's heartbeats say (its round, step, throughput and
+            software version).
     """
 
     def __init__(
@@ -78,8 +83,7 @@ class ControlPlane:
         transport: Transport | None,
         verifier: Verifier,
         events: EventSink | None,
-        vitals: Callable[[], dict[str, Any]],
-        version: str,
+        report: SelfReport,
     ) -> None:
         self.settings = settings
         self.identity = identity
@@ -88,18 +92,14 @@ class ControlPlane:
         self.verifier = verifier
         self.channel: ControlChannel | None = None
         self.pace = Pace(settings)
-        self.heartbeats = Heartbeats(settings, self.pace, self._channel, vitals, version)
-        self.convictions = Convictions(self.me, verifier, self._publish_verdict)
-        self.commitments = CommitmentStore(
-            settings,
-            self.me,
-            self.pace,
-            self._channel,
-            verifier.blocks,
-            self.convictions.convict,
-            _direct(transport),
-            verifier.clock,
+        self.heartbeats = Heartbeats(
+            settings, self.pace, self._channel, report.vitals, report.version
         )
+        self.convictions = Convictions(self.me, verifier, self._publish_verdict)
+        links = CommitLinks(
+            self._channel, verifier.blocks, self.convictions.convict, _direct(transport)
+        )
+        self.commitments = CommitmentStore(settings, self.me, self.pace, links, verifier.clock)
         self.verdicts = Verdicts(settings.run_id, self.commitments, self.convictions, events)
         self.on_check: Callable[[str, bytes], None] | None = None
         """Takes a useful-work check record gossiped on ``check`` (sender, record bytes)."""

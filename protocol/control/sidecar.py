@@ -37,26 +37,24 @@ started it (``PR_SET_PDEATHSIG``) and polls its parent pid as a fallback.
 
 
 The GossipSub settings, peer scoring and py-libp2p workarounds live in
-:mod:`protocol.control._gossip`; this module is the process: its pipe, lifecycle and
-main loop. Set ``ATOLL_SIDECAR_LOG=DEBUG`` in the node's environment for a
+:mod:`protocol.control._gossip` (what 0.8.1 lets no instance set, in
+:mod:`protocol.control._patch`), the pipe's two ends and the start frame's checks in
+:mod:`protocol.control._pipe`; this module is the process: its lifecycle and main loop. Set ``ATOLL_SIDECAR_LOG=DEBUG`` in the node's environment for a
 detailed log. This module imports neither hivemind nor torch, directly or
 indirectly.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
 import sys
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import multiaddr
 import trio
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
@@ -65,7 +63,6 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.control._gossip import (
     GOSSIP,
-    LIBP2P_DROPS,
     CountingPubsub,
     GossipSettings,
     PeerDialer,
@@ -74,15 +71,10 @@ from protocol.control._gossip import (
     new_router,
     peer_stats,
     quiet_libp2p_logs,
-    tune_libp2p,
 )
-from protocol.control.frames import (
-    MAX_CONTROL_BYTES,
-    MAX_NAME_CHARS,
-    FrameDecoder,
-    encode_frame,
-    open_control,
-)
+from protocol.control._patch import LIBP2P_DROPS, patch_libp2p
+from protocol.control._pipe import FrameReader, PipeOut, StartConfig
+from protocol.control.frames import open_control
 from protocol.errors import ProtocolError
 from protocol.p2p.watchdog import set_parent_death_signal
 
@@ -93,111 +85,13 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 30.0
 _PARENT_POLL_S = 0.5
 _STOP_GRACE_S = 3.0
-_READ_CHUNK = 1 << 16
-_MAX_TOPICS = 64
 _LOG_EVERY = 1000  # after the first 10 of a kind, log one dropped message in this many
-
-
-@dataclass(frozen=True)
-class _StartConfig:
-    key_file: str
-    listen_host: str
-    port: int
-    run: str
-    topics: tuple[str, ...]
-    max_bytes: int
-
-    @classmethod
-    def from_frame(cls, frame: Any) -> _StartConfig:
-        if not isinstance(frame, dict) or frame.get("op") != "start":
-            raise ValueError("the first frame must be {'op': 'start', ...}")
-        key_file, host, port = frame.get("key_file"), frame.get("listen_host"), frame.get("port")
-        run, topics, max_bytes = frame.get("run"), frame.get("topics"), frame.get("max_bytes")
-        if not isinstance(key_file, str) or not key_file:
-            raise ValueError("start.key_file must be a path")
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            raise ValueError(f"start.listen_host must be an IP address, got {host!r}") from None
-        if type(port) is not int or not 0 <= port <= 65535:
-            raise ValueError("start.port must be an int in [0, 65535]")
-        if not isinstance(run, str) or not 0 < len(run) <= MAX_NAME_CHARS:
-            raise ValueError(f"start.run must be a str of 1..{MAX_NAME_CHARS} chars")
-        if (
-            not isinstance(topics, list)
-            or not 0 < len(topics) <= _MAX_TOPICS
-            or not all(isinstance(t, str) and 0 < len(t) <= MAX_NAME_CHARS for t in topics)
-        ):
-            raise ValueError(f"start.topics must be 1..{_MAX_TOPICS} non-empty strs")
-        if type(max_bytes) is not int or not 1024 <= max_bytes <= MAX_CONTROL_BYTES:
-            raise ValueError(f"start.max_bytes must be an int in [1024, {MAX_CONTROL_BYTES}]")
-        return cls(key_file, host, port, run, tuple(dict.fromkeys(topics)), max_bytes)
-
-    @property
-    def listen_addr(self) -> multiaddr.Multiaddr:
-        family = "ip6" if ":" in self.listen_host else "ip4"
-        return multiaddr.Multiaddr(f"/{family}/{self.listen_host}/tcp/{self.port}")
-
-
-class _PipeOut:
-    """Frames to the node: one writer task, a bounded queue, drops counted."""
-
-    def __init__(self, stream: trio.abc.SendStream, capacity: int) -> None:
-        self._stream = stream
-        self._lock = trio.Lock()
-        self._send, self._receive = trio.open_memory_channel[dict[str, Any]](capacity)
-        self.dropped = 0
-
-    def emit(self, event: dict[str, Any]) -> None:
-        """Queue an event; if the node is not reading, drop it and count it."""
-        try:
-            self._send.send_nowait(event)
-        except trio.WouldBlock:
-            self.dropped += 1
-
-    async def send(self, event: dict[str, Any]) -> None:
-        """Write an event now, bypassing the queue."""
-        frame = encode_frame(event)
-        async with self._lock:
-            await self._stream.send_all(frame)
-
-    async def drain(self) -> None:
-        async for event in self._receive:
-            try:
-                await self.send(event)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                logger.error("the node's pipe is closed; exiting")
-                os._exit(0)
-            except (ValueError, TypeError):
-                logger.exception("could not encode %s event", event.get("ev"))
-
-
-class _FrameReader:
-    """Frames from the node's pipe."""
-
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
-        self._stream = stream
-        self._decoder = FrameDecoder()
-        self._frames: deque[Any] = deque()
-
-    async def receive(self) -> Any | None:
-        """The next frame, or None at end of file.
-
-        Raises:
-            ValueError: if the pipe carries something that is not a frame.
-        """
-        while not self._frames:
-            data = await self._stream.receive_some(_READ_CHUNK)
-            if not data:
-                return None
-            self._frames.extend(self._decoder.feed(data))
-        return self._frames.popleft()
 
 
 class _Sidecar:
     """One GossipSub host serving one node."""
 
-    def __init__(self, config: _StartConfig, key_pair: KeyPair, out: _PipeOut) -> None:
+    def __init__(self, config: StartConfig, key_pair: KeyPair, out: PipeOut) -> None:
         self.config = config
         self.out = out
         self.dropped: Counter[str] = Counter()
@@ -209,7 +103,7 @@ class _Sidecar:
         self.pubsub = CountingPubsub(self.host, self.router, strict_signing=True)
         self.dialer = PeerDialer(self.host, self._log)
 
-    async def run(self, reader: _FrameReader) -> None:
+    async def run(self, reader: FrameReader) -> None:
         """Serve until the node says stop or closes the pipe."""
         async with (
             self.host.run([self.config.listen_addr]),
@@ -236,7 +130,7 @@ class _Sidecar:
 
     def stats(self) -> dict[str, Any]:
         """The stats event: drop counts by reason, traffic and peers."""
-        dropped = self.dropped + LIBP2P_DROPS
+        dropped = self.dropped + self.pubsub.drops + LIBP2P_DROPS
         if self.out.dropped:
             dropped["event_queue_full"] = self.out.dropped
         return {
@@ -247,7 +141,7 @@ class _Sidecar:
             **peer_stats(self.host, self.pubsub, self.router, self.config.topics),
         }
 
-    async def _serve_commands(self, reader: _FrameReader) -> None:
+    async def _serve_commands(self, reader: FrameReader) -> None:
         while True:
             frame = await reader.receive()
             if frame is None:
@@ -356,7 +250,7 @@ async def _watch_parent(parent_pid: int) -> None:
         await trio.sleep(_PARENT_POLL_S)
 
 
-async def _serve(reader: _FrameReader, out: _PipeOut) -> int:
+async def _serve(reader: FrameReader, out: PipeOut) -> int:
     first = None
     with trio.move_on_after(_START_TIMEOUT_S):
         first = await reader.receive()
@@ -364,7 +258,7 @@ async def _serve(reader: _FrameReader, out: _PipeOut) -> int:
         logger.error("no start frame within %.0f s", _START_TIMEOUT_S)
         return 1
     try:
-        config = _StartConfig.from_frame(first)
+        config = StartConfig.from_frame(first)
         key_pair = load_key_pair(config.key_file)
         sidecar = _Sidecar(config, key_pair, out)
     except Exception as e:  # bad config or key: tell the node why, then exit
@@ -381,8 +275,8 @@ async def _serve(reader: _FrameReader, out: _PipeOut) -> int:
 
 
 async def _amain(parent_pid: int, out_fd: int) -> int:
-    reader = _FrameReader(trio.lowlevel.FdStream(os.dup(0)))
-    out = _PipeOut(trio.lowlevel.FdStream(out_fd), GOSSIP.event_queue)
+    reader = FrameReader(trio.lowlevel.FdStream(os.dup(0)))
+    out = PipeOut(trio.lowlevel.FdStream(out_fd), GOSSIP.event_queue)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(out.drain)
         nursery.start_soon(_watch_parent, parent_pid)
@@ -414,7 +308,7 @@ def main() -> int:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the node died before the request took effect
         return 0
-    tune_libp2p()
+    patch_libp2p(GOSSIP.outbound_queue, GOSSIP.subscription_queue)
     return trio.run(_amain, parent_pid, out_fd)
 
 

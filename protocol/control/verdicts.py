@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from protocol.averaging.resultmeta import signed_result
-from protocol.control.commitments import CommitmentStore, open_commit
+from protocol.control.commitments import CommitmentStore
+from protocol.control.commitwire import open_commit
 from protocol.control.frames import ControlMessage
 from protocol.errors import ProtocolError
 from protocol.wire.partwire import open_evidence

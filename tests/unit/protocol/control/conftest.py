@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol.control.heartbeats import SelfReport
 from protocol.control.plane import ControlPlane
 from protocol.control.settings import ChannelSettings, ControlSettings
 from tests.unit.protocol.control._plane import ME, RUN, DirectTransport
@@ -20,7 +21,8 @@ def make_plane(tmp_path: Path):
     def make(transport: DirectTransport | None = None) -> ControlPlane:
         channel = ChannelSettings(tmp_path / "identity.key", RUN, log_path=tmp_path / "sidecar.log")
         settings = ControlSettings(channel, commit_seconds=0.2)
-        return ControlPlane(settings, ME, transport, verifier, None, lambda: {"round": 0}, "test")
+        report = SelfReport(lambda: {"round": 0}, "test")
+        return ControlPlane(settings, ME, transport, verifier, None, report)
 
     yield make
     verifier.close()

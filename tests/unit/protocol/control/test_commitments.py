@@ -99,6 +99,8 @@ def test_an_owner_that_misstates_this_nodes_input_is_proven_bad(plane: ControlPl
         )
         == "bad_owner"
     )
+    assert plane.verifier.flagged(4) == {}  # checking convicts nobody: its caller does
+    plane.commitments.convict_owner(CHEAT.peer_id, 3, 0, lying)
     assert plane.verifier.flagged(4) == {CHEAT.peer_id: "banned"}
     # and the evidence convinces anyone
     assert check_verdict("bad_owner", {"reduced": lying, "commit": wire}, CHEAT.peer_id, RUN) == (
@@ -260,3 +262,19 @@ def test_commitments_of_rounds_long_before_the_clock_are_forgotten(plane: Contro
     deliver(plane, "commit", commitment(CHEAT, {0: D2}, round_=20))
     assert check_part(plane, OTHER.peer_id, 3, 0, 0, D1, closed) == "uncommitted"
     assert check_part(plane, CHEAT.peer_id, 20, 0, 0, D2, time.monotonic()) is None
+
+
+def test_the_commit_phase_ends_when_the_last_commitment_arrives_from_another_thread(
+    plane: ControlPlane,
+) -> None:
+    plane.resize(50 * plane.settings.base_rate_peers)  # a window of seconds
+    assert plane.commit_window >= 5.0
+    group = [ME.peer_id, OTHER.peer_id]
+    later = threading.Timer(0.1, deliver, (plane, "commit", commitment(OTHER, {0: D2})))
+    started = time.monotonic()
+    later.start()
+    try:
+        asyncio.run(plane.commitments.commit(3, 0, group, {1: D1}))
+    finally:
+        later.join()
+    assert 0.1 <= time.monotonic() - started < 2.0  # woken by the arrival, not the window

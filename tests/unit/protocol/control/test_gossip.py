@@ -67,3 +67,29 @@ def test_the_router_runs_gossipsub_with_atolls_mesh_and_heartbeat() -> None:
     )
     assert out["degree"] == out["settings"][:3] == [6, 4, 12]
     assert out["heartbeat"] == out["settings"][3] == 1
+
+
+def test_the_process_wide_patch_sizes_the_queues_counts_drops_and_applies_once() -> None:
+    out = _python(
+        """
+        import json
+        from libp2p.peer.id import ID
+        from libp2p.pubsub import gossipsub, pubsub
+        from libp2p.pubsub.pb import rpc_pb2
+        from protocol.control._patch import LIBP2P_DROPS, patch_libp2p
+        patch_libp2p(7, 9)
+        drop = pubsub.drop_rpc
+        patch_libp2p(100, 100)  # a second call changes nothing
+        queue = pubsub.RpcQueue()
+        kept = sum(queue.push(rpc_pb2.RPC()) for _ in range(10))
+        pubsub.drop_rpc(ID(b"x"), rpc_pb2.RPC())
+        print(json.dumps({
+            "kept": kept,
+            "channel": pubsub.SUBSCRIPTION_CHANNEL_SIZE,
+            "same": pubsub.drop_rpc is drop is gossipsub.drop_rpc,
+            "drops": dict(LIBP2P_DROPS),
+        }))
+        """
+    )
+    assert out["kept"] == 7 and out["channel"] == 9 and out["same"]
+    assert out["drops"] == {"outbound_control_dropped": 1}

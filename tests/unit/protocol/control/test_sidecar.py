@@ -70,16 +70,16 @@ def test_every_start_field_is_checked_before_anything_starts() -> None:
     result = _python(
         """
         import json
-        from protocol.control.sidecar import _StartConfig
+        from protocol.control._pipe import StartConfig
         good = {"op": "start", "key_file": "k", "listen_host": "::1", "port": 1,
                 "run": "r", "topics": ["t", "t"], "max_bytes": 2048}
-        config = _StartConfig.from_frame(good)
+        config = StartConfig.from_frame(good)
         out = {"kept": list(config.topics), "addr": str(config.listen_addr)}
         for field, bad in [("op", "stop"), ("key_file", ""), ("listen_host", "host"),
                            ("port", 70000), ("run", ""), ("topics", []),
                            ("max_bytes", 10)]:
             try:
-                _StartConfig.from_frame(dict(good, **{field: bad}))
+                StartConfig.from_frame(dict(good, **{field: bad}))
                 out[field] = "accepted"
             except ValueError as e:
                 out[field] = str(e)
