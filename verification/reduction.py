@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from verification.aggregators import COORDINATEWISE, Aggregate, aggregate
+from verification.aggregators import COORDINATEWISE, aggregate
 from verification.ledger import Ledger
+from verification.means import Aggregate
 from verification.plausibility import MIN_FOR_STATISTICS, Plausibility
 from verification.policy import TrustPolicy
 from verification.reasons import HEURISTIC_REASONS, OUTLIER_REASONS, VICTIM_REASONS

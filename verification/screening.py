@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verification.aggregators import sorted_rows
+from verification.sorting import sorted_rows
 
 __all__ = [
     "Candidate",
