@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from verification import workscores
-from verification.workscores import Estimate, Scores, Verdict
+from verification.gains import Estimate, Verdict
+from verification.workscores import Scores
 
 __all__ = ["Setting", "replay_node", "replay_runs", "main"]
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from verification.replay import TraceWindow
+from verification.traces import TraceWindow
 
 __all__ = ["binds", "passes", "sent_apart", "slack", "trace_sum"]
 

@@ -5,7 +5,8 @@
 depend on other peers: the length (``"shape"``), finiteness (``"not_finite"``) and the
 token claim (``"tokens"``). The statistical checks then compare each survivor with the
 others: its norm against the median norm (``"norm"``), then, among those the norm check
-kept, its direction against a leave-one-out coordinate-wise median (``"direction"``).
+kept, its direction against a leave-one-out coordinate-wise median (``"direction"``;
+its column sample and centres are :mod:`verification.directions`).
 
 :func:`check_reduced` is the other side of a butterfly all-reduce: a member checks the
 part an owner sent back against the member's own contribution to it.
@@ -17,14 +18,13 @@ logs it, audits it and tells the trust policy.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from verification.aggregators import sorted_rows
+from verification.directions import direction_centres, direction_sample, row_stats
 
 __all__ = [
     "Candidate",
@@ -38,15 +38,6 @@ __all__ = [
 
 # Norms at or below this count as zero: such a vector has no direction to judge.
 _TINY = 1e-12
-
-_SAMPLE_BITS = 14
-DIRECTION_SAMPLE = 1 << _SAMPLE_BITS
-"""Coordinates the direction check samples from parts larger than this. Sized by
-measurement (four 2.5M-value pseudo-gradients with honest cosines near 0.27, 30 draws
-each): the sampled cosine's standard error is 0.015 at 4,096 coordinates, 0.008 at
-16,384 and 0.004 at 65,536, at 0.4, 1.0 and 4.0 ms per screening. At 16,384 the error is
-a twelfth of the 0.1 between the default ``min_cosine`` and orthogonal; the check costs
-a quarter of what 65,536 did."""
 
 # Fewer inputs than this and a median is no longer robust: one outlier of two moves it.
 _MIN_FOR_STATISTICS = 3
@@ -149,85 +140,6 @@ def _cheap_verdict(c: Candidate, cfg: ScreeningConfig) -> tuple[Verdict, float]:
     return _ok(c.peer), norm
 
 
-def _leave_one_out_medians(stacked: torch.Tensor) -> torch.Tensor:
-    """Row i: the coordinate-wise median of every row except i, for all i at once.
-
-    Sorting each column once gives every leave-one-out median. Removing value ``x``
-    from a sorted column shifts the values above it down by one, so the remaining
-    value at position ``j`` is ``sorted[j]`` when more than ``j`` values lie below
-    ``x``, that is when ``x > sorted[j]``, and ``sorted[j + 1]`` otherwise. Ties need
-    no care: removing any one of equal values leaves the same column. This costs one
-    sort instead of ``n``.
-    """
-    n = stacked.shape[0]
-    ordered = sorted_rows(stacked)
-
-    def remaining(j: int) -> torch.Tensor:
-        # torch.where(stacked > ordered[j], ordered[j], ordered[j + 1]); a gather picks
-        # the same values at half of torch.where's cost on CPU
-        choices = torch.stack([ordered[j + 1], ordered[j]])
-        return torch.gather(choices, 0, (stacked > ordered[j]).long())
-
-    rest = n - 1
-    lo, hi = (rest - 1) // 2, rest // 2
-    if lo == hi:  # an odd number of others has one middle value
-        return remaining(lo)
-    return (remaining(lo) + remaining(hi)) / 2
-
-
-def _direction_columns(d: int) -> torch.Tensor:
-    """``DIRECTION_SAMPLE`` column indices below ``d``, ascending: one per stratum.
-
-    Column ``k`` is ``(k * d + r) // DIRECTION_SAMPLE`` with ``r`` uniform in
-    ``[0, d)``, drawn with a fresh seed from the OS's randomness on every call: one
-    uniform draw from the ``k``-th of ``DIRECTION_SAMPLE`` equal strata. Every
-    coordinate is still sampled with probability ``DIRECTION_SAMPLE / d``, as with
-    independent uniform draws, and every stretch of the vector is covered in
-    proportion to its length (stratified sampling: its estimate of a sum is never
-    worse than that of independent draws). In ascending order the gather streams
-    through memory, about twice as fast as in random order.
-    """
-    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
-    within = torch.randint(0, d, (DIRECTION_SAMPLE,), generator=generator)
-    return (torch.arange(0, DIRECTION_SAMPLE * d, d) + within) >> _SAMPLE_BITS
-
-
-def _direction_sample(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The columns the direction check looks at, one row per vector: all, or a subset.
-
-    The leave-one-out median needs a sort per coordinate, which dominates screening
-    on multi-million-value parts. A cosine over ``DIRECTION_SAMPLE`` coordinates drawn
-    at random estimates the full cosine to about ``1/sqrt(sample)`` for
-    high-dimensional vectors, and drawing them afresh on every call means a peer
-    cannot know which coordinates will be looked at. One draw serves every vector, and
-    only the sampled columns are copied.
-    """
-    d = vectors[0].shape[0]
-    if d <= DIRECTION_SAMPLE:
-        return torch.stack(list(vectors))
-    cols = _direction_columns(d).to(vectors[0].device)
-    return torch.stack([v.index_select(0, cols) for v in vectors])
-
-
-def _row_stats(
-    sample: torch.Tensor, centers: torch.Tensor
-) -> tuple[list[float], list[float], list[float]]:
-    """Per row: the sample's norm, the centre's norm and their dot product.
-
-    In the sample's precision; values whose squares or products overflow it (the
-    vectors themselves are finite) get all three again in float64.
-    """
-    stats = _row_stats_in(sample, centers)
-    if not all(math.isfinite(value) for row in stats for value in row):
-        stats = _row_stats_in(sample.double(), centers.double())
-    return stats[0], stats[1], stats[2]
-
-
-def _row_stats_in(x: torch.Tensor, c: torch.Tensor) -> list[list[float]]:
-    norms = [torch.linalg.vector_norm(m, dim=1).tolist() for m in (x, c)]
-    return [*norms, (x * c).sum(dim=1).tolist()]
-
-
 def _statistical_verdicts(
     peers: list[str], vectors: list[torch.Tensor], norms: list[float], cfg: ScreeningConfig
 ) -> list[Verdict]:
@@ -255,8 +167,8 @@ def _statistical_verdicts(
     kept = [i for i in active if verdicts[i].ok]
     if len(kept) < _MIN_FOR_STATISTICS:
         return verdicts
-    sample = _direction_sample([vectors[i] for i in kept])
-    sample_norms, center_norms, dots = _row_stats(sample, _direction_centres(sample))
+    sample = direction_sample([vectors[i] for i in kept])
+    sample_norms, center_norms, dots = row_stats(sample, direction_centres(sample))
     for row, i in enumerate(kept):
         # A zero centre has no direction; the check cannot judge.
         if center_norms[row] <= _TINY or sample_norms[row] <= _TINY:
@@ -270,19 +182,6 @@ def _statistical_verdicts(
                 f"cosine {cosine:.3f} < {cfg.min_cosine:g} against the others' median",
             )
     return verdicts
-
-
-def _direction_centres(sample: torch.Tensor) -> torch.Tensor:
-    """Row i: the centre row i's direction is judged against.
-
-    The coordinate-wise median of the other rows, so that an input cannot pull its own
-    centre towards itself; with three rows that would be the mean of two (one of them
-    decides it), so three are judged against the median of all three, which a single
-    input cannot move past the other two.
-    """
-    if sample.shape[0] == _MIN_FOR_STATISTICS:
-        return sample.median(dim=0).values.expand_as(sample)
-    return _leave_one_out_medians(sample)
 
 
 def screen(candidates: Sequence[Candidate], cfg: ScreeningConfig) -> list[Verdict]:

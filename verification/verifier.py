@@ -10,74 +10,42 @@ ban); peers that are quarantined, banned, denied or below the policy's minimum
 reputation are refused, and this node votes to leave quarantined and banned ones out
 of the round's groups.
 
-The owner's reduction runs here in steps (admit, screen, cap the weights and
-aggregate, audit). With useful-work checks on, a member's claimed weight in an
-``update`` is first scaled by the share of it its checked work bears out
-(:meth:`verification.workscores.Scores.factor`), so partial work buys partial influence
-before any flag. Who is in and what a violation costs is
-:class:`~verification.standings.Standings`, and the checks against history (a pair's
-parts, an owner's result) are :class:`~verification.plausibility.Plausibility`.
-
-The SQLite stores are used from the transport's loop thread (reducer, judge) and
-from the training thread (group exclusion, status), so every call takes one lock.
+The owner's reduction (admit, screen, cap the weights and aggregate, audit) is
+:class:`~verification.reduction.Reducer`. Who is in and what a violation costs is
+:class:`~verification.standings.Standings`, the checks against history (a pair's
+parts, an owner's result) are :class:`~verification.plausibility.Plausibility`, and
+what is written down (audit rows, reputations) goes through the node's
+:class:`~verification.ledger.Ledger`. Which refusals cost a peer is
+:mod:`verification.reasons`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from verification.aggregators import COORDINATEWISE, Aggregate, aggregate
-from verification.audit import AuditLog
-from verification.plausibility import MIN_FOR_STATISTICS, Plausibility
+from verification.ledger import Ledger
+from verification.plausibility import Plausibility
 from verification.policy import TrustPolicy
+from verification.reasons import (
+    BENIGN_REASONS,
+    OUTLIER_REASONS,
+    POLICY_REASONS,
+    VICTIM_REASONS,
+)
 from verification.records import Contribution, Prefix, Reduction, StreamPlan
-from verification.reputation import ReputationStore
+from verification.reduction import Reducer
 from verification.rounds import RoundClock
-from verification.screening import Candidate, ScreeningConfig, Verdict, screen, screen_copies
-from verification.shares import max_share_weights
 from verification.standings import EventSink, Standings, repeated
 from verification.workscores import Scores
-from verification.writer import Writer
 
-__all__ = ["BENIGN_REASONS", "EventSink", "Verifier"]
+__all__ = ["EventSink", "Verifier"]
 
 logger = logging.getLogger(__name__)
-
-BENIGN_REASONS = frozenset(
-    {
-        "group_mismatch",
-        "not_in_round",
-        "late",
-        "stale_round",
-        "busy",
-        "timeout",
-        "too_slow",
-        "uncommitted",
-        "late_commit",
-    }
-)
-"""Refusals an honest peer can cause (different views, slowness, a node that was frozen
-or cut off and sends what belongs to a round that is over); never held against it.
-
-``wrong_part`` is not among them: the group is checked first, so a part addressed to
-the wrong owner of the very same group is a replayed or misdirected message."""
-
-_POLICY_REASONS = frozenset({"denied", "not_allowed", "quarantined", "banned", "low_reputation"})
-_HEURISTIC_REASONS = frozenset({"norm", "direction"})
-"""Screens that need a robust centre: in a pair (no centre) they accuse no one."""
-_OUTLIER_REASONS = _HEURISTIC_REASONS | {"owner_norm", "owner_direction"}
-"""Statistical verdicts: a violation only when repeated
-(:meth:`verification.standings.Standings.outlier`)."""
-_VICTIM_REASONS = frozenset({"copy_norm", "owner_shrunk"})
-"""Refusals of copies (a member's, or an owner's mean of them) whose failure is most often
-the holder's misfortune, never held against it: a copy a zero owner shrank before is
-short, and so is any mean its honest holder returns."""
 
 
 class Verifier:
@@ -104,21 +72,16 @@ class Verifier:
         """This node's rounds: the node moves it, the verifier and the standings read it."""
         self.me = me
         self.events = events
-        # audit rows and reputations are written off the critical path by one thread;
-        # standings are read from memory
-        self.writer = Writer(db_path)
-        self.audit = AuditLog(db_path, writer=self.writer)
-        self.reputation = ReputationStore(db_path, writer=self.writer)
-        self.screening = ScreeningConfig(
-            enabled=policy.screening,
-            norm_kappa=policy.norm_kappa,
-            min_cosine=policy.min_cosine,
-            max_tokens=policy.max_tokens,
-        )
+        self.ledger = Ledger(db_path, me)
+        """Audit rows and reputations, written off the critical path by one thread;
+        standings are read from memory."""
+        self.audit = self.ledger.audit
+        self.reputation = self.ledger.reputation
         self.plausibility = Plausibility(policy, me)
         """Pairs screened and owners' results judged against what was accepted before."""
-        self._lock = threading.RLock()
-        self.standings = Standings(policy, me, self.reputation, self._lock, events, self.clock)
+        self.standings = Standings(
+            policy, me, self.reputation, self.ledger.lock, events, self.clock
+        )
         """Who is in, and what a violation costs."""
         self.work = (
             Scores(
@@ -132,6 +95,8 @@ class Verifier:
         )
         """Each peer's checked work (None without useful-work checks); fed by the node's
         checks, read here for weights."""
+        self.reducer = Reducer(policy, self.standings, self.plausibility, self.work, self.ledger)
+        """The owner's reduction of the parts this node owns."""
         self._missed: dict[str, deque[int]] = {}  # rounds with a committed, undelivered part
 
     # ---- who is in (see verification.standings) ----------------------------------------
@@ -170,20 +135,7 @@ class Verifier:
         members with their capped weights, when the aggregator is coordinate-wise
         (None otherwise). Screening still runs on the whole parts once they are in; if
         it leaves anyone out, :meth:`reduce` starts over (see :class:`Prefix`)."""
-        name = self.policy.aggregator
-        if name not in COORDINATEWISE:
-            return None
-        admitted = [(p, w) for p, w in members if not self.refusal(p, round_)]
-        if not admitted:
-            return None
-        claimed = self._evidenced([w for _, w in admitted], [p for p, _ in admitted], content)
-        weights = tuple(max_share_weights(claimed, self.policy.max_share))
-        params = dict(self.policy.aggregator_params)
-
-        def combine(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-            return aggregate(name, rows, weights, params).vector
-
-        return StreamPlan(tuple(p for p, _ in admitted), weights, combine)
+        return self.reducer.stream_plan(round_, members, content)
 
     def reduce(
         self,
@@ -210,164 +162,22 @@ class Verifier:
         # the senders this node takes anything from: a shared reduction asks only whether
         # a sender is blocked, a gather's whether the operator's lists refuse it
         refuse = self.listed if gathered else self.blocks if shared else self.refusal
-        why = {c.peer: refuse(c.peer, round_) for c in contributions}
-        rejected: dict[str, str] = {p: reason for p, reason in why.items() if reason}
-        admitted = [c for c in contributions if not why[c.peer]]
-        numel = contributions[0].vector.numel()
-        good = self._screened(admitted, numel, round_, fragment, content, shared, rejected)
-        result = self._aggregated(good, prefix, "shared" if shared else content)
-        used = [good[i].peer for i in result.used]
-        for c in good:
-            if c.peer not in used:
-                rejected[c.peer] = "not_selected"
-        self._audit_reduction(round_, fragment, part, contributions, used, rejected)
-        return Reduction(result.vector, used, rejected)
-
-    def _screened(
-        self,
-        admitted: Sequence[Contribution],
-        numel: int,
-        round_: int,
-        fragment: int,
-        content: str,
-        shared: bool,
-        rejected: dict[str, str],
-    ) -> list[Contribution]:
-        """The admitted contributions that pass screening (this node's own always does);
-        each refused one goes into ``rejected`` and, unless it is only an implausible
-        pair or a shrunken copy, counts as a violation. A copy falls short of its group's
-        norm most often because an owner that lied shrank the mean its holder took
-        (a zero owner in a pair halves it): it is left out of the mix, and its holder,
-        the victim, is not accused."""
-        candidates = [Candidate(c.peer, c.vector, c.tokens, numel, c.norm) for c in admitted]
-        verdicts = screen(candidates, self.screening)
-        if content == "weights" and self.policy.screening:
-            verdicts = self._copies(candidates, verdicts, shared)
-        paired = self.policy.screening and len(admitted) < MIN_FOR_STATISTICS
-        if paired and not shared:
-            verdicts = self.plausibility.pair_verdicts((fragment, content), admitted, verdicts)
-        good = []
-        for c, verdict in zip(admitted, verdicts):
-            if verdict.ok or c.peer == self.me:
-                good.append(c)
-                continue
-            rejected[c.peer] = verdict.reason
-            if verdict.reason in _VICTIM_REASONS or (
-                paired and verdict.reason in _HEURISTIC_REASONS
-            ):
-                # Two inputs have no robust centre: an implausible pair is left out of
-                # this round without accusing anyone; so is a shrunken copy.
-                logger.info(
-                    "round %d fragment %d: %s left out (%s)",
-                    round_,
-                    fragment,
-                    c.peer,
-                    verdict.detail,
-                )
-                continue
-            if verdict.reason in _OUTLIER_REASONS:
-                self.standings.outlier(c.peer, round_, fragment, verdict.reason, verdict.detail)
-            else:
-                self.standings.violation(c.peer, round_, fragment, verdict.reason, verdict.detail)
-        return good
-
-    def _copies(
-        self, candidates: list[Candidate], verdicts: list[Verdict], shared: bool
-    ) -> list[Verdict]:
-        """Global copies whose norm falls far below the group's are left out too
-        (:func:`verification.screening.screen_copies`; a shared repair judges by the
-        inputs alone, so a pair there has no reference)."""
-        ok = [i for i, v in enumerate(verdicts) if v.ok]
-        peers = [candidates[i].peer for i in ok]
-        own = None if shared or self.me not in peers else peers.index(self.me)
-        judged = screen_copies([candidates[i] for i in ok], own, self.policy.norm_kappa)
-        out = list(verdicts)
-        for i, verdict in zip(ok, judged, strict=True):
-            out[i] = verdict
-        return out
-
-    def _aggregated(
-        self, good: Sequence[Contribution], prefix: Prefix | None, content: str
-    ) -> Aggregate:
-        """The policy's aggregator over ``good`` with capped weights (the streamed
-        ``prefix`` completed when it was reduced over exactly these)."""
-        claimed = self._evidenced([c.weight for c in good], [c.peer for c in good], content)
-        weights = max_share_weights(claimed, self.policy.max_share)
-        result = _complete(prefix, good, weights) if prefix is not None else None
-        if result is None:
-            result = aggregate(
-                self.policy.aggregator,
-                [c.vector for c in good],
-                weights,
-                self.policy.aggregator_params,
-            )
-        return result
-
-    def _evidenced(
-        self, weights: Sequence[float], peers: Sequence[str], content: str
-    ) -> list[float]:
-        """Weights scaled by the share of its claim each peer's checked work bears out:
-        its pseudo-gradient's, and, where the group mixes copies, its copy's (a member
-        whose work does not show holds a copy that did not move with the swarm's, and
-        would drag every member's back). As they are without checks, for this node's
-        own, and in the shared repairs every member reduces alike."""
-        if self.work is None or content == "shared":
-            return list(weights)
-        scaled = []
-        for w, p in zip(weights, peers, strict=True):
-            scaled.append(w if p == self.me else w * self.work.factor(p))
-        return scaled
-
-    def _audit_reduction(
-        self,
-        round_: int,
-        fragment: int,
-        part: int,
-        contributions: Sequence[Contribution],
-        used: Sequence[str],
-        rejected: dict[str, str],
-    ) -> None:
-        """One audit row per contribution; a good mark for each peer in the result."""
-        rows = []
-        for c in contributions:
-            if c.peer == self.me:
-                verdict, reason = "own", "" if c.peer in used else rejected.get(c.peer, "")
-            elif c.peer in used:
-                verdict, reason = "accepted", ""
-            else:
-                verdict, reason = "rejected", rejected[c.peer]
-            rows.append(
-                dict(
-                    round=round_,
-                    fragment=fragment,
-                    part=part,
-                    sender=c.peer,
-                    digest=c.digest,
-                    tokens=int(c.tokens),
-                    verdict=verdict,
-                    reason=reason,
-                )
-            )
-        with self._lock:
-            self.audit.append_later(rows)
-            for peer in used:
-                if peer != self.me:
-                    self.reputation.record(peer, round_, ok=True)
+        where = (round_, fragment, part)
+        return self.reducer.reduce(where, contributions, refuse, shared, content, prefix)
 
     # ---- refusals ----------------------------------------------------------------------
 
     def on_refusal(self, peer: str, round_: int | None, fragment: int | None, reason: str) -> None:
         r = self.clock.current if round_ is None else round_
-        with self._lock:
-            # part 0: refused before its part was known
-            self._audit_row(r, fragment if fragment is not None else 0, 0, peer, "rejected", reason)
-        if reason not in BENIGN_REASONS and reason not in _POLICY_REASONS:
+        # part 0: refused before its part was known
+        self.ledger.row(r, fragment if fragment is not None else 0, 0, peer, "rejected", reason)
+        if reason not in BENIGN_REASONS and reason not in POLICY_REASONS:
             # Counted when it happens: a replayed message names an old round, and a
             # quarantine counted from that round would already be over.
             self.standings.violation(
                 peer, max(r, self.clock.current), fragment, reason, "message refused"
             )
-        elif reason in _POLICY_REASONS:
+        elif reason in POLICY_REASONS:
             logger.info("refused parts from %s at round %d: %s", peer, r, reason)
 
     def check_reduced(
@@ -396,9 +206,9 @@ class Verifier:
         """Record a part that never came; a peer that keeps committing and not
         delivering (``policy.max_missed`` in ``policy.missed_window`` rounds) has
         broken promises it signed: one violation."""
-        with self._lock:
+        with self.ledger.lock:
             reason = "no_delivery" if committed else "absent"
-            self._audit_row(round_, fragment, part, peer, "missing", reason)
+            self.ledger.row(round_, fragment, part, peer, "missing", reason)
             if not committed:
                 return
             misses = self._missed.setdefault(peer, deque())
@@ -411,10 +221,9 @@ class Verifier:
     def on_owner_refused(
         self, owner: str, round_: int, fragment: int, part: int, reason: str
     ) -> None:
-        with self._lock:
-            self._audit_row(round_, fragment, part, owner, "owner_rejected", reason)
-        unaccused = BENIGN_REASONS | _POLICY_REASONS | _VICTIM_REASONS
-        if reason in _OUTLIER_REASONS:
+        self.ledger.row(round_, fragment, part, owner, "owner_rejected", reason)
+        unaccused = BENIGN_REASONS | POLICY_REASONS | VICTIM_REASONS
+        if reason in OUTLIER_REASONS:
             self.standings.outlier(owner, round_, fragment, reason, "reduced part refused")
         elif reason not in unaccused:
             self.standings.violation(owner, round_, fragment, reason, "reduced part refused")
@@ -437,16 +246,16 @@ class Verifier:
         """
         if op not in ("ban", "pardon"):
             raise ValueError(f"unknown operator command {op!r}")
-        with self._lock:
+        with self.ledger.lock:
             if op == "ban":
                 standing = self.standings.ban(peer, reason)
             else:
                 standing = self.standings.pardon(peer, reason)
-            self._audit_row(self.clock.current, 0, 0, peer, f"operator_{op}", reason)
+            self.ledger.row(self.clock.current, 0, 0, peer, f"operator_{op}", reason)
         if self.events is not None:
             self.events.write(f"operator_{op}", peer=peer, reason=reason, round=self.clock.current)
         # an operator's command is on disk when it is answered (`atoll peers` reads the file)
-        if not self.writer.flush():
+        if not self.ledger.flush():
             logger.warning("operator %s of %s: not written to the audit log within 30 s", op, peer)
         return {
             "peer": peer,
@@ -456,38 +265,10 @@ class Verifier:
             "reason": standing.reason,
         }
 
-    def _audit_row(
-        self, round_: int, fragment: int, part: int, sender: str, verdict: str, reason: str
-    ) -> None:
-        """One audit row about a message or a peer rather than a contribution."""
-        row = dict(
-            round=round_,
-            fragment=fragment,
-            part=part,
-            sender=sender,
-            digest="",
-            tokens=0,
-            verdict=verdict,
-            reason=reason,
-        )
-        self.audit.append_later([row])
-
     def flush(self, timeout: float = 30.0) -> bool:
         """Commit every queued audit row and reputation change (before a checkpoint)."""
-        return self.writer.flush(timeout)
+        return self.ledger.flush(timeout)
 
     def close(self) -> None:
         """Flush and close the node's SQLite file (nothing queued is lost)."""
-        self.writer.close()
-        with self._lock:
-            self.audit.close()
-            self.reputation.close()
-
-
-def _complete(
-    prefix: Prefix, good: Sequence[Contribution], weights: Sequence[float]
-) -> Aggregate | None:
-    """The prefix's reduction completed over ``good``, or None when ``good`` and its
-    weights are not the ones the prefix was reduced with."""
-    out = prefix.complete([c.peer for c in good], weights, [c.vector for c in good])
-    return None if out is None else Aggregate(out, list(range(len(good))))
+        self.ledger.close()

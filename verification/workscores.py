@@ -1,24 +1,9 @@
-"""What a check record says of a contribution, and each peer's standing from its records.
+"""Each peer's standing from its check records: pooled into flags and weights.
 
-A record (:class:`verification.usefulness.CheckRecord`) holds per-window losses;
-:func:`judge` turns them into measurements of two contributions to the same exchange,
-the checked one and the checker's own:
-
-- its **gain**: its mean loss drop on the control windows, divided by its claimed
-  batches raised to :data:`WORK_EXPONENT`. A round's gain grows more slowly than its
-  steps (on the demo model 10, 50 and 100 steps from one state gave gains in the ratio
-  0.18 : 0.50 : 1, an exponent between 0.64 and 1.04; 0.75 sits inside), so an honest
-  node that trained fewer steps and claims them compares evenly, while a member that
-  trained a tenth of the steps it claims shows about 0.2 to 0.5 of an honest gain (gains
-  are concave in steps: the first steps gain most);
-- its **lift**: its mean gain on windows of its own claimed batches beyond its mean
-  gain on control text. A member that trained on the batches it claims keeps some of
-  what it learned there; one that trained elsewhere, or sends someone else's change,
-  lifts nothing.
-
-:class:`Scores` compares each with its round's *reference*: the median over every
-contribution to that round measured so far (of peers not flagged), once
-:data:`MIN_POOLED` were. Not the checker's own contribution: honest contributions to one
+What one record measured of a contribution (its gain and lift) is
+:func:`verification.gains.judge`; :class:`Scores` compares each with its round's
+*reference*: the median over every contribution to that round measured so far (of
+peers not flagged), once :data:`MIN_POOLED` were. Not the checker's own contribution: honest contributions to one
 round differ (a member whose copy had come further gains less from the same work; on
 the 87k-parameter test model by up to 3.5 times), so against a checker that gained much
 an honest peer would look lazy, and the median is what a minority of lazy or lying peers
@@ -40,7 +25,8 @@ get an honest peer flagged, and with any one round's, so one round cannot either
 :meth:`Scores.factor` is the share of its claimed weight a peer's contributions keep in
 an aggregate: its pooled work ratio over :data:`WORK_FULL`, at most one, so partial work
 buys partial influence before any flag. A failed replay check
-(:mod:`verification.replay`) flags its peer besides, with a weight factor of 0.
+(:mod:`verification.replay`) flags its peer besides, with a weight factor of 0
+(:class:`verification.replayfailures.FailedReplays`).
 """
 
 from __future__ import annotations
@@ -53,24 +39,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from verification.gains import Verdict
+from verification.replayfailures import FailedReplays
 from verification.usefulness import CheckRecord
 
 __all__ = [
-    "WORK_EXPONENT",
     "WORK_FULL",
     "Z",
     "CLIP",
     "MIN_POOLED",
     "MIN_ROUNDS",
-    "Estimate",
     "Pooled",
     "Scores",
-    "Verdict",
-    "judge",
 ]
 
-WORK_EXPONENT = 0.75
-"""Gains are compared per claimed batch raised to this power (see the module docstring)."""
 WORK_FULL = 0.8
 """A pooled work ratio at or above this keeps a peer's full claimed weight."""
 Z = 1.645
@@ -94,64 +76,6 @@ over two rounds each round alone must. Three rounds flagged no honest peer eithe
 replayed benchmark swarms, one round later (docs/trust.md)."""
 _ROUNDS_POOLED = 32
 """Rounds whose measured contributions are kept for references."""
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A mean over windows and its standard error, in nats per token."""
-
-    mean: float
-    se: float
-
-    @classmethod
-    def of(cls, values: list[float], scale: float = 1.0) -> Estimate:
-        n = len(values)
-        spread = statistics.stdev(values) if n > 1 else 0.0
-        return cls(scale * math.fsum(values) / max(1, n), scale * spread / math.sqrt(max(1, n)))
-
-    def minus(self, other: Estimate) -> Estimate:
-        return Estimate(self.mean - other.mean, math.hypot(self.se, other.se))
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What one record measured, each per claimed batch to :data:`WORK_EXPONENT` for
-    gains (so contributions of different claims compare) and in nats for lifts.
-
-    Attributes:
-        gain: the contribution's mean gain on the control windows.
-        ref_gain: the checker's own contribution's gain on the same windows (None when
-            the checker claimed nothing).
-        lift: the contribution's gain on its claimed windows beyond its gain on control
-            text (None without claimed windows).
-        ref_lift: the checker's own, on its own claimed windows (None likewise).
-    """
-
-    gain: Estimate
-    ref_gain: Estimate | None = None
-    lift: Estimate | None = None
-    ref_lift: Estimate | None = None
-
-
-def judge(record: CheckRecord) -> Verdict:
-    """What ``record`` measured (see the module docstring)."""
-    gains = [before - after for before, after, _, _ in record.control]
-    ref_gains = [before - after for _, _, before, after in record.control]
-    ref_gain = ref_lift = None
-    if record.reference_claimed > 0:
-        ref_gain = Estimate.of(ref_gains, record.reference_claimed**-WORK_EXPONENT)
-        if record.reference_assigned:
-            own = Estimate.of([b - a for b, a in record.reference_assigned])
-            ref_lift = own.minus(Estimate.of(ref_gains))
-    if record.claimed <= 0:
-        # a claim no one can draw from counts as no work at all
-        nothing = Estimate(0.0, 0.0)
-        return Verdict(nothing, ref_gain, nothing if ref_lift is not None else None, ref_lift)
-    gain = Estimate.of(gains, record.claimed**-WORK_EXPONENT)
-    lift = None
-    if record.assigned:
-        lift = Estimate.of([b - a for b, a in record.assigned]).minus(Estimate.of(gains))
-    return Verdict(gain, ref_gain, lift, ref_lift)
 
 
 @dataclass(frozen=True)
@@ -220,8 +144,7 @@ class Scores:
         # round -> (peer, fragment) -> its measured (gain, lift) pairs
         self._pools: dict[int, dict[tuple[str, int], list[tuple[float, float | None]]]] = {}
         self._flagged: set[str] = set()
-        # peer -> checker -> (round, proven) of its failed replay checks
-        self._replays: dict[str, dict[str, tuple[int, bool]]] = {}
+        self._replays = FailedReplays(rounds)
         self._lock = threading.Lock()
 
     def add(self, record: CheckRecord, verdict: Verdict) -> bool:
@@ -252,11 +175,8 @@ class Scores:
         ``proven`` where this node replayed the window itself and it failed here too,
         else on ``checker``'s word. Whether ``peer`` is flagged now."""
         with self._lock:
-            mine = self._replays.setdefault(peer, {})
-            held = mine.get(checker)
-            if held is None or held[0] < round_ or (proven and not held[1]):
-                mine[checker] = (round_, proven or (held is not None and held[1]))
-            flagged = self._replay_flagged(peer)
+            self._replays.add(peer, checker, round_, proven)
+            flagged = self._replays.flags(peer)
             if flagged:
                 self._flagged.add(peer)
             return flagged
@@ -264,26 +184,13 @@ class Scores:
     def proven(self, peer: str) -> bool:
         """Whether a replay of ``peer``'s trace failed on this node."""
         with self._lock:
-            return any(p for _, p in self._replays.get(peer, {}).values())
-
-    def _replay_flagged(self, peer: str) -> bool:
-        """A failed replay proven here flags its peer; failures on others' word need two
-        checkers (one lying checker cannot get an honest peer flagged), within the
-        rounds a peer is judged on."""
-        failed = self._replays.get(peer)
-        if not failed:
-            return False
-        if any(proven for _, proven in failed.values()):
-            return True
-        newest = max(r for r, _ in failed.values())
-        span = self.rounds if self.rounds is not None else 24
-        return len([c for c, (r, _) in failed.items() if r > newest - span]) >= 2
+            return self._replays.proven(peer)
 
     def _recent(self, kept: Iterable[_Kept]) -> list[_Kept]:
         """The records a peer is judged on: those of its newest rounds, less any whose
         checker this node proved to cheat (its word counts for nothing, back to its
         first record)."""
-        cheats = {p for p, failed in self._replays.items() if any(v for _, v in failed.values())}
+        cheats = self._replays.cheats()
         records = [k for k in kept if k.checker not in cheats]
         if self.rounds is None or not records:
             return records
@@ -377,13 +284,13 @@ class Scores:
             return self._score(peer, self._recent(self._records.get(peer, ())), {})
 
     def _with_replays(self, peer: str, score: dict[str, Any]) -> dict[str, Any]:
-        failed = self._replays.get(peer, {})
+        failed = self._replays.count(peer)
         if not failed:
             return score
-        replayed = self._replay_flagged(peer)
+        replayed = self._replays.flags(peer)
         return {
             **score,
-            "replays_failed": len(failed),
+            "replays_failed": failed,
             "replay_flagged": replayed,
             "factor": 0.0 if replayed else score["factor"],
             "flagged": score["flagged"] or replayed,
@@ -432,7 +339,7 @@ class Scores:
         """The share of its claimed weight ``peer``'s contributions keep (1 with no
         evidence yet)."""
         with self._lock:
-            if self._replay_flagged(peer):
+            if self._replays.flags(peer):
                 return 0.0
             records = self._recent(self._records.get(peer, ()))
             work = self._pooled(records, {})[0] if records else None
@@ -447,7 +354,7 @@ class Scores:
                 for p, r in self._records.items()
                 if self._score(p, self._recent(r), refs)["flagged"]
             }
-            found |= {p for p in self._replays if self._replay_flagged(p)}
+            found |= {p for p in self._replays.peers() if self._replays.flags(p)}
             self._flagged = found
             return set(found)
 
@@ -455,7 +362,7 @@ class Scores:
         """Every scored peer's :meth:`score`."""
         with self._lock:
             refs: dict[int, tuple[float | None, float | None]] = {}
-            peers = sorted(set(self._records) | set(self._replays))
+            peers = sorted(set(self._records) | self._replays.peers())
             return {
                 p: self._score(p, self._recent(self._records.get(p, deque())), refs) for p in peers
             }

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from node.checks.inputs import CheckSettings, RoundInputs
+from verification.gains import judge
 from verification.usefulness import CheckRecord
-from verification.workscores import Scores, judge
+from verification.workscores import Scores
 
 __all__ = ["Belief", "believe"]
 

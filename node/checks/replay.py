@@ -38,17 +38,9 @@ from node.train.trainstate import StateError, load_state, state_digest
 from protocol.averaging.contributions import WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from verification import binding
-from verification.replay import (
-    ReplayError,
-    ReplayRecord,
-    Trace,
-    TraceWindow,
-    agreement,
-    covers,
-    drawn_window,
-    open_trace,
-)
+from verification.replay import ReplayRecord, agreement, drawn_window
 from verification.sketch import Sketcher
+from verification.traces import ReplayError, Trace, TraceWindow, covers, open_trace
 
 __all__ = ["Fetch", "NotKept", "ReplaySettings", "Replayer", "Unavailable"]
 

@@ -26,7 +26,8 @@ from node.checks.inputs import CheckSettings, RoundInputs
 from node.checks.replay import NotKept, Replayer, Unavailable
 from protocol.errors import ProtocolError
 from verification.identity import Identity
-from verification.replay import ReplayError, ReplayRecord, Trace, open_replay_record
+from verification.replay import ReplayRecord, open_replay_record
+from verification.traces import ReplayError, Trace
 from verification.verifier import Verifier
 
 __all__ = ["Outlets", "Pending", "ReplayChecks"]

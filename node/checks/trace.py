@@ -10,7 +10,7 @@ its claim. A window records each fragment's sketch of its change (end minus star
 Values probed after each step guard the windows: a model changed unannounced since a
 window's last step drops that window rather than record a wrong change. When a sync
 takes its claim (:meth:`Tracer.claim`), the windows of the claimed batches become a
-signed :class:`~verification.replay.Trace` whose digest goes into the claim, and so
+signed :class:`~verification.traces.Trace` whose digest goes into the claim, and so
 into every part and the commitment. The tracer serves traces and start states on
 :data:`REPLAY_RPC` for :data:`~protocol.averaging.contributions.ROUNDS_KEPT` rounds.
 
@@ -46,8 +46,9 @@ from protocol.averaging.contributions import ROUNDS_KEPT, WorkClaim
 from protocol.averaging.fragments import FragmentPlan
 from protocol.errors import ProtocolError
 from verification.identity import Identity
-from verification.replay import Trace, TraceWindow, drawn_window
+from verification.replay import drawn_window
 from verification.sketch import Sketcher
+from verification.traces import Trace, TraceWindow
 
 __all__ = ["REPLAY_RPC", "Tracer"]
 

@@ -48,6 +48,7 @@ from node.checks.measure import Checked, Measurer
 from node.checks.replay import Replayer
 from node.checks.replays import Outlets, Pending, ReplayChecks
 from protocol.errors import ProtocolError
+from verification.gains import Verdict, judge
 from verification.identity import Identity
 from verification.replay import ReplayRecord, is_replay_record
 from verification.usefulness import (
@@ -57,7 +58,6 @@ from verification.usefulness import (
     reproduces,
 )
 from verification.verifier import Verifier
-from verification.workscores import Verdict, judge
 
 __all__ = ["UsefulWork"]
 

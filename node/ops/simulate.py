@@ -37,7 +37,7 @@ from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.grouping import form_groups
 from protocol.wire import codec as codecs
 from protocol.wire.feedback import ErrorFeedback
-from verification import aggregators
+from verification import means
 
 __all__ = ["resolve_device", "simulate", "weighted_mean"]
 
@@ -66,14 +66,14 @@ def resolve_device(name: str) -> torch.device:
 
 def weighted_mean(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     """Mean of ``vectors`` weighted by ``weights`` (need not sum to one): the all-reduce's
-    own weighted mean (:func:`verification.aggregators.weighted_mean`).
+    own weighted mean (:func:`verification.means.weighted_mean`).
 
     Raises:
         ValueError: the weights do not have a positive sum (no replica trained).
     """
     if float(sum(weights)) <= 0:
         raise ValueError("weights must have a positive sum")
-    return aggregators.weighted_mean(vectors, weights)
+    return means.weighted_mean(vectors, weights)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from verification.aggregators import weighted_mean
+from verification.means import weighted_mean
 from verification.records import Contribution, Prefix, Reduction, StreamPlan
 
 __all__ = [
@@ -166,7 +166,7 @@ def weighted_mean_reducer(
     gathered: bool = False,
 ) -> Reduction:
     """Token-weighted mean (plain mean when every weight is zero):
-    :func:`verification.aggregators.weighted_mean` of the contributions, in order."""
+    :func:`verification.means.weighted_mean` of the contributions, in order."""
     peers = [c.peer for c in contributions]
     weights = [c.weight for c in contributions]
     vectors = [c.vector for c in contributions]

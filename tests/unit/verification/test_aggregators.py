@@ -10,19 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from verification.aggregators import (
-    AGGREGATORS,
-    Aggregate,
-    aggregate,
-    centered_clip,
-    coordinate_median,
-    krum,
-    mean,
-    median,
-    multi_krum,
-    sorted_rows,
-    trimmed_mean,
-)
+from verification.aggregators import AGGREGATORS, aggregate
+from verification.coordinatewise import mean, median, trimmed_mean
+from verification.means import Aggregate
+from verification.sorting import coordinate_median, sorted_rows
+from verification.vectorwise import centered_clip, krum, multi_krum
 
 
 def _t(*rows: list[float]) -> list[torch.Tensor]:

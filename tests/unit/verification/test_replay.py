@@ -12,18 +12,19 @@ import torch
 
 from verification.identity import Identity
 from verification.replay import (
-    MAX_REPLAY_BYTES,
-    SKETCH_SIZE,
-    ReplayError,
     ReplayRecord,
-    Sketcher,
-    Trace,
-    TraceWindow,
     agreement,
-    covers,
     drawn_window,
     is_replay_record,
     open_replay_record,
+)
+from verification.sketch import SKETCH_SIZE, Sketcher
+from verification.traces import (
+    MAX_REPLAY_BYTES,
+    ReplayError,
+    Trace,
+    TraceWindow,
+    covers,
     open_trace,
 )
 from verification.workscores import Scores

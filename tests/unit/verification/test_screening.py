@@ -9,13 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from verification.directions import DIRECTION_SAMPLE, direction_columns, leave_one_out_medians
 from verification.screening import (
-    DIRECTION_SAMPLE,
     Candidate,
     ScreeningConfig,
     Verdict,
-    _direction_columns,
-    _leave_one_out_medians,
     check_reduced,
     finite_norm,
     screen,
@@ -235,7 +233,7 @@ def test_leave_one_out_median_matches_brute_force(n: int, d: int, seed: int, sca
     # Small integers force ties, the case where rank bookkeeping could go wrong.
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-3, 4, (n, d), generator=g).float() * scale
-    got = _leave_one_out_medians(x)
+    got = leave_one_out_medians(x)
     assert torch.equal(got, _brute_force(x))
     assert torch.equal(got, _sort_leave_one_out_medians(x))
 
@@ -243,7 +241,7 @@ def test_leave_one_out_median_matches_brute_force(n: int, d: int, seed: int, sca
 def test_leave_one_out_median_on_a_wide_sample_matches_the_sort_reference() -> None:
     for n in (3, 4, 5, 8):
         x = torch.randn(n, 20_000, generator=torch.Generator().manual_seed(n))
-        assert torch.equal(_leave_one_out_medians(x), _sort_leave_one_out_medians(x)), n
+        assert torch.equal(leave_one_out_medians(x), _sort_leave_one_out_medians(x)), n
 
 
 # --- finiteness and norms in one pass -------------------------------------------
@@ -346,21 +344,21 @@ def test_direction_check_samples_large_parts_and_still_catches_a_flip() -> None:
 
 @pytest.mark.parametrize("d", [DIRECTION_SAMPLE + 1, 250_000, 2_500_000, 10**9])
 def test_direction_columns_take_one_fresh_column_per_stratum(d: int) -> None:
-    cols = _direction_columns(d)
+    cols = direction_columns(d)
     k = torch.arange(DIRECTION_SAMPLE, dtype=torch.int64)
     # stratum k holds the columns c with k * d <= c * DIRECTION_SAMPLE < (k + 1) * d
     assert cols.shape == (DIRECTION_SAMPLE,)
     assert bool((cols * DIRECTION_SAMPLE > k * d - DIRECTION_SAMPLE).all())
     assert bool((cols * DIRECTION_SAMPLE < (k + 1) * d).all())
     assert bool((cols[1:] >= cols[:-1]).all()) and int(cols[0]) >= 0 and int(cols[-1]) < d
-    assert not torch.equal(cols, _direction_columns(d))  # drawn afresh on every call
+    assert not torch.equal(cols, direction_columns(d))  # drawn afresh on every call
 
 
 def test_every_column_is_sampled_about_equally_often() -> None:
     d, draws = 3 * DIRECTION_SAMPLE + 12_345, 400
     counts = torch.zeros(d, dtype=torch.int64)
     for _ in range(draws):
-        counts += torch.bincount(_direction_columns(d), minlength=d)
+        counts += torch.bincount(direction_columns(d), minlength=d)
     rate = counts / draws
     p = DIRECTION_SAMPLE / d
     assert abs(float(rate.mean()) - p) < 1e-6

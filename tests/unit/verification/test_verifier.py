@@ -193,8 +193,8 @@ def test_a_peer_keeps_the_share_of_its_claim_its_checked_work_bears_out(tmp_path
     reduces alike are weighted as before."""
     import torch
 
+    from verification.gains import judge
     from verification.usefulness import CheckRecord
-    from verification.workscores import judge
 
     v = Verifier(TrustPolicy(checkers=2, screening=False), tmp_path / "w.db", ME)
     try:

@@ -9,18 +9,15 @@ import math
 
 import pytest
 
+from verification.gains import WORK_EXPONENT, Estimate, Verdict, judge
 from verification.usefulness import CheckRecord
 from verification.workscores import (
     CLIP,
     MIN_POOLED,
     MIN_ROUNDS,
-    WORK_EXPONENT,
-    Estimate,
     Scores,
-    Verdict,
     Z,
     _ratio,
-    judge,
 )
 
 ME = "me"

@@ -35,11 +35,11 @@ from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import seal_part
 from tests.waiting import wait_until
+from verification.gains import judge
 from verification.identity import Identity
 from verification.policy import TrustPolicy
 from verification.usefulness import open_record, reproduces
 from verification.verifier import Verifier
-from verification.workscores import judge
 
 A, B, C, D = (Identity.from_seed(bytes([k]) * 32) for k in (1, 2, 3, 4))
 MEMBERS = sorted(p.peer_id for p in (A, B, C))

@@ -31,7 +31,8 @@ from node.train.trainstate import Snapshot, StateError, load_state, pack_state, 
 from protocol.errors import ProtocolError
 from verification.identity import Identity
 from verification.policy import TrustPolicy
-from verification.replay import ReplayRecord, drawn_window, open_replay_record, open_trace
+from verification.replay import ReplayRecord, drawn_window, open_replay_record
+from verification.traces import open_trace
 from verification.verifier import Verifier
 
 A, B, C, D = (Identity.from_seed(bytes([k]) * 32) for k in (5, 6, 7, 8))

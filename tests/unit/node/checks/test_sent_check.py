@@ -28,7 +28,8 @@ from protocol.wire import codec as codecs
 from protocol.wire.feedback import ErrorFeedback
 from verification.binding import passes, sent_apart, slack, trace_sum
 from verification.identity import Identity
-from verification.replay import open_replay_record, open_trace
+from verification.replay import open_replay_record
+from verification.traces import open_trace
 
 A, B, C = (Identity.from_seed(bytes([k]) * 32) for k in (11, 12, 13))
 RUN = "run"

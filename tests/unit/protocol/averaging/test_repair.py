@@ -21,8 +21,8 @@ from protocol.errors import ProtocolError
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import seal_part
-from verification.aggregators import weighted_mean
 from verification.identity import Identity
+from verification.means import weighted_mean
 
 RUN = "repair-test"
 ROUND, FRAGMENT, PART = 1, 0, 0
