@@ -137,6 +137,14 @@ class Handlers:
         self._direct.pop(name, None)
         return protocol
 
+    async def remove(self, name: str) -> None:
+        """Stop serving ``name``, on p2pd and on the direct plane.
+
+        Raises:
+            KeyError: ``name`` is not served.
+        """
+        await self._p2p.remove_binary_stream_handler(self.forget(name))
+
     def served(self, name: str) -> direct.ServedRpc | None:
         """The RPC the direct plane serves under ``name``, or None."""
         return self._direct.get(name)
