@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from hivemind.p2p import P2P
 
 from protocol.p2p import _framing, direct, reachability
 from protocol.p2p.calls import Caller
 from protocol.p2p.config import TransportConfig
+from protocol.p2p.direct import DirectClient
+from protocol.p2p.directserver import DirectServer, DirectServerSettings
 from protocol.p2p.handlers import Handlers
+from verification.identity import Identity
 
 __all__ = ["Endpoints"]
+
+logger = logging.getLogger(__name__)
 
 
 class Endpoints:
@@ -39,7 +45,7 @@ class Endpoints:
         gate: _framing.StreamGate,
         handlers: Handlers,
         caller: Caller,
-        plane: tuple[direct.DirectServer, direct.DirectClient] | None,
+        plane: tuple[DirectServer, DirectClient] | None,
     ) -> None:
         self.gate = gate
         self.handlers = handlers
@@ -54,7 +60,7 @@ class Endpoints:
         handlers = Handlers(p2p, gate, cfg.inbound_pace, cfg.max_message_bytes)
         plane = None
         if cfg.data_plane != "p2pd":
-            plane = await direct.start(cfg, peer_id, handlers.served, gate, handlers.add)
+            plane = await _start_direct(cfg, peer_id, handlers, gate)
         caller = Caller(p2p, plane[1] if plane else None, cfg.max_message_bytes)
         await handlers.add(
             reachability.RPC_NAME,
@@ -77,3 +83,21 @@ class Endpoints:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.direct_server.close(), 3.0)
         await self.handlers.close()
+
+
+async def _start_direct(
+    cfg: TransportConfig, peer_id: str, handlers: Handlers, gate: _framing.StreamGate
+) -> tuple[DirectServer, DirectClient]:
+    """Start the direct plane of a transport whose p2pd runs as ``peer_id``: its server
+    on ``cfg.data_port``, serving what ``handlers`` serve there, its client, and (on
+    p2pd) the RPC that tells peers its port."""
+    assert cfg.identity_path is not None  # checked by the config
+    identity = Identity.load(cfg.identity_path)
+    if identity.peer_id != peer_id:
+        raise RuntimeError("the identity file does not hold p2pd's key")
+    settings = DirectServerSettings.of(cfg)
+    server = settings.build(identity, handlers.served, gate)
+    port = await server.start(cfg.host, cfg.data_port)
+    await handlers.add(direct.RPC_NAME, server.port_handler(), 64, cfg.request_timeout)
+    logger.info("direct data plane (%s) on %s:%d", cfg.data_plane, cfg.host, port)
+    return server, DirectClient(identity, require_tls=settings.tls)
