@@ -42,13 +42,13 @@ from node.train.deadlines import Deadlines
 from node.train.model import build_model, vocab_of
 from node.train.outer import OuterOptimizer
 from node.train.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
-from protocol import catchup
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.hooks import Hooks
 from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
+from protocol.stateserver import StateServer
 from protocol.wire.feedback import ErrorFeedback
 from verification.verifier import Verifier
 
@@ -233,9 +233,7 @@ def _swarm_side(
         checks,
         deadlines,
     )
-    state_server = catchup.StateServer(
-        transport, identity, cfg.run.run_id, inputs.data_dir / "state"
-    )
+    state_server = StateServer(transport, identity, cfg.run.run_id, inputs.data_dir / "state")
     state_server.register()
     if checks is not None:
         checks.start()
