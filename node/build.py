@@ -49,7 +49,7 @@ from protocol.averaging.hooks import Hooks
 from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
 from protocol.stateserver import StateServer
-from protocol.wire.feedback import ErrorFeedback
+from protocol.wire.feedback import FeedbackSettings
 from verification.verifier import Verifier
 
 __all__ = [
@@ -120,14 +120,13 @@ def _training(
         outer=OuterOptimizer(model, plan, cfg.outer, pin=pin),
         trainer=trainer_class(byzantine)(trained, cfg.train, stream, device, ranks=ranks),
         feedback=[
-            ErrorFeedback(
+            FeedbackSettings(
                 cfg.sync.codec,
                 **cfg.sync.codec_args(),
                 stochastic=cfg.sync.stochastic_rounding,
-                generator=torch.Generator().manual_seed(f + 1),
                 pin_memory=pin,
                 decay=cfg.sync.feedback_decay,
-            )
+            ).build(torch.Generator().manual_seed(f + 1))
             for f in range(len(plan))
         ],
         val_batches=validation_batches(
