@@ -43,7 +43,6 @@ from node.train.deadlines import Deadlines
 from node.train.model import build_model, vocab_of
 from node.train.outer import OuterOptimizer
 from node.train.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
-from protocol import catchup
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments
@@ -51,7 +50,8 @@ from protocol.averaging.hooks import Hooks
 from protocol.control.heartbeats import SelfReport
 from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
-from protocol.wire.feedback import ErrorFeedback
+from protocol.stateserver import StateServer
+from protocol.wire.feedback import FeedbackSettings
 from verification.verifier import Verifier
 
 __all__ = [
@@ -122,14 +122,13 @@ def _training(
         outer=OuterOptimizer(model, plan, cfg.outer, pin=pin),
         trainer=trainer_class(byzantine)(trained, cfg.train, stream, device, ranks=ranks),
         feedback=[
-            ErrorFeedback(
+            FeedbackSettings(
                 cfg.sync.codec,
                 **cfg.sync.codec_args(),
                 stochastic=cfg.sync.stochastic_rounding,
-                generator=torch.Generator().manual_seed(f + 1),
                 pin_memory=pin,
                 decay=cfg.sync.feedback_decay,
-            )
+            ).build(torch.Generator().manual_seed(f + 1))
             for f in range(len(plan))
         ],
         val_batches=validation_batches(
@@ -225,9 +224,7 @@ def _swarm_side(
     copies = Copies(training.model, training.outer, training.feedback, training.device)
     watchers = SyncWatchers(checks, deadlines)
     syncer = sync_settings(cfg).build(copies, exchange, transport.submit, events, watchers)
-    state_server = catchup.StateServer(
-        transport, identity, cfg.run.run_id, inputs.data_dir / "state"
-    )
+    state_server = StateServer(transport, identity, cfg.run.run_id, inputs.data_dir / "state")
     state_server.register()
     if checks is not None:
         checks.start()

@@ -36,7 +36,7 @@ from node.train.trainer import InnerTrainer, evaluate
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.grouping import form_groups
 from protocol.wire import codec as codecs
-from protocol.wire.feedback import ErrorFeedback
+from protocol.wire.feedback import ErrorFeedback, FeedbackSettings
 from verification import means
 
 __all__ = ["resolve_device", "simulate", "weighted_mean"]
@@ -247,13 +247,12 @@ class _Simulation:
 
 
 def _error_feedback(cfg: AtollConfig, replica: int, fragment: int) -> ErrorFeedback:
-    return ErrorFeedback(
+    return FeedbackSettings(
         cfg.sync.codec,
         **cfg.sync.codec_args(),
         decay=cfg.sync.feedback_decay,
         stochastic=cfg.sync.stochastic_rounding,
-        generator=torch.Generator().manual_seed(cfg.run.seed * 1000 + replica * 31 + fragment),
-    )
+    ).build(torch.Generator().manual_seed(cfg.run.seed * 1000 + replica * 31 + fragment))
 
 
 def simulate(

@@ -29,12 +29,13 @@ from node.train.deadlines import Deadlines
 from node.train.outer import OuterOptimizer
 from node.train.site import NoSite, SiteLeader
 from node.train.trainer import InnerTrainer, evaluate
-from protocol import catchup
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import FragmentPlan
+from protocol.catchup import StateSnapshot
 from protocol.control.plane import ControlPlane
 from protocol.p2p.transport import Transport
+from protocol.stateserver import StateServer
 from protocol.wire.feedback import ErrorFeedback
 from verification.identity import Identity
 from verification.rounds import RoundClock
@@ -146,7 +147,7 @@ class Training:
             params=self.outer.global_params(),
         )
 
-    def snapshot(self, round_: int) -> catchup.StateSnapshot:
+    def snapshot(self, round_: int) -> StateSnapshot:
         """The global state of ``round_`` to serve to peers (the live tensors: publishing
         copies them into its replies before anything steps)."""
         return self.outer.snapshot(
@@ -169,7 +170,7 @@ class Network:
     syncer: Syncer
     deadlines: Deadlines
     checks: UsefulWork | None
-    state_server: catchup.StateServer
+    state_server: StateServer
     load: LoadMeter
     tracer: Tracer | None = None
     """This node's trace of its training (``trust.replay_steps``), served to checkers."""

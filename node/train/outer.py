@@ -277,7 +277,7 @@ class OuterOptimizer:
         self, round_: int, plan_digest: str, steps: int = 0, copy_tensors: bool = True
     ) -> StateSnapshot:
         """The global state now, to serve to peers; ``copy_tensors=False`` refers to the
-        live tensors (for :meth:`protocol.catchup.StateServer.publish` at once, which
+        live tensors (for :meth:`protocol.stateserver.StateServer.publish` at once, which
         copies them into its replies)."""
 
         def own(t: torch.Tensor) -> torch.Tensor:

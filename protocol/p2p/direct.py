@@ -31,60 +31,46 @@ at a time; a caller opens another for a concurrent call and keeps up to
 Both ends read through :mod:`protocol.p2p._into`: a part's or result's body goes from
 the socket (from TLS, decrypted) straight into the buffer it is checked and reduced
 in, without the two copies of an ``asyncio.StreamReader``.
+
+This module holds the caller's side (:class:`DirectClient`) and what both sides share;
+the callee's side is :mod:`protocol.p2p.directserver`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import ssl
 import struct
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
 from protocol.errors import ProtocolError
 from protocol.p2p import _framing, _into
-from protocol.p2p._handshake import (
-    DOMAIN_CALLEE,
-    DOMAIN_CALLER,
-    VERSION,
-    answer_hello,
-    client_tls,
-    open_hello,
-    server_tls,
-)
+from protocol.p2p._handshake import DOMAIN_CALLEE, DOMAIN_CALLER, VERSION, client_tls, open_hello
 from verification.identity import Identity
-
-if TYPE_CHECKING:
-    from protocol.p2p.config import TransportConfig
 
 __all__ = [
     "DOMAIN_CALLEE",
     "DOMAIN_CALLER",
+    "NAME_LENGTH",
     "RPC_NAME",
     "VERSION",
     "DirectClient",
-    "DirectServer",
     "DirectUnavailable",
     "Route",
     "decode_port",
     "encode_port",
-    "start",
 ]
-
-logger = logging.getLogger(__name__)
 
 RPC_NAME = "atoll.direct"
 """The p2pd RPC that tells a caller this node's data port."""
-_NAME = struct.Struct(">B")
+NAME_LENGTH = struct.Struct(">B")
+"""The length of the RPC name that opens each request on a connection."""
 _IDLE_PER_PEER = 4
-_CLIENT_IDLE_SECONDS = 30.0  # a caller reuses a connection idle for less than this...
-_SERVER_IDLE_SECONDS = 90.0  # ...and a callee keeps one open this long without a request
+_CLIENT_IDLE_SECONDS = 30.0  # a caller reuses a connection idle for less than this
 _CONNECT_SECONDS = 3.0
 
 
@@ -101,16 +87,6 @@ class Route:
     port: int
     tls: bool = False
     """Whether the port speaks TLS (as the peer said)."""
-
-
-@dataclass(frozen=True)
-class ServedRpc:
-    """One RPC as the direct server runs it (the same settings as on p2pd)."""
-
-    handler: Callable[[str, bytes], Awaitable[_framing.Payload]]
-    max_request_bytes: int
-    timeout: float
-    receive: _framing.RequestReader | None
 
 
 def encode_port(port: int, tls: bool = False) -> bytes:
@@ -134,157 +110,6 @@ def decode_port(data: bytes) -> tuple[int, bool]:
     if not isinstance(tls, bool):
         raise ProtocolError("malformed", f"tls flag {tls!r}")
     return port, tls
-
-
-class DirectServer:
-    """The callee side: accepts connections on the data port and serves RPCs on them.
-
-    Args:
-        identity: this node's key (answers the handshake).
-        lookup: the RPC served under a name, or None.
-        gate: the transport's stream caps (a request counts as one stream).
-        pace: how slowly a caller may send.
-        header_timeout: seconds a new connection has to finish its handshake.
-        max_connections: connections open at once; one more is closed at once.
-        tls: speak TLS 1.3 on the port (a certificate made at start-up).
-    """
-
-    def __init__(
-        self,
-        identity: Identity,
-        lookup: Callable[[str], ServedRpc | None],
-        gate: _framing.StreamGate,
-        pace: _framing.Pace,
-        header_timeout: float,
-        max_connections: int,
-        tls: bool = False,
-    ) -> None:
-        self.identity = identity
-        self.tls = tls
-        self._tls_context: ssl.SSLContext | None = None
-        self._certificate_hash = b""
-        self.lookup = lookup
-        self.gate = gate
-        self.pace = pace
-        self.header_timeout = header_timeout
-        self.max_connections = max_connections
-        self.port = 0
-        self.refused: dict[str, int] = {}
-        """Connections refused at the handshake, by reason."""
-        self._server: asyncio.base_events.Server | None = None
-        self._connections: set[asyncio.Task] = set()
-
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0 picks a free port); returns the port."""
-        if self.tls:
-            self._tls_context, self._certificate_hash = server_tls()
-        tls: dict[str, Any] = {}
-        if self._tls_context is not None:
-            tls = {"ssl": self._tls_context, "ssl_handshake_timeout": self.header_timeout}
-        self._server = await _into.start_server(self._accept, host, port, **tls)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
-
-    def port_handler(self) -> Callable[[str, bytes], Awaitable[bytes]]:
-        """The ``atoll.direct`` handler (served through p2pd): tells a caller this
-        server's port, once it listens."""
-        answer = encode_port(self.port, tls=self.tls)
-
-        async def tell_port(peer: str, request: bytes) -> bytes:
-            return answer
-
-        return tell_port
-
-    async def close(self) -> None:
-        """Stop listening and end every connection."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if len(self._connections) >= self.max_connections:
-            self._count("busy")
-            writer.close()
-            return
-        self._connections.add(task)
-        remote = writer.get_extra_info("peername") or ("?", 0)
-        try:
-            handshake = answer_hello(self.identity, reader, writer, self._certificate_hash)
-            peer = await asyncio.wait_for(handshake, self.header_timeout)
-            _framing.REMOTE_ADDR.set(_maddr(remote[0], remote[1]))
-            await self._serve(peer, reader, writer)
-        except ProtocolError as e:
-            self._count(e.reason)
-            logger.info("direct connection from %s refused: %s: %s", remote[0], e.reason, e.detail)
-        except asyncio.TimeoutError:
-            self._count("too_slow")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except asyncio.CancelledError:
-            pass  # shutdown
-        except Exception:  # a connection must never take the node down
-            logger.exception("direct connection from %s failed", remote[0])
-        finally:
-            self._connections.discard(task)
-            writer.close()
-
-    def _count(self, reason: str) -> None:
-        self.refused[reason] = self.refused.get(reason, 0) + 1
-
-    async def _serve(
-        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while True:
-            try:
-                head = await asyncio.wait_for(reader.read(_NAME.size), _SERVER_IDLE_SECONDS)
-            except asyncio.TimeoutError:
-                return  # idle: the caller opens a new connection next time
-            if not head:
-                return  # the caller hung up
-            (length,) = _NAME.unpack(head)
-            name = (await reader.readexactly(length)).decode("utf-8", "replace")
-            rpc = self.lookup(name)
-            if rpc is None:
-                detail = f"no handler for {name!r}"
-                await _framing.write_response(
-                    writer, _framing.STATUS_ERROR, _framing.encode_error("no_handler", detail)
-                )
-                return
-            if not self.gate.try_enter(peer):
-                detail = f"{self.gate.open_from(peer)} streams open from this peer"
-                await _framing.write_response(
-                    writer, _framing.STATUS_ERROR, _framing.encode_error("busy", detail)
-                )
-                return
-            try:
-                served = _framing.answer(
-                    reader,
-                    writer,
-                    rpc.handler,
-                    rpc.max_request_bytes,
-                    name,
-                    peer,
-                    self.pace,
-                    rpc.receive,
-                )
-                reusable = await asyncio.wait_for(served, rpc.timeout)
-            except asyncio.TimeoutError:
-                logger.warning(
-                    "rpc %s from %s (direct): timeout after %.1fs", name, peer, rpc.timeout
-                )
-                return
-            finally:
-                self.gate.leave(peer)
-            if not reusable:
-                return
 
 
 class DirectClient:
@@ -325,7 +150,7 @@ class DirectClient:
         """
         if self.require_tls and not route.tls:
             raise DirectUnavailable(f"{peer[:16]}'s data port is not encrypted")
-        prefix = _NAME.pack(len(name.encode())) + name.encode()
+        prefix = NAME_LENGTH.pack(len(name.encode())) + name.encode()
         reused = self._take(peer)
         if reused is not None:
             reader, writer = reused
@@ -409,38 +234,3 @@ class DirectClient:
             for _, writer, _ in idle:
                 writer.close()
         self._idle.clear()
-
-
-async def start(
-    cfg: TransportConfig,
-    peer_id: str,
-    lookup: Callable[[str], ServedRpc | None],
-    gate: _framing.StreamGate,
-    serve: Callable[[str, Callable[[str, bytes], Awaitable[bytes]], int, float], Awaitable[None]],
-) -> tuple[DirectServer, DirectClient]:
-    """Start the direct plane of a transport whose p2pd runs as ``peer_id``: its server
-    on ``cfg.data_port``, serving what ``lookup`` finds, its client, and (through
-    ``serve``: p2pd's handlers) the RPC that tells peers its port."""
-    assert cfg.identity_path is not None  # checked by the config
-    identity = Identity.load(cfg.identity_path)
-    if identity.peer_id != peer_id:
-        raise RuntimeError("the identity file does not hold p2pd's key")
-    tls = cfg.data_plane == "tls"
-    server = DirectServer(
-        identity,
-        lookup,
-        gate,
-        cfg.inbound_pace,
-        cfg.inbound_header_timeout,
-        cfg.max_inbound_streams,
-        tls=tls,
-    )
-    port = await server.start(cfg.host, cfg.data_port)
-    await serve(RPC_NAME, server.port_handler(), 64, cfg.request_timeout)
-    logger.info("direct data plane (%s) on %s:%d", cfg.data_plane, cfg.host, port)
-    return server, DirectClient(identity, require_tls=tls)
-
-
-def _maddr(host: str, port: int) -> str:
-    family = "ip6" if ":" in host else "ip4"
-    return f"/{family}/{host}/tcp/{port}"

@@ -18,6 +18,7 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from protocol.p2p import _framing, direct, reachability
+from protocol.p2p.directserver import ServedRpc
 
 __all__ = ["P2PD_ONLY", "Handler", "Handlers", "protocol_id"]
 
@@ -65,7 +66,7 @@ class Handlers:
         self._pace = pace
         self.max_message_bytes = max_message_bytes
         self._protocols: dict[str, str] = {}
-        self._direct: dict[str, direct.ServedRpc] = {}
+        self._direct: dict[str, ServedRpc] = {}
 
     def check(self, name: str, max_request_bytes: int) -> None:
         """Refuse a registration before it is made.
@@ -124,7 +125,7 @@ class Handlers:
         await self._p2p.add_binary_stream_handler(protocol, serve)
         self._protocols[name] = protocol
         if name not in P2PD_ONLY:
-            self._direct[name] = direct.ServedRpc(handler, max_request_bytes, timeout, receive)
+            self._direct[name] = ServedRpc(handler, max_request_bytes, timeout, receive)
 
     def forget(self, name: str) -> str:
         """Stop serving ``name`` on the direct plane; returns its p2pd protocol, which
@@ -137,7 +138,15 @@ class Handlers:
         self._direct.pop(name, None)
         return protocol
 
-    def served(self, name: str) -> direct.ServedRpc | None:
+    async def remove(self, name: str) -> None:
+        """Stop serving ``name``, on p2pd and on the direct plane.
+
+        Raises:
+            KeyError: ``name`` is not served.
+        """
+        await self._p2p.remove_binary_stream_handler(self.forget(name))
+
+    def served(self, name: str) -> ServedRpc | None:
         """The RPC the direct plane serves under ``name``, or None."""
         return self._direct.get(name)
 

@@ -1,4 +1,4 @@
-"""One node's p2pd: started from the transport's settings, and what a failed start means.
+"""One node's p2pd: started from the transport's settings, what a failed start means, and its stop.
 
 hivemind's ``P2P.create`` starts the daemon and connects this process to it; the
 daemon process itself stays private to hivemind, so its pid is read here
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -19,8 +20,17 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.p2p.config import TransportConfig
+from protocol.p2p.watchdog import remove_sockets
 
-__all__ = ["BootstrapUnreachable", "NotDialable", "pid_of", "redial", "start", "startup_error"]
+__all__ = [
+    "BootstrapUnreachable",
+    "NotDialable",
+    "pid_of",
+    "redial",
+    "start",
+    "startup_error",
+    "stop",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +85,18 @@ async def start(cfg: TransportConfig) -> P2P:
 
 def _forced(reachability: str) -> str | None:
     return None if reachability == "auto" else reachability
+
+
+async def stop(p2p: P2P) -> None:
+    """Stop ``p2p``'s daemon (SIGTERM; SIGKILL after 5 s) and remove its socket."""
+    try:
+        await asyncio.wait_for(p2p.shutdown(), 5.0)
+    except asyncio.TimeoutError:
+        logger.warning("p2pd did not exit within 5 s of SIGTERM; it gets SIGKILL")
+    # hivemind removes p2pd's socket only when p2pd was still running
+    listen = getattr(p2p, "_daemon_listen_maddr", None)
+    with contextlib.suppress(Exception):
+        remove_sockets([listen.value_for_protocol("unix")])
 
 
 def pid_of(p2p: P2P | None) -> int | None:

@@ -39,6 +39,7 @@ __all__ = [
     "connect",
     "connected",
     "held",
+    "reach",
     "relay_of",
 ]
 
@@ -113,3 +114,12 @@ async def connect(
         except Exception as exc:  # no slot on that relay, relay down: try the next
             logger.info("connecting to %s through %s failed: %r", peer[:16], maddr, exc)
     return False
+
+
+async def reach(p2p: P2P, wanted: dict[str, list[str]], timeout: float) -> None:
+    """:func:`connect` to each peer of ``wanted`` through its circuit addresses among
+    its multiaddrs, unless p2pd is connected to it already."""
+    if not wanted or (peers := await connected(p2p)) is None:
+        return
+    for peer, maddrs in wanted.items():
+        await connect(p2p, peer, maddrs, timeout, peers)

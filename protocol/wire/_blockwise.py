@@ -3,8 +3,8 @@
 Every ``block_size`` values share one float32 scale ``absmax / qmax`` (qmax 127 or 7)
 and store symmetric codes in ``[-qmax, qmax]``; the payload is all the scales, then
 all the codes (int4 packs two a byte). The layout is described in
-:mod:`protocol.wire.codec`, which validates a payload's fields and length before any
-of these run.
+:mod:`protocol.wire.codec`, whose registry (:mod:`protocol.wire._registry`) validates
+a payload's fields and length before any of these run.
 """
 
 from __future__ import annotations
@@ -13,9 +13,25 @@ import torch
 
 from protocol.wire._tensorbytes import CodecError, require_finite, to_bytes
 
-__all__ = ["QMAX", "decode", "decode_range", "encode"]
+__all__ = ["QMAX", "decode", "decode_range", "encode", "ready_values", "size"]
 
 QMAX = {"int8": 127, "int4": 7}
+
+
+def size(numel: int, codec: str, block_size: int) -> int:
+    """The payload's length: a float32 scale a block, then a byte a code (int4: two
+    codes a byte)."""
+    n_blocks = -(-numel // block_size)
+    code_bytes = numel if codec == "int8" else (numel + 1) // 2
+    return 4 * n_blocks + code_bytes
+
+
+def ready_values(numel: int, codec: str, block_size: int, nbytes: int) -> int:
+    """How many leading values the payload's first ``nbytes`` decode: none before every
+    scale is in, then one a code byte (two for int4)."""
+    scales = 4 * -(-numel // block_size)
+    codes = max(0, nbytes - scales)
+    return min(numel, codes if codec == "int8" else 2 * codes)
 
 
 def as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -25,29 +25,35 @@ anything a correct encoder would not produce.
   supports). Their payloads carry a count per chunk, so a ``sparse`` payload's length
   is checked against the counts it declares (:mod:`protocol.wire._topk`).
 
-The int8/int4 kernels live in :mod:`protocol.wire._blockwise`, the sparse ones in
-:mod:`protocol.wire._topk`, the tensor-to-bytes helpers in
-:mod:`protocol.wire._tensorbytes`; the error feedback that makes lossy codecs safe in
-:mod:`protocol.wire.feedback`.
+Each family has a module of its own: the plain codecs :mod:`protocol.wire._plain`,
+the int8/int4 kernels :mod:`protocol.wire._blockwise`, the sparse ones
+:mod:`protocol.wire._topk`; the names, sizes and checks they share are the registry,
+:mod:`protocol.wire._registry`; the tensor-to-bytes helpers are in
+:mod:`protocol.wire._tensorbytes`, and the error feedback that makes lossy codecs safe
+in :mod:`protocol.wire.feedback`. This module is the face over them: the
+:class:`Encoded` record, :func:`encode` and :func:`decode`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from protocol.wire import _blockwise, _topk
-from protocol.wire._tensorbytes import (
-    CodecError,
-    all_finite,
-    as_flat_f32,
-    from_bytes,
-    require_finite,
-    to_bytes,
-    view_bytes,
+from protocol.wire import _blockwise, _plain, _topk
+from protocol.wire._registry import (
+    CODECS,
+    DENSE,
+    SPARSE,
+    WIRE_CODECS,
+    check_settings,
+    check_topk,
+    encoded_size,
+    short,
+    sparse_result_bound,
+    validate,
 )
+from protocol.wire._tensorbytes import CodecError, as_flat_f32, from_bytes
 
 __all__ = [
     "CODECS",
@@ -67,19 +73,6 @@ __all__ = [
     "topk_keep_count",
 ]
 
-DENSE = ("none", "fp16", "bf16", "int8", "int4")
-"""Codecs that send every value."""
-CODECS = (*DENSE, "topk")
-WIRE_CODECS = (*CODECS, "sparse")
-"""Every codec a payload may name: ``sparse`` is what owners answer ``topk`` parts with."""
-SPARSE = ("topk", "sparse")
-TOPK_BITS = _topk.BITS
-MAX_BLOCK_SIZE = 2**20
-MAX_TOPK_CHUNK = _topk.MAX_CHUNK
-_STOCHASTIC = (*_blockwise.QMAX, *SPARSE)
-
-_BYTES_PER_VALUE = {"none": 4, "fp16": 2, "bf16": 2}
-_HALF_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _WIRE_KEYS = frozenset({"c", "n", "b", "p"})
 _SPARSE_KEYS = _WIRE_KEYS | {"k", "q"}
 
@@ -138,7 +131,7 @@ class Encoded:
             k=meta["k"] if sparse else 0,
             bits=meta["q"] if sparse else 0,
         )
-        _validate(enc, max_numel=max_numel)
+        validate(enc, max_numel=max_numel)
         return enc
 
     def to_wire(self) -> dict:
@@ -165,44 +158,9 @@ class Encoded:
             raise CodecError("malformed", f"expected a dict, got {type(d).__name__}")
         want = _SPARSE_KEYS if d.get("c") in SPARSE else _WIRE_KEYS
         if set(d) != want:
-            keys = _short(sorted(repr(k) for k in d))
+            keys = short(sorted(repr(k) for k in d))
             raise CodecError("malformed", f"expected keys {', '.join(sorted(want))}; got {keys}")
         return cls.from_meta(d, d["p"], max_numel=max_numel)
-
-
-def encoded_size(numel: int, codec: str, block_size: int, *, k: int = 0, bits: int = 0) -> int:
-    """Exact payload length in bytes for a tensor of ``numel`` values.
-
-    Args:
-        numel: number of values, ``>= 0``.
-        codec: one of ``CODECS`` (``sparse`` has no size known before its counts).
-        block_size: values per scale, ``1..2**20`` (checked for every codec).
-        k: values ``topk`` keeps per chunk.
-        bits: bits per value ``topk`` keeps.
-
-    Raises:
-        ValueError: on an unknown codec, a negative numel, a bad block size, or bad
-            ``topk`` parameters.
-    """
-    check_settings(codec, block_size=block_size, k=k, bits=bits)
-    if not _is_int(numel) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-    if codec in _BYTES_PER_VALUE:
-        return numel * _BYTES_PER_VALUE[codec]
-    if codec == "topk":
-        return _topk.exact_size(numel, block_size, k, bits)
-    n_blocks = -(-numel // block_size)
-    code_bytes = numel if codec == "int8" else (numel + 1) // 2
-    return 4 * n_blocks + code_bytes
-
-
-def sparse_result_bound(numel: int, chunk: int, k: int, members: int, bits: int = 8) -> int:
-    """The longest ``sparse`` payload an owner answers ``members`` ``topk`` parts of
-    ``numel`` values with: every chunk keeps at most ``members * k`` values (the union
-    of their supports), and at most the whole chunk."""
-    full, rest = divmod(numel, chunk)
-    kept = full * min(members * k, chunk) + min(members * k, rest)
-    return _topk.size(numel, chunk, kept, bits)
 
 
 def topk_keep_count(density: float, chunk: int) -> int:
@@ -252,15 +210,8 @@ def encode(
     flat = as_flat_f32(x)
     if codec in SPARSE:
         return _encode_sparse(flat, codec, block_size, k, bits, stochastic, generator)
-    if codec == "none":
-        require_finite(flat)
-        payload = to_bytes(flat) if copy else view_bytes(flat)
-    elif codec in _HALF_DTYPE:
-        half = flat.to(_HALF_DTYPE[codec])
-        if not all_finite(half):
-            require_finite(flat)
-            raise ValueError(f"input has values beyond the {codec} range")
-        payload = to_bytes(half)
+    if codec in _plain.CODECS:
+        payload = _plain.encode(flat, codec, copy)
     else:
         payload = _blockwise.encode(flat, codec, block_size, stochastic, generator)
     return Encoded(codec=codec, numel=flat.numel(), block_size=block_size, payload=payload)
@@ -277,7 +228,7 @@ def _encode_sparse(
 ) -> Encoded:
     """``topk`` keeps ``k`` values a chunk; ``sparse`` every non-zero one (its ``k`` is 0)."""
     kept = k if codec == "topk" else None
-    _check_topk(chunk, k if codec == "topk" else 1, bits)
+    check_topk(chunk, k if codec == "topk" else 1, bits)
     payload = _topk.encode(flat, chunk, kept, bits, stochastic, generator)
     return Encoded(codec, flat.numel(), chunk, payload, k=kept or 0, bits=bits)
 
@@ -302,17 +253,14 @@ def decode(enc: Encoded, *, expected_numel: int | None = None, copy: bool = True
             negative or non-finite scale, an out-of-range code, non-zero int4
             padding, or non-finite decoded values.
     """
-    _validate(enc, expected_numel=expected_numel)
+    validate(enc, expected_numel=expected_numel)
     raw = from_bytes(enc.payload)
     if enc.codec in SPARSE:
         k = enc.k if enc.codec == "topk" else None
         return _topk.decode(raw, enc.numel, enc.block_size, k, enc.bits)
-    if enc.codec not in _BYTES_PER_VALUE:
-        return _blockwise.decode(raw, enc.codec, enc.numel, enc.block_size)
-    out = _plain_values(raw, enc.codec, copy)
-    if not all_finite(out):
-        raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
-    return out
+    if enc.codec in _plain.CODECS:
+        return _plain.decode(raw, enc.codec, copy)
+    return _blockwise.decode(raw, enc.codec, enc.numel, enc.block_size)
 
 
 def decode_with_norm(
@@ -329,17 +277,11 @@ def decode_with_norm(
     Raises:
         CodecError: as :func:`decode`.
     """
-    _validate(enc, expected_numel=expected_numel)
-    if enc.codec not in ("none", *_HALF_DTYPE):
-        out = decode(enc, copy=copy)
-        return out, _norm_of_finite(out)
-    out = _plain_values(from_bytes(enc.payload), enc.codec, copy)
-    norm = float(torch.linalg.vector_norm(out))
-    if not math.isfinite(norm):
-        if not all_finite(out):
-            raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
-        norm = _norm_of_finite(out)
-    return out, norm
+    validate(enc, expected_numel=expected_numel)
+    if enc.codec in _plain.CODECS:
+        return _plain.decode_with_norm(from_bytes(enc.payload), enc.codec, copy)
+    out = decode(enc, copy=copy)
+    return out, _plain.norm_of_finite(out)
 
 
 def ready_values(numel: int, codec: str, block_size: int, nbytes: int) -> int:
@@ -348,13 +290,11 @@ def ready_values(numel: int, codec: str, block_size: int, nbytes: int) -> int:
     The scales of ``int8`` and ``int4`` come first, so none is ready before all of them
     are in; after that each code byte completes one value (two for ``int4``).
     """
-    if codec in _BYTES_PER_VALUE:
-        return min(numel, nbytes // _BYTES_PER_VALUE[codec])
+    if codec in _plain.CODECS:
+        return min(numel, nbytes // _plain.BYTES_PER_VALUE[codec])
     if codec in SPARSE:
         return 0  # offsets and codes come after every count: decoded only as a whole
-    scales = 4 * -(-numel // block_size)
-    codes = max(0, nbytes - scales)
-    return min(numel, codes if codec == "int8" else 2 * codes)
+    return _blockwise.ready_values(numel, codec, block_size, nbytes)
 
 
 def decode_range(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
@@ -373,127 +313,6 @@ def decode_range(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
     if enc.codec in SPARSE:
         return decode(enc)[lo:hi]
     raw = from_bytes(enc.payload)
-    if enc.codec in _BYTES_PER_VALUE:
-        width = _BYTES_PER_VALUE[enc.codec]
-        out = _plain_values(raw[lo * width : hi * width], enc.codec, copy=False)
-        if not all_finite(out):
-            raise CodecError("non_finite", f"{enc.codec} payload holds inf or NaN")
-        return out
+    if enc.codec in _plain.CODECS:
+        return _plain.decode_range(raw, enc.codec, lo, hi)
     return _blockwise.decode_range(raw, enc.codec, enc.numel, enc.block_size, lo, hi)
-
-
-def _plain_values(raw: torch.Tensor, codec: str, copy: bool) -> torch.Tensor:
-    """The float32 values of a ``none``, ``fp16`` or ``bf16`` payload's bytes (a view of
-    them for ``none`` unless ``copy``)."""
-    if codec == "none":
-        return (raw.clone() if copy else raw).view(torch.float32)
-    return raw.clone().view(_HALF_DTYPE[codec]).float()
-
-
-def _norm_of_finite(t: torch.Tensor) -> float:
-    norm = float(torch.linalg.vector_norm(t))
-    if math.isfinite(norm):
-        return norm
-    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
-
-
-def check_settings(
-    codec: object,
-    *,
-    block_size: object,
-    stochastic: bool = False,
-    k: object = None,
-    bits: object = None,
-    known: tuple[str, ...] = CODECS,
-) -> None:
-    """Checks a codec's settings (``k`` and ``bits`` only for topk, and only when ``k`` is
-    given) against ``known``: ``CODECS`` for a node's own parts, ``WIRE_CODECS`` for
-    anything that may be sent.
-
-    Raises:
-        ValueError: naming the setting that is wrong.
-    """
-    _check_codec(codec, known)
-    _check_block_size(block_size)
-    if stochastic and codec not in _STOCHASTIC:
-        raise ValueError(f"stochastic rounding is only implemented for int8/int4/topk, not {codec}")
-    if codec == "topk" and k is not None:
-        _check_topk(block_size, k, bits)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _short(v: object) -> str:
-    # Peer-supplied values go into log lines; keep a hostile 1 MB string out of them.
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _check_codec(codec: object, known: tuple[str, ...] = CODECS) -> None:
-    if codec not in known:
-        raise ValueError(f"codec = {codec!r}: expected one of {', '.join(known)}")
-
-
-def _check_topk(chunk: int, k: object, bits: object) -> None:
-    if chunk > MAX_TOPK_CHUNK:
-        raise ValueError(f"topk chunk = {chunk}: expected at most {MAX_TOPK_CHUNK}")
-    if not _is_int(k) or not 1 <= k <= chunk:
-        raise ValueError(f"topk k = {k!r}: expected an int in 1..{chunk} (the chunk)")
-    if bits not in TOPK_BITS:
-        raise ValueError(f"topk bits = {bits!r}: expected one of 2, 4, 8")
-
-
-def _check_block_size(block_size: object) -> None:
-    if not _is_int(block_size) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size = {block_size!r}: expected an int in 1..{MAX_BLOCK_SIZE}")
-
-
-def _validate(
-    enc: Encoded, *, max_numel: int | None = None, expected_numel: int | None = None
-) -> None:
-    """Checks the fields of a possibly hostile ``Encoded`` before any allocation."""
-    if not isinstance(enc.codec, str) or enc.codec not in WIRE_CODECS:
-        raise CodecError("unknown_codec", f"codec {_short(enc.codec)}")
-    if not _is_int(enc.numel) or enc.numel < 0:
-        raise CodecError("bad_numel", f"numel {_short(enc.numel)}")
-    if max_numel is not None and enc.numel > max_numel:
-        raise CodecError("bad_numel", f"numel {enc.numel} exceeds the limit {max_numel}")
-    if not _is_int(enc.block_size) or not 1 <= enc.block_size <= MAX_BLOCK_SIZE:
-        raise CodecError("bad_block_size", f"block size {_short(enc.block_size)}")
-    if not isinstance(enc.payload, (bytes, bytearray, memoryview)):
-        raise CodecError("bad_payload", f"payload is {type(enc.payload).__name__}, not bytes")
-    have = memoryview(enc.payload).nbytes
-    if enc.codec in SPARSE:
-        _validate_sparse(enc, have)
-    else:
-        _check_size(enc, have, encoded_size(enc.numel, enc.codec, enc.block_size))
-    if expected_numel is not None and enc.numel != expected_numel:
-        raise CodecError("numel_mismatch", f"got {enc.numel} values, expected {expected_numel}")
-
-
-def _validate_sparse(enc: Encoded, have: int) -> None:
-    if enc.block_size > MAX_TOPK_CHUNK:
-        raise CodecError("bad_block_size", f"topk chunk {enc.block_size} > {MAX_TOPK_CHUNK}")
-    if enc.bits not in TOPK_BITS:
-        raise CodecError("malformed", f"bits {_short(enc.bits)}: expected 2, 4 or 8")
-    if enc.codec == "topk":
-        if not _is_int(enc.k) or not 1 <= enc.k <= enc.block_size:
-            raise CodecError("bad_count", f"k {_short(enc.k)} outside 1..{enc.block_size}")
-        want: int | None = _topk.exact_size(enc.numel, enc.block_size, enc.k, enc.bits)
-    else:
-        if enc.k != 0:
-            raise CodecError("malformed", f"sparse k {_short(enc.k)}: expected 0")
-        want = _topk.payload_size(from_bytes(enc.payload), enc.numel, enc.block_size, enc.bits)
-        if want is None:
-            raise CodecError("bad_count", "sparse payload too short or a count beyond its chunk")
-    _check_size(enc, have, want)
-
-
-def _check_size(enc: Encoded, have: int, want: int) -> None:
-    if have != want:
-        raise CodecError(
-            "size_mismatch",
-            f"{enc.codec} payload for {enc.numel} values is {have} bytes, expected {want}",
-        )

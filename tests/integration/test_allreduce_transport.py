@@ -34,9 +34,10 @@ from protocol.averaging.parts import (
     weighted_mean_reducer,
 )
 from protocol.catchup import RPC_NAME as STATE_RPC
-from protocol.catchup import CatchUpSettings, StateServer, StateSnapshot, fetch_state
+from protocol.catchup import CatchUpSettings, StateSnapshot, fetch_state
 from protocol.errors import ProtocolError
 from protocol.p2p.transport import Transport, TransportConfig
+from protocol.stateserver import StateServer
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header, seal
 from protocol.wire.partwire import SealedPart, seal_part

@@ -79,7 +79,7 @@ def test_parts_go_direct_where_both_sides_can_and_through_p2pd_otherwise(
                 assert r.complete
                 assert torch.equal(r.vector, results[0].vector)
             torch.testing.assert_close(results[0].vector, expected, rtol=0, atol=1e-6)
-            opened.append(a._direct_client.opened)
+            opened.append(a._endpoints.direct_client.opened)
         # a and b sent each other their parts over TCP; everyone reached c through p2pd,
         # and c (which runs p2pd only) reached a and b through p2pd
         assert a.calls_by_plane["tcp"] >= 2 and b.calls_by_plane["tcp"] >= 2
@@ -94,7 +94,7 @@ def test_parts_go_direct_where_both_sides_can_and_through_p2pd_otherwise(
 
 
 async def _forget_connections(transport: Transport) -> None:
-    transport._direct_client.close()
+    transport._endpoints.direct_client.close()
 
 
 @pytest.mark.timeout(60)
@@ -112,14 +112,14 @@ def test_a_data_port_answered_by_another_key_falls_back_to_p2pd(trio: SimpleName
         # port answers with a's key, not b's
         a.run(_forget_connections(a), 5)
         wrong = direct.Route("127.0.0.1", a.data_port)
-        a._caller.routes[b.peer_id] = (wrong, time.monotonic() + 600)
+        a._endpoints.caller.routes[b.peer_id] = (wrong, time.monotonic() + 600)
         before = dict(a.calls_by_plane)
         answer = a.run(a.call(b.peer_id, "atoll.test_echo", b"hello", timeout=10), 15)
         assert answer == b"hello" and served == [a.peer_id]
         assert a.calls_by_plane["p2pd"] == before["p2pd"] + 1
         assert a.calls_by_plane["tcp"] == before["tcp"]
-        assert a._direct_server.refused.get("wrong_peer", 0) >= 1
-        assert a._caller.routes[b.peer_id][0] is None  # not tried again for a while
+        assert a._endpoints.direct_server.refused.get("wrong_peer", 0) >= 1
+        assert a._endpoints.caller.routes[b.peer_id][0] is None  # not tried again for a while
     finally:
         b.remove_handler("atoll.test_echo")
 

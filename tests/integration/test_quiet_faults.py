@@ -176,7 +176,7 @@ def test_fifty_silent_streams_cost_a_node_no_memory_and_it_keeps_training(local_
         step_before = node.status.get("step", 0)
         announced = 256 * MiB  # network.max_message_mb's default
         attack = _open_silent(
-            attacker._p2p, node.status["peer_id"], "/atoll/rpc/atoll.part/1", 50, announced
+            attacker._daemons.p2p, node.status["peer_id"], "/atoll/rpc/atoll.part/1", 50, announced
         )
         streams = attacker.run(attack, 60)
         samples = []

@@ -101,11 +101,11 @@ def test_silent_streams_cost_no_memory_and_are_dropped() -> None:
         limit = config.max_message_bytes
         server.add_handler("echo", echo, max_request_bytes=limit)
         assert bystander.run(bystander.call(server.peer_id, "echo", b"warm", timeout=10), 15)
-        gate = server._inbound_gate
+        gate = server._endpoints.gate
         held = config.max_inbound_per_peer  # one identity gets this many; the rest are busy
 
         before = _rss_mib()
-        attack = _open_silent(attacker._p2p, server.peer_id, "/atoll/rpc/echo/1", 50, limit)
+        attack = _open_silent(attacker._daemons.p2p, server.peer_id, "/atoll/rpc/echo/1", 50, limit)
         streams = attacker.run(attack, 30)
         assert wait_until(lambda: gate.open == held, 2, 0.05), gate.open
         answer = bystander.run(bystander.call(server.peer_id, "echo", b"hello", timeout=10), 15)

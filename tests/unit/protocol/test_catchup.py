@@ -15,13 +15,13 @@ import torch
 from protocol import catchup
 from protocol.catchup import (
     CatchUpSettings,
-    StateServer,
     StateSnapshot,
     download,
     fetch_state,
     state_digest,
 )
 from protocol.errors import ProtocolError
+from protocol.stateserver import StateServer
 from verification.identity import Identity
 
 RUN = "catchup-test"

@@ -25,7 +25,7 @@ from node.train.outer import OuterOptimizer
 from node.train.trainer import InnerTrainer
 from protocol.averaging.fragments import plan_fragments
 from protocol.wire import codec as codecs
-from protocol.wire.feedback import ErrorFeedback
+from protocol.wire.feedback import FeedbackSettings
 from verification.binding import passes, sent_apart, slack, trace_sum
 from verification.identity import Identity
 from verification.replay import open_replay_record
@@ -48,7 +48,7 @@ class Member:
         self.model = build_model(cfg.model, seed=0)
         self.plan = plan_fragments(self.model, fragments)
         self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
-        self.feedback = [ErrorFeedback("int8", block_size=256) for _ in range(fragments)]
+        self.feedback = [FeedbackSettings("int8", block_size=256).build() for _ in range(fragments)]
         self.work = WorkLog(fragments, batch=cfg.data.batch_size)
         self.tracer = Tracer(A, RUN, 3, 1, plan=self.plan)
         self.trainer = InnerTrainer(self.model, cfg.train, self._stream(1))
@@ -234,7 +234,7 @@ def test_slack_follows_the_codec_step() -> None:
     assert int8 is not None and int4 is not None and 0 < int8 < 0.2 * float(x.norm()) < int4
     assert slack(x, "int8", 256, True, True) == pytest.approx(2 * int8)
     # the bound holds for every honest encode with error feedback
-    feedback = ErrorFeedback("int8", block_size=256)
+    feedback = FeedbackSettings("int8", block_size=256).build()
     for k in range(5):
         pg = torch.randn(4096, generator=g) * (1 + k)
         sent = codecs.decode(feedback.encode(pg), expected_numel=4096)

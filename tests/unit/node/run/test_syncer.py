@@ -21,7 +21,7 @@ from protocol.averaging.exchange import ExchangeOutcome
 from protocol.averaging.fragments import plan_fragments
 from protocol.averaging.parts import AllReduceResult
 from protocol.errors import ProtocolError
-from protocol.wire.feedback import ErrorFeedback
+from protocol.wire.feedback import FeedbackSettings
 
 
 class Toy(nn.Module):
@@ -85,7 +85,7 @@ def _syncer(
     model = Toy()
     plan = plan_fragments(model, 1)
     outer = OuterOptimizer(model, plan, cfg.outer)
-    feedback = [ErrorFeedback("none", block_size=cfg.sync.block_size)]
+    feedback = [FeedbackSettings("none", block_size=cfg.sync.block_size).build()]
     events = EventLog(tmp_path / "events.jsonl")
     copies = Copies(model, outer, feedback, torch.device("cpu"))
     watchers = SyncWatchers(deadlines=deadlines)

@@ -147,7 +147,7 @@ class _PinLedger:
 
 
 def test_beside_a_gpu_the_outer_state_stays_in_pinned_host_memory(monkeypatch) -> None:
-    from protocol.wire.feedback import ErrorFeedback
+    from protocol.wire.feedback import FeedbackSettings
 
     ledger = _PinLedger(monkeypatch)
     model, same = Toy(), Toy()
@@ -168,7 +168,7 @@ def test_beside_a_gpu_the_outer_state_stays_in_pinned_host_memory(monkeypatch) -
     fresh.load_state_dict(plain.state_dict())  # a checkpoint read back is pinned again
     assert ledger.holds(fresh.optimizers[0].state[fresh.globals[0]]["momentum_buffer"])
     assert torch.equal(fresh.globals[0].detach(), plain.globals[0].detach())
-    feedback = ErrorFeedback("int8", pin_memory=True)
+    feedback = FeedbackSettings("int8", pin_memory=True).build()
     feedback.encode(torch.randn(1000))
     assert ledger.holds(feedback.residual)
     assert not ledger.holds(plain.globals[0])

@@ -14,6 +14,7 @@ import pytest
 
 from protocol.errors import ProtocolError
 from protocol.p2p import _framing, _handshake, direct
+from protocol.p2p.directserver import DirectServer, DirectServerSettings, ServedRpc
 from verification.identity import Identity
 
 SERVER = Identity.from_seed(b"s" * 32)
@@ -32,13 +33,14 @@ def _server(
     limit: int = 1 << 20,
     header_timeout: float = 2.0,
     tls: bool = False,
-) -> direct.DirectServer:
-    rpcs = {"echo": direct.ServedRpc(handler, limit, 5.0, None)}
+) -> DirectServer:
+    rpcs = {"echo": ServedRpc(handler, limit, 5.0, None)}
     gate = _framing.StreamGate(16, 4)
-    return direct.DirectServer(SERVER, rpcs.get, gate, PACE, header_timeout, 8, tls=tls)
+    settings = DirectServerSettings(PACE, header_timeout, 8, tls=tls)
+    return settings.build(SERVER, rpcs.get, gate)
 
 
-async def _with_server(server: direct.DirectServer, body: Callable[[int], Awaitable[Any]]) -> Any:
+async def _with_server(server: DirectServer, body: Callable[[int], Awaitable[Any]]) -> Any:
     port = await server.start("127.0.0.1", 0)
     try:
         return await asyncio.wait_for(body(port), 10)

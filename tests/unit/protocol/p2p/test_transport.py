@@ -63,9 +63,9 @@ def test_a_transport_whose_p2pd_died_leaves_no_socket_behind() -> None:
     """hivemind removes p2pd's socket only when it stops a p2pd still running; one that
     died first (killed, or crashed) left its socket in /tmp, one per node start."""
     transport = Transport.start(TransportConfig(dht=False, reachability="private"))
-    path = transport._p2p._daemon_listen_maddr.value_for_protocol("unix")
+    path = transport._daemons.p2p._daemon_listen_maddr.value_for_protocol("unix")
     assert os.path.exists(path)
-    os.kill(transport._p2p._child.pid, signal.SIGKILL)
-    assert wait_until(lambda: transport._p2p._child.returncode is not None, 10)
+    os.kill(transport._daemons.p2p._child.pid, signal.SIGKILL)
+    assert wait_until(lambda: transport._daemons.p2p._child.returncode is not None, 10)
     transport.shutdown()
     assert not os.path.exists(path)

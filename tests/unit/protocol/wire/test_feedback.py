@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from protocol.wire.codec import decode, encode
-from protocol.wire.feedback import ErrorFeedback
+from protocol.wire.feedback import FeedbackSettings
 
 QMAX = {"int8": 127, "int4": 7}
 
@@ -22,7 +22,7 @@ def _randn(n: int, seed: int = 0) -> torch.Tensor:
 def test_error_feedback_bounds_accumulated_error_on_a_repeated_vector(codec: str) -> None:
     x = _randn(256, seed=10)
     plain_dec = decode(encode(x, codec, block_size=64)).double()
-    ef = ErrorFeedback(codec, block_size=64)
+    ef = FeedbackSettings(codec, block_size=64).build()
     acc_ef = torch.zeros(256, dtype=torch.float64)
     acc_plain = torch.zeros(256, dtype=torch.float64)
     worst_ef = 0.0
@@ -46,7 +46,7 @@ def test_error_feedback_bounds_accumulated_error_on_a_repeated_vector(codec: str
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_error_feedback_bounds_accumulated_error_on_random_vectors(stochastic: bool) -> None:
     g = torch.Generator().manual_seed(13)
-    ef = ErrorFeedback("int4", block_size=32, stochastic=stochastic, generator=g)
+    ef = FeedbackSettings("int4", block_size=32, stochastic=stochastic).build(g)
     acc_ef = torch.zeros(512, dtype=torch.float64)
     acc_plain = torch.zeros(512, dtype=torch.float64)
     for t in range(200):
@@ -61,7 +61,7 @@ def test_error_feedback_bounds_accumulated_error_on_random_vectors(stochastic: b
 
 def test_error_feedback_residual_and_reset() -> None:
     x = _randn(100, seed=14)
-    ef = ErrorFeedback("int8", block_size=16)
+    ef = FeedbackSettings("int8", block_size=16).build()
     assert ef.residual is None
     enc = ef.encode(x)
     assert enc.payload == encode(x, "int8", block_size=16).payload
@@ -77,7 +77,7 @@ def test_error_feedback_residual_and_reset() -> None:
 
 
 def test_error_feedback_keeps_residual_when_encode_fails() -> None:
-    ef = ErrorFeedback("int8")
+    ef = FeedbackSettings("int8").build()
     ef.encode(_randn(10, seed=15))
     before = ef.residual.clone()
     with pytest.raises(ValueError, match="non-finite"):
@@ -87,10 +87,10 @@ def test_error_feedback_keeps_residual_when_encode_fails() -> None:
 
 def test_error_feedback_refuses_settings_its_codec_does_not_have() -> None:
     with pytest.raises(ValueError, match="stochastic"):
-        ErrorFeedback("bf16", stochastic=True)
+        FeedbackSettings("bf16", stochastic=True).build()
     with pytest.raises(ValueError, match="codec"):
-        ErrorFeedback("sparse")
+        FeedbackSettings("sparse").build()
     with pytest.raises(ValueError, match="topk k"):
-        ErrorFeedback("topk", block_size=64, k=0, bits=2)
+        FeedbackSettings("topk", block_size=64, k=0, bits=2).build()
     with pytest.raises(ValueError, match="decay"):
-        ErrorFeedback("int8", decay=1.5)
+        FeedbackSettings("int8", decay=1.5).build()

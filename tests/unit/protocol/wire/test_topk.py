@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from protocol.wire import codec as codecs
 from protocol.wire.codec import CodecError, Encoded, decode, encode, encoded_size
-from protocol.wire.feedback import ErrorFeedback
+from protocol.wire.feedback import FeedbackSettings
 
 X = torch.tensor([0.1, -3.0, 0.5, 2.0, 0.0, 1.0, -0.2, 0.3])
 
@@ -102,7 +102,7 @@ def test_stochastic_rounding_is_unbiased_on_kept_values() -> None:
 
 @pytest.mark.parametrize("decay", [1.0, 0.9])
 def test_error_feedback_carries_what_was_not_sent(decay: float) -> None:
-    ef = ErrorFeedback("topk", block_size=64, k=2, bits=2, decay=decay)
+    ef = FeedbackSettings("topk", block_size=64, k=2, bits=2, decay=decay).build()
     previous = torch.zeros(300)
     gen = torch.Generator().manual_seed(1)
     sent_total = torch.zeros(300)
@@ -226,7 +226,7 @@ def test_encode_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="non-finite"):
         encode(torch.tensor([1.0, float("nan")]), "topk", block_size=4, k=1, bits=2)
     with pytest.raises(ValueError, match="decay"):
-        ErrorFeedback("topk", block_size=4, k=1, bits=2, decay=0.0)
+        FeedbackSettings("topk", block_size=4, k=1, bits=2, decay=0.0).build()
 
 
 @settings(max_examples=300, deadline=None)
