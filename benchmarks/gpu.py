@@ -44,6 +44,7 @@ import torch
 
 from benchmarks import cuda_site, islands, models
 from benchmarks._common import machine_info, prepare_stdlib_shards
+from benchmarks._mode import Mode
 
 __all__ = ["run"]
 
@@ -240,11 +241,11 @@ def _params(path: pathlib.Path) -> int:
     return sum(p.numel() for p in build_model(cfg.model, seed=0).parameters())
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Every part on the GPU (``smoke``: on the CPU at the smallest sizes, the site part
     skipped); writes ``gpu.json``."""
     cuda = torch.cuda.is_available()
-    if not cuda and not smoke:
+    if not cuda and not mode.smoke:
         return {"skipped": "no CUDA device on this machine"}
     device = "cuda" if cuda else "cpu"
     started = time.monotonic()
@@ -254,11 +255,11 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     seconds: dict[str, float] = {}
     try:
         shards, corpus = prepare_stdlib_shards(
-            work / "shards", 512 if smoke else _VOCAB, 40 if smoke else None
+            work / "shards", 512 if mode.smoke else _VOCAB, 40 if mode.smoke else None
         )
         seconds["data"] = time.monotonic() - started
         mark = time.monotonic()
-        if smoke:
+        if mode.smoke:
             throughput = models.node_against_bare(
                 shards,
                 16.0,
@@ -274,11 +275,11 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         seconds["node_against_bare"] = time.monotonic() - mark
         mark = time.monotonic()
         left = _BUDGET_SECONDS - (mark - started) - _SITE_RESERVE_SECONDS
-        replicas = _replicas(shards, work, max(30.0, left), device, smoke)
+        replicas = _replicas(shards, work, max(30.0, left), device, mode.smoke)
         seconds["replicas"] = time.monotonic() - mark
         mark = time.monotonic()
         site = (
-            cuda_site.run(quick=True, out_dir=work / "site", smoke=smoke)
+            cuda_site.run(Mode(quick=True, smoke=mode.smoke), work / "site")
             if cuda
             else {"skipped": "no CUDA device on this machine"}
         )
@@ -287,8 +288,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         shutil.rmtree(work, ignore_errors=True)
     report = {
         "benchmark": "gpu",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "gpus": torch.cuda.device_count() if cuda else 0,
         "torch": torch.__version__,

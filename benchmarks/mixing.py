@@ -52,6 +52,7 @@ from typing import Any
 import psutil
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from node.config import AtollConfig, load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -464,23 +465,23 @@ def _log_tail(message: str, lines: int = 8) -> list[str]:
     return log_tail(pathlib.Path(found.group(1)).parent, lines)
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Measures bytes and time per round of butterfly mixing and a swarm-wide all-reduce.
 
     Args:
-        quick: n = 2, 4, 8 and 4 rounds per swarm (about 4 minutes on 2 cores);
-            otherwise n up to 16 where the machine holds it, and 8 rounds.
+        mode: what it runs: ``quick``: n = 2, 4, 8 and 4 rounds per swarm (about 4 minutes
+            on 2 cores); otherwise n up to 16 where the machine holds it, and 8 rounds;
+            ``smoke``: n = 2 only, 2 rounds of 2 inner steps: a check that it runs.
         out_dir: folder for ``mixing.json`` and ``mixing.png``; created if missing.
-        smoke: n = 2 only, 2 rounds of 2 inner steps: a check that it runs.
 
     Returns:
         The dict written to ``mixing.json``: ``results`` (per n: ``butterfly`` and
         ``allreduce`` runs with per-node, per-round records, and ``derived`` bytes to a
         full mix), ``model``, ``config``, ``skipped``, ``notes``, ``date`` and ``machine``.
     """
-    rounds = _SMOKE_ROUNDS if smoke else 4 if quick else 8
-    sizes, skipped = _sizes(quick, smoke)
-    workload = [*_WORKLOAD, *(_SMOKE if smoke else ())]
+    rounds = _SMOKE_ROUNDS if mode.smoke else 4 if mode.quick else 8
+    sizes, skipped = _sizes(mode.quick, mode.smoke)
+    workload = [*_WORKLOAD, *(_SMOKE if mode.smoke else ())]
     cfg = load_config(None, workload)
     model = _model_bytes(cfg)
     started = time.monotonic()
@@ -493,8 +494,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
             results[str(n)] = runs
     report = {
         "benchmark": "mixing",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "rounds": rounds,
         "sizes": sizes,
         "skipped": skipped,

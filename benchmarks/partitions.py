@@ -25,12 +25,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from node.ops.swarm_report import log_tail
 
 __all__ = ["run"]
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Repeats the flapping-link run (``smoke``: once) and writes the report and figure;
     ``{"skipped": reason}`` where no network lab can be built."""
     from node.run.metrics import read_events
@@ -43,7 +44,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = []
-    for i in range(1 if smoke else 3 if quick else 10):
+    for i in range(1 if mode.smoke else 3 if mode.quick else 10):
         cleanup_stale()
         with NetLab() as lab, tempfile.TemporaryDirectory(prefix="atoll-flap-") as root:
             started = time.time()
@@ -79,10 +80,10 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         print(f"partitions: run {i}: passed {runs[-1]['passed']}", flush=True)
     report = {
         "benchmark": "partitions",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "machine": machine_info(),
-        "command": f"python -m benchmarks partitions{' --quick' if quick else ''}",
+        "command": f"python -m benchmarks partitions{' --quick' if mode.quick else ''}",
         "runs": runs,
         "passed": sum(r["passed"] for r in runs),
         "of": len(runs),

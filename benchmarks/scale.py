@@ -57,6 +57,7 @@ from typing import Any
 
 from benchmarks import _scale_real, _scale_sim
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from protocol.averaging.grouping import cell_dims
 from protocol.p2p.shaper import ENV_VAR
 
@@ -468,14 +469,14 @@ def _measure_real(plan: _Plan) -> tuple[dict, dict, dict, dict]:
     return real, shaped, cells, wallclock
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Runs the real swarms, calibrates, simulates, and writes ``scale.json``/``.png``.
 
     Args:
-        quick: the quick mode's rounds (see the module docstring).
+        mode: what it runs: ``quick``: the quick mode's rounds (see the module docstring);
+            ``smoke``: each kind of real swarm once with 2 nodes, 2 short rounds: a check
+            that it runs.
         out_dir: folder for ``scale.json`` and ``scale.png``; created if missing.
-        smoke: each kind of real swarm once with 2 nodes, 2 short rounds: a check that
-            it runs.
 
     Returns:
         The report: ``real`` (per size, :func:`benchmarks._scale_real.measure`'s
@@ -486,7 +487,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         ``cell_check``), ``simulated`` (per policy and
         size, :func:`benchmarks._scale_sim.simulate`'s figures), ``date``, ``machine``.
     """
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     started = time.monotonic()
     real, shaped, cells, wallclock = _measure_real(plan)
     constants = _calibration(real)
@@ -498,8 +499,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     )
     report = {
         "benchmark": "scale",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "real_rounds": plan.real_rounds,
         "sim_rounds": plan.sim_rounds,
         "real": {n: {k: v for k, v in r.items() if k != "config"} for n, r in real.items()},

@@ -44,6 +44,7 @@ import blake3
 import torch
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.hooks import Judge
 from protocol.averaging.parts import (
@@ -428,13 +429,13 @@ def _measure_all(plan: _Plan, results: dict[str, dict]) -> None:
         entry["signatures"] = sig
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Times 4-member all-reduces with verification on and off, and signatures apart.
 
     Args:
-        quick: 1M values instead of 1M and 10M.
+        mode: what it runs: ``quick``: 1M values instead of 1M and 10M; ``smoke``: 2
+            members, 20,000 values, codec int8, 1 repeat: a check that it runs.
         out_dir: folder for ``verification.json`` and ``verification.png``; created if missing.
-        smoke: 2 members, 20,000 values, codec int8, 1 repeat: a check that it runs.
 
     Returns:
         The dict written to ``verification.json``: per ``"N/codec"`` the repeat times
@@ -443,7 +444,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         signature micro-benchmark with its share of the round (``signatures``). A
         measurement that failed has an ``error`` instead of times.
     """
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     results: dict[str, dict[str, Any]] = {}
     # One intra-op thread per member, as a node gets when several share a machine
     # (run.threads): with more threads than free cores, OpenMP's waiting turns each small
@@ -456,8 +457,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         torch.set_num_threads(threads)
     report = {
         "benchmark": "verification",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "members": plan.members,
         "repeats": plan.repeats,
         "torch_threads": _TORCH_THREADS,

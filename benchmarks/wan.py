@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
+from benchmarks._mode import Mode
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -338,17 +339,17 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 # ---- entry point ------------------------------------------------------------------------
 
 
-def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Measures Atoll and DDP on each emulated link.
 
     Args:
-        quick: 3 links (0 and 70 ms at 100 Mbit/s, 10 ms at 1 Gbit/s) and 3 rounds of
-            6 s; otherwise all 6 links and 5 rounds.
+        mode: what it runs: ``quick``: 3 links (0 and 70 ms at 100 Mbit/s, 10 ms at
+            1 Gbit/s) and 3 rounds of 6 s; otherwise all 6 links and 5 rounds; ``netns``:
+            each worker on its own network namespace, the bandwidth by tbf (see the
+            module docstring); without a lab here nothing runs or is written; ``smoke``:
+            two workers on one link (0 ms, 100 Mbit/s), 2 rounds of 5 s: a check that it
+            runs.
         out_dir: folder for ``wan.json`` and ``wan.png``; created if missing.
-        netns: each worker on its own network namespace, the bandwidth by tbf (see the
-            module docstring); without a lab here nothing runs or is written.
-        smoke: two workers on one link (0 ms, 100 Mbit/s), 2 rounds of 5 s: a check that
-            it runs.
 
     Returns:
         The dict written to ``wan.json``: ``links`` (per link: ``link``, ``env`` and, for
@@ -357,49 +358,67 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = F
         ``quick``, ``notes``, ``date`` and ``machine``; or, with ``netns`` where no lab
         can be built, ``{"benchmark": "wan", "skipped": reason}``.
     """
-    if netns:
+    if mode.netns:
         from benchmarks import _wan_netns
 
         ok, why = _wan_netns.available()
         if not ok:
             return {"benchmark": "wan", "skipped": f"--netns needs a network lab: {why}"}
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     started = time.monotonic()
-    records = []
     with tempfile.TemporaryDirectory(prefix="atoll-wan-") as tmp:
-        for i, link in enumerate(plan.links):
-            record: dict[str, Any] = {"link": link.label, "env": f"{ENV_VAR}={link.to_env()}"}
+        records = [
+            _measure_link(i, link, plan, pathlib.Path(tmp), mode.netns)
+            for i, link in enumerate(plan.links)
+        ]
+    report = _report(mode, plan, records, round(time.monotonic() - started, 1))
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out_dir / "wan.png")
+    return report
+
+
+def _measure_link(
+    i: int, link: LinkShape, plan: _Plan, tmp: pathlib.Path, netns: bool
+) -> dict[str, Any]:
+    """Atoll's and DDP's runs on link ``i`` (a failed one holds its ``error``)."""
+    record: dict[str, Any] = {"link": link.label, "env": f"{ENV_VAR}={link.to_env()}"}
+    if netns:
+        from benchmarks import _wan_netns
+
+        shaped = _wan_netns.atoll_env(link).get(ENV_VAR)
+        record["env"] = f"{ENV_VAR}={shaped}" if shaped else f"{ENV_VAR} unset"
+        record["tbf_mbit"] = link.bandwidth_bps / 1e6 if link.bandwidth_bps else None
+    for method in ("atoll", "ddp"):
+        t0 = time.monotonic()
+        try:
             if netns:
-                shaped = _wan_netns.atoll_env(link).get(ENV_VAR)
-                record["env"] = f"{ENV_VAR}={shaped}" if shaped else f"{ENV_VAR} unset"
-                record["tbf_mbit"] = link.bandwidth_bps / 1e6 if link.bandwidth_bps else None
-            for method in ("atoll", "ddp"):
-                t0 = time.monotonic()
-                try:
-                    if netns:
-                        directory = pathlib.Path(tmp) / f"link{i}-{method}"
-                        result = _run_in_lab(method, link, plan, directory)
-                    elif method == "atoll":
-                        directory = pathlib.Path(tmp) / f"link{i}"
-                        timeout = _atoll_timeout(plan.seconds)
-                        result = _run_atoll(link, plan, directory, timeout)
-                    else:
-                        result = _run_ddp(link, plan)
-                except Exception as e:  # one broken run must not cost the others
-                    result = {"error": f"{type(e).__name__}: {e}"}
-                result["seconds"] = round(time.monotonic() - t0, 1)
-                record[method] = result
-            records.append(record)
+                result = _run_in_lab(method, link, plan, tmp / f"link{i}-{method}")
+            elif method == "atoll":
+                timeout = _atoll_timeout(plan.seconds)
+                result = _run_atoll(link, plan, tmp / f"link{i}", timeout)
+            else:
+                result = _run_ddp(link, plan)
+        except Exception as e:  # one broken run must not cost the others
+            result = {"error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        record[method] = result
+    return record
+
+
+def _report(mode: Mode, plan: _Plan, records: list[dict], seconds: float) -> dict[str, Any]:
+    """The dict written to ``wan.json``, with the notes on how each figure was taken."""
     report: dict[str, Any] = {
         "benchmark": "wan",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "workers": plan.workers,
         "rounds": plan.rounds,
         "seconds_per_method": plan.seconds,
         "workload": plan.workload,
         "links": records,
-        "seconds": round(time.monotonic() - started, 1),
+        "seconds": seconds,
         "notes": {
             "link": "one-way delay added once per message and a bandwidth cap on each "
             "worker's egress (a token bucket 2 ms deep), emulated on 127.0.0.1",
@@ -423,11 +442,9 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = F
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
-    if netns:
+    if mode.netns:
+        from benchmarks import _wan_netns
+
         report["mode"] = "netns"
         report["notes"].update(_wan_netns.NOTES)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out_dir / "wan.png")
     return report
