@@ -216,6 +216,23 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         )
 
 
+_NOTES = {
+    "utilization": "sum(busy) / sum(busy + idle) over workers; busy = compute "
+    "plus the slowdown sleep, idle = waiting for peers",
+    "compute_utilization": "useful compute / available compute: each worker's "
+    "seconds weighted by its speed 1/slowdown (the design notes' 36 % for DDP)",
+    "expected": "ideal values: 1.0 for a method that never waits; for a "
+    "synchronous one, every step takes the slowest worker's time",
+    "fast_idle_share": "idle / (busy + idle) of the slowdown-1 workers; Atoll "
+    "seconds-mode target < 0.05",
+    "steps_per_second": "inner steps of all workers together per second of "
+    "training (mean wall time per worker)",
+    "atoll_idle": "from each node's status (idle = training wall - busy at its last "
+    "step) plus the wait from its last step to the end of its last round",
+}
+"""How each figure of the report was taken."""
+
+
 def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Measures utilization under stragglers for Atoll (seconds, steps) and DDP.
 
@@ -267,20 +284,7 @@ def run(mode: Mode, out_dir: pathlib.Path) -> dict:
         "smoke": mode.smoke,
         "rounds": rounds,
         "ddp_seconds": seconds,
-        "notes": {
-            "utilization": "sum(busy) / sum(busy + idle) over workers; busy = compute "
-            "plus the slowdown sleep, idle = waiting for peers",
-            "compute_utilization": "useful compute / available compute: each worker's "
-            "seconds weighted by its speed 1/slowdown (the design notes' 36 % for DDP)",
-            "expected": "ideal values: 1.0 for a method that never waits; for a "
-            "synchronous one, every step takes the slowest worker's time",
-            "fast_idle_share": "idle / (busy + idle) of the slowdown-1 workers; Atoll "
-            "seconds-mode target < 0.05",
-            "steps_per_second": "inner steps of all workers together per second of "
-            "training (mean wall time per worker)",
-            "atoll_idle": "from each node's status (idle = training wall - busy at its last "
-            "step) plus the wait from its last step to the end of its last round",
-        },
+        "notes": dict(_NOTES),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
