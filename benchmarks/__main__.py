@@ -63,67 +63,95 @@ _RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def _summary(name: str, report: dict, seconds: float) -> str:
     """One line: what ran, how long it took, and the headline numbers where known."""
     line = f"{name}: done in {seconds:.0f}s"
-    results = report.get("results", {})
-    if name == "allreduce":
-        parts = []
-        for method, per_size in results.items():
-            for n, r in per_size.items():
-                value = f"{r['median_s']:.3f}s" if r.get("median_s") else "error"
-                parts.append(f"{method}@{int(n) / 1e6:g}M {value}")
-        ratios = report.get("ratios", {}).get("atoll_vs_hivemind", {})
-        parts += [f"hivemind/atoll@{int(n) / 1e6:g}M {r:.2f}x" for n, r in ratios.items() if r]
-        line += " | " + ", ".join(parts)
-    elif name == "codec":
-        best = max(results.items(), key=lambda kv: kv[1]["throughput_mb_s"], default=None)
-        if best:
-            line += f" | {len(results)} variants, fastest {best[0]} {best[1]['throughput_mb_s']:.0f} MB/s"
-    elif name == "wan":
-        parts = []
-        for r in report.get("links", []):
-            atoll, ddp = r["atoll"].get("utilization"), r["ddp"].get("utilization")
-            if atoll is not None and ddp is not None:
-                parts.append(f"{r['link']}: utilization Atoll {atoll:.0%}, DDP {ddp:.0%}")
-        line += " | " + "; ".join(parts)
-    elif name == "sites":
-        parts = []
-        for setup, r in report.get("setups", {}).items():
-            if r.get("slow_link_bytes_per_round") is not None:
-                parts.append(
-                    f"{setup}: {r['slow_link_bytes_per_round'] / 1e3:.0f} kB/round, "
-                    f"bits/byte {r.get('val_bpb_end') or float('nan'):.3f}"
-                )
-        parts.append(f"bytes ratio {report.get('bytes_ratio')}")
-        line += " | " + "; ".join(parts)
-    elif name == "convergence":
-        parts = []
-        for e in report.get("entries", []):
-            gap = (e.get("gap_to_ddp_percent") or {}).get("mean")
-            if gap is not None:
-                parts.append(f"{e['label'].split(',')[0]} {gap:+.1f}%")
-        line += " | gap to DDP: " + "; ".join(parts)
-    elif name == "models":
-        t, m = report.get("throughput", {}), report.get("memory", {})
-        gap = report.get("convergence", {}).get("gap_percent_mean")
-        line += (
-            f" | node/bare tokens/s {t.get('ratio') or float('nan'):.3f}; "
-            f"{m.get('beyond_bytes_per_param') or float('nan'):.1f} B/param beyond a bare loop; "
-            f"4 nodes vs DDP {gap if gap is not None else float('nan'):+.1f}%"
-        )
-    elif name == "mixing":
-        parts = []
-        for n, r in results.items():
-            d = r.get("derived") or {}
-            if d.get("butterfly_full_mix_bytes") and d.get("allreduce_full_mix_bytes"):
-                parts.append(
-                    f"n={n}: full mix butterfly {d['butterfly_full_mix_bytes'] / 1e3:.0f} kB "
-                    f"({d['rounds_to_mix_butterfly']} rounds), all-to-all "
-                    f"{d['all_to_all_full_mix_bytes'] / 1e3:.0f} kB, all-reduce "
-                    f"{d['allreduce_full_mix_bytes'] / 1e3:.0f} kB"
-                )
-            else:
-                parts.append(f"n={n}: no result")
-        line += " | " + "; ".join(parts)
-    return line
+    headline = _HEADLINES.get(name)
+    return line + headline(report, report.get("results", {})) if headline else line
+
+
+def _allreduce_headline(report: dict, results: dict) -> str:
+    parts = []
+    for method, per_size in results.items():
+        for n, r in per_size.items():
+            value = f"{r['median_s']:.3f}s" if r.get("median_s") else "error"
+            parts.append(f"{method}@{int(n) / 1e6:g}M {value}")
+    ratios = report.get("ratios", {}).get("atoll_vs_hivemind", {})
+    parts += [f"hivemind/atoll@{int(n) / 1e6:g}M {r:.2f}x" for n, r in ratios.items() if r]
+    return " | " + ", ".join(parts)
+
+
+def _codec_headline(report: dict, results: dict) -> str:
+    best = max(results.items(), key=lambda kv: kv[1]["throughput_mb_s"], default=None)
+    if not best:
+        return ""
+    return f" | {len(results)} variants, fastest {best[0]} {best[1]['throughput_mb_s']:.0f} MB/s"
+
+
+def _wan_headline(report: dict, results: dict) -> str:
+    parts = []
+    for r in report.get("links", []):
+        atoll, ddp = r["atoll"].get("utilization"), r["ddp"].get("utilization")
+        if atoll is not None and ddp is not None:
+            parts.append(f"{r['link']}: utilization Atoll {atoll:.0%}, DDP {ddp:.0%}")
+    return " | " + "; ".join(parts)
+
+
+def _sites_headline(report: dict, results: dict) -> str:
+    parts = []
+    for setup, r in report.get("setups", {}).items():
+        if r.get("slow_link_bytes_per_round") is not None:
+            parts.append(
+                f"{setup}: {r['slow_link_bytes_per_round'] / 1e3:.0f} kB/round, "
+                f"bits/byte {r.get('val_bpb_end') or float('nan'):.3f}"
+            )
+    parts.append(f"bytes ratio {report.get('bytes_ratio')}")
+    return " | " + "; ".join(parts)
+
+
+def _convergence_headline(report: dict, results: dict) -> str:
+    parts = []
+    for e in report.get("entries", []):
+        gap = (e.get("gap_to_ddp_percent") or {}).get("mean")
+        if gap is not None:
+            parts.append(f"{e['label'].split(',')[0]} {gap:+.1f}%")
+    return " | gap to DDP: " + "; ".join(parts)
+
+
+def _models_headline(report: dict, results: dict) -> str:
+    t, m = report.get("throughput", {}), report.get("memory", {})
+    gap = report.get("convergence", {}).get("gap_percent_mean")
+    return (
+        f" | node/bare tokens/s {t.get('ratio') or float('nan'):.3f}; "
+        f"{m.get('beyond_bytes_per_param') or float('nan'):.1f} B/param beyond a bare loop; "
+        f"4 nodes vs DDP {gap if gap is not None else float('nan'):+.1f}%"
+    )
+
+
+def _mixing_headline(report: dict, results: dict) -> str:
+    parts = []
+    for n, r in results.items():
+        d = r.get("derived") or {}
+        if d.get("butterfly_full_mix_bytes") and d.get("allreduce_full_mix_bytes"):
+            parts.append(
+                f"n={n}: full mix butterfly {d['butterfly_full_mix_bytes'] / 1e3:.0f} kB "
+                f"({d['rounds_to_mix_butterfly']} rounds), all-to-all "
+                f"{d['all_to_all_full_mix_bytes'] / 1e3:.0f} kB, all-reduce "
+                f"{d['allreduce_full_mix_bytes'] / 1e3:.0f} kB"
+            )
+        else:
+            parts.append(f"n={n}: no result")
+    return " | " + "; ".join(parts)
+
+
+_HEADLINES = {
+    "allreduce": _allreduce_headline,
+    "codec": _codec_headline,
+    "wan": _wan_headline,
+    "sites": _sites_headline,
+    "convergence": _convergence_headline,
+    "models": _models_headline,
+    "mixing": _mixing_headline,
+}
+"""Benchmark name -> the headline numbers its summary line adds (``report``, its
+``results``)."""
 
 
 def _written(out_dir: pathlib.Path, name: str, since: float) -> list[pathlib.Path]:

@@ -517,6 +517,24 @@ def _checks(plan: _Plan, shards: pathlib.Path, work: pathlib.Path, journal: Jour
         journal.run(name, partial(_real, plan, check, base, work / f"real-{check.nodes}"))
 
 
+def _reference_checks(plan: _Plan, journal: Journal) -> list[dict[str, Any]]:
+    """Each reference check judged: the simulated arm's seeds against its real nodes."""
+    checks = [
+        _judge_check(
+            check,
+            [
+                journal.done[_name(check.model, check.steps, s, check.arm)]
+                for s in range(check.seeds)
+            ],
+            journal.done[_name(check.model, check.steps, 0, f"real, {check.nodes} nodes")],
+        )
+        for check in plan.checks
+    ]
+    for check in checks:
+        print(f"islands: {check['model']}: real nodes {check['difference_percent']} % off")
+    return checks
+
+
 def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Every model, seed and arm of the plan; writes ``islands.json`` and ``islands.png``."""
     plan = _plan(mode.quick, mode.smoke)
@@ -532,19 +550,7 @@ def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     entries = _entries(plan, journal.done)
-    checks = [
-        _judge_check(
-            check,
-            [
-                journal.done[_name(check.model, check.steps, s, check.arm)]
-                for s in range(check.seeds)
-            ],
-            journal.done[_name(check.model, check.steps, 0, f"real, {check.nodes} nodes")],
-        )
-        for check in plan.checks
-    ]
-    for check in checks:
-        print(f"islands: {check['model']}: real nodes {check['difference_percent']} % off")
+    checks = _reference_checks(plan, journal)
     summary = _summary(entries, plan)
     first = plan.sizes[0]
     report = {

@@ -469,6 +469,24 @@ def _measure_real(plan: _Plan) -> tuple[dict, dict, dict, dict]:
     return real, shaped, cells, wallclock
 
 
+_NOTES = {
+    "real": "n real nodes on 127.0.0.1 sharing two cores: step time and round time "
+    "grow with n because the CPU is shared, not because of the protocol",
+    "calibration": "one sync overhead fitted (median over sizes); each size's "
+    f"simulated round time compared with its real one, target within "
+    f"{_TARGET_ROUND_ERROR:.0%}",
+    "policies": "before: heartbeat every 1 s, every record read every 2 s, every "
+    "commitment gossiped to every node; node: the same up to 8 nodes, above it "
+    "intervals stretched by n/8 and commitments sent to the group only, and above "
+    "256 nodes matchmaking on the cell grid (a node reads its line's announcements "
+    "only) and the registry in n/256 shards (network.registry_shards); sampled: as node, with at most 32 heartbeats a second swarm-wide and "
+    "registry reads of at most 32 records (not built)",
+    "wan": "five regions 3,600-16,000 km apart (5 us/km one way), 10 Gbit/s per "
+    "node, 1 % churn per round, the reference model's int8 fragments",
+}
+"""How each figure of the report was taken."""
+
+
 def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Runs the real swarms, calibrates, simulates, and writes ``scale.json``/``.png``.
 
@@ -510,21 +528,7 @@ def run(mode: Mode, out_dir: pathlib.Path) -> dict:
         "workload": real[plan.real_sizes[0]]["config"],
         "calibration": calibration,
         "simulated": _wan(constants, overhead, plan.sim_rounds, plan.sim_sizes),
-        "notes": {
-            "real": "n real nodes on 127.0.0.1 sharing two cores: step time and round time "
-            "grow with n because the CPU is shared, not because of the protocol",
-            "calibration": "one sync overhead fitted (median over sizes); each size's "
-            f"simulated round time compared with its real one, target within "
-            f"{_TARGET_ROUND_ERROR:.0%}",
-            "policies": "before: heartbeat every 1 s, every record read every 2 s, every "
-            "commitment gossiped to every node; node: the same up to 8 nodes, above it "
-            "intervals stretched by n/8 and commitments sent to the group only, and above "
-            "256 nodes matchmaking on the cell grid (a node reads its line's announcements "
-            "only) and the registry in n/256 shards (network.registry_shards); sampled: as node, with at most 32 heartbeats a second swarm-wide and "
-            "registry reads of at most 32 records (not built)",
-            "wan": "five regions 3,600-16,000 km apart (5 us/km one way), 10 Gbit/s per "
-            "node, 1 % churn per round, the reference model's int8 fragments",
-        },
+        "notes": dict(_NOTES),
         "seconds": round(time.monotonic() - started, 1),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

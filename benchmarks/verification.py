@@ -429,6 +429,29 @@ def _measure_all(plan: _Plan, results: dict[str, dict]) -> None:
         entry["signatures"] = sig
 
 
+_NOTES = {
+    "timing": "one untimed warm-up per mode, then repeats alternating off and on "
+    "(off-on, on-off, ...) on the same services; each: all four members, each in its "
+    "own process with its own transport, start AllReduceService.run at one "
+    "wall-clock instant; the time is the slowest member's",
+    "on": "reducer and judge = verification.verifier.Verifier (screening, trimmed "
+    "mean, audit rows and reputations in a fresh SQLite file per member)",
+    "off": "default token-weighted mean reducer, a judge that accepts everything",
+    "signatures": "always on; seal_part/open_part of one part (the whole cost: the "
+    "body travels raw), next to the former msgpack envelope and to SHA-256 and "
+    "BLAKE3 over the body alone, "
+    "best of 7; per_member_per_round_s = G sealed + 2(G-1) opened part-sized "
+    "messages; share_of_round_* divide by the median 'off' round",
+    "per_member_per_round_s": "time inside the reducer (reduce_s; of it "
+    "screen_s and aggregate_s), the SQLite stores (sqlite_s, every audit and "
+    "reputation call) and check_reduced, summed over members and divided by "
+    "members x repeats",
+    "processes": "each member is its own process (its own transport, p2pd, DHT and "
+    "SQLite file); the four share this machine's cores",
+}
+"""How each figure of the report was taken."""
+
+
 def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Times 4-member all-reduces with verification on and off, and signatures apart.
 
@@ -465,26 +488,7 @@ def run(mode: Mode, out_dir: pathlib.Path) -> dict:
         "policy": {"aggregator": "trimmed_mean", "screening": True},
         "target": "ratio on/off below 1.10",
         "results": results,
-        "notes": {
-            "timing": "one untimed warm-up per mode, then repeats alternating off and on "
-            "(off-on, on-off, ...) on the same services; each: all four members, each in its "
-            "own process with its own transport, start AllReduceService.run at one "
-            "wall-clock instant; the time is the slowest member's",
-            "on": "reducer and judge = verification.verifier.Verifier (screening, trimmed "
-            "mean, audit rows and reputations in a fresh SQLite file per member)",
-            "off": "default token-weighted mean reducer, a judge that accepts everything",
-            "signatures": "always on; seal_part/open_part of one part (the whole cost: the "
-            "body travels raw), next to the former msgpack envelope and to SHA-256 and "
-            "BLAKE3 over the body alone, "
-            "best of 7; per_member_per_round_s = G sealed + 2(G-1) opened part-sized "
-            "messages; share_of_round_* divide by the median 'off' round",
-            "per_member_per_round_s": "time inside the reducer (reduce_s; of it "
-            "screen_s and aggregate_s), the SQLite stores (sqlite_s, every audit and "
-            "reputation call) and check_reduced, summed over members and divided by "
-            "members x repeats",
-            "processes": "each member is its own process (its own transport, p2pd, DHT and "
-            "SQLite file); the four share this machine's cores",
-        },
+        "notes": dict(_NOTES),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
