@@ -282,34 +282,8 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         "atoll": "Atoll (seconds mode)" + (", tbf link" if netns else ""),
         "ddp": "DDP (gloo through tbf, delay hook)" if netns else "DDP (emulated link)",
     }
-
-    def values(method: str, key: str) -> list[float]:
-        return [r[method].get(key) or 0.0 for r in links]
-
-    for offset, method, color in ((-0.2, "atoll", "tab:blue"), (0.2, "ddp", "tab:orange")):
-        shares = values(method, "utilization")
-        xy = ([x + offset for x in xs], [100 * v for v in shares])
-        bars = util.bar(*xy, 0.4, color=color, hatch=hatch)
-        bars.set_label(names[method])
-        for x, v in zip(xs, shares):
-            util.annotate(f"{v:.0%}", (x + offset, 100 * v), ha="center", va="bottom", fontsize=8)
-    util.set_ylim(0, 110)
-    util.set_ylabel("utilization (% of wall time computing)")
-    util.set_title("utilization", fontsize=10)
-
-    series = (
-        (-0.27, "atoll", "round_seconds", "Atoll round (wall between round ends)", "tab:blue"),
-        (0.0, "atoll", "sync_seconds", "Atoll fragment sync (launch to applied)", "tab:cyan"),
-        (0.27, "ddp", "step_seconds", "DDP step", "tab:orange"),
-    )
-    for offset, method, key, label, color in series:
-        seconds = values(method, key)
-        times.bar([x + offset for x in xs], seconds, 0.27, label=label, color=color, hatch=hatch)
-        for x, v in zip(xs, seconds):
-            times.annotate(f"{v:.2g}", (x + offset, v), ha="center", va="bottom", fontsize=7)
-    times.set_yscale("log")
-    times.set_ylabel("seconds (log)")
-    times.set_title("time per round / sync / step", fontsize=10)
+    _plot_utilization(util, links, names, hatch)
+    _plot_times(times, links, hatch)
     axes = [util, times]
     if netns:
         from benchmarks import _wan_netns
@@ -334,6 +308,46 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _values(links: list[dict[str, Any]], method: str, key: str) -> list[float]:
+    """``method``'s ``key`` on every link (0 where it has none)."""
+    return [r[method].get(key) or 0.0 for r in links]
+
+
+def _plot_utilization(
+    util: Any, links: list[dict[str, Any]], names: dict[str, str], hatch: str | None
+) -> None:
+    """The utilization panel: Atoll's and DDP's bars side by side per link."""
+    xs = list(range(len(links)))
+    for offset, method, color in ((-0.2, "atoll", "tab:blue"), (0.2, "ddp", "tab:orange")):
+        shares = _values(links, method, "utilization")
+        xy = ([x + offset for x in xs], [100 * v for v in shares])
+        bars = util.bar(*xy, 0.4, color=color, hatch=hatch)
+        bars.set_label(names[method])
+        for x, v in zip(xs, shares):
+            util.annotate(f"{v:.0%}", (x + offset, 100 * v), ha="center", va="bottom", fontsize=8)
+    util.set_ylim(0, 110)
+    util.set_ylabel("utilization (% of wall time computing)")
+    util.set_title("utilization", fontsize=10)
+
+
+def _plot_times(times: Any, links: list[dict[str, Any]], hatch: str | None) -> None:
+    """The time panel: Atoll's round and fragment sync and DDP's step per link (log)."""
+    xs = list(range(len(links)))
+    series = (
+        (-0.27, "atoll", "round_seconds", "Atoll round (wall between round ends)", "tab:blue"),
+        (0.0, "atoll", "sync_seconds", "Atoll fragment sync (launch to applied)", "tab:cyan"),
+        (0.27, "ddp", "step_seconds", "DDP step", "tab:orange"),
+    )
+    for offset, method, key, label, color in series:
+        seconds = _values(links, method, key)
+        times.bar([x + offset for x in xs], seconds, 0.27, label=label, color=color, hatch=hatch)
+        for x, v in zip(xs, seconds):
+            times.annotate(f"{v:.2g}", (x + offset, v), ha="center", va="bottom", fontsize=7)
+    times.set_yscale("log")
+    times.set_ylabel("seconds (log)")
+    times.set_title("time per round / sync / step", fontsize=10)
 
 
 # ---- entry point ------------------------------------------------------------------------
