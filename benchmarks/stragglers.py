@@ -43,8 +43,9 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks._common import TimedDdp, figure, machine_info, run_timed_ddp
+from benchmarks._common import figure, machine_info
 from benchmarks._mode import Mode
+from benchmarks._timed_ddp import TimedDdp, run_timed_ddp
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -132,7 +133,7 @@ def _closing_wait(data_dir: pathlib.Path) -> float:
 
 
 def _run_ddp(seconds: float, slowdowns: tuple[float, ...]) -> dict[str, Any]:
-    """A DDP rank per slowdown (``benchmarks._common.run_timed_ddp``)."""
+    """A DDP rank per slowdown (``benchmarks._timed_ddp.run_timed_ddp``)."""
     result = run_timed_ddp(TimedDdp(tuple(_SMALL), slowdowns, seconds))
     if "error" in result:
         return {"error": result["error"], "per_worker": []}

@@ -47,8 +47,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
+from benchmarks._common import machine_info
 from benchmarks._mode import Mode
+from benchmarks._timed_ddp import TimedDdp, ring_allreduce_seconds, run_timed_ddp
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD

@@ -9,15 +9,9 @@ import torch
 
 from benchmarks import __main__ as bench_cli
 from benchmarks import _wan_netns, wan
-from benchmarks._common import (
-    TimedDdp,
-    _delay_allreduce_hook,
-    _LinkHookState,
-    free_port,
-    gloo_group,
-    run_ranks,
-)
+from benchmarks._common import free_port, gloo_group, run_ranks
 from benchmarks._mode import Mode
+from benchmarks._timed_ddp import TimedDdp, _delay_allreduce_hook, _LinkHookState
 from protocol.p2p.shaper import ENV_VAR, LinkShape, Shaper
 
 _WORLD = 2
