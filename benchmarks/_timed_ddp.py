@@ -142,79 +142,22 @@ def timed_rank(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
     inside backward exactly as slower hardware would; backward compute is timed up to
     its last gradient accumulation, so the wait for the all-reduce is not counted as busy.
     """
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
     from node.config import load_config
     from node.data.corpus import BatchStream, load_corpus
     from node.train.model import build_model
-    from node.train.trainer import evaluate, lr_at, make_inner_optimizer
+    from node.train.trainer import evaluate, make_inner_optimizer
 
     torch.set_num_threads(1)
     cfg = load_config(None, list(plan.overrides))
     world = len(plan.slowdowns)
-    slowdown = float(plan.slowdowns[rank])
     with gloo_group(port, rank, world, timeout_s=60, addr=plan.master_addr) as dist:
         model = build_model(cfg.model, seed=cfg.run.seed)
-        ddp = DistributedDataParallel(model)
-        if plan.link is not None:
-            ddp.register_comm_hook(_LinkHookState(plan.link, world), _link_allreduce_hook)
-        elif plan.delay_s > 0:
-            delay = _LinkHookState(LinkShape(plan.delay_s), world)
-            ddp.register_comm_hook(delay, _delay_allreduce_hook)
+        ddp = _wrapped(model, plan, world)
         optimizer = make_inner_optimizer(model, cfg.train)
         corpus = load_corpus(cfg.data, cfg.model.context)
         stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, ("ddp", rank))
-        # Backward's wall time includes the wait for the all-reduce; its compute ends
-        # when the last gradient is accumulated.
-        last_grad = [0.0]
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda _: last_grad.__setitem__(0, time.monotonic())
-            )
-        stop, pending = torch.zeros(1), None
-        tail = 0.0  # backward + optimizer compute of the previous step
-        busy = 0.0
-        steps = 0
-        started = deadline = float("inf")
-        while True:
-            if steps == _DDP_WARMUP_STEPS:
-                # Warm-up steps (caches, the first tail) are not counted; start together.
-                dist.barrier()
-                started, busy = time.monotonic(), 0.0
-                deadline = started + plan.seconds
-            t0 = time.monotonic()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(steps, cfg.train)
-            inputs, targets = stream.next()
-            logits = ddp(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            t1 = time.monotonic()
-            if slowdown > 1.0:
-                # Before backward, so the all-reduce in backward waits for it.
-                time.sleep((t1 - t0 + tail) * (slowdown - 1.0))
-            t2 = last_grad[0] = time.monotonic()
-            loss.backward()
-            t3 = time.monotonic()
-            if cfg.train.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            optimizer.step()
-            t4 = time.monotonic()
-            tail = (last_grad[0] - t2) + (t4 - t3)
-            busy += (t2 - t0) + tail
-            steps += 1
-            # Every rank must stop after the same step, or the others hang in backward.
-            # The vote runs in the background during the next step, so it adds no
-            # synchronisation point of its own; ranks stop one step after the deadline.
-            if pending is not None:
-                pending.wait()
-                if stop.item():
-                    break
-            stop = torch.tensor([float(time.monotonic() >= deadline)])
-            pending = dist.all_reduce(stop, op=dist.ReduceOp.MAX, async_op=True)
-        wall = time.monotonic() - started
+        slowdown = float(plan.slowdowns[rank])
+        steps, busy, wall = _train_for(dist, ddp, optimizer, stream, cfg.train, plan, slowdown)
         digests: list[Any] = [None] * world
         dist.all_gather_object(digests, params_digest(model))
         val_bpb = None
@@ -234,6 +177,79 @@ def timed_rank(rank: int, port: int, plan: TimedDdp, results: Any) -> None:
                 "val_bpb": val_bpb,
             }
         )
+
+
+def _wrapped(model: Any, plan: TimedDdp, world: int) -> Any:
+    """``model`` in DDP, behind ``plan``'s emulated link or delay hook where it has one."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    if plan.link is not None:
+        ddp.register_comm_hook(_LinkHookState(plan.link, world), _link_allreduce_hook)
+    elif plan.delay_s > 0:
+        delay = _LinkHookState(LinkShape(plan.delay_s), world)
+        ddp.register_comm_hook(delay, _delay_allreduce_hook)
+    return ddp
+
+
+def _train_for(
+    dist: Any, ddp: Any, optimizer: Any, stream: Any, train: Any, plan: TimedDdp, slowdown: float
+) -> tuple[int, float, float]:
+    """Steps until ``plan.seconds`` after the warm-up, every rank stopping after the same
+    step: the steps taken (warm-up included), busy seconds and wall seconds after it."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from node.train.trainer import lr_at
+
+    model = ddp.module
+    # Backward's wall time includes the wait for the all-reduce; its compute ends
+    # when the last gradient is accumulated.
+    last_grad = [0.0]
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: last_grad.__setitem__(0, time.monotonic()))
+    stop, pending = torch.zeros(1), None
+    tail = 0.0  # backward + optimizer compute of the previous step
+    busy = 0.0
+    steps = 0
+    started = deadline = float("inf")
+    while True:
+        if steps == _DDP_WARMUP_STEPS:
+            # Warm-up steps (caches, the first tail) are not counted; start together.
+            dist.barrier()
+            started, busy = time.monotonic(), 0.0
+            deadline = started + plan.seconds
+        t0 = time.monotonic()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(steps, train)
+        inputs, targets = stream.next()
+        logits = ddp(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        t1 = time.monotonic()
+        if slowdown > 1.0:
+            # Before backward, so the all-reduce in backward waits for it.
+            time.sleep((t1 - t0 + tail) * (slowdown - 1.0))
+        t2 = last_grad[0] = time.monotonic()
+        loss.backward()
+        t3 = time.monotonic()
+        if train.grad_clip > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        optimizer.step()
+        t4 = time.monotonic()
+        tail = (last_grad[0] - t2) + (t4 - t3)
+        busy += (t2 - t0) + tail
+        steps += 1
+        # Every rank must stop after the same step, or the others hang in backward.
+        # The vote runs in the background during the next step, so it adds no
+        # synchronisation point of its own; ranks stop one step after the deadline.
+        if pending is not None:
+            pending.wait()
+            if stop.item():
+                break
+        stop = torch.tensor([float(time.monotonic() >= deadline)])
+        pending = dist.all_reduce(stop, op=dist.ReduceOp.MAX, async_op=True)
+    return steps, busy, time.monotonic() - started
 
 
 def run_timed_ddp(plan: TimedDdp, startup_seconds: float = 180.0) -> dict[str, Any]:
