@@ -1,20 +1,19 @@
 """Command line of the benchmarks: ``python -m benchmarks NAME|all [--quick] [--out DIR]``.
 
-Each benchmark is a module with ``run(quick: bool, out_dir: Path, smoke: bool = False)
--> dict`` that writes its JSON and PNG files into ``out_dir``; register it in
-:data:`BENCHMARKS`. ``--smoke`` passes ``smoke=True`` to every one: the same code path
-at the smallest sizes that still go through it (2 nodes or peers, 1 or 2 short rounds,
-tiny tensors), so that a change that breaks a benchmark shows in seconds rather than at
-its next real run; the figures mean nothing. ``make test`` runs each one so
-(``tests/unit/benchmarks/test_smoke.py``, ``tests/integration/test_benchmark_smoke.py``)
-and asserts the report has no :func:`failures` and renders in the docs' tables. Smoke
-results never go to ``benchmarks/results``: without ``--out`` they go to a new
-temporary folder, and ``--out benchmarks/results`` is refused.
-``--steps N`` is passed on as ``run(..., steps=N)`` to the benchmarks in
-:data:`TAKES_STEPS` only, which also define ``steps_problem(steps) -> str | None``;
-``--netns`` as ``run(..., netns=True)`` to those in :data:`TAKES_NETNS` only, ``--long``
-as ``run(..., long=True)`` to those in :data:`TAKES_LONG` only, ``--checks`` as
-``run(..., checks=True)`` to those in :data:`TAKES_CHECKS` only. A run may return
+Each benchmark is a module with ``run(mode: Mode, out_dir: Path) -> dict`` that writes
+its JSON and PNG files into ``out_dir``; register it in :data:`BENCHMARKS`. The flags
+become one :class:`benchmarks._mode.Mode`. ``--smoke`` sets ``mode.smoke`` for every one:
+the same code path at the smallest sizes that still go through it (2 nodes or peers, 1
+or 2 short rounds, tiny tensors), so that a change that breaks a benchmark shows in
+seconds rather than at its next real run; the figures mean nothing. ``make test`` runs
+each one so (``tests/unit/benchmarks/test_smoke.py``,
+``tests/integration/test_benchmark_smoke.py``) and asserts the report has no
+:func:`failures` and renders in the docs' tables. Smoke results never go to
+``benchmarks/results``: without ``--out`` they go to a new temporary folder, and
+``--out benchmarks/results`` is refused. ``--steps N``, ``--long``, ``--sparse``,
+``--checks`` and ``--netns`` set the mode's option of that name and are refused for a
+benchmark that :data:`benchmarks._mode.OPTIONS` does not list as taking it; a benchmark
+taking ``steps`` also defines ``steps_problem(steps) -> str | None``. A run may return
 ``{"skipped": reason}`` instead of its report, having written nothing. A run with a
 failed measurement (:func:`failures`) is reported as failed, never as done.
 """
@@ -29,16 +28,9 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = [
-    "BENCHMARKS",
-    "TAKES_CHECKS",
-    "TAKES_LONG",
-    "TAKES_NETNS",
-    "TAKES_SPARSE",
-    "TAKES_STEPS",
-    "failures",
-    "main",
-]
+from benchmarks._mode import Mode, misused, takers
+
+__all__ = ["BENCHMARKS", "failures", "main"]
 
 BENCHMARKS: dict[str, str] = {
     "codec": "benchmarks.codec",
@@ -62,22 +54,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "benchmarks.gpu",
     "relay": "benchmarks.relay",
 }
-"""Benchmark name -> module that defines ``run(quick, out_dir, smoke=False)``."""
-
-TAKES_STEPS = frozenset({"convergence"})
-"""Benchmarks whose ``run`` takes ``steps`` (training steps per worker)."""
-
-TAKES_LONG = frozenset({"convergence"})
-"""Benchmarks whose ``run`` takes ``long`` (a long mode of their own)."""
-
-TAKES_SPARSE = frozenset({"convergence"})
-"""Benchmarks whose ``run`` takes ``sparse`` (the topk rows alone, on stored picks)."""
-
-TAKES_CHECKS = frozenset({"robustness"})
-"""Benchmarks whose ``run`` takes ``checks`` (the useful-work checks' swarms)."""
-
-TAKES_NETNS = frozenset({"wan"})
-"""Benchmarks whose ``run`` takes ``netns`` (workers on network namespaces, tbf links)."""
+"""Benchmark name -> module that defines ``run(mode, out_dir)``."""
 
 _DEFAULT_OUT = pathlib.Path("benchmarks/results")
 _RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -86,67 +63,95 @@ _RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def _summary(name: str, report: dict, seconds: float) -> str:
     """One line: what ran, how long it took, and the headline numbers where known."""
     line = f"{name}: done in {seconds:.0f}s"
-    results = report.get("results", {})
-    if name == "allreduce":
-        parts = []
-        for method, per_size in results.items():
-            for n, r in per_size.items():
-                value = f"{r['median_s']:.3f}s" if r.get("median_s") else "error"
-                parts.append(f"{method}@{int(n) / 1e6:g}M {value}")
-        ratios = report.get("ratios", {}).get("atoll_vs_hivemind", {})
-        parts += [f"hivemind/atoll@{int(n) / 1e6:g}M {r:.2f}x" for n, r in ratios.items() if r]
-        line += " | " + ", ".join(parts)
-    elif name == "codec":
-        best = max(results.items(), key=lambda kv: kv[1]["throughput_mb_s"], default=None)
-        if best:
-            line += f" | {len(results)} variants, fastest {best[0]} {best[1]['throughput_mb_s']:.0f} MB/s"
-    elif name == "wan":
-        parts = []
-        for r in report.get("links", []):
-            atoll, ddp = r["atoll"].get("utilization"), r["ddp"].get("utilization")
-            if atoll is not None and ddp is not None:
-                parts.append(f"{r['link']}: utilization Atoll {atoll:.0%}, DDP {ddp:.0%}")
-        line += " | " + "; ".join(parts)
-    elif name == "sites":
-        parts = []
-        for setup, r in report.get("setups", {}).items():
-            if r.get("slow_link_bytes_per_round") is not None:
-                parts.append(
-                    f"{setup}: {r['slow_link_bytes_per_round'] / 1e3:.0f} kB/round, "
-                    f"bits/byte {r.get('val_bpb_end') or float('nan'):.3f}"
-                )
-        parts.append(f"bytes ratio {report.get('bytes_ratio')}")
-        line += " | " + "; ".join(parts)
-    elif name == "convergence":
-        parts = []
-        for e in report.get("entries", []):
-            gap = (e.get("gap_to_ddp_percent") or {}).get("mean")
-            if gap is not None:
-                parts.append(f"{e['label'].split(',')[0]} {gap:+.1f}%")
-        line += " | gap to DDP: " + "; ".join(parts)
-    elif name == "models":
-        t, m = report.get("throughput", {}), report.get("memory", {})
-        gap = report.get("convergence", {}).get("gap_percent_mean")
-        line += (
-            f" | node/bare tokens/s {t.get('ratio') or float('nan'):.3f}; "
-            f"{m.get('beyond_bytes_per_param') or float('nan'):.1f} B/param beyond a bare loop; "
-            f"4 nodes vs DDP {gap if gap is not None else float('nan'):+.1f}%"
-        )
-    elif name == "mixing":
-        parts = []
-        for n, r in results.items():
-            d = r.get("derived") or {}
-            if d.get("butterfly_full_mix_bytes") and d.get("allreduce_full_mix_bytes"):
-                parts.append(
-                    f"n={n}: full mix butterfly {d['butterfly_full_mix_bytes'] / 1e3:.0f} kB "
-                    f"({d['rounds_to_mix_butterfly']} rounds), all-to-all "
-                    f"{d['all_to_all_full_mix_bytes'] / 1e3:.0f} kB, all-reduce "
-                    f"{d['allreduce_full_mix_bytes'] / 1e3:.0f} kB"
-                )
-            else:
-                parts.append(f"n={n}: no result")
-        line += " | " + "; ".join(parts)
-    return line
+    headline = _HEADLINES.get(name)
+    return line + headline(report, report.get("results", {})) if headline else line
+
+
+def _allreduce_headline(report: dict, results: dict) -> str:
+    parts = []
+    for method, per_size in results.items():
+        for n, r in per_size.items():
+            value = f"{r['median_s']:.3f}s" if r.get("median_s") else "error"
+            parts.append(f"{method}@{int(n) / 1e6:g}M {value}")
+    ratios = report.get("ratios", {}).get("atoll_vs_hivemind", {})
+    parts += [f"hivemind/atoll@{int(n) / 1e6:g}M {r:.2f}x" for n, r in ratios.items() if r]
+    return " | " + ", ".join(parts)
+
+
+def _codec_headline(report: dict, results: dict) -> str:
+    best = max(results.items(), key=lambda kv: kv[1]["throughput_mb_s"], default=None)
+    if not best:
+        return ""
+    return f" | {len(results)} variants, fastest {best[0]} {best[1]['throughput_mb_s']:.0f} MB/s"
+
+
+def _wan_headline(report: dict, results: dict) -> str:
+    parts = []
+    for r in report.get("links", []):
+        atoll, ddp = r["atoll"].get("utilization"), r["ddp"].get("utilization")
+        if atoll is not None and ddp is not None:
+            parts.append(f"{r['link']}: utilization Atoll {atoll:.0%}, DDP {ddp:.0%}")
+    return " | " + "; ".join(parts)
+
+
+def _sites_headline(report: dict, results: dict) -> str:
+    parts = []
+    for setup, r in report.get("setups", {}).items():
+        if r.get("slow_link_bytes_per_round") is not None:
+            parts.append(
+                f"{setup}: {r['slow_link_bytes_per_round'] / 1e3:.0f} kB/round, "
+                f"bits/byte {r.get('val_bpb_end') or float('nan'):.3f}"
+            )
+    parts.append(f"bytes ratio {report.get('bytes_ratio')}")
+    return " | " + "; ".join(parts)
+
+
+def _convergence_headline(report: dict, results: dict) -> str:
+    parts = []
+    for e in report.get("entries", []):
+        gap = (e.get("gap_to_ddp_percent") or {}).get("mean")
+        if gap is not None:
+            parts.append(f"{e['label'].split(',')[0]} {gap:+.1f}%")
+    return " | gap to DDP: " + "; ".join(parts)
+
+
+def _models_headline(report: dict, results: dict) -> str:
+    t, m = report.get("throughput", {}), report.get("memory", {})
+    gap = report.get("convergence", {}).get("gap_percent_mean")
+    return (
+        f" | node/bare tokens/s {t.get('ratio') or float('nan'):.3f}; "
+        f"{m.get('beyond_bytes_per_param') or float('nan'):.1f} B/param beyond a bare loop; "
+        f"4 nodes vs DDP {gap if gap is not None else float('nan'):+.1f}%"
+    )
+
+
+def _mixing_headline(report: dict, results: dict) -> str:
+    parts = []
+    for n, r in results.items():
+        d = r.get("derived") or {}
+        if d.get("butterfly_full_mix_bytes") and d.get("allreduce_full_mix_bytes"):
+            parts.append(
+                f"n={n}: full mix butterfly {d['butterfly_full_mix_bytes'] / 1e3:.0f} kB "
+                f"({d['rounds_to_mix_butterfly']} rounds), all-to-all "
+                f"{d['all_to_all_full_mix_bytes'] / 1e3:.0f} kB, all-reduce "
+                f"{d['allreduce_full_mix_bytes'] / 1e3:.0f} kB"
+            )
+        else:
+            parts.append(f"n={n}: no result")
+    return " | " + "; ".join(parts)
+
+
+_HEADLINES = {
+    "allreduce": _allreduce_headline,
+    "codec": _codec_headline,
+    "wan": _wan_headline,
+    "sites": _sites_headline,
+    "convergence": _convergence_headline,
+    "models": _models_headline,
+    "mixing": _mixing_headline,
+}
+"""Benchmark name -> the headline numbers its summary line adds (``report``, its
+``results``)."""
 
 
 def _written(out_dir: pathlib.Path, name: str, since: float) -> list[pathlib.Path]:
@@ -178,46 +183,32 @@ def _parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=None,
-        help=f"training steps per worker, for {', '.join(sorted(TAKES_STEPS))} only",
+        help=f"training steps per worker, for {', '.join(takers('steps'))} only",
     )
     parser.add_argument(
         "--long",
         action="store_true",
-        help=f"the long mode, for {', '.join(sorted(TAKES_LONG))} only",
+        help=f"the long mode, for {', '.join(takers('long'))} only",
     )
     parser.add_argument(
         "--sparse",
         action="store_true",
         help="only the topk rows, on the quick picks and DDP runs stored in --out, for "
-        f"{', '.join(sorted(TAKES_SPARSE))} only",
+        f"{', '.join(takers('sparse'))} only",
     )
     parser.add_argument(
         "--checks",
         action="store_true",
         help="the useful-work checks' swarms (rounds until a faulty node is flagged, their "
-        f"cost), for {', '.join(sorted(TAKES_CHECKS))} only",
+        f"cost), for {', '.join(takers('checks'))} only",
     )
     parser.add_argument(
         "--netns",
         action="store_true",
         help="each worker in its own network namespace, links capped by tbf (needs root), "
-        f"for {', '.join(sorted(TAKES_NETNS))} only",
+        f"for {', '.join(takers('netns'))} only",
     )
     return parser
-
-
-def _misused(args: argparse.Namespace, names: list[str]) -> str | None:
-    """Why a flag does not apply to the benchmarks named, or None."""
-    for flag, given, takers in (
-        ("--steps", args.steps is not None, TAKES_STEPS),
-        ("--long", args.long, TAKES_LONG),
-        ("--sparse", args.sparse, TAKES_SPARSE),
-        ("--checks", args.checks, TAKES_CHECKS),
-        ("--netns", args.netns, TAKES_NETNS),
-    ):
-        if given and not set(names) <= takers:
-            return f"{flag} applies to {', '.join(sorted(takers))} only, not {args.name}"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,32 +222,36 @@ def main(argv: list[str] | None = None) -> int:
         known = ", ".join([*BENCHMARKS, "all"])
         print(f"unknown benchmark {args.name!r}: expected one of {known}", file=sys.stderr)
         return 2
-    misused = _misused(args, names)
-    if misused:
-        print(misused, file=sys.stderr)
+    mode = Mode(
+        quick=args.quick,
+        smoke=args.smoke,
+        steps=args.steps,
+        long=args.long,
+        sparse=args.sparse,
+        checks=args.checks,
+        netns=args.netns,
+    )
+    problem = misused(mode, names, args.name)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    out = _out_dir(args.out, args.smoke)
+    out = _out_dir(args.out, mode.smoke)
     if out is None:
         print(f"--smoke never writes to {_DEFAULT_OUT}: give another --out", file=sys.stderr)
         return 2
-    if args.smoke:
+    if mode.smoke:
         print(f"smoke results go to {out}", file=sys.stderr)
     failed = []
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
         since = time.time() - 1.0  # file mtimes can lag the clock by a tick
         started = time.perf_counter()
-        extra = {}
-        if args.steps is not None:
-            problem = module.steps_problem(args.steps)
+        if mode.steps is not None:
+            problem = module.steps_problem(mode.steps)
             if problem:
                 print(f"{name}: {problem}", file=sys.stderr)
                 return 2
-            extra["steps"] = args.steps
-        for flag in ("netns", "long", "sparse", "checks", "smoke"):
-            if getattr(args, flag):
-                extra[flag] = True
-        report = module.run(args.quick, out, **extra)
+        report = module.run(mode, out)
         if report.get("skipped"):
             print(f"{name}: skipped: {report['skipped']}", file=sys.stderr)
             continue

@@ -6,7 +6,7 @@ Rank 0 evaluates at the steps a run names (0: before the first step) and reports
 all; the others wait for it in the next all-reduce. :mod:`benchmarks.convergence` (the
 byte corpus) and :mod:`benchmarks.models` (BPE shards) compare Atoll against it; the
 timed variant that trains for wall-clock seconds with slowed ranks and emulated links is
-:func:`benchmarks._common.run_timed_ddp`.
+:func:`benchmarks._timed_ddp.run_timed_ddp`.
 """
 
 from __future__ import annotations

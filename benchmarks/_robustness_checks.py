@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks._mode import Mode
 from benchmarks._robustness_swarm import CODECS, SMALL, judge, launch_and_wait, ratio
 from node.config import load_config
 from node.ops.swarm import SwarmSpec, summarize
@@ -499,16 +500,15 @@ def run_all(plan: Plan, base: Any) -> list[dict[str, Any]]:
     return runs
 
 
-def run(quick: bool, out_dir: Any, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: Any) -> dict[str, Any]:
     """Runs the checks' swarms and cost runs; writes ``robustness-checks.json`` and ``.png``.
 
     Args:
-        quick: ``groups`` and ``gossip``, seed 0, eight attacks and the site, and cost
-            runs with, without, without and with checks per workload; otherwise every
-            shape, seeds 0 and 1, and those cost runs twice.
+        mode: what it runs: ``quick``: ``groups`` and ``gossip``, seed 0, eight attacks and
+            the site, and cost runs with, without, without and with checks per workload;
+            otherwise every shape, seeds 0 and 1, and those cost runs twice; ``smoke``: 4
+            nodes in pairs, one zero attacker and a clean run without checks; no cost runs.
         out_dir: the output folder; created if missing.
-        smoke: 4 nodes in pairs, one zero attacker and a clean run without checks; no
-            cost runs.
 
     Returns:
         The report (:func:`benchmarks._robustness_checks_report.report`).
@@ -521,13 +521,13 @@ def run(quick: bool, out_dir: Any, smoke: bool = False) -> dict[str, Any]:
     from benchmarks import _robustness_checks_report as report_of
     from benchmarks._checks_cost import measure_costs, replay_probe, tracer_probe
 
-    plan = plan_of(quick, smoke)
+    plan = plan_of(mode.quick, mode.smoke)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-robustness-checks-") as tmp:
         runs = run_all(plan, pathlib.Path(tmp))
-        costs = {} if smoke else measure_costs(quick, pathlib.Path(tmp))
-        replay = None if smoke else replay_probe()
-        tracer = None if smoke else tracer_probe()
+        costs = {} if mode.smoke else measure_costs(mode.quick, pathlib.Path(tmp))
+        replay = None if mode.smoke else replay_probe()
+        tracer = None if mode.smoke else tracer_probe()
     setup = {
         "rounds": plan.rounds,
         "overrides": [*CHECKS, *plan.extra],
@@ -539,7 +539,7 @@ def run(quick: bool, out_dir: Any, smoke: bool = False) -> dict[str, Any]:
         | {"log": r.pop("check_log", None)}
         for r in runs
     ]
-    report = report_of.report(runs, costs, setup, quick, smoke)
+    report = report_of.report(runs, costs, setup, mode.quick, mode.smoke)
     report["replay"] = replay
     report["tracer"] = tracer
     report["seconds"] = round(time.monotonic() - started, 1)

@@ -69,31 +69,21 @@ def measure(
     Returns:
         ``nodes``, ``peer_ids``, ``rounds_reached``, ``finished``, ``exit_codes``; per node
         (lists in node order) ``bytes_per_round`` (what its syncs sent) and the
-        :mod:`node.run.load` figures per round (``dht_ops_per_round``,
-        ``dht_bytes_per_round``, ``dht_payload_bytes_per_round``,
-        ``dht_cpu_s_per_round``, ``control_messages_per_round``,
-        ``control_bytes_per_round``, ``control_payload_bytes_per_round``,
-        ``control_cpu_s_per_round``, ``p2pd_cpu_s_per_round``, ``node_cpu_s_per_round``)
-        with their means in ``load_mean``; ``round_seconds_mean`` and
-        ``round_seconds_p95``; ``step_seconds`` (mean busy seconds per inner step);
-        ``load_per_second`` (the means per second of a round: on a shared machine
-        rounds lengthen with the swarm, and what is paced by the clock, heartbeats
-        and registry refreshes, grows per round with them); ``bytes_per_fragment_sync``
-        and ``seconds_per_fragment_sync`` (one fragment sync of one node, launch to
-        applied, both exchanges of a mixing group); ``syncs``, ``syncs_complete``,
-        ``syncs_failed``; ``included_share`` (of every node's contribution to every
-        fragment of every round, the share found in some group's result); ``mix`` (the butterfly
-        schedule's reach, :func:`node.ops.swarm.butterfly_reach`); ``val_bpb_start`` and
-        ``val_bpb_end``; ``seconds``; ``config``.
+        :mod:`node.run.load` figures per round (``dht_ops``, ``dht_bytes``,
+        ``dht_payload_bytes``, ``dht_cpu_s``, ``control_messages``, ``control_bytes``,
+        ``control_payload_bytes``, ``control_cpu_s``, ``p2pd_cpu_s``, ``node_cpu_s``,
+        each ``_per_round``);
+        the round figures (:func:`_round_figures`) and the sync figures (:func:`_sync_figures`);
+        ``mix`` (the butterfly schedule's reach, :func:`node.ops.swarm.butterfly_reach`);
+        ``val_bpb_start``, ``val_bpb_end``, ``seconds`` and ``config``.
     """
     overrides = [*WORKLOAD, *extra]
     cfg = load_config(None, overrides)
-    directory = pathlib.Path(out_dir)
     spec = swarm.SwarmSpec(
         nodes=nodes,
         config_paths=[],
         overrides=overrides,
-        directory=directory,
+        directory=pathlib.Path(out_dir),
         rounds=rounds,
         env=dict(env or {}),
     )
@@ -101,11 +91,6 @@ def measure(
     procs, finished = swarm.run_to_end(spec, _timeout(nodes, rounds))
     summary = swarm.summarize(procs, cfg)
     syncs = [read_events(p.data_dir / "events.jsonl", "sync") for p in procs]
-    flat = [s for per in syncs for s in per]
-    reached = summary["rounds"] or 1
-    steps = [p.status.get("step", 0) for p in procs]
-    busy = [p.status.get("busy_seconds", 0.0) for p in procs]
-    figures = {k: v for k, v in summary.items() if k.endswith("_per_round")}
     return {
         "nodes": nodes,
         "peer_ids": [p.status.get("peer_id") for p in procs],
@@ -114,14 +99,47 @@ def measure(
         "rounds_reached": summary["rounds"],
         "finished": finished,
         "exit_codes": summary["exit_codes"],
-        "bytes_per_round": [sum(s["bytes_sent"] for s in per) / reached for per in syncs],
-        **figures,
+        "bytes_per_round": [_sent(per) / (summary["rounds"] or 1) for per in syncs],
+        **{k: v for k, v in summary.items() if k.endswith("_per_round")},
+        **_round_figures(procs, summary),
+        **_sync_figures(procs, syncs, nodes, summary["rounds"], cfg),
+        "rounds_to_mix": rounds_to_mix(nodes, cfg.network.group_size),
+        "mix": summary["mix"],
+        "val_bpb_start": summary["val_bpb_start"],
+        "val_bpb_end": summary["val_bpb_end"],
+        "seconds": round(time.monotonic() - started, 1),
+        "config": overrides,
+    }
+
+
+def _round_figures(procs: list[Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """``load_mean`` (the load figures' means per round); ``load_per_second`` (the means
+    per second of a round: on a shared machine rounds lengthen with the swarm, and what
+    is paced by the clock, heartbeats and registry refreshes, grows per round with
+    them); ``round_seconds``, ``round_seconds_mean`` and ``round_seconds_p95``;
+    ``step_seconds`` (mean busy seconds per inner step)."""
+    steps = [p.status.get("step", 0) for p in procs]
+    busy = [p.status.get("busy_seconds", 0.0) for p in procs]
+    return {
         "load_mean": summary["load_mean"],
         "load_per_second": _per_second(summary["load_mean"], summary["round_seconds_mean"]),
         "round_seconds": summary["round_seconds"],
         "round_seconds_mean": summary["round_seconds_mean"],
         "round_seconds_p95": summary["round_seconds_p95"],
         "step_seconds": sum(busy) / sum(steps) if sum(steps) else None,
+    }
+
+
+def _sync_figures(
+    procs: list[Any], syncs: list[list[dict[str, Any]]], nodes: int, rounds: int | None, cfg: Any
+) -> dict[str, Any]:
+    """``bytes_per_fragment_sync`` and ``seconds_per_fragment_sync`` (one fragment sync
+    of one node, launch to applied, both exchanges of a mixing group); ``syncs``,
+    ``syncs_complete``, ``syncs_failed``; ``included_share`` (of every node's
+    contribution to every fragment of every round, the share found in some group's
+    result)."""
+    flat = [s for per in syncs for s in per]
+    return {
         "bytes_per_fragment_sync": _mean([s["bytes_sent"] for s in flat]),
         "seconds_per_fragment_sync": _mean([s["seconds"] for s in flat]),
         "syncs": len(flat),
@@ -129,13 +147,7 @@ def measure(
         "syncs_failed": sum(
             len(read_events(p.data_dir / "events.jsonl", "sync_failed")) for p in procs
         ),
-        "included_share": _included_share(syncs, nodes, summary["rounds"], cfg.sync.fragments),
-        "rounds_to_mix": rounds_to_mix(nodes, cfg.network.group_size),
-        "mix": summary["mix"],
-        "val_bpb_start": summary["val_bpb_start"],
-        "val_bpb_end": summary["val_bpb_end"],
-        "seconds": round(time.monotonic() - started, 1),
-        "config": overrides,
+        "included_share": _included_share(syncs, nodes, rounds, cfg.sync.fragments),
     }
 
 
@@ -157,6 +169,11 @@ def _included_share(
         len(found.get((r, f), ())) for r in range(1, rounds + 1) for f in range(fragments)
     )
     return counted / (nodes * rounds * fragments)
+
+
+def _sent(syncs: list[dict[str, Any]]) -> int:
+    """Bytes that ``syncs`` sent together."""
+    return sum(s["bytes_sent"] for s in syncs)
 
 
 def _mean(values: list[float]) -> float | None:

@@ -50,6 +50,7 @@ import torch
 from benchmarks import _allreduce_codecs as codec_rows
 from benchmarks._allreduce_report import NOTES, plot, ratios
 from benchmarks._common import free_port, gloo_group, machine_info
+from benchmarks._mode import Mode
 
 __all__ = ["alternate", "method_sizes", "run"]
 
@@ -545,14 +546,14 @@ def method_sizes(method: str, quick: bool, smoke: bool = False) -> list[int]:
     return list(_SIZES) if not quick or method in codec_rows.METHODS else [_SIZES[0]]
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Times a 4-peer float32 average with Atoll, hivemind and gloo, side by side.
 
     Args:
-        quick: 3 repeats instead of 5, and 10M values only instead of 10M and 50M
-            (the int8 and topk rows keep both).
+        mode: what it runs: ``quick``: 3 repeats instead of 5, and 10M values only instead
+            of 10M and 50M (the int8 and topk rows keep both); ``smoke``: 2 peers, 20,000
+            values, 1 repeat: a check that every method runs.
         out_dir: folder for ``allreduce.json`` and ``allreduce.png``; created if missing.
-        smoke: 2 peers, 20,000 values, 1 repeat: a check that every method runs.
 
     Returns:
         The dict written to ``allreduce.json``: per method and size the repeat times
@@ -562,9 +563,9 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         gloo's medians to Atoll's and of topk's time and bytes to int8's.
         A method that could not run has an ``error`` instead of times.
     """
-    repeats = 1 if smoke else 3 if quick else 5
-    peers = _SMOKE_PEERS if smoke else _PEERS
-    plan = {m: method_sizes(m, quick, smoke) for m in _METHODS}
+    repeats = 1 if mode.smoke else 3 if mode.quick else 5
+    peers = _SMOKE_PEERS if mode.smoke else _PEERS
+    plan = {m: method_sizes(m, mode.quick, mode.smoke) for m in _METHODS}
     results: dict[str, dict[str, dict]] = {m: {} for m in _METHODS}
     with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
         for n in sorted({n for sizes in plan.values() for n in sizes}):
@@ -572,8 +573,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
                 results[method][str(n)] = _measure(method, n, repeats, tmp, peers)
     report = {
         "benchmark": "allreduce",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "peers": peers,
         "repeats": repeats,
         "tolerance": _TOLERANCE,

@@ -37,6 +37,7 @@ from typing import Any
 from benchmarks import _scale_sim
 from benchmarks._common import figure, machine_info
 from benchmarks._formats import markdown_table, pct, run_mode
+from benchmarks._mode import Mode
 
 __all__ = ["mix_rounds", "run", "table", "table_row"]
 
@@ -86,13 +87,13 @@ def _row(trigger: str, n: int, churn: float, seeds: range) -> dict[str, Any]:
     }
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Every trigger, size and churn rate of the plan; writes ``churn.json`` and
     ``churn.png`` into ``out_dir``."""
     sizes, seeds, rates = (1000,), range(1), _CHURN
-    if smoke:
+    if mode.smoke:
         sizes, rates = (64,), (0.0, _GOAL_CHURN)
-    elif not quick:
+    elif not mode.quick:
         sizes, seeds = (1000, 10_000), range(3)
     started = time.time()
     rows = []
@@ -117,8 +118,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     }
     report = {
         "benchmark": "churn",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "policy": "node",
         "round_seconds": _TRIGGERS["seconds"],
         "group_size": _config(None, 0.0).group_size,

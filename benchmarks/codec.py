@@ -17,6 +17,7 @@ import time
 import torch
 
 from benchmarks._common import figure
+from benchmarks._mode import Mode
 from protocol.wire.codec import DENSE, decode, encode
 
 __all__ = ["run"]
@@ -99,13 +100,13 @@ def _plot(results: dict, n: int, path: pathlib.Path) -> None:
             ax.grid(axis="y", which="both", alpha=0.3)
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Benchmarks every codec on normal random float32 values.
 
     Args:
-        quick: use 2M values instead of 10M.
+        mode: what it runs: ``quick``: use 2M values instead of 10M; ``smoke``: 20,000
+            values: a check that it runs (``python -m benchmarks --smoke``).
         out_dir: folder for ``codec.json`` and ``codec.png``; created if missing.
-        smoke: 20,000 values: a check that it runs (``python -m benchmarks --smoke``).
 
     Returns:
         The dict written to ``codec.json``: per-variant results (best of 3
@@ -115,13 +116,13 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        n = 20_000 if smoke else 2_000_000 if quick else 10_000_000
+        n = 20_000 if mode.smoke else 2_000_000 if mode.quick else 10_000_000
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
         results = {label: _measure(x, codec, sr, args) for label, codec, sr, args in _VARIANTS}
         report = {
             "benchmark": "codec",
-            "quick": quick,
-            "smoke": smoke,
+            "quick": mode.quick,
+            "smoke": mode.smoke,
             "numel": n,
             "block_size": _BLOCK_SIZE,
             "repeats": _REPEATS,

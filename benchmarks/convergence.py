@@ -67,6 +67,7 @@ sent per worker; each entry says whether it meets it. Run it with
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -74,7 +75,7 @@ import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,6 +83,7 @@ import torch
 
 from benchmarks._common import figure, head_bytes, machine_info
 from benchmarks._ddp import DdpRun, run_ddp
+from benchmarks._mode import Mode
 from node.config import load_config
 
 __all__ = [
@@ -801,27 +803,20 @@ def steps_problem(steps: int, grid: _Grid = _GRID) -> str | None:
     return None
 
 
-def run(
-    quick: bool,
-    out_dir: pathlib.Path,
-    steps: int | None = None,
-    long: bool = False,
-    smoke: bool = False,
-    sparse: bool = False,
-) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Sweeps, then trains the picks over three seeds, then writes the report and plot.
 
     Args:
-        quick: the 1-layer, 64-wide model and 500 steps per worker (about 20 minutes on
-            two cores); otherwise the default reference model and 3000 steps (many hours).
+        mode: what it runs: ``quick``: the 1-layer, 64-wide model and 500 steps per
+            worker (about 20 minutes on two cores); otherwise the default reference model
+            and 3000 steps (many hours); ``steps``: steps per worker instead of the mode's
+            default, a multiple of every H; ``long``: the quick model, 10,000 steps, the
+            whole corpus, the picks of the quick report in ``out_dir`` (no sweep); writes
+            ``convergence-long.*``; ``smoke``: 2 workers, 10 steps, one candidate of each
+            kind, seed 0: a check that it runs (see the module docstring); ``sparse``:
+            only the topk rows (:func:`run_sparse`), on the quick report in ``out_dir``;
+            writes ``convergence-sparse.*``.
         out_dir: folder for the JSON and PNG; created if missing.
-        steps: steps per worker instead of the mode's default; a multiple of every H.
-        long: the quick model, 10,000 steps, the whole corpus, the picks of the quick
-            report in ``out_dir`` (no sweep); writes ``convergence-long.*``.
-        smoke: 2 workers, 10 steps, one candidate of each kind, seed 0: a check that it
-            runs (see the module docstring).
-        sparse: only the topk rows (:func:`run_sparse`), on the quick report in
-            ``out_dir``; writes ``convergence-sparse.*``.
 
     Returns:
         The dict written to the JSON: ``picks`` (best setting per method), ``sweep``
@@ -834,76 +829,155 @@ def run(
         ValueError: ``steps`` is not a positive multiple of every H.
         FileNotFoundError: long mode without the quick report in ``out_dir``.
     """
-    if sparse:
-        return run_sparse(pathlib.Path(out_dir), steps or _QUICK_STEPS)
-    mode = "long" if long else "smoke" if smoke else "quick" if quick else "full"
-    grid = _SMOKE_GRID if smoke else _GRID
-    if steps is None:
-        steps = {"quick": _QUICK_STEPS, "long": _LONG_STEPS, "full": _FULL_STEPS}.get(
-            mode, _SMOKE_STEPS
-        )
-    problem = steps_problem(steps, grid)
-    if problem:
-        raise ValueError(problem)
+    if mode.sparse:
+        return run_sparse(pathlib.Path(out_dir), mode.steps or _QUICK_STEPS)
+    plan = _Plan.of(mode)
     out_dir = pathlib.Path(out_dir)
-    name = "convergence-long" if long else "convergence"
-    eval_every = min(grid.inner_steps) if not long else 2 * min(_INNER_STEPS)
-    cfg = load_config(None, _base(mode, steps))
+    cfg = load_config(None, _base(plan.kind, plan.steps))
     started = time.monotonic()
-    threads_before = torch.get_num_threads()
-    results: dict[Setting, dict[int, dict]] = {}
-    # Each finished run is appended here, so an interrupted benchmark resumes where it
-    # stopped; the file goes once the report is written.
-    journal = out_dir / f"{name}-runs.jsonl"
-    done = _read_journal(journal)
-
-    def train(setting: Setting, seed: int) -> dict[str, Any]:
-        runs = results.setdefault(setting, {})
-        if seed not in runs:
-            run_ = _Run(setting, mode, steps, seed, eval_every, grid)
-            runs[seed] = _journaled(run_, done, journal)
-        return runs[seed]
-
-    try:
-        if long:
+    # Each finished run is appended to the journal, so an interrupted benchmark resumes
+    # where it stopped; the file goes once the report is written.
+    journal = out_dir / f"{plan.name}-runs.jsonl"
+    runs = _Runs(journal, plan.kind, plan.steps, plan.eval_every, plan.grid)
+    with _threads_kept():
+        if plan.long:
             picks = _picks_from(out_dir / _PICKS)
         else:
-            picks = _sweep(train, results, grid)
-            _write_picks(out_dir / _PICKS, picks, results)
-        for seed in grid.seeds:
-            for s in plan_seeds(picks, long, grid):
-                train(s, seed)
+            picks = _sweep(runs.train, runs.results, plan.grid)
+            _write_picks(out_dir / _PICKS, picks, runs.results)
+        for seed in plan.grid.seeds:
+            for s in plan_seeds(picks, plan.long, plan.grid):
+                runs.train(s, seed)
+    entries, curves = _entries(plan, picks, runs.results)
+    report = _report(mode, plan, cfg, runs.results, picks, entries)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{plan.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, curves, out_dir / f"{plan.name}.png")
+    journal.unlink(missing_ok=True)
+    return report
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one run of :func:`run` trains: its mode's name (``long``, ``smoke``,
+    ``quick`` or ``full``), the steps per worker and the grid swept."""
+
+    kind: str
+    steps: int
+    grid: _Grid
+    long: bool
+
+    @classmethod
+    def of(cls, mode: Mode) -> _Plan:
+        """The plan of ``mode``.
+
+        Raises:
+            ValueError: ``mode.steps`` is not a positive multiple of every H.
+        """
+        kind = "long" if mode.long else "smoke" if mode.smoke else "quick" if mode.quick else "full"
+        grid = _SMOKE_GRID if mode.smoke else _GRID
+        steps = mode.steps
+        if steps is None:
+            steps = {"quick": _QUICK_STEPS, "long": _LONG_STEPS, "full": _FULL_STEPS}.get(
+                kind, _SMOKE_STEPS
+            )
+        problem = steps_problem(steps, grid)
+        if problem:
+            raise ValueError(problem)
+        return cls(kind, steps, grid, mode.long)
+
+    @property
+    def name(self) -> str:
+        """The files' name: ``convergence`` or ``convergence-long``."""
+        return "convergence-long" if self.long else "convergence"
+
+    @property
+    def eval_every(self) -> int:
+        """Steps between evaluations."""
+        return min(self.grid.inner_steps) if not self.long else 2 * min(_INNER_STEPS)
+
+
+class _Runs:
+    """Every run trained so far, by setting and seed, each also appended to a journal
+    that an interrupted benchmark resumes from."""
+
+    def __init__(
+        self, journal: pathlib.Path, kind: str, steps: int, eval_every: int, grid: _Grid
+    ) -> None:
+        self.journal = journal
+        self.kind = kind
+        self.steps = steps
+        self.eval_every = eval_every
+        self.grid = grid
+        self.results: dict[Setting, dict[int, dict]] = {}
+        self.done = _read_journal(journal)
+
+    def train(self, setting: Setting, seed: int) -> dict[str, Any]:
+        """``setting`` at ``seed``: from this run, the journal, or trained now."""
+        runs = self.results.setdefault(setting, {})
+        if seed not in runs:
+            run = _Run(setting, self.kind, self.steps, seed, self.eval_every, self.grid)
+            runs[seed] = _journaled(run, self.done, self.journal)
+        return runs[seed]
+
+
+@contextlib.contextmanager
+def _threads_kept() -> Iterator[None]:
+    """Restores torch's intra-op thread count on the way out (training changes it)."""
+    before = torch.get_num_threads()
+    try:
+        yield
     finally:
-        torch.set_num_threads(threads_before)
-    planned = plan_seeds(picks, long, grid)
+        torch.set_num_threads(before)
+
+
+def _entries(
+    plan: _Plan, picks: dict[str, Setting], results: dict[Setting, dict[int, dict]]
+) -> tuple[list[dict[str, Any]], dict[str, list[dict]]]:
+    """Each planned pick's summary over seeds, and the mean curves the plot draws."""
+    planned = plan_seeds(picks, plan.long, plan.grid)
     ddp_runs = results[picks["ddp"]]
-    entries = [_summarize(s, results[s], ddp_runs, steps, grid.workers) for s in planned]
-    sweep = [
-        {"label": s.label, "setting": s.__dict__, "val_bpb_end_seed0": r[0].get("val_bpb_end")}
-        for s, r in results.items()
-        if 0 in r and not long
-    ]
+    entries = [_summarize(s, results[s], ddp_runs, plan.steps, plan.grid.workers) for s in planned]
     curves = {
         e["label"]: _mean_history(results[s])
         for s, e in zip(planned, entries)
         if s.method == "ddp" or (s.codec == _SWEEP_CODEC or s.islands)
     }
-    report = {
+    return entries, curves
+
+
+def _report(
+    mode: Mode,
+    plan: _Plan,
+    cfg: Any,
+    results: dict[Setting, dict[int, dict]],
+    picks: dict[str, Setting],
+    entries: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The dict written to the JSON (its ``seconds`` filled in by the caller)."""
+    ddp_runs = results[picks["ddp"]]
+    sweep = [
+        {"label": s.label, "setting": s.__dict__, "val_bpb_end_seed0": r[0].get("val_bpb_end")}
+        for s, r in results.items()
+        if 0 in r and not plan.long
+    ]
+    return {
         "benchmark": "convergence",
-        "mode": mode,
-        "quick": quick,
-        "smoke": smoke,
-        "workers": grid.workers,
-        "seeds": list(grid.seeds),
-        "total_steps": steps,
-        "tokens_per_worker": steps * cfg.data.batch_size * cfg.model.context,
+        "mode": plan.kind,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
+        "workers": plan.grid.workers,
+        "seeds": list(plan.grid.seeds),
+        "total_steps": plan.steps,
+        "tokens_per_worker": plan.steps * cfg.data.batch_size * cfg.model.context,
         "params": next(
             (r["params"] for runs in results.values() for r in runs.values() if "params" in r),
             None,
         ),
         "model": cfg.to_dict()["model"],
         "data": {"batch_size": cfg.data.batch_size, "max_files": cfg.data.max_files},
-        "eval_batches": _eval_batches(mode),
+        "eval_batches": _eval_batches(plan.kind),
         "picks": {k: v.__dict__ for k, v in picks.items()},
         "entries": entries,
         "sweep": sweep,
@@ -920,44 +994,45 @@ def run(
             "1000x fewer bytes sent per worker than DDP",
         },
         "runs_meeting_target": [e["label"] for e in entries if e.get("meets_target")],
-        "seconds": round(time.monotonic() - started, 1),
-        "notes": {
-            "ddp_bytes": f"steps * params * 4 * 2*({grid.workers}-1)/{grid.workers}: fp32 "
-            "gradients, "
-            "ring all-reduce (each worker sends 2(n-1)/n of the vector per step)",
-            "atoll_bytes": f"({grid.workers}-1)/{grid.workers} * (payload_bytes_per_replica + "
-            "result_bytes) + syncs * "
-            f"({grid.workers}-1) * (part head + result head): a group member sends its "
-            "encoded pseudo-gradient's parts to the other owners and its own part's result "
-            "(topk: the union of the kept values, 8 bits each) to the other members, each "
-            "message with its signed head (benchmarks._common.head_bytes: "
-            f"{sum(head_bytes(grid.workers))} bytes a part and result); "
-            "payload_ratio_ddp_over_atoll leaves the heads out. Payloads are the codec's "
-            "real encodings in the simulation; the swarm's sync events count the same "
-            "messages on the wire",
-            "atoll_method": "node.ops.simulate.simulate, the single-process reference of the "
-            "networked node's algorithm, steps mode, rounds = total_steps / H; it scores "
-            "the global copy (the averaged model every replica agrees on)",
-            "gap_to_ddp_percent": "100 * (atoll - ddp) / ddp final bits per byte, paired "
-            "by seed, then mean and sample standard deviation over seeds",
-            "ddp_equivalent_steps": "the step at which DDP of the same seed reached the "
-            "run's final bits per byte, interpolated between evaluations; "
-            "worth_ddp_workers = 4 * that / steps",
-            "picks": "the lowest seed-0 final bits per byte of each method's sweep"
-            + (" (long mode: the quick report's picks)" if long else ""),
-            "data": "worker i of seed s reads BatchStream(train, batch, context, (s, i)) in "
-            f"both methods; validation: the same {_eval_batches(mode)} held-out batches for every "
-            "method and seed",
-            "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[mode]}",
-        },
+        "seconds": None,  # filled in by run, where the clock started
+        "notes": _notes(plan),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, curves, out_dir / f"{name}.png")
-    journal.unlink(missing_ok=True)
-    return report
+
+
+def _notes(plan: _Plan) -> dict[str, str]:
+    """How each figure of the report was taken."""
+    workers = plan.grid.workers
+    return {
+        "ddp_bytes": f"steps * params * 4 * 2*({workers}-1)/{workers}: fp32 "
+        "gradients, "
+        "ring all-reduce (each worker sends 2(n-1)/n of the vector per step)",
+        "atoll_bytes": f"({workers}-1)/{workers} * (payload_bytes_per_replica + "
+        "result_bytes) + syncs * "
+        f"({workers}-1) * (part head + result head): a group member sends its "
+        "encoded pseudo-gradient's parts to the other owners and its own part's result "
+        "(topk: the union of the kept values, 8 bits each) to the other members, each "
+        "message with its signed head (benchmarks._common.head_bytes: "
+        f"{sum(head_bytes(workers))} bytes a part and result); "
+        "payload_ratio_ddp_over_atoll leaves the heads out. Payloads are the codec's "
+        "real encodings in the simulation; the swarm's sync events count the same "
+        "messages on the wire",
+        "atoll_method": "node.ops.simulate.simulate, the single-process reference of the "
+        "networked node's algorithm, steps mode, rounds = total_steps / H; it scores "
+        "the global copy (the averaged model every replica agrees on)",
+        "gap_to_ddp_percent": "100 * (atoll - ddp) / ddp final bits per byte, paired "
+        "by seed, then mean and sample standard deviation over seeds",
+        "ddp_equivalent_steps": "the step at which DDP of the same seed reached the "
+        "run's final bits per byte, interpolated between evaluations; "
+        "worth_ddp_workers = 4 * that / steps",
+        "picks": "the lowest seed-0 final bits per byte of each method's sweep"
+        + (" (long mode: the quick report's picks)" if plan.long else ""),
+        "data": "worker i of seed s reads BatchStream(train, batch, context, (s, i)) in "
+        f"both methods; validation: the same {_eval_batches(plan.kind)} held-out batches "
+        "for every method and seed",
+        "threads": f"DDP: 1 per process; simulate: {_SIM_THREADS[plan.kind]}",
+    }
 
 
 def _stored_ddp(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -984,6 +1059,36 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
     Raises:
         FileNotFoundError: no quick report in ``out_dir``.
     """
+    stored = _stored_quick_report(out_dir, steps)
+    picks = _picks_from(out_dir / _PICKS)
+    ddp_runs = _stored_ddp(stored)
+    started = time.monotonic()
+    journal = out_dir / "convergence-sparse-runs.jsonl"
+    runs = _Runs(journal, "quick", steps, min(_INNER_STEPS), _GRID)
+    with _threads_kept():
+        best = _sweep_topk(runs.train, runs.results, picks, _GRID)
+        for seed in _SEEDS:
+            for setting in best.values():
+                runs.train(setting, seed)
+        study = _rounds_study(best, picks, runs.done, journal)
+    entries = [_summarize(s, runs.results[s], ddp_runs, steps) for s in best.values()]
+    sweep = _sparse_sweep(runs.results, ddp_runs)
+    report = _sparse_report(stored, steps, entries, sweep, study)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    (out_dir / "convergence-sparse.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot_sparse(report, out_dir / "convergence-sparse.png")
+    journal.unlink(missing_ok=True)
+    return report
+
+
+def _stored_quick_report(out_dir: pathlib.Path, steps: int) -> dict[str, Any]:
+    """The quick report of ``steps`` steps in ``out_dir``, whose picks and DDP runs the
+    sparse mode takes.
+
+    Raises:
+        FileNotFoundError: no quick report in ``out_dir``.
+        ValueError: the report there is not a quick one of ``steps`` steps.
+    """
     stored_path = out_dir / "convergence.json"
     if not stored_path.exists():
         raise FileNotFoundError(
@@ -993,30 +1098,13 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
     stored = json.loads(stored_path.read_text())
     if stored.get("mode") != "quick" or stored.get("total_steps") != steps:
         raise ValueError(f"{stored_path} is not a quick report of {steps} steps")
-    picks = _picks_from(out_dir / _PICKS)
-    ddp_runs = _stored_ddp(stored)
-    started = time.monotonic()
-    results: dict[Setting, dict[int, dict]] = {}
-    journal = out_dir / "convergence-sparse-runs.jsonl"
-    done = _read_journal(journal)
+    return stored
 
-    def train(setting: Setting, seed: int) -> dict[str, Any]:
-        runs = results.setdefault(setting, {})
-        if seed not in runs:
-            run_ = _Run(setting, "quick", steps, seed, min(_INNER_STEPS), _GRID)
-            runs[seed] = _journaled(run_, done, journal)
-        return runs[seed]
 
-    threads_before = torch.get_num_threads()
-    try:
-        best = _sweep_topk(train, results, picks, _GRID)
-        for seed in _SEEDS:
-            for setting in best.values():
-                train(setting, seed)
-        study = _rounds_study(best, picks, done, journal)
-    finally:
-        torch.set_num_threads(threads_before)
-    entries = [_summarize(s, results[s], ddp_runs, steps) for s in best.values()]
+def _sparse_sweep(
+    results: dict[Setting, dict[int, dict]], ddp_runs: dict[int, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Seed 0 of every topk candidate that trained, judged against DDP's seed 0."""
     sweep = []
     for s, r in results.items():
         if 0 in r and "error" not in r[0]:
@@ -1035,7 +1123,12 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
                     / allgather_bytes(one, _WORKERS),
                 }
             )
-    int8 = {
+    return sweep
+
+
+def _int8_rows(stored: dict[str, Any]) -> dict[int, dict[str, Any] | None]:
+    """The quick report's AdamW int8 entry at each H of :data:`_TOPK_INNER_STEPS`."""
+    return {
         h: next(
             (
                 e
@@ -1049,6 +1142,12 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
         )
         for h in _TOPK_INNER_STEPS
     }
+
+
+def _verdicts(
+    entries: list[dict[str, Any]], int8: dict[int, dict[str, Any] | None]
+) -> dict[str, dict[str, Any]]:
+    """Per H, whether the best topk entry meets the bytes goal and int8's gap."""
     verdicts = {}
     for h in _TOPK_INNER_STEPS:
         e = next((e for e in entries if e["setting"]["inner_steps"] == h), None)
@@ -1065,7 +1164,20 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
             "meets_bytes_goal": (e.get("bytes_ratio_ddp_over_atoll") or 0) >= _TARGET_TOPK_RATIO,
             "meets_gap_goal": e["gap_to_ddp_percent"]["mean"] <= ref["gap_to_ddp_percent"]["mean"],
         }
-    report = {
+    return verdicts
+
+
+def _sparse_report(
+    stored: dict[str, Any],
+    steps: int,
+    entries: list[dict[str, Any]],
+    sweep: list[dict[str, Any]],
+    study: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The dict written to ``convergence-sparse.json`` (its ``seconds`` filled in by the
+    caller)."""
+    int8 = _int8_rows(stored)
+    return {
         "benchmark": "convergence",
         "mode": "sparse",
         "workers": _WORKERS,
@@ -1081,10 +1193,10 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
             "text": "at least 10,000x fewer bytes than fp32 DDP with a gap to DDP no worse "
             "than int8's at the same H",
         },
-        "verdicts": verdicts,
+        "verdicts": _verdicts(entries, int8),
         "rounds_study": study,
         "head_bytes": dict(zip(("part", "result"), head_bytes(_WORKERS))),
-        "seconds": round(time.monotonic() - started, 1),
+        "seconds": None,  # filled in by run_sparse, where the clock started
         "notes": {
             "int8": "the quick report's AdamW int8 rows; their byte ratios there count "
             "payloads only (the quick report predates heads in the count)",
@@ -1093,10 +1205,6 @@ def run_sparse(out_dir: pathlib.Path, steps: int = _QUICK_STEPS) -> dict[str, An
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
-    (out_dir / "convergence-sparse.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot_sparse(report, out_dir / "convergence-sparse.png")
-    journal.unlink(missing_ok=True)
-    return report
 
 
 def _rounds_study(

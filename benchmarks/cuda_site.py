@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import machine_info
+from benchmarks._mode import Mode
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -43,14 +44,14 @@ _OVERRIDES = [
 ]
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Node 0: 2 ranks on CUDA in bf16; node 1: the CPU. Returns what ``cuda_site.json``
     holds: per node its device, precision, ranks, tokens per second and bits per byte
     (``smoke``: 1 round of 2 inner steps, a check that it runs)."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine"}
-    rounds = 1 if smoke else 3 if quick else 8
-    overrides = [*_OVERRIDES, *(["sync.inner_steps=2"] if smoke else [])]
+    rounds = 1 if mode.smoke else 3 if mode.quick else 8
+    overrides = [*_OVERRIDES, *(["sync.inner_steps=2"] if mode.smoke else [])]
     gpu = ["--nproc-per-node", "2", "--set", "run.device='cuda'", "--set", "train.precision='bf16'"]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-cuda-site-") as tmp:
@@ -82,8 +83,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
             )
     report = {
         "benchmark": "cuda_site",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "rounds": summary["rounds"],
         "finished": finished,
         "params_agree": summary["params_agree"],

@@ -45,6 +45,7 @@ from typing import Any
 
 from benchmarks._common import figure, machine_info
 from benchmarks._formats import markdown_table, pct
+from benchmarks._mode import Mode
 from node.config import load_config
 from node.ops.swarm import SwarmProcess, SwarmSpec, launch, reap, start_node, stop_all
 from node.run.metrics import read_events
@@ -83,11 +84,11 @@ def plan_of(quick: bool, smoke: bool) -> Plan:
     return Plan(16, 10 if quick else 20, 30.0, (0.0, 0.05, 0.1))
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Every row's swarm, the report and its figure."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_of(quick, smoke)
+    plan = plan_of(mode.quick, mode.smoke)
     rows = []
     with tempfile.TemporaryDirectory(prefix="atoll-goodput-") as tmp:
         for churn in plan.churns:
@@ -99,8 +100,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     goal = next((r for r in rows if r["churn"] == _GOAL_CHURN), None)
     report = {
         "benchmark": "goodput",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "nodes": plan.nodes,
         "rounds": plan.rounds,
         "round_seconds": plan.round_seconds,

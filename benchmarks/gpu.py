@@ -44,6 +44,7 @@ import torch
 
 from benchmarks import cuda_site, islands, models
 from benchmarks._common import machine_info, prepare_stdlib_shards
+from benchmarks._mode import Mode
 
 __all__ = ["run"]
 
@@ -240,11 +241,46 @@ def _params(path: pathlib.Path) -> int:
     return sum(p.numel() for p in build_model(cfg.model, seed=0).parameters())
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def _node_against_bare(
+    shards: pathlib.Path, work: pathlib.Path, device: str, smoke: bool
+) -> dict[str, Any]:
+    """A node against a bare loop: ``llama-tiny`` for 16 s on ``device`` in a smoke run,
+    otherwise the byte model for 60 s, three pairs."""
+    if smoke:
+        return models.node_against_bare(
+            shards,
+            16.0,
+            1,
+            work,
+            model=("model.arch='hf'", "model.preset='llama-tiny'", "model.context=128"),
+            device=device,
+            precision="fp32",
+            batch=2,
+        )
+    return models.node_against_bare(shards, 60.0, 3, work)
+
+
+def _goals(throughput: dict[str, Any], started: float) -> dict[str, dict[str, Any]]:
+    """The study's goals: the node's share of the bare loop's speed, and its time."""
+    return {
+        "node at 0.95 of the bare loop or more": {
+            "value": throughput.get("ratio"),
+            "goal": 0.95,
+            "meets_goal": (throughput.get("ratio") or 0.0) >= 0.95,
+        },
+        f"the study within {_BUDGET_SECONDS:.0f} s": {
+            "value": time.monotonic() - started,
+            "goal": _BUDGET_SECONDS,
+            "meets_goal": time.monotonic() - started <= _BUDGET_SECONDS,
+        },
+    }
+
+
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Every part on the GPU (``smoke``: on the CPU at the smallest sizes, the site part
     skipped); writes ``gpu.json``."""
     cuda = torch.cuda.is_available()
-    if not cuda and not smoke:
+    if not cuda and not mode.smoke:
         return {"skipped": "no CUDA device on this machine"}
     device = "cuda" if cuda else "cpu"
     started = time.monotonic()
@@ -254,31 +290,19 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     seconds: dict[str, float] = {}
     try:
         shards, corpus = prepare_stdlib_shards(
-            work / "shards", 512 if smoke else _VOCAB, 40 if smoke else None
+            work / "shards", 512 if mode.smoke else _VOCAB, 40 if mode.smoke else None
         )
         seconds["data"] = time.monotonic() - started
         mark = time.monotonic()
-        if smoke:
-            throughput = models.node_against_bare(
-                shards,
-                16.0,
-                1,
-                work / "node",
-                model=("model.arch='hf'", "model.preset='llama-tiny'", "model.context=128"),
-                device=device,
-                precision="fp32",
-                batch=2,
-            )
-        else:
-            throughput = models.node_against_bare(shards, 60.0, 3, work / "node")
+        throughput = _node_against_bare(shards, work / "node", device, mode.smoke)
         seconds["node_against_bare"] = time.monotonic() - mark
         mark = time.monotonic()
         left = _BUDGET_SECONDS - (mark - started) - _SITE_RESERVE_SECONDS
-        replicas = _replicas(shards, work, max(30.0, left), device, smoke)
+        replicas = _replicas(shards, work, max(30.0, left), device, mode.smoke)
         seconds["replicas"] = time.monotonic() - mark
         mark = time.monotonic()
         site = (
-            cuda_site.run(quick=True, out_dir=work / "site", smoke=smoke)
+            cuda_site.run(Mode(quick=True, smoke=mode.smoke), work / "site")
             if cuda
             else {"skipped": "no CUDA device on this machine"}
         )
@@ -287,8 +311,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         shutil.rmtree(work, ignore_errors=True)
     report = {
         "benchmark": "gpu",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "gpus": torch.cuda.device_count() if cuda else 0,
         "torch": torch.__version__,
@@ -297,18 +321,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         "node_against_bare": throughput,
         "replicas": replicas,
         "cuda_site": site,
-        "goals": {
-            "node at 0.95 of the bare loop or more": {
-                "value": throughput.get("ratio"),
-                "goal": 0.95,
-                "meets_goal": (throughput.get("ratio") or 0.0) >= 0.95,
-            },
-            f"the study within {_BUDGET_SECONDS:.0f} s": {
-                "value": time.monotonic() - started,
-                "goal": _BUDGET_SECONDS,
-                "meets_goal": time.monotonic() - started <= _BUDGET_SECONDS,
-            },
-        },
+        "goals": _goals(throughput, started),
         "seconds": seconds,
         "total_seconds": time.monotonic() - started,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

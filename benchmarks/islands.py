@@ -70,6 +70,7 @@ from typing import Any
 from benchmarks._common import figure, machine_info, prepare_stdlib_shards, run_swarm
 from benchmarks._ddp import DdpRun, run_ddp
 from benchmarks._formats import markdown_table, run_mode, signed
+from benchmarks._mode import Mode
 
 __all__ = ["run", "table", "table_row"]
 
@@ -516,21 +517,8 @@ def _checks(plan: _Plan, shards: pathlib.Path, work: pathlib.Path, journal: Jour
         journal.run(name, partial(_real, plan, check, base, work / f"real-{check.nodes}"))
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
-    """Every model, seed and arm of the plan; writes ``islands.json`` and ``islands.png``."""
-    plan = _plan(quick, smoke)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    journal = Journal(out_dir / "islands-runs.jsonl", {"journal": 2})
-    work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-islands-"))
-    started = time.time()
-    try:
-        shards, corpus = prepare_stdlib_shards(work / "shards", VOCAB, plan.files)
-        _checks(plan, shards, work, journal)
-        journal.run_all(_jobs(plan, shards, work), plan.workers)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    entries = _entries(plan, journal.done)
+def _reference_checks(plan: _Plan, journal: Journal) -> list[dict[str, Any]]:
+    """Each reference check judged: the simulated arm's seeds against its real nodes."""
     checks = [
         _judge_check(
             check,
@@ -544,12 +532,31 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     ]
     for check in checks:
         print(f"islands: {check['model']}: real nodes {check['difference_percent']} % off")
+    return checks
+
+
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
+    """Every model, seed and arm of the plan; writes ``islands.json`` and ``islands.png``."""
+    plan = _plan(mode.quick, mode.smoke)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    journal = Journal(out_dir / "islands-runs.jsonl", {"journal": 2})
+    work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-islands-"))
+    started = time.time()
+    try:
+        shards, corpus = prepare_stdlib_shards(work / "shards", VOCAB, plan.files)
+        _checks(plan, shards, work, journal)
+        journal.run_all(_jobs(plan, shards, work), plan.workers)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    entries = _entries(plan, journal.done)
+    checks = _reference_checks(plan, journal)
     summary = _summary(entries, plan)
     first = plan.sizes[0]
     report = {
         "benchmark": "islands",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "corpus": corpus,
         "steps": first.steps,
         "sizes": [

@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from benchmarks._common import figure, free_port, machine_info
+from benchmarks._mode import Mode
 from protocol.p2p.shaper import ENV_VAR
 
 __all__ = ["run"]
@@ -46,16 +47,16 @@ _DELAYED = "127.0.0.1, 100 ms one way"
 _PORT = 31337  # on a lab host, which has its own network stack
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Every row's joins, the report and its figure."""
     from tests.netlab import netlab_available
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    joins = 1 if smoke else 3 if quick else 10
+    joins = 1 if mode.smoke else 3 if mode.quick else 10
     rows = {"127.0.0.1": _local(joins)}
     lab, why = netlab_available()
-    if smoke:
+    if mode.smoke:
         rows_skipped = {name: "not in a smoke run" for name in (_DELAYED, "behind NAT")}
     else:
         rows[_DELAYED] = _local(joins, {ENV_VAR: "delay_ms=100"})
@@ -66,10 +67,10 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
             rows_skipped["behind NAT"] = f"the network lab is unavailable: {why}"
     report = {
         "benchmark": "join",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "machine": machine_info(),
-        "command": f"python -m benchmarks join{' --quick' if quick else ''}",
+        "command": f"python -m benchmarks join{' --quick' if mode.quick else ''}",
         "rows": {name: _summary(results) for name, results in rows.items()},
         "joins": rows,
         "rows_not_run": rows_skipped,

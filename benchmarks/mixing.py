@@ -52,6 +52,7 @@ from typing import Any
 import psutil
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from node.config import AtollConfig, load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -357,55 +358,8 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     per_n = report["results"]
     ns = [int(n) for n in per_n]
     with figure(path, 1, 2, figsize=(12.0, 4.8)) as (fig, (traffic, times)):
-        series = (
-            (
-                "butterfly_full_mix_bytes",
-                f"butterfly mixing, groups of {_GROUP} (measured)",
-                "o-",
-                "tab:blue",
-            ),
-            ("butterfly_full_mix_bytes_expected", "butterfly mixing (computed)", ":", "tab:blue"),
-            ("all_to_all_full_mix_bytes", "all-to-all (computed)", "s--", "tab:orange"),
-            ("allreduce_full_mix_bytes", "swarm-wide all-reduce (measured)", "^-", "tab:green"),
-            (
-                "allreduce_full_mix_bytes_expected",
-                "swarm-wide all-reduce (computed)",
-                ":",
-                "tab:green",
-            ),
-        )
-        for key, label, style, color in series:
-            points = [(n, per_n[str(n)]["derived"].get(key)) for n in ns]
-            points = [(n, v / 1e3) for n, v in points if v]
-            xs, ys = [n for n, _ in points], [v for _, v in points]
-            traffic.plot(xs, ys, style, color=color, label=label)
-            if "expected" in key:
-                continue
-            for n, v in points:
-                traffic.annotate(
-                    f"{v:.0f}", (n, v), textcoords="offset points", xytext=(4, 4), fontsize=7
-                )
-        model = report["model"]
-        traffic.set_title(
-            f"bytes one node sends for one full mix (measured: the nodes' sync events)\n"
-            f"{model['params']:,} params: {report['config']['codec']} contribution "
-            f"{model['contribution_bytes'] / 1e3:.0f} kB, {report['config']['mix_codec']} global "
-            f"copy {model['mix_bytes'] / 1e3:.0f} kB",
-            fontsize=10,
-        )
-        traffic.set_ylabel("kB per node")
-        traffic.margins(x=0.08)
-        for key, label, color in (
-            ("butterfly", f"butterfly, groups of {_GROUP}", "tab:blue"),
-            ("allreduce", "swarm-wide all-reduce", "tab:green"),
-        ):
-            rounds = [_nan(per_n[str(n)][key].get("round_seconds")) for n in ns]
-            syncs = [_nan(per_n[str(n)][key].get("sync_seconds")) for n in ns]
-            times.plot(ns, rounds, "o-", color=color, label=f"{label}: round (wall)")
-            times.plot(ns, syncs, "o:", color=color, label=f"{label}: fragment sync")
-        times.set_title("time per round and per fragment sync (mean over nodes)", fontsize=10)
-        times.set_ylabel("seconds")
-        times.set_ylim(bottom=0)
+        _plot_traffic(traffic, report, ns)
+        _plot_times(times, per_n, ns)
         for ax in (traffic, times):
             ax.set_xscale("log", base=2)
             ax.set_xticks(ns, [str(n) for n in ns])
@@ -417,6 +371,64 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
             f"real nodes on {report['machine']['cpu_count']} cores",
             fontsize=10,
         )
+
+
+def _plot_traffic(traffic: Any, report: dict[str, Any], ns: list[int]) -> None:
+    """The bytes panel: what one node sends for a full mix, measured and computed."""
+    per_n = report["results"]
+    series = (
+        (
+            "butterfly_full_mix_bytes",
+            f"butterfly mixing, groups of {_GROUP} (measured)",
+            "o-",
+            "tab:blue",
+        ),
+        ("butterfly_full_mix_bytes_expected", "butterfly mixing (computed)", ":", "tab:blue"),
+        ("all_to_all_full_mix_bytes", "all-to-all (computed)", "s--", "tab:orange"),
+        ("allreduce_full_mix_bytes", "swarm-wide all-reduce (measured)", "^-", "tab:green"),
+        (
+            "allreduce_full_mix_bytes_expected",
+            "swarm-wide all-reduce (computed)",
+            ":",
+            "tab:green",
+        ),
+    )
+    for key, label, style, color in series:
+        points = [(n, per_n[str(n)]["derived"].get(key)) for n in ns]
+        points = [(n, v / 1e3) for n, v in points if v]
+        xs, ys = [n for n, _ in points], [v for _, v in points]
+        traffic.plot(xs, ys, style, color=color, label=label)
+        if "expected" in key:
+            continue
+        for n, v in points:
+            traffic.annotate(
+                f"{v:.0f}", (n, v), textcoords="offset points", xytext=(4, 4), fontsize=7
+            )
+    model = report["model"]
+    traffic.set_title(
+        f"bytes one node sends for one full mix (measured: the nodes' sync events)\n"
+        f"{model['params']:,} params: {report['config']['codec']} contribution "
+        f"{model['contribution_bytes'] / 1e3:.0f} kB, {report['config']['mix_codec']} global "
+        f"copy {model['mix_bytes'] / 1e3:.0f} kB",
+        fontsize=10,
+    )
+    traffic.set_ylabel("kB per node")
+    traffic.margins(x=0.08)
+
+
+def _plot_times(times: Any, per_n: dict[str, Any], ns: list[int]) -> None:
+    """The time panel: each configuration's round and fragment sync per n."""
+    for key, label, color in (
+        ("butterfly", f"butterfly, groups of {_GROUP}", "tab:blue"),
+        ("allreduce", "swarm-wide all-reduce", "tab:green"),
+    ):
+        rounds = [_nan(per_n[str(n)][key].get("round_seconds")) for n in ns]
+        syncs = [_nan(per_n[str(n)][key].get("sync_seconds")) for n in ns]
+        times.plot(ns, rounds, "o-", color=color, label=f"{label}: round (wall)")
+        times.plot(ns, syncs, "o:", color=color, label=f"{label}: fragment sync")
+    times.set_title("time per round and per fragment sync (mean over nodes)", fontsize=10)
+    times.set_ylabel("seconds")
+    times.set_ylim(bottom=0)
 
 
 # ---- entry point -------------------------------------------------------------------------
@@ -464,23 +476,23 @@ def _log_tail(message: str, lines: int = 8) -> list[str]:
     return log_tail(pathlib.Path(found.group(1)).parent, lines)
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Measures bytes and time per round of butterfly mixing and a swarm-wide all-reduce.
 
     Args:
-        quick: n = 2, 4, 8 and 4 rounds per swarm (about 4 minutes on 2 cores);
-            otherwise n up to 16 where the machine holds it, and 8 rounds.
+        mode: what it runs: ``quick``: n = 2, 4, 8 and 4 rounds per swarm (about 4 minutes
+            on 2 cores); otherwise n up to 16 where the machine holds it, and 8 rounds;
+            ``smoke``: n = 2 only, 2 rounds of 2 inner steps: a check that it runs.
         out_dir: folder for ``mixing.json`` and ``mixing.png``; created if missing.
-        smoke: n = 2 only, 2 rounds of 2 inner steps: a check that it runs.
 
     Returns:
         The dict written to ``mixing.json``: ``results`` (per n: ``butterfly`` and
         ``allreduce`` runs with per-node, per-round records, and ``derived`` bytes to a
         full mix), ``model``, ``config``, ``skipped``, ``notes``, ``date`` and ``machine``.
     """
-    rounds = _SMOKE_ROUNDS if smoke else 4 if quick else 8
-    sizes, skipped = _sizes(quick, smoke)
-    workload = [*_WORKLOAD, *(_SMOKE if smoke else ())]
+    rounds = _SMOKE_ROUNDS if mode.smoke else 4 if mode.quick else 8
+    sizes, skipped = _sizes(mode.quick, mode.smoke)
+    workload = [*_WORKLOAD, *(_SMOKE if mode.smoke else ())]
     cfg = load_config(None, workload)
     model = _model_bytes(cfg)
     started = time.monotonic()
@@ -493,8 +505,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
             results[str(n)] = runs
     report = {
         "benchmark": "mixing",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "rounds": rounds,
         "sizes": sizes,
         "skipped": skipped,

@@ -61,6 +61,7 @@ from benchmarks._common import (
     run_swarm,
 )
 from benchmarks._ddp import DdpRun, run_ddp
+from benchmarks._mode import Mode
 from node.config import load_config
 
 __all__ = ["run"]
@@ -507,11 +508,11 @@ def _prepare(work: pathlib.Path, plan: _Plan) -> tuple[pathlib.Path, dict[str, A
     return prepare_stdlib_shards(work / "shards", plan.vocab, plan.files)
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Throughput, memory, convergence and (with a GPU) CUDA; writes ``models.json`` and
     ``models.png`` into ``out_dir``. ``quick``: one pair of throughput runs and one seed;
     ``smoke``: the smallest sizes, a check that it runs (see the module docstring)."""
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="atoll-models-"))
@@ -520,13 +521,13 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
         shards, corpus = _prepare(work, plan)
         report: dict[str, Any] = {
             "benchmark": "models",
-            "quick": quick,
-            "smoke": smoke,
+            "quick": mode.quick,
+            "smoke": mode.smoke,
             "machine": machine_info(),
             "corpus": corpus,
             "command": "python -m benchmarks models"
-            + (" --quick" if quick else "")
-            + (" --smoke" if smoke else ""),
+            + (" --quick" if mode.quick else "")
+            + (" --smoke" if mode.smoke else ""),
         }
         report["throughput"] = _throughput(shards, plan, work)
         report["memory"] = _memory(shards, plan, work)

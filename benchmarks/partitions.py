@@ -25,17 +25,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from node.ops.swarm_report import log_tail
 
 __all__ = ["run"]
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Repeats the flapping-link run (``smoke``: once) and writes the report and figure;
     ``{"skipped": reason}`` where no network lab can be built."""
-    from node.run.metrics import read_events
-    from tests.integration.test_partitions import FLAP_SECONDS, OFFSETS, flap_run, judge
-    from tests.netlab import NetLab, cleanup_stale, netlab_available
+    from tests.netlab import netlab_available
 
     ok, why = netlab_available()
     if not ok:
@@ -43,46 +42,15 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = []
-    for i in range(1 if smoke else 3 if quick else 10):
-        cleanup_stale()
-        with NetLab() as lab, tempfile.TemporaryDirectory(prefix="atoll-flap-") as root:
-            started = time.time()
-            rng = random.Random(i)
-            offsets = tuple(
-                round(rng.uniform(0.0, FLAP_SECONDS / 2), 1) for _ in range(len(OFFSETS))
-            )
-            result = flap_run(lab, pathlib.Path(root), offsets)
-            verdict = _verdict(judge, result)
-            flapper = result["nodes"][2]
-            status = flapper.status
-            syncs = read_events(flapper.data_dir / "events.jsonl", "sync")
-            runs.append(
-                {
-                    "run": i,
-                    "seconds": round(time.time() - started, 1),
-                    "exit_codes": result["exit_codes"],
-                    "finished": result["finished"],
-                    "flaps": len(result["downs"]),
-                    "offsets": list(offsets),
-                    **verdict,
-                    "passed": bool(
-                        result["finished"]
-                        and result["exit_codes"] == [0, 0, 0]
-                        and not verdict["stable_apart"]
-                        and verdict["due"]
-                        and not verdict["late"]
-                    ),
-                    "alone_syncs": status.get("alone_syncs", 0),
-                    "groups": [len(s["group"]) for s in syncs],
-                }
-            )
+    for i in range(1 if mode.smoke else 3 if mode.quick else 10):
+        runs.append(_one_run(i))
         print(f"partitions: run {i}: passed {runs[-1]['passed']}", flush=True)
     report = {
         "benchmark": "partitions",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "machine": machine_info(),
-        "command": f"python -m benchmarks partitions{' --quick' if quick else ''}",
+        "command": f"python -m benchmarks partitions{' --quick' if mode.quick else ''}",
         "runs": runs,
         "passed": sum(r["passed"] for r in runs),
         "of": len(runs),
@@ -91,6 +59,43 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     (out_dir / "partitions.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out_dir / "partitions.png")
     return report
+
+
+def _one_run(i: int) -> dict[str, Any]:
+    """Run ``i``: a fresh network lab, the flapping-link run with cut offsets drawn from
+    seed ``i``, and its verdict."""
+    from node.run.metrics import read_events
+    from tests.integration.test_partitions import FLAP_SECONDS, OFFSETS, flap_run, judge
+    from tests.netlab import NetLab, cleanup_stale
+
+    cleanup_stale()
+    with NetLab() as lab, tempfile.TemporaryDirectory(prefix="atoll-flap-") as root:
+        started = time.time()
+        rng = random.Random(i)
+        offsets = tuple(round(rng.uniform(0.0, FLAP_SECONDS / 2), 1) for _ in range(len(OFFSETS)))
+        result = flap_run(lab, pathlib.Path(root), offsets)
+        verdict = _verdict(judge, result)
+        flapper = result["nodes"][2]
+        status = flapper.status
+        syncs = read_events(flapper.data_dir / "events.jsonl", "sync")
+        return {
+            "run": i,
+            "seconds": round(time.time() - started, 1),
+            "exit_codes": result["exit_codes"],
+            "finished": result["finished"],
+            "flaps": len(result["downs"]),
+            "offsets": list(offsets),
+            **verdict,
+            "passed": bool(
+                result["finished"]
+                and result["exit_codes"] == [0, 0, 0]
+                and not verdict["stable_apart"]
+                and verdict["due"]
+                and not verdict["late"]
+            ),
+            "alone_syncs": status.get("alone_syncs", 0),
+            "groups": [len(s["group"]) for s in syncs],
+        }
 
 
 def _verdict(judge: Any, result: dict[str, Any]) -> dict[str, Any]:

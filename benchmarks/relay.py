@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 
 __all__ = ["run", "start_three"]
 
@@ -50,7 +51,7 @@ _FROM = 10
 then in both rows)."""
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """Both rows (none in a smoke run), the report and its figure."""
     from tests.netlab import netlab_available
 
@@ -58,7 +59,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     out_dir.mkdir(parents=True, exist_ok=True)
     lab, why = netlab_available()
     rows: dict[str, Any] = {}
-    if smoke:
+    if mode.smoke:
         skipped = dict.fromkeys(_ROWS, "not in a smoke run")
     elif not lab:
         skipped = dict.fromkeys(_ROWS, f"the network lab is unavailable: {why}")
@@ -69,10 +70,10 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
             print(f"relay: {name}: {json.dumps(rows[name]['summary'])}", flush=True)
     report = {
         "benchmark": "relay",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "machine": machine_info(),
-        "command": f"python -m benchmarks relay{' --quick' if quick else ''}",
+        "command": f"python -m benchmarks relay{' --quick' if mode.quick else ''}",
         "rounds": _ROUNDS,
         "settings": _SETTINGS,
         "rows": rows,

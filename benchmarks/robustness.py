@@ -33,6 +33,7 @@ from typing import Any
 
 from benchmarks import _robustness_checks
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from benchmarks._robustness_swarm import (
     CODECS,
     SMALL,
@@ -327,19 +328,19 @@ def _heat_map(fig: Any, ax: Any, cells: list[dict], modes: list[str], labels: li
     fig.colorbar(image, ax=ax, label="val bpb / clean", extend="max")
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False, checks: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Runs the attack grid with real node swarms and writes the report and heat map.
 
     Args:
-        quick: 1 of 5 nodes Byzantine, modes scale, alie and malicious_owner; with int8
-            under mean-unscreened, trimmed_mean and centered_clip, with topk under
-            mean-unscreened, centered_clip and clipped_mean (24 swarms, about 50
-            minutes here); otherwise every mode under every aggregator each codec
-            accepts, for 1 of 5 and 2 of 8 Byzantine nodes (hours).
+        mode: what it runs: ``quick``: 1 of 5 nodes Byzantine, modes scale, alie and
+            malicious_owner; with int8 under mean-unscreened, trimmed_mean and
+            centered_clip, with topk under mean-unscreened, centered_clip and clipped_mean
+            (24 swarms, about 50 minutes here); otherwise every mode under every aggregator
+            each codec accepts, for 1 of 5 and 2 of 8 Byzantine nodes (hours); ``smoke``:
+            one clean and one attacked int8 swarm of 2 nodes (``scale``, trimmed mean with
+            screening) for 1 round of 2 inner steps: a check that it runs; ``checks``: the
+            useful-work checks' mode instead (its own quick, full and smoke).
         out_dir: folder for ``robustness.json`` and ``robustness.png``; created if missing.
-        smoke: one clean and one attacked int8 swarm of 2 nodes (``scale``, trimmed mean
-            with screening) for 1 round of 2 inner steps: a check that it runs.
-        checks: the useful-work checks' mode instead (its own quick, full and smoke).
 
     Returns:
         The dict written to ``robustness.json``: ``cells`` (one per attacked swarm:
@@ -351,13 +352,13 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False, checks: bool = 
         ``clean_honest_flagged`` (honest peers flagged in all clean runs together;
         should be 0), ``quick``, ``date`` and ``machine``.
     """
-    if checks:
-        return _robustness_checks.run(quick, out_dir, smoke)
-    settings, blocks = _grid(quick, smoke)
+    if mode.checks:
+        return _robustness_checks.run(mode, out_dir)
+    settings, blocks = _grid(mode.quick, mode.smoke)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atoll-robustness-") as tmp:
         cells = _run_grid(settings, blocks, pathlib.Path(tmp))
-    report = _report(settings, blocks, cells, quick, smoke)
+    report = _report(settings, blocks, cells, mode.quick, mode.smoke)
     report["seconds"] = round(time.monotonic() - started, 1)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,7 @@ from typing import Any
 
 from benchmarks import _scale_real, _scale_sim
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from protocol.averaging.grouping import cell_dims
 from protocol.p2p.shaper import ENV_VAR
 
@@ -468,14 +469,32 @@ def _measure_real(plan: _Plan) -> tuple[dict, dict, dict, dict]:
     return real, shaped, cells, wallclock
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+_NOTES = {
+    "real": "n real nodes on 127.0.0.1 sharing two cores: step time and round time "
+    "grow with n because the CPU is shared, not because of the protocol",
+    "calibration": "one sync overhead fitted (median over sizes); each size's "
+    f"simulated round time compared with its real one, target within "
+    f"{_TARGET_ROUND_ERROR:.0%}",
+    "policies": "before: heartbeat every 1 s, every record read every 2 s, every "
+    "commitment gossiped to every node; node: the same up to 8 nodes, above it "
+    "intervals stretched by n/8 and commitments sent to the group only, and above "
+    "256 nodes matchmaking on the cell grid (a node reads its line's announcements "
+    "only) and the registry in n/256 shards (network.registry_shards); sampled: as node, with at most 32 heartbeats a second swarm-wide and "
+    "registry reads of at most 32 records (not built)",
+    "wan": "five regions 3,600-16,000 km apart (5 us/km one way), 10 Gbit/s per "
+    "node, 1 % churn per round, the reference model's int8 fragments",
+}
+"""How each figure of the report was taken."""
+
+
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Runs the real swarms, calibrates, simulates, and writes ``scale.json``/``.png``.
 
     Args:
-        quick: the quick mode's rounds (see the module docstring).
+        mode: what it runs: ``quick``: the quick mode's rounds (see the module docstring);
+            ``smoke``: each kind of real swarm once with 2 nodes, 2 short rounds: a check
+            that it runs.
         out_dir: folder for ``scale.json`` and ``scale.png``; created if missing.
-        smoke: each kind of real swarm once with 2 nodes, 2 short rounds: a check that
-            it runs.
 
     Returns:
         The report: ``real`` (per size, :func:`benchmarks._scale_real.measure`'s
@@ -486,7 +505,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         ``cell_check``), ``simulated`` (per policy and
         size, :func:`benchmarks._scale_sim.simulate`'s figures), ``date``, ``machine``.
     """
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     started = time.monotonic()
     real, shaped, cells, wallclock = _measure_real(plan)
     constants = _calibration(real)
@@ -498,8 +517,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
     )
     report = {
         "benchmark": "scale",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "real_rounds": plan.real_rounds,
         "sim_rounds": plan.sim_rounds,
         "real": {n: {k: v for k, v in r.items() if k != "config"} for n, r in real.items()},
@@ -509,21 +528,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         "workload": real[plan.real_sizes[0]]["config"],
         "calibration": calibration,
         "simulated": _wan(constants, overhead, plan.sim_rounds, plan.sim_sizes),
-        "notes": {
-            "real": "n real nodes on 127.0.0.1 sharing two cores: step time and round time "
-            "grow with n because the CPU is shared, not because of the protocol",
-            "calibration": "one sync overhead fitted (median over sizes); each size's "
-            f"simulated round time compared with its real one, target within "
-            f"{_TARGET_ROUND_ERROR:.0%}",
-            "policies": "before: heartbeat every 1 s, every record read every 2 s, every "
-            "commitment gossiped to every node; node: the same up to 8 nodes, above it "
-            "intervals stretched by n/8 and commitments sent to the group only, and above "
-            "256 nodes matchmaking on the cell grid (a node reads its line's announcements "
-            "only) and the registry in n/256 shards (network.registry_shards); sampled: as node, with at most 32 heartbeats a second swarm-wide and "
-            "registry reads of at most 32 records (not built)",
-            "wan": "five regions 3,600-16,000 km apart (5 us/km one way), 10 Gbit/s per "
-            "node, 1 % churn per round, the reference model's int8 fragments",
-        },
+        "notes": dict(_NOTES),
         "seconds": round(time.monotonic() - started, 1),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

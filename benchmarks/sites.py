@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -114,25 +115,24 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         lines.set_title("same processes, same tokens per round", fontsize=9)
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """2 sites of 2 ranks against 4 single-process nodes.
 
     Args:
-        quick: 4 rounds instead of 12.
+        mode: what it runs: ``quick``: 4 rounds instead of 12; ``smoke``: 2 sites of 2 ranks
+            against 2 nodes, 1 round of 2 inner steps: a check that it runs.
         out_dir: folder for ``sites.json`` and ``sites.png``; created if missing.
-        smoke: 2 sites of 2 ranks against 2 nodes, 1 round of 2 inner steps: a check
-            that it runs.
 
     Returns:
         The dict written to ``sites.json``: per setup its bytes per round over the
         slow links, tokens, bits per byte and agreement; ``bytes_ratio`` (sites over
         nodes) and ``bpb_gap`` (sites minus nodes, final bits per byte).
     """
-    rounds = 1 if smoke else 4 if quick else 12
-    overrides = [*_SMALL, *(_SMOKE if smoke else [])]
+    rounds = 1 if mode.smoke else 4 if mode.quick else 12
+    overrides = [*_SMALL, *(_SMOKE if mode.smoke else [])]
     setups: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-sites-") as tmp:
-        for name, setup in (_SMOKE_SETUPS if smoke else _SETUPS).items():
+        for name, setup in (_SMOKE_SETUPS if mode.smoke else _SETUPS).items():
             try:
                 setups[name] = _run(setup, rounds, pathlib.Path(tmp) / name, overrides)
             except Exception as e:  # one broken setup must not cost the other
@@ -145,8 +145,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         gap = round(sites["val_bpb_end"] - nodes["val_bpb_end"], 4)
     report = {
         "benchmark": "sites",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "rounds": rounds,
         "setups": setups,
         "bytes_ratio": ratio,

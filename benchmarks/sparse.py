@@ -55,6 +55,7 @@ from typing import Any
 from benchmarks import islands
 from benchmarks._common import figure, machine_info, prepare_stdlib_shards
 from benchmarks._formats import markdown_table, run_mode, signed
+from benchmarks._mode import Mode
 
 __all__ = ["run", "table", "table_row"]
 
@@ -236,10 +237,10 @@ def _goals(summary: dict[str, Any], plan: _Plan) -> dict[str, Any]:
     return goals
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, Any]:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict[str, Any]:
     """DDP and every H and codec of the plan at each seed; writes ``sparse.json`` and
     ``sparse.png``."""
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = islands.Journal(out_dir / "sparse-runs.jsonl", {"plan": repr(plan)})
@@ -269,8 +270,8 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict[str, An
     summary = _summary(entries, plan)
     report = {
         "benchmark": "sparse",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "corpus": corpus,
         "model": "small",
         "params": entries[0]["ddp"].get("params"),

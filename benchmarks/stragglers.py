@@ -43,7 +43,9 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks._common import TimedDdp, figure, machine_info, run_timed_ddp
+from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
+from benchmarks._timed_ddp import TimedDdp, run_timed_ddp
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -131,7 +133,7 @@ def _closing_wait(data_dir: pathlib.Path) -> float:
 
 
 def _run_ddp(seconds: float, slowdowns: tuple[float, ...]) -> dict[str, Any]:
-    """A DDP rank per slowdown (``benchmarks._common.run_timed_ddp``)."""
+    """A DDP rank per slowdown (``benchmarks._timed_ddp.run_timed_ddp``)."""
     result = run_timed_ddp(TimedDdp(tuple(_SMALL), slowdowns, seconds))
     if "error" in result:
         return {"error": result["error"], "per_worker": []}
@@ -215,14 +217,31 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         )
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+_NOTES = {
+    "utilization": "sum(busy) / sum(busy + idle) over workers; busy = compute "
+    "plus the slowdown sleep, idle = waiting for peers",
+    "compute_utilization": "useful compute / available compute: each worker's "
+    "seconds weighted by its speed 1/slowdown (the design notes' 36 % for DDP)",
+    "expected": "ideal values: 1.0 for a method that never waits; for a "
+    "synchronous one, every step takes the slowest worker's time",
+    "fast_idle_share": "idle / (busy + idle) of the slowdown-1 workers; Atoll "
+    "seconds-mode target < 0.05",
+    "steps_per_second": "inner steps of all workers together per second of "
+    "training (mean wall time per worker)",
+    "atoll_idle": "from each node's status (idle = training wall - busy at its last "
+    "step) plus the wait from its last step to the end of its last round",
+}
+"""How each figure of the report was taken."""
+
+
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Measures utilization under stragglers for Atoll (seconds, steps) and DDP.
 
     Args:
-        quick: 3 rounds per swarm and 18 s of DDP (about 3 minutes); otherwise 10
-            rounds and 60 s.
+        mode: what it runs: ``quick``: 3 rounds per swarm and 18 s of DDP (about 3 minutes);
+            otherwise 10 rounds and 60 s; ``smoke``: two workers, 1 round per swarm and 5 s
+            of DDP: a check that it runs.
         out_dir: folder for ``stragglers.json`` and ``stragglers.png``; created if missing.
-        smoke: two workers, 1 round per swarm and 5 s of DDP: a check that it runs.
 
     Returns:
         The dict written to ``stragglers.json``: ``slowdowns``, ``methods`` (per method:
@@ -230,15 +249,15 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         ``per_worker`` busy/idle/idle_share/steps and ``params_agree``), ``quick``,
         ``date`` and ``machine``.
     """
-    rounds = 1 if smoke else 3 if quick else 10
-    slowdowns = _SMOKE_SLOWDOWNS if smoke else _SLOWDOWNS
-    round_seconds = _SMOKE_ROUND_SECONDS if smoke else _ROUND_SECONDS
+    rounds = 1 if mode.smoke else 3 if mode.quick else 10
+    slowdowns = _SMOKE_SLOWDOWNS if mode.smoke else _SLOWDOWNS
+    round_seconds = _SMOKE_ROUND_SECONDS if mode.smoke else _ROUND_SECONDS
     seconds = rounds * round_seconds  # the seconds-mode swarm's training time
     methods: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-stragglers-") as tmp:
         base = pathlib.Path(tmp)
         on_clock = [*_SMALL, *_SECONDS, f"sync.round_seconds={round_seconds}"]
-        on_steps = [*_SMALL, *_STEPS, *(_SMOKE_STEPS if smoke else [])]
+        on_steps = [*_SMALL, *_STEPS, *(_SMOKE_STEPS if mode.smoke else [])]
         plans = {  # name -> (synchronous, swarm overrides and timeout; None: DDP)
             "atoll_seconds": (False, on_clock, 150.0 + 2 * seconds),
             "atoll_steps": (True, on_steps, 150.0 + 40.0 * rounds),
@@ -262,24 +281,11 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         "benchmark": "stragglers",
         "slowdowns": list(slowdowns),
         "methods": methods,
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "rounds": rounds,
         "ddp_seconds": seconds,
-        "notes": {
-            "utilization": "sum(busy) / sum(busy + idle) over workers; busy = compute "
-            "plus the slowdown sleep, idle = waiting for peers",
-            "compute_utilization": "useful compute / available compute: each worker's "
-            "seconds weighted by its speed 1/slowdown (the design notes' 36 % for DDP)",
-            "expected": "ideal values: 1.0 for a method that never waits; for a "
-            "synchronous one, every step takes the slowest worker's time",
-            "fast_idle_share": "idle / (busy + idle) of the slowdown-1 workers; Atoll "
-            "seconds-mode target < 0.05",
-            "steps_per_second": "inner steps of all workers together per second of "
-            "training (mean wall time per worker)",
-            "atoll_idle": "from each node's status (idle = training wall - busy at its last "
-            "step) plus the wait from its last step to the end of its last round",
-        },
+        "notes": dict(_NOTES),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }

@@ -44,6 +44,7 @@ import blake3
 import torch
 
 from benchmarks._common import figure, machine_info
+from benchmarks._mode import Mode
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.hooks import Judge
 from protocol.averaging.parts import (
@@ -428,13 +429,36 @@ def _measure_all(plan: _Plan, results: dict[str, dict]) -> None:
         entry["signatures"] = sig
 
 
-def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
+_NOTES = {
+    "timing": "one untimed warm-up per mode, then repeats alternating off and on "
+    "(off-on, on-off, ...) on the same services; each: all four members, each in its "
+    "own process with its own transport, start AllReduceService.run at one "
+    "wall-clock instant; the time is the slowest member's",
+    "on": "reducer and judge = verification.verifier.Verifier (screening, trimmed "
+    "mean, audit rows and reputations in a fresh SQLite file per member)",
+    "off": "default token-weighted mean reducer, a judge that accepts everything",
+    "signatures": "always on; seal_part/open_part of one part (the whole cost: the "
+    "body travels raw), next to the former msgpack envelope and to SHA-256 and "
+    "BLAKE3 over the body alone, "
+    "best of 7; per_member_per_round_s = G sealed + 2(G-1) opened part-sized "
+    "messages; share_of_round_* divide by the median 'off' round",
+    "per_member_per_round_s": "time inside the reducer (reduce_s; of it "
+    "screen_s and aggregate_s), the SQLite stores (sqlite_s, every audit and "
+    "reputation call) and check_reduced, summed over members and divided by "
+    "members x repeats",
+    "processes": "each member is its own process (its own transport, p2pd, DHT and "
+    "SQLite file); the four share this machine's cores",
+}
+"""How each figure of the report was taken."""
+
+
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Times 4-member all-reduces with verification on and off, and signatures apart.
 
     Args:
-        quick: 1M values instead of 1M and 10M.
+        mode: what it runs: ``quick``: 1M values instead of 1M and 10M; ``smoke``: 2
+            members, 20,000 values, codec int8, 1 repeat: a check that it runs.
         out_dir: folder for ``verification.json`` and ``verification.png``; created if missing.
-        smoke: 2 members, 20,000 values, codec int8, 1 repeat: a check that it runs.
 
     Returns:
         The dict written to ``verification.json``: per ``"N/codec"`` the repeat times
@@ -443,7 +467,7 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         signature micro-benchmark with its share of the round (``signatures``). A
         measurement that failed has an ``error`` instead of times.
     """
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     results: dict[str, dict[str, Any]] = {}
     # One intra-op thread per member, as a node gets when several share a machine
     # (run.threads): with more threads than free cores, OpenMP's waiting turns each small
@@ -456,34 +480,15 @@ def run(quick: bool, out_dir: pathlib.Path, smoke: bool = False) -> dict:
         torch.set_num_threads(threads)
     report = {
         "benchmark": "verification",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "members": plan.members,
         "repeats": plan.repeats,
         "torch_threads": _TORCH_THREADS,
         "policy": {"aggregator": "trimmed_mean", "screening": True},
         "target": "ratio on/off below 1.10",
         "results": results,
-        "notes": {
-            "timing": "one untimed warm-up per mode, then repeats alternating off and on "
-            "(off-on, on-off, ...) on the same services; each: all four members, each in its "
-            "own process with its own transport, start AllReduceService.run at one "
-            "wall-clock instant; the time is the slowest member's",
-            "on": "reducer and judge = verification.verifier.Verifier (screening, trimmed "
-            "mean, audit rows and reputations in a fresh SQLite file per member)",
-            "off": "default token-weighted mean reducer, a judge that accepts everything",
-            "signatures": "always on; seal_part/open_part of one part (the whole cost: the "
-            "body travels raw), next to the former msgpack envelope and to SHA-256 and "
-            "BLAKE3 over the body alone, "
-            "best of 7; per_member_per_round_s = G sealed + 2(G-1) opened part-sized "
-            "messages; share_of_round_* divide by the median 'off' round",
-            "per_member_per_round_s": "time inside the reducer (reduce_s; of it "
-            "screen_s and aggregate_s), the SQLite stores (sqlite_s, every audit and "
-            "reputation call) and check_reduced, summed over members and divided by "
-            "members x repeats",
-            "processes": "each member is its own process (its own transport, p2pd, DHT and "
-            "SQLite file); the four share this machine's cores",
-        },
+        "notes": dict(_NOTES),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }

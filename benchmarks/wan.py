@@ -47,7 +47,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from benchmarks._common import TimedDdp, machine_info, ring_allreduce_seconds, run_timed_ddp
+from benchmarks._common import machine_info
+from benchmarks._mode import Mode
+from benchmarks._timed_ddp import TimedDdp, ring_allreduce_seconds, run_timed_ddp
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -281,34 +283,8 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
         "atoll": "Atoll (seconds mode)" + (", tbf link" if netns else ""),
         "ddp": "DDP (gloo through tbf, delay hook)" if netns else "DDP (emulated link)",
     }
-
-    def values(method: str, key: str) -> list[float]:
-        return [r[method].get(key) or 0.0 for r in links]
-
-    for offset, method, color in ((-0.2, "atoll", "tab:blue"), (0.2, "ddp", "tab:orange")):
-        shares = values(method, "utilization")
-        xy = ([x + offset for x in xs], [100 * v for v in shares])
-        bars = util.bar(*xy, 0.4, color=color, hatch=hatch)
-        bars.set_label(names[method])
-        for x, v in zip(xs, shares):
-            util.annotate(f"{v:.0%}", (x + offset, 100 * v), ha="center", va="bottom", fontsize=8)
-    util.set_ylim(0, 110)
-    util.set_ylabel("utilization (% of wall time computing)")
-    util.set_title("utilization", fontsize=10)
-
-    series = (
-        (-0.27, "atoll", "round_seconds", "Atoll round (wall between round ends)", "tab:blue"),
-        (0.0, "atoll", "sync_seconds", "Atoll fragment sync (launch to applied)", "tab:cyan"),
-        (0.27, "ddp", "step_seconds", "DDP step", "tab:orange"),
-    )
-    for offset, method, key, label, color in series:
-        seconds = values(method, key)
-        times.bar([x + offset for x in xs], seconds, 0.27, label=label, color=color, hatch=hatch)
-        for x, v in zip(xs, seconds):
-            times.annotate(f"{v:.2g}", (x + offset, v), ha="center", va="bottom", fontsize=7)
-    times.set_yscale("log")
-    times.set_ylabel("seconds (log)")
-    times.set_title("time per round / sync / step", fontsize=10)
+    _plot_utilization(util, links, names, hatch)
+    _plot_times(times, links, hatch)
     axes = [util, times]
     if netns:
         from benchmarks import _wan_netns
@@ -335,20 +311,60 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _values(links: list[dict[str, Any]], method: str, key: str) -> list[float]:
+    """``method``'s ``key`` on every link (0 where it has none)."""
+    return [r[method].get(key) or 0.0 for r in links]
+
+
+def _plot_utilization(
+    util: Any, links: list[dict[str, Any]], names: dict[str, str], hatch: str | None
+) -> None:
+    """The utilization panel: Atoll's and DDP's bars side by side per link."""
+    xs = list(range(len(links)))
+    for offset, method, color in ((-0.2, "atoll", "tab:blue"), (0.2, "ddp", "tab:orange")):
+        shares = _values(links, method, "utilization")
+        xy = ([x + offset for x in xs], [100 * v for v in shares])
+        bars = util.bar(*xy, 0.4, color=color, hatch=hatch)
+        bars.set_label(names[method])
+        for x, v in zip(xs, shares):
+            util.annotate(f"{v:.0%}", (x + offset, 100 * v), ha="center", va="bottom", fontsize=8)
+    util.set_ylim(0, 110)
+    util.set_ylabel("utilization (% of wall time computing)")
+    util.set_title("utilization", fontsize=10)
+
+
+def _plot_times(times: Any, links: list[dict[str, Any]], hatch: str | None) -> None:
+    """The time panel: Atoll's round and fragment sync and DDP's step per link (log)."""
+    xs = list(range(len(links)))
+    series = (
+        (-0.27, "atoll", "round_seconds", "Atoll round (wall between round ends)", "tab:blue"),
+        (0.0, "atoll", "sync_seconds", "Atoll fragment sync (launch to applied)", "tab:cyan"),
+        (0.27, "ddp", "step_seconds", "DDP step", "tab:orange"),
+    )
+    for offset, method, key, label, color in series:
+        seconds = _values(links, method, key)
+        times.bar([x + offset for x in xs], seconds, 0.27, label=label, color=color, hatch=hatch)
+        for x, v in zip(xs, seconds):
+            times.annotate(f"{v:.2g}", (x + offset, v), ha="center", va="bottom", fontsize=7)
+    times.set_yscale("log")
+    times.set_ylabel("seconds (log)")
+    times.set_title("time per round / sync / step", fontsize=10)
+
+
 # ---- entry point ------------------------------------------------------------------------
 
 
-def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = False) -> dict:
+def run(mode: Mode, out_dir: pathlib.Path) -> dict:
     """Measures Atoll and DDP on each emulated link.
 
     Args:
-        quick: 3 links (0 and 70 ms at 100 Mbit/s, 10 ms at 1 Gbit/s) and 3 rounds of
-            6 s; otherwise all 6 links and 5 rounds.
+        mode: what it runs: ``quick``: 3 links (0 and 70 ms at 100 Mbit/s, 10 ms at
+            1 Gbit/s) and 3 rounds of 6 s; otherwise all 6 links and 5 rounds; ``netns``:
+            each worker on its own network namespace, the bandwidth by tbf (see the
+            module docstring); without a lab here nothing runs or is written; ``smoke``:
+            two workers on one link (0 ms, 100 Mbit/s), 2 rounds of 5 s: a check that it
+            runs.
         out_dir: folder for ``wan.json`` and ``wan.png``; created if missing.
-        netns: each worker on its own network namespace, the bandwidth by tbf (see the
-            module docstring); without a lab here nothing runs or is written.
-        smoke: two workers on one link (0 ms, 100 Mbit/s), 2 rounds of 5 s: a check that
-            it runs.
 
     Returns:
         The dict written to ``wan.json``: ``links`` (per link: ``link``, ``env`` and, for
@@ -357,49 +373,67 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = F
         ``quick``, ``notes``, ``date`` and ``machine``; or, with ``netns`` where no lab
         can be built, ``{"benchmark": "wan", "skipped": reason}``.
     """
-    if netns:
+    if mode.netns:
         from benchmarks import _wan_netns
 
         ok, why = _wan_netns.available()
         if not ok:
             return {"benchmark": "wan", "skipped": f"--netns needs a network lab: {why}"}
-    plan = _plan(quick, smoke)
+    plan = _plan(mode.quick, mode.smoke)
     started = time.monotonic()
-    records = []
     with tempfile.TemporaryDirectory(prefix="atoll-wan-") as tmp:
-        for i, link in enumerate(plan.links):
-            record: dict[str, Any] = {"link": link.label, "env": f"{ENV_VAR}={link.to_env()}"}
+        records = [
+            _measure_link(i, link, plan, pathlib.Path(tmp), mode.netns)
+            for i, link in enumerate(plan.links)
+        ]
+    report = _report(mode, plan, records, round(time.monotonic() - started, 1))
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out_dir / "wan.png")
+    return report
+
+
+def _measure_link(
+    i: int, link: LinkShape, plan: _Plan, tmp: pathlib.Path, netns: bool
+) -> dict[str, Any]:
+    """Atoll's and DDP's runs on link ``i`` (a failed one holds its ``error``)."""
+    record: dict[str, Any] = {"link": link.label, "env": f"{ENV_VAR}={link.to_env()}"}
+    if netns:
+        from benchmarks import _wan_netns
+
+        shaped = _wan_netns.atoll_env(link).get(ENV_VAR)
+        record["env"] = f"{ENV_VAR}={shaped}" if shaped else f"{ENV_VAR} unset"
+        record["tbf_mbit"] = link.bandwidth_bps / 1e6 if link.bandwidth_bps else None
+    for method in ("atoll", "ddp"):
+        t0 = time.monotonic()
+        try:
             if netns:
-                shaped = _wan_netns.atoll_env(link).get(ENV_VAR)
-                record["env"] = f"{ENV_VAR}={shaped}" if shaped else f"{ENV_VAR} unset"
-                record["tbf_mbit"] = link.bandwidth_bps / 1e6 if link.bandwidth_bps else None
-            for method in ("atoll", "ddp"):
-                t0 = time.monotonic()
-                try:
-                    if netns:
-                        directory = pathlib.Path(tmp) / f"link{i}-{method}"
-                        result = _run_in_lab(method, link, plan, directory)
-                    elif method == "atoll":
-                        directory = pathlib.Path(tmp) / f"link{i}"
-                        timeout = _atoll_timeout(plan.seconds)
-                        result = _run_atoll(link, plan, directory, timeout)
-                    else:
-                        result = _run_ddp(link, plan)
-                except Exception as e:  # one broken run must not cost the others
-                    result = {"error": f"{type(e).__name__}: {e}"}
-                result["seconds"] = round(time.monotonic() - t0, 1)
-                record[method] = result
-            records.append(record)
+                result = _run_in_lab(method, link, plan, tmp / f"link{i}-{method}")
+            elif method == "atoll":
+                timeout = _atoll_timeout(plan.seconds)
+                result = _run_atoll(link, plan, tmp / f"link{i}", timeout)
+            else:
+                result = _run_ddp(link, plan)
+        except Exception as e:  # one broken run must not cost the others
+            result = {"error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        record[method] = result
+    return record
+
+
+def _report(mode: Mode, plan: _Plan, records: list[dict], seconds: float) -> dict[str, Any]:
+    """The dict written to ``wan.json``, with the notes on how each figure was taken."""
     report: dict[str, Any] = {
         "benchmark": "wan",
-        "quick": quick,
-        "smoke": smoke,
+        "quick": mode.quick,
+        "smoke": mode.smoke,
         "workers": plan.workers,
         "rounds": plan.rounds,
         "seconds_per_method": plan.seconds,
         "workload": plan.workload,
         "links": records,
-        "seconds": round(time.monotonic() - started, 1),
+        "seconds": seconds,
         "notes": {
             "link": "one-way delay added once per message and a bandwidth cap on each "
             "worker's egress (a token bucket 2 ms deep), emulated on 127.0.0.1",
@@ -423,11 +457,9 @@ def run(quick: bool, out_dir: pathlib.Path, netns: bool = False, smoke: bool = F
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
-    if netns:
+    if mode.netns:
+        from benchmarks import _wan_netns
+
         report["mode"] = "netns"
         report["notes"].update(_wan_netns.NOTES)
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out_dir / "wan.png")
     return report

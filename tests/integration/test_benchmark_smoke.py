@@ -1,6 +1,6 @@
 """Every benchmark that starts nodes, peers or ranks, run for real at its smoke size.
 
-``run(False, tmp_path, smoke=True)`` goes through the benchmark's own code path (its
+``run(Mode(smoke=True), tmp_path)`` goes through the benchmark's own code path (its
 swarms of real node processes, spawned peers, DDP ranks, report and figure) with 2
 nodes or peers and 1 or 2 short rounds, so that a change that breaks a benchmark fails
 here instead of at its next real run. Each test asserts the report has no failed
@@ -32,6 +32,7 @@ import torch
 
 from benchmarks import __main__ as bench_cli
 from benchmarks import islands, tables
+from benchmarks._mode import Mode
 from tests.unit.benchmarks.test_smoke import check_smoke_report
 
 pytestmark = [pytest.mark.integration]
@@ -82,9 +83,7 @@ def _leftovers() -> list[str]:
 def smoke(name: str, out: Path, **extra: bool) -> dict:
     """Runs benchmark ``name`` at its smoke size into ``out`` and checks what it gave."""
     before = _stamps()
-    report = importlib.import_module(bench_cli.BENCHMARKS[name]).run(
-        False, out, smoke=True, **extra
-    )
+    report = importlib.import_module(bench_cli.BENCHMARKS[name]).run(Mode(smoke=True, **extra), out)
     assert _stamps() == before, "a smoke run wrote into benchmarks/results"
     assert _leftovers() == []
     if report.get("skipped"):
@@ -127,7 +126,7 @@ def test_robustness_checks_smoke(tmp_path: Path) -> None:
     # the checks mode writes robustness-checks.*, which the docs' tables do not list
     before = _stamps()
     report = importlib.import_module(bench_cli.BENCHMARKS["robustness"]).run(
-        False, tmp_path, smoke=True, checks=True
+        Mode(smoke=True, checks=True), tmp_path
     )
     assert _stamps() == before, "a smoke run wrote into benchmarks/results"
     assert _leftovers() == []

@@ -37,3 +37,16 @@ def test_a_failed_measurement_fails_the_run_and_a_measured_error_does_not():
     assert ("/errors/seed 1", "rank 0 reported nothing") in found
     assert len(found) == 2
     assert bench_cli.failures({"calibration": {"error": 0.1}, "errors": {}}) == []
+
+
+def test_a_mode_option_applies_only_to_the_benchmarks_that_take_it():
+    from benchmarks._mode import Mode, misused
+
+    assert Mode(quick=True, smoke=True).own_options() == []
+    assert Mode(steps=0, netns=True, long=True).own_options() == ["steps", "long", "netns"]
+    assert misused(Mode(steps=500, long=True, sparse=True), ["convergence"], "convergence") is None
+    assert misused(Mode(checks=True), ["robustness"], "robustness") is None
+    assert misused(Mode(netns=True), ["wan", "codec"], "all") == (
+        "--netns applies to wan only, not all"
+    )
+    assert misused(Mode(quick=True, smoke=True), ["codec", "wan"], "all") is None

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks import _robustness_swarm, robustness, tables
+from benchmarks._mode import Mode
 from node.config import load_config
 from verification.aggregators import SPARSE_SAFE
 
@@ -74,7 +75,7 @@ def test_quick_report_carries_codecs_skips_and_ratios_and_renders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(robustness, "_run_swarm", _stand_in)
-    report = robustness.run(True, tmp_path)
+    report = robustness.run(Mode(quick=True), tmp_path)
     cells = report["cells"]
     assert len(cells) == 18
     topk = [c for c in cells if c["codec"] == "topk"]

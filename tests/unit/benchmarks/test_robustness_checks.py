@@ -15,6 +15,7 @@ from benchmarks import __main__ as bench_cli
 from benchmarks import _checks_cost as cost
 from benchmarks import _robustness_checks as checks
 from benchmarks import robustness
+from benchmarks._mode import Mode
 from node.config import load_config
 
 _ROOT = Path(__file__).resolve().parents[3]
@@ -247,7 +248,7 @@ def test_quick_report_judges_each_goal_names_what_is_not_flagged_and_draws(
     monkeypatch.setattr(checks, "run_job", _stand_in)
     monkeypatch.setattr("benchmarks._checks_cost.measure_costs", _costs)
     monkeypatch.setattr("benchmarks._checks_cost.tracer_probe", lambda: {"step_ratio": 1.02})
-    report = robustness.run(True, tmp_path, checks=True)
+    report = robustness.run(Mode(quick=True, checks=True), tmp_path)
     assert report["mode"] == "checks" and report["benchmark"] == "robustness"
     assert len(report["runs"]) == 21
     attacks = report["attacks"]

@@ -1,6 +1,6 @@
 """Smoke runs of the benchmarks that start no process, and the ``--smoke`` flag itself.
 
-A smoke run (``run(..., smoke=True)``, ``python -m benchmarks NAME --smoke``) goes
+A smoke run (``run(Mode(smoke=True), ...)``, ``python -m benchmarks NAME --smoke``) goes
 through a benchmark's whole code path at the smallest sizes; it must report no failed
 measurement, render in the docs' tables, and never write into ``benchmarks/results``.
 The benchmarks that start nodes or ranks are smoked in
@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks import __main__ as bench_cli
 from benchmarks import churn, codec, relay, tables
+from benchmarks._mode import Mode
 
 # benchmark -> where its smoke test lives: every registered benchmark has one
 SMOKED_HERE = {"codec", "churn", "relay"}
@@ -44,7 +45,7 @@ def check_smoke_report(name: str, report: dict, out: Path) -> None:
 
 def test_the_codec_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     before = _results_stamps()
-    report = codec.run(False, tmp_path, smoke=True)
+    report = codec.run(Mode(smoke=True), tmp_path)
     check_smoke_report("codec", report, tmp_path)
     assert report["numel"] == 20_000
     assert (tmp_path / "codec.png").is_file()
@@ -52,14 +53,14 @@ def test_the_codec_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
 
 
 def test_the_relay_benchmark_at_smoke_size_lists_its_rows_as_not_run(tmp_path: Path) -> None:
-    report = relay.run(False, tmp_path, smoke=True)
+    report = relay.run(Mode(smoke=True), tmp_path)
     check_smoke_report("relay", report, tmp_path)
     assert report["rows"] == {} and set(report["rows_not_run"]) == {"direct", "relay"}
     assert (tmp_path / "relay.png").is_file()
 
 
 def test_the_churn_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
-    report = churn.run(False, tmp_path, smoke=True)
+    report = churn.run(Mode(smoke=True), tmp_path)
     check_smoke_report("churn", report, tmp_path)
     assert {(r["trigger"], r["churn"]) for r in report["rows"]} == {
         (t, c) for t in ("steps", "seconds") for c in (0.0, 0.05)
@@ -75,8 +76,8 @@ def test_every_benchmark_takes_smoke_and_has_a_smoke_test() -> None:
     from tests.integration import test_benchmark_smoke
 
     for name, module_name in bench_cli.BENCHMARKS.items():
-        smoke = inspect.signature(importlib.import_module(module_name).run).parameters["smoke"]
-        assert smoke.default is False, name
+        run = inspect.signature(importlib.import_module(module_name).run)
+        assert list(run.parameters) == ["mode", "out_dir"], name  # smoke is the mode's
     assert set(bench_cli.BENCHMARKS) == SMOKED_HERE | test_benchmark_smoke.SMOKED
 
 

@@ -9,14 +9,9 @@ import torch
 
 from benchmarks import __main__ as bench_cli
 from benchmarks import _wan_netns, wan
-from benchmarks._common import (
-    TimedDdp,
-    _delay_allreduce_hook,
-    _LinkHookState,
-    free_port,
-    gloo_group,
-    run_ranks,
-)
+from benchmarks._common import free_port, gloo_group, run_ranks
+from benchmarks._mode import Mode
+from benchmarks._timed_ddp import TimedDdp, _delay_allreduce_hook, _LinkHookState
 from protocol.p2p.shaper import ENV_VAR, LinkShape, Shaper
 
 _WORLD = 2
@@ -98,7 +93,7 @@ def test_wan_netns_is_skipped_with_the_reason_where_no_lab_can_be_built(
     monkeypatch, capsys, tmp_path
 ):
     monkeypatch.setattr(_wan_netns, "available", lambda: (False, "needs root"))
-    assert wan.run(True, tmp_path, netns=True) == {
+    assert wan.run(Mode(quick=True, netns=True), tmp_path) == {
         "benchmark": "wan",
         "skipped": "--netns needs a network lab: needs root",
     }
