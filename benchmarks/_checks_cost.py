@@ -324,7 +324,7 @@ def tracer_probe(window: int = 4, steps: int = 24, repeats: int = 2) -> dict[str
     times), and one start state's copy and hash timed apart."""
     import torch
 
-    from node.checks.trace import Tracer
+    from node.checks.trace import Tracer, TraceSettings
     from node.data.corpus import BatchStream
     from node.train.model import build_model
     from node.train.trainer import InnerTrainer
@@ -345,7 +345,7 @@ def tracer_probe(window: int = 4, steps: int = 24, repeats: int = 2) -> dict[str
         trainer = InnerTrainer(model, cfg.train, stream)
         trainer.step()
         plan = plan_fragments(model, cfg.sync.fragments)
-        tracer = Tracer(Identity.from_seed(b"\x01" * 32), "probe", window, 1, plan=plan)
+        tracer = Tracer(TraceSettings("probe", window, 1), Identity.from_seed(b"\x01" * 32), plan)
 
         def run(traced: bool) -> float:
             began = time.perf_counter()

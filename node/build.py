@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from node.checks import Fetcher, Measurer, UsefulWork
+from node.checks import CheckHooks, CheckParts, Fetcher, FetchSettings, Measurer, UsefulWork
 from node.checks.replay import Replayer
-from node.checks.trace import REPLAY_RPC, Tracer
+from node.checks.trace import REPLAY_RPC, Tracer, TraceSettings
 from node.config import AtollConfig
 from node.data.corpus import BatchStream, load_data, validation_batches
 from node.ops.handoff import workload_record
@@ -264,40 +264,29 @@ def _useful_work(
     settings = check_settings(cfg)
     sent = allreduce.keep_contributions()
     plan = training.plan
-    fetcher = Fetcher(
-        inputs.identity.peer_id,
-        allreduce.transport,
-        allreduce.settings,
-        control.commitments.digests,
-        sent,
-        [plan[f].numel for f in range(len(plan))],
-        settings.timeout,
-    )
+    numel = tuple(plan[f].numel for f in range(len(plan)))
+    fetching = FetchSettings(allreduce.settings, numel, settings.timeout)
+    me, committed = inputs.identity.peer_id, control.commitments.digests
+    fetcher = Fetcher(me, allreduce.transport, fetching, committed, sent)
     train, val = training.tokens
     measurer = Measurer(settings, training.model, plan, train, val, training.device)
     replayer = tracer = None
     if cfg.trust.replay_steps:
-        at = (training.device, fetcher.replay, plan)
-        replayer = Replayer(replay_settings(cfg), training.model, cfg.train, train, *at)
-        steps, accum = cfg.trust.replay_steps, cfg.train.grad_accum
-        spill = inputs.data_dir / "trace"
-        memory = cfg.trust.replay_memory_mb << 20
-        tracer = Tracer(inputs.identity, cfg.run.run_id, steps, accum, spill, memory, plan)
+        replaying = replay_settings(cfg)
+        model, device = training.model, training.device
+        replayer = Replayer(replaying, model, train, device, fetcher.replay, plan)
+        tracing = TraceSettings(
+            cfg.run.run_id,
+            cfg.trust.replay_steps,
+            cfg.train.grad_accum,
+            spill=inputs.data_dir / "trace",
+            memory=cfg.trust.replay_memory_mb << 20,
+        )
+        tracer = Tracer(tracing, inputs.identity, plan)
         allreduce.transport.add_handler(REPLAY_RPC, tracer.serve, max_request_bytes=128)
-    checks = UsefulWork(
-        settings,
-        inputs.identity,
-        verifier,
-        measurer,
-        fetcher,
-        len(plan),
-        control.publish_check,
-        events.write,
-        lambda: training.trainer.seconds,
-        replayer,
-        tracer.spent if tracer is not None else None,
-        tracer.drawn if tracer is not None else None,
-    )
+    parts = CheckParts(inputs.identity, verifier, measurer, fetcher, replayer, tracer)
+    hooks = CheckHooks(control.publish_check, events.write, lambda: training.trainer.seconds)
+    checks = UsefulWork(settings, len(plan), parts, hooks)
     control.on_check = checks.receive
     return checks, tracer
 

@@ -297,6 +297,7 @@ def replay_settings(cfg: AtollConfig) -> ReplaySettings:
         steps=t.replay_steps,
         tolerance=t.replay_tolerance,
         context=cfg.model.context,
+        train=cfg.train,
         codec=cfg.sync.codec,
         block_size=cfg.sync.block_size,
         stochastic=cfg.sync.stochastic_rounding,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import msgpack
 
@@ -27,11 +28,26 @@ from protocol.averaging.contributions import (
 from protocol.averaging.parts import AllReduceSettings
 from protocol.p2p.transport import Transport
 
-__all__ = ["Fetcher"]
+__all__ = ["FetchSettings", "Fetcher"]
 
 _CACHED = 16
 """Contributions kept after a fetch (a record's audit needs two, and their copies where
 the group mixed, often fetched before)."""
+
+
+@dataclass(frozen=True)
+class FetchSettings:
+    """What a fetch opens and how long it waits.
+
+    Attributes:
+        wire: the all-reduce's settings (codec, alignment, limits).
+        numel: a fragment's size, by fragment.
+        timeout: seconds one fetch may take (``trust.check_timeout``).
+    """
+
+    wire: AllReduceSettings
+    numel: tuple[int, ...]
+    timeout: float
 
 
 class Fetcher:
@@ -40,30 +56,26 @@ class Fetcher:
     Args:
         me: this node's PeerID.
         transport: the node's transport.
-        wire: the all-reduce's settings (codec, alignment, limits).
+        settings: the wire, the fragments' sizes and the fetch's timeout.
         committed: the commitments' digests of a peer's parts in an exchange.
         sent: this node's own kept parts.
-        numel: a fragment's size, by fragment.
-        timeout: seconds one fetch may take.
     """
 
     def __init__(
         self,
         me: str,
         transport: Transport,
-        wire: AllReduceSettings,
+        settings: FetchSettings,
         committed: CommittedDigests,
         sent: SentParts,
-        numel: list[int],
-        timeout: float,
     ) -> None:
         self.me = me
         self.transport = transport
-        self.wire = wire
+        self.wire = settings.wire
         self.committed = committed
         self.sent = sent
-        self.numel = numel
-        self.timeout = timeout
+        self.numel = settings.numel
+        self.timeout = settings.timeout
         self.bytes_fetched = 0
         self._cache: OrderedDict[tuple[str, int, int, str], Fetched] = OrderedDict()
         self._lock = threading.Lock()

@@ -70,6 +70,8 @@ class ReplaySettings:
         tolerance: the largest distance and loss difference a replay may show
             (``trust.replay_tolerance``).
         context: tokens per window of text.
+        train: the run's inner-loop settings (the optimizer, precision, clipping, the
+            learning-rate schedule), which a replay trains with.
         codec: the sync's codec, its ``block_size``, ``stochastic`` rounding and error
             ``feedback`` (how far a sent vector may be from its work:
             :func:`verification.binding.slack`).
@@ -81,6 +83,7 @@ class ReplaySettings:
     steps: int
     tolerance: float
     context: int
+    train: TrainConfig
     codec: str = "none"
     block_size: int = 256
     stochastic: bool = False
@@ -94,8 +97,6 @@ class Replayer:
     Args:
         settings: the replay settings.
         model: the node's model (copied once; its values are never read).
-        train_cfg: the run's inner-loop settings (the optimizer, precision, clipping,
-            the learning-rate schedule).
         train: the run's train tokens (every slice of them).
         device: where to train.
         fetch: asks a member for a trace or a state.
@@ -106,7 +107,6 @@ class Replayer:
         self,
         settings: ReplaySettings,
         model: nn.Module,
-        train_cfg: TrainConfig,
         train: torch.Tensor,
         device: torch.device,
         fetch: Fetch,
@@ -116,8 +116,8 @@ class Replayer:
         self.model = copy.deepcopy(getattr(model, "module", model)).to(device).train()
         for p in self.model.parameters():
             p.requires_grad_(True)
-        self.cfg = train_cfg
-        self.optimizer = make_inner_optimizer(self.model, train_cfg)
+        self.cfg = settings.train
+        self.optimizer = make_inner_optimizer(self.model, settings.train)
         self.train = train
         self.device = device
         self.fetch = fetch

@@ -17,35 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from node.checks.fetch import Fetcher
 from node.checks.inputs import CheckSettings, RoundInputs
-from node.checks.replay import NotKept, Replayer, Unavailable
+from node.checks.parts import CheckHooks, CheckParts
+from node.checks.records import Records
+from node.checks.replay import NotKept, Unavailable
 from protocol.errors import ProtocolError
-from verification.identity import Identity
 from verification.replay import ReplayRecord, open_replay_record
 from verification.traces import ReplayError, Trace
-from verification.verifier import Verifier
 
-__all__ = ["Outlets", "Pending", "ReplayChecks"]
+__all__ = ["Pending", "ReplayChecks"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Outlets:
-    """Where a replay check's outcome goes: ``publish`` gossips a signed record,
-    ``events`` writes the node's event log, ``charge(peer, round, fragment, why)`` a
-    ``useless_work`` violation (once per round), ``refuse(record, why)`` charges a false
-    record's checker."""
-
-    publish: Callable[[bytes], bool]
-    events: Callable[..., None]
-    charge: Callable[[str, int, int, str], None]
-    refuse: Callable[[Any, str], None]
 
 
 @dataclass(frozen=True)
@@ -62,37 +46,30 @@ class ReplayChecks:
     """Replay checks of one node (see the module docstring).
 
     Args:
-        replayer: replays windows (None: this node replays nothing, and counts others'
-            failures on their checkers' word).
-        identity: this node's key (signs records).
         settings: the check settings.
-        verifier: whose ``work`` scores take the outcomes; its standings say whose word
-            counts.
-        fetcher: asks members for their start states.
-        counts: the checks' counters (shared with :class:`~node.checks.work.UsefulWork`).
-        outlets: where outcomes go.
+        parts: the checks' collaborators: its ``replayer`` replays windows (None: this
+            node replays nothing, and counts others' failures on their checkers' word),
+            its ``verifier``'s ``work`` scores take the outcomes and its standings say
+            whose word counts, its ``fetcher`` asks members for their start states.
+        hooks: where a failure is gossiped, and the event log.
+        records: the checks' counters, and where a flagged peer is charged and a false
+            record's checker refused (:class:`~node.checks.records.Records`).
     """
 
     def __init__(
-        self,
-        replayer: Replayer | None,
-        identity: Identity,
-        settings: CheckSettings,
-        verifier: Verifier,
-        fetcher: Fetcher,
-        counts: dict[str, int],
-        outlets: Outlets,
+        self, settings: CheckSettings, parts: CheckParts, hooks: CheckHooks, records: Records
     ) -> None:
-        assert verifier.work is not None
-        self.replayer = replayer
-        self.identity = identity
-        self.me = identity.peer_id
+        assert parts.verifier.work is not None
+        self.replayer = parts.replayer
+        self.identity = parts.identity
+        self.me = parts.identity.peer_id
         self.settings = settings
-        self.verifier = verifier
-        self.scores = verifier.work
-        self.fetcher = fetcher
-        self.counts = counts
-        self.out = outlets
+        self.verifier = parts.verifier
+        self.scores = parts.verifier.work
+        self.fetcher = parts.fetcher
+        self.hooks = hooks
+        self.records = records
+        self.counts = records.counts
 
     def check(self, inputs: RoundInputs, fragment: int, peer: str) -> Pending | None:
         """Check ``peer``'s contribution to exchange ``(inputs.round, fragment)`` against
@@ -144,7 +121,7 @@ class ReplayChecks:
         it keeps none, ``replay_unanswered`` where it did not answer)."""
         kept = isinstance(exc, NotKept)
         self.counts["replay_unserved" if kept else "replay_unanswered"] += 1
-        self.out.events("unserved", peer=peer, round=round_, fragment=fragment, why=str(exc))
+        self.hooks.events("unserved", peer=peer, round=round_, fragment=fragment, why=str(exc))
 
     def _made(self, made: ReplayRecord) -> None:
         """Sign, count and (a failure) gossip a check this node made."""
@@ -154,7 +131,7 @@ class ReplayChecks:
             self._counted(record, proven=False)
             return
         self.counts["sent_failed" if made.sent else "replay_failed"] += 1
-        self.out.publish(record.to_bytes())
+        self.hooks.publish(record.to_bytes())
         # this node checked it: where the trace and state were served, that is proof
         self._counted(record, proven=bool(record.trace and record.state))
 
@@ -180,7 +157,7 @@ class ReplayChecks:
             self.counts["replays_confirmed"] += 1
             self._counted(mine, proven=True, checker=record.checker)
         else:
-            self.out.refuse(record, f"its failed {_what(record)} does not reproduce here")
+            self.records.refuse(record, f"its failed {_what(record)} does not reproduce here")
 
     def _confirm(self, record: ReplayRecord) -> ReplayRecord | None:
         """This node's own check of another checker's failed ``record``; None where the
@@ -204,7 +181,7 @@ class ReplayChecks:
         flagged = False
         if not record.passed:
             flagged = self.scores.replay_failed(record.peer, checker, record.round, proven)
-        self.out.events(
+        self.hooks.events(
             "replay",
             checker=checker,
             peer=record.peer,
@@ -223,7 +200,7 @@ class ReplayChecks:
             how = "checked here" if proven else f"on the word of {checker[:16]} and others"
             what = "its sent contribution" if record.sent else f"window {record.window}"
             why = f"{what} fails the {_what(record)} ({how}): {record.why}"
-            self.out.charge(record.peer, record.round, record.fragment, why)
+            self.records.charge(record.peer, record.round, record.fragment, why)
 
 
 def _what(record: ReplayRecord) -> str:

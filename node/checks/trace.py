@@ -18,10 +18,11 @@ What it costs the training thread: a sketch a window (one pass over the paramete
 the last window's end is the next one's start), a few probed values after each step,
 and one copied state per window, 12 bytes a parameter with AdamW. The trace's own thread
 hashes each state with BLAKE3 beside the next steps and writes the states beyond
-:data:`MEMORY_BYTES` to files of the node's ``trace/`` folder. Both threads' time counts
-in :meth:`Tracer.spent`. A state is kept while a claim may still name it, and once the
-round's seed is known (:meth:`Tracer.drawn`, from the checks' worker) only the states
-of the windows the seed draws for replay are kept (docs/trust.md, "Replay checks").
+:data:`MEMORY_BYTES` to files of the node's ``trace/`` folder (:mod:`node.checks.states`).
+Both threads' time counts in :meth:`Tracer.spent`. A state is kept while a claim may
+still name it, and once the round's seed is known (:meth:`Tracer.drawn`, from the
+checks' worker) only the states of the windows the seed draws for replay are kept
+(docs/trust.md, "Replay checks").
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +41,7 @@ import msgpack
 import torch
 from torch import nn
 
+from node.checks.states import StateStore, unlink
 from node.train.trainstate import Snapshot, TimedExecutor
 from protocol.averaging.contributions import ROUNDS_KEPT, WorkClaim
 from protocol.averaging.fragments import FragmentPlan
@@ -50,7 +51,7 @@ from verification.replay import drawn_window
 from verification.sketch import Sketcher
 from verification.traces import Trace, TraceWindow
 
-__all__ = ["REPLAY_RPC", "Tracer"]
+__all__ = ["REPLAY_RPC", "TraceSettings", "Tracer"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +60,32 @@ _R = TypeVar("_R")
 REPLAY_RPC = "atoll.replay"
 """``msgpack(["trace", round, fragment])`` for a signed trace, ``msgpack(["state",
 digest])`` for a window's packed start state; an empty answer when it is not kept."""
-_FREE = 2
-"""Dropped snapshots kept for their memory."""
 _PROBES = 16
 """Values of each probed parameter tensor read before and after every step."""
 _PROBED = 8
 """Parameter tensors of each fragment probed."""
 MEMORY_BYTES = 2 << 30
 """Bytes of start states a node keeps in memory; beyond them, in files."""
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """How the node traces its training.
+
+    Attributes:
+        run_id: the run (the sketches' seed).
+        steps: the longest window (``trust.replay_steps``).
+        accum: draws per step (``train.grad_accum``).
+        spill: a folder for start states beyond ``memory`` bytes (None: all in memory).
+        memory: bytes of start states kept in memory before they go to ``spill``
+            (``trust.replay_memory_mb``).
+    """
+
+    run_id: str
+    steps: int
+    accum: int
+    spill: Path | None = None
+    memory: int = MEMORY_BYTES
 
 
 @dataclass
@@ -113,33 +132,20 @@ class Tracer:
     """This node's trace (see the module docstring).
 
     Args:
+        settings: the windows' length, and where start states are kept.
         identity: signs traces.
-        run_id: the run (the sketches' seed).
-        steps: the longest window (``trust.replay_steps``).
-        accum: draws per step (``train.grad_accum``).
-        spill: a folder for start states beyond ``memory`` bytes (None: all in memory).
-        memory: bytes of start states kept in memory before they go to ``spill``.
         plan: the model's fragments (None: one): a fragment's trace records that
             fragment's change in each window (:mod:`verification.binding`).
     """
 
     def __init__(
-        self,
-        identity: Identity,
-        run_id: str,
-        steps: int,
-        accum: int,
-        spill: Path | None = None,
-        memory: int = MEMORY_BYTES,
-        plan: FragmentPlan | None = None,
+        self, settings: TraceSettings, identity: Identity, plan: FragmentPlan | None = None
     ) -> None:
-        if steps < 1:
+        if settings.steps < 1:
             raise ValueError("trust.replay_steps must be at least 1 to trace")
         self.identity = identity
-        self.run_id = run_id
-        self.steps = steps
-        self.accum = accum
-        self.sketcher = Sketcher(run_id)
+        self.settings = settings
+        self.sketcher = Sketcher(settings.run_id)
         self.plan = plan
         self.fragments = len(plan) if plan is not None else 1
         self._owners: list[int] | None = None
@@ -158,20 +164,11 @@ class Tracer:
         """Hashes start states beside the training thread, and spills them."""
         self._places: list[torch.Tensor | None] | None = None
         """Each parameter tensor's probed places (None: not probed)."""
-        self._free: list[Snapshot] = []
-        """Dropped snapshots whose memory the next ones are copied into."""
         self._done: list[TraceWindow] = []
         self._moved: dict[tuple[int, int], torch.Tensor] = {}
         """Each fragment's change over a done window, by its ``(stream, start)``."""
-        self.spill = spill
-        self.memory = memory
-        if spill is not None and spill.is_dir():  # left by a node that did not stop cleanly
-            for stale in [*spill.glob("*.state"), *spill.glob("*.part")]:
-                stale.unlink(missing_ok=True)
-        self._states: dict[str, Snapshot | Path] = {}
-        self._in_memory = 0
-        self._spilling: set[str] = set()
-        """Digests of states being written to files (their memory is not reused yet)."""
+        self.states = StateStore(settings.spill, settings.memory, self._background)
+        """The windows' start states, in memory or spilled to files."""
         self._traces: dict[tuple[int, int], _Kept] = {}
         self._lock = threading.Lock()
 
@@ -200,14 +197,12 @@ class Tracer:
             self._close(probe)  # the stream changed, or the model did unannounced (dropped)
         if at is None or self._open is not None:
             return
-        with self._lock:
-            reuse = self._free.pop() if self._free else None
-        snapshot = Snapshot(params, optimizer, reuse, self._background)
+        snapshot = Snapshot(params, optimizer, self.states.reuse(), self._background)
         self.snapshots += 1
         # the last window's end is this one's start where nothing else moved the model
         end = self._end
         begin = end[0] if end is not None and torch.equal(probe, end[1]) else self._sketch(params)
-        self._open = _Open(at[0], at[1], steps, self.accum, snapshot, begin)
+        self._open = _Open(at[0], at[1], steps, self.settings.accum, snapshot, begin)
 
     @_timed
     def after(self, model: nn.Module, loss: float) -> None:
@@ -217,7 +212,7 @@ class Tracer:
             return
         w.losses.append(float(loss))
         w.probed = self._probe(self._params)
-        if len(w.losses) >= self.steps:
+        if len(w.losses) >= self.settings.steps:
             self._close(w.probed)
 
     @_timed
@@ -272,12 +267,12 @@ class Tracer:
         if probe is None or w.probed is None or not torch.equal(probe, w.probed):
             if w.losses:
                 logger.warning("a traced window was dropped: the model changed unannounced")
-            self._release(w.snapshot)
+            self.states.release(w.snapshot)
             return
         end = self._sketch(self._params)
         self._end = (end, probe)
         moved = end - w.begin
-        self._store(w.snapshot)
+        self.states.store(w.snapshot)
         window = TraceWindow(
             w.stream,
             w.start,
@@ -292,65 +287,6 @@ class Tracer:
             self._done.append(window)
             self._moved[(w.stream, w.start)] = moved
 
-    def _release(self, snapshot: Snapshot) -> None:
-        """A start state no window keeps: its memory goes to the next one (once hashed)."""
-        snapshot.digest  # noqa: B018 - waits until the hasher no longer reads it
-        with self._lock:
-            self._free = [*self._free, snapshot][-_FREE:]
-
-    def _store(self, snapshot: Snapshot) -> None:
-        """Keep a start state: in memory while they fit in ``memory`` bytes, else in a
-        file of the spill folder, written on the trace's thread."""
-        digest = snapshot.digest
-        with self._lock:
-            self._states[digest] = snapshot
-            self._in_memory += snapshot.size
-            spill = self.spill is not None and self._in_memory > self.memory
-            if spill:
-                self._spilling.add(digest)
-        if spill:
-            self._background.submit(lambda: self._spill(snapshot))
-
-    def _spill(self, snapshot: Snapshot) -> None:
-        """Write a kept state to its file (whole, then renamed) and serve it from there;
-        its memory goes to the next window's copy (the trace's thread)."""
-        assert self.spill is not None
-        digest = snapshot.digest
-        path = self.spill / f"{digest}.state"
-        try:
-            self.spill.mkdir(parents=True, exist_ok=True)
-            part = path.with_suffix(".part")
-            with part.open("wb") as f:
-                snapshot.write(f)
-            os.replace(part, path)
-        except OSError as exc:  # a full disk: it stays in memory
-            logger.warning("a start state could not be written to %s: %s", self.spill, exc)
-            with self._lock:
-                self._spilling.discard(digest)
-            return
-        with self._lock:
-            self._spilling.discard(digest)
-            kept = self._states.get(digest) is snapshot
-            if kept:
-                self._states[digest] = path
-                self._in_memory -= snapshot.size
-            self._free = [*self._free, snapshot][-_FREE:]
-        if not kept:  # dropped while it was written
-            path.unlink(missing_ok=True)
-
-    def _read(self, digest: str) -> bytes:
-        with self._lock:
-            kept = self._states.get(digest)
-        if kept is None:
-            return b""
-        if isinstance(kept, Snapshot):
-            with self._lock:  # a dropped snapshot's memory is written into again
-                return kept.pack() if self._states.get(digest) is kept else b""
-        try:
-            return kept.read_bytes()
-        except OSError:
-            return b""
-
     @_timed
     def claim(self, claim: WorkClaim, round_: int, fragment: int) -> WorkClaim:
         """``claim`` with the digest of its signed trace: the windows of its batches."""
@@ -358,9 +294,9 @@ class Tracer:
         spans = claim.spans
         inside = [self._of(w, fragment) for w in self._done if any(_within(w, s) for s in spans)]
         shape = (claim.ranks, claim.slice[0], claim.slice[1], claim.batch)
-        trace = Trace(
-            self.identity.peer_id, self.run_id, round_, fragment, tuple(inside), spans, shape
-        ).signed(self.identity)
+        me, run_id = self.identity.peer_id, self.settings.run_id
+        trace = Trace(me, run_id, round_, fragment, tuple(inside), spans, shape)
+        trace = trace.signed(self.identity)
         with self._lock:
             self._traces[(round_, fragment)] = _Kept(
                 trace.to_bytes(), tuple(w.state for w in inside)
@@ -384,7 +320,7 @@ class Tracer:
             kept.states = (states[index],) if index is not None else ()
             kept.drawn = True
             dropped = self._purge()
-        _unlink(dropped)
+        unlink(dropped)
 
     def _of(self, w: TraceWindow, fragment: int) -> TraceWindow:
         """``w`` as fragment ``fragment``'s trace holds it: with that fragment's change."""
@@ -402,20 +338,14 @@ class Tracer:
             done = {(w.stream, w.start) for w in self._done}
             self._moved = {k: v for k, v in self._moved.items() if k in done}
             dropped = self._purge()
-        _unlink(dropped)
+        unlink(dropped)
 
     def _purge(self) -> list[Snapshot | Path]:
-        """Drop the states that no kept trace and no window to be claimed names; their
-        memory goes to the next copies. Holds ``_lock``."""
+        """Drop the states that no kept trace and no window to be claimed names (their
+        files are removed by the caller, once it holds no lock). Holds ``_lock``."""
         named = {d for kept in self._traces.values() for d in kept.states}
         named |= {w.state for w in self._done}
-        dropped = [self._states.pop(d) for d in list(self._states) if d not in named]
-        memory = [v for v in dropped if isinstance(v, Snapshot)]
-        self._in_memory -= sum(v.size for v in memory)
-        # a state being written keeps its memory until the write ends (:meth:`_spill`)
-        free = [v for v in memory if v.digest not in self._spilling]
-        self._free = [*self._free, *free][-_FREE:]
-        return dropped
+        return self.states.keep_only(named)
 
     # ---- serving (the transport's loop) ---------------------------------------------------
 
@@ -430,7 +360,7 @@ class Tracer:
                     kept = self._traces.get((int(fields[1]), int(fields[2])))
                 return kept.data if kept is not None else b""
             if fields[0] == "state" and len(fields) == 2 and isinstance(fields[1], str):
-                return self._read(fields[1])
+                return self.states.read(fields[1])
             raise ValueError(f"unknown request {fields[0]!r}")
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
             raise ProtocolError("malformed", f"replay request: {exc}", peer) from None
@@ -445,9 +375,7 @@ class Tracer:
 
     def kept_bytes(self) -> int:
         """Bytes of start states kept now, in memory and spilled."""
-        with self._lock:
-            kept = list(self._states.values())
-        return sum(v.size if isinstance(v, Snapshot) else _size(v) for v in kept)
+        return self.states.kept_bytes()
 
     def summary(self) -> dict[str, float]:
         """Windows snapshotted so far, the bytes of start states kept now, and the
@@ -463,23 +391,7 @@ class Tracer:
     def close(self) -> None:
         """Remove the spilled states (they are of no use to a later run)."""
         self._background.shutdown(cancel_futures=True)
-        with self._lock:
-            kept, self._states, self._in_memory = list(self._states.values()), {}, 0
-            self._free = []
-        _unlink(kept)
-
-
-def _unlink(states: Sequence[Snapshot | Path]) -> None:
-    for kept in states:
-        if isinstance(kept, Path):
-            kept.unlink(missing_ok=True)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
+        self.states.close()
 
 
 def _within(w: TraceWindow, span: tuple[int, int, int]) -> bool:

@@ -1,5 +1,11 @@
 """The node's useful-work checks, run by one worker thread beside training.
 
+The worker owns the queues and the order of the tasks, and the budget; the checks
+themselves are made by its pieces, built here from what the node hands over
+(:mod:`node.checks.parts`): this node's own checks (:mod:`node.checks.own`), the
+ledger of records (:mod:`node.checks.records`) and the replay checks
+(:mod:`node.checks.replays`).
+
 The training thread only hands things over: each applied exchange
 (:meth:`UsefulWork.exchange_applied`) and each round's end (:meth:`UsefulWork.round_ended`)
 are stored and queued in constant time, and records gossiped by other checkers come in
@@ -41,30 +47,17 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from node.checks.fetch import Fetcher
 from node.checks.inputs import CheckSettings, ExchangeBase, RoundBook, RoundInputs
-from node.checks.judge import believe
-from node.checks.measure import Checked, Measurer
-from node.checks.replay import Replayer
-from node.checks.replays import Outlets, Pending, ReplayChecks
-from protocol.errors import ProtocolError
-from verification.gains import Verdict, judge
-from verification.identity import Identity
-from verification.replay import ReplayRecord, is_replay_record
-from verification.usefulness import (
-    CheckRecord,
-    RecordError,
-    open_record,
-    reproduces,
-)
-from verification.verifier import Verifier
+from node.checks.own import Costly, Drawn, OwnChecks
+from node.checks.parts import CheckHooks, CheckParts
+from node.checks.records import ROUNDS_KEPT, Records
+from node.checks.replays import Pending, ReplayChecks
+from verification.replay import is_replay_record
 
 __all__ = ["UsefulWork"]
 
 logger = logging.getLogger(__name__)
 
-_ROUNDS_KEPT = 2
-"""Rounds of inputs kept to judge records that come in late (each a model's values)."""
 _BEHIND = 2
 """Rounds of checks queued at most; older ones are dropped."""
 _INBOX = 4096
@@ -80,82 +73,42 @@ class UsefulWork:
 
     Args:
         settings: the check settings.
-        identity: this node's key (signs records).
-        verifier: where violations go; its ``work`` scores take the records.
-        measurer: measures contributions on a round's base.
-        fetcher: fetches contributions.
         fragments: fragments in the model.
-        publish: gossips a signed record; ``events``: the node's event log writer.
-        training_seconds: the time the node spent in inner steps so far.
-        replayer: replays windows of checked members' traces (``trust.replay_steps``;
-            None: no replay checks).
-        tracing: the time this node's own trace took so far
-            (:meth:`node.checks.trace.Tracer.spent`; it counts in the budget).
-        drawn: tells this node's trace, once a round's seed is known, the checker that
-            replays its contribution to an exchange, ``(round, fragment, seed, checker)``
-            (None: no one does) (:meth:`node.checks.trace.Tracer.drawn`).
+        parts: the checks' collaborators (:class:`~node.checks.parts.CheckParts`).
+        hooks: the node's side: gossip, event log, time in inner steps
+            (:class:`~node.checks.parts.CheckHooks`).
     """
 
     def __init__(
-        self,
-        settings: CheckSettings,
-        identity: Identity,
-        verifier: Verifier,
-        measurer: Measurer,
-        fetcher: Fetcher,
-        fragments: int,
-        publish: Callable[[bytes], bool],
-        events: Callable[..., None],
-        training_seconds: Callable[[], float],
-        replayer: Replayer | None = None,
-        tracing: Callable[[], float] | None = None,
-        drawn: Callable[[int, int, bytes, str | None], None] | None = None,
+        self, settings: CheckSettings, fragments: int, parts: CheckParts, hooks: CheckHooks
     ) -> None:
-        if verifier.work is None:
-            raise ValueError("useful-work checks need trust.checkers > 0")
         self.settings = settings
-        self.identity = identity
-        self.me = identity.peer_id
-        self.verifier = verifier
-        self.scores = verifier.work
-        self.measurer = measurer
-        self.fetcher = fetcher
-        self.fragments = fragments
-        self.publish = publish
-        self.events = events
-        self.training_seconds = training_seconds
-        self.tracing = tracing or (lambda: 0.0)
-        self.drawn = drawn
+        self.parts = parts
+        self.hooks = hooks
+        self.records = Records(settings, fragments, parts, hooks)
+        """Every record counted, others' believed or refused; the counters."""
+        self.counts = self.records.counts
+        self.scores = self.records.scores
+        self.replays = ReplayChecks(settings, parts, hooks, self.records)
+        """Replay checks: this node's, and other checkers' failed ones."""
+        self.own = OwnChecks(settings, parts, hooks, self.records, self.replays)
+        """The checks this node was drawn to make."""
         self.book = RoundBook(fragments)
-        names = "made taken recomputed refused unserved skipped replayed replay_failed"
-        names += " replays_confirmed replay_unserved replay_unanswered sent_checked"
-        self.counts = dict.fromkeys([*names.split(), "sent_failed", "unmeasured"], 0)
         self.seconds = 0.0
         """Time the worker spent checking (fetching, measuring, judging), in total."""
-        self.replays = ReplayChecks(
-            replayer,
-            identity,
-            settings,
-            verifier,
-            fetcher,
-            self.counts,
-            Outlets(publish, events, self._charge, self._refuse),
-        )
-        """Replay checks: this node's, and other checkers' failed ones."""
         self._inputs: dict[int, RoundInputs | None] = {}
         """Rounds that ended here: their inputs, or None (went wrong, or incomplete)."""
         self._own: deque[RoundInputs] = deque()
         """Rounds whose seeds this node's trace has not been told yet."""
         self._rounds: deque[RoundInputs] = deque()
         """Rounds whose checks are not drawn yet."""
-        self._todo: deque[tuple[RoundInputs, int, str]] = deque()
+        self._todo: deque[Drawn] = deque()
         """Drawn checks not started yet: a round's inputs, a fragment and a peer."""
-        self._costly: deque[tuple[RoundInputs, int, str, Pending | None]] = deque()
+        self._costly: deque[Costly] = deque()
         """Checks whose sent check is made, waiting for the budget: the replay to make
         (None: none), then the record."""
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=_INBOX)
         self._waiting: list[tuple[int, str, bytes]] = []
-        self._charged: set[tuple[str, int]] = set()
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="atoll-checks", daemon=True)
@@ -193,11 +146,11 @@ class UsefulWork:
             inputs = self.book.close(round_)
         with self._wake:
             self._inputs[round_] = inputs
-            for old in [r for r in self._inputs if r <= round_ - _ROUNDS_KEPT]:
+            for old in [r for r in self._inputs if r <= round_ - ROUNDS_KEPT]:
                 del self._inputs[old]
             if inputs is not None:
                 self._rounds.append(inputs)
-                if self.drawn is not None:
+                if self.parts.tracer is not None:
                     self._own.append(inputs)
                 self._drop_behind()
             closed = self._closed()
@@ -235,13 +188,18 @@ class UsefulWork:
         """Whether the checks' forwards and replays so far, and the trace's time, are
         within their share of training."""
         budget = self.settings.budget
-        spent = self.compute_seconds() + self.tracing()
-        return budget >= 1 or spent <= budget * self.training_seconds()
+        spent = self.compute_seconds() + self._tracing()
+        return budget >= 1 or spent <= budget * self.hooks.training_seconds()
 
     def compute_seconds(self) -> float:
         """Time the checks' forward passes and replayed steps took so far."""
         replayer = self.replays.replayer
-        return self.measurer.seconds + (replayer.seconds if replayer is not None else 0.0)
+        measured = self.parts.measurer.seconds
+        return measured + (replayer.seconds if replayer is not None else 0.0)
+
+    def _tracing(self) -> float:
+        """Time this node's own trace took so far (it counts in the budget)."""
+        return self.parts.tracer.spent() if self.parts.tracer is not None else 0.0
 
     def _drop_behind(self) -> None:
         """Drop the costly checks of rounds more than :data:`_BEHIND` behind the newest
@@ -269,7 +227,7 @@ class UsefulWork:
                 return lambda: self._judge(sender, data)
             if self._own:
                 own = self._own.popleft()
-                return lambda: self._release(own.prepare())
+                return lambda: self.own.release(own.prepare())
             if self._todo:
                 inputs, fragment, peer = self._todo.popleft()
                 return lambda: self._sent(inputs, fragment, peer)
@@ -284,46 +242,20 @@ class UsefulWork:
 
     # ---- this node's checks -------------------------------------------------------------
 
-    def _release(self, inputs: RoundInputs) -> None:
-        """Tell this node's trace who replays its contribution to each exchange of round
-        ``inputs.round``, as its checkers draw it (the same inputs on every member of
-        its group): the trace keeps only those windows' start states."""
-        assert self.drawn is not None
-        s = self.settings
-        for f, exchange in enumerate(inputs.exchanges):
-            mine = self.me in exchange.contributors
-            drawn = inputs.checkers(s, f, self.me) if mine else []
-            self.drawn(inputs.round, f, inputs.seed(s.run_id, f), drawn[0] if drawn else None)
-
     def _draw(self, inputs: RoundInputs) -> None:
         """Queue every check of round ``inputs.round`` this node was drawn to."""
-        drawn_checks = []
-        for f, exchange in enumerate(inputs.exchanges):
-            if self.me not in exchange.contributors:
-                continue  # a member left out of the exchange checks no one in it
-            for peer in exchange.contributors:
-                if peer != self.me and self.me in inputs.checkers(self.settings, f, peer):
-                    drawn_checks.append((inputs, f, peer))
-        self.fetcher.forget(inputs.round - _ROUNDS_KEPT)
+        drawn_checks = self.own.draw(inputs, inputs.round - ROUNDS_KEPT)
         with self._wake:
             self._todo.extend(drawn_checks)
             self._drop_behind()
 
     def _sent(self, inputs: RoundInputs, fragment: int, peer: str) -> None:
-        """A drawn check's cheap part, made at once: the contribution fetched and its
-        sent check; the replay and the record wait for the budget."""
-        try:
-            pending = self.replays.check(inputs, fragment, peer)
-        except (ProtocolError, TimeoutError) as exc:  # not served: against no one
-            self.counts["unserved"] += 1
-            logger.info(
-                "round %d fragment %d: contribution of %s not checked: %s",
-                *(inputs.round, fragment, peer[:16], exc),
-            )
-            return
-        if pending is not None or inputs.round >= self.settings.from_round:
+        """A drawn check's cheap part, made at once; the replay and the record wait for
+        the budget."""
+        costly = self.own.sent(inputs, fragment, peer)
+        if costly is not None:
             with self._wake:
-                self._costly.append((inputs, fragment, peer, pending))
+                self._costly.append(costly)
 
     def _check(
         self, inputs: RoundInputs, fragment: int, peer: str, pending: Pending | None
@@ -338,56 +270,19 @@ class UsefulWork:
         if pending is not None and not self.within_budget():
             self.counts["unmeasured"] += 1
             return
-        record = self._measure(inputs, fragment, peer, self.me)
-        if record is None:
-            return
-        record = record.signed(self.identity)
-        self.counts["made"] += 1
-        self.publish(record.to_bytes())
-        self._count(record)
-
-    def _measure(
-        self, inputs: RoundInputs, fragment: int, peer: str, checker: str
-    ) -> CheckRecord | None:
-        """``checker``'s record of ``peer`` in exchange ``(inputs.round, fragment)``, as
-        this node measures it; None when a contribution could not be had (logged,
-        counted against no one)."""
-        mixed = inputs.exchanges[fragment].mixed
-        get = self.fetcher.get
-        try:
-            checked, reference = (
-                Checked(
-                    get(who, inputs.round, fragment),
-                    get(who, inputs.round, fragment, "weights") if mixed else None,
-                )
-                for who in (peer, checker)
-            )
-        except (ProtocolError, TimeoutError) as exc:
-            self.counts["unserved"] += 1
-            logger.warning(
-                "round %d fragment %d: contribution of %s not checked: %s",
-                *(inputs.round, fragment, peer[:16], exc),
-            )
-            return None
-        return self.measurer.record(inputs, fragment, peer, checker, checked, reference)
+        self.own.record(inputs, fragment, peer)
 
     # ---- others' records ----------------------------------------------------------------
 
     def _judge(self, sender: str, data: bytes) -> None:
+        """Judge a record gossiped by ``sender``: one of a round this node has not closed
+        yet waits for it (a few rounds ahead at most)."""
         if is_replay_record(data):
             self.replays.judge(sender, data)
             return
-        s = self.settings
-        try:
-            record = open_record(data, s.run_id)
-        except RecordError as exc:
-            self.counts["refused"] += 1
-            logger.warning("check record from %s refused: %s", sender[:16], exc)
+        record = self.records.opened(sender, data)
+        if record is None:
             return
-        if record.checker != sender or record.round < s.from_round:
-            return
-        if self.verifier.blocks(record.checker, record.round) is not None:
-            return  # a quarantined or banned checker's word counts for nothing
         with self._wake:
             closed = self._closed()
             if record.round > closed:
@@ -396,82 +291,7 @@ class UsefulWork:
                     del self._waiting[:-_INBOX]
                 return
             inputs = self._inputs.get(record.round)
-        if inputs is not None:
-            inputs.prepare()
-        belief = believe(record, inputs, s, self.me, self.fragments, self.scores)
-        if belief.action == "recompute":
-            assert inputs is not None
-            self.counts["recomputed"] += 1
-            mine = self._measure(inputs, record.fragment, record.peer, record.checker)
-            if mine is None:
-                return  # cannot tell
-            if not reproduces(record, mine):
-                belief = type(belief)("false", "its losses do not reproduce")
-        if belief.action == "false":
-            self._refuse(record, belief.why)
-            return
-        self.counts["taken"] += 1
-        self._count(record)
-
-    def _refuse(self, record: CheckRecord | ReplayRecord, why: str) -> None:
-        """``record`` is false: its checker is charged for it."""
-        self.counts["refused"] += 1
-        what = "replay record" if isinstance(record, ReplayRecord) else "record"
-        self.verifier.standings.violation(
-            record.checker,
-            record.round,
-            record.fragment,
-            "bad_check_record",
-            f"its {what} of {record.peer[:16]}: {why}",
-        )
-        self.events(
-            "check_refused",
-            checker=record.checker,
-            peer=record.peer,
-            round=record.round,
-            fragment=record.fragment,
-            why=why,
-        )
-
-    def _count(self, record: CheckRecord) -> None:
-        verdict = judge(record)
-        if not self.scores.add(record, verdict):
-            return
-        score = self.scores.score(record.peer)
-        work, specific = self.scores.relative(verdict, record.round)
-        self.events(
-            "check",
-            checker=record.checker,
-            peer=record.peer,
-            round=record.round,
-            fragment=record.fragment,
-            claimed=record.claimed,
-            work=None if work is None else round(work, 4),
-            specific=None if specific is None else round(specific, 4),
-            measured=_measured(verdict),
-            short=self.scores.short(verdict, record.round),
-            factor=score["factor"],
-            flagged=score["flagged"],
-        )
-        if score.get("replay_flagged"):
-            why = f"{score['replays_failed']} failed replay or sent checks"
-        elif score["flagged"] and self.settings.records_charge:
-            why = (
-                f"pooled work ratio {score['work']} and specific ratio {score['specific']} "
-                f"over {score['records']} records from {score['checkers']} checkers"
-            )
-        else:
-            return
-        self._charge(record.peer, record.round, record.fragment, why)
-
-    def _charge(self, peer: str, round_: int, fragment: int, why: str) -> None:
-        """A ``useless_work`` violation for a flagged peer, once per round."""
-        key = (peer, round_)
-        if key in self._charged or peer == self.me:
-            return
-        self._charged.add(key)
-        self._charged = {k for k in self._charged if k[1] > round_ - _ROUNDS_KEPT}
-        self.verifier.standings.violation(peer, round_, fragment, "useless_work", why)
+        self.records.weigh(record, inputs, self.own.measure)
 
     # ---- reports ------------------------------------------------------------------------
 
@@ -480,20 +300,11 @@ class UsefulWork:
         return {
             **self.counts,
             "regrouped": self.book.regrouped,
-            "bytes_fetched": self.fetcher.bytes_fetched,
-            "forwards": self.measurer.forwards,
+            "bytes_fetched": self.parts.fetcher.bytes_fetched,
+            "forwards": self.parts.measurer.forwards,
             "replayed_steps": self.replays.replayer.steps if self.replays.replayer else 0,
             "seconds": round(self.seconds, 3),
             "compute_seconds": round(self.compute_seconds(), 3),
-            "trace_seconds": round(self.tracing(), 3),
+            "trace_seconds": round(self._tracing(), 3),
             "flagged": sorted(self.scores.flagged()),
         }
-
-
-def _measured(verdict: Verdict) -> dict[str, list[float] | None]:
-    """A verdict's estimates as ``[mean, standard error]``, for the event log."""
-    out: dict[str, list[float] | None] = {}
-    for name in ("gain", "ref_gain", "lift", "ref_lift"):
-        e = getattr(verdict, name)
-        out[name] = None if e is None else [round(e.mean, 6), round(e.se, 6)]
-    return out

@@ -19,7 +19,16 @@ import msgpack
 import pytest
 import torch
 
-from node.checks import CheckSettings, ExchangeBase, Fetcher, Measurer, UsefulWork
+from node.checks import (
+    CheckHooks,
+    CheckParts,
+    CheckSettings,
+    ExchangeBase,
+    Fetcher,
+    FetchSettings,
+    Measurer,
+    UsefulWork,
+)
 from node.checks.claims import WorkLog
 from node.checks.measure import Checked
 from node.config import load_config
@@ -151,12 +160,18 @@ def _committed(world: SimpleNamespace):
     return digests
 
 
-def _node(world, who: Identity, tmp_path: Path, audit: float = 0.0) -> SimpleNamespace:
+def _node(
+    world, who: Identity, tmp_path: Path, audit: float = 0.0, settings: CheckSettings | None = None
+) -> SimpleNamespace:
     net = _Net(world)
     own = world.members[who.peer_id].sent if who.peer_id in world.members else SentParts()
-    numel = [world.plan[f].numel for f in range(2)]
-    fetcher = Fetcher(who.peer_id, net, WIRE, _committed(world), own, numel, 5.0)  # type: ignore[arg-type]
-    settings = SETTINGS if audit == 0 else CheckSettings(**{**SETTINGS.__dict__, "audit": audit})
+    numel = tuple(world.plan[f].numel for f in range(2))
+    fetching = FetchSettings(WIRE, numel, 5.0)
+    fetcher = Fetcher(who.peer_id, net, fetching, _committed(world), own)  # type: ignore[arg-type]
+    if settings is None:
+        settings = (
+            SETTINGS if audit == 0 else CheckSettings(**{**SETTINGS.__dict__, "audit": audit})
+        )
     corpus = world.corpus
     measurer = Measurer(settings, world.model, world.plan, corpus.train, corpus.val, "cpu")
     policy = TrustPolicy(checkers=2, check_min_records=2)
@@ -166,14 +181,13 @@ def _node(world, who: Identity, tmp_path: Path, audit: float = 0.0) -> SimpleNam
     training = [1000.0]  # seconds of inner steps so far (the budget's measure)
     checks = UsefulWork(
         settings,
-        who,
-        verifier,
-        measurer,
-        fetcher,
         2,
-        lambda data: published.append(data) or True,
-        lambda name, **fields: events.append((name, fields)),
-        lambda: training[0],
+        CheckParts(who, verifier, measurer, fetcher),
+        CheckHooks(
+            lambda data: published.append(data) or True,
+            lambda name, **fields: events.append((name, fields)),
+            lambda: training[0],
+        ),
     )
     return SimpleNamespace(
         training=training,
@@ -389,8 +403,7 @@ def test_each_check_waits_for_the_budget_of_training_time(world, tmp_path) -> No
     the time spent in inner steps, and goes on once training has caught up: one check at
     a time, not a round's checks at once."""
     budget = CheckSettings(**{**SETTINGS.__dict__, "budget": 0.05})
-    a = _node(world, A, tmp_path)
-    a.checks.settings = budget
+    a = _node(world, A, tmp_path, settings=budget)
     a.training[0] = 0.0
     a.measurer.seconds = 1.0  # forwards of earlier rounds
     a.checks.start()
@@ -413,8 +426,7 @@ def test_sent_checks_run_at_once_and_replays_and_records_wait_for_the_budget(
     """A drawn check's sent check is cheap and runs as soon as the round is drawn; its
     replay waits for the budget, and the record after it is made only where the replay
     left budget for it."""
-    a = _node(world, A, tmp_path)
-    a.checks.settings = CheckSettings(**{**SETTINGS.__dict__, "budget": 0.05})
+    a = _node(world, A, tmp_path, settings=CheckSettings(**{**SETTINGS.__dict__, "budget": 0.05}))
     a.training[0] = 0.0
     a.measurer.seconds = 1.0  # forwards of earlier rounds
     replays = a.checks.replays
@@ -472,13 +484,15 @@ def test_records_charge_a_flagged_peer_only_where_no_replay_and_sent_checks_run(
     """Check records that flag a peer charge it with ``useless_work`` where replay and
     sent checks do not both run; where they do, the records only weigh its contributions
     (its weight factor falls), and a failed replay still charges it."""
-    a = _node(world, A, tmp_path)  # its worker is not started: _count is called here
-    a.checks.settings = dataclasses.replace(SETTINGS, records_charge=records_charge)
+    settings = dataclasses.replace(SETTINGS, records_charge=records_charge)
+    a = _node(
+        world, A, tmp_path, settings=settings
+    )  # its worker is not started: count is called here
     lazy = C.peer_id
     for r in range(1, 5):
         for honest in ("h1", "h2", "h3"):
-            a.checks._count(_synthetic(honest, "c0", r, gain=0.2))
-        a.checks._count(_synthetic(lazy, ("c1", "c2")[r % 2], r, gain=0.02))
+            a.checks.records.count(_synthetic(honest, "c0", r, gain=0.2))
+        a.checks.records.count(_synthetic(lazy, ("c1", "c2")[r % 2], r, gain=0.02))
     score = a.checks.scores.score(lazy)
     assert score["flagged"] and score["factor"] < 0.2, score
     assert [f["flagged"] for n, f in a.events if n == "check" and f["peer"] == lazy][-1]
@@ -486,7 +500,7 @@ def test_records_charge_a_flagged_peer_only_where_no_replay_and_sent_checks_run(
     assert (charged > 0) is records_charge  # once a round, from its second round of records
     # a failed replay is evidence: it charges under either setting
     a.checks.scores.replay_failed(lazy, B.peer_id, 5, proven=True)
-    a.checks._count(_synthetic(lazy, "c1", 5, gain=0.02))
+    a.checks.records.count(_synthetic(lazy, "c1", 5, gain=0.02))
     assert a.verifier.reputation.standing(lazy, 5).violations == charged + 1
 
 

@@ -16,11 +16,11 @@ import msgpack
 import pytest
 import torch
 
-from node.checks import CheckSettings, UsefulWork
+from node.checks import CheckHooks, CheckParts, CheckSettings, UsefulWork
 from node.checks.claims import WorkLog
 from node.checks.replay import Replayer, ReplaySettings, Unavailable
 from node.checks.replays import Pending
-from node.checks.trace import Tracer
+from node.checks.trace import Tracer, TraceSettings
 from node.config import load_config
 from node.data.corpus import assigned_stream, load_data
 from node.ops.swarm import QUICK_WORKLOAD
@@ -72,7 +72,7 @@ def _train(
     trainer.draw_from(assigned_stream(world.corpus.train, batch, context, RUN, A.peer_id, ROUND))
     work = WorkLog(1, batch=batch)
     work.assign(ROUND)
-    tracer = Tracer(A, RUN, window, cfg.train.grad_accum, spill=spill, memory=0)
+    tracer = Tracer(TraceSettings(RUN, window, cfg.train.grad_accum, spill=spill, memory=0), A)
     for i in range(steps):
         if i == poke_at:
             if announce:
@@ -94,12 +94,14 @@ def _serve(member: SimpleNamespace):
 
 
 def _replayer(world: SimpleNamespace, member: SimpleNamespace, fetch=None) -> Replayer:
-    settings = ReplaySettings(RUN, steps=4, tolerance=0.05, context=world.cfg.model.context)
+    cfg = world.cfg
+    settings = ReplaySettings(
+        RUN, steps=4, tolerance=0.05, context=cfg.model.context, train=cfg.train
+    )
     model = build_model(world.cfg.model, seed=1)
     return Replayer(
         settings,
         model,
-        world.cfg.train,
         world.corpus.train,
         torch.device("cpu"),
         fetch or _serve(member),
@@ -316,15 +318,11 @@ def _checks(world, members: dict, tmp_path, me: Identity = B) -> SimpleNamespace
     measurer = SimpleNamespace(seconds=0.0, forwards=0)
     checks = UsefulWork(
         settings,
-        me,
-        verifier,
-        measurer,
-        fetcher,
         1,
-        lambda data: True,  # type: ignore[arg-type]
-        lambda name, **fields: events.append((name, fields)),
-        lambda: 1.0,
-        replayer,
+        CheckParts(me, verifier, measurer, fetcher, replayer),  # type: ignore[arg-type]
+        CheckHooks(
+            lambda data: True, lambda name, **fields: events.append((name, fields)), lambda: 1.0
+        ),
     )
     return SimpleNamespace(checks=checks, verifier=verifier, events=events)
 
@@ -383,7 +381,7 @@ def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_pat
     stream = assigned_stream(world.corpus.train, 8, cfg.model.context, RUN, A.peer_id, 1)
     trainer = InnerTrainer(model, cfg.train, stream)
     spill = tmp_path / "trace"
-    tracer = Tracer(A, RUN, 2, 1, spill=spill, memory=0)
+    tracer = Tracer(TraceSettings(RUN, 2, 1, spill=spill, memory=0), A)
     work = WorkLog(1, batch=8)
     work.assign(1)
     for _ in range(4):
@@ -409,7 +407,7 @@ def test_start_states_beyond_the_memory_kept_go_to_files_and_are_removed(tmp_pat
     # files a node that did not stop cleanly left are removed by the next one
     (spill / "old.state").write_bytes(b"x")
     (spill / "old.part").write_bytes(b"x")
-    Tracer(A, RUN, 2, 1, spill=spill, memory=0).close()
+    Tracer(TraceSettings(RUN, 2, 1, spill=spill, memory=0), A).close()
     assert not list(spill.iterdir())
 
 

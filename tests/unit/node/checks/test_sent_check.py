@@ -15,7 +15,7 @@ import torch
 
 from node.checks.claims import WorkLog
 from node.checks.replay import Replayer, ReplaySettings
-from node.checks.trace import Tracer
+from node.checks.trace import Tracer, TraceSettings
 from node.config import load_config
 from node.data.corpus import assigned_stream, load_data
 from node.ops.swarm import QUICK_WORKLOAD
@@ -50,7 +50,7 @@ class Member:
         self.outer = OuterOptimizer(self.model, self.plan, cfg.outer)
         self.feedback = [FeedbackSettings("int8", block_size=256).build() for _ in range(fragments)]
         self.work = WorkLog(fragments, batch=cfg.data.batch_size)
-        self.tracer = Tracer(A, RUN, 3, 1, plan=self.plan)
+        self.tracer = Tracer(TraceSettings(RUN, 3, 1), A, plan=self.plan)
         self.trainer = InnerTrainer(self.model, cfg.train, self._stream(1))
         self.sent: dict[tuple[int, int], torch.Tensor] = {}
         self.traces: dict[tuple[int, int], bytes] = {}
@@ -106,13 +106,12 @@ def world() -> SimpleNamespace:
 
 
 def _checker(world: SimpleNamespace, member: Member, **codec) -> Replayer:
+    cfg = world.cfg
     settings = ReplaySettings(
-        RUN, steps=3, tolerance=0.05, context=world.cfg.model.context, **(codec or CODEC)
+        RUN, steps=3, tolerance=0.05, context=cfg.model.context, train=cfg.train, **(codec or CODEC)
     )
     model = build_model(world.cfg.model, seed=1)
-    return Replayer(
-        settings, model, world.cfg.train, world.corpus.train, torch.device("cpu"), None, member.plan
-    )
+    return Replayer(settings, model, world.corpus.train, torch.device("cpu"), None, member.plan)
 
 
 def _check(checker: Replayer, member: Member, r: int, f: int, sent: torch.Tensor):
@@ -184,7 +183,7 @@ def test_a_restarted_node_drops_the_work_no_trace_holds(world, tmp_path) -> None
     member = Member(world)
     _rounds(member, range(1, 3))
     member.steps(2)  # work since the last syncs, in the checkpoint
-    member.tracer = Tracer(A, RUN, 3, 1, plan=member.plan)
+    member.tracer = Tracer(TraceSettings(RUN, 3, 1), A, plan=member.plan)
     member.work = WorkLog(2, batch=world.cfg.data.batch_size)
     kept = [member.outer.pseudo_gradient(member.model, f).norm() for f in range(2)]
     assert min(kept) > 0
@@ -202,7 +201,7 @@ def test_the_check_does_not_apply_to_sparse_codecs_nor_to_traces_without_fragmen
     _rounds(member, range(1, 2))
     sparse = _checker(world, member, codec="topk", block_size=256, stochastic=False, feedback=True)
     assert _check(sparse, member, 1, 0, member.sent[(1, 0)]) is None
-    whole = Tracer(A, RUN, 3, 1)  # no plan: windows carry no fragment sketch
+    whole = Tracer(TraceSettings(RUN, 3, 1), A)  # no plan: windows carry no fragment sketch
     assert trace_sum(open_trace(member.trace(1, 0), RUN).windows) is not None
     assert whole.plan is None
     assert slack(torch.ones(10), "topk", 256, False, True) is None
