@@ -190,13 +190,13 @@ _AUDIT_GROUP = Group(
         Command(
             "verify",
             "check the hash chain; exit 1 and name the first bad row if broken",
-            "operating:cmd_audit",
+            "auditing:cmd_audit",
             _AUDIT,
         ),
         Command(
             "show",
             "list audit rows",
-            "operating:cmd_audit",
+            "auditing:cmd_audit",
             (
                 *_AUDIT,
                 arg("--round", type=int, help="only rows of this round"),
@@ -207,7 +207,7 @@ _AUDIT_GROUP = Group(
         Command(
             "blame",
             "whose contributions are in the model at a round",
-            "operating:cmd_audit",
+            "auditing:cmd_audit",
             (*_AUDIT, arg("--round", type=int, required=True, help="the training round")),
         ),
     ),
