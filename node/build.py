@@ -42,7 +42,8 @@ from node.swarm.peers import PeerView
 from node.train.deadlines import Deadlines
 from node.train.model import build_model, vocab_of
 from node.train.outer import OuterOptimizer
-from node.train.site import NoSite, SiteGroup, SiteLeader, SiteRank, rank_data, stream_key
+from node.train.site import SiteGroup, SiteRank, rank_data, stream_key
+from node.train.site_leader import NoSite, SiteLeader
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
 from protocol.averaging.fragments import plan_fragments

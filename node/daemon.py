@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 from node.build import build_training, start_network
@@ -241,13 +242,17 @@ class Node:
         if self.initial_peers:
             rounds.resync.catch_up(min_round=progress.round + 1)
         network.state_server.publish(rounds.snapshot())
-        upkeep = Upkeep(
-            network, training, reporter, events, self.agreement, stop, cfg.network.registry_seconds
-        )
-        transport.submit(upkeep.run())
+        upkeep = Upkeep(network, training, reporter, events, self.agreement, stop)
+        transport.submit(upkeep.run()).add_done_callback(self._upkeep_ended)
         val_bpb_start = training.evaluate_global()
         status.update(force=True, state="ready", round=progress.round, val_bpb_start=val_bpb_start)
         return running, rounds
+
+    def _upkeep_ended(self, ended: Future[str | None]) -> None:
+        """The upkeep ended: with a reason to stop (another process runs with this
+        node's key, :attr:`PeerView.conflict`), the node stops; :meth:`run` then says why."""
+        if not ended.cancelled() and ended.exception() is None and ended.result() is not None:
+            self.stop_event.set()
 
     def _teardown(self, quiet: bool = False) -> None:
         """Stop what was started, in order; never raises, so the error that ended the

@@ -2,9 +2,9 @@
 
 :mod:`node.cli.parser` holds the table of commands; the commands live by theme in
 :mod:`~node.cli.running` (simulate, run, swarm), :mod:`~node.cli.operating` (status,
-peers, ban, pardon, audit), :mod:`~node.cli.preparing` (data prepare, keygen, spec,
-plan) and :mod:`~node.cli.model` (export, sample); :mod:`~node.cli.errors` turns a
-failure into the one line an operator reads.
+peers, ban, pardon), :mod:`~node.cli.auditing` (audit), :mod:`~node.cli.preparing`
+(data prepare, keygen, spec, plan) and :mod:`~node.cli.model` (export, sample);
+:mod:`~node.cli.errors` turns a failure into the one line an operator reads.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """The table of ``atoll``'s commands: each command's help, arguments and the function
 that runs it (``module:function`` under :mod:`node.cli`), in the order ``atoll --help``
-lists them. :func:`atoll_parser` turns it into the parser (:mod:`node.cli.parser`).
+lists them (those that prepare a run are in :mod:`node.cli.preparing_commands`, the
+arguments several share in :mod:`node.cli.arguments`). :func:`atoll_parser` turns it into
+the parser (:mod:`node.cli.parser`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
+from node.cli.arguments import CONFIG, DATA_DIR, ROUND
 from node.cli.parser import Arg, Command, Group, arg, build_parser
+from node.cli.preparing_commands import DATA, KEYGEN, PLAN, SPEC
 from node.swarm.fault_modes import ALL_MODES as _BYZANTINE_MODES
 
 __all__ = ["COMMANDS", "atoll_parser"]
@@ -31,24 +34,7 @@ _GLOBAL = (
     ),
 )
 
-_CONFIG = (
-    arg(
-        "--config",
-        action="append",
-        help="TOML config file; repeat to layer files, e.g. a trust policy (defaults when omitted)",
-    ),
-    arg(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key, e.g. --set sync.codec=int8 (repeatable)",
-    ),
-)
-_DATA_DIR = arg("--data-dir", default=".atoll/node", help="the node's data directory")
-_ROUND = arg("--round", type=int, help="the checkpoint of this round (default newest)")
-_AUDIT = (_DATA_DIR, arg("--json", action="store_true", help="JSON instead of a table"))
+_AUDIT = (DATA_DIR, arg("--json", action="store_true", help="JSON instead of a table"))
 
 
 def _operator(reason: str | None) -> tuple[Arg, ...]:
@@ -61,7 +47,7 @@ def _operator(reason: str | None) -> tuple[Arg, ...]:
             default=reason,
             help="why (recorded in the audit log)",
         ),
-        _DATA_DIR,
+        DATA_DIR,
         arg("--timeout", type=float, default=20.0, help="seconds to wait for a running node"),
     )
 
@@ -71,7 +57,7 @@ _SIMULATE = Command(
     "train K DiLoCo replicas in one process (the algorithmic reference)",
     "running:cmd_simulate",
     (
-        *_CONFIG,
+        *CONFIG,
         arg("--replicas", type=int, default=4, help="K, the number of replicas"),
         arg("--inner-steps", type=int, help="H (sync.inner_steps)"),
         arg("--rounds", type=int, default=6, help="outer rounds to train"),
@@ -121,7 +107,7 @@ _RUN = Command(
     "run one training node",
     "running:cmd_run",
     (
-        *_CONFIG,
+        *CONFIG,
         arg(
             "--initial-peers",
             nargs="*",
@@ -159,7 +145,7 @@ _JOIN = Command(
             help="the run address the operator gives out, RUN_ID@MULTIADDR (atoll spec "
             "create prints it)",
         ),
-        *_CONFIG,
+        *CONFIG,
         *_NODE_ARGS,
         arg(
             "--operator",
@@ -175,7 +161,7 @@ _SWARM = Command(
     "run N real nodes on 127.0.0.1 with a live view",
     "running:cmd_swarm",
     (
-        *_CONFIG,
+        *CONFIG,
         arg("--nodes", type=int, default=4, help="how many nodes to start"),
         arg("--rounds", type=int, help="rounds per node (run.max_rounds)"),
         arg("--dir", help="swarm directory (default .atoll/swarm-TIME)"),
@@ -204,13 +190,13 @@ _AUDIT_GROUP = Group(
         Command(
             "verify",
             "check the hash chain; exit 1 and name the first bad row if broken",
-            "operating:cmd_audit",
+            "auditing:cmd_audit",
             _AUDIT,
         ),
         Command(
             "show",
             "list audit rows",
-            "operating:cmd_audit",
+            "auditing:cmd_audit",
             (
                 *_AUDIT,
                 arg("--round", type=int, help="only rows of this round"),
@@ -221,7 +207,7 @@ _AUDIT_GROUP = Group(
         Command(
             "blame",
             "whose contributions are in the model at a round",
-            "operating:cmd_audit",
+            "auditing:cmd_audit",
             (*_AUDIT, arg("--round", type=int, required=True, help="the training round")),
         ),
     ),
@@ -232,13 +218,13 @@ _WATCH = (
         "status",
         "the swarm as a node sees it from heartbeats",
         "operating:cmd_status",
-        (_DATA_DIR, arg("--json", action="store_true", help="the node's whole status as JSON")),
+        (DATA_DIR, arg("--json", action="store_true", help="the node's whole status as JSON")),
     ),
     Command(
         "peers",
         "every peer this node has judged: score, standing",
         "operating:cmd_peers",
-        (_DATA_DIR, arg("--json", action="store_true", help="one JSON list")),
+        (DATA_DIR, arg("--json", action="store_true", help="one JSON list")),
     ),
     Command(
         "ban", "exclude a peer for good (until pardoned)", "operating:cmd_operator", _operator(None)
@@ -258,7 +244,7 @@ _MODEL = (
         "(--format hf) or one safetensors file",
         "model:cmd_export",
         (
-            _DATA_DIR,
+            DATA_DIR,
             arg(
                 "--out",
                 required=True,
@@ -271,7 +257,7 @@ _MODEL = (
                 help="hf: a folder transformers loads (config, model.safetensors, tokenizer); "
                 "atoll: the parameters under the model's own names (default)",
             ),
-            _ROUND,
+            ROUND,
             arg("--force", action="store_true", help="replace a non-empty --out folder"),
         ),
     ),
@@ -280,7 +266,7 @@ _MODEL = (
         "print a continuation of a prompt from the agreed global parameters",
         "model:cmd_sample",
         (
-            _DATA_DIR,
+            DATA_DIR,
             arg("--prompt", default="", help="the text to continue"),
             arg("--max-tokens", type=int, default=100, help="tokens to generate (default 100)"),
             arg(
@@ -291,176 +277,7 @@ _MODEL = (
             ),
             arg("--top-k", type=int, default=50, help="sample among the k likeliest tokens"),
             arg("--seed", type=int, default=0, help="seed of the sampling"),
-            _ROUND,
-        ),
-    ),
-)
-
-_PLAN = Command(
-    "plan",
-    "bytes, link time and utilization of a run's syncs, before starting it",
-    "preparing:cmd_plan",
-    (
-        *_CONFIG,
-        arg("--params", help="model size, e.g. 1T, 7B, 480k (default: the config's)"),
-        arg("--codec", help="none, fp16, bf16, int8, int4 or topk (default: the config's)"),
-        arg("--fragments", type=int, help="fragments (default: the config's)"),
-        arg("--group-size", type=int, help="butterfly group size (default: the config's)"),
-        arg("--trigger", choices=("steps", "seconds"), help="sync.trigger (default: the config's)"),
-        arg("--inner-steps", type=int, help="H, inner steps per round (default: the config's)"),
-        arg("--round-seconds", type=float, help="round length with --trigger seconds"),
-        arg("--tau", type=int, help="steps before a result is applied (default: the config's)"),
-        arg("--step-seconds", type=float, required=True, help="seconds one inner step takes"),
-        arg("--bandwidth-gbit", type=float, required=True, help="each node's link, Gbit/s"),
-        arg("--distance-km", type=float, default=0.0, help="distance between sites, km"),
-        arg("--round-trips", type=int, default=2, help="round trips a sync waits for (default 2)"),
-        arg(
-            "--overhead-seconds",
-            type=float,
-            default=0.0,
-            help="fixed seconds per sync besides the link (matchmaking; 0.58 measured on loopback)",
-        ),
-        arg("--json", action="store_true", help="print the plan as JSON"),
-    ),
-)
-
-_DATA = Group(
-    "data",
-    "prepare a corpus as token shards read through memory maps",
-    "data_command",
-    (
-        Command(
-            "prepare",
-            "tokenize text, .jsonl or .parquet files into shards (train.bin, val.bin, "
-            "meta.json) for data.shards",
-            "preparing:cmd_data_prepare",
-            (
-                arg(
-                    "paths",
-                    nargs="+",
-                    metavar="PATH",
-                    help="files or globs (quote ** globs): text (a document each), .jsonl, .parquet",
-                ),
-                arg("--out", required=True, help="directory to write the shards to"),
-                arg(
-                    "--val-fraction",
-                    type=float,
-                    default=0.1,
-                    help="share held out for validation (files by a hash of their path as "
-                    "bytes, documents by a hash of their text)",
-                ),
-                arg(
-                    "--tokenizer",
-                    metavar="PATH",
-                    help="a tokenizer.json or a tokenizer folder (loaded offline)",
-                ),
-                arg(
-                    "--train-tokenizer",
-                    action="store_true",
-                    help="train a byte-level BPE on the corpus (saved in OUT/tokenizer)",
-                ),
-                arg("--vocab-size", type=int, metavar="N", help="tokens of the BPE to train"),
-                arg("--field", default="text", help="the text field of .jsonl lines"),
-                arg("--column", default="text", help="the text column of .parquet files"),
-                arg(
-                    "--eos",
-                    metavar="TOKEN",
-                    help="the end-of-document token (default: the tokenizer's)",
-                ),
-                arg(
-                    "--workers",
-                    type=int,
-                    default=max(1, min(8, os.cpu_count() or 1)),
-                    help="tokenizing processes (default: the cores, at most 8)",
-                ),
-                arg(
-                    "--piece-mb",
-                    type=float,
-                    default=16.0,
-                    help="MiB of text per unit of work: what an interruption can lose (default 16)",
-                ),
-                arg("--force", action="store_true", help="replace shards already in --out"),
-            ),
-            description="Without a tokenizer, text files are copied as bytes (the byte "
-            "model's tokens); with --tokenizer or --train-tokenizer, or from .jsonl/.parquet, "
-            "each document is tokenized and ends with the tokenizer's EOS token. An "
-            "interrupted prepare resumes when the same command runs again.",
-        ),
-    ),
-)
-
-_KEYGEN = Command(
-    "keygen",
-    "create this node's Ed25519 identity key",
-    "preparing:cmd_keygen",
-    (
-        _DATA_DIR,
-        arg("--out", help="key file (default DATA_DIR/identity.key)"),
-        arg("--force", action="store_true", help="replace an existing key"),
-    ),
-)
-
-_SPEC = Group(
-    "spec",
-    "create or inspect a signed run spec",
-    "spec_command",
-    (
-        Command(
-            "create",
-            "sign a config's shared settings into a run spec for volunteers to join",
-            "preparing:cmd_spec_create",
-            (
-                *_CONFIG,
-                arg(
-                    "--bootstrap",
-                    action="append",
-                    default=[],
-                    metavar="MADDR",
-                    help="multiaddr ending in /p2p/<peer id> that joining nodes dial (repeatable)",
-                ),
-                arg("--key", help="signing key (default DATA_DIR/identity.key, made if missing)"),
-                arg("--data-dir", default=".atoll/node", help="where the default key lives"),
-                arg(
-                    "--t0",
-                    type=float,
-                    metavar="UNIX_TIME",
-                    help="round 1's start for sync.trigger = seconds (default: a round "
-                    "boundary >= 60 s ahead; a new version keeps its previous one's)",
-                ),
-                arg(
-                    "--previous",
-                    metavar="FILE",
-                    help="the run's current spec: make its next version (same run, signed "
-                    "by its creator or one of its run.spec_signers)",
-                ),
-                arg("--out", required=True, help="spec file to write, e.g. run.toml"),
-                arg("--force", action="store_true", help="replace an existing file"),
-            ),
-        ),
-        Command(
-            "fetch",
-            "fetch a run's signed spec from its address and verify it",
-            "preparing:cmd_spec_fetch",
-            (
-                arg("address", help="the run address, RUN_ID@MULTIADDR"),
-                arg("--out", required=True, help="spec file to write, e.g. run.toml"),
-                arg(
-                    "--operator",
-                    metavar="PEERID",
-                    help="the PeerID that must have signed it (default: the address's)",
-                ),
-                arg("--host", default="127.0.0.1", help="IP address to listen on meanwhile"),
-                arg("--force", action="store_true", help="replace an existing file"),
-            ),
-        ),
-        Command(
-            "show",
-            "verify a run spec and print it",
-            "preparing:cmd_spec_show",
-            (
-                arg("file", help="the spec file"),
-                arg("--json", action="store_true", help="the spec as one JSON object"),
-            ),
+            ROUND,
         ),
     ),
 )
@@ -473,10 +290,10 @@ COMMANDS: tuple[Command | Group, ...] = (
     _AUDIT_GROUP,
     *_WATCH,
     *_MODEL,
-    _PLAN,
-    _DATA,
-    _KEYGEN,
-    _SPEC,
+    PLAN,
+    DATA,
+    KEYGEN,
+    SPEC,
 )
 """Every command, in the order ``atoll --help`` lists them."""
 

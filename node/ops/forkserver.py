@@ -1,4 +1,5 @@
-"""Start node processes by forking one that has already imported what a node imports.
+"""Start node processes by forking one that has already imported what a node imports:
+the launcher's side (the server's own process is :mod:`node.ops.forkserver_process`).
 
 A node process spends about four CPU-seconds importing torch, hivemind and its own
 modules before it does anything. A launcher that starts many nodes on one machine
@@ -18,9 +19,10 @@ What a child differs in from a process started afresh, and why that is safe here
   ``returncode``, ``send_signal``, ``terminate``, ``kill``; the server reports each
   child's exit status as the child ends.
 - Modules were imported under the server's environment. A request whose environment
-  differs in a variable read at import (:data:`_IMPORT_TIME_ENV`: torch's, OpenMP's,
-  hivemind's, the Hugging Face libraries', Python's own, the emulated link's) is
-  refused, and the launcher starts that process the ordinary way.
+  differs in a variable read at import (torch's, OpenMP's, hivemind's, the Hugging
+  Face libraries', Python's own, the emulated link's:
+  :data:`~node.ops.forkserver_process.IMPORT_TIME_ENV`) is refused, and the launcher
+  starts that process the ordinary way.
 - The server runs no thread of its own, no event loop and no torch operation before it
   forks (torch and hivemind each leave an idle native thread behind at import, which
   the child does not inherit, as with the data loaders' forked workers).
@@ -36,7 +38,6 @@ import atexit
 import contextlib
 import logging
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -47,7 +48,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
-import setproctitle
+
+from node.ops.forkserver_process import MESSAGE_BYTES
 
 __all__ = ["ENV_VAR", "ForkServer", "ForkedProcess", "popen"]
 
@@ -59,32 +61,8 @@ ENV_VAR = "ATOLL_FORKSERVER"
 PRELOAD = ("node.daemon", "node.cli", "torch._dynamo", "torch.optim")
 """What the server imports before it forks (what every node imports as it starts)."""
 
-_IMPORT_TIME_ENV = (
-    "ATOLL_LINK_SHAPE",
-    "CUDA",
-    "GOMP",
-    "HF_",
-    "HIVEMIND",
-    "KMP_",
-    "LD_",
-    "MALLOC",
-    "MKL_",
-    "OMP_",
-    "OPENBLAS",
-    "PYTHON",
-    "PYTORCH",
-    "TOKENIZERS",
-    "TORCH",
-    "TRANSFORMERS",
-)
-"""Prefixes of environment variables read as modules are imported; a request whose
-environment differs from the server's in one of them is refused."""
-_SAME_AT_RUN_TIME = frozenset({"PYTHONUNBUFFERED"})
-"""Variables among those prefixes that the server already honours (it runs unbuffered)."""
-
 _START_TIMEOUT = 60.0
 _REPLY_TIMEOUT = 10.0
-_MESSAGE_BYTES = 1 << 20
 
 
 def _wanted() -> bool:
@@ -160,7 +138,7 @@ class ForkServer:
                     sys.executable,
                     "-u",
                     "-m",
-                    "node.ops.forkserver",
+                    "node.ops.forkserver_process",
                     str(theirs.fileno()),
                     *self._preload,
                 ],
@@ -174,7 +152,7 @@ class ForkServer:
         self._sock = mine
         mine.settimeout(_START_TIMEOUT)
         try:
-            ready = msgpack.unpackb(mine.recv(_MESSAGE_BYTES))
+            ready = msgpack.unpackb(mine.recv(MESSAGE_BYTES))
         except (OSError, ValueError) as e:
             ready = {"error": f"no answer: {e}"}
         if not isinstance(ready, dict) or "ready" not in ready:
@@ -243,7 +221,7 @@ class ForkServer:
         assert self._sock is not None
         while True:
             try:
-                data = self._sock.recv(_MESSAGE_BYTES)
+                data = self._sock.recv(MESSAGE_BYTES)
             except OSError:
                 data = b""
             if not data:
@@ -371,125 +349,3 @@ def _fd(stream: Any, default: int, opened: contextlib.ExitStack) -> int:
     if stream is subprocess.DEVNULL:
         return opened.enter_context(open(os.devnull, "wb")).fileno()
     return stream.fileno()
-
-
-# ---------------------------------------------------------------- the server's side
-
-
-def _refusal(env: Mapping[str, str], base: Mapping[str, str]) -> str | None:
-    """Why a child with ``env`` cannot be forked from a server imported under ``base``."""
-    for key in sorted(k for k in set(env) | set(base) if env.get(k) != base.get(k)):
-        if key in _SAME_AT_RUN_TIME:
-            continue
-        if key.startswith(_IMPORT_TIME_ENV):
-            return f"{key} differs from the fork server's, and is read at import"
-    return None
-
-
-def _serve(sock: socket.socket, base: Mapping[str, str], added: Mapping[str, str]) -> dict:
-    """Answer requests until one is this process's own (in a forked child): return it.
-    Exits when the launcher hangs up.
-
-    Args:
-        base: the environment the modules were imported under.
-        added: what the imports added to it, which a child gets as well (a process
-            started afresh would have had its imports add them).
-    """
-    children: dict[int, int] = {}  # pidfd -> pid
-    selector = selectors.DefaultSelector()
-    selector.register(sock, selectors.EVENT_READ)
-    sock.send(msgpack.packb({"ready": os.getpid()}))
-    while True:
-        for key, _ in selector.select():
-            if key.fileobj is sock:
-                try:
-                    data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 2)
-                except OSError:
-                    data, fds = b"", []
-                if not data:
-                    os._exit(0)
-                request = msgpack.unpackb(data)
-                why = _refusal(request["env"], base)
-                if why is not None:
-                    for fd in fds:
-                        os.close(fd)
-                    sock.send(msgpack.packb({"refused": why}))
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    selector.close()
-                    for pidfd in children:
-                        os.close(pidfd)
-                    sock.close()
-                    _become(request, fds, added)
-                    return request
-                for fd in fds:
-                    os.close(fd)
-                pidfd = os.pidfd_open(pid)
-                children[pidfd] = pid
-                selector.register(pidfd, selectors.EVENT_READ)
-                sock.send(msgpack.packb({"pid": pid}))
-            else:
-                pidfd = key.fd
-                pid = children.pop(pidfd)
-                selector.unregister(pidfd)
-                os.close(pidfd)
-                _, status = os.waitpid(pid, 0)
-                code = os.waitstatus_to_exitcode(status)
-                with contextlib.suppress(OSError):
-                    sock.send(msgpack.packb({"exit": pid, "code": code}))
-
-
-def _become(request: dict, fds: list[int], added: Mapping[str, str]) -> None:
-    """In the forked child: take the request's session, output, environment and
-    directory, as ``subprocess.Popen`` would have given them."""
-    if request["session"]:
-        os.setsid()
-    out_fd = fds[0]
-    err_fd = fds[0] if request["same_err"] else fds[1]
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out_fd, 1)
-    os.dup2(err_fd, 2)
-    for fd in {null, *fds}:
-        if fd > 2:
-            os.close(fd)
-    os.environ.clear()
-    os.environ.update({**added, **request["env"]})
-    os.chdir(request["cwd"])
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    setproctitle.setproctitle(request["title"])  # what ps shows: its own command line
-    if "numpy" in sys.modules:  # its global generator is not reseeded at fork, as random's is
-        sys.modules["numpy"].random.seed()
-
-
-def _main() -> None:
-    fd = int(sys.argv[1])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=fd)
-    # set up here, while the environment is whole: the title's room is the memory of the
-    # command line and the environment that follows it
-    setproctitle.setproctitle(
-        " ".join([sys.executable, "-m", "node.ops.forkserver", *sys.argv[1:]])
-    )
-    base = dict(os.environ)
-    try:
-        import importlib
-
-        for name in sys.argv[2:]:
-            importlib.import_module(name)
-    except BaseException as e:  # any failure means: start nodes the ordinary way
-        with contextlib.suppress(OSError):
-            sock.send(msgpack.packb({"error": f"{type(e).__name__}: {e}"}))
-        raise
-    added = {k: v for k, v in os.environ.items() if k not in base}
-    request = _serve(sock, base, added)
-    import runpy
-
-    sys.argv = [request["module"], *request["argv"]]
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    _main()

@@ -1,6 +1,7 @@
 """What a node says about itself: its status file, its metrics snapshot, the vitals its
 heartbeats carry; and its upkeep every ``network.registry_seconds`` (registry record,
-view of the swarm, dialling, operator commands, report).
+view of the swarm, dialling through :mod:`node.swarm.dialer`, operator commands, peers'
+digests for the agreement watch, report).
 
 A node's parts come up in stages (its data directory, its model, its network), and the
 metrics endpoint answers from the first: :class:`Reporter` reports what exists so far.
@@ -18,8 +19,8 @@ from typing import Any
 
 from node.run.metrics import EventLog, StatusWriter, recent_events
 from node.run.state import Network, Progress, Training
+from node.swarm.dialer import Dialer
 from node.train.agreement import AgreementWatch
-from protocol.p2p.relays import CIRCUIT
 from verification.reputation import INITIAL_SCORE
 
 __all__ = ["Reporter", "Upkeep", "__version__"]
@@ -115,7 +116,11 @@ class Reporter:
 class Upkeep:
     """Every ``network.registry_seconds``: refresh this node's registry record and view
     of the swarm when due (less often in a large swarm: :attr:`PeerView.interval`),
-    size and dial the control plane, take operator commands, and report.
+    dial the live peers (:class:`~node.swarm.dialer.Dialer`), take operator commands,
+    hand the digests peers announced to the agreement watch, and report.
+
+    :meth:`run` ends when the node stops, or with the reason the node must stop (another
+    process runs with its key), which the node acts on.
 
     Args:
         network: the swarm side.
@@ -123,8 +128,7 @@ class Upkeep:
         reporter: the status and vitals.
         events: the event log.
         agreement: this node's global digest against its peers' (fed with theirs).
-        stop: set to stop the node (another process runs with its key).
-        registry_seconds: the pace of the loop.
+        stop: set when the node stops.
     """
 
     def __init__(
@@ -135,7 +139,6 @@ class Upkeep:
         events: EventLog,
         agreement: AgreementWatch,
         stop: threading.Event,
-        registry_seconds: float,
     ) -> None:
         self.network = network
         self.training = training
@@ -143,50 +146,31 @@ class Upkeep:
         self.events = events
         self.agreement = agreement
         self.stop = stop
-        self.registry_seconds = registry_seconds
+        relayed = self._relayed
+        self.dialer = Dialer(network.transport, network.peers, network.control, relayed)
         self.refused: dict[str, str] = {}  # peers refused during this run, and why
         self.warned_at = -1e9
 
-    async def run(self) -> None:
-        """The loop, until the node stops."""
+    async def run(self) -> str | None:
+        """The loop, until the node stops (None) or must stop (why)."""
         network, progress = self.network, self.reporter.progress
-        peers, control = network.peers, network.control
-        checked = False
+        peers = network.peers
         while not self.stop.is_set():
             if peers.due():
                 steps = self.training.trainer.steps
                 await peers.refresh(network.record(progress.round, steps))
             if peers.conflict is not None:
-                self.stop.set()  # another process runs with this key: stop
-                return
+                return peers.conflict
             live = peers.live()
-            if control is not None:
-                control.resize(len(live) + 1)
-            if not checked and live and network.transport.reachability.status == "unknown":
-                # The first node of a swarm had nobody to ask at start.
-                checked = True
-                found = await network.transport.check_reachability(sorted(live)[:3])
-                logger.info("%s", found.summary())
-            await self.relays(live)
-            if control is not None:
-                records = peers.records
-                # a peer nobody can dial dials us instead
-                control.dial({p: records[p].control for p in live if records[p].reachable})
+            await self.dialer.dial(live)
             self.take_operator_commands()
+            self.hear_digests()
             self.report(live)
-            await asyncio.sleep(self.registry_seconds)
+            await asyncio.sleep(peers.settings.registry_seconds)
+        return None
 
-    async def relays(self, live: set[str]) -> None:
-        """Behind NAT with ``network.relay_parts``: claim this node's circuits once it
-        holds a relay's slot; and connect to live peers that own parts through a relay
-        (:mod:`protocol.p2p.relays`), so calls to them go through it."""
-        transport, records = self.network.transport, self.network.peers.records
-        waiting = transport.config.relay_parts and transport.reachability.status == "private"
-        if waiting and (await transport.claim_relays()).status == "relayed":
-            self.reporter.status.update(maddrs=transport.maddrs, relayed=True)
-        reachable = [records[p] for p in sorted(live) if p in records and records[p].reachable]
-        wanted = {r.peer: list(r.maddrs) for r in reachable if any(CIRCUIT in m for m in r.maddrs)}
-        await transport.reach(wanted)
+    def _relayed(self, maddrs: list[str]) -> None:
+        self.reporter.status.update(maddrs=maddrs, relayed=True)
 
     def take_operator_commands(self) -> None:
         """Apply ``atoll ban`` / ``atoll pardon`` commands queued in the data directory."""
@@ -196,6 +180,14 @@ class Upkeep:
                 self.reporter.status.update(flagged=flagged)
         except OSError as exc:  # an unreadable admin folder must not stop the node
             logger.warning("operator commands: %s", exc)
+
+    def hear_digests(self) -> None:
+        """Hand the global digests peers' heartbeats carry to the agreement watch."""
+        control = self.network.control
+        if control is None:
+            return
+        for peer, info in control.heard().items():
+            self.agreement.heard(peer, info.get("digest"))
 
     def report(self, live: set[str]) -> None:
         """Peers, reachability and warnings into the status file."""
@@ -219,8 +211,6 @@ class Upkeep:
             "helper_pids": network.helper_pids(),
         }
         if control is not None:
-            for peer, info in control.heard().items():
-                self.agreement.heard(peer, info.get("digest"))
             fields.update(control_addrs=control.addrs, swarm=control.swarm())
             warning = control.silence(live)
             if warning and self.warned_at + 60 < time.monotonic():

@@ -7,7 +7,8 @@ makes its identity key and picks its port), so all start at once. The launcher o
 every process it starts: on Ctrl-C or SIGTERM (:func:`interrupt_on_sigterm`), on an
 error, or when it is done it sends SIGTERM, waits, then SIGKILLs whatever is left (each
 node's watchdog then ends its p2pd and DHT).
-What the swarm did is summarised by :mod:`node.ops.swarm_report`.
+What the swarm did is summarised by :mod:`node.ops.swarm_report` (and shown by
+:mod:`node.ops.swarm_view`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,8 @@ import psutil
 
 from node.config import AtollConfig
 from node.ops import forkserver
-from node.ops.swarm_report import (
-    SwarmProcess,
-    butterfly_reach,
-    dump_json,
-    format_summary,
-    render_table,
-    summarize,
-)
+from node.ops.swarm_report import SwarmProcess, butterfly_reach, summarize
+from node.ops.swarm_view import dump_json, format_summary, render_table
 
 __all__ = [
     "QUICK_WORKLOAD",

@@ -27,7 +27,7 @@ from node.run.syncer import Syncer
 from node.swarm.peers import PeerView
 from node.train.deadlines import Deadlines
 from node.train.outer import OuterOptimizer
-from node.train.site import NoSite, SiteLeader
+from node.train.site_leader import NoSite, SiteLeader
 from node.train.trainer import InnerTrainer, evaluate
 from protocol.averaging.allreduce import AllReduceService
 from protocol.averaging.exchange import FragmentExchange
@@ -122,7 +122,7 @@ class Training:
             member's batches from them).
         bytes_per_token: of the validation text, for bits per byte.
         workload: what a checkpoint needs to be exported and sampled elsewhere.
-        site: the site's ranks (:class:`~node.train.site.SiteLeader`), or :class:`~node.train.site.NoSite`.
+        site: the site's ranks (:class:`~node.train.site_leader.SiteLeader`), or :class:`~node.train.site_leader.NoSite`.
     """
 
     device: torch.device

@@ -11,7 +11,7 @@ import torch
 from node.build import Hearing, apply_operator, build_training
 from node.config import load_config
 from node.run.admin import Command
-from node.train.site import NoSite
+from node.train.site_leader import NoSite
 
 TINY = [
     "model.n_layer=1",

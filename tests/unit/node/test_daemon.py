@@ -74,3 +74,20 @@ def test_a_split_attacker_needs_a_gather_to_attack() -> None:
         Node(load_config(None, []), byzantine="split")
     topk = ["sync.codec='topk'", "sync.exchange='gather'"]
     assert Node(load_config(None, topk), byzantine="split").byzantine == "split"
+
+
+def test_the_node_stops_when_its_upkeep_ends_with_a_reason_and_only_then() -> None:
+    from concurrent.futures import Future
+
+    node = _finished((), exchanges=0)
+    stopped: Future = Future()
+    stopped.set_result(None)  # the node stopped: nothing to act on
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("a bug in the upkeep"))
+    for ended in (stopped, failed):
+        node._upkeep_ended(ended)
+        assert not node.stop_event.is_set()
+    ended: Future = Future()
+    ended.set_result("another node is running with the identity key /data/identity.key")
+    node._upkeep_ended(ended)
+    assert node.stop_event.is_set()

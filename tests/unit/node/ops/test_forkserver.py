@@ -14,6 +14,7 @@ import pytest
 
 from node.ops import forkserver
 from node.ops.forkserver import ForkedProcess, ForkServer
+from node.ops.forkserver_process import refusal
 from tests.waiting import wait_until
 
 CHILD = "tests.unit.node._forked_child"
@@ -99,9 +100,9 @@ def test_an_environment_read_at_import_is_refused(server, tmp_path) -> None:
     assert refused is None
     assert server.alive  # a refusal is one request's, not the server's end
     base = {"A": "1", "PYTHONUNBUFFERED": "0"}
-    assert forkserver._refusal({"A": "2", "PYTHONUNBUFFERED": "1"}, base) is None
-    assert "TORCH_HOME" in forkserver._refusal({**base, "TORCH_HOME": "/x"}, base)
-    assert "ATOLL_LINK_SHAPE" in forkserver._refusal({"ATOLL_LINK_SHAPE": "x"}, {})
+    assert refusal({"A": "2", "PYTHONUNBUFFERED": "1"}, base) is None
+    assert "TORCH_HOME" in refusal({**base, "TORCH_HOME": "/x"}, base)
+    assert "ATOLL_LINK_SHAPE" in refusal({"ATOLL_LINK_SHAPE": "x"}, {})
 
 
 def test_a_closed_server_forks_nothing_and_its_children_go_on(tmp_path) -> None:

@@ -26,7 +26,7 @@ from node.run.state import Progress, Running, Training
 from node.settings import loop_settings
 from node.train.model import build_model
 from node.train.schedule import SyncBook
-from node.train.site import NoSite
+from node.train.site_leader import NoSite
 from node.train.trainer import InnerTrainer
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.hooks import Hooks

@@ -3,6 +3,7 @@ report: refused peers said once, the warning on control silence at most once a m
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -75,7 +76,7 @@ def _upkeep(tmp_path, reporter: Reporter) -> tuple[Upkeep, EventLog, AgreementWa
     )
     events = EventLog(tmp_path / "events.jsonl")
     agreement = AgreementWatch()
-    upkeep = Upkeep(network, None, reporter, events, agreement, threading.Event(), 1.0)  # type: ignore[arg-type]
+    upkeep = Upkeep(network, None, reporter, events, agreement, threading.Event())  # type: ignore[arg-type]
     return upkeep, events, agreement
 
 
@@ -100,6 +101,16 @@ def test_a_refused_peer_is_logged_once_and_reported_every_time(tmp_path, caplog)
 def test_peers_digests_heard_feed_the_agreement(tmp_path) -> None:
     reporter = _reporter(tmp_path)
     upkeep, events, agreement = _upkeep(tmp_path, reporter)
-    upkeep.report({"peerA"})
+    upkeep.hear_digests()
     events.close()
     assert agreement._peers == {3: {"peerA": "cd" * 32}}  # a malformed one is ignored
+
+
+def test_upkeep_ends_with_the_reason_to_stop_and_leaves_stopping_to_the_node(tmp_path) -> None:
+    reporter = _reporter(tmp_path)
+    upkeep, events, _ = _upkeep(tmp_path, reporter)
+    conflict = "another node is running with the identity key /data/identity.key"
+    upkeep.network.peers = SimpleNamespace(due=lambda: False, conflict=conflict)
+    assert asyncio.run(upkeep.run()) == conflict
+    events.close()
+    assert not upkeep.stop.is_set()

@@ -8,7 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from node.config import load_config
-from node.ops.swarm_report import SwarmProcess, dump_json, format_summary, render_table, summarize
+from node.ops.swarm_report import SwarmProcess, summarize
+from node.ops.swarm_view import dump_json, format_summary, render_table
 
 
 def _node(tmp_path: Path, index: int, digests: list[str], **status) -> SwarmProcess:

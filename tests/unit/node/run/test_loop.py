@@ -25,7 +25,7 @@ from node.settings import loop_settings, round_settings
 from node.train.clock import SecondsClock
 from node.train.deadlines import MIN_SAMPLES, SLACK_SECONDS, Deadlines
 from node.train.schedule import StepSchedule, SyncBook, WallSchedule
-from node.train.site import NoSite
+from node.train.site_leader import NoSite
 
 
 class _Trainer:

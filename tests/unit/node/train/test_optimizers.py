@@ -97,7 +97,7 @@ def test_a_checkpoint_of_another_optimizer_resumes_with_a_fresh_one(tmp_path, ca
     from node.train.agreement import AgreementWatch
     from node.train.checkpoint import save_checkpoint
     from node.train.outer import OuterOptimizer
-    from node.train.site import NoSite
+    from node.train.site_leader import NoSite
     from protocol.averaging.fragments import plan_fragments
 
     cfg = load_config(None, ["train.optimizer='muon'"])
