@@ -19,7 +19,7 @@ from node.config import AtollConfig
 from node.data.corpus import assigned_stream
 from node.run.rounds import Rounds
 from node.run.state import Running
-from node.run.syncer import Pending
+from node.run.syncevents import Pending
 from node.train.schedule import Schedule, StepSchedule, SyncBook, WallSchedule
 
 __all__ = ["LoopSettings", "TrainingLoop", "schedule_of"]

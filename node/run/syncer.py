@@ -38,7 +38,7 @@ import torch
 
 from node.checks.inputs import ExchangeBase
 from node.run.metrics import EventLog
-from node.run.syncevents import applied_record, outcome_record
+from node.run.syncevents import Pending, applied_record, outcome_record
 from node.run.syncevents import digest as fingerprint
 from node.train.deadlines import Deadlines
 from node.train.outer import OuterOptimizer
@@ -51,7 +51,7 @@ from verification.usefulness import fragment_digest
 if TYPE_CHECKING:
     from node.checks import UsefulWork
 
-__all__ = ["Copies", "Pending", "SyncSettings", "SyncWatchers", "Syncer", "staleness_weight"]
+__all__ = ["Copies", "SyncSettings", "SyncWatchers", "Syncer", "staleness_weight"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,28 +69,6 @@ def staleness_weight(tokens: int, missed: int) -> int:
     dominate the round it catches up in.
     """
     return int(tokens / (1 + max(0, missed)))
-
-
-@dataclass
-class Pending:
-    """A sync in flight."""
-
-    round: int
-    fragment: int
-    tokens: int
-    step: int
-    started: float
-    future: concurrent.futures.Future
-    weights: torch.Tensor
-    """The fragment's global copy as sent if the group mixes weights (mix codec applied)."""
-    deadline: float = 0.0
-    """``time.monotonic()`` by which the exchange is over, whatever its peers do."""
-    sent_from: torch.Tensor | None = None
-    """The fragment's local copy the pseudo-gradient was taken from (see
-    :meth:`~node.train.outer.OuterOptimizer.merge_local`)."""
-    ended: list[float] = field(default_factory=list)
-    """``time.monotonic()`` when the exchange ended, once it did (written on the
-    transport's loop)."""
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,42 @@
-"""What a sync's events say: which sync, its group, who is in which part of the
+"""A sync in flight (:class:`Pending`), and what its events say: which sync, its group, who is in which part of the
 result, the tokens it carried, how long it took, and the fingerprint of the fragment's
 global copy after it (:mod:`node.run.syncer` writes them)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from protocol.averaging.exchange import ExchangeOutcome
 
-if TYPE_CHECKING:
-    from node.run.syncer import Pending
+__all__ = ["Pending", "applied_record", "digest", "outcome_record"]
 
-__all__ = ["applied_record", "digest", "outcome_record"]
+
+@dataclass
+class Pending:
+    """A sync in flight."""
+
+    round: int
+    fragment: int
+    tokens: int
+    step: int
+    started: float
+    future: concurrent.futures.Future
+    weights: torch.Tensor
+    """The fragment's global copy as sent if the group mixes weights (mix codec applied)."""
+    deadline: float = 0.0
+    """``time.monotonic()`` by which the exchange is over, whatever its peers do."""
+    sent_from: torch.Tensor | None = None
+    """The fragment's local copy the pseudo-gradient was taken from (see
+    :meth:`~node.train.outer.OuterOptimizer.merge_local`)."""
+    ended: list[float] = field(default_factory=list)
+    """``time.monotonic()`` when the exchange ended, once it did (written on the
+    transport's loop)."""
 
 
 def outcome_record(pending: Pending, done: ExchangeOutcome) -> dict[str, Any]:

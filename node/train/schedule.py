@@ -40,7 +40,7 @@ class SyncBook:
 
     Attributes:
         tokens_since: tokens trained since each fragment's last sync.
-        pending: the sync in flight of each fragment (a :class:`node.run.syncer.Pending`).
+        pending: the sync in flight of each fragment (a :class:`node.run.syncevents.Pending`).
         done: fragments of each round whose sync was applied, failed or skipped.
         failed: rounds with a sync that failed or was skipped: the node takes the
             swarm's state when such a round ends.

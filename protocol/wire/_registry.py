@@ -5,22 +5,21 @@ blockwise (``int8``, ``int4``: :mod:`protocol.wire._blockwise`) and sparse (``to
 and ``sparse`` on the wire only: :mod:`protocol.wire._topk`). Here a codec's settings
 are checked (:func:`check_settings`), a payload's exact length is computed
 (:func:`encoded_size`), and a peer's encoded tensor is validated before any kernel
-runs (:func:`validate`); :mod:`protocol.wire.codec` is the face the rest of Atoll uses.
+runs (:func:`validate`, and :class:`Encoded`, the tensor as it travels);
+:mod:`protocol.wire.codec` is the face the rest of Atoll uses.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from protocol.wire import _blockwise, _plain, _topk
 from protocol.wire._tensorbytes import CodecError, from_bytes
 
-if TYPE_CHECKING:
-    from protocol.wire.codec import Encoded
-
 __all__ = [
     "CODECS",
     "DENSE",
+    "Encoded",
     "MAX_BLOCK_SIZE",
     "MAX_TOPK_CHUNK",
     "SPARSE",
@@ -183,3 +182,93 @@ def _check_size(enc: Encoded, have: int, want: int) -> None:
             "size_mismatch",
             f"{enc.codec} payload for {enc.numel} values is {have} bytes, expected {want}",
         )
+
+
+_WIRE_KEYS = frozenset({"c", "n", "b", "p"})
+_SPARSE_KEYS = _WIRE_KEYS | {"k", "q"}
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded tensor as it travels on the wire.
+
+    Construction does not validate, so that a peer's message can be held and
+    reported; :func:`decode` and :meth:`from_wire` do the checking.
+
+    Attributes:
+        codec: one of ``CODECS``.
+        numel: number of float values encoded.
+        block_size: values per scale for int8/int4; carried but unused otherwise.
+        payload: scales (float32 LE) followed by codes; see the module docstring.
+            Any contiguous byte buffer (a view of a tensor, or of received bytes).
+        k: values ``topk`` keeps per chunk (0 for other codecs).
+        bits: bits per kept value of ``topk`` and ``sparse`` (0 for other codecs).
+    """
+
+    codec: str
+    numel: int
+    block_size: int
+    payload: bytes | bytearray | memoryview
+    k: int = 0
+    bits: int = 0
+
+    def meta(self) -> dict:
+        """Everything but the payload, as ``{"c", "n", "b"}`` and, for sparse codecs,
+        ``"k"`` and ``"q"`` (the payload travels raw)."""
+        meta = {"c": self.codec, "n": self.numel, "b": self.block_size}
+        if self.codec in SPARSE:
+            meta.update(k=self.k, q=self.bits)
+        return meta
+
+    @classmethod
+    def from_meta(
+        cls, meta: object, payload: bytes | bytearray | memoryview, *, max_numel: int
+    ) -> Encoded:
+        """Parses :meth:`meta` fields from a peer next to their raw payload.
+
+        Raises:
+            CodecError: as :meth:`from_wire`.
+        """
+        if not isinstance(meta, dict) or not {"c", "n", "b"} <= set(meta):
+            raise CodecError("malformed", "codec fields c, n, b missing")
+        sparse = meta["c"] in SPARSE
+        if sparse and not {"k", "q"} <= set(meta):
+            raise CodecError("malformed", "sparse codec fields k, q missing")
+        enc = cls(
+            codec=meta["c"],
+            numel=meta["n"],
+            block_size=meta["b"],
+            payload=payload,
+            k=meta["k"] if sparse else 0,
+            bits=meta["q"] if sparse else 0,
+        )
+        validate(enc, max_numel=max_numel)
+        return enc
+
+    def to_wire(self) -> dict:
+        """Returns a plain msgpack-able dict: :meth:`meta` and ``"p"``, the payload."""
+        return {**self.meta(), "p": self.payload}
+
+    @classmethod
+    def from_wire(cls, d: object, *, max_numel: int) -> Encoded:
+        """Parses and validates a wire dict from a peer.
+
+        Args:
+            d: the decoded msgpack object.
+            max_numel: the largest tensor the caller is willing to accept.
+
+        Returns:
+            The validated ``Encoded``; its payload length is already checked.
+
+        Raises:
+            CodecError: on a non-dict, missing or extra keys, a wrong type, an
+                unknown codec, a numel outside ``[0, max_numel]``, a block size
+                outside ``[1, 2**20]`` or a payload of the wrong length.
+        """
+        if not isinstance(d, dict):
+            raise CodecError("malformed", f"expected a dict, got {type(d).__name__}")
+        want = _SPARSE_KEYS if d.get("c") in SPARSE else _WIRE_KEYS
+        if set(d) != want:
+            keys = short(sorted(repr(k) for k in d))
+            raise CodecError("malformed", f"expected keys {', '.join(sorted(want))}; got {keys}")
+        return cls.from_meta(d, d["p"], max_numel=max_numel)
