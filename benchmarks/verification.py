@@ -58,7 +58,7 @@ from protocol.p2p.transport import Transport, TransportConfig
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header, open_envelope, seal
 from protocol.wire.partwire import open_part, seal_part
-from verification import verifier as verifier_module
+from verification import reduction as reduction_module
 from verification.identity import Identity
 from verification.policy import TrustPolicy
 from verification.verifier import Verifier
@@ -188,8 +188,8 @@ class SwitchingPeer:
         self.out = torch.empty_like(self.own)
         self.clocks = {"off": _Clock(), "on": _Clock()}
         for name in ("screen", "aggregate"):  # split the verifier's reduce (this process only)
-            timed = self.clocks["on"].wrap(f"{name}_s", getattr(verifier_module, name))
-            setattr(verifier_module, name, timed)
+            timed = self.clocks["on"].wrap(f"{name}_s", getattr(reduction_module, name))
+            setattr(reduction_module, name, timed)
         policy = TrustPolicy(aggregator="trimmed_mean", screening=True)
         db = tmp / f"verify-{own.numel()}-{opts['codec']}-{index}.db"
         self.verifier = _TimedVerifier(policy, db, identity.peer_id, self.clocks["on"])

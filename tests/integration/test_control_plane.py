@@ -136,7 +136,7 @@ def test_verdicts_are_checked_forged_ones_cost_nothing_and_a_proven_one_bans(loc
         # a verdict whose own signature is broken never reaches a node's logic
         signed = msgpack.unpackb(sign_control(forger, RUN, topic, 3, {"accused": accused}))
         signed[2] = bytes(64)
-        channel._send({"op": "publish", "topic": topic, "data": msgpack.packb(signed)})
+        channel._sidecar.send({"op": "publish", "topic": topic, "data": msgpack.packb(signed)})
         others = nodes[1:]
         assert wait_until(
             lambda: all(n.status["swarm"]["forged_verdicts"] >= 1 for n in others), 30
