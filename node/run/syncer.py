@@ -31,7 +31,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,13 +87,13 @@ class SyncSettings:
             mean copy), None otherwise.
     """
 
-    codec: str = "none"
-    codec_args: dict[str, int] = field(default_factory=dict)
-    error_feedback: bool = False
-    mix_codec: str = "none"
-    block_size: int = 1024
-    alpha: float = 1.0
-    gossip_pull: float | None = None
+    codec: str
+    codec_args: dict[str, int]
+    error_feedback: bool
+    mix_codec: str
+    block_size: int
+    alpha: float
+    gossip_pull: float | None
 
     def build(
         self,
