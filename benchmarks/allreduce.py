@@ -121,7 +121,7 @@ class _AtollPeer:
         hooks = Hooks()
         if self.verifier:
             verifier = self.verifier
-            hooks = Hooks(verifier.reduce, verifier.stream_plan, judge=verifier)
+            hooks = Hooks(verifier.reducer.reduce, verifier.reducer.stream_plan, judge=verifier)
         self.service = AllReduceService(self.transport, identity, settings, hooks)
         self.service.register()
         self.info = {"peer_id": identity.peer_id, "maddrs": self.transport.maddrs}

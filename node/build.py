@@ -209,8 +209,8 @@ def _swarm_side(
     admin = AdminInbox(inputs.data_dir, partial(apply_operator, verifier, control))
     commitments = control.commitments if control is not None and cfg.control.commit else None
     hooks = Hooks(
-        reducer=verifier.reduce,
-        planner=verifier.stream_plan,
+        reducer=verifier.reducer.reduce,
+        planner=verifier.reducer.stream_plan,
         judge=verifier,
         commitments=commitments,
         faults=make_behaviour(inputs.byzantine, cfg.run.seed, training.outer.global_vector),

@@ -2,7 +2,7 @@
 and how an owner may reduce block by block while the contributions still arrive.
 
 The all-reduce (:mod:`protocol.averaging`) builds these from the parts it receives
-and hands them to the owner's reducer (:meth:`verification.verifier.Verifier.reduce`);
+and hands them to the owner's reducer (:meth:`verification.reduction.Reducer.reduce`);
 nothing here knows about the wire.
 """
 

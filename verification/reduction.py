@@ -11,7 +11,7 @@ through the node's :class:`~verification.ledger.Ledger`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -30,9 +30,6 @@ from verification.workscores import Scores
 __all__ = ["Reducer"]
 
 logger = logging.getLogger(__name__)
-
-Refusal = Callable[[str, int], "str | None"]
-"""Why this node takes nothing from a peer at a round (None: it does)."""
 
 
 class Reducer:
@@ -70,8 +67,12 @@ class Reducer:
     def stream_plan(
         self, round_: int, members: Sequence[tuple[str, float]], content: str = "update"
     ) -> StreamPlan | None:
-        """How an owner may reduce block by block while ``members``' parts arrive (see
-        :meth:`verification.verifier.Verifier.stream_plan`)."""
+        """How an owner may reduce block by block while ``members``' parts (``(peer,
+        weight)`` in the order the reduction will take them) arrive: the admitted
+        members with their capped weights, when the aggregator is coordinate-wise
+        (None otherwise). Screening still runs on the whole parts once they are in; if
+        it leaves anyone out, :meth:`reduce` starts over (see
+        :class:`~verification.records.Prefix`)."""
         name = self.policy.aggregator
         if name not in COORDINATEWISE:
             return None
@@ -89,21 +90,27 @@ class Reducer:
 
     def reduce(
         self,
-        where: tuple[int, int, int],
+        round_: int,
+        fragment: int,
+        part: int,
         contributions: Sequence[Contribution],
-        refuse: Refusal,
-        shared: bool,
-        content: str,
-        prefix: Prefix | None,
+        shared: bool = False,
+        content: str = "update",
+        prefix: Prefix | None = None,
+        gathered: bool = False,
     ) -> Reduction:
         """Screen, cap weights, aggregate robustly; audit every contribution.
 
-        ``where`` is the part's ``(round, fragment, part)``; ``refuse`` says which
-        senders this node takes nothing from (see
-        :meth:`verification.verifier.Verifier.reduce` for the rest).
+        With ``shared`` (a repair, reduced by every member on its own) only what the
+        inputs themselves show decides: no standing, no history, so every honest member
+        computes the same values. ``content`` says what the contributions are
+        (``update`` or ``weights``); each keeps its own history of norms. ``prefix``:
+        what was reduced while the parts arrived (:meth:`stream_plan`); it is completed
+        when screening kept exactly its members, and ignored otherwise. ``gathered`` (a
+        gather, shared too): only the operator's lists refuse a member, not its
+        standing (:meth:`~verification.standings.Standings.listed`).
         """
-        round_, fragment, part = where
-        why = {c.peer: refuse(c.peer, round_) for c in contributions}
+        why = {c.peer: self._refusal(c.peer, round_, shared, gathered) for c in contributions}
         rejected: dict[str, str] = {p: reason for p, reason in why.items() if reason}
         admitted = [c for c in contributions if not why[c.peer]]
         numel = contributions[0].vector.numel()
@@ -115,6 +122,16 @@ class Reducer:
                 rejected[c.peer] = "not_selected"
         self.ledger.reduction(round_, fragment, part, contributions, used, rejected)
         return Reduction(result.vector, used, rejected)
+
+    def _refusal(self, peer: str, round_: int, shared: bool, gathered: bool) -> str | None:
+        """Why this reduction takes nothing from ``peer``: a gather asks only the
+        operator's lists, a shared reduction only whether ``peer`` is blocked, this
+        node's own its whole standing."""
+        if gathered:
+            return self.standings.listed(peer)
+        if shared:
+            return self.standings.blocks(peer, round_)
+        return self.standings.refusal(peer, round_)
 
     def _screened(
         self,

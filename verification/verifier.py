@@ -37,7 +37,6 @@ from verification.reasons import (
     POLICY_REASONS,
     VICTIM_REASONS,
 )
-from verification.records import Contribution, Prefix, Reduction, StreamPlan
 from verification.reduction import Reducer
 from verification.rounds import RoundClock
 from verification.standings import EventSink, Standings, repeated
@@ -125,45 +124,7 @@ class Verifier:
         """Every known peer's stored score, status and violation count."""
         return self.standings.reputations()
 
-    # ---- the owner's reduction ---------------------------------------------------------
-
-    def stream_plan(
-        self, round_: int, members: Sequence[tuple[str, float]], content: str = "update"
-    ) -> StreamPlan | None:
-        """How an owner may reduce block by block while ``members``' parts (``(peer,
-        weight)`` in the order the reduction will take them) arrive: the admitted
-        members with their capped weights, when the aggregator is coordinate-wise
-        (None otherwise). Screening still runs on the whole parts once they are in; if
-        it leaves anyone out, :meth:`reduce` starts over (see :class:`Prefix`)."""
-        return self.reducer.stream_plan(round_, members, content)
-
-    def reduce(
-        self,
-        round_: int,
-        fragment: int,
-        part: int,
-        contributions: Sequence[Contribution],
-        shared: bool = False,
-        content: str = "update",
-        prefix: Prefix | None = None,
-        gathered: bool = False,
-    ) -> Reduction:
-        """Screen, cap weights, aggregate robustly; audit every contribution.
-
-        With ``shared`` (a repair, reduced by every member on its own) only what the
-        inputs themselves show decides: no standing, no history, so every honest member
-        computes the same values. ``content`` says what the contributions are
-        (``update`` or ``weights``); each keeps its own history of norms. ``prefix``:
-        what was reduced while the parts arrived (:meth:`stream_plan`); it is completed
-        when screening kept exactly its members, and ignored otherwise. ``gathered`` (a
-        gather, shared too): only the operator's lists refuse a member, not its
-        standing (:meth:`~verification.standings.Standings.listed`).
-        """
-        # the senders this node takes anything from: a shared reduction asks only whether
-        # a sender is blocked, a gather's whether the operator's lists refuse it
-        refuse = self.listed if gathered else self.blocks if shared else self.refusal
-        where = (round_, fragment, part)
-        return self.reducer.reduce(where, contributions, refuse, shared, content, prefix)
+    # ---- the owner's reduction: :attr:`reducer` (verification.reduction) ------------
 
     # ---- refusals ----------------------------------------------------------------------
 

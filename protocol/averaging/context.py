@@ -14,7 +14,7 @@ import concurrent.futures
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -113,14 +113,11 @@ class AllReduceContext:
         # Bytes per all-reduce: two in flight at once (a fragment and its weight mix)
         # must not count each other's traffic.
         self._ledger: dict[AllReduceKey, list[int]] = {}
-        # Hashing, decoding and reducing run off the event loop in one worker thread:
-        # the loop keeps reading streams meanwhile, and a single thread keeps the
-        # allocator's per-thread arenas (each holds on to a freed part) to one.
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atoll-parts")
-
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the all-reduce's worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atoll-parts")
+        """Where hashing, decoding and reducing run, off the event loop (awaited as
+        ``asyncio.wrap_future(worker.submit(fn, *args))``): the loop keeps reading streams
+        meanwhile, and a single thread keeps the allocator's per-thread arenas (each
+        holds on to a freed part) to one."""
 
     # ---- counters ---------------------------------------------------------------------
 
@@ -252,7 +249,7 @@ class AllReduceContext:
             run_id=self.settings.run_id,
             **checks,  # type: ignore[arg-type]
         )
-        return await self.compute(opening)
+        return await asyncio.wrap_future(self.worker.submit(opening))
 
     async def read_message(
         self,

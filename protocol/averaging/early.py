@@ -153,7 +153,8 @@ class EarlyReduction:
                         return
                 hi = streaming.ready()
                 if hi > streaming.upto:
-                    await self.runner.context.compute(streaming.reduce_to, hi)
+                    worker = self.runner.context.worker
+                    await asyncio.wrap_future(worker.submit(streaming.reduce_to, hi))
                     if self.result_stream is not None:
                         self.result_stream.advance()
         except Exception:  # the reduction proper still runs from scratch

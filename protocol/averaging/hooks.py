@@ -6,7 +6,8 @@
 * :class:`Commitments`: the commit phase (none by default: parts are sent at once);
 * :class:`FaultInjection`: how this node acts (honestly by default; ``atoll run
   --byzantine`` for tests and benchmarks). It only transforms what the honest code signs
-  and commits: the member signs its parts itself (:func:`seal_with`, :func:`seal_for`).
+  and commits: the member signs its parts itself
+  (:func:`~protocol.averaging.sealing.seal_with`, :func:`~protocol.averaging.sealing.seal_for`).
 
 Protocol code only calls down into these; the node supplies its verifier, its control
 plane's commitment store and its fault mode, with its reducer and planner, in one
@@ -23,10 +24,9 @@ import torch
 from protocol.averaging.parts import Planner, Reducer, weighted_mean_plan, weighted_mean_reducer
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
-from protocol.wire.partwire import SealedPart, seal_part
-from verification.identity import Identity
+from protocol.wire.partwire import SealedPart
 
-__all__ = ["Commitments", "FaultInjection", "Hooks", "Judge", "seal_for", "seal_with"]
+__all__ = ["Commitments", "FaultInjection", "Hooks", "Judge"]
 
 
 class Judge:
@@ -163,7 +163,7 @@ class FaultInjection:
 
     ``atoll run --byzantine MODE`` (tests and benchmarks) overrides these hooks. Each one
     only transforms what the honest code hands it and returns it unchanged by default:
-    the member signs its parts (:func:`seal_with`) and commits to their digests itself,
+    the member signs its parts (:func:`~protocol.averaging.sealing.seal_with`) and commits to their digests itself,
     and the owner signs its result itself.
     """
 
@@ -215,38 +215,6 @@ class FaultInjection:
 
     stream_results: bool = True
     """As an owner, stream its result back while reducing (when settings allow it)."""
-
-
-def seal_with(
-    faults: FaultInjection,
-    identity: Identity,
-    header: Header,
-    meta: dict,
-    encoded: codecs.Encoded,
-) -> SealedPart:
-    """The signed part this node sends: ``faults`` may change its fields and values
-    before signing and the signed message after."""
-    meta, encoded = faults.part(meta, encoded)
-    sealed = seal_part(identity, header, {**meta, **encoded.meta()}, encoded.payload)
-    return faults.sealed(header, meta, sealed)
-
-
-def seal_for(
-    faults: FaultInjection,
-    identity: Identity,
-    j: int,
-    part: SealedPart,
-    header: Header,
-    meta: dict,
-    encoded: codecs.Encoded,
-) -> SealedPart:
-    """In a gather, the one signed ``part`` (made by :func:`seal_with` from ``header``,
-    ``meta`` and ``encoded``) as member ``j`` gets it: itself, unless ``faults`` signs
-    member ``j`` other fields."""
-    fields = faults.sent_to(j, header, meta)
-    if fields is meta:
-        return part
-    return seal_part(identity, header, {**fields, **encoded.meta()}, encoded.payload)
 
 
 @dataclass(frozen=True)

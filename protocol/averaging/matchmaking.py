@@ -118,7 +118,7 @@ async def announce(
         "base": base,
     }
     value = seal(identity, header, body)
-    return await transport.dht_store(
+    return await transport.dht.store(
         _mm_key(run_id, round_, fragment, cell),
         identity.peer_id,
         value,
@@ -139,7 +139,7 @@ async def read_announcements(
 ) -> dict[str, Announcement]:
     """Every valid announcement for ``(round, fragment)`` (of ``cell``'s line when given);
     forged or stale ones, and those of peers off the line, are dropped."""
-    found = await transport.dht_get(
+    found = await transport.dht.get(
         _mm_key(run_id, round_, fragment, cell), timeout=timeout, kind="matchmaking"
     )
     out: dict[str, Announcement] = {}

@@ -307,7 +307,7 @@ class MemberRun:
                 self.context.tally(at, sent=request.nbytes)
             timeout = max(MIN_CALL_SECONDS, by - time.monotonic())
             try:
-                return await transport.call_into(
+                return await transport.caller.call_into(
                     owner, rpc, payload, timeout=timeout, receive=receive
                 )
             except ProtocolError as exc:
@@ -348,9 +348,10 @@ class MemberRun:
             self.context.tally(self.key, received=reply.nbytes)
             # decoding checks every value (NaN, inf) and the judge compares norms: off the loop
             own = self.vector[lo:hi]
-            part, peers = await self.context.compute(
+            judged = self.context.worker.submit(
                 judge_result, self.context, reply, owner, self.key, j, hi - lo, own, self.weight
             )
+            part, peers = await asyncio.wrap_future(judged)
             if part.data_ptr() != self.out[lo:hi].data_ptr():
                 self.out[lo:hi] = part
             del part

@@ -217,7 +217,9 @@ class OwnedPart:
         if prefix is not None and reduction.vector is prefix.out and self.numel:
             self.streamed_share = prefix.upto / self.numel
         values = ctx.faults.reduced(reduction.vector)
-        enc = await ctx.compute(ctx.encode, values, self.runner.content, True)
+        enc = await asyncio.wrap_future(
+            ctx.worker.submit(ctx.encode, values, self.runner.content, True)
+        )
         used = set(reduction.used)
         kept = [c for c in contributions if c.peer in used]
         rejected = {
@@ -288,7 +290,8 @@ class OwnedPart:
         )
         round_, fragment, _ = self.runner.key
         index = self.runner.plan.index if self.runner.plan is not None else -1
-        return await self.context.compute(reducer, round_, fragment, index, contributions)
+        reducing = self.context.worker.submit(reducer, round_, fragment, index, contributions)
+        return await asyncio.wrap_future(reducing)
 
     async def _seal(self, meta: dict, enc: codecs.Encoded, streamed: bool) -> None:
         """Sign the result (and the trailer of the one streamed back, ``streamed``: its
@@ -298,15 +301,16 @@ class OwnedPart:
         stream = self.early.result_stream if self.early is not None else None
         if stream is not None:
             # one pass of hashing for the signed result and the streamed one's trailer
-            hashes = await ctx.compute(chunk_hashes, enc.payload)
+            hashes = await asyncio.wrap_future(ctx.worker.submit(chunk_hashes, enc.payload))
             stream.finish(trailer_fields(meta), hashes, enc.payload, streamed)
-        sealed = await ctx.compute(
+        sealing = ctx.worker.submit(
             functools.partial(seal_part, hashes=hashes),
             ctx.identity,
             self.runner.header("reduced"),
             {**meta, **enc.meta()},
             enc.payload,
         )
+        sealed = await asyncio.wrap_future(sealing)
         self.reply = self.context.faults.reply(sealed)
 
     def _publish(self, contributors: int) -> None:

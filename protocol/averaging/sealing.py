@@ -12,13 +12,14 @@ import torch
 
 from protocol.averaging.context import AllReduceContext
 from protocol.averaging.gather import GATHER
-from protocol.averaging.hooks import seal_for, seal_with
+from protocol.averaging.hooks import FaultInjection
 from protocol.averaging.parts import AllReduceKey, PartPlan
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
-from protocol.wire.partwire import SealedPart
+from protocol.wire.partwire import SealedPart, seal_part
+from verification.identity import Identity
 
-__all__ = ["part_fields", "sign_part", "sign_parts"]
+__all__ = ["part_fields", "seal_for", "seal_with", "sign_part", "sign_parts"]
 
 
 def sign_parts(
@@ -99,3 +100,35 @@ def part_fields(
     if plan.gather:
         meta["exchange"] = GATHER
     return header, meta, enc
+
+
+def seal_with(
+    faults: FaultInjection,
+    identity: Identity,
+    header: Header,
+    meta: dict,
+    encoded: codecs.Encoded,
+) -> SealedPart:
+    """The signed part this node sends: ``faults`` may change its fields and values
+    before signing and the signed message after."""
+    meta, encoded = faults.part(meta, encoded)
+    sealed = seal_part(identity, header, {**meta, **encoded.meta()}, encoded.payload)
+    return faults.sealed(header, meta, sealed)
+
+
+def seal_for(
+    faults: FaultInjection,
+    identity: Identity,
+    j: int,
+    part: SealedPart,
+    header: Header,
+    meta: dict,
+    encoded: codecs.Encoded,
+) -> SealedPart:
+    """In a gather, the one signed ``part`` (made by :func:`seal_with` from ``header``,
+    ``meta`` and ``encoded``) as member ``j`` gets it: itself, unless ``faults`` signs
+    member ``j`` other fields."""
+    fields = faults.sent_to(j, header, meta)
+    if fields is meta:
+        return part
+    return seal_part(identity, header, {**fields, **encoded.meta()}, encoded.payload)

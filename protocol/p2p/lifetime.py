@@ -1,8 +1,9 @@
 """A transport's lifetime: its loop thread, open to work until shutdown, and the order
 its parts stop in.
 
-Synchronous code hands coroutines to the loop (:meth:`Lifetime.submit`,
-:meth:`Lifetime.run`) until :meth:`Lifetime.close` is called once; that stops the
+Synchronous code hands coroutines to the loop (the transport's ``submit``, which asks
+:meth:`Lifetime.refuse_if_closed` first, and :meth:`Lifetime.run`) until
+:meth:`Lifetime.close` is called once; that stops the
 endpoints and the watchdog's supervision on the loop, then the DHT process (blocking,
 off the loop), then p2pd and every task still in flight, then the loop itself, and
 last ends whatever helper process ignored the polite stop.
@@ -11,7 +12,6 @@ last ends whatever helper process ignored the polite stop.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 from collections.abc import Coroutine
@@ -40,17 +40,17 @@ class Lifetime:
         self._closed = False
         self._lock = threading.Lock()
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop and return a future for its result."""
-        self._refuse_if_closed(coro)
-        return self.loop.submit(coro)
-
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (:meth:`LoopThread.run`)."""
-        self._refuse_if_closed(coro)
+        self.refuse_if_closed(coro)
         return self.loop.run(coro, timeout)
 
-    def _refuse_if_closed(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def refuse_if_closed(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Close ``coro`` and refuse it once the transport is shut down.
+
+        Raises:
+            RuntimeError: the transport is shut down.
+        """
         if self._closed:
             coro.close()
             raise RuntimeError("transport is shut down")

@@ -43,10 +43,10 @@ from protocol.p2p._framing import (  # re-exported: the names callers import fro
     StreamRead,
     read_frame,
 )
-from protocol.p2p.calls import PLANES
+from protocol.p2p.calls import PLANES, Caller
 from protocol.p2p.config import TransportConfig
 from protocol.p2p.daemons import Daemons
-from protocol.p2p.dht import DhtUsage
+from protocol.p2p.dht import Dht, DhtUsage
 from protocol.p2p.endpoints import Endpoints
 from protocol.p2p.handlers import Handler
 from protocol.p2p.helpers import Helpers
@@ -142,8 +142,13 @@ class Transport:
     # ---- synchronous facade -------------------------------------------------------------
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the transport's loop and return a future for its result."""
-        return self._life.submit(coro)
+        """Schedule ``coro`` on the transport's loop and return a future for its result.
+
+        Raises:
+            RuntimeError: after shutdown (``coro`` is closed, never run).
+        """
+        self._life.refuse_if_closed(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self._life.loop.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the transport's loop and wait for its result.
@@ -268,34 +273,26 @@ class Transport:
             ProtocolError: with ``reason`` timeout, unreachable, no_handler, connection_lost,
                 oversized, remote_error or malformed.
         """
-        lease = await self.call_into(
+        lease = await self.caller.call_into(
             peer_id, name, data, timeout=timeout, max_response_bytes=max_response_bytes
         )
         return lease.data  # type: ignore[return-value]  # no pool: always bytes
 
-    async def call_into(
-        self,
-        peer_id: str,
-        name: str,
-        data: _framing.Payload,
-        *,
-        timeout: float,
-        receive: _framing.Receiver | None = None,
-        max_response_bytes: int | None = None,
-    ) -> Any:
-        """:meth:`call`, with the response read by ``receive(reader, length)``
-        (:meth:`protocol.p2p.calls.Caller.call_into`); by default a :class:`Lease`."""
+    @property
+    def caller(self) -> Caller:
+        """What calls peers' RPCs (:class:`protocol.p2p.calls.Caller`): the all-reduce
+        sends its parts through it directly."""
         assert self._endpoints is not None, "transport not started"
-        return await self._endpoints.caller.call_into(
-            peer_id,
-            name,
-            data,
-            timeout=timeout,
-            receive=receive,
-            max_response_bytes=max_response_bytes,
-        )
+        return self._endpoints.caller
 
     # ---- DHT (protocol.p2p.dht) ---------------------------------------------------------
+
+    @property
+    def dht(self) -> Dht:
+        """The DHT (:class:`protocol.p2p.dht.Dht`): matchmaking stores and reads its
+        announcements there directly."""
+        assert self._daemons is not None and self._daemons.dht is not None, "not started"
+        return self._daemons.dht
 
     async def dht_store(
         self,

@@ -15,6 +15,16 @@ class FakeDHT:
     def __init__(self) -> None:
         self.data: dict[str, dict[str, bytes]] = {}
 
+    async def store(
+        self, key: str, subkey: str | None, value: bytes, expiration: float, **_: Any
+    ) -> bool:
+        self.data.setdefault(key, {})[subkey or ""] = value
+        return True
+
+    async def get(self, key: str, **_: Any) -> dict[str, bytes] | None:
+        found = self.data.get(key)
+        return dict(found) if found else None
+
 
 class FakeTransport:
     """What node.swarm.peers, protocol.averaging.matchmaking and protocol.averaging.exchange use of a Transport."""
@@ -36,12 +46,10 @@ class FakeTransport:
     async def dht_store(
         self, key: str, subkey: str | None, value: bytes, expiration: float, **_: Any
     ) -> bool:
-        self.dht.data.setdefault(key, {})[subkey or ""] = value
-        return True
+        return await self.dht.store(key, subkey, value, expiration)
 
     async def dht_get(self, key: str, **_: Any) -> dict[str, bytes] | None:
-        found = self.dht.data.get(key)
-        return dict(found) if found else None
+        return await self.dht.get(key)
 
     async def rejoin(self, maddrs: list[str], timeout: float) -> int:
         self.rejoins.append(list(maddrs))

@@ -124,7 +124,7 @@ def test_a_pair_screens_the_partner_against_its_own_part(
     verifier: Verifier, partner: list[float], reason: str
 ) -> None:
     own = _contribution(ME, [1.0, 1.0, 0.0])
-    result = verifier.reduce(1, 0, 0, [own, _contribution(PEER, partner)])
+    result = verifier.reducer.reduce(1, 0, 0, [own, _contribution(PEER, partner)])
     assert result.used == [ME]
     assert result.rejected[PEER] == reason
     torch_close(result.vector, [1.0, 1.0, 0.0])
@@ -134,7 +134,7 @@ def test_a_pair_screens_the_partner_against_its_own_part(
 
 def test_an_honest_partner_is_averaged_in(verifier: Verifier) -> None:
     own = _contribution(ME, [1.0, 1.0, 0.0])
-    result = verifier.reduce(1, 0, 0, [own, _contribution(PEER, [2.0, 1.0, 1.0])])
+    result = verifier.reducer.reduce(1, 0, 0, [own, _contribution(PEER, [2.0, 1.0, 1.0])])
     assert sorted(result.used) == sorted([ME, PEER])
     torch_close(result.vector, [1.5, 1.0, 0.5])
     assert verifier.flagged(2) == {}
@@ -144,9 +144,11 @@ def test_an_idle_owner_judges_its_partner_by_the_norms_it_accepted_before(
     verifier: Verifier,
 ) -> None:
     for r in range(3):  # normal rounds: both around norm 1.4
-        verifier.reduce(r, 0, 0, [_contribution(ME, [1.0, 1.0]), _contribution(PEER, [1.0, 1.2])])
+        verifier.reducer.reduce(
+            r, 0, 0, [_contribution(ME, [1.0, 1.0]), _contribution(PEER, [1.0, 1.2])]
+        )
     idle = _contribution(ME, [0.0, 0.0])
-    result = verifier.reduce(3, 0, 0, [idle, _contribution(PEER, [40.0, 40.0])])
+    result = verifier.reducer.reduce(3, 0, 0, [idle, _contribution(PEER, [40.0, 40.0])])
     assert result.rejected[PEER] == "norm"
 
 
@@ -213,11 +215,11 @@ def test_a_peer_keeps_the_share_of_its_claim_its_checked_work_bears_out(tmp_path
         assert v.work.factor(PEER) == pytest.approx(0.5 / 0.8)
         parts = [_contribution(ME, [0.0, 0.0]), _contribution(PEER, [1.0, 1.0])]
         factor = 0.5 / 0.8
-        update = v.reduce(5, 0, 0, parts).vector
+        update = v.reducer.reduce(5, 0, 0, parts).vector
         torch.testing.assert_close(update, _t([factor / (1 + factor)] * 2))
-        copies = v.reduce(5, 0, 0, parts, content="weights").vector
+        copies = v.reducer.reduce(5, 0, 0, parts, content="weights").vector
         torch.testing.assert_close(copies, _t([factor / (1 + factor)] * 2))
-        shared = v.reduce(5, 0, 0, parts, shared=True).vector
+        shared = v.reducer.reduce(5, 0, 0, parts, shared=True).vector
         torch.testing.assert_close(shared, _t([0.5, 0.5]))
     finally:
         v.close()
@@ -237,11 +239,11 @@ def test_a_shrunken_copy_is_left_out_of_the_mix_and_its_holder_not_accused(
         _contribution(others[1], [1.0, 1.2]),
         _contribution(PEER, [0.1, 0.1]),
     ]
-    mixed = verifier.reduce(5, 0, 0, parts, content="weights").vector
+    mixed = verifier.reducer.reduce(5, 0, 0, parts, content="weights").vector
     torch.testing.assert_close(mixed, _t([3.2 / 3, 3.2 / 3]))
     assert verifier.reputation.standing(PEER, 5).violations == 0
     # the same norm in a pseudo-gradient is no offence either: an idle member's is zero
-    update = verifier.reduce(5, 0, 0, parts).vector
+    update = verifier.reducer.reduce(5, 0, 0, parts).vector
     torch.testing.assert_close(update, _t([3.3 / 4, 3.3 / 4]))
 
 
@@ -276,7 +278,7 @@ def test_a_screened_outlier_is_left_out_at_once_and_charged_when_it_repeats(
             v.clock.start(round_)
             parts = [_contribution(p, [1.0, 1.0]) for p in (ME, *others)]
             parts.append(_contribution(PEER, [50.0, 50.0]))
-            reduced = v.reduce(round_, 0, 0, parts)
+            reduced = v.reducer.reduce(round_, 0, 0, parts)
             assert PEER not in reduced.used and reduced.rejected[PEER] == "norm"
             assert reduced.vector.tolist() == [1.0, 1.0]
             charged = v.reputation.standing(PEER, round_ + 1).violations
@@ -309,11 +311,11 @@ def test_a_gather_refuses_a_member_for_the_operators_lists_only(tmp_path: Path) 
         assert v.blocks(PEER, 3) == "banned" and v.listed(PEER, 3) is None
         assert v.listed(denied, 3) == "denied" and v.listed(ME, 3) is None
         parts = [_contribution(p, [1.0, 2.0]) for p in (ME, PEER, denied)]
-        gathered = v.reduce(3, 0, 0, parts, shared=True, gathered=True)
+        gathered = v.reducer.reduce(3, 0, 0, parts, shared=True, gathered=True)
         assert sorted(gathered.used) == sorted([ME, PEER]) and gathered.rejected == {
             denied: "denied"
         }
-        shared = v.reduce(3, 0, 0, parts, shared=True)  # a repair still leaves it out
+        shared = v.reducer.reduce(3, 0, 0, parts, shared=True)  # a repair still leaves it out
         assert sorted(shared.used) == [ME]
     finally:
         v.close()

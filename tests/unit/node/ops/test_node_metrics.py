@@ -104,7 +104,7 @@ def node(tmp_path: Path):
     try:
         yield stand_in
     finally:
-        allreduce._worker.shutdown()
+        allreduce.worker.shutdown()
         verifier.close()
 
 

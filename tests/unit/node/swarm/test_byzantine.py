@@ -20,7 +20,8 @@ from node.swarm.byzantine import (
 from node.swarm.fault_modes import parse_mode
 from node.train.model import build_model
 from node.train.trainer import InnerTrainer
-from protocol.averaging.hooks import FaultInjection, seal_for, seal_with
+from protocol.averaging.hooks import FaultInjection
+from protocol.averaging.sealing import seal_for, seal_with
 from protocol.wire import codec as codecs
 from protocol.wire.messages import Header
 from protocol.wire.partwire import open_part

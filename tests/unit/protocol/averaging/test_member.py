@@ -117,6 +117,10 @@ class _Cutting:
         self.cuts = cuts
         self.calls: list[str] = []
 
+    @property
+    def caller(self) -> _Cutting:
+        return self
+
     async def call_into(self, peer, name, data, *, timeout, receive=None):
         self.calls.append(name)
         if name == "atoll.part":

@@ -99,14 +99,14 @@ def test_a_streamed_reduction_is_bitwise_the_whole_vector_one_for_every_aggregat
     streaming_verifier = _verifier(tmp_path / "b", name)
     try:
         contributions = _contributions(vectors, codec)
-        reference = reference_verifier.reduce(3, 0, 0, contributions)
-        streaming = _stream(vectors, codec, streaming_verifier.stream_plan, seed=2)
+        reference = reference_verifier.reducer.reduce(3, 0, 0, contributions)
+        streaming = _stream(vectors, codec, streaming_verifier.reducer.stream_plan, seed=2)
         prefix = streaming.prefix()
         if name in COORDINATEWISE:
             assert prefix is not None and prefix.upto == NUMEL  # every block was streamed
         else:
             assert prefix is None  # needs whole vectors: reduced once all are in
-        result = streaming_verifier.reduce(3, 0, 0, contributions, prefix=prefix)
+        result = streaming_verifier.reducer.reduce(3, 0, 0, contributions, prefix=prefix)
         assert torch.equal(result.vector, reference.vector)
         assert result.used == reference.used
         if prefix is not None:
@@ -135,11 +135,11 @@ def test_a_member_refused_by_screening_at_the_end_makes_the_owner_start_over(
     vectors = _vectors(seed=5, outlier=50.0)  # p3's update is 50x everyone else's
     verifier = _verifier(tmp_path, "mean")
     try:
-        streaming = _stream(vectors, "none", verifier.stream_plan, seed=6)
+        streaming = _stream(vectors, "none", verifier.reducer.stream_plan, seed=6)
         prefix = streaming.prefix()
         assert prefix is not None and prefix.upto == NUMEL  # p3 was in every block
         contributions = _contributions(vectors, "none")
-        result = verifier.reduce(3, 0, 0, contributions, prefix=prefix)
+        result = verifier.reducer.reduce(3, 0, 0, contributions, prefix=prefix)
         assert "p3" in result.rejected and "p3" not in result.used
         assert result.vector is not prefix.out
         kept = [c for c in contributions if c.peer != "p3"]
