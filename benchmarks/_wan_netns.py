@@ -6,7 +6,7 @@ cross kernel-shaped links: Atoll's all-reduce, DHT and p2pd traffic, and gloo's 
 all-reduce. The one-way delay is not the kernel's (the kernels these run on lack
 netem): Atoll's nodes add it in their in-process shaper (``ATOLL_LINK_SHAPE`` with
 ``delay_ms`` only, no rate), DDP with a comm hook that completes each all-reduce
-``2(n-1) * delay`` after gloo's (``benchmarks._timed_ddp._delay_allreduce_hook``).
+``2(n-1) * delay`` after gloo's (``benchmarks._ddp_links._delay_allreduce_hook``).
 
 Every process started here is ended, and every namespace deleted, also when a run
 fails. A DDP rank is this module run as a script:
@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from benchmarks._timed_ddp import TimedDdp, timed_rank
+from benchmarks._ddp import DdpRun, ddp_rank
 from node.ops import swarm
 from protocol.p2p.shaper import ENV_VAR, LinkShape
 
@@ -185,26 +185,26 @@ def plot_bytes(ax: Any, links: list[dict[str, Any]], xs: list[int]) -> None:
 # ---- DDP --------------------------------------------------------------------------------
 
 
-def plan_to_json(plan: TimedDdp) -> str:
+def plan_to_json(plan: DdpRun) -> str:
     """``plan`` as JSON, for a rank process (:func:`plan_from_json` reads it back)."""
     return json.dumps(dataclasses.asdict(plan))
 
 
-def plan_from_json(text: str) -> TimedDdp:
+def plan_from_json(text: str) -> DdpRun:
     """The plan :func:`plan_to_json` wrote."""
     fields = json.loads(text)
-    fields["overrides"] = tuple(fields["overrides"])
-    fields["slowdowns"] = tuple(fields["slowdowns"])
+    for name in ("overrides", "slowdowns", "eval_at"):
+        fields[name] = tuple(fields[name])
     if fields["link"] is not None:
         fields["link"] = LinkShape(**fields["link"])
-    return TimedDdp(**fields)
+    return DdpRun(**fields)
 
 
-def run_ddp(lab: NetLab, plan: TimedDdp, directory: pathlib.Path, timeout: float) -> dict[str, Any]:
+def run_ddp(lab: NetLab, plan: DdpRun, directory: pathlib.Path, timeout: float) -> dict[str, Any]:
     """One DDP rank per host, gloo bound to the host's ``eth0``; always ended.
 
     Returns:
-        What ``benchmarks._timed_ddp.run_timed_ddp`` returns: ``{"ranks": [...],
+        What ``benchmarks._ddp.run_timed_ddp`` returns: ``{"ranks": [...],
         "exit_codes": [...]}``, or ``{"error": ...}`` when a rank reported nothing.
     """
     directory.mkdir(parents=True, exist_ok=True)
@@ -284,7 +284,7 @@ def _rank_main(argv: list[str]) -> int:
     """``RANK PORT PLAN_JSON REPORT_JSON``: train one DDP rank, write its report."""
     rank, port, plan_path, report_path = argv
     plan = plan_from_json(pathlib.Path(plan_path).read_text())
-    timed_rank(int(rank), int(port), plan, _ReportFile(pathlib.Path(report_path)))
+    ddp_rank(int(rank), int(port), plan, _ReportFile(pathlib.Path(report_path)))
     return 0
 
 

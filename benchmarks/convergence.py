@@ -349,7 +349,7 @@ def _run_ddp(overrides: list[str], steps: int, eval_every: int, workers: int) ->
     with the bytes a rank would have sent by each evaluation (a ring all-reduce of fp32
     gradients every step)."""
     eval_at = (*range(0, steps, eval_every), steps)
-    run = DdpRun(tuple(overrides), steps, workers, eval_at, seeded_streams=True)
+    run = DdpRun(tuple(overrides), workers, steps=steps, eval_at=eval_at, seeded_streams=True)
     report = run_ddp(run, timeout=300.0 + steps * 1.0)
     if "error" in report:
         return report

@@ -235,9 +235,9 @@ def ddp_arm(ranks: int, steps: int, every: int, base: list[str]) -> dict[str, An
     eval_at = tuple(range(0, steps + 1, every))
     run = DdpRun(
         (*base, *batch_overrides(_BATCH), "run.threads=1"),
-        steps,
         ranks,
-        eval_at,
+        steps=steps,
+        eval_at=eval_at,
         shards=True,
         seeded_streams=True,
         gloo_timeout=900,

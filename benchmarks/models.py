@@ -403,7 +403,9 @@ def _convergence(shards: pathlib.Path, plan: _Plan, work: pathlib.Path) -> dict[
             f"train.total_steps={steps}",
             "train.eval_batches=8",
         ]
-        run = DdpRun(tuple(overrides), steps, count, (0, steps), shards=True, gloo_timeout=600)
+        run = DdpRun(
+            tuple(overrides), count, steps=steps, eval_at=(0, steps), shards=True, gloo_timeout=600
+        )
         ddp = run_ddp(run, timeout=1800.0, grace=20)
         if "history" in ddp:
             ddp["val_bpb_start"] = ddp["history"][0]["val_bpb"]

@@ -44,8 +44,8 @@ import time
 from typing import Any
 
 from benchmarks._common import figure, machine_info
+from benchmarks._ddp import DdpRun, run_timed_ddp
 from benchmarks._mode import Mode
-from benchmarks._timed_ddp import TimedDdp, run_timed_ddp
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -133,8 +133,9 @@ def _closing_wait(data_dir: pathlib.Path) -> float:
 
 
 def _run_ddp(seconds: float, slowdowns: tuple[float, ...]) -> dict[str, Any]:
-    """A DDP rank per slowdown (``benchmarks._timed_ddp.run_timed_ddp``)."""
-    result = run_timed_ddp(TimedDdp(tuple(_SMALL), slowdowns, seconds))
+    """A DDP rank per slowdown (``benchmarks._ddp.run_timed_ddp``)."""
+    run = DdpRun(tuple(_SMALL), len(slowdowns), seconds=seconds, slowdowns=slowdowns)
+    result = run_timed_ddp(run)
     if "error" in result:
         return {"error": result["error"], "per_worker": []}
     ordered = result["ranks"]

@@ -48,8 +48,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import machine_info
+from benchmarks._ddp import DdpRun, run_timed_ddp
+from benchmarks._ddp_links import ring_allreduce_seconds
 from benchmarks._mode import Mode
-from benchmarks._timed_ddp import TimedDdp, ring_allreduce_seconds, run_timed_ddp
 from node.config import load_config
 from node.ops import swarm
 from node.ops.swarm import QUICK_WORKLOAD
@@ -189,18 +190,20 @@ def _run_ddp(
     With ``lab``: one rank per host (logs in ``directory``), gloo's traffic through the
     tbf-capped links, and a comm hook for the delay only.
     """
-    seconds, ranks = plan.seconds, (1.0,) * plan.workers
+    seconds = plan.seconds
     if lab is None:
-        timed = TimedDdp(tuple(plan.workload), ranks, seconds, link=link, evaluate=True)
+        timed = DdpRun(
+            tuple(plan.workload), plan.workers, seconds=seconds, link=link, evaluate=True
+        )
         result = run_timed_ddp(timed)
     else:
         from benchmarks import _wan_netns
 
         first = next(iter(lab.hosts.values()))
-        timed = TimedDdp(
+        timed = DdpRun(
             tuple(plan.workload),
-            ranks,
-            seconds,
+            plan.workers,
+            seconds=seconds,
             evaluate=True,
             delay_s=link.delay_s,
             master_addr=first.ip,

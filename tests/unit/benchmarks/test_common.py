@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks._common import free_port, gloo_group, params_digest, run_ranks
-from benchmarks._timed_ddp import ring_allreduce_seconds
+from benchmarks._ddp_links import ring_allreduce_seconds
 from protocol.p2p.shaper import LinkShape
 
 _WORLD = 2

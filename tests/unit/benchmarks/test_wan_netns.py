@@ -10,8 +10,9 @@ import torch
 from benchmarks import __main__ as bench_cli
 from benchmarks import _wan_netns, wan
 from benchmarks._common import free_port, gloo_group, run_ranks
+from benchmarks._ddp import DdpRun
+from benchmarks._ddp_links import _delay_allreduce_hook, _LinkHookState
 from benchmarks._mode import Mode
-from benchmarks._timed_ddp import TimedDdp, _delay_allreduce_hook, _LinkHookState
 from protocol.p2p.shaper import ENV_VAR, LinkShape, Shaper
 
 _WORLD = 2
@@ -38,7 +39,16 @@ def test_sources_name_tbf_for_bandwidth_and_the_delay_mechanism_per_method():
 
 @pytest.mark.parametrize("link", [None, LinkShape(0.010, 1e9)])
 def test_a_ddp_plan_survives_the_trip_to_a_rank_process(link):
-    plan = TimedDdp(("a=1", "b='x'"), (1.0, 2.0), 18.0, link, True, 0.07, "10.77.3.11")
+    plan = DdpRun(
+        ("a=1", "b='x'"),
+        2,
+        seconds=18.0,
+        slowdowns=(1.0, 2.0),
+        link=link,
+        evaluate=True,
+        delay_s=0.07,
+        master_addr="10.77.3.11",
+    )
     assert _wan_netns.plan_from_json(_wan_netns.plan_to_json(plan)) == plan
 
 
