@@ -108,33 +108,7 @@ def _one(
         nodes, finished = run_to_end(spec, 1800.0)
         cfg = load_config([str(_ROOT / case.config)], overrides)
         summary = summarize(nodes, cfg, [])
-        per_node = []
-        for n in nodes:
-            status, rounds_seen = (
-                n.status,
-                [e for e in read_events(n.data_dir / "events.jsonl") if e["event"] == "round"],
-            )
-            wall = status.get("busy_seconds", 0) + status.get("idle_seconds", 0)
-            counts = (rounds_seen[-1].get("checks") or {}) if rounds_seen else {}
-            per_node.append(
-                {
-                    "tokens_per_second": status.get("tokens", 0) / wall if wall else None,
-                    "busy_seconds": status.get("busy_seconds"),
-                    "check_seconds": counts.get("compute_seconds"),
-                    "trace_seconds": counts.get("trace_seconds"),
-                    "bytes_fetched": counts.get("bytes_fetched"),
-                    "bytes_sent": status.get("bytes_sent"),
-                    "made": counts.get("made"),
-                    "taken": counts.get("taken"),
-                    "skipped": counts.get("skipped"),
-                    "replayed_steps": counts.get("replayed_steps"),
-                    "sent_checked": counts.get("sent_checked"),
-                    "unmeasured": counts.get("unmeasured"),
-                    "trace_kept_bytes": (rounds_seen[-1].get("trace") or {}).get("kept_bytes")
-                    if rounds_seen
-                    else None,
-                }
-            )
+        per_node = [_node_costs(n) for n in nodes]
         error = (
             None
             if finished and summary["exit_codes"] == [0] * case.nodes
@@ -151,6 +125,31 @@ def _one(
         }
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _node_costs(node: Any) -> dict[str, Any]:
+    """What one node of a cost run spent: its throughput, busy time, the checks' time and
+    bytes, and its round's check counts (from its status file and last round event)."""
+    status = node.status
+    rounds_seen = [e for e in read_events(node.data_dir / "events.jsonl") if e["event"] == "round"]
+    wall = status.get("busy_seconds", 0) + status.get("idle_seconds", 0)
+    last = rounds_seen[-1] if rounds_seen else {}
+    counts = last.get("checks") or {}
+    return {
+        "tokens_per_second": status.get("tokens", 0) / wall if wall else None,
+        "busy_seconds": status.get("busy_seconds"),
+        "check_seconds": counts.get("compute_seconds"),
+        "trace_seconds": counts.get("trace_seconds"),
+        "bytes_fetched": counts.get("bytes_fetched"),
+        "bytes_sent": status.get("bytes_sent"),
+        "made": counts.get("made"),
+        "taken": counts.get("taken"),
+        "skipped": counts.get("skipped"),
+        "replayed_steps": counts.get("replayed_steps"),
+        "sent_checked": counts.get("sent_checked"),
+        "unmeasured": counts.get("unmeasured"),
+        "trace_kept_bytes": (last.get("trace") or {}).get("kept_bytes") if rounds_seen else None,
+    }
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -233,159 +232,3 @@ def measure_costs(quick: bool, base: pathlib.Path) -> dict[str, Any]:
         }
         out[name] = {**entry, **_summary(runs)}
     return out
-
-
-def replay_probe(steps: int = 40, window: int = 5) -> dict[str, Any]:
-    """What the replay direction would cost and whether it is exact, on the demo model.
-
-    A member that kept a signed trace of its inner steps (the batches, and a hash and a
-    low-dimensional sketch of its state every few steps) could be checked by replaying a
-    window of it from its start state. Here: train ``steps`` steps, keep the state (the
-    parameters and the inner optimizer's moments), replay ``window`` steps from it twice
-    on one thread and once on two, and compare the end states bitwise and by a seeded
-    64-value sketch; time a replayed step against a check's forward of the same batch.
-    """
-    import copy
-
-    import torch
-
-    from node.data.corpus import BatchStream, load_data
-    from node.train.model import build_model, vocab_of
-    from node.train.trainer import InnerTrainer, window_losses
-
-    cfg = load_config([str(_ROOT / "configs/local-swarm.toml")], [])
-    corpus = load_data(cfg.data, cfg.model.context, vocab_of(cfg.model))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        model = build_model(cfg.model, seed=0)
-        stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, "probe")
-        trainer = InnerTrainer(model, cfg.train, stream)
-        for _ in range(steps):
-            trainer.step()
-        start = (copy.deepcopy(model.state_dict()), copy.deepcopy(trainer.optimizer.state_dict()))
-        params = sum(p.numel() for p in model.parameters())
-        moments = sum(
-            v.numel() * v.element_size()
-            for s in trainer.optimizer.state.values()
-            for v in s.values()
-            if torch.is_tensor(v) and v.numel() > 1
-        )
-        projection = torch.randn(64, params, generator=torch.Generator().manual_seed(7))
-
-        def replay(n_threads: int) -> tuple[torch.Tensor, float]:
-            torch.set_num_threads(n_threads)
-            model.load_state_dict(start[0])
-            trainer.optimizer.load_state_dict(copy.deepcopy(start[1]))  # loading aliases it
-            trainer.steps = steps  # the same place in the learning-rate schedule
-            torch.manual_seed(steps)  # dropout's draws: a trace would name their seed
-            trainer.stream = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, "w")
-            began = time.perf_counter()
-            for _ in range(window):
-                trainer.step()
-            took = (time.perf_counter() - began) / window
-            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-            return flat, took
-
-        one, step_seconds = replay(1)
-        again, _ = replay(1)
-        two, _ = replay(2)
-        torch.set_num_threads(1)
-        x, y = BatchStream(corpus.train, cfg.data.batch_size, cfg.model.context, "f").next()
-        began = time.perf_counter()
-        window_losses(model, x, y, dict(model.named_parameters()))
-        forward = time.perf_counter() - began
-        sketch_one, sketch_two = projection @ one, projection @ two
-    finally:
-        torch.set_num_threads(threads)
-    return {
-        "model_params": params,
-        "trained_steps": steps,
-        "window": window,
-        "bitwise_on_one_thread": bool(torch.equal(one, again)),
-        "bitwise_one_vs_two_threads": bool(torch.equal(one, two)),
-        "max_relative_difference_one_vs_two_threads": float(
-            ((one - two).abs().max() / one.abs().max()).item()
-        ),
-        "sketch_relative_difference_one_vs_two_threads": float(
-            ((sketch_one - sketch_two).norm() / sketch_one.norm()).item()
-        ),
-        "replayed_step_seconds": step_seconds,
-        "forward_seconds_same_batch": forward,
-        "start_state_bytes": params * 4 + moments,
-        "start_state_bytes_per_param": (params * 4 + moments) / params,
-    }
-
-
-def tracer_probe(window: int = 4, steps: int = 24, repeats: int = 2) -> dict[str, Any]:
-    """What the trace costs the training thread on llama-tiny (the cost case's model and
-    context, a 2,048-token vocabulary, one thread): inner steps with and without a
-    :class:`node.checks.trace.Tracer` in windows of ``window``, alternating (ABBA, ``repeats``
-    times), and one start state's copy and hash timed apart."""
-    import torch
-
-    from node.checks.trace import Tracer, TraceSettings
-    from node.data.corpus import BatchStream
-    from node.train.model import build_model
-    from node.train.trainer import InnerTrainer
-    from node.train.trainstate import Snapshot
-    from protocol.averaging.fragments import plan_fragments
-    from verification.identity import Identity
-
-    case = COST_CASES["llama-tiny"]
-    cfg = load_config([str(_ROOT / case.config)], [*case.overrides, "model.vocab_size=2048"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = build_model(cfg.model, seed=0)
-        tokens = torch.randint(0, 2048, (1 << 20,), generator=torch.Generator().manual_seed(0))
-        stream = BatchStream(
-            tokens.to(torch.int16).view(torch.uint16), cfg.data.batch_size, cfg.model.context, "t"
-        )
-        trainer = InnerTrainer(model, cfg.train, stream)
-        trainer.step()
-        plan = plan_fragments(model, cfg.sync.fragments)
-        tracer = Tracer(TraceSettings("probe", window, 1), Identity.from_seed(b"\x01" * 32), plan)
-
-        def run(traced: bool) -> float:
-            began = time.perf_counter()
-            for i in range(steps):
-                if traced:
-                    tracer.before(model, trainer.optimizer, trainer.steps, (1, i))
-                result = trainer.step()
-                if traced:
-                    tracer.after(model, result.loss)
-            if traced:
-                tracer.seal()
-                tracer.keep([])
-            return (time.perf_counter() - began) / steps
-
-        timed: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(repeats):
-            for traced in (False, True, True, False):
-                timed[traced].append(run(traced))
-        params = list(model.parameters())
-        began = time.perf_counter()
-        snapshot = Snapshot(params, trainer.optimizer)
-        copy_and_hash = time.perf_counter() - began
-        began = time.perf_counter()
-        snapshot._hash()
-        hash_only = time.perf_counter() - began
-        began = time.perf_counter()
-        tracer.sketcher.sketch(params)
-        sketch = time.perf_counter() - began
-        tracer.close()
-    finally:
-        torch.set_num_threads(threads)
-    without, with_ = statistics.fmean(timed[False]), statistics.fmean(timed[True])
-    return {
-        "model_params": sum(p.numel() for p in params),
-        "window": window,
-        "step_seconds_without": without,
-        "step_seconds_with": with_,
-        "step_ratio": with_ / without,
-        "start_state_bytes": snapshot.size,
-        "copy_and_hash_seconds": copy_and_hash,
-        "hash_seconds": hash_only,
-        "sketch_seconds": sketch,
-    }

@@ -519,7 +519,8 @@ def run(mode: Mode, out_dir: Any) -> dict[str, Any]:
     import tempfile
 
     from benchmarks import _robustness_checks_report as report_of
-    from benchmarks._checks_cost import measure_costs, replay_probe, tracer_probe
+    from benchmarks._checks_cost import measure_costs
+    from benchmarks._checks_probes import replay_probe, tracer_probe
 
     plan = plan_of(mode.quick, mode.smoke)
     started = time.monotonic()

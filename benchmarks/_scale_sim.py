@@ -441,12 +441,7 @@ def control_load(
     policy, others = cfg.control, n - 1
     interval = policy.heartbeat_interval(n)
     beats = min(cfg.gossip_degree, others) * others * round_seconds / interval
-    # one commitment per node and exchange: the update, and the global copy when groups mix
-    exchanges = cfg.fragments * (2 if cfg.mix_bytes and n > cfg.group_size else 1)
-    if policy.gossips_commitments(n):
-        commits = min(cfg.gossip_degree, others) * others * exchanges
-    else:
-        commits = min(cfg.group_size - 1, others) * exchanges
+    commits = _commits_received(cfg, n)
     received = beats + commits
     hops, replicas = _hops(n), min(cfg.dht_replicas, others)
     refreshes = round_seconds / policy.registry_interval(n)
@@ -484,6 +479,16 @@ def control_load(
         "dht_hotspot_bytes_per_round": hotspot,
         "cpu_core_share": (control_cpu + dht_cpu) / round_seconds if round_seconds else 0.0,
     }
+
+
+def _commits_received(cfg: SimConfig, n: int) -> float:
+    """Commitments one node receives per round: one per node and exchange (the update, and
+    the global copy when groups mix), gossiped to the node's degree or sent in its group."""
+    policy, others = cfg.control, n - 1
+    exchanges = cfg.fragments * (2 if cfg.mix_bytes and n > cfg.group_size else 1)
+    if policy.gossips_commitments(n):
+        return min(cfg.gossip_degree, others) * others * exchanges
+    return min(cfg.group_size - 1, others) * exchanges
 
 
 def _check_n(n: int) -> None:

@@ -247,7 +247,7 @@ def test_quick_report_judges_each_goal_names_what_is_not_flagged_and_draws(
 ) -> None:
     monkeypatch.setattr(checks, "run_job", _stand_in)
     monkeypatch.setattr("benchmarks._checks_cost.measure_costs", _costs)
-    monkeypatch.setattr("benchmarks._checks_cost.tracer_probe", lambda: {"step_ratio": 1.02})
+    monkeypatch.setattr("benchmarks._checks_probes.tracer_probe", lambda: {"step_ratio": 1.02})
     report = robustness.run(Mode(quick=True, checks=True), tmp_path)
     assert report["mode"] == "checks" and report["benchmark"] == "robustness"
     assert len(report["runs"]) == 21
