@@ -1,9 +1,10 @@
 """The node's trust decisions: screening, robust aggregation, policy, reputation, audit.
 
-:class:`Verifier` plugs into the all-reduce as both the owner's reducer and its judge
-(it has the shape of :class:`protocol.averaging.hooks.Judge`; the all-reduce calls it
-directly on plain records, :class:`~verification.records.Contribution`, and gets a
-:class:`~verification.records.Reduction` back). Every contribution a node sees as a part owner gets
+:class:`Verifier` plugs into the all-reduce as its judge (it has the shape of
+:class:`protocol.averaging.hooks.Judge`), and its ``reducer``
+(:class:`~verification.reduction.Reducer`) as the owner's reducer: the all-reduce calls
+it directly on plain records, :class:`~verification.records.Contribution`, and gets a
+:class:`~verification.records.Reduction` back. Every contribution a node sees as a part owner gets
 one audit row (accepted, rejected with a reason, or its own), every violation goes
 through the operator's :class:`~verification.policy.TrustPolicy` (drop, quarantine,
 ban); peers that are quarantined, banned, denied or below the policy's minimum
@@ -123,8 +124,6 @@ class Verifier:
     def reputations(self) -> dict[str, dict[str, object]]:
         """Every known peer's stored score, status and violation count."""
         return self.standings.reputations()
-
-    # ---- the owner's reduction: :attr:`reducer` (verification.reduction) ------------
 
     # ---- refusals ----------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import concurrent.futures
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
@@ -37,8 +37,6 @@ from verification.rounds import RoundClock
 __all__ = ["AllReduceContext", "Follow", "Follower", "part_weight"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class Follower(Protocol):

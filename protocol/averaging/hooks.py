@@ -163,8 +163,8 @@ class FaultInjection:
 
     ``atoll run --byzantine MODE`` (tests and benchmarks) overrides these hooks. Each one
     only transforms what the honest code hands it and returns it unchanged by default:
-    the member signs its parts (:func:`~protocol.averaging.sealing.seal_with`) and commits to their digests itself,
-    and the owner signs its result itself.
+    the member signs its parts (:func:`~protocol.averaging.sealing.seal_with`) and
+    commits to their digests itself, and the owner signs its result itself.
     """
 
     def contribution(self, round_: int, fragment: int, vector: torch.Tensor) -> torch.Tensor:
